@@ -1,0 +1,157 @@
+//! Request-reply messages: the launcher's API (clients, operators) and agent commands.
+//!
+//! Every reply is `{"ok": <payload>}` or `{"error": {"code": "...", "message": "..."}}`.
+
+use crate::ids::{NodeId, RequestId};
+use serde::{Deserialize, Serialize};
+
+/// A reply to any request-reply message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply<T> {
+    Ok(T),
+    Error(ApiError),
+}
+
+impl<T> Reply<T> {
+    pub fn into_result(self) -> Result<T, ApiError> {
+        match self {
+            Reply::Ok(v) => Ok(v),
+            Reply::Error(e) => Err(e),
+        }
+    }
+}
+
+impl<T> From<Result<T, ApiError>> for Reply<T> {
+    fn from(r: Result<T, ApiError>) -> Self {
+        match r {
+            Ok(v) => Reply::Ok(v),
+            Err(e) => Reply::Error(e),
+        }
+    }
+}
+
+/// Why a request-reply message was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Not valid JSON, or not the expected message.
+    BadRequest,
+    /// Larger than [`crate::MAX_MESSAGE_BYTES`] or too many labels.
+    TooLarge,
+    /// A label no pool serves.
+    UnknownLabel,
+    /// The request or node does not exist.
+    NotFound,
+    /// The message's protocol version is not supported.
+    UnsupportedVersion,
+    /// The responder failed; retrying may help.
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+fn default_version() -> u32 {
+    crate::PROTOCOL_VERSION
+}
+
+/// Most labels one request may ask for.
+pub const MAX_LABELS_PER_REQUEST: usize = 64;
+
+/// `slotpool.api.v1.submit`: ask for a node set.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRequest {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    /// Optional client-chosen id (`req-...`); submitting the same id twice is idempotent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<RequestId>,
+    pub labels: Vec<String>,
+    pub requestor: String,
+    /// Lower first; default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_public_key: Option<String>,
+}
+
+/// Default priority of a request that names none.
+pub const DEFAULT_PRIORITY: i32 = 100;
+
+/// Reply to [`SubmitRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Submitted {
+    pub request_id: RequestId,
+}
+
+/// `slotpool.api.v1.release`: return nodes. Releasing a node twice is not an error.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseNodes {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub nodes: Vec<NodeId>,
+}
+
+/// Reply to [`ReleaseNodes`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Released {
+    pub released: Vec<NodeId>,
+    /// Nodes that did not exist (already released, or never handed out).
+    pub not_found: Vec<NodeId>,
+}
+
+/// `slotpool.api.v1.cancel`: give up a waiting request (its partial slots are freed).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub request_id: RequestId,
+}
+
+/// Reply to [`CancelRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Canceled {
+    pub request_id: RequestId,
+    /// Its state after the call (a fulfilled request is not canceled: release its nodes).
+    pub state: crate::model::RequestState,
+}
+
+/// Commands a launcher sends to an agent on `slotpool.agent.v1.<backing id>`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AgentCommand {
+    /// Make slot `slot` ready for `node_id` (idempotent for the same node).
+    PrepareSlot {
+        slot: u32,
+        node_id: NodeId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ssh_public_key: Option<String>,
+    },
+    /// Kill everything of the slot and wipe it (idempotent; tolerates a slot never prepared).
+    ReleaseSlot { slot: u32, node_id: NodeId },
+}
+
+/// Reply to [`AgentCommand`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotPrepared {
+    pub workspace: String,
+}

@@ -1,0 +1,313 @@
+//! Connecting to NATS, checking the server, opening slotpool's buckets, and plain
+//! request-reply helpers. Everything async-nats stays behind this module's types.
+
+use crate::api::{ApiError, Reply};
+use crate::layout::{self, ALL_BUCKETS};
+use crate::store::{KvError, Store};
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How to reach NATS (the usual NATS client options). Plain data.
+#[derive(Clone, Debug, Default)]
+pub struct NatsOptions {
+    /// One or more server URLs, comma-separated (`nats://host:4222`, `tls://...`).
+    pub url: String,
+    /// A `.creds` file (JWT + NKey).
+    pub creds: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    /// CA bundle to trust for TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate and key for mutual TLS.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Connection name shown by the server (`slotpool-launcher`, ...).
+    pub name: String,
+}
+
+/// Why slotpool could not talk to NATS.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("cannot connect to NATS at {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error("reading credentials file {path}: {source}")]
+    Credentials {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--tls-cert and --tls-key go together")]
+    TlsPair,
+    #[error("nats-server {found} is too old: slotpool needs {}.{}.{} or newer (per-key TTL); install a newer nats-server", .needed.0, .needed.1, .needed.2)]
+    ServerTooOld {
+        found: String,
+        needed: (u64, u64, u64),
+    },
+    #[error("JetStream is not enabled on the NATS server (start it with -js)")]
+    NoJetStream,
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("no launcher answers on {subject}: is `slotpool serve` running?")]
+    NoResponders { subject: String },
+    #[error("no answer on {subject} within {timeout:?}")]
+    Timeout { subject: String, timeout: Duration },
+    #[error("request on {subject} failed: {message}")]
+    Request { subject: String, message: String },
+    #[error("malformed reply on {subject}: {source}")]
+    BadReply {
+        subject: String,
+        source: serde_json::Error,
+    },
+    #[error(transparent)]
+    Api(#[from] ApiError),
+}
+
+/// A connection to NATS with slotpool's buckets open.
+#[derive(Clone)]
+pub struct Bus {
+    client: async_nats::Client,
+    pub requests: Store,
+    pub slots: Store,
+    pub backing: Store,
+    pub agents: Store,
+    pub leases: Store,
+}
+
+/// A message received on a served subject.
+pub struct Incoming {
+    pub payload: Bytes,
+    pub reply_to: Option<String>,
+}
+
+impl Bus {
+    /// Connects, checks the server version and JetStream, and opens (creating if needed)
+    /// every slotpool bucket.
+    pub async fn connect(opts: &NatsOptions) -> Result<Bus, BusError> {
+        let client = connect_client(opts).await?;
+        check_server_version(&client.server_info().version)?;
+        let mut js = async_nats::jetstream::new(client.clone());
+        js.set_timeout(Duration::from_secs(5));
+        if js.query_account().await.is_err() {
+            return Err(BusError::NoJetStream);
+        }
+        let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
+        for spec in ALL_BUCKETS {
+            stores.push(Store::open(&js, spec).await?);
+        }
+        let find = |name: &str| {
+            stores
+                .iter()
+                .find(|s| s.bucket() == name)
+                .cloned()
+                .expect("bucket opened")
+        };
+        Ok(Bus {
+            requests: find(layout::REQUESTS.name),
+            slots: find(layout::SLOTS.name),
+            backing: find(layout::BACKING.name),
+            agents: find(layout::AGENTS.name),
+            leases: find(layout::LEASES.name),
+            client,
+        })
+    }
+
+    /// Sends `msg` to `subject` and decodes the [`Reply`], with a deadline.
+    pub async fn call<Q: Serialize, R: DeserializeOwned>(
+        &self,
+        subject: &str,
+        msg: &Q,
+        timeout: Duration,
+    ) -> Result<R, BusError> {
+        let bytes = self
+            .call_raw(
+                subject,
+                Bytes::from(serde_json::to_vec(msg).expect("messages serialize")),
+                timeout,
+            )
+            .await?;
+        let reply: Reply<R> =
+            serde_json::from_slice(&bytes).map_err(|source| BusError::BadReply {
+                subject: subject.to_string(),
+                source,
+            })?;
+        Ok(reply.into_result()?)
+    }
+
+    /// Sends raw bytes and returns the raw reply.
+    pub async fn call_raw(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, BusError> {
+        let fut = self.client.request(subject.to_string(), payload);
+        match tokio::time::timeout(timeout, fut).await {
+            Err(_) => Err(BusError::Timeout {
+                subject: subject.to_string(),
+                timeout,
+            }),
+            Ok(Ok(msg)) => Ok(msg.payload),
+            Ok(Err(err)) => Err(match err.kind() {
+                async_nats::client::RequestErrorKind::NoResponders => BusError::NoResponders {
+                    subject: subject.to_string(),
+                },
+                async_nats::client::RequestErrorKind::TimedOut => BusError::Timeout {
+                    subject: subject.to_string(),
+                    timeout,
+                },
+                _ => BusError::Request {
+                    subject: subject.to_string(),
+                    message: err.to_string(),
+                },
+            }),
+        }
+    }
+
+    /// Messages on `subject`; with `queue`, each message goes to one member of the group.
+    pub async fn serve(
+        &self,
+        subject: &str,
+        queue: Option<&str>,
+    ) -> Result<impl Stream<Item = Incoming> + Send + 'static, BusError> {
+        let sub = match queue {
+            Some(q) => {
+                self.client
+                    .queue_subscribe(subject.to_string(), q.to_string())
+                    .await
+            }
+            None => self.client.subscribe(subject.to_string()).await,
+        }
+        .map_err(|err| BusError::Request {
+            subject: subject.to_string(),
+            message: format!("subscribe: {err}"),
+        })?;
+        Ok(sub.map(|m| Incoming {
+            payload: m.payload,
+            reply_to: m.reply.map(|s| s.to_string()),
+        }))
+    }
+
+    /// Answers a served message.
+    pub async fn respond<T: Serialize>(
+        &self,
+        reply_to: &str,
+        reply: &Reply<T>,
+    ) -> Result<(), BusError> {
+        let bytes = Bytes::from(serde_json::to_vec(reply).expect("replies serialize"));
+        self.client
+            .publish(reply_to.to_string(), bytes)
+            .await
+            .map_err(|err| BusError::Request {
+                subject: reply_to.to_string(),
+                message: err.to_string(),
+            })
+    }
+
+    /// Waits until everything published so far has reached the server.
+    pub async fn flush(&self) -> Result<(), BusError> {
+        self.client.flush().await.map_err(|err| BusError::Request {
+            subject: "flush".into(),
+            message: err.to_string(),
+        })
+    }
+
+    /// Whether the connection is currently up.
+    pub fn is_connected(&self) -> bool {
+        matches!(
+            self.client.connection_state(),
+            async_nats::connection::State::Connected
+        )
+    }
+}
+
+async fn connect_client(opts: &NatsOptions) -> Result<async_nats::Client, BusError> {
+    let mut o = async_nats::ConnectOptions::new()
+        .name(if opts.name.is_empty() {
+            "slotpool"
+        } else {
+            &opts.name
+        })
+        .connection_timeout(Duration::from_secs(5))
+        .max_reconnects(None::<usize>);
+    if let Some(path) = &opts.creds {
+        o = o
+            .credentials_file(path)
+            .await
+            .map_err(|source| BusError::Credentials {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    if let (Some(u), Some(p)) = (&opts.user, &opts.password) {
+        o = o.user_and_password(u.clone(), p.clone());
+    }
+    if let Some(t) = &opts.token {
+        o = o.token(t.clone());
+    }
+    if let Some(ca) = &opts.tls_ca {
+        o = o.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    match (&opts.tls_cert, &opts.tls_key) {
+        (Some(c), Some(k)) => {
+            o = o
+                .add_client_certificate(c.clone(), k.clone())
+                .require_tls(true)
+        }
+        (None, None) => {}
+        _ => return Err(BusError::TlsPair),
+    }
+    let urls: Vec<async_nats::ServerAddr> = opts
+        .url
+        .split(',')
+        .map(|u| u.trim().parse())
+        .collect::<Result<_, _>>()
+        .map_err(|err: std::io::Error| BusError::Connect {
+            url: opts.url.clone(),
+            message: err.to_string(),
+        })?;
+    o.connect(urls).await.map_err(|err| BusError::Connect {
+        url: opts.url.clone(),
+        message: err.to_string(),
+    })
+}
+
+/// Parses `major.minor.patch[-suffix]` and refuses servers older than [`crate::MIN_NATS_SERVER`].
+pub fn check_server_version(found: &str) -> Result<(), BusError> {
+    let needed = crate::MIN_NATS_SERVER;
+    let core = found
+        .trim_start_matches('v')
+        .split(['-', '+'])
+        .next()
+        .unwrap_or("");
+    let mut parts = core.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
+    let v = (
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    );
+    if v >= needed {
+        Ok(())
+    } else {
+        Err(BusError::ServerTooOld {
+            found: found.to_string(),
+            needed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_versions() {
+        assert!(check_server_version("2.15.1").is_ok());
+        assert!(check_server_version("2.11.0-beta.2").is_ok());
+        assert!(check_server_version("v3.0.0").is_ok());
+        let err = check_server_version("2.9.10").unwrap_err().to_string();
+        assert!(err.contains("2.9.10") && err.contains("2.11.0"), "{err}");
+    }
+}

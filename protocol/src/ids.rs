@@ -1,0 +1,105 @@
+//! Identifier newtypes. Each is a short lowercase string that is also a valid KV key token
+//! (letters, digits, `-` and `_` only).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(String);
+
+        impl $name {
+            /// The prefix every generated id of this kind starts with.
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A new unique id: the prefix and a lowercase ULID (time-ordered).
+            pub fn generate() -> Self {
+                Self(format!("{}{}", $prefix, ulid::Ulid::new().to_string().to_lowercase()))
+            }
+
+            /// Wraps an existing id, checking that it is a valid key token.
+            pub fn parse(s: &str) -> Result<Self, InvalidId> {
+                if is_key_token(s) {
+                    Ok(Self(s.to_string()))
+                } else {
+                    Err(InvalidId { kind: stringify!($name), value: s.to_string() })
+                }
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = InvalidId;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::parse(s)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// One node request (a node set asked for by one requestor).
+    RequestId, "req-"
+);
+id_type!(
+    /// One node handed out: a slot of a backing node, for the life of one allocation.
+    NodeId, "node-"
+);
+id_type!(
+    /// One backing node (a VM or host carved into slots).
+    BackingId, "bn-"
+);
+id_type!(
+    /// One running launcher process; holder of leases.
+    LauncherId, "launcher-"
+);
+
+/// An id that is not a valid key token.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("invalid {kind} {value:?}: ids are 1-128 characters of a-z, A-Z, 0-9, '-' and '_'")]
+pub struct InvalidId {
+    pub kind: &'static str,
+    pub value: String,
+}
+
+/// True when `s` can be used as one token of a KV key or NATS subject.
+pub fn is_key_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_ids_are_key_tokens_and_unique() {
+        let a = NodeId::generate();
+        let b = NodeId::generate();
+        assert_ne!(a, b);
+        assert!(a.as_str().starts_with("node-"));
+        assert!(is_key_token(a.as_str()));
+    }
+
+    #[test]
+    fn parse_rejects_subject_metacharacters() {
+        for bad in ["", "a.b", "a*", "a>", "a b", &"x".repeat(129)] {
+            assert!(BackingId::parse(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(BackingId::parse("host-1_a").unwrap().as_str(), "host-1_a");
+    }
+}

@@ -1,0 +1,322 @@
+//! The records slotpool keeps in KV. Field names are the JSON names (snake_case);
+//! every record carries `"v"`, the protocol version.
+
+use crate::ids::{BackingId, LauncherId, NodeId, RequestId};
+use crate::time::UnixMillis;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Free-form attributes copied onto nodes (`node-attributes` in the config).
+pub type Attributes = BTreeMap<String, serde_json::Value>;
+
+/// Lifecycle of a [`NodeRequest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestState {
+    /// Accepted, waiting for slots.
+    Requested,
+    /// Every label has a node; `nodes` lists them.
+    Fulfilled,
+    /// Cannot be served; `failure` says why.
+    Failed,
+    /// Canceled by the requestor before it was fulfilled.
+    Canceled,
+}
+
+impl RequestState {
+    pub fn is_final(self) -> bool {
+        !matches!(self, RequestState::Requested)
+    }
+}
+
+/// A node set asked for by one requestor: all its nodes are handed out together.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeRequest {
+    pub v: u32,
+    pub id: RequestId,
+    /// One label per node wanted, e.g. `["small", "small", "medium"]`.
+    pub labels: Vec<String>,
+    pub requestor: String,
+    /// Lower is served first; FIFO within a priority.
+    pub priority: i32,
+    /// Fail the request if it is not fulfilled this many seconds after `created_at`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+    /// Installed for the slot users once agents enforce isolation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_public_key: Option<String>,
+    pub created_at: UnixMillis,
+    pub state: RequestState,
+    /// One line a human understands, e.g. "waiting for a backing node of large-node to boot".
+    pub status: String,
+    /// The nodes handed out, in the order of `labels` (set when fulfilled).
+    #[serde(default)]
+    pub nodes: Vec<NodeId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    pub updated_at: UnixMillis,
+}
+
+impl NodeRequest {
+    /// The request's deadline, if it has a timeout.
+    pub fn deadline(&self) -> Option<UnixMillis> {
+        self.timeout_secs
+            .map(|s| self.created_at.saturating_add(s.saturating_mul(1000)))
+    }
+}
+
+/// Lifecycle of a [`Node`] (one slot handed to one request).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    /// Slot claimed; the agent is preparing it.
+    Preparing,
+    /// Handed out; the requestor may use it.
+    Ready,
+    /// Being returned: the agent is cleaning the slot.
+    Releasing,
+    /// Its backing node died or was killed; release it to free the record.
+    Failed,
+}
+
+/// One slot of a backing node, handed to one request. Stored under the slot's key, so a
+/// slot can never hold two nodes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    pub v: u32,
+    pub id: NodeId,
+    pub request_id: RequestId,
+    /// Position of this node in the request's `labels`.
+    pub index: u32,
+    pub label: String,
+    pub backing_id: BackingId,
+    pub slot: u32,
+    pub state: NodeState,
+    pub requestor: String,
+    /// Where to reach the node (the backing node's host).
+    pub host: String,
+    /// The slot's workspace directory on the backing node (set once prepared).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    /// The backing node's attributes overlaid with the label's `node-attributes`.
+    #[serde(default)]
+    pub attributes: Attributes,
+    pub allocated_at: UnixMillis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+/// Lifecycle of a [`BackingNode`]. Allowed transitions (see [`BackingState::can_become`]):
+///
+/// ```text
+/// requested → launching → ready → retiring → releasing → gone
+///      ↘          ↘          ↘         ↘           ↘
+///                         failed  (→ releasing, to clean up the instance)
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackingState {
+    /// A seat is taken; nothing launched yet.
+    Requested,
+    /// The provider was asked for an instance; waiting for its agent.
+    Launching,
+    /// Its agent reports in; slots are handed out.
+    Ready,
+    /// Takes no new slots (past max-age, drained or unhealthy); released once empty.
+    Retiring,
+    /// The provider is deleting the instance.
+    Releasing,
+    /// Deleted. Never stored: the seat key is deleted instead.
+    Gone,
+    /// Launch or agent failed; `failure` says why. The seat may be taken again.
+    Failed,
+}
+
+impl BackingState {
+    /// Whether the state machine allows going from `self` to `next`.
+    pub fn can_become(self, next: BackingState) -> bool {
+        use BackingState::*;
+        matches!(
+            (self, next),
+            (Requested, Launching)
+                | (Launching, Launching) // a retry
+                | (Launching, Ready)
+                | (Ready, Retiring)
+                | (Ready, Releasing)
+                | (Retiring, Releasing)
+                | (Releasing, Gone)
+                | (Requested | Launching | Ready | Retiring | Releasing, Failed)
+                | (Failed, Releasing)
+                | (Failed, Gone)
+                | (Failed, Requested)
+        )
+    }
+
+    /// Whether new slots may be handed out on a backing node in this state.
+    pub fn takes_slots(self) -> bool {
+        self == BackingState::Ready
+    }
+}
+
+/// What an idle backing node does (set by operators).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IdleBehaviour {
+    /// Normal: released after grace-time once empty.
+    #[default]
+    Run,
+    /// No new slots; never released automatically.
+    Hold,
+    /// No new slots; released as soon as it is empty.
+    Drain,
+}
+
+/// What the provider returned for a launched instance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Instance {
+    /// The provider's id (a cloud instance id, a pid, a host name).
+    pub id: String,
+    /// Where slots are reached (host name or address).
+    pub host: String,
+    /// Provider-specific data kept for delete.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub data: serde_json::Value,
+}
+
+/// A VM or host carved into slots. Stored under its seat key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BackingNode {
+    pub v: u32,
+    pub id: BackingId,
+    pub provider: String,
+    pub pool: String,
+    pub seat: u32,
+    /// The label whose nodes it serves.
+    pub label: String,
+    /// What kind of machine it is (the provider's label/flavour).
+    pub backing_label: String,
+    /// Slots it is carved into (`max-parallel-jobs`).
+    pub slots: u32,
+    pub state: BackingState,
+    #[serde(default)]
+    pub idle: IdleBehaviour,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<Instance>,
+    /// SHA-256 (hex) of the secret given to its agent at launch.
+    pub secret_sha256: String,
+    pub created_at: UnixMillis,
+    /// When the current launch attempt started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launched_at: Option<UnixMillis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_at: Option<UnixMillis>,
+    /// When its last slot was returned (grace-time counts from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since: Option<UnixMillis>,
+    /// Launch attempts made so far.
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    #[serde(default)]
+    pub attributes: Attributes,
+    pub updated_at: UnixMillis,
+}
+
+/// Health figures an agent reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Health {
+    pub load1: f64,
+    pub mem_total_kb: u64,
+    pub mem_available_kb: u64,
+    pub disk_total_kb: u64,
+    pub disk_available_kb: u64,
+    pub uptime_secs: u64,
+    /// False when a health check fails; `reason` says which.
+    pub healthy: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A slot the agent has prepared and not yet released.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotReport {
+    pub slot: u32,
+    pub node_id: NodeId,
+}
+
+/// An agent's heartbeat, written every few seconds with a TTL under its backing id.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AgentHeartbeat {
+    pub v: u32,
+    pub backing_id: BackingId,
+    /// SHA-256 (hex) of the secret it was started with; must match the backing node's.
+    pub secret_sha256: String,
+    pub agent_version: String,
+    pub hostname: String,
+    pub pid: u32,
+    pub started_at: UnixMillis,
+    pub sent_at: UnixMillis,
+    pub health: Health,
+    #[serde(default)]
+    pub slots: Vec<SlotReport>,
+    /// True once the agent is shutting down.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+/// A launcher's claim on a piece of work; its KV revision is the fencing token.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Lease {
+    pub v: u32,
+    pub holder: LauncherId,
+    pub acquired_at: UnixMillis,
+}
+
+/// SHA-256 of a secret, as hex: what records carry instead of the secret itself.
+pub fn secret_digest(secret: &str) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backing_state_transitions_follow_the_diagram() {
+        use BackingState::*;
+        assert!(Requested.can_become(Launching));
+        assert!(Ready.can_become(Retiring));
+        assert!(Failed.can_become(Requested));
+        assert!(!Ready.can_become(Requested));
+        assert!(!Gone.can_become(Ready));
+        assert!(!Releasing.can_become(Ready));
+        assert!(Ready.takes_slots() && !Retiring.takes_slots());
+    }
+
+    #[test]
+    fn request_json_is_stable() {
+        let r = NodeRequest {
+            v: 1,
+            id: RequestId::parse("req-1").unwrap(),
+            labels: vec!["small".into()],
+            requestor: "ci".into(),
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 5,
+            state: RequestState::Requested,
+            status: "queued".into(),
+            nodes: vec![],
+            failure: None,
+            updated_at: 5,
+        };
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            json,
+            r#"{"v":1,"id":"req-1","labels":["small"],"requestor":"ci","priority":100,"created_at":5,"state":"requested","status":"queued","nodes":[],"updated_at":5}"#
+        );
+        assert_eq!(serde_json::from_str::<NodeRequest>(&json).unwrap(), r);
+    }
+}

@@ -1,0 +1,446 @@
+//! Typed, revision-checked access to one KV bucket.
+//!
+//! Every write here is conditional unless its name says otherwise: `create` succeeds only
+//! when the key is absent (or deleted), `update` and `delete` only at the expected revision.
+//! TTL writes go through JetStream publish headers because async-nats has no TTL-preserving
+//! CAS (see the notes on `create` and `update`). Errors are [`KvError`]; callers never see
+//! async-nats types.
+
+use async_nats::header::{HeaderMap, HeaderValue};
+use async_nats::jetstream::{self, consumer, kv, stream::DirectGetErrorKind};
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::time::Duration;
+
+const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
+const MESSAGE_TTL: &str = "Nats-TTL";
+const KV_OPERATION: &str = "KV-Operation";
+const MARKER_REASON: &str = "Nats-Marker-Reason";
+
+/// What went wrong with a KV operation, in slotpool's terms.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// A conditional write lost: the key exists (create) or moved on (update/delete).
+    #[error("conflict writing {bucket}/{key}: it was changed by someone else")]
+    Conflict { bucket: String, key: String },
+    /// The key is not there.
+    #[error("{bucket}/{key} not found")]
+    NotFound { bucket: String, key: String },
+    /// The server did not answer in time; the write may or may not have happened.
+    #[error("timed out on {bucket}/{key}; re-read before retrying")]
+    Timeout { bucket: String, key: String },
+    /// The value under the key is not what we expect.
+    #[error("cannot decode {bucket}/{key}: {source}")]
+    Decode {
+        bucket: String,
+        key: String,
+        source: serde_json::Error,
+    },
+    /// The connection or the server failed.
+    #[error("kv {bucket}/{key}: {message}")]
+    Transport {
+        bucket: String,
+        key: String,
+        message: String,
+    },
+}
+
+impl KvError {
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, KvError::Conflict { .. })
+    }
+}
+
+/// A decoded value with the revision it was read at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Versioned<T> {
+    pub key: String,
+    pub revision: u64,
+    pub value: T,
+}
+
+/// One change seen by a watch.
+#[derive(Clone, Debug)]
+pub enum Change {
+    /// The key holds a new value (raw JSON; decode with [`Change::decode`]).
+    Put {
+        key: String,
+        revision: u64,
+        value: Bytes,
+    },
+    /// The key was deleted, purged or expired.
+    Removed { key: String, revision: u64 },
+    /// Every value that existed when the watch started has been delivered.
+    Synced,
+}
+
+/// Settings of one bucket, as created by [`Store::open`].
+#[derive(Clone, Copy, Debug)]
+pub struct BucketSpec {
+    pub name: &'static str,
+    /// Values kept per key (1 = latest only).
+    pub history: i64,
+    /// Whether per-key TTLs are used (leases, heartbeats).
+    pub per_key_ttl: bool,
+    /// Largest value accepted.
+    pub max_value_size: i32,
+}
+
+/// One KV bucket.
+#[derive(Clone)]
+pub struct Store {
+    js: jetstream::Context,
+    kv: kv::Store,
+    bucket: &'static str,
+}
+
+fn transport(bucket: &str, key: &str, err: impl std::fmt::Display) -> KvError {
+    KvError::Transport {
+        bucket: bucket.to_string(),
+        key: key.to_string(),
+        message: err.to_string(),
+    }
+}
+
+impl Store {
+    /// Opens the bucket, creating it when absent.
+    pub async fn open(js: &jetstream::Context, spec: BucketSpec) -> Result<Store, KvError> {
+        let kv = match js.get_key_value(spec.name).await {
+            Ok(kv) => kv,
+            Err(_) => js
+                .create_key_value(kv::Config {
+                    bucket: spec.name.to_string(),
+                    history: spec.history,
+                    max_value_size: spec.max_value_size,
+                    storage: jetstream::stream::StorageType::File,
+                    limit_markers: spec.per_key_ttl.then_some(Duration::from_secs(1)),
+                    ..Default::default()
+                })
+                .await
+                .or_else(|err| {
+                    // Another process may have created it first.
+                    Err(transport(spec.name, "", format!("creating bucket: {err}")))
+                })?,
+        };
+        Ok(Store {
+            js: js.clone(),
+            kv,
+            bucket: spec.name,
+        })
+    }
+
+    /// Opens an existing bucket only (for read-mostly clients), with a clear error when absent.
+    pub async fn existing(js: &jetstream::Context, name: &'static str) -> Result<Store, KvError> {
+        let kv = js.get_key_value(name).await.map_err(|err| {
+            transport(
+                name,
+                "",
+                format!("bucket missing (has a launcher ever run here?): {err}"),
+            )
+        })?;
+        Ok(Store {
+            js: js.clone(),
+            kv,
+            bucket: name,
+        })
+    }
+
+    pub fn bucket(&self) -> &'static str {
+        self.bucket
+    }
+
+    fn subject(&self, key: &str) -> String {
+        format!("$KV.{}.{}", self.bucket, key)
+    }
+
+    fn conflict(&self, key: &str) -> KvError {
+        KvError::Conflict {
+            bucket: self.bucket.to_string(),
+            key: key.to_string(),
+        }
+    }
+
+    /// Reads and decodes `key`; `None` when absent or deleted.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<Versioned<T>>, KvError> {
+        match self.entry(key).await? {
+            Some((revision, Some(bytes))) => Ok(Some(self.decode(key, revision, &bytes)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The raw latest entry: its revision and value (`None` value for a tombstone/marker).
+    async fn entry(&self, key: &str) -> Result<Option<(u64, Option<Bytes>)>, KvError> {
+        match self.kv.entry(key).await {
+            Ok(Some(e)) => Ok(Some((
+                e.revision,
+                matches!(e.operation, kv::Operation::Put).then_some(e.value),
+            ))),
+            Ok(None) => Ok(None),
+            Err(err) => {
+                if err
+                    .to_string()
+                    .contains(&DirectGetErrorKind::TimedOut.to_string())
+                {
+                    Err(KvError::Timeout {
+                        bucket: self.bucket.to_string(),
+                        key: key.to_string(),
+                    })
+                } else {
+                    Err(transport(self.bucket, key, err))
+                }
+            }
+        }
+    }
+
+    fn decode<T: DeserializeOwned>(
+        &self,
+        key: &str,
+        revision: u64,
+        bytes: &[u8],
+    ) -> Result<Versioned<T>, KvError> {
+        serde_json::from_slice(bytes)
+            .map(|value| Versioned {
+                key: key.to_string(),
+                revision,
+                value,
+            })
+            .map_err(|source| KvError::Decode {
+                bucket: self.bucket.to_string(),
+                key: key.to_string(),
+                source,
+            })
+    }
+
+    /// Writes `value` under `key` only if the key's last revision is `expected` (0 = never
+    /// written), with an optional per-key TTL (whole seconds, at least 1).
+    async fn publish(
+        &self,
+        key: &str,
+        payload: Bytes,
+        expected: Option<u64>,
+        ttl: Option<Duration>,
+        op: Option<&str>,
+    ) -> Result<u64, KvError> {
+        let mut headers = HeaderMap::new();
+        if let Some(rev) = expected {
+            headers.insert(EXPECTED_LAST_SUBJECT_SEQUENCE, HeaderValue::from(rev));
+        }
+        if let Some(ttl) = ttl {
+            headers.insert(MESSAGE_TTL, HeaderValue::from(ttl.as_secs().max(1)));
+        }
+        if let Some(op) = op {
+            headers.insert(KV_OPERATION, op);
+        }
+        let ack = self
+            .js
+            .publish_with_headers(self.subject(key), headers, payload)
+            .await
+            .map_err(|err| self.publish_error(key, err))?
+            .await
+            .map_err(|err| self.publish_error(key, err))?;
+        Ok(ack.sequence)
+    }
+
+    fn publish_error(&self, key: &str, err: jetstream::context::PublishError) -> KvError {
+        use jetstream::context::PublishErrorKind as K;
+        match err.kind() {
+            K::WrongLastSequence => self.conflict(key),
+            K::TimedOut => KvError::Timeout {
+                bucket: self.bucket.to_string(),
+                key: key.to_string(),
+            },
+            // During a leader change a conflict can surface as a generic API error 10071.
+            _ if err.to_string().contains("10071") => self.conflict(key),
+            _ => transport(self.bucket, key, err),
+        }
+    }
+
+    fn encode<T: Serialize>(value: &T) -> Bytes {
+        Bytes::from(serde_json::to_vec(value).expect("slotpool records always serialize"))
+    }
+
+    /// Creates `key` only if it is absent (never written, deleted or expired). Unlike
+    /// async-nats' `create_with_ttl`, the TTL is kept when the key has a tombstone.
+    pub async fn create<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        ttl: Option<Duration>,
+    ) -> Result<u64, KvError> {
+        let payload = Self::encode(value);
+        match self.publish(key, payload.clone(), Some(0), ttl, None).await {
+            Err(KvError::Conflict { .. }) => match self.entry(key).await? {
+                Some((rev, None)) => self.publish(key, payload, Some(rev), ttl, None).await,
+                _ => Err(self.conflict(key)),
+            },
+            other => other,
+        }
+    }
+
+    /// Replaces `key` only if its revision is still `revision`. With `ttl`, the key
+    /// expires unless written again in time (a TTL-less update makes it permanent).
+    pub async fn update<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        revision: u64,
+        ttl: Option<Duration>,
+    ) -> Result<u64, KvError> {
+        self.publish(key, Self::encode(value), Some(revision), ttl, None)
+            .await
+    }
+
+    /// Unconditional write: only for records with a single writer (an agent's own heartbeat).
+    pub async fn put<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        ttl: Option<Duration>,
+    ) -> Result<u64, KvError> {
+        self.publish(key, Self::encode(value), None, ttl, None)
+            .await
+    }
+
+    /// Deletes `key` only if its revision is still `revision`.
+    pub async fn delete(&self, key: &str, revision: u64) -> Result<(), KvError> {
+        self.publish(key, Bytes::new(), Some(revision), None, Some("DEL"))
+            .await
+            .map(|_| ())
+    }
+
+    /// Every current value in the bucket, decoded; undecodable values are returned as errors
+    /// in place so one bad record cannot hide the others.
+    pub async fn list<T: DeserializeOwned>(
+        &self,
+    ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
+        let mut out = Vec::new();
+        let mut changes = Box::pin(self.watch().await?);
+        while let Some(change) = changes.next().await {
+            match change? {
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                } => out.push(self.decode(&key, revision, &value)),
+                Change::Removed { .. } => {}
+                Change::Synced => return Ok(out),
+            }
+        }
+        Err(transport(
+            self.bucket,
+            ">",
+            "watch ended before the initial values were read",
+        ))
+    }
+
+    /// The current value of every key, then [`Change::Synced`], then every change as it
+    /// happens. The stream ends only when the connection is closed for good.
+    pub async fn watch(
+        &self,
+    ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        self.watch_keys(">").await
+    }
+
+    /// Like [`Store::watch`], for the keys matching `filter` (a key, or a pattern with
+    /// `*` and `>` tokens).
+    pub async fn watch_keys(
+        &self,
+        filter: &str,
+    ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        let bucket = self.bucket;
+        let prefix = format!("$KV.{bucket}.");
+        let consumer = self
+            .kv
+            .stream
+            .create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.js.client().new_inbox(),
+                description: Some("slotpool watch".to_string()),
+                filter_subject: format!("{prefix}{filter}"),
+                replay_policy: consumer::ReplayPolicy::Instant,
+                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|err| transport(bucket, ">", format!("creating watch: {err}")))?;
+        let mut synced = consumer.cached_info().num_pending == 0;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|err| transport(bucket, ">", format!("starting watch: {err}")))?;
+        let head = futures::stream::iter(synced.then_some(Ok(Change::Synced)));
+        let tail = messages.flat_map(move |message| {
+            let mut out = Vec::with_capacity(2);
+            match message {
+                Err(err) => out.push(Err(transport(bucket, ">", format!("watch: {err}")))),
+                Ok(message) => {
+                    let (revision, pending) = match message.info() {
+                        Ok(info) => (info.stream_sequence, info.pending),
+                        Err(err) => {
+                            out.push(Err(transport(
+                                bucket,
+                                ">",
+                                format!("watch metadata: {err}"),
+                            )));
+                            return futures::stream::iter(out);
+                        }
+                    };
+                    let key = message
+                        .subject
+                        .as_str()
+                        .strip_prefix(&prefix)
+                        .unwrap_or_default()
+                        .to_string();
+                    out.push(Ok(if is_removal(message.headers.as_ref()) {
+                        Change::Removed { key, revision }
+                    } else {
+                        Change::Put {
+                            key,
+                            revision,
+                            value: message.payload.clone(),
+                        }
+                    }));
+                    if !synced && pending == 0 {
+                        synced = true;
+                        out.push(Ok(Change::Synced));
+                    }
+                }
+            }
+            futures::stream::iter(out)
+        });
+        Ok(head.chain(tail))
+    }
+}
+
+fn is_removal(headers: Option<&HeaderMap>) -> bool {
+    let Some(headers) = headers else { return false };
+    headers
+        .get(KV_OPERATION)
+        .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE")
+        || headers.get(MARKER_REASON).is_some()
+}
+
+impl Change {
+    /// Decodes a `Put`'s value.
+    pub fn decode<T: DeserializeOwned>(
+        bucket: &str,
+        key: &str,
+        revision: u64,
+        value: &[u8],
+    ) -> Result<Versioned<T>, KvError> {
+        serde_json::from_slice(value)
+            .map(|value| Versioned {
+                key: key.to_string(),
+                revision,
+                value,
+            })
+            .map_err(|source| KvError::Decode {
+                bucket: bucket.to_string(),
+                key: key.to_string(),
+                source,
+            })
+    }
+}
