@@ -1,0 +1,480 @@
+//! Driver `local`: every backing node is a `slotpool-agent` process on the launcher's own
+//! host (for demos and tests).
+//!
+//! Each agent gets a directory `<work-dir>/<backing id>/`, which is also its `--work-dir`
+//! and holds `agent.pid` and `agent.log` (its stdout and stderr, appended). The agent is
+//! started in a session of its own with stdin closed, so it outlives the launcher like a
+//! VM would: neither a Ctrl-C at the launcher's terminal nor the launcher's death reaches
+//! it. (Under systemd, that needs `KillMode=process` or `mixed` on the launcher's unit.)
+//! While the launcher lives, a task waits on the agent so it never lingers as a zombie.
+//!
+//! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, never on its command line.
+//!
+//! `delete` reads `agent.pid`, checks that `/proc/<pid>/cmdline` still carries
+//! `--backing-id <id>` (so a recycled pid is never killed), sends SIGTERM, waits up to
+//! [`STOP_GRACE`] and then SIGKILLs the agent's process group; then it removes the
+//! directory. An agent that is already gone is not an error.
+
+use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
+use slotpool_protocol::model::Instance;
+use slotpool_protocol::BackingId;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How long an agent may take to exit after SIGTERM before it is killed.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long to wait for the kernel to finish an agent off after SIGKILL.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How often to look whether a stopping agent has exited (it is not our child, in
+/// general, so there is nothing to wait on).
+const EXIT_POLL: Duration = Duration::from_millis(20);
+/// The environment variable the agent reads its secret from.
+const SECRET_ENV: &str = "SLOTPOOL_AGENT_SECRET";
+/// Spawn attempts after the first when the agent binary is busy (ETXTBSY).
+const SPAWN_RETRIES: u32 = 5;
+const PID_FILE: &str = "agent.pid";
+const LOG_FILE: &str = "agent.log";
+/// Where slots of local backing nodes are reached.
+const HOST: &str = "127.0.0.1";
+
+/// Starts agents as local processes.
+#[derive(Debug)]
+pub struct LocalProvider {
+    name: String,
+    command: PathBuf,
+    args: Vec<String>,
+    work_dir: PathBuf,
+}
+
+impl LocalProvider {
+    /// `command` is the agent binary; `args` are added after the ones the provider sets.
+    pub fn new(name: &str, command: PathBuf, args: Vec<String>, work_dir: PathBuf) -> Self {
+        LocalProvider {
+            name: name.to_string(),
+            command,
+            args,
+            work_dir,
+        }
+    }
+
+    fn failed(&self, message: String) -> ProviderError {
+        ProviderError::Failed {
+            provider: self.name.clone(),
+            message,
+        }
+    }
+
+    fn instance(&self, backing_id: &str, pid: i32) -> Instance {
+        let dir = self.work_dir.join(backing_id);
+        Instance {
+            id: backing_id.to_string(),
+            host: HOST.to_string(),
+            data: serde_json::json!({ "pid": pid, "dir": dir.display().to_string() }),
+        }
+    }
+
+    /// Stops the agent recorded in `dir` (if it still runs as `backing_id`).
+    async fn stop_recorded(&self, dir: &Path, backing_id: &str) -> Result<(), ProviderError> {
+        match read_pid(dir).map_err(|err| self.failed(err))? {
+            Some(pid) => self.stop(pid, backing_id).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Stops `pid` if it still runs as `backing_id`.
+    async fn stop(&self, pid: i32, backing_id: &str) -> Result<(), ProviderError> {
+        if !runs_as(pid, backing_id) {
+            return Ok(());
+        }
+        tracing::debug!(backing_id, pid, "stopping local agent");
+        signal(pid, libc::SIGTERM);
+        if wait_exit(pid, STOP_GRACE).await {
+            // Whatever the agent left behind in its group goes too.
+            signal(-pid, libc::SIGKILL);
+            return Ok(());
+        }
+        tracing::warn!(backing_id, pid, grace = ?STOP_GRACE, "local agent ignored SIGTERM, killing it");
+        signal(-pid, libc::SIGKILL);
+        signal(pid, libc::SIGKILL);
+        if wait_exit(pid, KILL_GRACE).await {
+            Ok(())
+        } else {
+            Err(self.failed(format!(
+                "agent {backing_id} (pid {pid}) did not exit after SIGKILL"
+            )))
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for LocalProvider {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Spawns the agent and returns at once; it does not wait for the agent to connect.
+    /// A leftover agent of the same backing id (an earlier attempt) is stopped first.
+    async fn launch(&self, spec: &LaunchSpec) -> Result<Launched, ProviderError> {
+        let backing_id = spec.backing_id.as_str();
+        let dir = self.work_dir.join(backing_id);
+        self.stop_recorded(&dir, backing_id).await?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|err| self.failed(format!("creating {}: {err}", dir.display())))?;
+        let log_path = dir.join(LOG_FILE);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|err| self.failed(format!("opening {}: {err}", log_path.display())))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|err| self.failed(format!("opening {}: {err}", log_path.display())))?;
+
+        let mut cmd = tokio::process::Command::new(&self.command);
+        cmd.arg("--nats")
+            .arg(&spec.nats_url)
+            .arg("--backing-id")
+            .arg(backing_id)
+            .arg("--work-dir")
+            .arg(&dir)
+            .arg("--slots")
+            .arg(spec.slots.to_string())
+            .args(&self.args)
+            .env(SECRET_ENV, &spec.secret)
+            .current_dir(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .kill_on_drop(false);
+        // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() == -1 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = spawn(&mut cmd)
+            .await
+            .map_err(|err| self.failed(format!("starting {}: {err}", self.command.display())))?;
+        let pid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| self.failed("the agent exited before its pid was known".into()))?;
+
+        let reaped_id = backing_id.to_string();
+        tokio::spawn(async move {
+            match child.wait().await {
+                Ok(status) => {
+                    tracing::info!(backing_id = reaped_id, pid, %status, "local agent exited")
+                }
+                Err(err) => {
+                    tracing::warn!(backing_id = reaped_id, pid, error = %err, "waiting for local agent")
+                }
+            }
+        });
+
+        if let Err(err) = write_pid(&dir, pid) {
+            signal(-pid, libc::SIGKILL);
+            return Err(self.failed(err));
+        }
+        tracing::debug!(backing_id, pid, "started local agent");
+        Ok(Launched {
+            instance: self.instance(backing_id, pid),
+            attributes: Default::default(),
+        })
+    }
+
+    async fn delete(&self, instance: &Instance) -> Result<(), ProviderError> {
+        let backing_id = BackingId::parse(&instance.id)
+            .map_err(|err| self.failed(format!("deleting instance: {err}")))?;
+        let dir = self.work_dir.join(backing_id.as_str());
+        self.stop_recorded(&dir, backing_id.as_str()).await?;
+        // The pid file may be gone (an interrupted delete): also try the launch's pid.
+        let launched_pid = instance.data.get("pid").and_then(|p| p.as_i64());
+        if let Some(pid) = launched_pid.and_then(|p| i32::try_from(p).ok()) {
+            if pid > 1 {
+                self.stop(pid, backing_id.as_str()).await?;
+            }
+        }
+        match tokio::fs::remove_dir_all(&dir).await {
+            Ok(()) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(err) => Err(self.failed(format!("removing {}: {err}", dir.display()))),
+        }
+    }
+
+    /// Every agent under the work dir that is still running as its directory's id.
+    async fn list(&self) -> Result<Vec<ListedInstance>, ProviderError> {
+        let entries = match std::fs::read_dir(&self.work_dir) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(err) => {
+                return Err(self.failed(format!("reading {}: {err}", self.work_dir.display())))
+            }
+        };
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|err| {
+                self.failed(format!("reading {}: {err}", self.work_dir.display()))
+            })?;
+            let Some(id) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let Ok(backing_id) = BackingId::parse(&id) else {
+                continue;
+            };
+            // An unreadable or garbled pid file is not an agent we can stop: skip it.
+            let Ok(Some(pid)) = read_pid(&entry.path()) else {
+                continue;
+            };
+            if runs_as(pid, &id) {
+                out.push(ListedInstance {
+                    instance: self.instance(&id, pid),
+                    backing_id: Some(backing_id),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
+        Ok(out)
+    }
+}
+
+/// Spawns `cmd`, retrying briefly on ETXTBSY: the agent binary may have been written a
+/// moment ago, and another thread's fork can still hold it open for writing.
+async fn spawn(cmd: &mut tokio::process::Command) -> io::Result<tokio::process::Child> {
+    let mut attempt = 0;
+    loop {
+        match cmd.spawn() {
+            Err(err) if err.raw_os_error() == Some(libc::ETXTBSY) && attempt < SPAWN_RETRIES => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The pid recorded in `dir`, or None when there is no pid file.
+fn read_pid(dir: &Path) -> Result<Option<i32>, String> {
+    let path = dir.join(PID_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(err) => return Err(format!("reading {}: {err}", path.display())),
+    };
+    match text.trim().parse::<i32>() {
+        // Never 0 or 1: kill(0) and kill(-1) would hit far more than one agent.
+        Ok(pid) if pid > 1 => Ok(Some(pid)),
+        _ => Err(format!("{}: not a pid: {:?}", path.display(), text.trim())),
+    }
+}
+
+/// Writes the pid file atomically (a temp file renamed over it).
+fn write_pid(dir: &Path, pid: i32) -> Result<(), String> {
+    let path = dir.join(PID_FILE);
+    let tmp = dir.join(format!("{PID_FILE}.tmp"));
+    std::fs::write(&tmp, format!("{pid}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|err| format!("writing {}: {err}", path.display()))
+}
+
+/// Whether `pid` is alive (not a zombie) and was started with `--backing-id <id>`.
+fn runs_as(pid: i32, backing_id: &str) -> bool {
+    if !is_alive(pid) {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let id = backing_id.as_bytes();
+    let joined = [b"--backing-id=".as_slice(), id].concat();
+    args.windows(2)
+        .any(|w| w[0] == b"--backing-id" && w[1] == id)
+        || args.contains(&joined.as_slice())
+}
+
+/// Whether `pid` exists and has not exited (zombies count as exited).
+fn is_alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command name, which is in parentheses and may contain any byte.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    !matches!(state, Some("Z") | Some("X") | None)
+}
+
+/// Polls until `pid` has exited, for at most `limit`.
+async fn wait_exit(pid: i32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if !is_alive(pid) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(EXIT_POLL).await;
+    }
+}
+
+/// Sends `sig` to `pid` (a negative pid: its process group). Errors (it is gone) are
+/// ignored: callers check liveness themselves.
+fn signal(pid: i32, sig: libc::c_int) {
+    debug_assert!(pid.abs() > 1);
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in agent: a shell loop whose command line carries the provider's args.
+    fn fake_agent(dir: &Path) -> PathBuf {
+        let path = dir.join("fake-agent");
+        std::fs::write(&path, "#!/bin/sh\nwhile :; do sleep 1; done\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    fn spec(backing_id: &str) -> LaunchSpec {
+        LaunchSpec {
+            backing_id: BackingId::parse(backing_id).unwrap(),
+            secret: "s3cret-value".into(),
+            provider: "local".into(),
+            pool: "main".into(),
+            backing_label: "big".into(),
+            slots: 3,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Kills what a failed test left behind.
+    struct Cleanup(Vec<i32>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for pid in &self.0 {
+                if runs_as(*pid, "bn-local-test") {
+                    signal(-*pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn launch_list_and_delete_an_agent() {
+        let tmp = tempfile::tempdir().unwrap();
+        let work_dir = tmp.path().join("work");
+        let p = LocalProvider::new(
+            "local",
+            fake_agent(tmp.path()),
+            vec!["--extra".into()],
+            work_dir.clone(),
+        );
+        assert!(p.list().await.unwrap().is_empty());
+
+        let started = Instant::now();
+        let launched = p.launch(&spec("bn-local-test")).await.unwrap();
+        assert!(started.elapsed() < Duration::from_millis(500));
+        let pid = launched.instance.data["pid"].as_i64().unwrap() as i32;
+        let mut cleanup = Cleanup(vec![pid]);
+        let dir = work_dir.join("bn-local-test");
+        assert_eq!(launched.instance.id, "bn-local-test");
+        assert_eq!(launched.instance.host, "127.0.0.1");
+        assert_eq!(
+            launched.instance.data["dir"],
+            serde_json::json!(dir.display().to_string())
+        );
+        assert_eq!(read_pid(&dir).unwrap(), Some(pid));
+        assert!(dir.join("agent.log").exists());
+
+        assert!(is_alive(pid));
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let want = format!(
+            "--nats nats://127.0.0.1:4222 --backing-id bn-local-test --work-dir {} --slots 3 --extra",
+            dir.display()
+        );
+        assert!(cmdline.contains(&want), "{cmdline}");
+        assert!(!cmdline.contains("s3cret-value"), "{cmdline}");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        assert!(environ
+            .split(|b| *b == 0)
+            .any(|v| v == b"SLOTPOOL_AGENT_SECRET=s3cret-value"));
+        // Its own session, so the launcher's terminal and process group do not reach it.
+        let (sid, ours) = unsafe { (libc::getsid(pid), libc::getsid(0)) };
+        assert_eq!(sid, pid);
+        assert_ne!(sid, ours);
+
+        let listed = p.list().await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].instance, launched.instance);
+        assert_eq!(
+            listed[0].backing_id.as_ref().unwrap().as_str(),
+            "bn-local-test"
+        );
+
+        // A second launch of the same backing node replaces the first agent.
+        let again = p.launch(&spec("bn-local-test")).await.unwrap();
+        let pid2 = again.instance.data["pid"].as_i64().unwrap() as i32;
+        cleanup.0.push(pid2);
+        assert_ne!(pid2, pid);
+        assert!(!is_alive(pid));
+        assert!(is_alive(pid2));
+
+        p.delete(&again.instance).await.unwrap();
+        assert!(!is_alive(pid2));
+        assert!(!dir.exists());
+        assert!(p.list().await.unwrap().is_empty());
+        p.delete(&again.instance).await.unwrap();
+        p.delete(&launched.instance).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_recycled_pid_is_not_killed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = LocalProvider::new("local", "/bin/true".into(), vec![], tmp.path().into());
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let dir = tmp.path().join("bn-gone");
+        std::fs::create_dir_all(&dir).unwrap();
+        write_pid(&dir, other.id() as i32).unwrap();
+
+        assert!(p.list().await.unwrap().is_empty());
+        let instance = p.instance("bn-gone", other.id() as i32);
+        p.delete(&instance).await.unwrap();
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "unrelated process was killed"
+        );
+        assert!(!dir.exists());
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_missing_agent_binary_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let missing = tmp.path().join("no-such-agent");
+        let p = LocalProvider::new("local", missing.clone(), vec![], tmp.path().into());
+        let err = p.launch(&spec("bn-x")).await.unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!("local: starting {}:", missing.display())),
+            "{err}"
+        );
+    }
+}
