@@ -1,1 +1,147 @@
+//! The slotpool launcher: takes node requests, allocates slots on backing nodes, asks
+//! providers for backing nodes when slots run out and releases idle ones.
+//!
+//! All state is in NATS JetStream KV; this process keeps only a mirror of it
+//! ([`world::World`]) and the set of work items it holds leases on. `run` is the whole
+//! daemon; `main.rs` only parses arguments.
 
+pub mod api;
+pub mod backing;
+pub mod config;
+pub mod lease;
+pub mod lifecycle;
+pub mod nodes;
+pub mod planner;
+pub mod provider;
+pub mod request;
+pub mod shared;
+pub mod watch;
+pub mod world;
+
+use crate::config::Config;
+use crate::shared::Shared;
+use crate::watch::{Dirty, Mirror};
+use slotpool_protocol::connect::Bus;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// How often every work item is looked at again, to catch anything a watch missed.
+pub const RESYNC_INTERVAL: Duration = Duration::from_secs(15);
+
+/// Everything `run` needs besides the connection.
+pub struct LauncherDeps {
+    /// NATS URL given to the agents this launcher's providers start.
+    pub agent_nats_url: String,
+    /// The `slotpool-agent` binary the local provider runs by default.
+    pub agent_binary: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LauncherError {
+    #[error("provider {name}: {source}")]
+    Provider { name: String, source: provider::ProviderError },
+    #[error(transparent)]
+    Bus(#[from] slotpool_protocol::connect::BusError),
+}
+
+/// Runs the launcher until `shutdown` is cancelled; returns once its tasks have ended and
+/// its leases are released.
+pub async fn run(config: Config, bus: Bus, deps: LauncherDeps, shutdown: CancellationToken) -> Result<(), LauncherError> {
+    let mut providers = std::collections::HashMap::new();
+    for p in &config.providers {
+        let built = provider::build(p, &deps.agent_binary).map_err(|source| LauncherError::Provider { name: p.name.clone(), source })?;
+        providers.insert(p.name.clone(), built);
+    }
+    let shared = Arc::new(Shared::new(bus, config, providers, deps.agent_nats_url, shutdown.clone()));
+    tracing::info!(launcher = %shared.id, "launcher starting");
+
+    let (dirty_tx, dirty_rx) = mpsc::unbounded_channel();
+    let mut synced = Vec::new();
+    for mirror in Mirror::ALL {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        synced.push(rx);
+        shared.tracker.spawn(watch::run(shared.clone(), mirror, dirty_tx.clone(), tx));
+    }
+    for rx in synced {
+        tokio::select! {
+            _ = rx => {}
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    tracing::info!(
+        requests = shared.world().requests.len(),
+        backing = shared.world().backing.len(),
+        slots = shared.world().slots.len(),
+        "state loaded"
+    );
+    let api = {
+        let sh = shared.clone();
+        shared.tracker.spawn(async move { api::serve(sh).await })
+    };
+    supervise(&shared, dirty_rx).await;
+    shared.tracker.close();
+    shared.tracker.wait().await;
+    api.await.ok().transpose()?;
+    tracing::info!("launcher stopped");
+    Ok(())
+}
+
+/// Looks at every work item the watches mark dirty (and all of them now and then) and
+/// starts a worker for those nobody drives.
+async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
+    let mut resync = tokio::time::interval(RESYNC_INTERVAL);
+    loop {
+        let mut batch: HashSet<Dirty> = HashSet::new();
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            _ = resync.tick() => batch.extend(everything(shared)),
+            d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
+        }
+        while let Ok(d) = dirty.try_recv() {
+            batch.insert(d);
+        }
+        let mut labels = Vec::new();
+        for d in batch {
+            match d {
+                Dirty::Label(l) => labels.push(l),
+                Dirty::Request(id) => {
+                    let free = {
+                        let world = shared.world();
+                        world.requests.get(&id).is_some_and(|r| !r.value.state.is_final())
+                            && watch::lease_key(&Dirty::Request(id.clone())).is_some_and(|k| world.lease(&k).is_none())
+                    };
+                    if free {
+                        request::spawn(shared, id);
+                    }
+                }
+                Dirty::Seat(seat) => {
+                    let free = {
+                        let world = shared.world();
+                        world.backing.contains_key(&seat) && world.lease(&slotpool_protocol::layout::backing_lease_key(&seat)).is_none()
+                    };
+                    if free {
+                        backing::spawn(shared, seat);
+                    }
+                }
+            }
+        }
+        labels.sort();
+        labels.dedup();
+        for label in labels {
+            planner::plan(shared, &label).await;
+        }
+        shared.signals.prune();
+    }
+}
+
+fn everything(shared: &Shared) -> Vec<Dirty> {
+    let world = shared.world();
+    let mut all: Vec<Dirty> = world.requests.keys().cloned().map(Dirty::Request).collect();
+    all.extend(world.backing.keys().cloned().map(Dirty::Seat));
+    all.extend(shared.config.label_names().into_iter().map(|l| Dirty::Label(l.to_string())));
+    all
+}

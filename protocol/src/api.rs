@@ -45,6 +45,8 @@ pub enum ErrorCode {
     NotFound,
     /// The message's protocol version is not supported.
     UnsupportedVersion,
+    /// The responder cannot do it now (an agent closed to new slots, say).
+    Unavailable,
     /// The responder failed; retrying may help.
     Internal,
 }
@@ -148,6 +150,18 @@ pub enum AgentCommand {
     },
     /// Kill everything of the slot and wipe it (idempotent; tolerates a slot never prepared).
     ReleaseSlot { slot: u32, node_id: NodeId },
+    /// Refuse new `prepare_slot`s from now on (the backing node is about to be released);
+    /// replies [`SlotsClosed`] with the slots still prepared.
+    Close,
+    /// Accept `prepare_slot`s again (a release was aborted); replies [`SlotsClosed`].
+    Open,
+}
+
+/// Reply to [`AgentCommand::Close`] and [`AgentCommand::Open`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlotsClosed {
+    /// Slots prepared and not yet released.
+    pub prepared: Vec<u32>,
 }
 
 /// Reply to [`AgentCommand`].

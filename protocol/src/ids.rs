@@ -8,8 +8,27 @@ macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
         $(#[$doc])*
         #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        #[serde(transparent)]
+        #[serde(try_from = "String", into = "String")]
         pub struct $name(String);
+
+        // Deserializing validates like `parse`: ids from the wire become KV keys and
+        // subject tokens, so `"a.b"` or `"*"` must be refused, not stored.
+        impl TryFrom<String> for $name {
+            type Error = InvalidId;
+            fn try_from(s: String) -> Result<Self, InvalidId> {
+                if is_key_token(&s) {
+                    Ok(Self(s))
+                } else {
+                    Err(InvalidId { kind: stringify!($name), value: s })
+                }
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0
+            }
+        }
 
         impl $name {
             /// The prefix every generated id of this kind starts with.
@@ -22,11 +41,7 @@ macro_rules! id_type {
 
             /// Wraps an existing id, checking that it is a valid key token.
             pub fn parse(s: &str) -> Result<Self, InvalidId> {
-                if is_key_token(s) {
-                    Ok(Self(s.to_string()))
-                } else {
-                    Err(InvalidId { kind: stringify!($name), value: s.to_string() })
-                }
+                Self::try_from(s.to_string())
             }
 
             pub fn as_str(&self) -> &str {
@@ -82,6 +97,23 @@ pub fn is_key_token(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
+impl NodeId {
+    /// A new node id for slot `slot` of `backing`: `node-<ulid>_<slot>_<backing id>`.
+    /// The slot's key can be read back from the id, so any launcher can release a node
+    /// from its id alone.
+    pub fn for_slot(backing: &BackingId, slot: u32) -> NodeId {
+        NodeId(format!("node-{}_{slot}_{backing}", ulid::Ulid::new().to_string().to_lowercase()))
+    }
+
+    /// The backing node and slot this node id names, if it is of the `for_slot` form.
+    pub fn slot(&self) -> Option<(BackingId, u32)> {
+        let rest = self.0.strip_prefix(Self::PREFIX)?;
+        let (_ulid, rest) = rest.split_once('_')?;
+        let (slot, backing) = rest.split_once('_')?;
+        Some((BackingId::parse(backing).ok()?, slot.parse().ok()?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +125,23 @@ mod tests {
         assert_ne!(a, b);
         assert!(a.as_str().starts_with("node-"));
         assert!(is_key_token(a.as_str()));
+    }
+
+    #[test]
+    fn deserialize_validates_like_parse() {
+        let id: NodeId = serde_json::from_str(r#""node-1""#).unwrap();
+        assert_eq!(serde_json::to_string(&id).unwrap(), r#""node-1""#);
+        let err = serde_json::from_str::<RequestId>(r#""req.>""#).unwrap_err();
+        assert!(err.to_string().contains("invalid RequestId"), "{err}");
+    }
+
+    #[test]
+    fn node_ids_name_their_slot() {
+        let b = BackingId::parse("bn-x_y").unwrap();
+        let n = NodeId::for_slot(&b, 12);
+        assert!(is_key_token(n.as_str()), "{n}");
+        assert_eq!(n.slot(), Some((b, 12)));
+        assert_eq!(NodeId::parse("node-abc").unwrap().slot(), None);
     }
 
     #[test]

@@ -1,0 +1,200 @@
+//! The launcher's request-reply API: submit, release, cancel. Every launcher serves it in
+//! one queue group, so each message is handled once. Bad input is answered with a
+//! specific error; nothing about it disturbs other requests.
+
+use crate::nodes;
+use crate::request;
+use crate::shared::Shared;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use slotpool_protocol::api::{ApiError, CancelRequest, Canceled, ErrorCode, ReleaseNodes, Released, Reply, SubmitRequest, Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST};
+use slotpool_protocol::connect::{BusError, Incoming};
+use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::model::{NodeRequest, RequestState};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::{RequestId, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+const MAX_REQUESTOR_LEN: usize = 256;
+const MAX_SSH_KEY_LEN: usize = 16 * 1024;
+
+/// Serves the API until shutdown.
+pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
+    let bus = &shared.bus;
+    let submit = bus.serve(subjects::SUBMIT, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Submit, m));
+    let release = bus.serve(subjects::RELEASE, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Release, m));
+    let cancel = bus.serve(subjects::CANCEL, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Cancel, m));
+    let mut all = futures::stream::select_all([submit.boxed(), release.boxed(), cancel.boxed()]);
+    loop {
+        let (op, msg) = tokio::select! {
+            _ = shared.shutdown.cancelled() => return Ok(()),
+            next = all.next() => match next { Some(m) => m, None => return Ok(()) },
+        };
+        let sh = shared.clone();
+        shared.tracker.spawn(async move { handle(sh, op, msg).await }.instrument(tracing::info_span!("api", op = ?op)));
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Submit,
+    Release,
+    Cancel,
+}
+
+async fn handle(sh: Arc<Shared>, op: Op, msg: Incoming) {
+    let Some(reply_to) = msg.reply_to.clone() else {
+        tracing::debug!("message without a reply subject ignored");
+        return;
+    };
+    let sent = match op {
+        Op::Submit => respond(&sh, &reply_to, submit(&sh, &msg).await).await,
+        Op::Release => respond(&sh, &reply_to, release(&sh, &msg).await).await,
+        Op::Cancel => respond(&sh, &reply_to, cancel(&sh, &msg).await).await,
+    };
+    if let Err(err) = sent {
+        tracing::warn!(%err, "cannot send the reply");
+    }
+}
+
+async fn respond<T: serde::Serialize>(sh: &Shared, reply_to: &str, result: Result<T, ApiError>) -> Result<(), BusError> {
+    if let Err(err) = &result {
+        tracing::info!(code = ?err.code, message = %err.message, "refused");
+    }
+    sh.bus.respond(reply_to, &Reply::from(result)).await
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorCode::BadRequest, message)
+}
+
+fn internal(err: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, err.to_string())
+}
+
+/// Decodes a message, refusing oversized ones and other protocol versions.
+fn decode<T: DeserializeOwned>(msg: &Incoming, what: &str, version: impl Fn(&T) -> u32) -> Result<T, ApiError> {
+    if msg.payload.len() > MAX_MESSAGE_BYTES {
+        return Err(ApiError::new(ErrorCode::TooLarge, format!("{what} is {} bytes; the limit is {MAX_MESSAGE_BYTES}", msg.payload.len())));
+    }
+    let value: T = serde_json::from_slice(&msg.payload).map_err(|err| bad(format!("malformed {what}: {err}")))?;
+    let v = version(&value);
+    if v != PROTOCOL_VERSION {
+        return Err(ApiError::new(ErrorCode::UnsupportedVersion, format!("{what} has v={v}; this launcher speaks v={PROTOCOL_VERSION}")));
+    }
+    Ok(value)
+}
+
+/// Checks a submission against the limits and the configured labels.
+fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
+    if s.labels.is_empty() {
+        return Err(bad("labels is empty: name at least one label"));
+    }
+    if s.labels.len() > MAX_LABELS_PER_REQUEST {
+        return Err(ApiError::new(ErrorCode::TooLarge, format!("{} labels asked for; at most {MAX_LABELS_PER_REQUEST} per request", s.labels.len())));
+    }
+    if s.requestor.trim().is_empty() || s.requestor.len() > MAX_REQUESTOR_LEN {
+        return Err(bad(format!("requestor must be 1 to {MAX_REQUESTOR_LEN} characters")));
+    }
+    if s.ssh_public_key.as_ref().is_some_and(|k| k.len() > MAX_SSH_KEY_LEN || k.contains('\n')) {
+        return Err(bad(format!("ssh_public_key must be one line of at most {MAX_SSH_KEY_LEN} characters")));
+    }
+    if let Some(unknown) = s.labels.iter().find(|l| sh.config.sites(l).is_empty()) {
+        let known = sh.config.label_names().join(", ");
+        return Err(ApiError::new(ErrorCode::UnknownLabel, format!("unknown label {unknown:?}; this pool serves: {known}")));
+    }
+    Ok(())
+}
+
+async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError> {
+    let s: SubmitRequest = decode(msg, "submit request", |s: &SubmitRequest| s.v)?;
+    validate(sh, &s)?;
+    let now = now_ms();
+    let req = NodeRequest {
+        v: PROTOCOL_VERSION,
+        id: s.id.clone().unwrap_or_else(RequestId::generate),
+        labels: s.labels,
+        requestor: s.requestor,
+        priority: s.priority.unwrap_or(DEFAULT_PRIORITY),
+        timeout_secs: s.timeout_secs,
+        ssh_public_key: s.ssh_public_key,
+        created_at: now,
+        state: RequestState::Requested,
+        status: "queued".into(),
+        nodes: vec![],
+        failure: None,
+        updated_at: now,
+    };
+    let key = req.id.to_string();
+    match sh.bus.requests.create(&key, &req, None).await {
+        Ok(revision) => {
+            tracing::info!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
+            let id = req.id.clone();
+            sh.world().put_request(Versioned { key, revision, value: req });
+            request::spawn(sh, id.clone());
+            Ok(Submitted { request_id: id })
+        }
+        // A retried submission with the same id: the first one stands.
+        Err(KvError::Conflict { .. }) if s.id.is_some() => match sh.bus.requests.get::<NodeRequest>(&key).await {
+            Ok(Some(existing)) if existing.value.labels == req.labels => Ok(Submitted { request_id: req.id }),
+            Ok(_) => Err(bad(format!("request id {key} is already used by a different request"))),
+            Err(err) => Err(internal(err)),
+        },
+        Err(err) => Err(internal(err)),
+    }
+}
+
+async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
+    let r: ReleaseNodes = decode(msg, "release request", |r: &ReleaseNodes| r.v)?;
+    if r.nodes.len() > MAX_LABELS_PER_REQUEST {
+        return Err(ApiError::new(ErrorCode::TooLarge, format!("{} nodes; at most {MAX_LABELS_PER_REQUEST} per release", r.nodes.len())));
+    }
+    let mut out = Released::default();
+    let results = futures::future::join_all(r.nodes.iter().map(|id| async move {
+        let Some((backing, slot)) = id.slot() else { return (id, Ok(false)) };
+        let key = layout::slot_key(&backing, slot);
+        // Only the node that holds the slot now may be released under this id.
+        match sh.bus.slots.get::<slotpool_protocol::model::Node>(&key).await {
+            Ok(Some(n)) if &n.value.id == id => (id, nodes::release(sh, &key).await.map_err(internal)),
+            Ok(_) => (id, Ok(false)),
+            Err(err) => (id, Err(internal(err))),
+        }
+    }))
+    .await;
+    for (id, result) in results {
+        match result? {
+            true => out.released.push(id.clone()),
+            false => out.not_found.push(id.clone()),
+        }
+    }
+    if !out.released.is_empty() {
+        tracing::info!(released = ?out.released, "nodes released");
+    }
+    Ok(out)
+}
+
+async fn cancel(sh: &Arc<Shared>, msg: &Incoming) -> Result<Canceled, ApiError> {
+    let c: CancelRequest = decode(msg, "cancel request", |c: &CancelRequest| c.v)?;
+    let key = c.request_id.to_string();
+    loop {
+        let Some(current) = sh.bus.requests.get::<NodeRequest>(&key).await.map_err(internal)? else {
+            return Err(ApiError::new(ErrorCode::NotFound, format!("no request {key}")));
+        };
+        if current.value.state.is_final() {
+            return Ok(Canceled { request_id: c.request_id, state: current.value.state });
+        }
+        let mut r = current.value.clone();
+        r.state = RequestState::Canceled;
+        r.status = "canceled by its requestor".into();
+        r.updated_at = now_ms();
+        let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+        match sh.bus.requests.update(&key, &r, current.revision, ttl).await {
+            Ok(_) => return Ok(Canceled { request_id: c.request_id, state: RequestState::Canceled }),
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(internal(err)),
+        }
+    }
+}

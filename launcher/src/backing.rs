@@ -1,0 +1,276 @@
+//! The backing worker: one task per backing seat this launcher holds the lease of. It
+//! carries out the steps of [`crate::lifecycle::next`]: launch, wait for the agent, hand
+//! the node to the allocator, retire, release, or fail — each a revision-checked write.
+
+use crate::lease::{self, LeaseGuard};
+use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
+use crate::nodes;
+use crate::provider::LaunchSpec;
+use crate::shared::{label_topic, seat_topic, wait_for_change, Shared};
+use slotpool_protocol::api::{AgentCommand, SlotsClosed};
+use slotpool_protocol::layout::{self, subjects};
+use slotpool_protocol::model::{secret_digest, BackingNode, BackingState};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+/// Pause before retrying a step whose I/O failed (provider or KV trouble).
+const STEP_RETRY_PAUSE: Duration = Duration::from_secs(2);
+/// How long an agent may take to answer a close/open command.
+const AGENT_COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Starts a worker for the seat `seat_key` unless this process already has one.
+pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
+    let key = layout::backing_lease_key(&seat_key);
+    if !shared.start_work(&key) {
+        return;
+    }
+    let sh = shared.clone();
+    let backing_id = sh.world().backing.get(&seat_key).map(|b| b.value.id.to_string()).unwrap_or_default();
+    let span = tracing::info_span!("backing", seat = %seat_key, backing_id = %backing_id);
+    shared.tracker.spawn(
+        async move {
+            match lease::acquire(&sh, &key).await {
+                Ok(Some(lease)) => {
+                    Worker { sh: sh.clone(), seat_key }.run(&lease).await;
+                    lease.release().await;
+                }
+                Ok(None) => tracing::debug!("another launcher drives this backing node"),
+                Err(err) => tracing::warn!(%err, "cannot take the backing node's lease"),
+            }
+            sh.end_work(&key);
+        }
+        .instrument(span),
+    );
+}
+
+struct Worker {
+    sh: Arc<Shared>,
+    seat_key: String,
+}
+
+/// The outcome of carrying out a step.
+enum Outcome {
+    Continue,
+    Wait(Option<u64>),
+    /// The seat is empty now: the worker ends.
+    Gone,
+}
+
+impl Worker {
+    async fn run(&self, lease: &LeaseGuard) {
+        let mut rx = self.sh.signals.subscribe(&seat_topic(&self.seat_key));
+        loop {
+            if lease.lost.is_cancelled() {
+                return;
+            }
+            rx.mark_unchanged();
+            let Some((b, obs)) = self.observe() else { return };
+            let step = lifecycle::next(&b.value, &obs);
+            tracing::trace!(?step, state = ?b.value.state, "step");
+            let outcome = match self.carry_out(&b, step).await {
+                Ok(o) => o,
+                Err(KvError::Conflict { .. }) => Outcome::Continue,
+                Err(err) => {
+                    tracing::warn!(%err, "step failed; retrying");
+                    Outcome::Wait(Some(now_ms() + STEP_RETRY_PAUSE.as_millis() as u64))
+                }
+            };
+            match outcome {
+                Outcome::Continue => {}
+                Outcome::Gone => return,
+                Outcome::Wait(at) => {
+                    let deadline = at.map(|t| tokio::time::Instant::now() + slotpool_protocol::time::until(t));
+                    wait_for_change(std::slice::from_mut(&mut rx), deadline, &lease.lost).await;
+                }
+            }
+        }
+    }
+
+    /// The record and what is observed of it now.
+    fn observe(&self) -> Option<(Versioned<BackingNode>, Observed)> {
+        let world = self.sh.world();
+        let b = world.backing.get(&self.seat_key)?.clone();
+        let agent = match world.agents.get(&b.value.id) {
+            None => AgentSeen::Absent,
+            Some(a) if a.secret_sha256 != b.value.secret_sha256 => AgentSeen::Impostor,
+            Some(a) => AgentSeen::Up { draining: a.draining },
+        };
+        let rules = self.sh.config.label_in(&b.value.provider, &b.value.pool, &b.value.label).map(|s| Rules {
+            grace_time: s.label.grace_time,
+            min_retention_time: s.label.min_retention_time,
+            max_age: s.label.max_age,
+            boot_timeout: s.pool.boot_timeout,
+            launch_retries: s.pool.launch_retries,
+        });
+        let obs = Observed {
+            agent,
+            used: world.used_count(&b.value.id),
+            last_release: world.last_release.get(&b.value.id).copied(),
+            rules,
+            now: now_ms(),
+        };
+        Some((b, obs))
+    }
+
+    async fn carry_out(&self, b: &Versioned<BackingNode>, step: Step) -> Result<Outcome, KvError> {
+        let now = now_ms();
+        match step {
+            Step::Wait(at) => Ok(Outcome::Wait(at)),
+            Step::Launch { retry_reason } => self.launch(b, retry_reason).await,
+            Step::BecomeReady => {
+                tracing::info!("ready");
+                self.write(b, BackingState::Ready, |n| {
+                    n.ready_at = Some(now);
+                    n.idle_since = Some(now);
+                })
+                .await
+            }
+            Step::SetIdleSince(at) => self.write(b, b.value.state, |n| n.idle_since = at).await,
+            Step::Retire(reason) => {
+                tracing::info!(%reason, "retiring: no new slots");
+                self.write(b, BackingState::Retiring, |_| {}).await
+            }
+            Step::Release(reason) => {
+                tracing::info!(%reason, "releasing");
+                self.write(b, BackingState::Releasing, |_| {}).await
+            }
+            Step::FinishRelease => self.finish_release(b).await,
+            Step::Fail(reason) => self.fail(b, reason).await,
+            Step::CleanUp => {
+                if let Some(instance) = &b.value.instance {
+                    if let Err(err) = self.sh.providers[&b.value.provider].delete(instance).await {
+                        tracing::warn!(%err, "cannot delete the failed instance; will retry");
+                        return Ok(Outcome::Wait(Some(now + STEP_RETRY_PAUSE.as_millis() as u64)));
+                    }
+                }
+                self.write(b, BackingState::Failed, |n| n.instance = None).await
+            }
+            Step::Forget => {
+                self.sh.bus.backing.delete(&b.key, b.revision).await?;
+                Ok(Outcome::Gone)
+            }
+        }
+    }
+
+    /// Writes a new state (checked against the state machine) and applies it locally.
+    async fn write(&self, b: &Versioned<BackingNode>, state: BackingState, change: impl FnOnce(&mut BackingNode)) -> Result<Outcome, KvError> {
+        debug_assert!(state == b.value.state || b.value.state.can_become(state), "{:?} -> {state:?}", b.value.state);
+        let mut n = b.value.clone();
+        n.state = state;
+        change(&mut n);
+        n.updated_at = now_ms();
+        let revision = self.sh.bus.backing.update(&b.key, &n, b.revision, None).await?;
+        let label = n.label.clone();
+        self.sh.world().put_backing(Versioned { key: b.key.clone(), revision, value: n });
+        self.sh.signals.bump(&label_topic(&label));
+        Ok(Outcome::Continue)
+    }
+
+    async fn launch(&self, b: &Versioned<BackingNode>, retry_reason: Option<String>) -> Result<Outcome, KvError> {
+        let v = &b.value;
+        let provider = self.sh.providers[&v.provider].clone();
+        if let Some(reason) = &retry_reason {
+            tracing::warn!(%reason, attempt = v.attempts + 1, "launching again");
+        }
+        if let Some(instance) = &v.instance {
+            if let Err(err) = provider.delete(instance).await {
+                tracing::warn!(%err, "cannot delete the previous attempt's instance");
+            }
+        }
+        let secret = match provider.fixed_identity(&v.pool, v.seat) {
+            Some(fixed) => fixed.secret,
+            None => new_secret(),
+        };
+        let Outcome::Continue = self
+            .write(b, BackingState::Launching, |n| {
+                n.attempts += 1;
+                n.launched_at = Some(now_ms());
+                n.instance = None;
+                n.failure = None;
+                n.ready_at = None;
+                n.idle_since = None;
+                n.secret_sha256 = secret_digest(&secret);
+            })
+            .await?
+        else {
+            unreachable!("write continues")
+        };
+        let Some(current) = self.sh.world().backing.get(&b.key).cloned() else { return Ok(Outcome::Continue) };
+        let timeout = self.sh.config.pool(&v.provider, &v.pool).map(|(_, p)| p.launch_timeout).unwrap_or(Duration::from_secs(300));
+        let spec = LaunchSpec {
+            backing_id: v.id.clone(),
+            secret,
+            provider: v.provider.clone(),
+            pool: v.pool.clone(),
+            backing_label: v.backing_label.clone(),
+            slots: v.slots,
+            nats_url: self.sh.agent_nats_url.clone(),
+            timeout,
+        };
+        let result = tokio::time::timeout(timeout, provider.launch(&spec)).await;
+        match result {
+            Ok(Ok(launched)) => {
+                tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
+                self.write(&current, BackingState::Launching, |n| {
+                    n.instance = Some(launched.instance);
+                    n.attributes = launched.attributes;
+                })
+                .await
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(%err, "launch failed");
+                self.write(&current, BackingState::Launching, |n| n.failure = Some(err.to_string())).await
+            }
+            Err(_) => {
+                let why = format!("provider did not launch within launch-timeout {}s", timeout.as_secs());
+                self.write(&current, BackingState::Launching, |n| n.failure = Some(why)).await
+            }
+        }
+    }
+
+    /// Closes the agent to new slots, makes sure none is in use, deletes the instance and
+    /// frees the seat. A slot claimed in the meantime aborts the release.
+    async fn finish_release(&self, b: &Versioned<BackingNode>) -> Result<Outcome, KvError> {
+        let v = &b.value;
+        let agent_up = self.sh.world().agents.contains_key(&v.id);
+        if agent_up {
+            let subject = subjects::agent(&v.id);
+            match self.sh.bus.call::<_, SlotsClosed>(&subject, &AgentCommand::Close, AGENT_COMMAND_TIMEOUT).await {
+                Ok(closed) if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
+                Ok(closed) => {
+                    tracing::info!(prepared = ?closed.prepared, "a slot was claimed meanwhile; release aborted");
+                    let _ = self.sh.bus.call::<_, SlotsClosed>(&subject, &AgentCommand::Open, AGENT_COMMAND_TIMEOUT).await;
+                    return self.write(b, BackingState::Ready, |n| n.idle_since = None).await;
+                }
+                Err(err) => tracing::warn!(%err, "agent did not confirm close; releasing anyway"),
+            }
+        }
+        if let Some(instance) = &v.instance {
+            if let Err(err) = self.sh.providers[&v.provider].delete(instance).await {
+                tracing::warn!(%err, "cannot delete the instance; will retry");
+                return Ok(Outcome::Wait(Some(now_ms() + STEP_RETRY_PAUSE.as_millis() as u64)));
+            }
+        }
+        self.sh.bus.backing.delete(&b.key, b.revision).await?;
+        tracing::info!("released");
+        Ok(Outcome::Gone)
+    }
+
+    async fn fail(&self, b: &Versioned<BackingNode>, reason: String) -> Result<Outcome, KvError> {
+        tracing::warn!(%reason, "backing node failed");
+        let outcome = self.write(b, BackingState::Failed, |n| n.failure = Some(reason.clone())).await?;
+        let on_it: Vec<_> = self.sh.world().slots.values().filter(|n| n.value.backing_id == b.value.id).cloned().collect();
+        for node in on_it {
+            nodes::mark_failed(&self.sh, &node, &format!("backing node {} failed: {reason}", b.value.id)).await?;
+        }
+        Ok(outcome)
+    }
+}
+
+fn new_secret() -> String {
+    let bytes: [u8; 24] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

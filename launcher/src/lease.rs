@@ -1,0 +1,84 @@
+//! Leases: a launcher's claim on a request or a backing seat, as a KV key with a TTL.
+//!
+//! Acquire is create-if-absent; the holder renews it every third of the TTL with a
+//! revision-checked write; a launcher that stops renewing loses it when the TTL runs out,
+//! and the watch tells every other launcher that the work is free. The revision is the
+//! fencing token: a holder that finds it changed has lost the lease and stops at once.
+
+use crate::shared::Shared;
+use slotpool_protocol::model::Lease;
+use slotpool_protocol::store::KvError;
+use slotpool_protocol::time::now_ms;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// A held lease. Renewal runs until [`LeaseGuard::release`] or drop; `lost` is cancelled
+/// if renewal fails.
+pub struct LeaseGuard {
+    key: String,
+    revision: Arc<AtomicU64>,
+    /// Cancelled when the lease is lost (or the launcher shuts down).
+    pub lost: CancellationToken,
+    stop: CancellationToken,
+    shared: Arc<Shared>,
+}
+
+/// Tries to take the lease `key`; `Ok(None)` when another launcher holds it.
+pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuard>, KvError> {
+    let ttl = shared.config.lease_ttl;
+    let lease = Lease { v: slotpool_protocol::PROTOCOL_VERSION, holder: shared.id.clone(), acquired_at: now_ms() };
+    let revision = match shared.bus.leases.create(key, &lease, Some(ttl)).await {
+        Ok(rev) => rev,
+        Err(KvError::Conflict { .. }) => return Ok(None),
+        Err(err) => return Err(err),
+    };
+    let revision = Arc::new(AtomicU64::new(revision));
+    let lost = shared.shutdown.child_token();
+    let stop = CancellationToken::new();
+    let (k, rev, l, s, sh) = (key.to_string(), revision.clone(), lost.clone(), stop.clone(), shared.clone());
+    shared.tracker.spawn(async move {
+        let period = ttl / 3;
+        loop {
+            tokio::select! {
+                _ = s.cancelled() => return,
+                _ = l.cancelled() => return,
+                _ = tokio::time::sleep(period) => {}
+            }
+            match sh.bus.leases.update(&k, &lease, rev.load(Ordering::SeqCst), Some(ttl)).await {
+                Ok(new) => rev.store(new, Ordering::SeqCst),
+                // A timed-out write may have landed; the next renewal will tell.
+                Err(KvError::Timeout { .. }) => continue,
+                Err(err) => {
+                    tracing::warn!(lease = %k, %err, "lease lost; stopping its work");
+                    l.cancel();
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Some(LeaseGuard { key: key.to_string(), revision, lost, stop, shared: shared.clone() }))
+}
+
+impl LeaseGuard {
+    /// The current fencing token.
+    pub fn revision(&self) -> u64 {
+        self.revision.load(Ordering::SeqCst)
+    }
+
+    /// Stops renewal and deletes the lease so others need not wait for the TTL.
+    pub async fn release(self) {
+        self.stop.cancel();
+        if !self.lost.is_cancelled() || self.shared.shutdown.is_cancelled() {
+            if let Err(err) = self.shared.bus.leases.delete(&self.key, self.revision()).await {
+                tracing::debug!(lease = %self.key, %err, "lease release");
+            }
+        }
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

@@ -1,0 +1,324 @@
+//! The backing node state machine as a pure function: given the record (desired state and
+//! what was last written) and what is observed now, [`next`] says the one step to take.
+//! Unit tested without NATS; the backing worker carries the steps out.
+
+use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour};
+use slotpool_protocol::time::{after, UnixMillis};
+use std::time::Duration;
+
+/// How long a failed backing node's record is kept for operators to see.
+pub const FAILED_RETENTION: Duration = Duration::from_secs(600);
+/// How long a failed seat rests before the planner launches into it again (quota back-off).
+pub const FAILED_SEAT_COOLDOWN: Duration = Duration::from_secs(10);
+
+/// What is known of a backing node's agent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AgentSeen {
+    /// No heartbeat (never, or it expired).
+    Absent,
+    /// A heartbeat under this id, but with another secret: not the instance we launched.
+    Impostor,
+    Up { draining: bool },
+}
+
+/// The configured rules for the backing node's label (None: no longer configured).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rules {
+    pub grace_time: Duration,
+    pub min_retention_time: Duration,
+    pub max_age: Duration,
+    pub boot_timeout: Duration,
+    pub launch_retries: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observed {
+    pub agent: AgentSeen,
+    /// Slots currently held.
+    pub used: u32,
+    /// When a slot was last returned, if seen by this process.
+    pub last_release: Option<UnixMillis>,
+    pub rules: Option<Rules>,
+    pub now: UnixMillis,
+}
+
+/// The one step to take next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Start a launch attempt (the first, or a retry after `reason`).
+    Launch { retry_reason: Option<String> },
+    BecomeReady,
+    /// Record when the node became empty (or that it is in use again).
+    SetIdleSince(Option<UnixMillis>),
+    /// No new slots from now on.
+    Retire(String),
+    /// Start releasing.
+    Release(String),
+    /// Delete the instance and the seat.
+    FinishRelease,
+    Fail(String),
+    /// Delete a failed node's instance.
+    CleanUp,
+    /// Drop a failed node's record.
+    Forget,
+    /// Nothing to do until something changes or the time (if any) comes.
+    Wait(Option<UnixMillis>),
+}
+
+fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// When the node reaches max-age, if it has one.
+pub fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
+    (!rules.max_age.is_zero()).then(|| after(b.ready_at.or(b.launched_at).unwrap_or(b.created_at), rules.max_age))
+}
+
+/// When an empty node may be released: grace-time after its last slot came back, and
+/// never before min-retention-time after launch.
+pub fn release_at(b: &BackingNode, obs: &Observed, rules: &Rules) -> UnixMillis {
+    let emptied = b.idle_since.unwrap_or(obs.now).max(obs.last_release.unwrap_or(0));
+    let retained = after(b.launched_at.unwrap_or(b.created_at), rules.min_retention_time);
+    after(emptied, rules.grace_time).max(retained)
+}
+
+pub fn next(b: &BackingNode, obs: &Observed) -> Step {
+    use BackingState::*;
+    match b.state {
+        Requested => Step::Launch { retry_reason: None },
+        Launching => launching(b, obs),
+        Ready => ready(b, obs),
+        Retiring => match obs.agent {
+            AgentSeen::Absent => Step::Fail("agent heartbeat expired while retiring".into()),
+            _ if b.idle == IdleBehaviour::Hold => Step::Wait(None),
+            _ if obs.used == 0 => Step::Release("retired and empty".into()),
+            _ => Step::Wait(None),
+        },
+        Releasing => Step::FinishRelease,
+        Gone => Step::Wait(None),
+        Failed if b.instance.is_some() => Step::CleanUp,
+        Failed => {
+            let forget_at = after(b.updated_at, FAILED_RETENTION);
+            if obs.now >= forget_at {
+                Step::Forget
+            } else {
+                Step::Wait(Some(forget_at))
+            }
+        }
+    }
+}
+
+fn launching(b: &BackingNode, obs: &Observed) -> Step {
+    let Some(rules) = obs.rules else {
+        return Step::Fail("its label is no longer in the config".into());
+    };
+    if b.instance.is_some() && matches!(obs.agent, AgentSeen::Up { draining: false }) {
+        return Step::BecomeReady;
+    }
+    let retry_or_fail = |reason: String| {
+        if b.attempts < rules.launch_retries {
+            Step::Launch { retry_reason: Some(reason) }
+        } else {
+            Step::Fail(format!("{reason} (attempt {} of {})", b.attempts, rules.launch_retries))
+        }
+    };
+    let Some(launched_at) = b.launched_at else {
+        return retry_or_fail("launch was interrupted".into());
+    };
+    if b.instance.is_none() {
+        // The attempt failed (failure says why) or its launcher died before recording it.
+        let reason = b.failure.clone().unwrap_or_else(|| "launch was interrupted".into());
+        return retry_or_fail(reason);
+    }
+    let deadline = after(launched_at, rules.boot_timeout);
+    if obs.now >= deadline {
+        let why = match obs.agent {
+            AgentSeen::Impostor => "an agent with the wrong secret answered",
+            _ => "its agent did not report",
+        };
+        return retry_or_fail(format!("{why} within boot-timeout {}s", rules.boot_timeout.as_secs()));
+    }
+    Step::Wait(Some(deadline))
+}
+
+fn ready(b: &BackingNode, obs: &Observed) -> Step {
+    match obs.agent {
+        AgentSeen::Absent => return Step::Fail("agent heartbeat expired: the backing node or its agent is gone".into()),
+        AgentSeen::Impostor => return Step::Fail("agent reports a different secret: not the instance that was launched".into()),
+        AgentSeen::Up { draining: true } => return Step::Retire("its agent is shutting down".into()),
+        AgentSeen::Up { draining: false } => {}
+    }
+    let Some(rules) = obs.rules else {
+        return Step::Retire("its label is no longer in the config".into());
+    };
+    let max_age = max_age_at(b, &rules);
+    if max_age.is_some_and(|t| obs.now >= t) {
+        return Step::Retire(format!("max-age {}s reached", rules.max_age.as_secs()));
+    }
+    if obs.used > 0 {
+        return match b.idle_since {
+            Some(_) => Step::SetIdleSince(None),
+            None => Step::Wait(max_age),
+        };
+    }
+    if b.idle_since.is_none() {
+        return Step::SetIdleSince(Some(obs.now));
+    }
+    match b.idle {
+        IdleBehaviour::Hold => Step::Wait(max_age),
+        IdleBehaviour::Drain => Step::Release("drained by an operator".into()),
+        IdleBehaviour::Run => {
+            let at = release_at(b, obs, &rules);
+            if obs.now >= at {
+                Step::Release("idle for its grace-time".into())
+            } else {
+                Step::Wait(min_opt(Some(at), max_age))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slotpool_protocol::model::Instance;
+    use slotpool_protocol::BackingId;
+
+    fn rules() -> Rules {
+        Rules {
+            grace_time: Duration::from_secs(2),
+            min_retention_time: Duration::ZERO,
+            max_age: Duration::ZERO,
+            boot_timeout: Duration::from_secs(10),
+            launch_retries: 2,
+        }
+    }
+
+    fn node(state: BackingState) -> BackingNode {
+        BackingNode {
+            v: 1,
+            id: BackingId::parse("bn-1").unwrap(),
+            provider: "p".into(),
+            pool: "main".into(),
+            seat: 0,
+            label: "small".into(),
+            backing_label: "large".into(),
+            slots: 4,
+            state,
+            idle: IdleBehaviour::Run,
+            instance: Some(Instance { id: "i".into(), host: "h".into(), data: serde_json::Value::Null }),
+            secret_sha256: "s".into(),
+            created_at: 1_000,
+            launched_at: Some(1_000),
+            ready_at: Some(2_000),
+            idle_since: Some(10_000),
+            attempts: 1,
+            failure: None,
+            attributes: Default::default(),
+            updated_at: 2_000,
+        }
+    }
+
+    fn obs(now: UnixMillis, used: u32) -> Observed {
+        Observed { agent: AgentSeen::Up { draining: false }, used, last_release: None, rules: Some(rules()), now }
+    }
+
+    #[test]
+    fn empty_node_is_released_after_grace_time_never_before() {
+        let b = node(BackingState::Ready);
+        assert_eq!(next(&b, &obs(11_999, 0)), Step::Wait(Some(12_000)));
+        assert_eq!(next(&b, &obs(12_000, 0)), Step::Release("idle for its grace-time".into()));
+    }
+
+    #[test]
+    fn a_later_slot_return_seen_locally_restarts_the_grace_time() {
+        let b = node(BackingState::Ready);
+        let mut o = obs(12_500, 0);
+        o.last_release = Some(11_000);
+        assert_eq!(next(&b, &o), Step::Wait(Some(13_000)));
+    }
+
+    #[test]
+    fn min_retention_holds_an_idle_node_past_grace() {
+        let b = node(BackingState::Ready);
+        let mut o = obs(12_000, 0);
+        o.rules = Some(Rules { min_retention_time: Duration::from_secs(30), ..rules() });
+        assert_eq!(next(&b, &o), Step::Wait(Some(31_000)));
+    }
+
+    #[test]
+    fn max_age_retires_and_empty_retiring_node_is_released() {
+        let b = node(BackingState::Ready);
+        let mut o = obs(7_000, 2);
+        o.rules = Some(Rules { max_age: Duration::from_secs(5), ..rules() });
+        assert_eq!(next(&b, &o), Step::Retire("max-age 5s reached".into()));
+        let r = node(BackingState::Retiring);
+        assert_eq!(next(&r, &o), Step::Wait(None));
+        assert_eq!(next(&r, &obs(7_000, 0)), Step::Release("retired and empty".into()));
+    }
+
+    #[test]
+    fn busy_node_clears_idle_since_and_empty_one_sets_it() {
+        let b = node(BackingState::Ready);
+        assert_eq!(next(&b, &obs(5_000, 1)), Step::SetIdleSince(None));
+        let mut fresh = node(BackingState::Ready);
+        fresh.idle_since = None;
+        assert_eq!(next(&fresh, &obs(5_000, 0)), Step::SetIdleSince(Some(5_000)));
+    }
+
+    #[test]
+    fn hold_and_drain() {
+        let mut b = node(BackingState::Ready);
+        b.idle = IdleBehaviour::Hold;
+        assert_eq!(next(&b, &obs(99_000, 0)), Step::Wait(None));
+        b.idle = IdleBehaviour::Drain;
+        assert_eq!(next(&b, &obs(10_001, 0)), Step::Release("drained by an operator".into()));
+    }
+
+    #[test]
+    fn lost_agent_fails_a_ready_node() {
+        let b = node(BackingState::Ready);
+        let mut o = obs(5_000, 2);
+        o.agent = AgentSeen::Absent;
+        assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("heartbeat expired")));
+        o.agent = AgentSeen::Impostor;
+        assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("different secret")));
+    }
+
+    #[test]
+    fn launching_waits_for_the_agent_then_retries_then_fails() {
+        let mut b = node(BackingState::Launching);
+        let mut o = obs(5_000, 0);
+        o.agent = AgentSeen::Absent;
+        assert_eq!(next(&b, &o), Step::Wait(Some(11_000)));
+        o.now = 11_000;
+        assert!(matches!(next(&b, &o), Step::Launch { retry_reason: Some(r) } if r.contains("did not report")));
+        b.attempts = 2;
+        assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("attempt 2 of 2")));
+        o.agent = AgentSeen::Up { draining: false };
+        assert_eq!(next(&b, &o), Step::BecomeReady);
+    }
+
+    #[test]
+    fn failed_launch_attempt_is_retried_with_its_reason() {
+        let mut b = node(BackingState::Launching);
+        b.instance = None;
+        b.failure = Some("quota exceeded".into());
+        let mut o = obs(5_000, 0);
+        o.agent = AgentSeen::Absent;
+        assert_eq!(next(&b, &o), Step::Launch { retry_reason: Some("quota exceeded".into()) });
+    }
+
+    #[test]
+    fn failed_node_is_cleaned_up_then_forgotten() {
+        let mut b = node(BackingState::Failed);
+        assert_eq!(next(&b, &obs(5_000, 0)), Step::CleanUp);
+        b.instance = None;
+        let forget = after(b.updated_at, FAILED_RETENTION);
+        assert_eq!(next(&b, &obs(5_000, 0)), Step::Wait(Some(forget)));
+        assert_eq!(next(&b, &obs(forget, 0)), Step::Forget);
+    }
+}

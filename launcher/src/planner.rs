@@ -1,0 +1,130 @@
+//! Capacity planning: when unmet demand for a label exceeds the slots free or coming,
+//! take seats (create backing node records) in the pools serving it, lowest pool priority
+//! first, never more than a pool's `max-servers`.
+//!
+//! Every launcher plans from the same mirror and picks the lowest free seat, so two
+//! launchers planning at once race for the same seat key and one of them loses the
+//! create: demand is not met twice.
+
+use crate::backing;
+use crate::lifecycle::FAILED_SEAT_COOLDOWN;
+use crate::shared::Shared;
+use slotpool_protocol::layout;
+use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBehaviour};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::{after, now_ms};
+use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
+use std::sync::Arc;
+
+/// A seat to take: its index and, when reusing a failed seat, the revision it holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FreeSeat {
+    pub seat: u32,
+    pub reuse_revision: Option<u64>,
+}
+
+/// Seats of a pool that may be taken now, lowest first.
+pub fn free_seats<'a>(max_servers: u32, taken: impl Fn(u32) -> Option<&'a Versioned<BackingNode>>, now: u64) -> Vec<FreeSeat> {
+    (0..max_servers)
+        .filter_map(|seat| match taken(seat) {
+            None => Some(FreeSeat { seat, reuse_revision: None }),
+            Some(b) if b.value.state == BackingState::Failed
+                && b.value.instance.is_none()
+                && now >= after(b.value.updated_at, FAILED_SEAT_COOLDOWN) =>
+            {
+                Some(FreeSeat { seat, reuse_revision: Some(b.revision) })
+            }
+            Some(_) => None,
+        })
+        .collect()
+}
+
+/// Takes as many seats as the label's unmet demand needs.
+pub async fn plan(shared: &Arc<Shared>, label: &str) {
+    let mut deficit = {
+        let world = shared.world();
+        world.unmet_demand(label) as i64 - world.coming_capacity(label) as i64
+    };
+    if deficit <= 0 {
+        return;
+    }
+    for site in shared.config.sites(label) {
+        let provider = &site.provider.name;
+        let pool = &site.pool.name;
+        let seats = {
+            let world = shared.world();
+            let taken = world.seats_of(provider, pool);
+            free_seats(site.pool.max_servers, |s| taken.get(&s).copied(), now_ms())
+        };
+        for free in seats {
+            if deficit <= 0 {
+                return;
+            }
+            let identity = shared.providers[provider].fixed_identity(pool, free.seat);
+            let record = BackingNode {
+                v: PROTOCOL_VERSION,
+                id: identity.as_ref().map(|i| i.backing_id.clone()).unwrap_or_else(BackingId::generate),
+                provider: provider.clone(),
+                pool: pool.clone(),
+                seat: free.seat,
+                label: label.to_string(),
+                backing_label: site.label.backing_label.clone(),
+                slots: site.label.max_parallel_jobs,
+                state: BackingState::Requested,
+                idle: IdleBehaviour::Run,
+                instance: None,
+                secret_sha256: identity.as_ref().map(|i| secret_digest(&i.secret)).unwrap_or_default(),
+                created_at: now_ms(),
+                launched_at: None,
+                ready_at: None,
+                idle_since: None,
+                attempts: 0,
+                failure: None,
+                attributes: Default::default(),
+                updated_at: now_ms(),
+            };
+            let key = layout::seat_key(provider, pool, free.seat);
+            let written = match free.reuse_revision {
+                None => shared.bus.backing.create(&key, &record, None).await,
+                Some(rev) => shared.bus.backing.update(&key, &record, rev, None).await,
+            };
+            match written {
+                Ok(revision) => {
+                    tracing::info!(seat = %key, backing_id = %record.id, %label, "requested a backing node");
+                    shared.world().put_backing(Versioned { key: key.clone(), revision, value: record });
+                    deficit -= site.label.max_parallel_jobs as i64;
+                    backing::spawn(shared, key);
+                }
+                Err(KvError::Conflict { .. }) => {
+                    // Another launcher took it; the watch will show its capacity.
+                    return;
+                }
+                Err(err) => {
+                    tracing::warn!(seat = %key, %err, "cannot take a seat");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_seats_are_the_absent_ones_and_rested_failed_ones() {
+        let mut failed = crate::world::tests_support::backing("bn-f", "small", 4, BackingState::Failed);
+        failed.value.updated_at = 1_000;
+        let ready = crate::world::tests_support::backing("bn-r", "small", 4, BackingState::Ready);
+        let taken = |s: u32| match s {
+            0 => Some(&ready),
+            1 => Some(&failed),
+            _ => None,
+        };
+        let early = free_seats(3, taken, 1_000);
+        assert_eq!(early, vec![FreeSeat { seat: 2, reuse_revision: None }]);
+        let later = free_seats(3, taken, 1_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64);
+        assert_eq!(later[0], FreeSeat { seat: 1, reuse_revision: Some(1) });
+    }
+}

@@ -1,0 +1,304 @@
+//! The request worker: one task per node request this launcher holds the lease of. It
+//! claims a slot for every label of the node set, has the agents prepare them, and marks
+//! the request fulfilled — or failed, with a reason a human can act on.
+//!
+//! Resumable: everything it has done is in KV (slots name their request), so a worker
+//! that takes a request over from a dead launcher adopts the slots already claimed.
+
+use crate::lease::{self, LeaseGuard};
+use crate::nodes::{self, SlotError};
+use crate::shared::{label_topic, request_topic, wait_for_change, Shared};
+use crate::world::QueuePosition;
+use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, RequestState};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::RequestId;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+/// Pause after a failed prepare before trying again, so a broken agent cannot make a
+/// worker spin (the backing worker will fail the node if its agent is really gone).
+const PREPARE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Starts a worker for `id` unless this process already has one.
+pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
+    let key = layout::request_lease_key(&id);
+    if !shared.start_work(&key) {
+        return;
+    }
+    let sh = shared.clone();
+    let span = tracing::info_span!("request", request_id = %id);
+    shared.tracker.spawn(
+        async move {
+            match lease::acquire(&sh, &key).await {
+                Ok(Some(lease)) => {
+                    let worker = Worker { sh: sh.clone(), id };
+                    if let Err(err) = worker.run(&lease).await {
+                        tracing::warn!(%err, "request worker stopped; another pass will resume it");
+                    }
+                    lease.release().await;
+                }
+                Ok(None) => tracing::debug!("another launcher holds this request"),
+                Err(err) => tracing::warn!(%err, "cannot take the request's lease"),
+            }
+            sh.end_work(&key);
+        }
+        .instrument(span),
+    );
+}
+
+struct Worker {
+    sh: Arc<Shared>,
+    id: RequestId,
+}
+
+/// What one pass over the request found.
+enum Pass {
+    Done,
+    /// Some labels could not get a slot yet.
+    Waiting { missing: Vec<String> },
+    /// Something changed under us; look again at once.
+    Again,
+    /// A prepare failed; look again shortly.
+    Pause,
+}
+
+impl Worker {
+    async fn run(&self, lease: &LeaseGuard) -> Result<(), SlotError> {
+        let mut request_rx = self.sh.signals.subscribe(&request_topic(&self.id));
+        let mut label_rxs = Vec::new();
+        let result = loop {
+            if lease.lost.is_cancelled() {
+                break Ok(());
+            }
+            let Some(req) = self.sh.world().requests.get(&self.id).cloned() else { break Ok(()) };
+            let pos: QueuePosition = (req.value.priority, req.value.created_at, self.id.clone());
+            let pass = match self.pass(&req).await {
+                Ok(p) => p,
+                Err(SlotError::Kv(KvError::Conflict { .. })) => Pass::Again,
+                Err(err) => break Err(err),
+            };
+            match pass {
+                Pass::Done => break Ok(()),
+                Pass::Again => continue,
+                Pass::Pause => {
+                    tokio::select! {
+                        _ = tokio::time::sleep(PREPARE_RETRY_PAUSE) => {}
+                        _ = lease.lost.cancelled() => {}
+                    }
+                }
+                Pass::Waiting { missing } => {
+                    if label_rxs.is_empty() {
+                        label_rxs = missing.iter().map(|l| self.sh.signals.subscribe(&label_topic(l))).collect();
+                    }
+                    let status = self.waiting_status(&req.value, &missing);
+                    self.sh.world().waiting.insert(pos.clone(), missing);
+                    if status != req.value.status {
+                        self.set_status(&req, status).await?;
+                    }
+                    let deadline = req.value.deadline().map(|d| {
+                        tokio::time::Instant::now() + slotpool_protocol::time::until(d)
+                    });
+                    let mut rxs = label_rxs.clone();
+                    rxs.push(request_rx.clone());
+                    for rx in rxs.iter_mut() {
+                        rx.mark_unchanged();
+                    }
+                    // Re-check after subscribing so a change in between is not missed.
+                    if self.could_progress(&pos) {
+                        continue;
+                    }
+                    wait_for_change(&mut rxs, deadline, &lease.lost).await;
+                    request_rx.mark_unchanged();
+                }
+            }
+        };
+        self.sh.world().waiting.retain(|(_, _, id), _| id != &self.id);
+        result
+    }
+
+    /// Whether a slot for any waiting label is free now (checked with the world lock).
+    fn could_progress(&self, pos: &QueuePosition) -> bool {
+        let mut world = self.sh.world();
+        let labels = world.waiting.get(pos).cloned().unwrap_or_default();
+        for label in labels {
+            if let Some(slot) = world.reserve_slot(pos, &label) {
+                world.unreserve(&slot);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// One look at the request: finish, fail, or claim what can be claimed.
+    async fn pass(&self, req: &Versioned<NodeRequest>) -> Result<Pass, SlotError> {
+        let r = &req.value;
+        if r.state.is_final() {
+            self.release_strays(r).await;
+            return Ok(Pass::Done);
+        }
+        if let Some(label) = r.labels.iter().find(|l| self.sh.config.sites(l).is_empty()) {
+            let known = self.sh.config.label_names().join(", ");
+            return self.fail(req, format!("unknown label {label:?}; this pool serves: {known}")).await;
+        }
+        if r.deadline().is_some_and(|d| now_ms() >= d) {
+            let why = format!("timed out after {}s: {}", r.timeout_secs.unwrap_or(0), r.status);
+            return self.fail(req, why).await;
+        }
+        let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
+        let mut have: BTreeMap<u32, Versioned<Node>> = BTreeMap::new();
+        for node in self.sh.world().nodes_of(&r.id).into_iter().cloned() {
+            have.insert(node.value.index, node);
+        }
+        let mut missing = Vec::new();
+        for (index, label) in r.labels.iter().enumerate() {
+            let index = index as u32;
+            match have.get(&index) {
+                Some(n) if n.value.state == NodeState::Ready => continue,
+                Some(n) if n.value.state == NodeState::Preparing => {
+                    if !self.prepare(n.clone(), r).await? {
+                        return Ok(Pass::Pause);
+                    }
+                }
+                Some(n) => {
+                    // Its backing node failed before the request was fulfilled: start over.
+                    nodes::release(&self.sh, &n.key).await?;
+                    return Ok(Pass::Again);
+                }
+                None => {
+                    let slot = self.sh.world().reserve_slot(&pos, label);
+                    let Some(slot) = slot else {
+                        missing.push(label.clone());
+                        continue;
+                    };
+                    let claimed = nodes::claim(&self.sh, &slot, r, index).await;
+                    self.sh.world().unreserve(&slot);
+                    let node = claimed?;
+                    self.sh.world().put_slot(node.clone());
+                    if !self.prepare(node, r).await? {
+                        return Ok(Pass::Pause);
+                    }
+                }
+            }
+        }
+        if !missing.is_empty() {
+            if let Some(why) = self.launch_failure(r, &missing) {
+                return self.fail(req, why).await;
+            }
+            return Ok(Pass::Waiting { missing });
+        }
+        self.fulfil(req).await
+    }
+
+    /// Prepares a claimed node; false (after giving the slot back) when its agent failed.
+    async fn prepare(&self, node: Versioned<Node>, r: &NodeRequest) -> Result<bool, SlotError> {
+        let key = node.key.clone();
+        match nodes::prepare(&self.sh, node, r.ssh_public_key.clone()).await {
+            Ok(ready) => {
+                self.sh.world().put_slot(ready);
+                Ok(true)
+            }
+            Err(SlotError::Agent { backing_id, source }) => {
+                tracing::warn!(%backing_id, err = %source, "prepare failed; giving the slot back");
+                nodes::release(&self.sh, &key).await?;
+                Ok(false)
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn fulfil(&self, req: &Versioned<NodeRequest>) -> Result<Pass, SlotError> {
+        let mut done = req.value.clone();
+        let mut nodes: Vec<_> = self.sh.world().nodes_of(&done.id).into_iter().map(|n| (n.value.index, n.value.id.clone())).collect();
+        nodes.sort();
+        done.nodes = nodes.into_iter().map(|(_, id)| id).collect();
+        done.state = RequestState::Fulfilled;
+        done.status = format!("fulfilled: {} node(s) ready", done.nodes.len());
+        self.finish(req, done).await?;
+        tracing::info!("fulfilled");
+        Ok(Pass::Done)
+    }
+
+    async fn fail(&self, req: &Versioned<NodeRequest>, reason: String) -> Result<Pass, SlotError> {
+        tracing::info!(%reason, "request failed");
+        let mut failed = req.value.clone();
+        failed.state = RequestState::Failed;
+        failed.status = format!("failed: {reason}");
+        failed.failure = Some(reason);
+        self.finish(req, failed).await?;
+        self.release_strays(&req.value).await;
+        Ok(Pass::Done)
+    }
+
+    /// Writes a final state (kept for [`FINISHED_REQUEST_TTL_SECS`]).
+    async fn finish(&self, req: &Versioned<NodeRequest>, mut done: NodeRequest) -> Result<(), SlotError> {
+        done.updated_at = now_ms();
+        let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+        let revision = self.sh.bus.requests.update(&req.key, &done, req.revision, ttl).await?;
+        self.sh.world().put_request(Versioned { key: req.key.clone(), revision, value: done });
+        Ok(())
+    }
+
+    async fn set_status(&self, req: &Versioned<NodeRequest>, status: String) -> Result<(), SlotError> {
+        let mut r = req.value.clone();
+        r.status = status;
+        r.updated_at = now_ms();
+        let revision = self.sh.bus.requests.update(&req.key, &r, req.revision, None).await?;
+        self.sh.world().put_request(Versioned { key: req.key.clone(), revision, value: r });
+        Ok(())
+    }
+
+    /// Gives back slots claimed for a request that ended without them.
+    async fn release_strays(&self, r: &NodeRequest) {
+        let strays: Vec<String> = self
+            .sh
+            .world()
+            .nodes_of(&r.id)
+            .into_iter()
+            .filter(|n| r.state != RequestState::Fulfilled || !r.nodes.contains(&n.value.id))
+            .map(|n| n.key.clone())
+            .collect();
+        for key in strays {
+            if let Err(err) = nodes::release(&self.sh, &key).await {
+                tracing::warn!(slot = %key, %err, "cannot release a slot of an ended request");
+            }
+        }
+    }
+
+    /// A reason to give up: a backing node launched for a missing label failed for good
+    /// after this request was made, and nothing else is coming for it.
+    fn launch_failure(&self, r: &NodeRequest, missing: &[String]) -> Option<String> {
+        let world = self.sh.world();
+        missing.iter().find_map(|label| {
+            if world.coming_capacity(label) > 0 {
+                return None;
+            }
+            world
+                .backing
+                .values()
+                .map(|b| &b.value)
+                .filter(|b| &b.label == label && b.state == BackingState::Failed && b.ready_at.is_none() && b.updated_at >= r.created_at)
+                .find_map(|b| b.failure.as_ref().map(|f| format!("could not launch a backing node of {} for label {label:?}: {f}", b.backing_label)))
+        })
+    }
+
+    /// One line a human understands, saying what the request waits for.
+    fn waiting_status(&self, r: &NodeRequest, missing: &[String]) -> String {
+        let assigned = r.labels.len() - missing.len();
+        let progress = format!("({assigned} of {} slots assigned)", r.labels.len());
+        let world = self.sh.world();
+        let label = &missing[0];
+        let booting = world.backing.values().map(|b| &b.value).find(|b| &b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching));
+        if let Some(b) = booting {
+            return format!("waiting for a backing node of {} to boot {progress}", b.backing_label);
+        }
+        let full = self.sh.config.sites(label).iter().all(|s| world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers);
+        if full {
+            return format!("waiting for a free slot of {label}: every pool serving it is at max-servers {progress}");
+        }
+        format!("waiting for a free slot of {label} {progress}")
+    }
+}

@@ -1,0 +1,127 @@
+//! What every launcher task shares: the bus, the config, the providers, the mirror of KV,
+//! change signals, and the set of work items this process is driving.
+
+use crate::config::Config;
+use crate::provider::Provider;
+use crate::world::World;
+use slotpool_protocol::connect::Bus;
+use slotpool_protocol::LauncherId;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// The launcher process's shared state.
+pub struct Shared {
+    pub id: LauncherId,
+    pub bus: Bus,
+    pub config: Config,
+    pub providers: HashMap<String, Arc<dyn Provider>>,
+    /// NATS URL handed to agents started by providers.
+    pub agent_nats_url: String,
+    world: Mutex<World>,
+    pub signals: Signals,
+    /// Work items (lease keys) this process has a worker for.
+    active: Mutex<HashSet<String>>,
+    pub tracker: TaskTracker,
+    pub shutdown: CancellationToken,
+}
+
+impl Shared {
+    pub fn new(
+        bus: Bus,
+        config: Config,
+        providers: HashMap<String, Arc<dyn Provider>>,
+        agent_nats_url: String,
+        shutdown: CancellationToken,
+    ) -> Shared {
+        Shared {
+            id: LauncherId::generate(),
+            bus,
+            config,
+            providers,
+            agent_nats_url,
+            world: Mutex::new(World::default()),
+            signals: Signals::default(),
+            active: Mutex::new(HashSet::new()),
+            tracker: TaskTracker::new(),
+            shutdown,
+        }
+    }
+
+    /// The KV mirror. Hold the guard briefly and never across an await.
+    pub fn world(&self) -> MutexGuard<'_, World> {
+        self.world.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks `key` as driven by this process; false if a worker already drives it.
+    pub fn start_work(&self, key: &str) -> bool {
+        self.active.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string())
+    }
+
+    pub fn end_work(&self, key: &str) {
+        self.active.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+    }
+
+    pub fn is_working_on(&self, key: &str) -> bool {
+        self.active.lock().unwrap_or_else(|p| p.into_inner()).contains(key)
+    }
+}
+
+/// Change signals by topic (`request:<id>`, `seat:<key>`, `label:<name>`): a worker
+/// subscribes to what it waits for and is woken when the watch applies a change to it.
+#[derive(Default)]
+pub struct Signals {
+    topics: Mutex<HashMap<String, watch::Sender<u64>>>,
+}
+
+impl Signals {
+    pub fn subscribe(&self, topic: &str) -> watch::Receiver<u64> {
+        let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+        topics.entry(topic.to_string()).or_insert_with(|| watch::channel(0).0).subscribe()
+    }
+
+    pub fn bump(&self, topic: &str) {
+        let topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = topics.get(topic) {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Drops topics nobody listens to any more.
+    pub fn prune(&self) {
+        self.topics.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, tx| tx.receiver_count() > 0);
+    }
+}
+
+pub fn request_topic(id: &slotpool_protocol::RequestId) -> String {
+    format!("request:{id}")
+}
+pub fn seat_topic(seat_key: &str) -> String {
+    format!("seat:{seat_key}")
+}
+pub fn label_topic(label: &str) -> String {
+    format!("label:{label}")
+}
+
+/// Waits until any of `rxs` changes, `deadline` passes, or `stop` is cancelled.
+pub async fn wait_for_change(rxs: &mut [watch::Receiver<u64>], deadline: Option<tokio::time::Instant>, stop: &CancellationToken) {
+    let empty = rxs.is_empty();
+    let changed = futures::future::select_all(rxs.iter_mut().map(|rx| Box::pin(rx.changed())));
+    let sleep = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    if empty {
+        tokio::select! { _ = sleep => {}, _ = stop.cancelled() => {} }
+        return;
+    }
+    tokio::select! {
+        _ = changed => {}
+        _ = sleep => {}
+        _ = stop.cancelled() => {}
+    }
+}

@@ -1,0 +1,428 @@
+//! The launcher's mirror of KV: every request, slot, backing node, agent heartbeat and
+//! lease, kept current by watches. It is a cache, never the truth: every decision taken
+//! from it is written back with a revision check, and a lost check means "re-read".
+//!
+//! Besides the mirror it holds one piece of local bookkeeping: slots this launcher is
+//! about to claim (`reserved`), so two of its own workers do not race for the same key.
+
+use slotpool_protocol::layout::{self, parse_slot_key};
+use slotpool_protocol::model::{AgentHeartbeat, BackingNode, BackingState, IdleBehaviour, Lease, Node, NodeRequest, RequestState};
+use slotpool_protocol::store::Versioned;
+use slotpool_protocol::time::{now_ms, UnixMillis};
+use slotpool_protocol::{BackingId, NodeId, RequestId};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+/// A backing node together with what is known about it.
+#[derive(Clone, Debug)]
+pub struct BackingView {
+    pub seat_key: String,
+    pub record: Versioned<BackingNode>,
+}
+
+/// Where a free slot is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotRef {
+    pub backing_id: BackingId,
+    pub seat_key: String,
+    pub slot: u32,
+}
+
+impl SlotRef {
+    pub fn key(&self) -> String {
+        layout::slot_key(&self.backing_id, self.slot)
+    }
+}
+
+/// Order in which waiting requests get slots: priority, then age, then id.
+pub type QueuePosition = (i32, UnixMillis, RequestId);
+
+#[derive(Default)]
+pub struct World {
+    pub requests: HashMap<RequestId, Versioned<NodeRequest>>,
+    /// Slot key → node.
+    pub slots: HashMap<String, Versioned<Node>>,
+    pub node_keys: HashMap<NodeId, String>,
+    pub nodes_by_request: HashMap<RequestId, BTreeSet<String>>,
+    /// Backing id → slot indexes in use.
+    pub used: HashMap<BackingId, BTreeSet<u32>>,
+    /// Seat key → backing node.
+    pub backing: HashMap<String, Versioned<BackingNode>>,
+    pub seat_of: HashMap<BackingId, String>,
+    pub agents: HashMap<BackingId, AgentHeartbeat>,
+    pub leases: HashMap<String, Versioned<Lease>>,
+    /// When a slot of each backing node was last returned (local clock).
+    pub last_release: HashMap<BackingId, UnixMillis>,
+    /// Slot keys this launcher's workers are claiming right now.
+    pub reserved: HashSet<String>,
+    /// Requests of this launcher waiting for a slot, by queue position → labels still needed.
+    pub waiting: BTreeMap<QueuePosition, Vec<String>>,
+}
+
+/// Whether an agent heartbeat makes a backing node usable.
+pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentHeartbeat>) -> bool {
+    agent.is_some_and(|a| a.secret_sha256 == backing.secret_sha256 && a.health.healthy && !a.draining)
+}
+
+impl World {
+    // ---- applying watch changes ------------------------------------------------------
+
+    // Writers apply their own successful writes at once, and the watch delivers them
+    // again later: a change older than what is held is ignored.
+
+    pub fn put_request(&mut self, r: Versioned<NodeRequest>) {
+        if self.requests.get(&r.value.id).is_some_and(|old| old.revision >= r.revision) {
+            return;
+        }
+        self.requests.insert(r.value.id.clone(), r);
+    }
+
+    pub fn remove_request(&mut self, key: &str, revision: u64) {
+        if let Ok(id) = RequestId::parse(key) {
+            if self.requests.get(&id).is_some_and(|old| old.revision < revision) {
+                self.requests.remove(&id);
+            }
+        }
+    }
+
+    pub fn put_slot(&mut self, n: Versioned<Node>) {
+        let key = n.key.clone();
+        if let Some(old) = self.slots.get(&key) {
+            if old.revision >= n.revision {
+                return;
+            }
+            if old.value.id != n.value.id {
+                self.unindex_slot(&key);
+            }
+        }
+        self.node_keys.insert(n.value.id.clone(), key.clone());
+        self.nodes_by_request.entry(n.value.request_id.clone()).or_default().insert(key.clone());
+        self.used.entry(n.value.backing_id.clone()).or_default().insert(n.value.slot);
+        self.reserved.remove(&key);
+        self.slots.insert(key, n);
+    }
+
+    pub fn remove_slot(&mut self, key: &str, revision: u64) {
+        if self.slots.get(key).is_none_or(|old| old.revision >= revision) {
+            return;
+        }
+        self.unindex_slot(key);
+        if let Some((backing, _)) = parse_slot_key(key) {
+            self.last_release.insert(backing, now_ms());
+        }
+    }
+
+    fn unindex_slot(&mut self, key: &str) {
+        let Some(old) = self.slots.remove(key) else { return };
+        let node = old.value;
+        self.node_keys.remove(&node.id);
+        if let Some(set) = self.nodes_by_request.get_mut(&node.request_id) {
+            set.remove(key);
+            if set.is_empty() {
+                self.nodes_by_request.remove(&node.request_id);
+            }
+        }
+        if let Some(set) = self.used.get_mut(&node.backing_id) {
+            set.remove(&node.slot);
+            if set.is_empty() {
+                self.used.remove(&node.backing_id);
+            }
+        }
+    }
+
+    pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
+        if let Some(old) = self.backing.get(&b.key) {
+            if old.revision >= b.revision {
+                return;
+            }
+            if old.value.id != b.value.id {
+                self.seat_of.remove(&old.value.id);
+            }
+        }
+        self.seat_of.insert(b.value.id.clone(), b.key.clone());
+        self.backing.insert(b.key.clone(), b);
+    }
+
+    pub fn remove_backing(&mut self, key: &str, revision: u64) {
+        if self.backing.get(key).is_none_or(|old| old.revision >= revision) {
+            return;
+        }
+        if let Some(old) = self.backing.remove(key) {
+            self.seat_of.remove(&old.value.id);
+        }
+    }
+
+    pub fn put_agent(&mut self, hb: AgentHeartbeat) {
+        self.agents.insert(hb.backing_id.clone(), hb);
+    }
+
+    pub fn remove_agent(&mut self, key: &str) {
+        if let Ok(id) = BackingId::parse(key) {
+            self.agents.remove(&id);
+        }
+    }
+
+    // ---- questions -------------------------------------------------------------------
+
+    pub fn backing_by_id(&self, id: &BackingId) -> Option<&Versioned<BackingNode>> {
+        self.backing.get(self.seat_of.get(id)?)
+    }
+
+    pub fn used_count(&self, id: &BackingId) -> u32 {
+        self.used.get(id).map_or(0, |s| s.len() as u32)
+    }
+
+    /// Whether new slots may go to this backing node now.
+    pub fn takes_slots(&self, b: &BackingNode) -> bool {
+        b.state.takes_slots() && b.idle == IdleBehaviour::Run && agent_ok(b, self.agents.get(&b.id))
+    }
+
+    /// Nodes already claimed for a request.
+    pub fn nodes_of(&self, request: &RequestId) -> Vec<&Versioned<Node>> {
+        self.nodes_by_request
+            .get(request)
+            .map(|keys| keys.iter().filter_map(|k| self.slots.get(k)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether someone ahead of `me` in the queue is waiting for `label`.
+    fn someone_ahead_wants(&self, me: &QueuePosition, label: &str) -> bool {
+        self.waiting.range(..me.clone()).any(|(_, labels)| labels.iter().any(|l| l == label))
+    }
+
+    /// Picks a free slot for `label` and reserves it, unless a request ahead of `me` waits
+    /// for the same label. Packs: the fullest usable backing node first, so emptier ones
+    /// can go idle and be released.
+    pub fn reserve_slot(&mut self, me: &QueuePosition, label: &str) -> Option<SlotRef> {
+        if self.someone_ahead_wants(me, label) {
+            return None;
+        }
+        let mut best: Option<(u32, &Versioned<BackingNode>)> = None;
+        for b in self.backing.values() {
+            let v = &b.value;
+            if v.label != label || !self.takes_slots(v) {
+                continue;
+            }
+            let used = self.used_count(&v.id);
+            if used >= v.slots {
+                continue;
+            }
+            if best.is_none_or(|(u, _)| used > u) && self.first_free(v).is_some() {
+                best = Some((used, b));
+            }
+        }
+        let (_, b) = best?;
+        let slot = self.first_free(&b.value)?;
+        let r = SlotRef { backing_id: b.value.id.clone(), seat_key: b.key.clone(), slot };
+        self.reserved.insert(r.key());
+        Some(r)
+    }
+
+    fn first_free(&self, b: &BackingNode) -> Option<u32> {
+        let used = self.used.get(&b.id);
+        (0..b.slots).find(|s| {
+            !used.is_some_and(|u| u.contains(s)) && !self.reserved.contains(&layout::slot_key(&b.id, *s))
+        })
+    }
+
+    pub fn unreserve(&mut self, r: &SlotRef) {
+        self.reserved.remove(&r.key());
+    }
+
+    // ---- capacity ---------------------------------------------------------------------
+
+    /// Slots wanted for `label` by unfinished requests and not yet claimed.
+    pub fn unmet_demand(&self, label: &str) -> u32 {
+        let mut n = 0u32;
+        for r in self.requests.values().filter(|r| r.value.state == RequestState::Requested) {
+            let want = r.value.labels.iter().filter(|l| *l == label).count() as u32;
+            if want == 0 {
+                continue;
+            }
+            let have = self.nodes_of(&r.value.id).iter().filter(|n| n.value.label == label).count() as u32;
+            n += want.saturating_sub(have);
+        }
+        n
+    }
+
+    /// Slots of `label` free now or soon (on backing nodes still booting).
+    pub fn coming_capacity(&self, label: &str) -> u32 {
+        self.backing
+            .values()
+            .map(|b| &b.value)
+            .filter(|b| b.label == label)
+            .map(|b| match b.state {
+                BackingState::Requested | BackingState::Launching => b.slots,
+                BackingState::Ready if b.idle == IdleBehaviour::Run => b.slots.saturating_sub(self.used_count(&b.id)),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Seats of a pool currently taken, by index.
+    pub fn seats_of(&self, provider: &str, pool: &str) -> BTreeMap<u32, &Versioned<BackingNode>> {
+        self.backing
+            .values()
+            .filter(|b| b.value.provider == provider && b.value.pool == pool)
+            .map(|b| (b.value.seat, b))
+            .collect()
+    }
+
+    /// The lease on `key`, if one is held.
+    pub fn lease(&self, key: &str) -> Option<&Versioned<Lease>> {
+        self.leases.get(key)
+    }
+}
+
+#[cfg(test)]
+pub mod tests_support {
+    use super::*;
+    use slotpool_protocol::model::Health;
+
+    pub fn backing(id: &str, label: &str, slots: u32, state: BackingState) -> Versioned<BackingNode> {
+        Versioned {
+            key: format!("p.main.{id}"),
+            revision: 1,
+            value: BackingNode {
+                v: 1,
+                id: BackingId::parse(id).unwrap(),
+                provider: "p".into(),
+                pool: "main".into(),
+                seat: 0,
+                label: label.into(),
+                backing_label: "large".into(),
+                slots,
+                state,
+                idle: IdleBehaviour::Run,
+                instance: None,
+                secret_sha256: "s".into(),
+                created_at: 0,
+                launched_at: None,
+                ready_at: None,
+                idle_since: None,
+                attempts: 1,
+                failure: None,
+                attributes: Default::default(),
+                updated_at: 0,
+            },
+        }
+    }
+
+    pub fn agent(id: &str) -> AgentHeartbeat {
+        AgentHeartbeat {
+            v: 1,
+            backing_id: BackingId::parse(id).unwrap(),
+            secret_sha256: "s".into(),
+            agent_version: "t".into(),
+            hostname: "h".into(),
+            pid: 1,
+            started_at: 0,
+            sent_at: 0,
+            health: Health { healthy: true, ..Default::default() },
+            slots: vec![],
+            draining: false,
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::{agent, backing};
+    use super::*;
+    use slotpool_protocol::model::NodeState;
+
+    fn node(backing: &str, slot: u32, request: &str, label: &str) -> Versioned<Node> {
+        let b = BackingId::parse(backing).unwrap();
+        Versioned {
+            key: layout::slot_key(&b, slot),
+            revision: 2,
+            value: Node {
+                v: 1,
+                id: NodeId::for_slot(&b, slot),
+                request_id: RequestId::parse(request).unwrap(),
+                index: 0,
+                label: label.into(),
+                backing_id: b.clone(),
+                slot,
+                state: NodeState::Ready,
+                requestor: "t".into(),
+                host: "h".into(),
+                workspace: None,
+                attributes: Default::default(),
+                allocated_at: 0,
+                failure: None,
+            },
+        }
+    }
+
+    fn pos(p: i32, t: u64, id: &str) -> QueuePosition {
+        (p, t, RequestId::parse(id).unwrap())
+    }
+
+    #[test]
+    fn reserves_on_the_fullest_usable_backing_node() {
+        let mut w = World::default();
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_backing(backing("bn-b", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.put_agent(agent("bn-b"));
+        w.put_slot(node("bn-b", 0, "req-x", "small"));
+        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        assert_eq!((r.backing_id.as_str(), r.slot), ("bn-b", 1));
+        let r2 = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        assert_eq!((r2.backing_id.as_str(), r2.slot), ("bn-b", 2), "a reserved slot is not handed out twice");
+    }
+
+    #[test]
+    fn no_slots_from_nodes_that_are_not_ready_held_or_without_agent() {
+        let mut w = World::default();
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Launching));
+        let mut held = backing("bn-b", "small", 4, BackingState::Ready);
+        held.value.idle = IdleBehaviour::Hold;
+        w.put_backing(held);
+        w.put_agent(agent("bn-b"));
+        w.put_backing(backing("bn-c", "small", 4, BackingState::Ready)); // no agent
+        let mut bad = agent("bn-c");
+        bad.secret_sha256 = "other".into();
+        w.put_agent(bad);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        assert_eq!(w.coming_capacity("small"), 4, "only the launching node counts as coming");
+    }
+
+    #[test]
+    fn a_request_ahead_in_the_queue_goes_first() {
+        let mut w = World::default();
+        w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.waiting.insert(pos(50, 9, "req-urgent"), vec!["small".into()]);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        assert!(w.reserve_slot(&pos(50, 9, "req-urgent"), "small").is_some());
+    }
+
+    #[test]
+    fn demand_counts_unclaimed_labels_only() {
+        let mut w = World::default();
+        let req = NodeRequest {
+            v: 1,
+            id: RequestId::parse("req-1").unwrap(),
+            labels: vec!["small".into(), "small".into(), "big".into()],
+            requestor: "t".into(),
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 0,
+            state: RequestState::Requested,
+            status: String::new(),
+            nodes: vec![],
+            failure: None,
+            updated_at: 0,
+        };
+        w.put_request(Versioned { key: "req-1".into(), revision: 1, value: req });
+        w.put_slot(node("bn-a", 0, "req-1", "small"));
+        assert_eq!(w.unmet_demand("small"), 1);
+        assert_eq!(w.unmet_demand("big"), 1);
+        w.remove_slot("bn-a.0", 3);
+        assert_eq!(w.unmet_demand("small"), 2);
+        assert!(w.last_release.contains_key(&BackingId::parse("bn-a").unwrap()));
+    }
+}
