@@ -1,1 +1,24 @@
+//! Test fixtures for slotpool's end-to-end tests.
+//!
+//! - [`NatsServer`]: a real `nats-server` with JetStream on a free port and a temp store,
+//!   one per test, killed on drop (and when the test process dies, via `PR_SET_PDEATHSIG`).
+//! - [`ChildGuard`]: a spawned process (an agent, a launcher) killed with its process
+//!   group on drop.
+//! - [`bin_path`]: the workspace's binaries, built by `cargo build --workspace --bins`.
+//! - [`wait_for`], [`wait_for_some`], [`next_within`]: condition waits with a deadline, so
+//!   tests never sleep to synchronise.
+//!
+//! Tests built on these are parallel-safe: nothing here uses a fixed port, a fixed path or
+//! shared state other than the path of the nats-server binary.
+//!
+//! The nats-server binary comes from `$SLOTPOOL_NATS_SERVER`, or else from
+//! `scripts/nats-server.sh`, which provisions one (>= 2.11) under `.tools/`. When neither
+//! works the tests fail with the script's message; they never skip.
 
+mod nats;
+mod process;
+mod wait;
+
+pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
+pub use process::{bin_path, workspace_root, ChildGuard};
+pub use wait::{next_within, wait_for, wait_for_some, POLL_INTERVAL};

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs slotpool's whole test suite: unit tests and the end-to-end tests in tests/, which
+# start their own nats-server (one per test) and spawn the workspace's binaries.
+#
+#   scripts/test.sh                    # everything
+#   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
+#   scripts/test.sh -- --nocapture
+#
+# Needs: a Rust toolchain, and python3 with venv (for nats-server, see
+# scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
+#
+# Runner: plain `cargo test`, not cargo-nextest. nextest would isolate each test in its
+# own process, but it is not part of a Rust toolchain: a fresh machine would have to
+# download or compile it (minutes of a 90-minute CI budget, and one more thing to fail).
+# Our tests are written to be parallel-safe in one process (own server, ports and temp
+# dirs per test, guards that clean up on panic), so cargo's runner is enough.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+started=$SECONDS
+step() { echo "==> $*" >&2; }
+
+step "nats-server"
+SLOTPOOL_NATS_SERVER="$(scripts/nats-server.sh)"
+export SLOTPOOL_NATS_SERVER
+nats_version="$("$SLOTPOOL_NATS_SERVER" --version)"
+step "using $SLOTPOOL_NATS_SERVER ($nats_version)"
+
+# End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which
+# `cargo test` does not build for other packages.
+step "cargo build --workspace --bins"
+if ! cargo build --workspace --bins; then
+    echo "==> summary: FAILED to build the workspace binaries (see the errors above)" >&2
+    exit 1
+fi
+built=$SECONDS
+
+# The whole workspace, unless the arguments pick packages themselves.
+scope=(--workspace)
+for arg in "$@"; do
+    case "$arg" in
+    --) break ;;
+    -p | --package | -p* | --package=*) scope=() ;;
+    esac
+done
+step "cargo test ${scope[*]} $*"
+status=0
+cargo test "${scope[@]}" "$@" || status=$?
+
+echo >&2
+echo "==> summary" >&2
+echo "    ${nats_version/: / }" >&2
+echo "    build:       $((built - started)) s" >&2
+echo "    tests:       $((SECONDS - built)) s" >&2
+if [ "$status" -eq 0 ]; then
+    echo "    result:      PASSED" >&2
+else
+    echo "    result:      FAILED (cargo test exited with $status; see the failures above)" >&2
+fi
+exit "$status"

@@ -1,0 +1,519 @@
+//! The KV semantics slotpool's "no double booking" rests on, pinned against a real
+//! nats-server: conditional create/update/delete, per-key TTL (also over tombstones),
+//! watch ordering and listing.
+
+use futures::Stream;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use slotpool_protocol::connect::{check_server_version, Bus, BusError, NatsOptions};
+use slotpool_protocol::store::{Change, KvError, Store};
+use slotpool_tests::{next_within, NatsServer};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Barrier;
+
+/// Generous bound for one watch event on a loaded 2-core machine.
+const EVENT: Duration = Duration::from_secs(10);
+/// The shortest per-key TTL the server accepts.
+const TTL: Duration = Duration::from_secs(1);
+/// Expiry takes TTL plus up to ~0.25 s; leave room for a loaded machine.
+const EXPIRY: Duration = Duration::from_secs(15);
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Rec {
+    n: u32,
+}
+
+async fn next_change<S>(watch: &mut S, what: &str) -> Change
+where
+    S: Stream<Item = Result<Change, KvError>> + Unpin,
+{
+    next_within(watch, EVENT, what)
+        .await
+        .unwrap_or_else(|err| panic!("watch failed while waiting for {what}: {err}"))
+}
+
+fn assert_conflict<T: std::fmt::Debug>(result: Result<T, KvError>, what: &str) {
+    match result {
+        Err(err) if err.is_conflict() => {}
+        other => panic!("{what}: expected a conflict, got {other:?}"),
+    }
+}
+
+/// Watches `key` and waits for its removal, after checking the watch starts at `revision`.
+async fn expect_expiry(store: &Store, key: &str, revision: u64) {
+    let mut watch = Box::pin(store.watch_keys(key).await.unwrap());
+    match next_change(&mut watch, "the current value").await {
+        Change::Put {
+            key: k,
+            revision: r,
+            ..
+        } => {
+            assert_eq!((k.as_str(), r), (key, revision));
+        }
+        // It may already have expired on a slow machine.
+        Change::Removed { key: k, .. } => {
+            assert_eq!(k, key);
+            return;
+        }
+        other => panic!("expected the current value of {key}, got {other:?}"),
+    }
+    assert!(matches!(
+        next_change(&mut watch, "synced").await,
+        Change::Synced
+    ));
+    let change = next_within(&mut watch, EXPIRY, format!("{key} to expire"))
+        .await
+        .unwrap();
+    match change {
+        Change::Removed {
+            key: k,
+            revision: r,
+        } => {
+            assert_eq!(k, key);
+            assert!(r > revision, "expiry marker revision {r} <= {revision}");
+        }
+        other => panic!("expected {key} to be removed by its TTL, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn create_succeeds_once_then_conflicts() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    assert!(rev > 0);
+    assert_conflict(
+        bus.slots.create("bn-a.0", &Rec { n: 2 }, None).await,
+        "second create",
+    );
+    let got = bus.slots.get::<Rec>("bn-a.0").await.unwrap().unwrap();
+    assert_eq!((got.revision, got.value), (rev, Rec { n: 1 }));
+    assert_eq!(bus.slots.get::<Rec>("bn-a.1").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn create_works_again_after_delete() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    bus.slots.delete("bn-a.0", rev).await.unwrap();
+    assert_eq!(bus.slots.get::<Rec>("bn-a.0").await.unwrap(), None);
+    let rev2 = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 2 }, None)
+        .await
+        .unwrap();
+    assert!(rev2 > rev);
+    assert_conflict(
+        bus.slots.create("bn-a.0", &Rec { n: 3 }, None).await,
+        "create over a live value that replaced a tombstone",
+    );
+    let got = bus.slots.get::<Rec>("bn-a.0").await.unwrap().unwrap();
+    assert_eq!((got.revision, got.value), (rev2, Rec { n: 2 }));
+}
+
+/// async-nats' own `create_with_ttl` silently drops the TTL over a tombstone; ours must not,
+/// or a re-acquired lease would never expire.
+#[tokio::test]
+async fn create_over_a_tombstone_keeps_the_ttl() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let key = "request.req-1";
+    let rev = bus.leases.create(key, &Rec { n: 1 }, None).await.unwrap();
+    bus.leases.delete(key, rev).await.unwrap();
+    let rev2 = bus
+        .leases
+        .create(key, &Rec { n: 2 }, Some(TTL))
+        .await
+        .unwrap();
+    expect_expiry(&bus.leases, key, rev2).await;
+    assert_eq!(bus.leases.get::<Rec>(key).await.unwrap(), None);
+}
+
+/// A key removed by its TTL leaves an expiry marker; creating over it must work (a lease is
+/// re-acquired after its holder died) and must keep the new TTL too.
+#[tokio::test]
+async fn ttl_expiry_is_a_removal_and_the_key_can_be_created_again() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let key = "backing.local.small.0";
+    let rev = bus
+        .leases
+        .create(key, &Rec { n: 1 }, Some(TTL))
+        .await
+        .unwrap();
+    expect_expiry(&bus.leases, key, rev).await;
+    assert_eq!(bus.leases.get::<Rec>(key).await.unwrap(), None);
+
+    let rev2 = bus
+        .leases
+        .create(key, &Rec { n: 2 }, Some(TTL))
+        .await
+        .unwrap();
+    assert!(rev2 > rev);
+    assert_conflict(
+        bus.leases.create(key, &Rec { n: 3 }, Some(TTL)).await,
+        "create over a live re-acquired lease",
+    );
+    expect_expiry(&bus.leases, key, rev2).await;
+}
+
+/// Renewing a lease is an `update` with a TTL: the key must still expire afterwards.
+#[tokio::test]
+async fn update_with_ttl_keeps_the_key_expiring() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let key = "request.req-2";
+    let rev = bus
+        .leases
+        .create(key, &Rec { n: 1 }, Some(TTL))
+        .await
+        .unwrap();
+    let rev2 = bus
+        .leases
+        .update(key, &Rec { n: 2 }, rev, Some(TTL))
+        .await
+        .unwrap();
+    assert!(rev2 > rev);
+    expect_expiry(&bus.leases, key, rev2).await;
+}
+
+#[tokio::test]
+async fn update_with_a_stale_revision_conflicts() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev1 = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    let rev2 = bus
+        .slots
+        .update("bn-a.0", &Rec { n: 2 }, rev1, None)
+        .await
+        .unwrap();
+    assert!(rev2 > rev1);
+    assert_conflict(
+        bus.slots.update("bn-a.0", &Rec { n: 3 }, rev1, None).await,
+        "update at a stale revision",
+    );
+    assert_conflict(
+        bus.slots
+            .update("bn-a.0", &Rec { n: 3 }, rev2 + 100, None)
+            .await,
+        "update at a future revision",
+    );
+    let got = bus.slots.get::<Rec>("bn-a.0").await.unwrap().unwrap();
+    assert_eq!((got.revision, got.value), (rev2, Rec { n: 2 }));
+    bus.slots
+        .update("bn-a.0", &Rec { n: 4 }, rev2, None)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn delete_with_a_stale_revision_conflicts() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev1 = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    let rev2 = bus
+        .slots
+        .update("bn-a.0", &Rec { n: 2 }, rev1, None)
+        .await
+        .unwrap();
+    assert_conflict(
+        bus.slots.delete("bn-a.0", rev1).await,
+        "delete at a stale revision",
+    );
+    assert!(bus.slots.get::<Rec>("bn-a.0").await.unwrap().is_some());
+    bus.slots.delete("bn-a.0", rev2).await.unwrap();
+    assert_eq!(bus.slots.get::<Rec>("bn-a.0").await.unwrap(), None);
+}
+
+/// Races `tasks` creates of `key`, each task on its own connection (as separate launchers
+/// would be), and checks that exactly one wins and every loser sees a conflict.
+async fn race_creates(
+    server: &NatsServer,
+    key: &str,
+    ttl: Option<Duration>,
+    pick: fn(&Bus) -> &Store,
+) {
+    const TASKS: u32 = 32;
+    let barrier = Arc::new(Barrier::new(TASKS as usize));
+    let mut handles = Vec::new();
+    for n in 0..TASKS {
+        let bus = server.bus().await;
+        let barrier = barrier.clone();
+        let key = key.to_string();
+        handles.push(tokio::spawn(async move {
+            barrier.wait().await;
+            (n, pick(&bus).create(&key, &Rec { n }, ttl).await)
+        }));
+    }
+    let mut winners = Vec::new();
+    for handle in handles {
+        match handle.await.unwrap() {
+            (n, Ok(rev)) => winners.push((n, rev)),
+            (_, Err(err)) if err.is_conflict() => {}
+            (n, Err(err)) => panic!("task {n}: expected success or conflict, got {err}"),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "winners of the race for {key}: {winners:?}"
+    );
+    let (n, rev) = winners[0];
+    let bus = server.bus().await;
+    let got = pick(&bus).get::<Rec>(key).await.unwrap().unwrap();
+    assert_eq!((got.revision, got.value), (rev, Rec { n }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_have_exactly_one_winner() {
+    let server = NatsServer::start().await;
+    race_creates(&server, "bn-a.0", None, |bus| &bus.slots).await;
+}
+
+/// Creating over a tombstone takes two steps (read the tombstone's revision, then write at
+/// it); the race must still have exactly one winner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_over_a_tombstone_have_exactly_one_winner() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev = bus
+        .slots
+        .create("bn-a.0", &Rec { n: 99 }, None)
+        .await
+        .unwrap();
+    bus.slots.delete("bn-a.0", rev).await.unwrap();
+    race_creates(&server, "bn-a.0", None, |bus| &bus.slots).await;
+
+    let rev = bus
+        .leases
+        .create("request.req-1", &Rec { n: 99 }, None)
+        .await
+        .unwrap();
+    bus.leases.delete("request.req-1", rev).await.unwrap();
+    race_creates(
+        &server,
+        "request.req-1",
+        Some(Duration::from_secs(60)),
+        |bus| &bus.leases,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn watch_on_an_empty_bucket_is_synced_at_once() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let mut watch = Box::pin(bus.backing.watch().await.unwrap());
+    assert!(matches!(
+        next_change(&mut watch, "synced").await,
+        Change::Synced
+    ));
+    bus.backing
+        .create("local.small.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    match next_change(&mut watch, "the first live value").await {
+        Change::Put { key, value, .. } => {
+            assert_eq!(key, "local.small.0");
+            assert_eq!(serde_json::from_slice::<Rec>(&value).unwrap(), Rec { n: 1 });
+        }
+        other => panic!("expected a put, got {other:?}"),
+    }
+}
+
+/// Current values (and possibly removals of keys deleted earlier), then `Synced`, then live
+/// changes in order.
+#[tokio::test]
+async fn watch_delivers_current_values_then_synced_then_changes() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let store = &bus.slots;
+    let rev_a = store.create("bn-a.0", &Rec { n: 1 }, None).await.unwrap();
+    let rev_b = store.create("bn-a.1", &Rec { n: 2 }, None).await.unwrap();
+    let rev_x = store.create("bn-x.0", &Rec { n: 3 }, None).await.unwrap();
+    store.delete("bn-x.0", rev_x).await.unwrap();
+
+    let mut watch = Box::pin(store.watch().await.unwrap());
+    let mut current = BTreeSet::new();
+    loop {
+        match next_change(&mut watch, "the current values").await {
+            Change::Put {
+                key,
+                revision,
+                value,
+            } => {
+                let rec: Rec = serde_json::from_slice(&value).unwrap();
+                current.insert((key, revision, rec.n));
+            }
+            Change::Removed { key, .. } => assert_eq!(key, "bn-x.0", "only bn-x.0 was deleted"),
+            Change::Synced => break,
+        }
+    }
+    let expected = BTreeSet::from([
+        ("bn-a.0".to_string(), rev_a, 1),
+        ("bn-a.1".to_string(), rev_b, 2),
+    ]);
+    assert_eq!(current, expected);
+
+    let rev_c = store.create("bn-a.2", &Rec { n: 4 }, None).await.unwrap();
+    let rev_a2 = store
+        .update("bn-a.0", &Rec { n: 5 }, rev_a, None)
+        .await
+        .unwrap();
+    store.delete("bn-a.1", rev_b).await.unwrap();
+    let mut live = Vec::new();
+    for what in ["the create", "the update", "the delete"] {
+        live.push(match next_change(&mut watch, what).await {
+            Change::Put {
+                key,
+                revision,
+                value,
+            } => {
+                let rec: Rec = serde_json::from_slice(&value).unwrap();
+                (key, revision, Some(rec.n))
+            }
+            Change::Removed { key, revision } => (key, revision, None),
+            Change::Synced => panic!("a second synced while waiting for {what}"),
+        });
+    }
+    assert_eq!(live[0], ("bn-a.2".to_string(), rev_c, Some(4)));
+    assert_eq!(live[1], ("bn-a.0".to_string(), rev_a2, Some(5)));
+    assert_eq!(live[2].0, "bn-a.1");
+    assert_eq!(live[2].2, None);
+    assert!(live[2].1 > rev_a2);
+}
+
+#[tokio::test]
+async fn watch_keys_sees_only_matching_keys() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    bus.slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    bus.slots
+        .create("bn-b.0", &Rec { n: 2 }, None)
+        .await
+        .unwrap();
+    let mut watch = Box::pin(bus.slots.watch_keys("bn-b.*").await.unwrap());
+    match next_change(&mut watch, "bn-b.0").await {
+        Change::Put { key, .. } => assert_eq!(key, "bn-b.0"),
+        other => panic!("expected bn-b.0, got {other:?}"),
+    }
+    assert!(matches!(
+        next_change(&mut watch, "synced").await,
+        Change::Synced
+    ));
+    bus.slots
+        .create("bn-a.1", &Rec { n: 3 }, None)
+        .await
+        .unwrap();
+    bus.slots
+        .create("bn-b.1", &Rec { n: 4 }, None)
+        .await
+        .unwrap();
+    match next_change(&mut watch, "bn-b.1").await {
+        Change::Put { key, .. } => assert_eq!(key, "bn-b.1"),
+        other => panic!("expected bn-b.1 (bn-a.1 is filtered out), got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn list_returns_live_values_and_bad_records_in_place() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    assert!(bus.slots.list::<Rec>().await.unwrap().is_empty());
+
+    bus.slots
+        .create("bn-a.0", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    let rev = bus
+        .slots
+        .create("bn-a.1", &Rec { n: 2 }, None)
+        .await
+        .unwrap();
+    bus.slots
+        .create("bn-a.2", &Rec { n: 3 }, None)
+        .await
+        .unwrap();
+    bus.slots.delete("bn-a.1", rev).await.unwrap();
+    bus.slots
+        .create("bn-a.3", &json!("not a record"), None)
+        .await
+        .unwrap();
+
+    let listed = bus.slots.list::<Rec>().await.unwrap();
+    let mut good = Vec::new();
+    let mut bad = Vec::new();
+    for item in listed {
+        match item {
+            Ok(v) => good.push((v.key, v.value.n)),
+            Err(KvError::Decode { key, .. }) => bad.push(key),
+            Err(err) => panic!("unexpected error in list: {err}"),
+        }
+    }
+    good.sort();
+    assert_eq!(good, [("bn-a.0".to_string(), 1), ("bn-a.2".to_string(), 3)]);
+    assert_eq!(bad, ["bn-a.3"]);
+}
+
+#[tokio::test]
+async fn old_servers_are_rejected() {
+    let err = check_server_version("2.9.10").unwrap_err();
+    assert!(
+        matches!(err, BusError::ServerTooOld { ref found, needed: (2, 11, 0) } if found == "2.9.10"),
+        "{err:?}"
+    );
+    assert!(check_server_version("2.10.99").is_err());
+    assert!(check_server_version("2.11.0").is_ok());
+}
+
+#[tokio::test]
+async fn connect_to_a_closed_port_fails_quickly_and_clearly() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let url = format!("nats://127.0.0.1:{port}");
+    let opts = NatsOptions {
+        url: url.clone(),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(30), Bus::connect(&opts))
+        .await
+        .expect("Bus::connect to a closed port hung");
+    match result {
+        Err(BusError::Connect { url: u, message }) => {
+            assert_eq!(u, url);
+            assert!(!message.is_empty());
+        }
+        Err(other) => panic!("expected BusError::Connect, got {other}"),
+        Ok(_) => panic!("connected to a closed port {port}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "connect took {:?} to fail",
+        start.elapsed()
+    );
+}
