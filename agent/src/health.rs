@@ -1,0 +1,211 @@
+//! Health figures for the heartbeat, read from `/proc` and `statvfs(3)`.
+//!
+//! Parsing is pure (tested on sample text); reading takes the proc root as a parameter.
+//! A figure that cannot be read is reported as 0: health checks that mark the node
+//! unhealthy come later, so `healthy` is always true for now.
+
+use slotpool_protocol::model::Health;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Why one health figure could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    #[error("reading {path}: {error}")]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot parse {path}: {what}")]
+    Parse { path: PathBuf, what: &'static str },
+    #[error("statvfs {path}: {error}")]
+    Statvfs {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+}
+
+/// Total and available space of a file system, in KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskSpace {
+    pub total_kb: u64,
+    pub available_kb: u64,
+}
+
+/// Total and available memory, in KiB.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Memory {
+    pub total_kb: u64,
+    pub available_kb: u64,
+}
+
+/// The 1-minute load average from `/proc/loadavg` text.
+pub fn parse_loadavg(text: &str) -> Option<f64> {
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// `MemTotal` and `MemAvailable` from `/proc/meminfo` text.
+pub fn parse_meminfo(text: &str) -> Option<Memory> {
+    let field = |name: &str| {
+        text.lines().find_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix(':')?;
+            rest.split_whitespace().next()?.parse::<u64>().ok()
+        })
+    };
+    Some(Memory {
+        total_kb: field("MemTotal")?,
+        available_kb: field("MemAvailable")?,
+    })
+}
+
+/// Whole seconds since boot from `/proc/uptime` text.
+pub fn parse_uptime(text: &str) -> Option<u64> {
+    let secs: f64 = text.split_whitespace().next()?.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then_some(secs as u64)
+}
+
+fn read_parsed<T>(
+    path: PathBuf,
+    what: &'static str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<T, HealthError> {
+    let text = std::fs::read_to_string(&path).map_err(|error| HealthError::Read {
+        path: path.clone(),
+        error,
+    })?;
+    parse(&text).ok_or(HealthError::Parse { path, what })
+}
+
+/// Space of the file system holding `path`.
+pub fn disk_space(path: &Path) -> Result<DiskSpace, HealthError> {
+    let statvfs_error = |error| HealthError::Statvfs {
+        path: path.to_path_buf(),
+        error,
+    };
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| statvfs_error(std::io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: `c_path` is a valid NUL-terminated string and `stat` a writable statvfs that
+    // lives across the call; statvfs does not keep either pointer.
+    let stat = unsafe {
+        let mut stat: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c_path.as_ptr(), &mut stat) != 0 {
+            return Err(statvfs_error(std::io::Error::last_os_error()));
+        }
+        stat
+    };
+    let block = stat.f_frsize as u64;
+    Ok(DiskSpace {
+        total_kb: (stat.f_blocks as u64).saturating_mul(block) / 1024,
+        available_kb: (stat.f_bavail as u64).saturating_mul(block) / 1024,
+    })
+}
+
+/// Reads every figure. Figures that cannot be read are 0 and their errors are returned
+/// beside the health, for the caller to log.
+pub fn read_health(proc_root: &Path, work_dir: &Path) -> (Health, Vec<HealthError>) {
+    let mut errors = Vec::new();
+    let load1 = keep(
+        &mut errors,
+        read_parsed(proc_root.join("loadavg"), "no load average", parse_loadavg),
+    );
+    let memory = keep(
+        &mut errors,
+        read_parsed(
+            proc_root.join("meminfo"),
+            "no MemTotal or MemAvailable",
+            parse_meminfo,
+        ),
+    )
+    .unwrap_or_default();
+    let uptime = keep(
+        &mut errors,
+        read_parsed(proc_root.join("uptime"), "no uptime", parse_uptime),
+    );
+    let disk = keep(&mut errors, disk_space(work_dir)).unwrap_or_default();
+    let health = Health {
+        load1: load1.unwrap_or(0.0),
+        mem_total_kb: memory.total_kb,
+        mem_available_kb: memory.available_kb,
+        disk_total_kb: disk.total_kb,
+        disk_available_kb: disk.available_kb,
+        uptime_secs: uptime.unwrap_or(0),
+        healthy: true,
+        reason: None,
+    };
+    (health, errors)
+}
+
+/// The value, or `None` with the error pushed onto `errors`.
+fn keep<T>(errors: &mut Vec<HealthError>, result: Result<T, HealthError>) -> Option<T> {
+    result.map_err(|err| errors.push(err)).ok()
+}
+
+/// This machine's host name (`gethostname(2)`), or `"unknown"`.
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its whole length; gethostname writes at most that.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".to_string();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MEMINFO: &str = "MemTotal:       16318412 kB\n\
+        MemFree:          812345 kB\n\
+        MemAvailable:    9876543 kB\n\
+        Buffers:          123456 kB\n";
+
+    #[test]
+    fn parses_proc_samples() {
+        assert_eq!(parse_loadavg("0.52 0.58 0.59 2/1234 56789\n"), Some(0.52));
+        assert_eq!(
+            parse_meminfo(MEMINFO),
+            Some(Memory {
+                total_kb: 16318412,
+                available_kb: 9876543
+            })
+        );
+        assert_eq!(parse_uptime("350735.47 234388.90\n"), Some(350735));
+    }
+
+    #[test]
+    fn refuses_garbage() {
+        assert_eq!(parse_loadavg(""), None);
+        assert_eq!(parse_loadavg("abc 1 2"), None);
+        assert_eq!(parse_meminfo("MemTotal: 5 kB\n"), None);
+        // A field whose name merely starts with MemTotal is not MemTotal.
+        assert_eq!(parse_meminfo("MemTotalX: 1 kB\nMemAvailable: 2 kB\n"), None);
+        assert_eq!(parse_uptime("-5 0"), None);
+        assert_eq!(parse_uptime("nan 0"), None);
+    }
+
+    #[test]
+    fn reads_a_fake_proc_and_reports_what_is_missing() {
+        let proc_dir = tempfile::tempdir().unwrap();
+        std::fs::write(proc_dir.path().join("loadavg"), "1.25 0 0 1/1 1\n").unwrap();
+        std::fs::write(proc_dir.path().join("meminfo"), MEMINFO).unwrap();
+        let (health, errors) = read_health(proc_dir.path(), proc_dir.path());
+        assert_eq!(health.load1, 1.25);
+        assert_eq!(health.mem_available_kb, 9876543);
+        assert_eq!(health.uptime_secs, 0);
+        assert!(health.disk_total_kb > 0);
+        assert!(health.healthy);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].to_string().contains("uptime"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn statvfs_error_names_the_path() {
+        let err = disk_space(Path::new("/nonexistent/slotpool"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent/slotpool"), "{err}");
+    }
+}

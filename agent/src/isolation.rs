@@ -1,0 +1,311 @@
+//! How a slot is set up and torn down on the machine, behind [`SlotIsolation`].
+//!
+//! An implementation only does the mechanics for one slot; who may hold a slot is decided
+//! in [`crate::slots`]. [`WorkspaceOnly`] gives each slot a private directory and nothing
+//! else; a Linux implementation (one user and one cgroup per slot) comes later.
+//!
+//! On-disk layout under the work dir:
+//!
+//! ```text
+//! <work-dir>/slots/<slot>/                 the slot's workspace (0700)
+//! <work-dir>/slots/<slot>/.slotpool-node   marker: the node id, written last on prepare
+//! <work-dir>/slots/<slot>/.ssh/authorized_keys
+//! ```
+//!
+//! The marker is written last (via a rename), so a slot whose prepare was interrupted has
+//! no marker and counts as free: its leftovers are wiped by the next prepare or release.
+
+use slotpool_protocol::NodeId;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Name of the marker file holding the node id of a prepared slot.
+pub const NODE_MARKER: &str = ".slotpool-node";
+const NODE_MARKER_TMP: &str = ".slotpool-node.tmp";
+const WORKSPACE_MODE: u32 = 0o700;
+const PRIVATE_FILE_MODE: u32 = 0o600;
+
+/// A file-system step that failed, with the path it was working on.
+#[derive(Debug, thiserror::Error)]
+#[error("{action} {path}: {error}")]
+pub struct IsolationError {
+    pub action: &'static str,
+    pub path: PathBuf,
+    pub error: std::io::Error,
+}
+
+impl IsolationError {
+    fn new(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.to_path_buf();
+        move |error| IsolationError {
+            action,
+            path,
+            error,
+        }
+    }
+}
+
+/// A slot found prepared on disk at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundSlot {
+    pub slot: u32,
+    pub node_id: NodeId,
+}
+
+/// Sets up and tears down the environment of one slot. Calls block (file system,
+/// processes); callers run them off the async runtime. Calls for the same slot are
+/// never concurrent.
+pub trait SlotIsolation: Send + Sync + 'static {
+    /// Short name for logs (`workspace-only`).
+    fn name(&self) -> &'static str;
+
+    /// The slot's workspace directory (whether or not it exists).
+    fn workspace(&self, slot: u32) -> PathBuf;
+
+    /// Makes the slot fresh for `node_id`, wiping anything a previous node left, and
+    /// returns its workspace.
+    fn create(
+        &self,
+        slot: u32,
+        node_id: &NodeId,
+        ssh_public_key: Option<&str>,
+    ) -> Result<PathBuf, IsolationError>;
+
+    /// Removes everything of the slot and checks it is gone. Succeeds when there was
+    /// nothing to remove.
+    fn destroy(&self, slot: u32) -> Result<(), IsolationError>;
+
+    /// The slots left prepared by a previous run of the agent.
+    fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError>;
+}
+
+/// Isolation by directory only: each slot gets `<work-dir>/slots/<slot>/`, mode 0700.
+#[derive(Clone, Debug)]
+pub struct WorkspaceOnly {
+    slots_dir: PathBuf,
+}
+
+impl WorkspaceOnly {
+    /// Uses (and creates) `<work_dir>/slots`.
+    pub fn new(work_dir: &Path) -> Result<WorkspaceOnly, IsolationError> {
+        let slots_dir = work_dir.join("slots");
+        fs::create_dir_all(&slots_dir).map_err(IsolationError::new("creating", &slots_dir))?;
+        Ok(WorkspaceOnly { slots_dir })
+    }
+}
+
+impl SlotIsolation for WorkspaceOnly {
+    fn name(&self) -> &'static str {
+        "workspace-only"
+    }
+
+    fn workspace(&self, slot: u32) -> PathBuf {
+        self.slots_dir.join(slot.to_string())
+    }
+
+    fn create(
+        &self,
+        slot: u32,
+        node_id: &NodeId,
+        ssh_public_key: Option<&str>,
+    ) -> Result<PathBuf, IsolationError> {
+        let dir = self.workspace(slot);
+        self.destroy(slot)?;
+        make_private_dir(&dir)?;
+        if let Some(key) = ssh_public_key {
+            let ssh_dir = dir.join(".ssh");
+            make_private_dir(&ssh_dir)?;
+            write_file(
+                &ssh_dir.join("authorized_keys"),
+                &with_newline(key),
+                PRIVATE_FILE_MODE,
+            )?;
+        }
+        let tmp = dir.join(NODE_MARKER_TMP);
+        let marker = dir.join(NODE_MARKER);
+        write_file(&tmp, &with_newline(node_id.as_str()), PRIVATE_FILE_MODE)?;
+        fs::rename(&tmp, &marker).map_err(IsolationError::new("renaming", &tmp))?;
+        Ok(dir)
+    }
+
+    fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
+        let dir = self.workspace(slot);
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(IsolationError::new("removing", &dir)(e)),
+        }
+        match fs::symlink_metadata(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(IsolationError::new("checking removal of", &dir)(e)),
+            Ok(_) => Err(IsolationError::new("removing", &dir)(
+                std::io::Error::other("still present after removal"),
+            )),
+        }
+    }
+
+    fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
+        let entries = fs::read_dir(&self.slots_dir)
+            .map_err(IsolationError::new("listing", &self.slots_dir))?;
+        let mut found = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(IsolationError::new("listing", &self.slots_dir))?;
+            let path = entry.path();
+            let Some(slot) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                tracing::warn!(path = %path.display(), "ignoring unexpected entry in slots dir");
+                continue;
+            };
+            match read_marker(&path.join(NODE_MARKER)) {
+                Ok(Some(node_id)) => found.push(FoundSlot { slot, node_id }),
+                Ok(None) => {
+                    tracing::info!(
+                        slot,
+                        "slot has leftovers but no node marker; treating it as free"
+                    )
+                }
+                Err(err) => tracing::warn!(slot, %err, "treating slot as free"),
+            }
+        }
+        found.sort_by_key(|f| f.slot);
+        Ok(found)
+    }
+}
+
+/// The node id in a marker file; `None` when there is no marker.
+fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
+    let text = match fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(IsolationError::new("reading", path)(e)),
+    };
+    NodeId::parse(text.trim()).map(Some).map_err(|err| {
+        IsolationError::new("parsing", path)(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            err,
+        ))
+    })
+}
+
+fn with_newline(s: &str) -> String {
+    let mut s = s.trim_end().to_string();
+    s.push('\n');
+    s
+}
+
+/// Creates `dir` with mode 0700 (set explicitly, whatever the umask).
+fn make_private_dir(dir: &Path) -> Result<(), IsolationError> {
+    fs::DirBuilder::new()
+        .mode(WORKSPACE_MODE)
+        .create(dir)
+        .map_err(IsolationError::new("creating", dir))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(WORKSPACE_MODE))
+        .map_err(IsolationError::new("setting mode 0700 on", dir))
+}
+
+/// Writes a new file with `mode` and syncs it.
+fn write_file(path: &Path, contents: &str, mode: u32) -> Result<(), IsolationError> {
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+        .map_err(IsolationError::new("creating", path))?;
+    file.write_all(contents.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(IsolationError::new("writing", path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(s: &str) -> NodeId {
+        NodeId::parse(s).unwrap()
+    }
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn create_makes_a_private_workspace_with_key_and_marker() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        let ws = iso
+            .create(3, &node("node-a"), Some("ssh-ed25519 AAAA me"))
+            .unwrap();
+        assert_eq!(ws, work.path().join("slots/3"));
+        assert_eq!(mode(&ws), 0o700);
+        let keys = ws.join(".ssh/authorized_keys");
+        assert_eq!(fs::read_to_string(&keys).unwrap(), "ssh-ed25519 AAAA me\n");
+        assert_eq!(mode(&keys), 0o600);
+        assert_eq!(mode(&ws.join(".ssh")), 0o700);
+        assert_eq!(
+            iso.recover().unwrap(),
+            vec![FoundSlot {
+                slot: 3,
+                node_id: node("node-a")
+            }]
+        );
+    }
+
+    #[test]
+    fn create_wipes_leftovers_and_destroy_is_idempotent() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        let ws = iso.create(0, &node("node-a"), None).unwrap();
+        fs::create_dir_all(ws.join("deep/er")).unwrap();
+        fs::write(ws.join("deep/er/file"), "x").unwrap();
+        let ws = iso.create(0, &node("node-b"), None).unwrap();
+        assert!(!ws.join("deep").exists());
+        assert!(!ws.join(".ssh").exists());
+        iso.destroy(0).unwrap();
+        assert!(!ws.exists());
+        iso.destroy(0).unwrap();
+        iso.destroy(7).unwrap();
+    }
+
+    #[test]
+    fn recover_skips_unmarked_and_foreign_entries() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        iso.create(1, &node("node-a"), None).unwrap();
+        iso.create(5, &node("node-b"), None).unwrap();
+        fs::create_dir(work.path().join("slots/2")).unwrap();
+        fs::create_dir(work.path().join("slots/notaslot")).unwrap();
+        fs::create_dir(work.path().join("slots/4")).unwrap();
+        fs::write(work.path().join("slots/4").join(NODE_MARKER), "bad id!\n").unwrap();
+        let found = iso.recover().unwrap();
+        assert_eq!(
+            found,
+            vec![
+                FoundSlot {
+                    slot: 1,
+                    node_id: node("node-a")
+                },
+                FoundSlot {
+                    slot: 5,
+                    node_id: node("node-b")
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn errors_name_the_path() {
+        let work = tempfile::tempdir().unwrap();
+        let file = work.path().join("plainfile");
+        fs::write(&file, "").unwrap();
+        let err = WorkspaceOnly::new(&file).unwrap_err().to_string();
+        assert!(
+            err.starts_with("creating ") && err.contains("plainfile/slots"),
+            "{err}"
+        );
+    }
+}

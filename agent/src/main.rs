@@ -1,0 +1,80 @@
+//! The `slotpool-agent` binary: flags, logging, signals and the NATS connection; the
+//! agent itself is [`slotpool_agent::run`].
+
+use anyhow::Context;
+use clap::Parser;
+use slotpool_agent::config::{Args, SECRET_ENV};
+use slotpool_protocol::connect::Bus;
+use std::io::IsTerminal;
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio_util::sync::CancellationToken;
+
+/// Longest wait for the NATS connection and the buckets at start-up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+
+    // Take the secret out of the environment before any thread or child process exists,
+    // so slot processes started later cannot inherit it.
+    let secret_env = std::env::var_os(SECRET_ENV);
+    std::env::remove_var(SECRET_ENV);
+    let nats = args.nats_options();
+    let config = args
+        .into_config(secret_env)
+        .context("invalid configuration")?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        watch_signals(shutdown.clone())?;
+        let bus = tokio::time::timeout(CONNECT_TIMEOUT, Bus::connect(&nats))
+            .await
+            .with_context(|| {
+                format!(
+                    "connecting to NATS at {}: timed out after {CONNECT_TIMEOUT:?}",
+                    nats.url
+                )
+            })?
+            .with_context(|| format!("connecting to NATS at {}", nats.url))?;
+        slotpool_agent::run(config, bus, shutdown)
+            .await
+            .context("agent failed")
+    })
+}
+
+/// Cancels `shutdown` on the first SIGTERM or SIGINT; a second one exits at once.
+fn watch_signals(shutdown: CancellationToken) -> anyhow::Result<()> {
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    tokio::spawn(async move {
+        let mut signals = 0;
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            signals += 1;
+            if signals == 1 {
+                tracing::info!("signal received: shutting down (again to force)");
+                shutdown.cancel();
+            } else {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        }
+    });
+    Ok(())
+}
