@@ -6,6 +6,7 @@
 //! daemon; `main.rs` only parses arguments.
 
 pub mod api;
+pub mod cli;
 pub mod backing;
 pub mod config;
 pub mod lease;
@@ -72,12 +73,11 @@ pub async fn run(config: Config, bus: Bus, deps: LauncherDeps, shutdown: Cancell
             _ = shutdown.cancelled() => break,
         }
     }
-    tracing::info!(
-        requests = shared.world().requests.len(),
-        backing = shared.world().backing.len(),
-        slots = shared.world().slots.len(),
-        "state loaded"
-    );
+    let (requests, backing, slots) = {
+        let world = shared.world();
+        (world.requests.len(), world.backing.len(), world.slots.len())
+    };
+    tracing::info!(requests, backing, slots, "state loaded");
     let api = {
         let sh = shared.clone();
         shared.tracker.spawn(async move { api::serve(sh).await })

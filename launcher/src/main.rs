@@ -1,1 +1,17 @@
-fn main(){}
+//! `slotpool`: the launcher daemon and the command-line client.
+
+use clap::Parser;
+use slotpool_launcher::cli::{self, Cli};
+
+fn main() -> std::process::ExitCode {
+    let args = Cli::parse();
+    cli::init_tracing(&args);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match runtime.block_on(cli::dispatch(args)) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}

@@ -252,7 +252,7 @@ impl World {
             .filter(|b| b.label == label)
             .map(|b| match b.state {
                 BackingState::Requested | BackingState::Launching => b.slots,
-                BackingState::Ready if b.idle == IdleBehaviour::Run => b.slots.saturating_sub(self.used_count(&b.id)),
+                BackingState::Ready if self.takes_slots(b) => b.slots.saturating_sub(self.used_count(&b.id)),
                 _ => 0,
             })
             .sum()

