@@ -16,9 +16,11 @@
 //! works the tests fail with the script's message; they never skip.
 
 mod nats;
+mod pool;
 mod process;
 mod wait;
 
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
+pub use pool::{config_yaml, kill_agents, label, Pool};
 pub use process::{bin_path, workspace_root, ChildGuard};
 pub use wait::{next_within, wait_for, wait_for_some, POLL_INTERVAL};

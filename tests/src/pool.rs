@@ -1,0 +1,162 @@
+//! A whole pool for end-to-end tests: a nats-server, `slotpool serve` processes on a
+//! generated config with the local provider, and a client. Local agents are real
+//! `slotpool-agent` processes; they are killed (by their pid files) when the pool drops.
+
+use crate::nats::NatsServer;
+use crate::process::{bin_path, ChildGuard};
+use slotpool_protocol::client::{submission, Client};
+use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, RequestState};
+use slotpool_protocol::RequestId;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tempfile::TempDir;
+
+/// Agents in tests heartbeat fast so a dead one is noticed quickly.
+pub const AGENT_ARGS: &str = r#"["--heartbeat-interval-ms", "300", "--heartbeat-ttl-secs", "2"]"#;
+
+pub struct Pool {
+    pub nats: NatsServer,
+    pub client: Client,
+    dir: TempDir,
+    config: PathBuf,
+    launchers: Vec<ChildGuard>,
+}
+
+/// A label line for [`Pool::start`]: `(name, max-parallel-jobs, grace-time, extra yaml)`.
+pub fn config_yaml(work_dir: &Path, max_servers: u32, lease_ttl: u32, labels: &str) -> String {
+    format!(
+        "launcher:\n  lease-ttl: {lease_ttl}\nproviders:\n  - name: local\n    driver: local\n    local:\n      work-dir: {}\n      agent-args: {AGENT_ARGS}\n    pools:\n      - name: main\n        max-servers: {max_servers}\n        boot-timeout: 20\n        labels:\n{labels}",
+        work_dir.display()
+    )
+}
+
+/// One label entry (indented for [`config_yaml`]).
+pub fn label(name: &str, slots: u32, grace: u32, extra: &[&str]) -> String {
+    let mut s = format!("          - name: {name}\n            backing-label: vm\n            max-parallel-jobs: {slots}\n            grace-time: {grace}\n");
+    for e in extra {
+        s.push_str(&format!("            {e}\n"));
+    }
+    s
+}
+
+impl Pool {
+    /// Starts a nats-server and `launchers` launcher processes on a config with `labels`.
+    pub async fn start(max_servers: u32, lease_ttl: u32, labels: &str, launchers: usize) -> Pool {
+        let nats = NatsServer::start().await;
+        let dir = tempfile::Builder::new().prefix("slotpool-pool-").tempdir().expect("temp dir");
+        let config = dir.path().join("pool.yaml");
+        std::fs::write(&config, config_yaml(&dir.path().join("agents"), max_servers, lease_ttl, labels)).expect("writing config");
+        let client = Client::from_bus(nats.bus().await);
+        let mut pool = Pool { nats, client, dir, config, launchers: Vec::new() };
+        for _ in 0..launchers {
+            pool.spawn_launcher();
+        }
+        pool.wait_served().await;
+        pool
+    }
+
+    pub fn work_dir(&self) -> PathBuf {
+        self.dir.path().join("agents")
+    }
+
+    /// Starts one more `slotpool serve`; returns its index.
+    pub fn spawn_launcher(&mut self) -> usize {
+        let n = self.launchers.len();
+        let log = File::create(self.dir.path().join(format!("launcher-{n}.log"))).expect("launcher log");
+        let mut cmd = Command::new(bin_path("slotpool"));
+        cmd.args(["--nats", &self.nats.url(), "--log", "info,slotpool_launcher=debug", "serve", "--config"])
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        self.launchers.push(ChildGuard::spawn(format!("launcher-{n}"), cmd).expect("spawning slotpool serve"));
+        n
+    }
+
+    /// SIGKILLs launcher `n`, as a crash would.
+    pub fn kill_launcher(&mut self, n: usize) {
+        self.launchers[n].kill();
+    }
+
+    /// Waits until some launcher answers the API.
+    pub async fn wait_served(&self) {
+        crate::wait_for("a launcher to serve the API", Duration::from_secs(30), || async {
+            let probe = submission(vec![], "probe");
+            !matches!(self.client.submit(&probe).await, Err(slotpool_protocol::connect::BusError::NoResponders { .. }))
+        })
+        .await;
+    }
+
+    /// Submits a request for `labels`.
+    pub async fn submit(&self, labels: &[&str]) -> RequestId {
+        let sub = submission(labels.iter().map(|s| s.to_string()).collect(), "test");
+        self.client.submit(&sub).await.expect("submit")
+    }
+
+    /// Waits until the request is final and returns it.
+    pub async fn wait_final(&self, id: &RequestId, timeout: Duration) -> NodeRequest {
+        tokio::time::timeout(timeout, self.client.wait(id, |_| {}))
+            .await
+            .unwrap_or_else(|_| panic!("request {id} not final within {timeout:?}\n{}", self.logs()))
+            .expect("wait")
+    }
+
+    pub async fn fulfilled(&self, id: &RequestId) -> NodeRequest {
+        let r = self.wait_final(id, Duration::from_secs(60)).await;
+        assert_eq!(r.state, RequestState::Fulfilled, "request {id}: {r:?}\n{}", self.logs());
+        r
+    }
+
+    pub async fn backing(&self) -> Vec<BackingNode> {
+        self.client.list_backing().await.expect("list backing")
+    }
+
+    pub async fn backing_in(&self, states: &[BackingState]) -> Vec<BackingNode> {
+        self.backing().await.into_iter().filter(|b| states.contains(&b.state)).collect()
+    }
+
+    pub async fn nodes(&self) -> Vec<Node> {
+        self.client.list_nodes().await.expect("list nodes")
+    }
+
+    /// The launchers' logs (for failure messages).
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for n in 0..self.launchers.len() {
+            let text = std::fs::read_to_string(self.dir.path().join(format!("launcher-{n}.log"))).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(60).collect();
+            out.push_str(&format!("--- launcher-{n} (last lines)\n"));
+            for l in tail.into_iter().rev() {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        for l in &mut self.launchers {
+            l.kill();
+        }
+        kill_agents(&self.work_dir());
+    }
+}
+
+/// Kills every local agent whose pid file is under `work_dir` (checking its command line).
+pub fn kill_agents(work_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(work_dir) else { return };
+    for e in entries.flatten() {
+        let Ok(pid) = std::fs::read_to_string(e.path().join("agent.pid")) else { continue };
+        let Ok(pid) = pid.trim().parse::<i32>() else { continue };
+        let id = e.file_name().to_string_lossy().to_string();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&id) {
+            // SAFETY: killing a process we started, identified by its command line.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
