@@ -7,7 +7,10 @@ use crate::request;
 use crate::shared::Shared;
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
-use slotpool_protocol::api::{ApiError, CancelRequest, Canceled, ErrorCode, ReleaseNodes, Released, Reply, SubmitRequest, Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST};
+use slotpool_protocol::api::{
+    ApiError, CancelRequest, Canceled, ErrorCode, ReleaseNodes, Released, Reply, SubmitRequest,
+    Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST,
+};
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{NodeRequest, RequestState};
@@ -24,9 +27,18 @@ const MAX_SSH_KEY_LEN: usize = 16 * 1024;
 /// Serves the API until shutdown.
 pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
     let bus = &shared.bus;
-    let submit = bus.serve(subjects::SUBMIT, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Submit, m));
-    let release = bus.serve(subjects::RELEASE, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Release, m));
-    let cancel = bus.serve(subjects::CANCEL, Some(subjects::LAUNCHER_QUEUE)).await?.map(|m| (Op::Cancel, m));
+    let submit = bus
+        .serve(subjects::SUBMIT, Some(subjects::LAUNCHER_QUEUE))
+        .await?
+        .map(|m| (Op::Submit, m));
+    let release = bus
+        .serve(subjects::RELEASE, Some(subjects::LAUNCHER_QUEUE))
+        .await?
+        .map(|m| (Op::Release, m));
+    let cancel = bus
+        .serve(subjects::CANCEL, Some(subjects::LAUNCHER_QUEUE))
+        .await?
+        .map(|m| (Op::Cancel, m));
     let mut all = futures::stream::select_all([submit.boxed(), release.boxed(), cancel.boxed()]);
     loop {
         let (op, msg) = tokio::select! {
@@ -34,7 +46,10 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
             next = all.next() => match next { Some(m) => m, None => return Ok(()) },
         };
         let sh = shared.clone();
-        shared.tracker.spawn(async move { handle(sh, op, msg).await }.instrument(tracing::info_span!("api", op = ?op)));
+        shared.tracker.spawn(
+            async move { handle(sh, op, msg).await }
+                .instrument(tracing::info_span!("api", op = ?op)),
+        );
     }
 }
 
@@ -60,7 +75,11 @@ async fn handle(sh: Arc<Shared>, op: Op, msg: Incoming) {
     }
 }
 
-async fn respond<T: serde::Serialize>(sh: &Shared, reply_to: &str, result: Result<T, ApiError>) -> Result<(), BusError> {
+async fn respond<T: serde::Serialize>(
+    sh: &Shared,
+    reply_to: &str,
+    result: Result<T, ApiError>,
+) -> Result<(), BusError> {
     if let Err(err) = &result {
         tracing::info!(code = ?err.code, message = %err.message, "refused");
     }
@@ -76,14 +95,28 @@ fn internal(err: impl std::fmt::Display) -> ApiError {
 }
 
 /// Decodes a message, refusing oversized ones and other protocol versions.
-fn decode<T: DeserializeOwned>(msg: &Incoming, what: &str, version: impl Fn(&T) -> u32) -> Result<T, ApiError> {
+fn decode<T: DeserializeOwned>(
+    msg: &Incoming,
+    what: &str,
+    version: impl Fn(&T) -> u32,
+) -> Result<T, ApiError> {
     if msg.payload.len() > MAX_MESSAGE_BYTES {
-        return Err(ApiError::new(ErrorCode::TooLarge, format!("{what} is {} bytes; the limit is {MAX_MESSAGE_BYTES}", msg.payload.len())));
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            format!(
+                "{what} is {} bytes; the limit is {MAX_MESSAGE_BYTES}",
+                msg.payload.len()
+            ),
+        ));
     }
-    let value: T = serde_json::from_slice(&msg.payload).map_err(|err| bad(format!("malformed {what}: {err}")))?;
+    let value: T = serde_json::from_slice(&msg.payload)
+        .map_err(|err| bad(format!("malformed {what}: {err}")))?;
     let v = version(&value);
     if v != PROTOCOL_VERSION {
-        return Err(ApiError::new(ErrorCode::UnsupportedVersion, format!("{what} has v={v}; this launcher speaks v={PROTOCOL_VERSION}")));
+        return Err(ApiError::new(
+            ErrorCode::UnsupportedVersion,
+            format!("{what} has v={v}; this launcher speaks v={PROTOCOL_VERSION}"),
+        ));
     }
     Ok(value)
 }
@@ -94,17 +127,33 @@ fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
         return Err(bad("labels is empty: name at least one label"));
     }
     if s.labels.len() > MAX_LABELS_PER_REQUEST {
-        return Err(ApiError::new(ErrorCode::TooLarge, format!("{} labels asked for; at most {MAX_LABELS_PER_REQUEST} per request", s.labels.len())));
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            format!(
+                "{} labels asked for; at most {MAX_LABELS_PER_REQUEST} per request",
+                s.labels.len()
+            ),
+        ));
     }
     if s.requestor.trim().is_empty() || s.requestor.len() > MAX_REQUESTOR_LEN {
-        return Err(bad(format!("requestor must be 1 to {MAX_REQUESTOR_LEN} characters")));
+        return Err(bad(format!(
+            "requestor must be 1 to {MAX_REQUESTOR_LEN} characters"
+        )));
     }
-    if s.ssh_public_key.as_ref().is_some_and(|k| k.len() > MAX_SSH_KEY_LEN || k.contains('\n')) {
-        return Err(bad(format!("ssh_public_key must be one line of at most {MAX_SSH_KEY_LEN} characters")));
+    if s.ssh_public_key
+        .as_ref()
+        .is_some_and(|k| k.len() > MAX_SSH_KEY_LEN || k.contains('\n'))
+    {
+        return Err(bad(format!(
+            "ssh_public_key must be one line of at most {MAX_SSH_KEY_LEN} characters"
+        )));
     }
     if let Some(unknown) = s.labels.iter().find(|l| sh.config.sites(l).is_empty()) {
         let known = sh.config.label_names().join(", ");
-        return Err(ApiError::new(ErrorCode::UnknownLabel, format!("unknown label {unknown:?}; this pool serves: {known}")));
+        return Err(ApiError::new(
+            ErrorCode::UnknownLabel,
+            format!("unknown label {unknown:?}; this pool serves: {known}"),
+        ));
     }
     Ok(())
 }
@@ -133,16 +182,26 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         Ok(revision) => {
             tracing::info!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
             let id = req.id.clone();
-            sh.world().put_request(Versioned { key, revision, value: req });
+            sh.world().put_request(Versioned {
+                key,
+                revision,
+                value: req,
+            });
             request::spawn(sh, id.clone());
             Ok(Submitted { request_id: id })
         }
         // A retried submission with the same id: the first one stands.
-        Err(KvError::Conflict { .. }) if s.id.is_some() => match sh.bus.requests.get::<NodeRequest>(&key).await {
-            Ok(Some(existing)) if existing.value.labels == req.labels => Ok(Submitted { request_id: req.id }),
-            Ok(_) => Err(bad(format!("request id {key} is already used by a different request"))),
-            Err(err) => Err(internal(err)),
-        },
+        Err(KvError::Conflict { .. }) if s.id.is_some() => {
+            match sh.bus.requests.get::<NodeRequest>(&key).await {
+                Ok(Some(existing)) if existing.value.labels == req.labels => {
+                    Ok(Submitted { request_id: req.id })
+                }
+                Ok(_) => Err(bad(format!(
+                    "request id {key} is already used by a different request"
+                ))),
+                Err(err) => Err(internal(err)),
+            }
+        }
         Err(err) => Err(internal(err)),
     }
 }
@@ -150,15 +209,30 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
 async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
     let r: ReleaseNodes = decode(msg, "release request", |r: &ReleaseNodes| r.v)?;
     if r.nodes.len() > MAX_LABELS_PER_REQUEST {
-        return Err(ApiError::new(ErrorCode::TooLarge, format!("{} nodes; at most {MAX_LABELS_PER_REQUEST} per release", r.nodes.len())));
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            format!(
+                "{} nodes; at most {MAX_LABELS_PER_REQUEST} per release",
+                r.nodes.len()
+            ),
+        ));
     }
     let mut out = Released::default();
     let results = futures::future::join_all(r.nodes.iter().map(|id| async move {
-        let Some((backing, slot)) = id.slot() else { return (id, Ok(false)) };
+        let Some((backing, slot)) = id.slot() else {
+            return (id, Ok(false));
+        };
         let key = layout::slot_key(&backing, slot);
         // Only the node that holds the slot now may be released under this id.
-        match sh.bus.slots.get::<slotpool_protocol::model::Node>(&key).await {
-            Ok(Some(n)) if &n.value.id == id => (id, nodes::release(sh, &key).await.map_err(internal)),
+        match sh
+            .bus
+            .slots
+            .get::<slotpool_protocol::model::Node>(&key)
+            .await
+        {
+            Ok(Some(n)) if &n.value.id == id => {
+                (id, nodes::release(sh, &key).await.map_err(internal))
+            }
             Ok(_) => (id, Ok(false)),
             Err(err) => (id, Err(internal(err))),
         }
@@ -180,19 +254,41 @@ async fn cancel(sh: &Arc<Shared>, msg: &Incoming) -> Result<Canceled, ApiError> 
     let c: CancelRequest = decode(msg, "cancel request", |c: &CancelRequest| c.v)?;
     let key = c.request_id.to_string();
     loop {
-        let Some(current) = sh.bus.requests.get::<NodeRequest>(&key).await.map_err(internal)? else {
-            return Err(ApiError::new(ErrorCode::NotFound, format!("no request {key}")));
+        let Some(current) = sh
+            .bus
+            .requests
+            .get::<NodeRequest>(&key)
+            .await
+            .map_err(internal)?
+        else {
+            return Err(ApiError::new(
+                ErrorCode::NotFound,
+                format!("no request {key}"),
+            ));
         };
         if current.value.state.is_final() {
-            return Ok(Canceled { request_id: c.request_id, state: current.value.state });
+            return Ok(Canceled {
+                request_id: c.request_id,
+                state: current.value.state,
+            });
         }
         let mut r = current.value.clone();
         r.state = RequestState::Canceled;
         r.status = "canceled by its requestor".into();
         r.updated_at = now_ms();
         let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
-        match sh.bus.requests.update(&key, &r, current.revision, ttl).await {
-            Ok(_) => return Ok(Canceled { request_id: c.request_id, state: RequestState::Canceled }),
+        match sh
+            .bus
+            .requests
+            .update(&key, &r, current.revision, ttl)
+            .await
+        {
+            Ok(_) => {
+                return Ok(Canceled {
+                    request_id: c.request_id,
+                    state: RequestState::Canceled,
+                })
+            }
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(internal(err)),
         }

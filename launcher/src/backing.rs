@@ -28,13 +28,23 @@ pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
         return;
     }
     let sh = shared.clone();
-    let backing_id = sh.world().backing.get(&seat_key).map(|b| b.value.id.to_string()).unwrap_or_default();
+    let backing_id = sh
+        .world()
+        .backing
+        .get(&seat_key)
+        .map(|b| b.value.id.to_string())
+        .unwrap_or_default();
     let span = tracing::info_span!("backing", seat = %seat_key, backing_id = %backing_id);
     shared.tracker.spawn(
         async move {
             match lease::acquire(&sh, &key).await {
                 Ok(Some(lease)) => {
-                    Worker { sh: sh.clone(), seat_key }.run(&lease).await;
+                    Worker {
+                        sh: sh.clone(),
+                        seat_key,
+                    }
+                    .run(&lease)
+                    .await;
                     lease.release().await;
                 }
                 Ok(None) => tracing::debug!("another launcher drives this backing node"),
@@ -67,7 +77,9 @@ impl Worker {
                 return;
             }
             rx.mark_unchanged();
-            let Some((b, obs)) = self.observe() else { return };
+            let Some((b, obs)) = self.observe() else {
+                return;
+            };
             let step = lifecycle::next(&b.value, &obs);
             tracing::trace!(?step, state = ?b.value.state, "step");
             let outcome = match self.carry_out(&b, step).await {
@@ -82,7 +94,8 @@ impl Worker {
                 Outcome::Continue => {}
                 Outcome::Gone => return,
                 Outcome::Wait(at) => {
-                    let deadline = at.map(|t| tokio::time::Instant::now() + slotpool_protocol::time::until(t));
+                    let deadline =
+                        at.map(|t| tokio::time::Instant::now() + slotpool_protocol::time::until(t));
                     wait_for_change(std::slice::from_mut(&mut rx), deadline, &lease.lost).await;
                 }
             }
@@ -96,15 +109,21 @@ impl Worker {
         let agent = match world.agents.get(&b.value.id) {
             None => AgentSeen::Absent,
             Some(a) if a.secret_sha256 != b.value.secret_sha256 => AgentSeen::Impostor,
-            Some(a) => AgentSeen::Up { draining: a.draining },
+            Some(a) => AgentSeen::Up {
+                draining: a.draining,
+            },
         };
-        let rules = self.sh.config.label_in(&b.value.provider, &b.value.pool, &b.value.label).map(|s| Rules {
-            grace_time: s.label.grace_time,
-            min_retention_time: s.label.min_retention_time,
-            max_age: s.label.max_age,
-            boot_timeout: s.pool.boot_timeout,
-            launch_retries: s.pool.launch_retries,
-        });
+        let rules = self
+            .sh
+            .config
+            .label_in(&b.value.provider, &b.value.pool, &b.value.label)
+            .map(|s| Rules {
+                grace_time: s.label.grace_time,
+                min_retention_time: s.label.min_retention_time,
+                max_age: s.label.max_age,
+                boot_timeout: s.pool.boot_timeout,
+                launch_retries: s.pool.launch_retries,
+            });
         let obs = Observed {
             agent,
             used: world.used_count(&b.value.id),
@@ -143,10 +162,13 @@ impl Worker {
                 if let Some(instance) = &b.value.instance {
                     if let Err(err) = self.sh.providers[&b.value.provider].delete(instance).await {
                         tracing::warn!(%err, "cannot delete the failed instance; will retry");
-                        return Ok(Outcome::Wait(Some(now + STEP_RETRY_PAUSE.as_millis() as u64)));
+                        return Ok(Outcome::Wait(Some(
+                            now + STEP_RETRY_PAUSE.as_millis() as u64,
+                        )));
                     }
                 }
-                self.write(b, BackingState::Failed, |n| n.instance = None).await
+                self.write(b, BackingState::Failed, |n| n.instance = None)
+                    .await
             }
             Step::Forget => {
                 self.sh.bus.backing.delete(&b.key, b.revision).await?;
@@ -156,20 +178,42 @@ impl Worker {
     }
 
     /// Writes a new state (checked against the state machine) and applies it locally.
-    async fn write(&self, b: &Versioned<BackingNode>, state: BackingState, change: impl FnOnce(&mut BackingNode)) -> Result<Outcome, KvError> {
-        debug_assert!(state == b.value.state || b.value.state.can_become(state), "{:?} -> {state:?}", b.value.state);
+    async fn write(
+        &self,
+        b: &Versioned<BackingNode>,
+        state: BackingState,
+        change: impl FnOnce(&mut BackingNode),
+    ) -> Result<Outcome, KvError> {
+        debug_assert!(
+            state == b.value.state || b.value.state.can_become(state),
+            "{:?} -> {state:?}",
+            b.value.state
+        );
         let mut n = b.value.clone();
         n.state = state;
         change(&mut n);
         n.updated_at = now_ms();
-        let revision = self.sh.bus.backing.update(&b.key, &n, b.revision, None).await?;
+        let revision = self
+            .sh
+            .bus
+            .backing
+            .update(&b.key, &n, b.revision, None)
+            .await?;
         let label = n.label.clone();
-        self.sh.world().put_backing(Versioned { key: b.key.clone(), revision, value: n });
+        self.sh.world().put_backing(Versioned {
+            key: b.key.clone(),
+            revision,
+            value: n,
+        });
         self.sh.signals.bump(&label_topic(&label));
         Ok(Outcome::Continue)
     }
 
-    async fn launch(&self, b: &Versioned<BackingNode>, retry_reason: Option<String>) -> Result<Outcome, KvError> {
+    async fn launch(
+        &self,
+        b: &Versioned<BackingNode>,
+        retry_reason: Option<String>,
+    ) -> Result<Outcome, KvError> {
         let v = &b.value;
         let provider = self.sh.providers[&v.provider].clone();
         if let Some(reason) = &retry_reason {
@@ -198,8 +242,15 @@ impl Worker {
         else {
             unreachable!("write continues")
         };
-        let Some(current) = self.sh.world().backing.get(&b.key).cloned() else { return Ok(Outcome::Continue) };
-        let timeout = self.sh.config.pool(&v.provider, &v.pool).map(|(_, p)| p.launch_timeout).unwrap_or(Duration::from_secs(300));
+        let Some(current) = self.sh.world().backing.get(&b.key).cloned() else {
+            return Ok(Outcome::Continue);
+        };
+        let timeout = self
+            .sh
+            .config
+            .pool(&v.provider, &v.pool)
+            .map(|(_, p)| p.launch_timeout)
+            .unwrap_or(Duration::from_secs(300));
         let spec = LaunchSpec {
             backing_id: v.id.clone(),
             secret,
@@ -222,11 +273,18 @@ impl Worker {
             }
             Ok(Err(err)) => {
                 tracing::warn!(%err, "launch failed");
-                self.write(&current, BackingState::Launching, |n| n.failure = Some(err.to_string())).await
+                self.write(&current, BackingState::Launching, |n| {
+                    n.failure = Some(err.to_string())
+                })
+                .await
             }
             Err(_) => {
-                let why = format!("provider did not launch within launch-timeout {}s", timeout.as_secs());
-                self.write(&current, BackingState::Launching, |n| n.failure = Some(why)).await
+                let why = format!(
+                    "provider did not launch within launch-timeout {}s",
+                    timeout.as_secs()
+                );
+                self.write(&current, BackingState::Launching, |n| n.failure = Some(why))
+                    .await
             }
         }
     }
@@ -238,12 +296,28 @@ impl Worker {
         let agent_up = self.sh.world().agents.contains_key(&v.id);
         if agent_up {
             let subject = subjects::agent(&v.id);
-            match self.sh.bus.call::<_, SlotsClosed>(&subject, &AgentCommand::Close, AGENT_COMMAND_TIMEOUT).await {
-                Ok(closed) if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
+            match self
+                .sh
+                .bus
+                .call::<_, SlotsClosed>(&subject, &AgentCommand::Close, AGENT_COMMAND_TIMEOUT)
+                .await
+            {
+                Ok(closed)
+                    if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
                 Ok(closed) => {
                     tracing::info!(prepared = ?closed.prepared, "a slot was claimed meanwhile; release aborted");
-                    let _ = self.sh.bus.call::<_, SlotsClosed>(&subject, &AgentCommand::Open, AGENT_COMMAND_TIMEOUT).await;
-                    return self.write(b, BackingState::Ready, |n| n.idle_since = None).await;
+                    let _ = self
+                        .sh
+                        .bus
+                        .call::<_, SlotsClosed>(
+                            &subject,
+                            &AgentCommand::Open,
+                            AGENT_COMMAND_TIMEOUT,
+                        )
+                        .await;
+                    return self
+                        .write(b, BackingState::Ready, |n| n.idle_since = None)
+                        .await;
                 }
                 Err(err) => tracing::warn!(%err, "agent did not confirm close; releasing anyway"),
             }
@@ -251,7 +325,9 @@ impl Worker {
         if let Some(instance) = &v.instance {
             if let Err(err) = self.sh.providers[&v.provider].delete(instance).await {
                 tracing::warn!(%err, "cannot delete the instance; will retry");
-                return Ok(Outcome::Wait(Some(now_ms() + STEP_RETRY_PAUSE.as_millis() as u64)));
+                return Ok(Outcome::Wait(Some(
+                    now_ms() + STEP_RETRY_PAUSE.as_millis() as u64,
+                )));
             }
         }
         self.sh.bus.backing.delete(&b.key, b.revision).await?;
@@ -261,10 +337,26 @@ impl Worker {
 
     async fn fail(&self, b: &Versioned<BackingNode>, reason: String) -> Result<Outcome, KvError> {
         tracing::warn!(%reason, "backing node failed");
-        let outcome = self.write(b, BackingState::Failed, |n| n.failure = Some(reason.clone())).await?;
-        let on_it: Vec<_> = self.sh.world().slots.values().filter(|n| n.value.backing_id == b.value.id).cloned().collect();
+        let outcome = self
+            .write(b, BackingState::Failed, |n| {
+                n.failure = Some(reason.clone())
+            })
+            .await?;
+        let on_it: Vec<_> = self
+            .sh
+            .world()
+            .slots
+            .values()
+            .filter(|n| n.value.backing_id == b.value.id)
+            .cloned()
+            .collect();
         for node in on_it {
-            nodes::mark_failed(&self.sh, &node, &format!("backing node {} failed: {reason}", b.value.id)).await?;
+            nodes::mark_failed(
+                &self.sh,
+                &node,
+                &format!("backing node {} failed: {reason}", b.value.id),
+            )
+            .await?;
         }
         Ok(outcome)
     }

@@ -28,9 +28,17 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("reading {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}:{line}:{column}: {message}")]
-    At { path: PathBuf, line: u64, column: u64, message: String },
+    At {
+        path: PathBuf,
+        line: u64,
+        column: u64,
+        message: String,
+    },
     #[error("{path}: {message}")]
     Whole { path: PathBuf, message: String },
 }
@@ -171,9 +179,19 @@ pub struct ProviderConfig {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum DriverConfig {
-    Static { hosts: Vec<StaticHost> },
-    Local { agent_command: Option<PathBuf>, agent_args: Vec<String>, work_dir: PathBuf },
-    Exec { create: Vec<String>, delete: Vec<String>, list: Vec<String> },
+    Static {
+        hosts: Vec<StaticHost>,
+    },
+    Local {
+        agent_command: Option<PathBuf>,
+        agent_args: Vec<String>,
+        work_dir: PathBuf,
+    },
+    Exec {
+        create: Vec<String>,
+        delete: Vec<String>,
+        list: Vec<String>,
+    },
 }
 
 /// A host whose agent is already running, with the id and secret it was started with.
@@ -223,19 +241,33 @@ pub struct LabelSite<'a> {
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Config::parse(path, &text)
     }
 
     /// Parses and validates `text`; errors name `path`, line and column.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
         let raw: RawConfig = serde_saphyr::from_str(text).map_err(|err| {
-            let (line, column) = err.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
+            let (line, column) = err
+                .location()
+                .map(|l| (l.line(), l.column()))
+                .unwrap_or((0, 0));
             let message = first_line(&err.to_string());
             if line == 0 {
-                ConfigError::Whole { path: path.to_path_buf(), message }
+                ConfigError::Whole {
+                    path: path.to_path_buf(),
+                    message,
+                }
             } else {
-                ConfigError::At { path: path.to_path_buf(), line, column, message }
+                ConfigError::At {
+                    path: path.to_path_buf(),
+                    line,
+                    column,
+                    message,
+                }
             }
         })?;
         Validator { path }.config(raw)
@@ -247,7 +279,11 @@ impl Config {
         for provider in &self.providers {
             for pool in &provider.pools {
                 for l in pool.labels.iter().filter(|l| l.name == label) {
-                    out.push(LabelSite { provider, pool, label: l });
+                    out.push(LabelSite {
+                        provider,
+                        pool,
+                        label: l,
+                    });
                 }
             }
         }
@@ -265,12 +301,22 @@ impl Config {
     pub fn label_in(&self, provider: &str, pool: &str, label: &str) -> Option<LabelSite<'_>> {
         let (provider, pool) = self.pool(provider, pool)?;
         let label = pool.labels.iter().find(|l| l.name == label)?;
-        Some(LabelSite { provider, pool, label })
+        Some(LabelSite {
+            provider,
+            pool,
+            label,
+        })
     }
 
     /// Every label name served, sorted.
     pub fn label_names(&self) -> Vec<&str> {
-        let mut names: Vec<&str> = self.providers.iter().flat_map(|p| p.pools.iter()).flat_map(|p| p.labels.iter()).map(|l| l.name.as_str()).collect();
+        let mut names: Vec<&str> = self
+            .providers
+            .iter()
+            .flat_map(|p| p.pools.iter())
+            .flat_map(|p| p.labels.iter())
+            .map(|l| l.name.as_str())
+            .collect();
         names.sort();
         names.dedup();
         names
@@ -281,7 +327,10 @@ impl Config {
 fn first_line(s: &str) -> String {
     let line = s.lines().next().unwrap_or(s).trim();
     let line = line.strip_prefix("error: ").unwrap_or(line);
-    match line.strip_prefix("line ").and_then(|rest| rest.split_once(": ")) {
+    match line
+        .strip_prefix("line ")
+        .and_then(|rest| rest.split_once(": "))
+    {
         Some((_, message)) => message.to_string(),
         None => line.to_string(),
     }
@@ -305,18 +354,32 @@ impl Validator<'_> {
         if is_key_token(&name.value) {
             Ok(name.value.clone())
         } else {
-            Err(self.at(name, format!("invalid {what} name {:?}: use 1-128 characters of a-z, A-Z, 0-9, '-' and '_'", name.value)))
+            Err(self.at(
+                name,
+                format!(
+                    "invalid {what} name {:?}: use 1-128 characters of a-z, A-Z, 0-9, '-' and '_'",
+                    name.value
+                ),
+            ))
         }
     }
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let lease_ttl = match &raw.launcher.lease_ttl {
-            Some(s) if s.value < 1 || s.value > 300 => return Err(self.at(s, format!("lease-ttl must be 1 to 300 seconds, got {}", s.value))),
+            Some(s) if s.value < 1 || s.value > 300 => {
+                return Err(self.at(
+                    s,
+                    format!("lease-ttl must be 1 to 300 seconds, got {}", s.value),
+                ))
+            }
             Some(s) => Duration::from_secs(s.value),
             None => Duration::from_secs(10),
         };
         if raw.providers.is_empty() {
-            return Err(ConfigError::Whole { path: self.path.to_path_buf(), message: "no providers: add at least one under `providers:`".into() });
+            return Err(ConfigError::Whole {
+                path: self.path.to_path_buf(),
+                message: "no providers: add at least one under `providers:`".into(),
+            });
         }
         let mut providers = Vec::new();
         let mut provider_names = BTreeMap::new();
@@ -327,7 +390,11 @@ impl Validator<'_> {
             }
             providers.push(self.provider(name, p)?);
         }
-        Ok(Config { lease_ttl, agent_nats_url: raw.launcher.agent_nats_url, providers })
+        Ok(Config {
+            lease_ttl,
+            agent_nats_url: raw.launcher.agent_nats_url,
+            providers,
+        })
     }
 
     fn provider(&self, name: String, p: RawProvider) -> Result<ProviderConfig, ConfigError> {
@@ -335,7 +402,10 @@ impl Validator<'_> {
         for pool in p.pools {
             let pool = self.pool(pool)?;
             if pools.iter().any(|x: &PoolConfig| x.name == pool.name) {
-                return Err(ConfigError::Whole { path: self.path.to_path_buf(), message: format!("provider {name:?}: pool {:?} is defined twice", pool.name) });
+                return Err(ConfigError::Whole {
+                    path: self.path.to_path_buf(),
+                    message: format!("provider {name:?}: pool {:?} is defined twice", pool.name),
+                });
             }
             pools.push(pool);
         }
@@ -349,44 +419,83 @@ impl Validator<'_> {
                 Err(self.at(&p.driver, format!("driver {key} needs a `{key}:` section")))
             }
         };
-        let stray = [("static", p.static_hosts.is_some(), Driver::Static), ("local", p.local.is_some(), Driver::Local), ("exec", p.exec.is_some(), Driver::Exec)]
-            .into_iter()
-            .find(|(_, present, d)| *present && *d != p.driver.value);
+        let stray = [
+            ("static", p.static_hosts.is_some(), Driver::Static),
+            ("local", p.local.is_some(), Driver::Local),
+            ("exec", p.exec.is_some(), Driver::Exec),
+        ]
+        .into_iter()
+        .find(|(_, present, d)| *present && *d != p.driver.value);
         if let Some((key, ..)) = stray {
-            return Err(self.at(&p.driver, format!("provider {name:?}: a `{key}:` section does not fit driver {:?}", p.driver.value)));
+            return Err(self.at(
+                &p.driver,
+                format!(
+                    "provider {name:?}: a `{key}:` section does not fit driver {:?}",
+                    p.driver.value
+                ),
+            ));
         }
         let driver = match p.driver.value {
             Driver::Static => {
                 section(p.static_hosts.is_some(), "static")?;
                 let raw = p.static_hosts.expect("checked");
-                DriverConfig::Static { hosts: self.static_hosts(&name, &pools, raw)? }
+                DriverConfig::Static {
+                    hosts: self.static_hosts(&name, &pools, raw)?,
+                }
             }
             Driver::Local => {
                 let local = p.local.map(|s| s.value).unwrap_or_default();
                 DriverConfig::Local {
                     agent_command: local.agent_command,
                     agent_args: local.agent_args,
-                    work_dir: local.work_dir.unwrap_or_else(|| PathBuf::from("/var/lib/slotpool/local")),
+                    work_dir: local
+                        .work_dir
+                        .unwrap_or_else(|| PathBuf::from("/var/lib/slotpool/local")),
                 }
             }
             Driver::Exec => {
                 section(p.exec.is_some(), "exec")?;
                 let exec = p.exec.expect("checked");
-                for (key, argv) in [("create", &exec.value.create), ("delete", &exec.value.delete), ("list", &exec.value.list)] {
+                for (key, argv) in [
+                    ("create", &exec.value.create),
+                    ("delete", &exec.value.delete),
+                    ("list", &exec.value.list),
+                ] {
                     if argv.is_empty() || argv[0].is_empty() {
                         return Err(self.at(&exec, format!("exec.{key} must be a non-empty command list, e.g. [\"/usr/local/bin/my-{key}\"]")));
                     }
                 }
-                let RawExec { create, delete, list } = exec.value;
-                DriverConfig::Exec { create, delete, list }
+                let RawExec {
+                    create,
+                    delete,
+                    list,
+                } = exec.value;
+                DriverConfig::Exec {
+                    create,
+                    delete,
+                    list,
+                }
             }
         };
-        Ok(ProviderConfig { name, driver, pools })
+        Ok(ProviderConfig {
+            name,
+            driver,
+            pools,
+        })
     }
 
-    fn static_hosts(&self, provider: &str, pools: &[PoolConfig], raw: Spanned<RawStatic>) -> Result<Vec<StaticHost>, ConfigError> {
+    fn static_hosts(
+        &self,
+        provider: &str,
+        pools: &[PoolConfig],
+        raw: Spanned<RawStatic>,
+    ) -> Result<Vec<StaticHost>, ConfigError> {
         let mut hosts: Vec<StaticHost> = Vec::new();
-        let Spanned { value: RawStatic { hosts: raw_hosts }, referenced, defined } = raw;
+        let Spanned {
+            value: RawStatic { hosts: raw_hosts },
+            referenced,
+            defined,
+        } = raw;
         let raw = Spanned::new((), referenced, defined);
         for h in raw_hosts {
             let name = self.name("host", &h.name)?;
@@ -399,12 +508,24 @@ impl Validator<'_> {
                 (None, [only]) => only.name.clone(),
                 (None, _) => return Err(self.at(&h.name, format!("host {name:?}: say which pool it belongs to (`pool:`); provider {provider:?} has several"))),
             };
-            hosts.push(StaticHost { name, host: h.host, pool, secret_file: h.secret_file, attributes: h.attributes });
+            hosts.push(StaticHost {
+                name,
+                host: h.host,
+                pool,
+                secret_file: h.secret_file,
+                attributes: h.attributes,
+            });
         }
         for pool in pools {
             let n = hosts.iter().filter(|h| h.pool == pool.name).count() as u32;
             if n < pool.max_servers {
-                return Err(self.at(&raw, format!("pool {:?} has max-servers {} but only {n} static hosts", pool.name, pool.max_servers)));
+                return Err(self.at(
+                    &raw,
+                    format!(
+                        "pool {:?} has max-servers {} but only {n} static hosts",
+                        pool.name, pool.max_servers
+                    ),
+                ));
             }
         }
         Ok(hosts)
@@ -413,10 +534,21 @@ impl Validator<'_> {
     fn pool(&self, p: RawPool) -> Result<PoolConfig, ConfigError> {
         let name = self.name("pool", &p.name)?;
         if p.max_servers.value == 0 || p.max_servers.value > 100_000 {
-            return Err(self.at(&p.max_servers, format!("max-servers must be 1 to 100000, got {}", p.max_servers.value)));
+            return Err(self.at(
+                &p.max_servers,
+                format!(
+                    "max-servers must be 1 to 100000, got {}",
+                    p.max_servers.value
+                ),
+            ));
         }
         let launch_retries = match &p.launch_retries {
-            Some(r) if r.value == 0 => return Err(self.at(r, "launch-retries must be at least 1 (the first attempt counts)")),
+            Some(r) if r.value == 0 => {
+                return Err(self.at(
+                    r,
+                    "launch-retries must be at least 1 (the first attempt counts)",
+                ))
+            }
             Some(r) => r.value,
             None => 3,
         };
@@ -427,10 +559,19 @@ impl Validator<'_> {
         for l in p.labels {
             let label_name = self.name("label", &l.name)?;
             if labels.iter().any(|x| x.name == label_name) {
-                return Err(self.at(&l.name, format!("label {label_name:?} is listed twice in pool {name:?}")));
+                return Err(self.at(
+                    &l.name,
+                    format!("label {label_name:?} is listed twice in pool {name:?}"),
+                ));
             }
             if l.max_parallel_jobs.value == 0 || l.max_parallel_jobs.value > 1024 {
-                return Err(self.at(&l.max_parallel_jobs, format!("max-parallel-jobs must be 1 to 1024, got {}", l.max_parallel_jobs.value)));
+                return Err(self.at(
+                    &l.max_parallel_jobs,
+                    format!(
+                        "max-parallel-jobs must be 1 to 1024, got {}",
+                        l.max_parallel_jobs.value
+                    ),
+                ));
             }
             labels.push(LabelConfig {
                 name: label_name,
@@ -494,7 +635,10 @@ providers:
     fn unknown_key_names_file_line_and_column() {
         let text = GOOD.replace("grace-time: 2", "grace-tme: 2");
         let err = parse(&text).unwrap_err().to_string();
-        assert!(err.starts_with("pool.yaml:13:13: unknown field `grace-tme`"), "{err}");
+        assert!(
+            err.starts_with("pool.yaml:13:13: unknown field `grace-tme`"),
+            "{err}"
+        );
         assert!(err.contains("grace-tme"), "{err}");
     }
 
@@ -509,10 +653,16 @@ providers:
     fn semantic_errors_point_at_the_value() {
         let text = GOOD.replace("max-parallel-jobs: 4", "max-parallel-jobs: 0");
         let err = parse(&text).unwrap_err().to_string();
-        assert!(err.starts_with("pool.yaml:12:32: max-parallel-jobs must be 1 to 1024"), "{err}");
+        assert!(
+            err.starts_with("pool.yaml:12:32: max-parallel-jobs must be 1 to 1024"),
+            "{err}"
+        );
         let text = GOOD.replace("name: small", "name: sm.all");
         let err = parse(&text).unwrap_err().to_string();
-        assert!(err.starts_with("pool.yaml:10:") && err.contains("invalid label name \"sm.all\""), "{err}");
+        assert!(
+            err.starts_with("pool.yaml:10:") && err.contains("invalid label name \"sm.all\""),
+            "{err}"
+        );
     }
 
     #[test]

@@ -27,7 +27,11 @@ pub struct LeaseGuard {
 /// Tries to take the lease `key`; `Ok(None)` when another launcher holds it.
 pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuard>, KvError> {
     let ttl = shared.config.lease_ttl;
-    let lease = Lease { v: slotpool_protocol::PROTOCOL_VERSION, holder: shared.id.clone(), acquired_at: now_ms() };
+    let lease = Lease {
+        v: slotpool_protocol::PROTOCOL_VERSION,
+        holder: shared.id.clone(),
+        acquired_at: now_ms(),
+    };
     let revision = match shared.bus.leases.create(key, &lease, Some(ttl)).await {
         Ok(rev) => rev,
         Err(KvError::Conflict { .. }) => return Ok(None),
@@ -36,7 +40,13 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
     let revision = Arc::new(AtomicU64::new(revision));
     let lost = shared.shutdown.child_token();
     let stop = CancellationToken::new();
-    let (k, rev, l, s, sh) = (key.to_string(), revision.clone(), lost.clone(), stop.clone(), shared.clone());
+    let (k, rev, l, s, sh) = (
+        key.to_string(),
+        revision.clone(),
+        lost.clone(),
+        stop.clone(),
+        shared.clone(),
+    );
     shared.tracker.spawn(async move {
         let period = ttl / 3;
         loop {
@@ -45,7 +55,12 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
                 _ = l.cancelled() => return,
                 _ = tokio::time::sleep(period) => {}
             }
-            match sh.bus.leases.update(&k, &lease, rev.load(Ordering::SeqCst), Some(ttl)).await {
+            match sh
+                .bus
+                .leases
+                .update(&k, &lease, rev.load(Ordering::SeqCst), Some(ttl))
+                .await
+            {
                 Ok(new) => rev.store(new, Ordering::SeqCst),
                 // A timed-out write may have landed; the next renewal will tell.
                 Err(KvError::Timeout { .. }) => continue,
@@ -57,7 +72,13 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
             }
         }
     });
-    Ok(Some(LeaseGuard { key: key.to_string(), revision, lost, stop, shared: shared.clone() }))
+    Ok(Some(LeaseGuard {
+        key: key.to_string(),
+        revision,
+        lost,
+        stop,
+        shared: shared.clone(),
+    }))
 }
 
 impl LeaseGuard {
@@ -70,7 +91,13 @@ impl LeaseGuard {
     pub async fn release(self) {
         self.stop.cancel();
         if !self.lost.is_cancelled() || self.shared.shutdown.is_cancelled() {
-            if let Err(err) = self.shared.bus.leases.delete(&self.key, self.revision()).await {
+            if let Err(err) = self
+                .shared
+                .bus
+                .leases
+                .delete(&self.key, self.revision())
+                .await
+            {
                 tracing::debug!(lease = %self.key, %err, "lease release");
             }
         }

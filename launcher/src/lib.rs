@@ -6,8 +6,8 @@
 //! daemon; `main.rs` only parses arguments.
 
 pub mod api;
-pub mod cli;
 pub mod backing;
+pub mod cli;
 pub mod config;
 pub mod lease;
 pub mod lifecycle;
@@ -44,20 +44,38 @@ pub struct LauncherDeps {
 #[derive(Debug, thiserror::Error)]
 pub enum LauncherError {
     #[error("provider {name}: {source}")]
-    Provider { name: String, source: provider::ProviderError },
+    Provider {
+        name: String,
+        source: provider::ProviderError,
+    },
     #[error(transparent)]
     Bus(#[from] slotpool_protocol::connect::BusError),
 }
 
 /// Runs the launcher until `shutdown` is cancelled; returns once its tasks have ended and
 /// its leases are released.
-pub async fn run(config: Config, bus: Bus, deps: LauncherDeps, shutdown: CancellationToken) -> Result<(), LauncherError> {
+pub async fn run(
+    config: Config,
+    bus: Bus,
+    deps: LauncherDeps,
+    shutdown: CancellationToken,
+) -> Result<(), LauncherError> {
     let mut providers = std::collections::HashMap::new();
     for p in &config.providers {
-        let built = provider::build(p, &deps.agent_binary).map_err(|source| LauncherError::Provider { name: p.name.clone(), source })?;
+        let built =
+            provider::build(p, &deps.agent_binary).map_err(|source| LauncherError::Provider {
+                name: p.name.clone(),
+                source,
+            })?;
         providers.insert(p.name.clone(), built);
     }
-    let shared = Arc::new(Shared::new(bus, config, providers, deps.agent_nats_url, shutdown.clone()));
+    let shared = Arc::new(Shared::new(
+        bus,
+        config,
+        providers,
+        deps.agent_nats_url,
+        shutdown.clone(),
+    ));
     tracing::info!(launcher = %shared.id, "launcher starting");
 
     let (dirty_tx, dirty_rx) = mpsc::unbounded_channel();
@@ -65,7 +83,9 @@ pub async fn run(config: Config, bus: Bus, deps: LauncherDeps, shutdown: Cancell
     for mirror in Mirror::ALL {
         let (tx, rx) = tokio::sync::oneshot::channel();
         synced.push(rx);
-        shared.tracker.spawn(watch::run(shared.clone(), mirror, dirty_tx.clone(), tx));
+        shared
+            .tracker
+            .spawn(watch::run(shared.clone(), mirror, dirty_tx.clone(), tx));
     }
     for rx in synced {
         tokio::select! {
@@ -111,8 +131,12 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 Dirty::Request(id) => {
                     let free = {
                         let world = shared.world();
-                        world.requests.get(&id).is_some_and(|r| !r.value.state.is_final())
-                            && watch::lease_key(&Dirty::Request(id.clone())).is_some_and(|k| world.lease(&k).is_none())
+                        world
+                            .requests
+                            .get(&id)
+                            .is_some_and(|r| !r.value.state.is_final())
+                            && watch::lease_key(&Dirty::Request(id.clone()))
+                                .is_some_and(|k| world.lease(&k).is_none())
                     };
                     if free {
                         request::spawn(shared, id);
@@ -121,7 +145,10 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 Dirty::Seat(seat) => {
                     let free = {
                         let world = shared.world();
-                        world.backing.contains_key(&seat) && world.lease(&slotpool_protocol::layout::backing_lease_key(&seat)).is_none()
+                        world.backing.contains_key(&seat)
+                            && world
+                                .lease(&slotpool_protocol::layout::backing_lease_key(&seat))
+                                .is_none()
                     };
                     if free {
                         backing::spawn(shared, seat);
@@ -142,6 +169,12 @@ fn everything(shared: &Shared) -> Vec<Dirty> {
     let world = shared.world();
     let mut all: Vec<Dirty> = world.requests.keys().cloned().map(Dirty::Request).collect();
     all.extend(world.backing.keys().cloned().map(Dirty::Seat));
-    all.extend(shared.config.label_names().into_iter().map(|l| Dirty::Label(l.to_string())));
+    all.extend(
+        shared
+            .config
+            .label_names()
+            .into_iter()
+            .map(|l| Dirty::Label(l.to_string())),
+    );
     all
 }

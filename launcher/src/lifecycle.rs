@@ -18,7 +18,9 @@ pub enum AgentSeen {
     Absent,
     /// A heartbeat under this id, but with another secret: not the instance we launched.
     Impostor,
-    Up { draining: bool },
+    Up {
+        draining: bool,
+    },
 }
 
 /// The configured rules for the backing node's label (None: no longer configured).
@@ -46,7 +48,9 @@ pub struct Observed {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Start a launch attempt (the first, or a retry after `reason`).
-    Launch { retry_reason: Option<String> },
+    Launch {
+        retry_reason: Option<String>,
+    },
     BecomeReady,
     /// Record when the node became empty (or that it is in use again).
     SetIdleSince(Option<UnixMillis>),
@@ -74,14 +78,25 @@ fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
 
 /// When the node reaches max-age, if it has one.
 pub fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
-    (!rules.max_age.is_zero()).then(|| after(b.ready_at.or(b.launched_at).unwrap_or(b.created_at), rules.max_age))
+    (!rules.max_age.is_zero()).then(|| {
+        after(
+            b.ready_at.or(b.launched_at).unwrap_or(b.created_at),
+            rules.max_age,
+        )
+    })
 }
 
 /// When an empty node may be released: grace-time after its last slot came back, and
 /// never before min-retention-time after launch.
 pub fn release_at(b: &BackingNode, obs: &Observed, rules: &Rules) -> UnixMillis {
-    let emptied = b.idle_since.unwrap_or(obs.now).max(obs.last_release.unwrap_or(0));
-    let retained = after(b.launched_at.unwrap_or(b.created_at), rules.min_retention_time);
+    let emptied = b
+        .idle_since
+        .unwrap_or(obs.now)
+        .max(obs.last_release.unwrap_or(0));
+    let retained = after(
+        b.launched_at.unwrap_or(b.created_at),
+        rules.min_retention_time,
+    );
     after(emptied, rules.grace_time).max(retained)
 }
 
@@ -120,9 +135,14 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
     }
     let retry_or_fail = |reason: String| {
         if b.attempts < rules.launch_retries {
-            Step::Launch { retry_reason: Some(reason) }
+            Step::Launch {
+                retry_reason: Some(reason),
+            }
         } else {
-            Step::Fail(format!("{reason} (attempt {} of {})", b.attempts, rules.launch_retries))
+            Step::Fail(format!(
+                "{reason} (attempt {} of {})",
+                b.attempts, rules.launch_retries
+            ))
         }
     };
     let Some(launched_at) = b.launched_at else {
@@ -130,7 +150,10 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
     };
     if b.instance.is_none() {
         // The attempt failed (failure says why) or its launcher died before recording it.
-        let reason = b.failure.clone().unwrap_or_else(|| "launch was interrupted".into());
+        let reason = b
+            .failure
+            .clone()
+            .unwrap_or_else(|| "launch was interrupted".into());
         return retry_or_fail(reason);
     }
     let deadline = after(launched_at, rules.boot_timeout);
@@ -139,16 +162,29 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
             AgentSeen::Impostor => "an agent with the wrong secret answered",
             _ => "its agent did not report",
         };
-        return retry_or_fail(format!("{why} within boot-timeout {}s", rules.boot_timeout.as_secs()));
+        return retry_or_fail(format!(
+            "{why} within boot-timeout {}s",
+            rules.boot_timeout.as_secs()
+        ));
     }
     Step::Wait(Some(deadline))
 }
 
 fn ready(b: &BackingNode, obs: &Observed) -> Step {
     match obs.agent {
-        AgentSeen::Absent => return Step::Fail("agent heartbeat expired: the backing node or its agent is gone".into()),
-        AgentSeen::Impostor => return Step::Fail("agent reports a different secret: not the instance that was launched".into()),
-        AgentSeen::Up { draining: true } => return Step::Retire("its agent is shutting down".into()),
+        AgentSeen::Absent => {
+            return Step::Fail(
+                "agent heartbeat expired: the backing node or its agent is gone".into(),
+            )
+        }
+        AgentSeen::Impostor => {
+            return Step::Fail(
+                "agent reports a different secret: not the instance that was launched".into(),
+            )
+        }
+        AgentSeen::Up { draining: true } => {
+            return Step::Retire("its agent is shutting down".into())
+        }
         AgentSeen::Up { draining: false } => {}
     }
     let Some(rules) = obs.rules else {
@@ -209,7 +245,11 @@ mod tests {
             slots: 4,
             state,
             idle: IdleBehaviour::Run,
-            instance: Some(Instance { id: "i".into(), host: "h".into(), data: serde_json::Value::Null }),
+            instance: Some(Instance {
+                id: "i".into(),
+                host: "h".into(),
+                data: serde_json::Value::Null,
+            }),
             secret_sha256: "s".into(),
             created_at: 1_000,
             launched_at: Some(1_000),
@@ -223,14 +263,23 @@ mod tests {
     }
 
     fn obs(now: UnixMillis, used: u32) -> Observed {
-        Observed { agent: AgentSeen::Up { draining: false }, used, last_release: None, rules: Some(rules()), now }
+        Observed {
+            agent: AgentSeen::Up { draining: false },
+            used,
+            last_release: None,
+            rules: Some(rules()),
+            now,
+        }
     }
 
     #[test]
     fn empty_node_is_released_after_grace_time_never_before() {
         let b = node(BackingState::Ready);
         assert_eq!(next(&b, &obs(11_999, 0)), Step::Wait(Some(12_000)));
-        assert_eq!(next(&b, &obs(12_000, 0)), Step::Release("idle for its grace-time".into()));
+        assert_eq!(
+            next(&b, &obs(12_000, 0)),
+            Step::Release("idle for its grace-time".into())
+        );
     }
 
     #[test]
@@ -245,7 +294,10 @@ mod tests {
     fn min_retention_holds_an_idle_node_past_grace() {
         let b = node(BackingState::Ready);
         let mut o = obs(12_000, 0);
-        o.rules = Some(Rules { min_retention_time: Duration::from_secs(30), ..rules() });
+        o.rules = Some(Rules {
+            min_retention_time: Duration::from_secs(30),
+            ..rules()
+        });
         assert_eq!(next(&b, &o), Step::Wait(Some(31_000)));
     }
 
@@ -253,11 +305,17 @@ mod tests {
     fn max_age_retires_and_empty_retiring_node_is_released() {
         let b = node(BackingState::Ready);
         let mut o = obs(7_000, 2);
-        o.rules = Some(Rules { max_age: Duration::from_secs(5), ..rules() });
+        o.rules = Some(Rules {
+            max_age: Duration::from_secs(5),
+            ..rules()
+        });
         assert_eq!(next(&b, &o), Step::Retire("max-age 5s reached".into()));
         let r = node(BackingState::Retiring);
         assert_eq!(next(&r, &o), Step::Wait(None));
-        assert_eq!(next(&r, &obs(7_000, 0)), Step::Release("retired and empty".into()));
+        assert_eq!(
+            next(&r, &obs(7_000, 0)),
+            Step::Release("retired and empty".into())
+        );
     }
 
     #[test]
@@ -266,7 +324,10 @@ mod tests {
         assert_eq!(next(&b, &obs(5_000, 1)), Step::SetIdleSince(None));
         let mut fresh = node(BackingState::Ready);
         fresh.idle_since = None;
-        assert_eq!(next(&fresh, &obs(5_000, 0)), Step::SetIdleSince(Some(5_000)));
+        assert_eq!(
+            next(&fresh, &obs(5_000, 0)),
+            Step::SetIdleSince(Some(5_000))
+        );
     }
 
     #[test]
@@ -275,7 +336,10 @@ mod tests {
         b.idle = IdleBehaviour::Hold;
         assert_eq!(next(&b, &obs(99_000, 0)), Step::Wait(None));
         b.idle = IdleBehaviour::Drain;
-        assert_eq!(next(&b, &obs(10_001, 0)), Step::Release("drained by an operator".into()));
+        assert_eq!(
+            next(&b, &obs(10_001, 0)),
+            Step::Release("drained by an operator".into())
+        );
     }
 
     #[test]
@@ -295,7 +359,9 @@ mod tests {
         o.agent = AgentSeen::Absent;
         assert_eq!(next(&b, &o), Step::Wait(Some(11_000)));
         o.now = 11_000;
-        assert!(matches!(next(&b, &o), Step::Launch { retry_reason: Some(r) } if r.contains("did not report")));
+        assert!(
+            matches!(next(&b, &o), Step::Launch { retry_reason: Some(r) } if r.contains("did not report"))
+        );
         b.attempts = 2;
         assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("attempt 2 of 2")));
         o.agent = AgentSeen::Up { draining: false };
@@ -309,7 +375,12 @@ mod tests {
         b.failure = Some("quota exceeded".into());
         let mut o = obs(5_000, 0);
         o.agent = AgentSeen::Absent;
-        assert_eq!(next(&b, &o), Step::Launch { retry_reason: Some("quota exceeded".into()) });
+        assert_eq!(
+            next(&b, &o),
+            Step::Launch {
+                retry_reason: Some("quota exceeded".into())
+            }
+        );
     }
 
     #[test]

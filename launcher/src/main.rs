@@ -6,7 +6,10 @@ use slotpool_launcher::cli::{self, Cli};
 fn main() -> std::process::ExitCode {
     let args = Cli::parse();
     cli::init_tracing(&args);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match runtime.block_on(cli::dispatch(args)) {
         Ok(code) => code,
         Err(err) => {

@@ -22,22 +22,41 @@ pub enum SlotError {
     #[error(transparent)]
     Kv(#[from] KvError),
     #[error("agent of {backing_id}: {source}")]
-    Agent { backing_id: BackingId, source: BusError },
+    Agent {
+        backing_id: BackingId,
+        source: BusError,
+    },
     #[error("backing node {0} is gone")]
     BackingGone(BackingId),
 }
 
 /// Claims `slot` for node `index` of `request`: creates the slot key (fails with a
 /// conflict if anyone holds it).
-pub async fn claim(shared: &Shared, slot: &SlotRef, request: &NodeRequest, index: u32) -> Result<Versioned<Node>, SlotError> {
+pub async fn claim(
+    shared: &Shared,
+    slot: &SlotRef,
+    request: &NodeRequest,
+    index: u32,
+) -> Result<Versioned<Node>, SlotError> {
     let (host, attributes) = {
         let world = shared.world();
-        let b = world.backing.get(&slot.seat_key).ok_or_else(|| SlotError::BackingGone(slot.backing_id.clone()))?;
+        let b = world
+            .backing
+            .get(&slot.seat_key)
+            .ok_or_else(|| SlotError::BackingGone(slot.backing_id.clone()))?;
         let mut attributes = b.value.attributes.clone();
-        if let Some(site) = shared.config.label_in(&b.value.provider, &b.value.pool, &b.value.label) {
+        if let Some(site) = shared
+            .config
+            .label_in(&b.value.provider, &b.value.pool, &b.value.label)
+        {
             attributes.extend(site.label.node_attributes.clone());
         }
-        let host = b.value.instance.as_ref().map(|i| i.host.clone()).unwrap_or_default();
+        let host = b
+            .value
+            .instance
+            .as_ref()
+            .map(|i| i.host.clone())
+            .unwrap_or_default();
         (host, attributes)
     };
     let node = Node {
@@ -58,22 +77,49 @@ pub async fn claim(shared: &Shared, slot: &SlotRef, request: &NodeRequest, index
     };
     let key = slot.key();
     let revision = shared.bus.slots.create(&key, &node, None).await?;
-    Ok(Versioned { key, revision, value: node })
+    Ok(Versioned {
+        key,
+        revision,
+        value: node,
+    })
 }
 
 /// Has the agent prepare a claimed slot, then marks the node ready.
-pub async fn prepare(shared: &Shared, node: Versioned<Node>, ssh_public_key: Option<String>) -> Result<Versioned<Node>, SlotError> {
-    let cmd = AgentCommand::PrepareSlot { slot: node.value.slot, node_id: node.value.id.clone(), ssh_public_key };
+pub async fn prepare(
+    shared: &Shared,
+    node: Versioned<Node>,
+    ssh_public_key: Option<String>,
+) -> Result<Versioned<Node>, SlotError> {
+    let cmd = AgentCommand::PrepareSlot {
+        slot: node.value.slot,
+        node_id: node.value.id.clone(),
+        ssh_public_key,
+    };
     let prepared: SlotPrepared = shared
         .bus
-        .call(&subjects::agent(&node.value.backing_id), &cmd, AGENT_TIMEOUT)
+        .call(
+            &subjects::agent(&node.value.backing_id),
+            &cmd,
+            AGENT_TIMEOUT,
+        )
         .await
-        .map_err(|source| SlotError::Agent { backing_id: node.value.backing_id.clone(), source })?;
+        .map_err(|source| SlotError::Agent {
+            backing_id: node.value.backing_id.clone(),
+            source,
+        })?;
     let mut ready = node.value.clone();
     ready.state = NodeState::Ready;
     ready.workspace = Some(prepared.workspace);
-    let revision = shared.bus.slots.update(&node.key, &ready, node.revision, None).await?;
-    Ok(Versioned { key: node.key, revision, value: ready })
+    let revision = shared
+        .bus
+        .slots
+        .update(&node.key, &ready, node.revision, None)
+        .await?;
+    Ok(Versioned {
+        key: node.key,
+        revision,
+        value: ready,
+    })
 }
 
 /// Returns a slot to its backing node: marks the node releasing, has the agent clean the
@@ -82,13 +128,20 @@ pub async fn prepare(shared: &Shared, node: Versioned<Node>, ssh_public_key: Opt
 /// the slot was already free.
 pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError> {
     loop {
-        let Some(current) = shared.bus.slots.get::<Node>(key).await? else { return Ok(false) };
+        let Some(current) = shared.bus.slots.get::<Node>(key).await? else {
+            return Ok(false);
+        };
         let mut node = current.value.clone();
         let revision = if node.state == NodeState::Releasing {
             current.revision
         } else {
             node.state = NodeState::Releasing;
-            match shared.bus.slots.update(key, &node, current.revision, None).await {
+            match shared
+                .bus
+                .slots
+                .update(key, &node, current.revision, None)
+                .await
+            {
                 Ok(rev) => rev,
                 Err(KvError::Conflict { .. }) => continue,
                 Err(err) => return Err(err.into()),
@@ -96,12 +149,22 @@ pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError>
         };
         let agent_alive = shared.world().agents.contains_key(&node.backing_id);
         if agent_alive {
-            let cmd = AgentCommand::ReleaseSlot { slot: node.slot, node_id: node.id.clone() };
+            let cmd = AgentCommand::ReleaseSlot {
+                slot: node.slot,
+                node_id: node.id.clone(),
+            };
             shared
                 .bus
-                .call::<_, serde_json::Value>(&subjects::agent(&node.backing_id), &cmd, AGENT_TIMEOUT)
+                .call::<_, serde_json::Value>(
+                    &subjects::agent(&node.backing_id),
+                    &cmd,
+                    AGENT_TIMEOUT,
+                )
                 .await
-                .map_err(|source| SlotError::Agent { backing_id: node.backing_id.clone(), source })?;
+                .map_err(|source| SlotError::Agent {
+                    backing_id: node.backing_id.clone(),
+                    source,
+                })?;
         }
         match shared.bus.slots.delete(key, revision).await {
             Ok(()) => return Ok(true),
@@ -112,14 +175,23 @@ pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError>
 }
 
 /// Marks a node failed (its backing node died), keeping it until its requestor releases it.
-pub async fn mark_failed(shared: &Shared, node: &Versioned<Node>, reason: &str) -> Result<(), KvError> {
+pub async fn mark_failed(
+    shared: &Shared,
+    node: &Versioned<Node>,
+    reason: &str,
+) -> Result<(), KvError> {
     if matches!(node.value.state, NodeState::Failed | NodeState::Releasing) {
         return Ok(());
     }
     let mut failed = node.value.clone();
     failed.state = NodeState::Failed;
     failed.failure = Some(reason.to_string());
-    match shared.bus.slots.update(&node.key, &failed, node.revision, None).await {
+    match shared
+        .bus
+        .slots
+        .update(&node.key, &failed, node.revision, None)
+        .await
+    {
         Ok(_) | Err(KvError::Conflict { .. }) => Ok(()),
         Err(err) => Err(err),
     }

@@ -24,15 +24,26 @@ pub struct FreeSeat {
 }
 
 /// Seats of a pool that may be taken now, lowest first.
-pub fn free_seats<'a>(max_servers: u32, taken: impl Fn(u32) -> Option<&'a Versioned<BackingNode>>, now: u64) -> Vec<FreeSeat> {
+pub fn free_seats<'a>(
+    max_servers: u32,
+    taken: impl Fn(u32) -> Option<&'a Versioned<BackingNode>>,
+    now: u64,
+) -> Vec<FreeSeat> {
     (0..max_servers)
         .filter_map(|seat| match taken(seat) {
-            None => Some(FreeSeat { seat, reuse_revision: None }),
-            Some(b) if b.value.state == BackingState::Failed
-                && b.value.instance.is_none()
-                && now >= after(b.value.updated_at, FAILED_SEAT_COOLDOWN) =>
+            None => Some(FreeSeat {
+                seat,
+                reuse_revision: None,
+            }),
+            Some(b)
+                if b.value.state == BackingState::Failed
+                    && b.value.instance.is_none()
+                    && now >= after(b.value.updated_at, FAILED_SEAT_COOLDOWN) =>
             {
-                Some(FreeSeat { seat, reuse_revision: Some(b.revision) })
+                Some(FreeSeat {
+                    seat,
+                    reuse_revision: Some(b.revision),
+                })
             }
             Some(_) => None,
         })
@@ -63,7 +74,10 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
             let identity = shared.providers[provider].fixed_identity(pool, free.seat);
             let record = BackingNode {
                 v: PROTOCOL_VERSION,
-                id: identity.as_ref().map(|i| i.backing_id.clone()).unwrap_or_else(BackingId::generate),
+                id: identity
+                    .as_ref()
+                    .map(|i| i.backing_id.clone())
+                    .unwrap_or_else(BackingId::generate),
                 provider: provider.clone(),
                 pool: pool.clone(),
                 seat: free.seat,
@@ -73,7 +87,10 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
                 state: BackingState::Requested,
                 idle: IdleBehaviour::Run,
                 instance: None,
-                secret_sha256: identity.as_ref().map(|i| secret_digest(&i.secret)).unwrap_or_default(),
+                secret_sha256: identity
+                    .as_ref()
+                    .map(|i| secret_digest(&i.secret))
+                    .unwrap_or_default(),
                 created_at: now_ms(),
                 launched_at: None,
                 ready_at: None,
@@ -91,7 +108,11 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
             match written {
                 Ok(revision) => {
                     tracing::info!(seat = %key, backing_id = %record.id, %label, "requested a backing node");
-                    shared.world().put_backing(Versioned { key: key.clone(), revision, value: record });
+                    shared.world().put_backing(Versioned {
+                        key: key.clone(),
+                        revision,
+                        value: record,
+                    });
                     deficit -= site.label.max_parallel_jobs as i64;
                     backing::spawn(shared, key);
                 }
@@ -114,7 +135,8 @@ mod tests {
 
     #[test]
     fn free_seats_are_the_absent_ones_and_rested_failed_ones() {
-        let mut failed = crate::world::tests_support::backing("bn-f", "small", 4, BackingState::Failed);
+        let mut failed =
+            crate::world::tests_support::backing("bn-f", "small", 4, BackingState::Failed);
         failed.value.updated_at = 1_000;
         let ready = crate::world::tests_support::backing("bn-r", "small", 4, BackingState::Ready);
         let taken = |s: u32| match s {
@@ -123,8 +145,20 @@ mod tests {
             _ => None,
         };
         let early = free_seats(3, taken, 1_000);
-        assert_eq!(early, vec![FreeSeat { seat: 2, reuse_revision: None }]);
+        assert_eq!(
+            early,
+            vec![FreeSeat {
+                seat: 2,
+                reuse_revision: None
+            }]
+        );
         let later = free_seats(3, taken, 1_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64);
-        assert_eq!(later[0], FreeSeat { seat: 1, reuse_revision: Some(1) });
+        assert_eq!(
+            later[0],
+            FreeSeat {
+                seat: 1,
+                reuse_revision: Some(1)
+            }
+        );
     }
 }

@@ -59,7 +59,9 @@ struct Worker {
 enum Pass {
     Done,
     /// Some labels could not get a slot yet.
-    Waiting { missing: Vec<String> },
+    Waiting {
+        missing: Vec<String>,
+    },
     /// Something changed under us; look again at once.
     Again,
     /// A prepare failed; look again shortly.
@@ -74,7 +76,9 @@ impl Worker {
             if lease.lost.is_cancelled() {
                 break Ok(());
             }
-            let Some(req) = self.sh.world().requests.get(&self.id).cloned() else { break Ok(()) };
+            let Some(req) = self.sh.world().requests.get(&self.id).cloned() else {
+                break Ok(());
+            };
             let pos: QueuePosition = (req.value.priority, req.value.created_at, self.id.clone());
             let pass = match self.pass(&req).await {
                 Ok(p) => p,
@@ -92,16 +96,20 @@ impl Worker {
                 }
                 Pass::Waiting { missing } => {
                     if label_rxs.is_empty() {
-                        label_rxs = missing.iter().map(|l| self.sh.signals.subscribe(&label_topic(l))).collect();
+                        label_rxs = missing
+                            .iter()
+                            .map(|l| self.sh.signals.subscribe(&label_topic(l)))
+                            .collect();
                     }
                     let status = self.waiting_status(&req.value, &missing);
                     self.sh.world().waiting.insert(pos.clone(), missing);
                     if status != req.value.status {
                         self.set_status(&req, status).await?;
                     }
-                    let deadline = req.value.deadline().map(|d| {
-                        tokio::time::Instant::now() + slotpool_protocol::time::until(d)
-                    });
+                    let deadline = req
+                        .value
+                        .deadline()
+                        .map(|d| tokio::time::Instant::now() + slotpool_protocol::time::until(d));
                     let mut rxs = label_rxs.clone();
                     rxs.push(request_rx.clone());
                     for rx in rxs.iter_mut() {
@@ -116,7 +124,10 @@ impl Worker {
                 }
             }
         };
-        self.sh.world().waiting.retain(|(_, _, id), _| id != &self.id);
+        self.sh
+            .world()
+            .waiting
+            .retain(|(_, _, id), _| id != &self.id);
         result
     }
 
@@ -142,10 +153,19 @@ impl Worker {
         }
         if let Some(label) = r.labels.iter().find(|l| self.sh.config.sites(l).is_empty()) {
             let known = self.sh.config.label_names().join(", ");
-            return self.fail(req, format!("unknown label {label:?}; this pool serves: {known}")).await;
+            return self
+                .fail(
+                    req,
+                    format!("unknown label {label:?}; this pool serves: {known}"),
+                )
+                .await;
         }
         if r.deadline().is_some_and(|d| now_ms() >= d) {
-            let why = format!("timed out after {}s: {}", r.timeout_secs.unwrap_or(0), r.status);
+            let why = format!(
+                "timed out after {}s: {}",
+                r.timeout_secs.unwrap_or(0),
+                r.status
+            );
             return self.fail(req, why).await;
         }
         let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
@@ -212,7 +232,13 @@ impl Worker {
 
     async fn fulfil(&self, req: &Versioned<NodeRequest>) -> Result<Pass, SlotError> {
         let mut done = req.value.clone();
-        let mut nodes: Vec<_> = self.sh.world().nodes_of(&done.id).into_iter().map(|n| (n.value.index, n.value.id.clone())).collect();
+        let mut nodes: Vec<_> = self
+            .sh
+            .world()
+            .nodes_of(&done.id)
+            .into_iter()
+            .map(|n| (n.value.index, n.value.id.clone()))
+            .collect();
         nodes.sort();
         done.nodes = nodes.into_iter().map(|(_, id)| id).collect();
         done.state = RequestState::Fulfilled;
@@ -234,20 +260,46 @@ impl Worker {
     }
 
     /// Writes a final state (kept for [`FINISHED_REQUEST_TTL_SECS`]).
-    async fn finish(&self, req: &Versioned<NodeRequest>, mut done: NodeRequest) -> Result<(), SlotError> {
+    async fn finish(
+        &self,
+        req: &Versioned<NodeRequest>,
+        mut done: NodeRequest,
+    ) -> Result<(), SlotError> {
         done.updated_at = now_ms();
         let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
-        let revision = self.sh.bus.requests.update(&req.key, &done, req.revision, ttl).await?;
-        self.sh.world().put_request(Versioned { key: req.key.clone(), revision, value: done });
+        let revision = self
+            .sh
+            .bus
+            .requests
+            .update(&req.key, &done, req.revision, ttl)
+            .await?;
+        self.sh.world().put_request(Versioned {
+            key: req.key.clone(),
+            revision,
+            value: done,
+        });
         Ok(())
     }
 
-    async fn set_status(&self, req: &Versioned<NodeRequest>, status: String) -> Result<(), SlotError> {
+    async fn set_status(
+        &self,
+        req: &Versioned<NodeRequest>,
+        status: String,
+    ) -> Result<(), SlotError> {
         let mut r = req.value.clone();
         r.status = status;
         r.updated_at = now_ms();
-        let revision = self.sh.bus.requests.update(&req.key, &r, req.revision, None).await?;
-        self.sh.world().put_request(Versioned { key: req.key.clone(), revision, value: r });
+        let revision = self
+            .sh
+            .bus
+            .requests
+            .update(&req.key, &r, req.revision, None)
+            .await?;
+        self.sh.world().put_request(Versioned {
+            key: req.key.clone(),
+            revision,
+            value: r,
+        });
         Ok(())
     }
 
@@ -280,8 +332,20 @@ impl Worker {
                 .backing
                 .values()
                 .map(|b| &b.value)
-                .filter(|b| &b.label == label && b.state == BackingState::Failed && b.ready_at.is_none() && b.updated_at >= r.created_at)
-                .find_map(|b| b.failure.as_ref().map(|f| format!("could not launch a backing node of {} for label {label:?}: {f}", b.backing_label)))
+                .filter(|b| {
+                    &b.label == label
+                        && b.state == BackingState::Failed
+                        && b.ready_at.is_none()
+                        && b.updated_at >= r.created_at
+                })
+                .find_map(|b| {
+                    b.failure.as_ref().map(|f| {
+                        format!(
+                            "could not launch a backing node of {} for label {label:?}: {f}",
+                            b.backing_label
+                        )
+                    })
+                })
         })
     }
 
@@ -291,11 +355,19 @@ impl Worker {
         let progress = format!("({assigned} of {} slots assigned)", r.labels.len());
         let world = self.sh.world();
         let label = &missing[0];
-        let booting = world.backing.values().map(|b| &b.value).find(|b| &b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching));
+        let booting = world.backing.values().map(|b| &b.value).find(|b| {
+            &b.label == label
+                && matches!(b.state, BackingState::Requested | BackingState::Launching)
+        });
         if let Some(b) = booting {
-            return format!("waiting for a backing node of {} to boot {progress}", b.backing_label);
+            return format!(
+                "waiting for a backing node of {} to boot {progress}",
+                b.backing_label
+            );
         }
-        let full = self.sh.config.sites(label).iter().all(|s| world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers);
+        let full = self.sh.config.sites(label).iter().all(|s| {
+            world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers
+        });
         if full {
             return format!("waiting for a free slot of {label}: every pool serving it is at max-servers {progress}");
         }

@@ -57,15 +57,24 @@ impl Shared {
 
     /// Marks `key` as driven by this process; false if a worker already drives it.
     pub fn start_work(&self, key: &str) -> bool {
-        self.active.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string())
+        self.active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_string())
     }
 
     pub fn end_work(&self, key: &str) {
-        self.active.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+        self.active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
     }
 
     pub fn is_working_on(&self, key: &str) -> bool {
-        self.active.lock().unwrap_or_else(|p| p.into_inner()).contains(key)
+        self.active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(key)
     }
 }
 
@@ -79,7 +88,10 @@ pub struct Signals {
 impl Signals {
     pub fn subscribe(&self, topic: &str) -> watch::Receiver<u64> {
         let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
-        topics.entry(topic.to_string()).or_insert_with(|| watch::channel(0).0).subscribe()
+        topics
+            .entry(topic.to_string())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
     }
 
     pub fn bump(&self, topic: &str) {
@@ -91,7 +103,10 @@ impl Signals {
 
     /// Drops topics nobody listens to any more.
     pub fn prune(&self) {
-        self.topics.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, tx| tx.receiver_count() > 0);
+        self.topics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, tx| tx.receiver_count() > 0);
     }
 }
 
@@ -106,7 +121,11 @@ pub fn label_topic(label: &str) -> String {
 }
 
 /// Waits until any of `rxs` changes, `deadline` passes, or `stop` is cancelled.
-pub async fn wait_for_change(rxs: &mut [watch::Receiver<u64>], deadline: Option<tokio::time::Instant>, stop: &CancellationToken) {
+pub async fn wait_for_change(
+    rxs: &mut [watch::Receiver<u64>],
+    deadline: Option<tokio::time::Instant>,
+    stop: &CancellationToken,
+) {
     let empty = rxs.is_empty();
     let changed = futures::future::select_all(rxs.iter_mut().map(|rx| Box::pin(rx.changed())));
     let sleep = async {

@@ -33,7 +33,13 @@ pub enum Mirror {
 }
 
 impl Mirror {
-    pub const ALL: [Mirror; 5] = [Mirror::Requests, Mirror::Slots, Mirror::Backing, Mirror::Agents, Mirror::Leases];
+    pub const ALL: [Mirror; 5] = [
+        Mirror::Requests,
+        Mirror::Slots,
+        Mirror::Backing,
+        Mirror::Agents,
+        Mirror::Leases,
+    ];
 
     fn store(self, shared: &Shared) -> &Store {
         let bus = &shared.bus;
@@ -50,7 +56,12 @@ impl Mirror {
 const REWATCH_PAUSE: Duration = Duration::from_secs(1);
 
 /// Mirrors one bucket until shutdown; `synced` is told once the first full load is in.
-pub async fn run(shared: Arc<Shared>, mirror: Mirror, dirty: mpsc::UnboundedSender<Dirty>, synced: tokio::sync::oneshot::Sender<()>) {
+pub async fn run(
+    shared: Arc<Shared>,
+    mirror: Mirror,
+    dirty: mpsc::UnboundedSender<Dirty>,
+    synced: tokio::sync::oneshot::Sender<()>,
+) {
     let mut synced = Some(synced);
     let mut present: HashSet<String> = HashSet::new();
     loop {
@@ -73,7 +84,15 @@ pub async fn run(shared: Arc<Shared>, mirror: Mirror, dirty: mpsc::UnboundedSend
                         Some(Ok(Change::Synced)) => {
                             if let Some(seen) = seen.take() {
                                 for gone in present.difference(&seen).cloned().collect::<Vec<_>>() {
-                                    apply(&shared, mirror, &dirty, &Change::Removed { key: gone.clone(), revision: u64::MAX });
+                                    apply(
+                                        &shared,
+                                        mirror,
+                                        &dirty,
+                                        &Change::Removed {
+                                            key: gone.clone(),
+                                            revision: u64::MAX,
+                                        },
+                                    );
                                     present.remove(&gone);
                                 }
                             }
@@ -99,7 +118,9 @@ pub async fn run(shared: Arc<Shared>, mirror: Mirror, dirty: mpsc::UnboundedSend
                     }
                 }
             }
-            Err(err) => tracing::warn!(bucket = mirror.store(&shared).bucket(), %err, "cannot watch; retrying"),
+            Err(err) => {
+                tracing::warn!(bucket = mirror.store(&shared).bucket(), %err, "cannot watch; retrying")
+            }
         }
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -108,8 +129,15 @@ pub async fn run(shared: Arc<Shared>, mirror: Mirror, dirty: mpsc::UnboundedSend
     }
 }
 
-fn decode<T: serde::de::DeserializeOwned>(bucket: &str, key: &str, revision: u64, value: &[u8]) -> Option<Versioned<T>> {
-    Change::decode(bucket, key, revision, value).map_err(|err| tracing::warn!(%err, "ignoring an unreadable record")).ok()
+fn decode<T: serde::de::DeserializeOwned>(
+    bucket: &str,
+    key: &str,
+    revision: u64,
+    value: &[u8],
+) -> Option<Versioned<T>> {
+    Change::decode(bucket, key, revision, value)
+        .map_err(|err| tracing::warn!(%err, "ignoring an unreadable record"))
+        .ok()
 }
 
 /// Applies one change to the mirror and signals whoever cares.
@@ -121,7 +149,14 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
         let mut world = shared.world();
         match (mirror, change) {
             (_, Change::Synced) => {}
-            (Mirror::Requests, Change::Put { key, revision, value }) => {
+            (
+                Mirror::Requests,
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                },
+            ) => {
                 if let Some(r) = decode::<NodeRequest>(bucket, key, *revision, value) {
                     wake.push(request_topic(&r.value.id));
                     for label in &r.value.labels {
@@ -136,8 +171,17 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                     world.put_request(r);
                 }
             }
-            (Mirror::Requests, Change::Removed { key, revision }) => world.remove_request(key, *revision),
-            (Mirror::Slots, Change::Put { key, revision, value }) => {
+            (Mirror::Requests, Change::Removed { key, revision }) => {
+                world.remove_request(key, *revision)
+            }
+            (
+                Mirror::Slots,
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                },
+            ) => {
                 if let Some(n) = decode::<Node>(bucket, key, *revision, value) {
                     if let Some(seat) = world.seat_of.get(&n.value.backing_id) {
                         wake.push(seat_topic(seat));
@@ -156,7 +200,14 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 }
                 world.remove_slot(key, *revision);
             }
-            (Mirror::Backing, Change::Put { key, revision, value }) => {
+            (
+                Mirror::Backing,
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                },
+            ) => {
                 if let Some(b) = decode::<BackingNode>(bucket, key, *revision, value) {
                     wake.push(seat_topic(key));
                     wake.push(label_topic(&b.value.label));
@@ -173,9 +224,18 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 wake.push(seat_topic(key));
                 world.remove_backing(key, *revision);
             }
-            (Mirror::Agents, Change::Put { key, revision, value }) => {
+            (
+                Mirror::Agents,
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                },
+            ) => {
                 if let Some(hb) = decode::<AgentHeartbeat>(bucket, key, *revision, value) {
-                    let summary = |a: Option<&AgentHeartbeat>| a.map(|a| (a.secret_sha256.clone(), a.health.healthy, a.draining));
+                    let summary = |a: Option<&AgentHeartbeat>| {
+                        a.map(|a| (a.secret_sha256.clone(), a.health.healthy, a.draining))
+                    };
                     let before = summary(world.agents.get(&hb.value.backing_id));
                     let after = summary(Some(&hb.value));
                     if before != after {
@@ -190,14 +250,24 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 }
                 world.remove_agent(key);
             }
-            (Mirror::Leases, Change::Put { key, revision, value }) => {
+            (
+                Mirror::Leases,
+                Change::Put {
+                    key,
+                    revision,
+                    value,
+                },
+            ) => {
                 if let Some(l) = decode(bucket, key, *revision, value) {
                     world.leases.insert(key.clone(), l);
                 }
             }
             (Mirror::Leases, Change::Removed { key, .. }) => {
                 world.leases.remove(key);
-                if let Some(id) = key.strip_prefix("request.").and_then(|id| RequestId::parse(id).ok()) {
+                if let Some(id) = key
+                    .strip_prefix("request.")
+                    .and_then(|id| RequestId::parse(id).ok())
+                {
                     todo.push(Dirty::Request(id));
                 } else if let Some(seat) = key.strip_prefix("backing.") {
                     todo.push(Dirty::Seat(seat.to_string()));
@@ -213,7 +283,11 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
     }
 }
 
-fn wake_backing(world: &crate::world::World, id: &slotpool_protocol::BackingId, wake: &mut Vec<String>) {
+fn wake_backing(
+    world: &crate::world::World,
+    id: &slotpool_protocol::BackingId,
+    wake: &mut Vec<String>,
+) {
     if let Some(seat) = world.seat_of.get(id) {
         wake.push(seat_topic(seat));
         if let Some(b) = world.backing.get(seat) {

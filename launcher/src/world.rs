@@ -6,7 +6,10 @@
 //! about to claim (`reserved`), so two of its own workers do not race for the same key.
 
 use slotpool_protocol::layout::{self, parse_slot_key};
-use slotpool_protocol::model::{AgentHeartbeat, BackingNode, BackingState, IdleBehaviour, Lease, Node, NodeRequest, RequestState};
+use slotpool_protocol::model::{
+    AgentHeartbeat, BackingNode, BackingState, IdleBehaviour, Lease, Node, NodeRequest,
+    RequestState,
+};
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
@@ -60,7 +63,9 @@ pub struct World {
 
 /// Whether an agent heartbeat makes a backing node usable.
 pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentHeartbeat>) -> bool {
-    agent.is_some_and(|a| a.secret_sha256 == backing.secret_sha256 && a.health.healthy && !a.draining)
+    agent.is_some_and(|a| {
+        a.secret_sha256 == backing.secret_sha256 && a.health.healthy && !a.draining
+    })
 }
 
 impl World {
@@ -70,7 +75,11 @@ impl World {
     // again later: a change older than what is held is ignored.
 
     pub fn put_request(&mut self, r: Versioned<NodeRequest>) {
-        if self.requests.get(&r.value.id).is_some_and(|old| old.revision >= r.revision) {
+        if self
+            .requests
+            .get(&r.value.id)
+            .is_some_and(|old| old.revision >= r.revision)
+        {
             return;
         }
         self.requests.insert(r.value.id.clone(), r);
@@ -78,7 +87,11 @@ impl World {
 
     pub fn remove_request(&mut self, key: &str, revision: u64) {
         if let Ok(id) = RequestId::parse(key) {
-            if self.requests.get(&id).is_some_and(|old| old.revision < revision) {
+            if self
+                .requests
+                .get(&id)
+                .is_some_and(|old| old.revision < revision)
+            {
                 self.requests.remove(&id);
             }
         }
@@ -95,14 +108,24 @@ impl World {
             }
         }
         self.node_keys.insert(n.value.id.clone(), key.clone());
-        self.nodes_by_request.entry(n.value.request_id.clone()).or_default().insert(key.clone());
-        self.used.entry(n.value.backing_id.clone()).or_default().insert(n.value.slot);
+        self.nodes_by_request
+            .entry(n.value.request_id.clone())
+            .or_default()
+            .insert(key.clone());
+        self.used
+            .entry(n.value.backing_id.clone())
+            .or_default()
+            .insert(n.value.slot);
         self.reserved.remove(&key);
         self.slots.insert(key, n);
     }
 
     pub fn remove_slot(&mut self, key: &str, revision: u64) {
-        if self.slots.get(key).is_none_or(|old| old.revision >= revision) {
+        if self
+            .slots
+            .get(key)
+            .is_none_or(|old| old.revision >= revision)
+        {
             return;
         }
         self.unindex_slot(key);
@@ -112,7 +135,9 @@ impl World {
     }
 
     fn unindex_slot(&mut self, key: &str) {
-        let Some(old) = self.slots.remove(key) else { return };
+        let Some(old) = self.slots.remove(key) else {
+            return;
+        };
         let node = old.value;
         self.node_keys.remove(&node.id);
         if let Some(set) = self.nodes_by_request.get_mut(&node.request_id) {
@@ -143,7 +168,11 @@ impl World {
     }
 
     pub fn remove_backing(&mut self, key: &str, revision: u64) {
-        if self.backing.get(key).is_none_or(|old| old.revision >= revision) {
+        if self
+            .backing
+            .get(key)
+            .is_none_or(|old| old.revision >= revision)
+        {
             return;
         }
         if let Some(old) = self.backing.remove(key) {
@@ -186,7 +215,9 @@ impl World {
 
     /// Whether someone ahead of `me` in the queue is waiting for `label`.
     fn someone_ahead_wants(&self, me: &QueuePosition, label: &str) -> bool {
-        self.waiting.range(..me.clone()).any(|(_, labels)| labels.iter().any(|l| l == label))
+        self.waiting
+            .range(..me.clone())
+            .any(|(_, labels)| labels.iter().any(|l| l == label))
     }
 
     /// Picks a free slot for `label` and reserves it, unless a request ahead of `me` waits
@@ -212,7 +243,11 @@ impl World {
         }
         let (_, b) = best?;
         let slot = self.first_free(&b.value)?;
-        let r = SlotRef { backing_id: b.value.id.clone(), seat_key: b.key.clone(), slot };
+        let r = SlotRef {
+            backing_id: b.value.id.clone(),
+            seat_key: b.key.clone(),
+            slot,
+        };
         self.reserved.insert(r.key());
         Some(r)
     }
@@ -220,7 +255,8 @@ impl World {
     fn first_free(&self, b: &BackingNode) -> Option<u32> {
         let used = self.used.get(&b.id);
         (0..b.slots).find(|s| {
-            !used.is_some_and(|u| u.contains(s)) && !self.reserved.contains(&layout::slot_key(&b.id, *s))
+            !used.is_some_and(|u| u.contains(s))
+                && !self.reserved.contains(&layout::slot_key(&b.id, *s))
         })
     }
 
@@ -233,12 +269,20 @@ impl World {
     /// Slots wanted for `label` by unfinished requests and not yet claimed.
     pub fn unmet_demand(&self, label: &str) -> u32 {
         let mut n = 0u32;
-        for r in self.requests.values().filter(|r| r.value.state == RequestState::Requested) {
+        for r in self
+            .requests
+            .values()
+            .filter(|r| r.value.state == RequestState::Requested)
+        {
             let want = r.value.labels.iter().filter(|l| *l == label).count() as u32;
             if want == 0 {
                 continue;
             }
-            let have = self.nodes_of(&r.value.id).iter().filter(|n| n.value.label == label).count() as u32;
+            let have = self
+                .nodes_of(&r.value.id)
+                .iter()
+                .filter(|n| n.value.label == label)
+                .count() as u32;
             n += want.saturating_sub(have);
         }
         n
@@ -252,7 +296,9 @@ impl World {
             .filter(|b| b.label == label)
             .map(|b| match b.state {
                 BackingState::Requested | BackingState::Launching => b.slots,
-                BackingState::Ready if self.takes_slots(b) => b.slots.saturating_sub(self.used_count(&b.id)),
+                BackingState::Ready if self.takes_slots(b) => {
+                    b.slots.saturating_sub(self.used_count(&b.id))
+                }
                 _ => 0,
             })
             .sum()
@@ -278,7 +324,12 @@ pub mod tests_support {
     use super::*;
     use slotpool_protocol::model::Health;
 
-    pub fn backing(id: &str, label: &str, slots: u32, state: BackingState) -> Versioned<BackingNode> {
+    pub fn backing(
+        id: &str,
+        label: &str,
+        slots: u32,
+        state: BackingState,
+    ) -> Versioned<BackingNode> {
         Versioned {
             key: format!("p.main.{id}"),
             revision: 1,
@@ -317,12 +368,14 @@ pub mod tests_support {
             pid: 1,
             started_at: 0,
             sent_at: 0,
-            health: Health { healthy: true, ..Default::default() },
+            health: Health {
+                healthy: true,
+                ..Default::default()
+            },
             slots: vec![],
             draining: false,
         }
     }
-
 }
 
 #[cfg(test)]
@@ -370,7 +423,11 @@ mod tests {
         let r = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
         assert_eq!((r.backing_id.as_str(), r.slot), ("bn-b", 1));
         let r2 = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
-        assert_eq!((r2.backing_id.as_str(), r2.slot), ("bn-b", 2), "a reserved slot is not handed out twice");
+        assert_eq!(
+            (r2.backing_id.as_str(), r2.slot),
+            ("bn-b", 2),
+            "a reserved slot is not handed out twice"
+        );
     }
 
     #[test]
@@ -386,7 +443,11 @@ mod tests {
         bad.secret_sha256 = "other".into();
         w.put_agent(bad);
         assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
-        assert_eq!(w.coming_capacity("small"), 4, "only the launching node counts as coming");
+        assert_eq!(
+            w.coming_capacity("small"),
+            4,
+            "only the launching node counts as coming"
+        );
     }
 
     #[test]
@@ -394,7 +455,8 @@ mod tests {
         let mut w = World::default();
         w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
         w.put_agent(agent("bn-a"));
-        w.waiting.insert(pos(50, 9, "req-urgent"), vec!["small".into()]);
+        w.waiting
+            .insert(pos(50, 9, "req-urgent"), vec!["small".into()]);
         assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
         assert!(w.reserve_slot(&pos(50, 9, "req-urgent"), "small").is_some());
     }
@@ -417,12 +479,18 @@ mod tests {
             failure: None,
             updated_at: 0,
         };
-        w.put_request(Versioned { key: "req-1".into(), revision: 1, value: req });
+        w.put_request(Versioned {
+            key: "req-1".into(),
+            revision: 1,
+            value: req,
+        });
         w.put_slot(node("bn-a", 0, "req-1", "small"));
         assert_eq!(w.unmet_demand("small"), 1);
         assert_eq!(w.unmet_demand("big"), 1);
         w.remove_slot("bn-a.0", 3);
         assert_eq!(w.unmet_demand("small"), 2);
-        assert!(w.last_release.contains_key(&BackingId::parse("bn-a").unwrap()));
+        assert!(w
+            .last_release
+            .contains_key(&BackingId::parse("bn-a").unwrap()));
     }
 }

@@ -102,7 +102,10 @@ impl NodeId {
     /// The slot's key can be read back from the id, so any launcher can release a node
     /// from its id alone.
     pub fn for_slot(backing: &BackingId, slot: u32) -> NodeId {
-        NodeId(format!("node-{}_{slot}_{backing}", ulid::Ulid::new().to_string().to_lowercase()))
+        NodeId(format!(
+            "node-{}_{slot}_{backing}",
+            ulid::Ulid::new().to_string().to_lowercase()
+        ))
     }
 
     /// The backing node and slot this node id names, if it is of the `for_slot` form.

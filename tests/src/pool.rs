@@ -45,11 +45,24 @@ impl Pool {
     /// Starts a nats-server and `launchers` launcher processes on a config with `labels`.
     pub async fn start(max_servers: u32, lease_ttl: u32, labels: &str, launchers: usize) -> Pool {
         let nats = NatsServer::start().await;
-        let dir = tempfile::Builder::new().prefix("slotpool-pool-").tempdir().expect("temp dir");
+        let dir = tempfile::Builder::new()
+            .prefix("slotpool-pool-")
+            .tempdir()
+            .expect("temp dir");
         let config = dir.path().join("pool.yaml");
-        std::fs::write(&config, config_yaml(&dir.path().join("agents"), max_servers, lease_ttl, labels)).expect("writing config");
+        std::fs::write(
+            &config,
+            config_yaml(&dir.path().join("agents"), max_servers, lease_ttl, labels),
+        )
+        .expect("writing config");
         let client = Client::from_bus(nats.bus().await);
-        let mut pool = Pool { nats, client, dir, config, launchers: Vec::new() };
+        let mut pool = Pool {
+            nats,
+            client,
+            dir,
+            config,
+            launchers: Vec::new(),
+        };
         for _ in 0..launchers {
             pool.spawn_launcher();
         }
@@ -64,14 +77,24 @@ impl Pool {
     /// Starts one more `slotpool serve`; returns its index.
     pub fn spawn_launcher(&mut self) -> usize {
         let n = self.launchers.len();
-        let log = File::create(self.dir.path().join(format!("launcher-{n}.log"))).expect("launcher log");
+        let log =
+            File::create(self.dir.path().join(format!("launcher-{n}.log"))).expect("launcher log");
         let mut cmd = Command::new(bin_path("slotpool"));
-        cmd.args(["--nats", &self.nats.url(), "--log", "info,slotpool_launcher=debug", "serve", "--config"])
-            .arg(&self.config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
-        self.launchers.push(ChildGuard::spawn(format!("launcher-{n}"), cmd).expect("spawning slotpool serve"));
+        cmd.args([
+            "--nats",
+            &self.nats.url(),
+            "--log",
+            "info,slotpool_launcher=debug",
+            "serve",
+            "--config",
+        ])
+        .arg(&self.config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+        self.launchers.push(
+            ChildGuard::spawn(format!("launcher-{n}"), cmd).expect("spawning slotpool serve"),
+        );
         n
     }
 
@@ -82,10 +105,17 @@ impl Pool {
 
     /// Waits until some launcher answers the API.
     pub async fn wait_served(&self) {
-        crate::wait_for("a launcher to serve the API", Duration::from_secs(30), || async {
-            let probe = submission(vec![], "probe");
-            !matches!(self.client.submit(&probe).await, Err(slotpool_protocol::connect::BusError::NoResponders { .. }))
-        })
+        crate::wait_for(
+            "a launcher to serve the API",
+            Duration::from_secs(30),
+            || async {
+                let probe = submission(vec![], "probe");
+                !matches!(
+                    self.client.submit(&probe).await,
+                    Err(slotpool_protocol::connect::BusError::NoResponders { .. })
+                )
+            },
+        )
         .await;
     }
 
@@ -99,13 +129,20 @@ impl Pool {
     pub async fn wait_final(&self, id: &RequestId, timeout: Duration) -> NodeRequest {
         tokio::time::timeout(timeout, self.client.wait(id, |_| {}))
             .await
-            .unwrap_or_else(|_| panic!("request {id} not final within {timeout:?}\n{}", self.logs()))
+            .unwrap_or_else(|_| {
+                panic!("request {id} not final within {timeout:?}\n{}", self.logs())
+            })
             .expect("wait")
     }
 
     pub async fn fulfilled(&self, id: &RequestId) -> NodeRequest {
         let r = self.wait_final(id, Duration::from_secs(60)).await;
-        assert_eq!(r.state, RequestState::Fulfilled, "request {id}: {r:?}\n{}", self.logs());
+        assert_eq!(
+            r.state,
+            RequestState::Fulfilled,
+            "request {id}: {r:?}\n{}",
+            self.logs()
+        );
         r
     }
 
@@ -114,7 +151,11 @@ impl Pool {
     }
 
     pub async fn backing_in(&self, states: &[BackingState]) -> Vec<BackingNode> {
-        self.backing().await.into_iter().filter(|b| states.contains(&b.state)).collect()
+        self.backing()
+            .await
+            .into_iter()
+            .filter(|b| states.contains(&b.state))
+            .collect()
     }
 
     pub async fn nodes(&self) -> Vec<Node> {
@@ -125,8 +166,9 @@ impl Pool {
     pub fn logs(&self) -> String {
         let mut out = String::new();
         for n in 0..self.launchers.len() {
-            let text = std::fs::read_to_string(self.dir.path().join(format!("launcher-{n}.log"))).unwrap_or_default();
-            let tail: Vec<&str> = text.lines().rev().take(60).collect();
+            let text = std::fs::read_to_string(self.dir.path().join(format!("launcher-{n}.log")))
+                .unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(400).collect();
             out.push_str(&format!("--- launcher-{n} (last lines)\n"));
             for l in tail.into_iter().rev() {
                 out.push_str(l);
@@ -148,10 +190,16 @@ impl Drop for Pool {
 
 /// Kills every local agent whose pid file is under `work_dir` (checking its command line).
 pub fn kill_agents(work_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(work_dir) else { return };
+    let Ok(entries) = std::fs::read_dir(work_dir) else {
+        return;
+    };
     for e in entries.flatten() {
-        let Ok(pid) = std::fs::read_to_string(e.path().join("agent.pid")) else { continue };
-        let Ok(pid) = pid.trim().parse::<i32>() else { continue };
+        let Ok(pid) = std::fs::read_to_string(e.path().join("agent.pid")) else {
+            continue;
+        };
+        let Ok(pid) = pid.trim().parse::<i32>() else {
+            continue;
+        };
         let id = e.file_name().to_string_lossy().to_string();
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if String::from_utf8_lossy(&cmdline).contains(&id) {

@@ -47,17 +47,24 @@ pub enum ListWhat {
 }
 
 async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
-    Client::connect(&nats.options("slotpool-cli")).await.with_context(|| format!("connecting to NATS at {}", nats.url))
+    Client::connect(&nats.options("slotpool-cli"))
+        .await
+        .with_context(|| format!("connecting to NATS at {}", nats.url))
 }
 
 pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitCode> {
     let client = connect(nats).await?;
-    let labels: Vec<String> = args.labels.iter().flat_map(|l| std::iter::repeat_n(l.clone(), args.count as usize)).collect();
+    let labels: Vec<String> = args
+        .labels
+        .iter()
+        .flat_map(|l| std::iter::repeat_n(l.clone(), args.count as usize))
+        .collect();
     let mut sub = submission(labels, args.requestor);
     sub.priority = args.priority;
     sub.timeout_secs = args.timeout;
     if let Some(path) = &args.ssh_key {
-        let key = std::fs::read_to_string(path).with_context(|| format!("reading SSH public key {}", path.display()))?;
+        let key = std::fs::read_to_string(path)
+            .with_context(|| format!("reading SSH public key {}", path.display()))?;
         sub.ssh_public_key = Some(key.trim().to_string());
     }
     let started = Instant::now();
@@ -91,7 +98,11 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
             if let Output::Json = args.output {
                 println!("{}", serde_json::to_string_pretty(&done)?);
             }
-            eprintln!("request {id} {}: {}", state(&done.state), done.failure.as_deref().unwrap_or(&done.status));
+            eprintln!(
+                "request {id} {}: {}",
+                state(&done.state),
+                done.failure.as_deref().unwrap_or(&done.status)
+            );
             Ok(ExitCode::from(2))
         }
     }
@@ -100,7 +111,9 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
 async fn fetch_nodes(client: &Client, ids: &[NodeId]) -> anyhow::Result<Vec<Node>> {
     let mut out = Vec::new();
     for id in ids {
-        let (backing, slot) = id.slot().with_context(|| format!("node id {id} does not name a slot"))?;
+        let (backing, slot) = id
+            .slot()
+            .with_context(|| format!("node id {id} does not name a slot"))?;
         let key = slotpool_protocol::layout::slot_key(&backing, slot);
         if let Some(n) = client.bus().slots.get::<Node>(&key).await? {
             out.push(n.value);
@@ -126,11 +139,33 @@ fn print_nodes(output: Output, nodes: &[Node]) {
             ]
         })
         .collect();
-    print(output, &nodes, &["NODE", "LABEL", "STATE", "BACKING", "SLOT", "HOST", "WORKSPACE", "REQUESTOR", "AGE"], rows);
+    print(
+        output,
+        &nodes,
+        &[
+            "NODE",
+            "LABEL",
+            "STATE",
+            "BACKING",
+            "SLOT",
+            "HOST",
+            "WORKSPACE",
+            "REQUESTOR",
+            "AGE",
+        ],
+        rows,
+    );
 }
 
-pub async fn release(nats: &NatsArgs, nodes: Vec<String>, output: Output) -> anyhow::Result<ExitCode> {
-    let ids = nodes.iter().map(|n| NodeId::parse(n)).collect::<Result<Vec<_>, _>>()?;
+pub async fn release(
+    nats: &NatsArgs,
+    nodes: Vec<String>,
+    output: Output,
+) -> anyhow::Result<ExitCode> {
+    let ids = nodes
+        .iter()
+        .map(|n| NodeId::parse(n))
+        .collect::<Result<Vec<_>, _>>()?;
     let client = connect(nats).await?;
     let released = client.release(ids).await?;
     match output {
@@ -144,7 +179,11 @@ pub async fn release(nats: &NatsArgs, nodes: Vec<String>, output: Output) -> any
             }
         }
     }
-    Ok(if released.not_found.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(3) })
+    Ok(if released.not_found.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
 }
 
 pub async fn cancel(nats: &NatsArgs, request: &str, output: Output) -> anyhow::Result<ExitCode> {
@@ -168,7 +207,9 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
         }
         ListWhat::Backing => {
             let mut backing = client.list_backing().await?;
-            backing.sort_by(|a, b| (&a.provider, &a.pool, a.seat).cmp(&(&b.provider, &b.pool, b.seat)));
+            backing.sort_by(|a, b| {
+                (&a.provider, &a.pool, a.seat).cmp(&(&b.provider, &b.pool, b.seat))
+            });
             let used = used_slots(&client.list_nodes().await?);
             let rows = backing
                 .iter()
@@ -180,22 +221,55 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
                         state(&b.state),
                         state(&b.idle),
                         format!("{}/{}", used.get(&b.id).copied().unwrap_or(0), b.slots),
-                        b.instance.as_ref().map(|i| i.host.clone()).unwrap_or_default(),
+                        b.instance
+                            .as_ref()
+                            .map(|i| i.host.clone())
+                            .unwrap_or_default(),
                         age(b.created_at),
                         b.failure.clone().unwrap_or_default(),
                     ]
                 })
                 .collect();
-            print(output, &backing, &["BACKING", "POOL", "LABEL", "STATE", "IDLE", "SLOTS", "HOST", "AGE", "REASON"], rows);
+            print(
+                output,
+                &backing,
+                &[
+                    "BACKING", "POOL", "LABEL", "STATE", "IDLE", "SLOTS", "HOST", "AGE", "REASON",
+                ],
+                rows,
+            );
         }
         ListWhat::Requests => {
             let mut requests: Vec<NodeRequest> = client.list_requests().await?;
             requests.sort_by_key(|r| r.created_at);
             let rows = requests
                 .iter()
-                .map(|r| vec![r.id.to_string(), r.labels.join(","), state(&r.state), r.priority.to_string(), r.requestor.clone(), age(r.created_at), r.status.clone()])
+                .map(|r| {
+                    vec![
+                        r.id.to_string(),
+                        r.labels.join(","),
+                        state(&r.state),
+                        r.priority.to_string(),
+                        r.requestor.clone(),
+                        age(r.created_at),
+                        r.status.clone(),
+                    ]
+                })
                 .collect();
-            print(output, &requests, &["REQUEST", "LABELS", "STATE", "PRIO", "REQUESTOR", "AGE", "STATUS"], rows);
+            print(
+                output,
+                &requests,
+                &[
+                    "REQUEST",
+                    "LABELS",
+                    "STATE",
+                    "PRIO",
+                    "REQUESTOR",
+                    "AGE",
+                    "STATUS",
+                ],
+                rows,
+            );
         }
     }
     std::io::stdout().flush().ok();

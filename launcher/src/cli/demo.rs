@@ -71,23 +71,42 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
     };
     eprintln!("slotpool demo: NATS at {url}, state in {}", dir.display());
     let config_path = dir.join("demo.yaml");
-    std::fs::write(&config_path, DEMO_CONFIG.replace("WORK_DIR", &work_dir.display().to_string()))?;
+    std::fs::write(
+        &config_path,
+        DEMO_CONFIG.replace("WORK_DIR", &work_dir.display().to_string()),
+    )?;
     let config = Config::load(&config_path)?;
-    let opts = NatsOptions { url: url.clone(), name: "slotpool-demo".into(), ..Default::default() };
-    let bus = Bus::connect(&opts).await.context("connecting to the demo NATS server")?;
+    let opts = NatsOptions {
+        url: url.clone(),
+        name: "slotpool-demo".into(),
+        ..Default::default()
+    };
+    let bus = Bus::connect(&opts)
+        .await
+        .context("connecting to the demo NATS server")?;
     let shutdown = CancellationToken::new();
     let agent_binary = super::sibling_agent_binary();
     if !agent_binary.is_file() {
         bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
     }
-    let deps = LauncherDeps { agent_nats_url: url.clone(), agent_binary: agent_binary.clone() };
+    let deps = LauncherDeps {
+        agent_nats_url: url.clone(),
+        agent_binary: agent_binary.clone(),
+    };
     let launcher = tokio::spawn(run(config, bus.clone(), deps, shutdown.clone()));
     let client = Client::from_bus(bus);
-    let load = tokio::spawn(load(client, args.jobs, Duration::from_millis(args.hold_ms), shutdown.clone()));
+    let load = tokio::spawn(load(
+        client,
+        args.jobs,
+        Duration::from_millis(args.hold_ms),
+        shutdown.clone(),
+    ));
 
     let stop = async {
         match args.duration {
-            Some(s) => tokio::select! { _ = super::stop_signal() => {}, _ = tokio::time::sleep(Duration::from_secs(s)) => {} },
+            Some(s) => {
+                tokio::select! { _ = super::stop_signal() => {}, _ = tokio::time::sleep(Duration::from_secs(s)) => {} }
+            }
             None => super::stop_signal().await,
         }
     };
@@ -148,7 +167,10 @@ async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken
 }
 
 /// Submits, waiting (briefly) for the launcher's API to come up first.
-async fn submit_when_served(client: &Client, sub: &slotpool_protocol::api::SubmitRequest) -> Result<slotpool_protocol::RequestId, slotpool_protocol::connect::BusError> {
+async fn submit_when_served(
+    client: &Client,
+    sub: &slotpool_protocol::api::SubmitRequest,
+) -> Result<slotpool_protocol::RequestId, slotpool_protocol::connect::BusError> {
     let mut tries = 0;
     loop {
         match client.submit(sub).await {
@@ -173,9 +195,17 @@ pub fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         return Ok(p.to_path_buf());
     }
     let on_path = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).map(|d| d.join("nats-server")).filter(|p| p.is_file()).collect::<Vec<_>>())
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("nats-server"))
+                .filter(|p| p.is_file())
+                .collect::<Vec<_>>()
+        })
         .unwrap_or_default();
-    for candidate in on_path.into_iter().chain([PathBuf::from(".tools/nats/bin/nats-server")]) {
+    for candidate in on_path
+        .into_iter()
+        .chain([PathBuf::from(".tools/nats/bin/nats-server")])
+    {
         if candidate.is_file() && version_ok(&candidate) {
             return Ok(candidate);
         }
@@ -192,7 +222,12 @@ fn version_ok(binary: &Path) -> bool {
         .arg("--version")
         .output()
         .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().trim_start_matches("nats-server: ").to_string())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .trim_start_matches("nats-server: ")
+                .to_string()
+        })
         .is_some_and(|v| slotpool_protocol::connect::check_server_version(&v).is_ok())
 }
 
@@ -218,7 +253,10 @@ async fn start_nats_server(binary: &Path, dir: &Path) -> anyhow::Result<(Child, 
             return Ok((child, url));
         }
         if let Some(status) = child.try_wait()? {
-            bail!("nats-server exited with {status}; see {}", dir.join("nats-server.log").display());
+            bail!(
+                "nats-server exited with {status}; see {}",
+                dir.join("nats-server.log").display()
+            );
         }
         if Instant::now() > deadline {
             bail!("nats-server did not report its port within 20s");
@@ -228,9 +266,17 @@ async fn start_nats_server(binary: &Path, dir: &Path) -> anyhow::Result<(Child, 
 }
 
 fn read_ports_file(dir: &Path) -> Option<String> {
-    let entry = std::fs::read_dir(dir).ok()?.flatten().find(|e| e.path().extension().is_some_and(|x| x == "ports"))?;
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()?;
-    json["nats"].as_array()?.first()?.as_str().map(str::to_string)
+    let entry = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .find(|e| e.path().extension().is_some_and(|x| x == "ports"))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()?;
+    json["nats"]
+        .as_array()?
+        .first()?
+        .as_str()
+        .map(str::to_string)
 }
 
 async fn stop_child(child: &mut Child) {
@@ -238,7 +284,10 @@ async fn stop_child(child: &mut Child) {
         // SAFETY: signalling our own child by pid.
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     }
-    if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(5), child.wait())
+        .await
+        .is_err()
+    {
         let _ = child.kill().await;
     }
 }

@@ -12,7 +12,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Debug, Parser)]
-#[command(name = "slotpool", version, about = "Slots carved out of backing nodes, for CI jobs")]
+#[command(
+    name = "slotpool",
+    version,
+    about = "Slots carved out of backing nodes, for CI jobs"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -27,16 +31,31 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
-    #[arg(long = "nats", global = true, env = "SLOTPOOL_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long = "nats",
+        global = true,
+        env = "SLOTPOOL_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub url: String,
     /// NATS credentials file (JWT + NKey).
     #[arg(long, global = true, env = "SLOTPOOL_NATS_CREDS")]
     pub creds: Option<PathBuf>,
     #[arg(long, global = true, env = "SLOTPOOL_NATS_USER")]
     pub user: Option<String>,
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_PASSWORD", hide_env_values = true)]
+    #[arg(
+        long,
+        global = true,
+        env = "SLOTPOOL_NATS_PASSWORD",
+        hide_env_values = true
+    )]
     pub password: Option<String>,
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        global = true,
+        env = "SLOTPOOL_NATS_TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
     /// CA certificate(s) to trust for TLS.
     #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_CA")]
@@ -119,8 +138,13 @@ pub enum ConfigCommand {
 }
 
 pub fn init_tracing(cli: &Cli) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
 }
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -128,12 +152,20 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Serve { config, agent_nats } => serve::serve(&cli.nats, &config, agent_nats).await,
         Command::Request(args) => client_cmds::request(&cli.nats, args).await,
         Command::Release { nodes, output } => client_cmds::release(&cli.nats, nodes, output).await,
-        Command::Cancel { request, output } => client_cmds::cancel(&cli.nats, &request, output).await,
+        Command::Cancel { request, output } => {
+            client_cmds::cancel(&cli.nats, &request, output).await
+        }
         Command::List { what, output } => client_cmds::list(&cli.nats, what, output).await,
-        Command::Config { command: ConfigCommand::Validate { file } } => {
+        Command::Config {
+            command: ConfigCommand::Validate { file },
+        } => {
             let config = crate::config::Config::load(&file)?;
             let labels = config.label_names().join(", ");
-            println!("{}: ok ({} provider(s); labels: {labels})", file.display(), config.providers.len());
+            println!(
+                "{}: ok ({} provider(s); labels: {labels})",
+                file.display(),
+                config.providers.len()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
@@ -150,7 +182,8 @@ pub fn sibling_agent_binary() -> PathBuf {
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.
 pub async fn stop_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("signal handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}

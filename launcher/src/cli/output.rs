@@ -7,7 +7,10 @@ use slotpool_protocol::time::now_ms;
 /// Prints `rows` under `header` as an aligned table, or `items` as JSON.
 pub fn print<T: Serialize>(output: Output, items: &T, header: &[&str], rows: Vec<Vec<String>>) {
     match output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(items).expect("records serialize")),
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(items).expect("records serialize")
+        ),
         Output::Table => print_table(header, &rows),
     }
 }
@@ -20,7 +23,11 @@ pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
         }
     }
     let line = |cells: Vec<String>| {
-        let parts: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let parts: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
         println!("{}", parts.join("  ").trim_end());
     };
     line(header.iter().map(|h| h.to_string()).collect());
@@ -40,5 +47,8 @@ pub fn age(since: u64) -> String {
 }
 
 pub fn state<T: Serialize>(s: &T) -> String {
-    serde_json::to_value(s).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+    serde_json::to_value(s)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }

@@ -9,10 +9,18 @@ use std::path::Path;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
-pub async fn serve(nats: &NatsArgs, config_path: &Path, agent_nats: Option<String>) -> anyhow::Result<ExitCode> {
+pub async fn serve(
+    nats: &NatsArgs,
+    config_path: &Path,
+    agent_nats: Option<String>,
+) -> anyhow::Result<ExitCode> {
     let config = Config::load(config_path)?;
-    let bus = Bus::connect(&nats.options("slotpool-launcher")).await.context("connecting to NATS")?;
-    let agent_nats_url = agent_nats.or_else(|| config.agent_nats_url.clone()).unwrap_or_else(|| nats.url.clone());
+    let bus = Bus::connect(&nats.options("slotpool-launcher"))
+        .await
+        .context("connecting to NATS")?;
+    let agent_nats_url = agent_nats
+        .or_else(|| config.agent_nats_url.clone())
+        .unwrap_or_else(|| nats.url.clone());
     let shutdown = CancellationToken::new();
     let stopper = shutdown.clone();
     tokio::spawn(async move {
@@ -20,7 +28,10 @@ pub async fn serve(nats: &NatsArgs, config_path: &Path, agent_nats: Option<Strin
         tracing::info!("stopping: finishing steps in flight and releasing leases");
         stopper.cancel();
     });
-    let deps = LauncherDeps { agent_nats_url, agent_binary: super::sibling_agent_binary() };
+    let deps = LauncherDeps {
+        agent_nats_url,
+        agent_binary: super::sibling_agent_binary(),
+    };
     run(config, bus, deps, shutdown).await.context("launcher")?;
     Ok(ExitCode::SUCCESS)
 }
