@@ -318,23 +318,31 @@ impl Store {
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
         let mut out = Vec::new();
-        let mut changes = Box::pin(self.watch().await?);
-        while let Some(change) = changes.next().await {
-            match change? {
-                Change::Put {
+        let (name, changes) = self.open_watch(">").await?;
+        let mut changes = Box::pin(changes);
+        let result = loop {
+            match changes.next().await {
+                Some(Ok(Change::Put {
                     key,
                     revision,
                     value,
-                } => out.push(self.decode(&key, revision, &value)),
-                Change::Removed { .. } => {}
-                Change::Synced => return Ok(out),
+                })) => out.push(self.decode(&key, revision, &value)),
+                Some(Ok(Change::Removed { .. })) => {}
+                Some(Ok(Change::Synced)) => break Ok(out),
+                Some(Err(err)) => break Err(err),
+                None => {
+                    break Err(transport(
+                        self.bucket,
+                        ">",
+                        "watch ended before the initial values were read",
+                    ))
+                }
             }
-        }
-        Err(transport(
-            self.bucket,
-            ">",
-            "watch ended before the initial values were read",
-        ))
+        };
+        drop(changes);
+        // Ephemeral consumers linger on the server for minutes; a lister removes its own.
+        let _ = self.kv.stream.delete_consumer(&name).await;
+        result
     }
 
     /// The current value of every key, then [`Change::Synced`], then every change as it
@@ -351,6 +359,20 @@ impl Store {
         &self,
         filter: &str,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        Ok(self.open_watch(filter).await?.1)
+    }
+
+    /// A watch and the name of its consumer.
+    async fn open_watch(
+        &self,
+        filter: &str,
+    ) -> Result<
+        (
+            String,
+            impl Stream<Item = Result<Change, KvError>> + Send + 'static,
+        ),
+        KvError,
+    > {
         let bucket = self.bucket;
         let prefix = format!("$KV.{bucket}.");
         let consumer = self
@@ -367,6 +389,7 @@ impl Store {
             .await
             .map_err(|err| transport(bucket, ">", format!("creating watch: {err}")))?;
         let mut synced = consumer.cached_info().num_pending == 0;
+        let name = consumer.cached_info().name.clone();
         let messages = consumer
             .messages()
             .await
@@ -411,7 +434,7 @@ impl Store {
             }
             futures::stream::iter(out)
         });
-        Ok(head.chain(tail))
+        Ok((name, head.chain(tail)))
     }
 }
 
