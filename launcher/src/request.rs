@@ -72,6 +72,8 @@ impl Worker {
     async fn run(&self, lease: &LeaseGuard) -> Result<(), SlotError> {
         let mut request_rx = self.sh.signals.subscribe(&request_topic(&self.id));
         let mut label_rxs = Vec::new();
+        let mut subscribed: Vec<String> = Vec::new();
+        let mut queued: Option<QueuePosition> = None;
         let result = loop {
             if lease.lost.is_cancelled() {
                 break Ok(());
@@ -85,6 +87,12 @@ impl Worker {
                 Err(SlotError::Kv(KvError::Conflict { .. })) => Pass::Again,
                 Err(err) => break Err(err),
             };
+            let still_missing = match &pass {
+                Pass::Waiting { missing } => missing.clone(),
+                _ => Vec::new(),
+            };
+            self.set_waiting(&pos, still_missing);
+            queued = Some(pos.clone());
             match pass {
                 Pass::Done => break Ok(()),
                 Pass::Again => continue,
@@ -95,16 +103,20 @@ impl Worker {
                     }
                 }
                 Pass::Waiting { missing } => {
-                    if label_rxs.is_empty() {
+                    if subscribed != missing {
                         label_rxs = missing
                             .iter()
                             .map(|l| self.sh.signals.subscribe(&label_topic(l)))
                             .collect();
+                        subscribed = missing.clone();
                     }
                     let status = self.waiting_status(&req.value, &missing);
-                    self.sh.world().waiting.insert(pos.clone(), missing);
                     if status != req.value.status {
-                        self.set_status(&req, status).await?;
+                        match self.set_status(&req, status).await {
+                            Ok(()) => {}
+                            Err(SlotError::Kv(KvError::Conflict { .. })) => continue,
+                            Err(err) => break Err(err),
+                        }
                     }
                     let deadline = req
                         .value
@@ -124,11 +136,19 @@ impl Worker {
                 }
             }
         };
-        self.sh
-            .world()
-            .waiting
-            .retain(|(_, _, id), _| id != &self.id);
+        if let Some(pos) = queued {
+            self.set_waiting(&pos, Vec::new());
+        }
         result
+    }
+
+    /// Records what this request still waits for, and wakes the requests queued behind it
+    /// for every label it no longer blocks.
+    fn set_waiting(&self, pos: &QueuePosition, missing: Vec<String>) {
+        let freed = self.sh.world().set_waiting(pos, missing);
+        for label in freed {
+            self.sh.signals.bump(&label_topic(&label));
+        }
     }
 
     /// Whether a slot for any waiting label is free now (checked with the world lock).

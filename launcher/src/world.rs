@@ -264,6 +264,25 @@ impl World {
         self.reserved.remove(&r.key());
     }
 
+    /// Records the labels the request at `me` still waits for (none: it left the queue).
+    /// Returns the labels it stopped waiting for: the requests behind it that want them
+    /// must be woken, or they would sleep on behind an entry that is gone.
+    pub fn set_waiting(&mut self, me: &QueuePosition, labels: Vec<String>) -> Vec<String> {
+        let old = if labels.is_empty() {
+            self.waiting.remove(me)
+        } else {
+            self.waiting.insert(me.clone(), labels.clone())
+        };
+        let mut freed: Vec<String> = old
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|l| !labels.contains(l))
+            .collect();
+        freed.sort();
+        freed.dedup();
+        freed
+    }
+
     // ---- capacity ---------------------------------------------------------------------
 
     /// Slots wanted for `label` by unfinished requests and not yet claimed.
@@ -459,6 +478,22 @@ mod tests {
             .insert(pos(50, 9, "req-urgent"), vec!["small".into()]);
         assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
         assert!(w.reserve_slot(&pos(50, 9, "req-urgent"), "small").is_some());
+    }
+
+    #[test]
+    fn leaving_the_queue_names_the_labels_others_may_now_take() {
+        let mut w = World::default();
+        let me = pos(100, 1, "req-1");
+        let both = vec!["big".to_string(), "small".to_string(), "small".to_string()];
+        assert!(w.set_waiting(&me, both).is_empty());
+        assert_eq!(w.set_waiting(&me, vec!["small".into()]), vec!["big"]);
+        assert!(w.someone_ahead_wants(&pos(100, 2, "req-2"), "small"));
+        assert_eq!(w.set_waiting(&me, vec![]), vec!["small"]);
+        assert!(!w.someone_ahead_wants(&pos(100, 2, "req-2"), "small"));
+        assert!(
+            w.set_waiting(&me, vec![]).is_empty(),
+            "nothing left to free"
+        );
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Store {
     pub async fn open(js: &jetstream::Context, spec: BucketSpec) -> Result<Store, KvError> {
         let kv = match js.get_key_value(spec.name).await {
             Ok(kv) => kv,
-            Err(_) => js
+            Err(_) => match js
                 .create_key_value(kv::Config {
                     bucket: spec.name.to_string(),
                     history: spec.history,
@@ -118,10 +118,13 @@ impl Store {
                     ..Default::default()
                 })
                 .await
-                .or_else(|err| {
-                    // Another process may have created it first.
-                    Err(transport(spec.name, "", format!("creating bucket: {err}")))
+            {
+                Ok(kv) => kv,
+                // Another process may have created it in between: use theirs.
+                Err(create_err) => js.get_key_value(spec.name).await.map_err(|_| {
+                    transport(spec.name, "", format!("creating bucket: {create_err}"))
                 })?,
+            },
         };
         Ok(Store {
             js: js.clone(),

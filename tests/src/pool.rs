@@ -129,20 +129,13 @@ impl Pool {
     pub async fn wait_final(&self, id: &RequestId, timeout: Duration) -> NodeRequest {
         tokio::time::timeout(timeout, self.client.wait(id, |_| {}))
             .await
-            .unwrap_or_else(|_| {
-                panic!("request {id} not final within {timeout:?}\n{}", self.logs())
-            })
+            .unwrap_or_else(|_| panic!("request {id} not final within {timeout:?}"))
             .expect("wait")
     }
 
     pub async fn fulfilled(&self, id: &RequestId) -> NodeRequest {
         let r = self.wait_final(id, Duration::from_secs(60)).await;
-        assert_eq!(
-            r.state,
-            RequestState::Fulfilled,
-            "request {id}: {r:?}\n{}",
-            self.logs()
-        );
+        assert_eq!(r.state, RequestState::Fulfilled, "request {id}: {r:?}");
         r
     }
 
@@ -185,6 +178,16 @@ impl Drop for Pool {
             l.kill();
         }
         kill_agents(&self.work_dir());
+        if std::thread::panicking() {
+            // The test failed: show what the launchers were doing, and keep their files
+            // when asked to (SLOTPOOL_KEEP_FAILED=1), for a closer look.
+            eprintln!("{}", self.logs());
+            if std::env::var_os("SLOTPOOL_KEEP_FAILED").is_some() {
+                let kept =
+                    std::mem::replace(&mut self.dir, tempfile::tempdir().expect("temp dir")).keep();
+                eprintln!("pool files kept in {}", kept.display());
+            }
+        }
     }
 }
 

@@ -231,7 +231,6 @@ async fn a_killed_launcher_is_restarted_and_every_request_is_fulfilled_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: with two launchers a slot prepare sometimes waits out the 30 s agent timeout; run with --ignored"]
 async fn two_launchers_share_a_burst_and_one_finishes_when_the_other_dies() {
     let mut pool = Pool::start(12, 2, &label("small", 4, 30, &[]), 2).await;
     let first = burst(&pool, 20).await;
