@@ -258,6 +258,7 @@ mod tests {
             attempts: 1,
             failure: None,
             attributes: Default::default(),
+            order: None,
             updated_at: 2_000,
         }
     }

@@ -98,6 +98,7 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
                 attempts: 0,
                 failure: None,
                 attributes: Default::default(),
+                order: None,
                 updated_at: now_ms(),
             };
             let key = layout::seat_key(provider, pool, free.seat);

@@ -372,6 +372,7 @@ pub mod tests_support {
                 attempts: 1,
                 failure: None,
                 attributes: Default::default(),
+                order: None,
                 updated_at: 0,
             },
         }

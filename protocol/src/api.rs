@@ -2,7 +2,8 @@
 //!
 //! Every reply is `{"ok": <payload>}` or `{"error": {"code": "...", "message": "..."}}`.
 
-use crate::ids::{NodeId, RequestId};
+use crate::ids::{BackingId, NodeId, RequestId};
+use crate::model::{BackingState, IdleBehaviour};
 use serde::{Deserialize, Serialize};
 
 /// A reply to any request-reply message.
@@ -135,6 +136,41 @@ pub struct Canceled {
     pub request_id: RequestId,
     /// Its state after the call (a fulfilled request is not canceled: release its nodes).
     pub state: crate::model::RequestState,
+}
+
+/// `slotpool.admin.v1.{hold,drain,run,kill}`: an operator's order on one backing node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackingOrder {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub backing_id: BackingId,
+    /// Who gives the order (recorded with it).
+    pub actor: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Reply to [`BackingOrder`]: the backing node as the order left it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OrderTaken {
+    pub backing_id: BackingId,
+    pub state: BackingState,
+    pub idle: IdleBehaviour,
+    /// What happens next, e.g. "released once its 2 slots in use are returned".
+    pub message: String,
+}
+
+/// `slotpool.admin.v1.release_node`: an operator releases one slot.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseNodeOrder {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub node_id: NodeId,
+    pub actor: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Commands a launcher sends to an agent on `slotpool.agent.v1.<backing id>`.

@@ -1,11 +1,14 @@
 //! The typed client: what `slotpool request`, CI systems and tests use.
 
-use crate::api::{self, CancelRequest, Canceled, ReleaseNodes, Released, SubmitRequest, Submitted};
+use crate::api::{
+    self, BackingOrder, CancelRequest, Canceled, OrderTaken, ReleaseNodeOrder, ReleaseNodes,
+    Released, SubmitRequest, Submitted,
+};
 use crate::connect::{Bus, BusError, NatsOptions};
 use crate::layout::subjects;
-use crate::model::{AgentHeartbeat, BackingNode, Node, NodeRequest};
+use crate::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction};
 use crate::store::{Change, KvError, Versioned};
-use crate::RequestId;
+use crate::{BackingId, NodeId, RequestId};
 use futures::StreamExt;
 use std::time::Duration;
 
@@ -102,6 +105,54 @@ impl Client {
             request_id,
         };
         self.bus.call(subjects::CANCEL, &msg, API_TIMEOUT).await
+    }
+
+    /// An operator's order on a backing node: hold, drain, run or kill (`action` must be
+    /// one of those; [`OperatorAction::ReleaseNode`] goes through [`Client::release_node`]).
+    pub async fn order(
+        &self,
+        action: OperatorAction,
+        backing_id: BackingId,
+        actor: impl Into<String>,
+        reason: Option<String>,
+    ) -> Result<OrderTaken, BusError> {
+        let msg = BackingOrder {
+            v: crate::PROTOCOL_VERSION,
+            backing_id,
+            actor: actor.into(),
+            reason,
+        };
+        self.bus
+            .call(&subjects::admin(action), &msg, API_TIMEOUT)
+            .await
+    }
+
+    /// An operator releases one node (slot), whoever holds it.
+    pub async fn release_node(
+        &self,
+        node_id: NodeId,
+        actor: impl Into<String>,
+        reason: Option<String>,
+    ) -> Result<Released, BusError> {
+        let msg = ReleaseNodeOrder {
+            v: crate::PROTOCOL_VERSION,
+            node_id,
+            actor: actor.into(),
+            reason,
+        };
+        self.bus
+            .call(
+                &subjects::admin(OperatorAction::ReleaseNode),
+                &msg,
+                API_TIMEOUT,
+            )
+            .await
+    }
+
+    pub async fn list_events(&self) -> Result<Vec<Event>, BusError> {
+        let mut events = values(self.bus.events.list().await?);
+        events.sort_by(|a: &Event, b| a.id.cmp(&b.id));
+        Ok(events)
     }
 
     pub async fn list_requests(&self) -> Result<Vec<NodeRequest>, BusError> {

@@ -74,6 +74,7 @@ pub struct Bus {
     pub backing: Store,
     pub agents: Store,
     pub leases: Store,
+    pub events: Store,
 }
 
 /// A message received on a served subject.
@@ -110,6 +111,7 @@ impl Bus {
             backing: find(layout::BACKING.name),
             agents: find(layout::AGENTS.name),
             leases: find(layout::LEASES.name),
+            events: find(layout::EVENTS.name),
             client,
         })
     }

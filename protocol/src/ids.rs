@@ -80,6 +80,10 @@ id_type!(
     /// One running launcher process; holder of leases.
     LauncherId, "launcher-"
 );
+id_type!(
+    /// One entry of the event log (time-ordered).
+    EventId, "evt-"
+);
 
 /// An id that is not a valid key token.
 #[derive(Debug, thiserror::Error, PartialEq)]

@@ -16,6 +16,8 @@ pub const REQUESTS: BucketSpec = BucketSpec {
     history: 1,
     per_key_ttl: true,
     max_value_size: 64 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
 };
 /// Slots in use, key = `<backing id>.<slot index>`, value = the [`crate::model::Node`]
 /// holding it. Created only if absent: this is what makes double-booking impossible.
@@ -24,6 +26,8 @@ pub const SLOTS: BucketSpec = BucketSpec {
     history: 1,
     per_key_ttl: false,
     max_value_size: 64 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
 };
 /// Backing nodes, key = `<provider>.<pool>.<seat>`. A pool has `max-servers` seats, so a
 /// pool can never hold more backing nodes than that, whatever several launchers do.
@@ -32,6 +36,8 @@ pub const BACKING: BucketSpec = BucketSpec {
     history: 1,
     per_key_ttl: false,
     max_value_size: 64 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
 };
 /// Agent heartbeats, key = backing id, each with a TTL so a dead agent's entry expires.
 pub const AGENTS: BucketSpec = BucketSpec {
@@ -39,6 +45,8 @@ pub const AGENTS: BucketSpec = BucketSpec {
     history: 1,
     per_key_ttl: true,
     max_value_size: 64 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
 };
 /// Launcher leases, key = `request.<request id>` or `backing.<provider>.<pool>.<seat>`.
 pub const LEASES: BucketSpec = BucketSpec {
@@ -46,10 +54,23 @@ pub const LEASES: BucketSpec = BucketSpec {
     history: 1,
     per_key_ttl: true,
     max_value_size: 4 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
+};
+
+/// The event log ([`crate::model::Event`]), key = event id (time-ordered). Written once
+/// per key; kept for a day and at most 64 MiB, oldest dropped first.
+pub const EVENTS: BucketSpec = BucketSpec {
+    name: "slotpool_events",
+    history: 1,
+    per_key_ttl: false,
+    max_value_size: 16 * 1024,
+    max_age_secs: 24 * 3600,
+    max_bytes: 64 * 1024 * 1024,
 };
 
 /// Every bucket, for creating them all at start-up.
-pub const ALL_BUCKETS: [BucketSpec; 5] = [REQUESTS, SLOTS, BACKING, AGENTS, LEASES];
+pub const ALL_BUCKETS: [BucketSpec; 6] = [REQUESTS, SLOTS, BACKING, AGENTS, LEASES, EVENTS];
 
 /// How long a finished (fulfilled, failed, canceled) request record is kept.
 pub const FINISHED_REQUEST_TTL_SECS: u64 = 3600;
@@ -92,6 +113,16 @@ pub mod subjects {
     pub const CANCEL: &str = "slotpool.api.v1.cancel";
     /// Queue group all launchers serve the API in, so each message is handled once.
     pub const LAUNCHER_QUEUE: &str = "slotpool-launchers";
+
+    /// Operators' orders on backing nodes and slots: `slotpool.admin.v1.<action>` with
+    /// action `hold`, `drain`, `run`, `kill` ([`crate::api::BackingOrder`]) or
+    /// `release_node` ([`crate::api::ReleaseNodeOrder`]). NATS permissions can grant
+    /// operators `slotpool.admin.v1.>`, or single actions.
+    pub fn admin(action: crate::model::OperatorAction) -> String {
+        format!("slotpool.admin.v1.{}", action.as_str())
+    }
+    /// Every admin subject, for serving them.
+    pub const ADMIN_ALL: &str = "slotpool.admin.v1.>";
 
     /// Commands from launchers to one agent ([`crate::api::AgentCommand`]).
     pub fn agent(backing: &BackingId) -> String {

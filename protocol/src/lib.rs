@@ -13,7 +13,7 @@ pub mod model;
 pub mod store;
 pub mod time;
 
-pub use ids::{BackingId, LauncherId, NodeId, RequestId};
+pub use ids::{BackingId, EventId, LauncherId, NodeId, RequestId};
 
 /// Version of the wire format. Every record and message carries it as `"v"`.
 pub const PROTOCOL_VERSION: u32 = 1;

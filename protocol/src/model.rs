@@ -1,7 +1,7 @@
 //! The records slotpool keeps in KV. Field names are the JSON names (snake_case);
 //! every record carries `"v"`, the protocol version.
 
-use crate::ids::{BackingId, LauncherId, NodeId, RequestId};
+use crate::ids::{BackingId, EventId, LauncherId, NodeId, RequestId};
 use crate::time::UnixMillis;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -220,7 +220,105 @@ pub struct BackingNode {
     pub failure: Option<String>,
     #[serde(default)]
     pub attributes: Attributes,
+    /// The last operator order given for it (who, when, why). A `kill` order makes its
+    /// launcher fail and delete it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<OperatorOrder>,
     pub updated_at: UnixMillis,
+}
+
+impl BackingNode {
+    /// Whether an operator ordered it killed.
+    pub fn kill_ordered(&self) -> bool {
+        self.order
+            .as_ref()
+            .is_some_and(|o| o.action == OperatorAction::Kill)
+    }
+}
+
+/// What an operator can order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperatorAction {
+    /// No new slots; never released automatically.
+    Hold,
+    /// No new slots; released as soon as it is empty (grace-time ignored).
+    Drain,
+    /// Back to normal.
+    Run,
+    /// Terminate now: its slots fail, and their requestors see why.
+    Kill,
+    /// Release one slot (its node record goes away).
+    ReleaseNode,
+}
+
+impl OperatorAction {
+    pub const ALL: [OperatorAction; 5] = [
+        OperatorAction::Hold,
+        OperatorAction::Drain,
+        OperatorAction::Run,
+        OperatorAction::Kill,
+        OperatorAction::ReleaseNode,
+    ];
+
+    /// The name used in subjects and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperatorAction::Hold => "hold",
+            OperatorAction::Drain => "drain",
+            OperatorAction::Run => "run",
+            OperatorAction::Kill => "kill",
+            OperatorAction::ReleaseNode => "release_node",
+        }
+    }
+
+    /// The idle behaviour a backing-node order sets, if it sets one.
+    pub fn idle(self) -> Option<IdleBehaviour> {
+        match self {
+            OperatorAction::Hold => Some(IdleBehaviour::Hold),
+            OperatorAction::Drain => Some(IdleBehaviour::Drain),
+            OperatorAction::Run => Some(IdleBehaviour::Run),
+            OperatorAction::Kill | OperatorAction::ReleaseNode => None,
+        }
+    }
+}
+
+/// An operator's order, as recorded on the backing node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OperatorOrder {
+    pub action: OperatorAction,
+    /// Who gave it (as the operator's client says; NATS permissions say who may).
+    pub actor: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub at: UnixMillis,
+}
+
+/// What an event is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// An operator's order.
+    Operator,
+    /// A backing node changed state.
+    Backing,
+}
+
+/// One entry of the event log (bucket `slotpool_events`, key = `id`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub v: u32,
+    pub id: EventId,
+    pub at: UnixMillis,
+    pub kind: EventKind,
+    /// The operator, or the launcher that made the change.
+    pub actor: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing_id: Option<BackingId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<NodeId>,
+    /// One line a human understands, e.g. "drain: rebooting the host (by alice)".
+    pub message: String,
 }
 
 /// Health figures an agent reports.

@@ -85,6 +85,10 @@ pub struct BucketSpec {
     pub per_key_ttl: bool,
     /// Largest value accepted.
     pub max_value_size: i32,
+    /// Values older than this many seconds are dropped (0: kept until deleted).
+    pub max_age_secs: u64,
+    /// Oldest values are dropped beyond this many bytes (-1: no limit).
+    pub max_bytes: i64,
 }
 
 /// One KV bucket.
@@ -115,6 +119,8 @@ impl Store {
                     max_value_size: spec.max_value_size,
                     storage: jetstream::stream::StorageType::File,
                     limit_markers: spec.per_key_ttl.then_some(Duration::from_secs(1)),
+                    max_age: Duration::from_secs(spec.max_age_secs),
+                    max_bytes: spec.max_bytes,
                     ..Default::default()
                 })
                 .await
@@ -321,7 +327,9 @@ impl Store {
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
         let mut out = Vec::new();
-        let (name, changes) = self.open_watch(">").await?;
+        let (name, changes) = self
+            .open_watch(">", consumer::DeliverPolicy::LastPerSubject)
+            .await?;
         let mut changes = Box::pin(changes);
         let result = loop {
             match changes.next().await {
@@ -362,13 +370,40 @@ impl Store {
         &self,
         filter: &str,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
-        Ok(self.open_watch(filter).await?.1)
+        Ok(self
+            .open_watch(filter, consumer::DeliverPolicy::LastPerSubject)
+            .await?
+            .1)
+    }
+
+    /// For log-like buckets whose keys are written once (events): the last `limit`
+    /// values written, then [`Change::Synced`], then every new one.
+    pub async fn watch_recent(
+        &self,
+        limit: u64,
+    ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        let mut stream = self.kv.stream.clone();
+        let last = stream
+            .info()
+            .await
+            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
+            .state
+            .last_sequence;
+        let start_sequence = last.saturating_add(1).saturating_sub(limit).max(1);
+        Ok(self
+            .open_watch(
+                ">",
+                consumer::DeliverPolicy::ByStartSequence { start_sequence },
+            )
+            .await?
+            .1)
     }
 
     /// A watch and the name of its consumer.
     async fn open_watch(
         &self,
         filter: &str,
+        deliver_policy: consumer::DeliverPolicy,
     ) -> Result<
         (
             String,
@@ -386,7 +421,7 @@ impl Store {
                 description: Some("slotpool watch".to_string()),
                 filter_subject: format!("{prefix}{filter}"),
                 replay_policy: consumer::ReplayPolicy::Instant,
-                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                deliver_policy,
                 ..Default::default()
             })
             .await
