@@ -174,7 +174,9 @@ fn load_secret(
                 error,
             })?;
             (
-                text.trim_end_matches(['\n', '\r']).to_string(),
+                // Surrounding whitespace is not part of a secret, as for static hosts'
+                // secret files on the launcher side: both hash the same bytes.
+                text.trim().to_string(),
                 path.display().to_string(),
             )
         }
