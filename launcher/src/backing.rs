@@ -108,6 +108,18 @@ impl Worker {
         }
     }
 
+    /// Sends `close` or `open` to the node's agent.
+    async fn agent_command(
+        &self,
+        b: &BackingNode,
+        cmd: AgentCommand,
+    ) -> Result<SlotsClosed, slotpool_protocol::connect::BusError> {
+        self.sh
+            .bus
+            .call(&subjects::agent(&b.id), &cmd, AGENT_COMMAND_TIMEOUT)
+            .await
+    }
+
     /// Reads the record from KV into the mirror.
     async fn refresh(&self) {
         match self.sh.bus.backing.get::<BackingNode>(&self.seat_key).await {
@@ -155,6 +167,14 @@ impl Worker {
             Step::Wait(at) => Ok(Outcome::Wait(at)),
             Step::Launch { retry_reason } => self.launch(b, retry_reason).await,
             Step::BecomeReady => {
+                // An agent that outlived an earlier release of this seat (a static host)
+                // is still closed to new slots: open it first.
+                if let Err(err) = self.agent_command(&b.value, AgentCommand::Open).await {
+                    tracing::warn!(%err, "agent did not confirm open; will retry");
+                    return Ok(Outcome::Wait(Some(
+                        now + STEP_RETRY_PAUSE.as_millis() as u64,
+                    )));
+                }
                 tracing::info!("ready");
                 let outcome = self
                     .write(b, BackingState::Ready, |n| {
@@ -336,27 +356,13 @@ impl Worker {
         let v = &b.value;
         let agent_up = self.sh.world().agents.contains_key(&v.id);
         if agent_up {
-            let subject = subjects::agent(&v.id);
-            match self
-                .sh
-                .bus
-                .call::<_, SlotsClosed>(&subject, &AgentCommand::Close, AGENT_COMMAND_TIMEOUT)
-                .await
-            {
+            match self.agent_command(v, AgentCommand::Close).await {
                 Ok(closed)
                     if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
                 Ok(closed) => {
                     tracing::info!(prepared = ?closed.prepared, "a slot was claimed meanwhile; release aborted");
                     self.note(b, "release aborted: a slot was claimed meanwhile");
-                    let _ = self
-                        .sh
-                        .bus
-                        .call::<_, SlotsClosed>(
-                            &subject,
-                            &AgentCommand::Open,
-                            AGENT_COMMAND_TIMEOUT,
-                        )
-                        .await;
+                    let _ = self.agent_command(v, AgentCommand::Open).await;
                     return self
                         .write(b, BackingState::Ready, |n| n.idle_since = None)
                         .await;

@@ -21,6 +21,6 @@ mod process;
 mod wait;
 
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
-pub use pool::{config_yaml, kill_agents, label, Pool};
+pub use pool::{config_yaml, kill_agents, label, wait_served, Pool};
 pub use process::{bin_path, workspace_root, ChildGuard};
 pub use wait::{next_within, wait_for, wait_for_some, POLL_INTERVAL};

@@ -105,18 +105,7 @@ impl Pool {
 
     /// Waits until some launcher answers the API.
     pub async fn wait_served(&self) {
-        crate::wait_for(
-            "a launcher to serve the API",
-            Duration::from_secs(30),
-            || async {
-                let probe = submission(vec![], "probe");
-                !matches!(
-                    self.client.submit(&probe).await,
-                    Err(slotpool_protocol::connect::BusError::NoResponders { .. })
-                )
-            },
-        )
-        .await;
+        wait_served(&self.client).await
     }
 
     /// Submits a request for `labels`.
@@ -189,6 +178,23 @@ impl Drop for Pool {
             }
         }
     }
+}
+
+/// Waits until some launcher answers the API (a probe submission gets any answer but
+/// "no responders").
+pub async fn wait_served(client: &Client) {
+    crate::wait_for(
+        "a launcher to serve the API",
+        Duration::from_secs(30),
+        || async {
+            let probe = submission(vec![], "probe");
+            !matches!(
+                client.submit(&probe).await,
+                Err(slotpool_protocol::connect::BusError::NoResponders { .. })
+            )
+        },
+    )
+    .await;
 }
 
 /// Kills every local agent whose pid file is under `work_dir` (checking its command line).
