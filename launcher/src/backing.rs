@@ -6,7 +6,7 @@ use crate::events;
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
-use crate::provider::LaunchSpec;
+use crate::provider::{LaunchSpec, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
@@ -280,7 +280,11 @@ impl Worker {
         };
         let Outcome::Continue = self
             .write(b, BackingState::Launching, |n| {
-                n.attempts += 1;
+                // An attempt refused for capacity is not counted against launch-retries.
+                if !n.out_of_capacity {
+                    n.attempts += 1;
+                }
+                n.out_of_capacity = false;
                 n.launched_at = Some(now_ms());
                 n.instance = None;
                 n.failure = None;
@@ -329,13 +333,26 @@ impl Worker {
                 Ok(outcome)
             }
             Ok(Err(err)) => {
-                tracing::warn!(%err, "launch failed");
-                self.note(
-                    b,
-                    format!("launch attempt {} failed: {err}", current.value.attempts),
-                );
+                let capacity = matches!(err, ProviderError::Capacity { .. });
+                if capacity {
+                    tracing::warn!(%err, backoff = ?lifecycle::CAPACITY_BACKOFF, "provider out of capacity; will ask again");
+                    self.note(
+                        b,
+                        format!(
+                            "provider out of capacity, asking again in {}s: {err}",
+                            lifecycle::CAPACITY_BACKOFF.as_secs()
+                        ),
+                    );
+                } else {
+                    tracing::warn!(%err, "launch failed");
+                    self.note(
+                        b,
+                        format!("launch attempt {} failed: {err}", current.value.attempts),
+                    );
+                }
                 self.write(&current, BackingState::Launching, |n| {
-                    n.failure = Some(err.to_string())
+                    n.failure = Some(err.to_string());
+                    n.out_of_capacity = capacity;
                 })
                 .await
             }

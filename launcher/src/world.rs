@@ -370,6 +370,7 @@ pub mod tests_support {
                 ready_at: None,
                 idle_since: None,
                 attempts: 1,
+                out_of_capacity: false,
                 failure: None,
                 attributes: Default::default(),
                 order: None,

@@ -215,9 +215,13 @@ pub struct BackingNode {
     /// When its last slot was returned (grace-time counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_since: Option<UnixMillis>,
-    /// Launch attempts made so far.
+    /// Launch attempts made so far (attempts refused for capacity do not count).
     #[serde(default)]
     pub attempts: u32,
+    /// The last launch attempt was refused because the provider is out of quota or
+    /// capacity: the launcher tries again after a back-off, without counting the attempt.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub out_of_capacity: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
     #[serde(default)]

@@ -152,11 +152,8 @@ async fn static_hosts_are_used_released_and_used_again_but_never_deleted() {
     assert!(node.backing_id.as_str().starts_with("lab-"), "{node:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_exec_provider_launches_and_deletes_real_machines() {
-    let nats = NatsServer::start().await;
-    let dir = TempDir::new().unwrap();
-    let state = dir.path().join("machines");
+/// A config whose only provider is the test exec script, keeping its machines in `state`.
+fn exec_config(state: &Path, retries: u32) -> String {
     let script = workspace_root().join("tests/fixtures/exec-provider.py");
     let agent = bin_path("slotpool-agent");
     let cmd = |op: &str| {
@@ -167,7 +164,7 @@ async fn an_exec_provider_launches_and_deletes_real_machines() {
             state.display()
         )
     };
-    let config = format!(
+    format!(
         "providers:
   - name: cloud
     driver: exec
@@ -179,14 +176,28 @@ async fn an_exec_provider_launches_and_deletes_real_machines() {
       - name: main
         max-servers: 2
         boot-timeout: 20
+        launch-retries: {retries}
         labels:
           - {{name: small, backing-label: vm, max-parallel-jobs: 2, grace-time: 1}}
 ",
         cmd("create"),
         cmd("delete"),
         cmd("list")
-    );
-    let _launcher = Launcher::start(&nats, dir.path(), &config);
+    )
+}
+
+/// Creates the test switch file `name` in the exec script's state dir.
+fn switch_on(state: &Path, name: &str) {
+    std::fs::create_dir_all(state).unwrap();
+    std::fs::write(state.join(name), "").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_provider_launches_and_deletes_real_machines() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 3));
     let client = Client::from_bus(nats.bus().await);
     wait_served(&client).await;
 
@@ -214,4 +225,51 @@ async fn an_exec_provider_launches_and_deletes_real_machines() {
         .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
         .collect();
     assert!(left.is_empty(), "machines still listed: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    switch_on(&state, "out-of-capacity");
+    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 1));
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    // Out of capacity (exit 75): the request waits, saying why, even past launch-retries.
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "t");
+    let id = client.submit(&sub).await.unwrap();
+    wait_for(
+        "the request to say the provider is out of capacity",
+        SOON,
+        || async {
+            let r = client.request(&id).await.unwrap().unwrap().value;
+            r.state == RequestState::Requested && r.status.contains("out of capacity")
+        },
+    )
+    .await;
+    // Capacity comes back: the next attempt (after the back-off) serves it.
+    std::fs::remove_file(state.join("out-of-capacity")).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(40), client.wait(&id, |_| {}))
+        .await
+        .expect("served once capacity came back")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    client.release(r.nodes).await.unwrap();
+
+    // A launch that fails for good fails the request, quoting the provider's error.
+    switch_on(&state, "broken");
+    wait_for("the idle machine released", SOON, || async {
+        client.list_backing().await.unwrap().is_empty()
+    })
+    .await;
+    let id = client.submit(&sub).await.unwrap();
+    let r = tokio::time::timeout(SOON, client.wait(&id, |_| {}))
+        .await
+        .expect("failed in time")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Failed, "{r:?}");
+    let why = r.failure.unwrap_or_default();
+    assert!(why.contains("image not found"), "{why}");
 }
