@@ -375,9 +375,9 @@ impl CgroupV1 {
         let deadline = Instant::now() + KILL_TIMEOUT;
         while fs::read_to_string(&file).unwrap_or_default().trim() != state {
             if Instant::now() >= deadline {
-                return Err(IsolationError::new("waiting for", &file)(io_other(format!(
-                    "not {state} after {KILL_TIMEOUT:?}"
-                ))));
+                return Err(IsolationError::new("waiting for", &file)(io_other(
+                    format!("not {state} after {KILL_TIMEOUT:?}"),
+                )));
             }
             std::thread::sleep(KILL_ROUND_PAUSE);
         }

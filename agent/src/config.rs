@@ -178,9 +178,13 @@ pub enum ConfigError {
     TtlNotAboveInterval { ttl_secs: u64, interval_ms: u64 },
     #[error("--isolation users needs root (it creates users and cgroups); run as root, or pass --isolation none for an unprivileged development run without isolation")]
     UsersNeedRoot,
-    #[error("invalid --user-prefix {0:?}: use 1 to 12 of a-z, 0-9, '_' and '-', starting with a letter")]
+    #[error(
+        "invalid --user-prefix {0:?}: use 1 to 12 of a-z, 0-9, '_' and '-', starting with a letter"
+    )]
     UserPrefix(String),
-    #[error("invalid --cgroup-parent {0:?}: use one directory name of A-Z, a-z, 0-9, '_', '-' and '.'")]
+    #[error(
+        "invalid --cgroup-parent {0:?}: use one directory name of A-Z, a-z, 0-9, '_', '-' and '.'"
+    )]
     CgroupParent(String),
     #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
     ProbeTiming,
@@ -375,7 +379,10 @@ mod tests {
     #[test]
     fn bad_values_are_refused() {
         let bad_id = Args::try_parse_from(["slotpool-agent", "--backing-id", "bn.1"]).unwrap();
-        let err = bad_id.into_config_as(env_secret(), true).unwrap_err().to_string();
+        let err = bad_id
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("invalid --backing-id") && err.contains("bn.1"),
             "{err}"
@@ -424,7 +431,10 @@ mod tests {
             &["--cgroup-parent", ".."][..],
             &["--health-probe-interval-ms", "5"][..],
         ] {
-            assert!(args(bad).into_config_as(env_secret(), true).is_err(), "{bad:?}");
+            assert!(
+                args(bad).into_config_as(env_secret(), true).is_err(),
+                "{bad:?}"
+            );
         }
         let c = args(&["--health-probe", "true", "--min-disk-available-mb", "2"])
             .into_config_as(env_secret(), true)

@@ -207,7 +207,11 @@ pub async fn run_probe(command: &str, timeout: std::time::Duration) -> Result<()
     }
     let text = [out.stderr, out.stdout].concat();
     let text = String::from_utf8_lossy(&text);
-    let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
     let last: String = last.chars().take(200).collect();
     Err(match (out.status.code(), last.is_empty()) {
         (Some(code), true) => format!("exit status {code}"),

@@ -290,10 +290,14 @@ mod tests {
     fn create_wipes_leftovers_and_destroy_is_idempotent() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        let ws = iso.create(0, &node("node-a"), None, &SlotLimits::default()).unwrap();
+        let ws = iso
+            .create(0, &node("node-a"), None, &SlotLimits::default())
+            .unwrap();
         fs::create_dir_all(ws.join("deep/er")).unwrap();
         fs::write(ws.join("deep/er/file"), "x").unwrap();
-        let ws = iso.create(0, &node("node-b"), None, &SlotLimits::default()).unwrap();
+        let ws = iso
+            .create(0, &node("node-b"), None, &SlotLimits::default())
+            .unwrap();
         assert!(!ws.join("deep").exists());
         assert!(!ws.join(".ssh").exists());
         iso.destroy(0).unwrap();
@@ -306,8 +310,10 @@ mod tests {
     fn recover_skips_unmarked_and_foreign_entries() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        iso.create(1, &node("node-a"), None, &SlotLimits::default()).unwrap();
-        iso.create(5, &node("node-b"), None, &SlotLimits::default()).unwrap();
+        iso.create(1, &node("node-a"), None, &SlotLimits::default())
+            .unwrap();
+        iso.create(5, &node("node-b"), None, &SlotLimits::default())
+            .unwrap();
         fs::create_dir(work.path().join("slots/2")).unwrap();
         fs::create_dir(work.path().join("slots/notaslot")).unwrap();
         fs::create_dir(work.path().join("slots/4")).unwrap();

@@ -33,7 +33,6 @@ use config::{IsolationMode, ProbeConfig};
 use health::ProbeStatus;
 use heartbeat::Heartbeat;
 use isolation::{IsolationError, SlotIsolation, WorkspaceOnly};
-use user_isolation::UserIsolation;
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::time::now_ms;
@@ -44,6 +43,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use user_isolation::UserIsolation;
 
 /// Longest wait for the command subscription to be set up.
 pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -97,7 +97,11 @@ pub async fn run(
         IsolationMode::Users => {
             let layout =
                 cgroup::detect(std::path::Path::new(PROC_ROOT)).map_err(AgentError::Isolation)?;
-            tracing::info!(?layout, parent = config.cgroup_parent, "cgroup layout detected");
+            tracing::info!(
+                ?layout,
+                parent = config.cgroup_parent,
+                "cgroup layout detected"
+            );
             let driver = cgroup::driver(&layout, &config.cgroup_parent);
             Arc::new(
                 UserIsolation::new(
@@ -160,7 +164,10 @@ async fn sweep_loop(isolation: Arc<dyn SlotIsolation>, shutdown: CancellationTok
         let iso = isolation.clone();
         match tokio::task::spawn_blocking(move || iso.sweep()).await {
             Ok(0) => {}
-            Ok(moved) => tracing::info!(moved, "placement sweep moved slot processes into their cgroups"),
+            Ok(moved) => tracing::info!(
+                moved,
+                "placement sweep moved slot processes into their cgroups"
+            ),
             Err(err) => tracing::warn!(%err, "placement sweep failed"),
         }
     }

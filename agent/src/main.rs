@@ -33,7 +33,10 @@ fn enter_slot() -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    if std::env::args_os().nth(1).is_some_and(|a| a == "enter-slot") {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == "enter-slot")
+    {
         return enter_slot();
     }
     let args = Args::parse();

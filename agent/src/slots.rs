@@ -549,9 +549,13 @@ mod tests {
         slots.prepare(1, &a, None, L).await.unwrap();
         assert!(slots.release(1, &a).await.is_err());
         assert_eq!(slots.dirty_slots(), vec![1]);
-        let err = slots.prepare(1, &node("node-b"), None, L).await.unwrap_err();
+        let err = slots
+            .prepare(1, &node("node-b"), None, L)
+            .await
+            .unwrap_err();
         assert!(
-            matches!(err, SlotError::Dirty { slot: 1, .. }) && err.to_string().contains("a process survived"),
+            matches!(err, SlotError::Dirty { slot: 1, .. })
+                && err.to_string().contains("a process survived"),
             "{err}"
         );
         slots.prepare(0, &node("node-b"), None, L).await.unwrap();

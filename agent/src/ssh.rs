@@ -60,7 +60,11 @@ mod tests {
         )
         .unwrap();
         std::fs::write(dir.path().join("ssh_host_ed25519_key"), "PRIVATE").unwrap();
-        std::fs::write(dir.path().join("ssh_host_rsa_key.pub"), "ssh-rsa AAAAB3 x\n").unwrap();
+        std::fs::write(
+            dir.path().join("ssh_host_rsa_key.pub"),
+            "ssh-rsa AAAAB3 x\n",
+        )
+        .unwrap();
         assert_eq!(
             read_host_keys(dir.path()),
             vec!["ssh-ed25519 AAAAC3Nz", "ssh-rsa AAAAB3"]

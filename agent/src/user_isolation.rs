@@ -213,7 +213,13 @@ impl SlotIsolation for UserIsolation {
                 limits: *limits,
             },
         )?;
-        self.active().insert(slot, Active { user, uid: info.uid });
+        self.active().insert(
+            slot,
+            Active {
+                user,
+                uid: info.uid,
+            },
+        );
         Ok(dir)
     }
 
@@ -254,8 +260,8 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
-        let entries =
-            fs::read_dir(&self.state_dir).map_err(IsolationError::new("listing", &self.state_dir))?;
+        let entries = fs::read_dir(&self.state_dir)
+            .map_err(IsolationError::new("listing", &self.state_dir))?;
         let mut found = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
@@ -278,7 +284,11 @@ impl SlotIsolation for UserIsolation {
                 }
             };
             let Some(info) = users::lookup(&state.user) else {
-                tracing::warn!(slot, user = state.user, "slot user is gone; treating the slot as free");
+                tracing::warn!(
+                    slot,
+                    user = state.user,
+                    "slot user is gone; treating the slot as free"
+                );
                 continue;
             };
             // Re-apply the limits (the group may be gone after a reboot).
@@ -317,11 +327,8 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn sweep(&self) -> usize {
-        let active: Vec<(u32, Active)> = self
-            .active()
-            .iter()
-            .map(|(s, a)| (*s, a.clone()))
-            .collect();
+        let active: Vec<(u32, Active)> =
+            self.active().iter().map(|(s, a)| (*s, a.clone())).collect();
         let mut moved = 0;
         for (slot, a) in active {
             let inside = self.cgroups.procs(&a.user).unwrap_or_default();

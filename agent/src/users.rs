@@ -133,11 +133,7 @@ pub fn name_of(uid: u32) -> Option<String> {
 }
 
 /// Runs a shadow-utils command, retrying while the password file is locked.
-fn run_passwd_tool(
-    tool: &str,
-    args: &[&str],
-    ok_codes: &[i32],
-) -> Result<(), IsolationError> {
+fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), IsolationError> {
     let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
     let path = PathBuf::from(tool);
     let mut attempts = 0;
@@ -158,14 +154,19 @@ fn run_passwd_tool(
             std::thread::sleep(PASSWD_LOCK_PAUSE);
             continue;
         }
-        return Err(IsolationError::new("running", &path)(std::io::Error::other(
-            format!("{} exited with {code}: {stderr}", args.join(" ")),
-        )));
+        return Err(IsolationError::new("running", &path)(
+            std::io::Error::other(format!("{} exited with {code}: {stderr}", args.join(" "))),
+        ));
     }
 }
 
 /// Creates user `name` with its own group, home `home` (not created here) and `shell`.
-pub fn add(name: &str, home: &Path, shell: &str, comment: &str) -> Result<UserInfo, IsolationError> {
+pub fn add(
+    name: &str,
+    home: &Path,
+    shell: &str,
+    comment: &str,
+) -> Result<UserInfo, IsolationError> {
     let home_arg = home.display().to_string();
     run_passwd_tool(
         "useradd",
@@ -176,6 +177,10 @@ pub fn add(name: &str, home: &Path, shell: &str, comment: &str) -> Result<UserIn
             "--shell",
             shell,
             "--user-group",
+            // No password, but not locked: sshd without PAM refuses locked ("!") accounts
+            // even for key logins.
+            "--password",
+            "*",
             "--comment",
             comment,
             name,
@@ -219,7 +224,11 @@ pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
 pub fn parse_status_uids(text: &str) -> Vec<u32> {
     text.lines()
         .find_map(|l| l.strip_prefix("Uid:"))
-        .map(|rest| rest.split_whitespace().filter_map(|u| u.parse().ok()).collect())
+        .map(|rest| {
+            rest.split_whitespace()
+                .filter_map(|u| u.parse().ok())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -242,9 +251,12 @@ pub fn processes_of(proc_root: &Path, uid: u32) -> Vec<i32> {
 /// Kills every process of `uid` and waits until none is left.
 pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationError> {
     if uid < MIN_SLOT_UID {
-        return Err(IsolationError::new("killing processes of", Path::new("uid"))(
-            std::io::Error::other(format!("refusing to kill uid {uid}: not a slot user")),
-        ));
+        return Err(IsolationError::new(
+            "killing processes of",
+            Path::new("uid"),
+        )(std::io::Error::other(format!(
+            "refusing to kill uid {uid}: not a slot user"
+        ))));
     }
     let deadline = Instant::now() + KILL_TIMEOUT;
     loop {
@@ -253,9 +265,12 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
             return Ok(());
         }
         if Instant::now() >= deadline {
-            return Err(IsolationError::new("killing processes of", Path::new(&format!("uid {uid}")))(
-                std::io::Error::other(format!("still running after {KILL_TIMEOUT:?}: {left:?}")),
-            ));
+            return Err(IsolationError::new(
+                "killing processes of",
+                Path::new(&format!("uid {uid}")),
+            )(std::io::Error::other(format!(
+                "still running after {KILL_TIMEOUT:?}: {left:?}"
+            ))));
         }
         // kill(-1) as the user reaches every process that user may signal: all of its own.
         let mut cmd = Command::new("/bin/true");

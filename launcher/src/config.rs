@@ -556,7 +556,10 @@ impl Validator<'_> {
                 Some((cpu * 1000.0).round() as u32)
             }
             Some(cpu) => {
-                return Err(self.at(raw, format!("limits.cpu must be 0.01 to 4096 CPUs, got {cpu}")))
+                return Err(self.at(
+                    raw,
+                    format!("limits.cpu must be 0.01 to 4096 CPUs, got {cpu}"),
+                ))
             }
         };
         if l.memory_mb == Some(0) {

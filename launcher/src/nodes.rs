@@ -8,10 +8,10 @@
 
 use crate::shared::Shared;
 use crate::world::SlotRef;
+use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::api::{AgentCommand, SlotPrepared};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::layout::subjects;
-use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, NodeState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -130,7 +130,12 @@ pub async fn prepare(
             let backing_id = node.value.backing_id.clone();
             tracing::warn!(%backing_id, %reason, "host key check failed: no more slots on this backing node");
             if let Some(seat_key) = seat_key {
-                fail_backing(shared, &seat_key, &format!("host key check failed: {reason}")).await;
+                fail_backing(
+                    shared,
+                    &seat_key,
+                    &format!("host key check failed: {reason}"),
+                )
+                .await;
             }
             return Err(SlotError::HostKey { backing_id, reason });
         }
@@ -164,11 +169,7 @@ fn label_settings(shared: &Shared, node: &Node) -> (SlotLimits, bool, Option<Str
         .config
         .label_in(&b.value.provider, &b.value.pool, &b.value.label)
     {
-        Some(site) => (
-            site.label.limits,
-            site.label.host_key_checking,
-            seat_key,
-        ),
+        Some(site) => (site.label.limits, site.label.host_key_checking, seat_key),
         None => (SlotLimits::default(), false, seat_key),
     }
 }
@@ -218,7 +219,11 @@ async fn check_host_keys(host: &str, port: u16, reported: &[String]) -> Result<(
         .kill_on_drop(true)
         .output();
     let out = match tokio::time::timeout(KEYSCAN_TIMEOUT, scan).await {
-        Err(_) => return Err(format!("ssh-keyscan of {host}:{port} took over {KEYSCAN_TIMEOUT:?}")),
+        Err(_) => {
+            return Err(format!(
+                "ssh-keyscan of {host}:{port} took over {KEYSCAN_TIMEOUT:?}"
+            ))
+        }
         Ok(Err(err)) => return Err(format!("running ssh-keyscan: {err}")),
         Ok(Ok(out)) => out,
     };
@@ -340,10 +345,16 @@ mod tests {
         let out = "# 127.0.0.1:2222 SSH-2.0-OpenSSH_9.2\n[127.0.0.1]:2222 ssh-ed25519 AAAAC3\n[127.0.0.1]:2222 ssh-rsa AAAAB3\n";
         let scanned = parse_keyscan(out);
         assert_eq!(scanned, vec!["ssh-ed25519 AAAAC3", "ssh-rsa AAAAB3"]);
-        let reported = vec!["ssh-rsa AAAAB3".to_string(), "ssh-ed25519 AAAAC3 root@h".to_string()];
+        let reported = vec![
+            "ssh-rsa AAAAB3".to_string(),
+            "ssh-ed25519 AAAAC3 root@h".to_string(),
+        ];
         assert_eq!(keys_match(&scanned, &reported), Ok(()));
         let err = keys_match(&scanned, &reported[..1]).unwrap_err();
-        assert!(err.contains("ssh-ed25519 key the agent did not report"), "{err}");
+        assert!(
+            err.contains("ssh-ed25519 key the agent did not report"),
+            "{err}"
+        );
         assert!(keys_match(&[], &reported).is_err());
         assert!(keys_match(&scanned, &[]).is_err());
     }
