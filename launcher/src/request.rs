@@ -246,6 +246,11 @@ impl Worker {
                 nodes::release(&self.sh, &key).await?;
                 Ok(false)
             }
+            Err(err @ SlotError::HostKey { .. }) => {
+                tracing::warn!(%err, "giving the slot back");
+                nodes::release(&self.sh, &key).await?;
+                Ok(false)
+            }
             Err(err) => Err(err),
         }
     }
