@@ -67,9 +67,9 @@ for arg in "$@"; do
     -p | --package | -p* | --package=*) scope=() ;;
     esac
 done
-step "cargo test ${scope[*]} $*"
+step "cargo test --no-fail-fast ${scope[*]} $*"
 status=0
-cargo test "${scope[@]}" "$@" || status=$?
+cargo test --no-fail-fast "${scope[@]}" "$@" || status=$?
 
 echo >&2
 echo "==> summary" >&2
