@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo build --workspace --bins
-//! cargo test -p slotpool-tests --test bench -- --ignored --nocapture
+//! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
 
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
