@@ -8,6 +8,7 @@
 #   packaging/build.sh --profile dev     debug binaries, as the tests use
 #   packaging/build.sh --no-build ...    package binaries built before, do not build
 #   packaging/build.sh --bin-dir DIR     package the binaries in DIR (implies --no-build)
+#   packaging/build.sh --fast ...        quick compression, bigger files (for tests)
 #
 # Package metadata is in [package.metadata.deb] and [package.metadata.generate-rpm] of
 # launcher/Cargo.toml (package `slotpool`) and agent/Cargo.toml (`slotpool-agent`); units,
@@ -25,6 +26,7 @@ cd "$repo"
 profile=release
 build=1
 bin_dir=
+fast=
 while [ $# -gt 0 ]; do
     case "$1" in
     --profile) profile="$2"; shift 2 ;;
@@ -32,7 +34,8 @@ while [ $# -gt 0 ]; do
     --release) profile=release; shift ;;
     --no-build) build=; shift ;;
     --bin-dir) bin_dir="$2"; build=; shift 2 ;;
-    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    --fast) fast=1; shift ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "packaging/build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -68,11 +71,18 @@ done
 
 # cargo-deb finds the binaries through cargo's target dir; generate-rpm takes it as an
 # option and resolves the other assets against the package directory it runs in.
+# By default .deb data is xz and .rpm payload zstd -19: slow on big binaries.
+deb_args=()
+rpm_args=()
+if [ -n "$fast" ]; then
+    deb_args=(--fast)
+    rpm_args=(--payload-compress gzip)
+fi
 for crate in launcher agent; do
     step "cargo deb -p slotpool-$crate"
-    CARGO_TARGET_DIR="$stage" cargo deb --quiet -p "slotpool-$crate" --no-build --no-strip --output "$out/"
+    CARGO_TARGET_DIR="$stage" cargo deb --quiet -p "slotpool-$crate" --no-build --no-strip "${deb_args[@]}" --output "$out/"
     step "cargo generate-rpm ($crate)"
-    (cd "$crate" && cargo generate-rpm --target-dir "$stage" --output "$out/")
+    (cd "$crate" && cargo generate-rpm --target-dir "$stage" "${rpm_args[@]}" --output "$out/")
 done
 
 rm -rf "$stage"
