@@ -329,10 +329,11 @@ fn check_rpms(packages: &Packages) {
             &packages.rpms[0],
             "slotpool",
             &[
-                "/usr/bin/slotpool",
-                "/usr/lib/systemd/system/slotpool.service",
-                "/etc/slotpool/pool.yaml",
-                "/etc/slotpool/launcher.env",
+                ("-rw-------", "/etc/slotpool/launcher.env"),
+                ("-rw-r--r--", "/etc/slotpool/pool.yaml"),
+                ("-rwxr-xr-x", "/usr/bin/slotpool"),
+                ("-rw-r--r--", "/usr/lib/systemd/system/slotpool.service"),
+                ("-rw-r--r--", "/usr/share/doc/slotpool/README.md"),
             ][..],
             &[
                 "useradd --system",
@@ -344,9 +345,12 @@ fn check_rpms(packages: &Packages) {
             &packages.rpms[1],
             "slotpool-agent",
             &[
-                "/usr/bin/slotpool-agent",
-                "/usr/lib/systemd/system/slotpool-agent.service",
-                "/etc/slotpool/agent.env",
+                ("-rw-r--r--", "/etc/slotpool/agent.env"),
+                ("-rwxr-xr-x", "/usr/bin/slotpool-agent"),
+                (
+                    "-rw-r--r--",
+                    "/usr/lib/systemd/system/slotpool-agent.service",
+                ),
             ][..],
             &[
                 "try-restart slotpool-agent.service",
@@ -364,25 +368,34 @@ fn check_rpms(packages: &Packages) {
         ] {
             assert!(info.contains(&field), "{rpm}: no `{field}` in\n{info}");
         }
+
+        // Exactly these files, root's, with these modes.
         let listing = rpm_query(&["-qlvp", rpm]);
-        for file in files {
-            assert!(
-                listing.lines().any(|l| l.ends_with(&format!(" {file}"))),
-                "{rpm} lacks {file}:\n{listing}"
-            );
-        }
-        assert_eq!(
-            rpm_query(&["-qlp", rpm]).lines().count(),
-            files.len() + usize::from(name == "slotpool"),
-            "{rpm}: unexpected files:\n{listing}"
-        );
-        let configs = rpm_query(&["-qcp", rpm]);
-        for file in files.iter().filter(|f| f.starts_with("/etc/")) {
-            assert!(
-                configs.contains(file),
-                "{file} not a config file of {rpm}:\n{configs}"
-            );
-        }
+        let got: Vec<(String, String)> = listing
+            .lines()
+            .map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                assert_eq!((f[2], f[3]), ("root", "root"), "{rpm}: owner of {line}");
+                (f[0].to_string(), f[f.len() - 1].to_string())
+            })
+            .collect();
+        let want: Vec<(String, String)> = files
+            .iter()
+            .map(|(mode, path)| (mode.to_string(), path.to_string()))
+            .collect();
+        assert_eq!(got, want, "{rpm}: files\n{listing}");
+
+        let configs: Vec<String> = rpm_query(&["-qcp", rpm])
+            .lines()
+            .map(str::to_string)
+            .collect();
+        let want_configs: Vec<&str> = files
+            .iter()
+            .map(|(_, path)| *path)
+            .filter(|p| p.starts_with("/etc/"))
+            .collect();
+        assert_eq!(configs, want_configs, "{rpm}: config files");
+
         let script_text = rpm_query(&["-qp", "--scripts", rpm]);
         for needle in scripts {
             assert!(
