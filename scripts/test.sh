@@ -9,7 +9,8 @@
 # Needs: a Rust toolchain, and python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
-# (Debian's openssh-server, installed here when missing) on a loopback port.
+# (Debian's openssh-server, installed here when missing) on a loopback port, and the
+# packaging test installs and purges slotpool's .debs.
 #
 # Runner: plain `cargo test`, not cargo-nextest. nextest would isolate each test in its
 # own process, but it is not part of a Rust toolchain: a fresh machine would have to
@@ -49,6 +50,14 @@ if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan >/dev/null; then
     fi
 fi
 step "using $(/usr/sbin/sshd -V 2>&1 | head -n1)"
+
+# The packaging test builds .deb and .rpm packages and checks them (packaging/README.md):
+# cargo-deb and cargo-generate-rpm under .tools/cargo, and Debian's rpm.
+step "packaging tools"
+if ! packaging/tools.sh >/dev/null; then
+    echo "==> summary: FAILED to provision the packaging tools (see the errors above)" >&2
+    exit 1
+fi
 
 # End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which
 # `cargo test` does not build for other packages.
