@@ -1,7 +1,9 @@
-//! The launcher's request-reply API: submit, release, cancel. Every launcher serves it in
+//! The launcher's request-reply API: submit, release, cancel, and operators' orders
+//! (see [`crate::admin`]). Every launcher serves it in
 //! one queue group, so each message is handled once. Bad input is answered with a
 //! specific error; nothing about it disturbs other requests.
 
+use crate::admin;
 use crate::nodes;
 use crate::request;
 use crate::shared::Shared;
@@ -13,7 +15,7 @@ use slotpool_protocol::api::{
 };
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
-use slotpool_protocol::model::{NodeRequest, RequestState};
+use slotpool_protocol::model::{NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{RequestId, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
@@ -27,19 +29,23 @@ const MAX_SSH_KEY_LEN: usize = 16 * 1024;
 /// Serves the API until shutdown.
 pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
     let bus = &shared.bus;
-    let submit = bus
-        .serve(subjects::SUBMIT, Some(subjects::LAUNCHER_QUEUE))
-        .await?
-        .map(|m| (Op::Submit, m));
-    let release = bus
-        .serve(subjects::RELEASE, Some(subjects::LAUNCHER_QUEUE))
-        .await?
-        .map(|m| (Op::Release, m));
-    let cancel = bus
-        .serve(subjects::CANCEL, Some(subjects::LAUNCHER_QUEUE))
-        .await?
-        .map(|m| (Op::Cancel, m));
-    let mut all = futures::stream::select_all([submit.boxed(), release.boxed(), cancel.boxed()]);
+    let mut served = vec![
+        (subjects::SUBMIT.to_string(), Op::Submit),
+        (subjects::RELEASE.to_string(), Op::Release),
+        (subjects::CANCEL.to_string(), Op::Cancel),
+    ];
+    for action in OperatorAction::ALL {
+        served.push((subjects::admin(action), Op::Admin(action)));
+    }
+    let mut streams = Vec::with_capacity(served.len());
+    for (subject, op) in served {
+        let messages = bus
+            .serve(&subject, Some(subjects::LAUNCHER_QUEUE))
+            .await?
+            .map(move |m| (op, m));
+        streams.push(messages.boxed());
+    }
+    let mut all = futures::stream::select_all(streams);
     loop {
         let (op, msg) = tokio::select! {
             _ = shared.shutdown.cancelled() => return Ok(()),
@@ -58,6 +64,7 @@ enum Op {
     Submit,
     Release,
     Cancel,
+    Admin(OperatorAction),
 }
 
 async fn handle(sh: Arc<Shared>, op: Op, msg: Incoming) {
@@ -69,6 +76,17 @@ async fn handle(sh: Arc<Shared>, op: Op, msg: Incoming) {
         Op::Submit => respond(&sh, &reply_to, submit(&sh, &msg).await).await,
         Op::Release => respond(&sh, &reply_to, release(&sh, &msg).await).await,
         Op::Cancel => respond(&sh, &reply_to, cancel(&sh, &msg).await).await,
+        Op::Admin(OperatorAction::ReleaseNode) => {
+            respond(&sh, &reply_to, admin::release_node(&sh, &msg).await).await
+        }
+        Op::Admin(action) => {
+            respond(
+                &sh,
+                &reply_to,
+                admin::order_backing(&sh, action, &msg).await,
+            )
+            .await
+        }
     };
     if let Err(err) = sent {
         tracing::warn!(%err, "cannot send the reply");
@@ -86,16 +104,16 @@ async fn respond<T: serde::Serialize>(
     sh.bus.respond(reply_to, &Reply::from(result)).await
 }
 
-fn bad(message: impl Into<String>) -> ApiError {
+pub(crate) fn bad(message: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::BadRequest, message)
 }
 
-fn internal(err: impl std::fmt::Display) -> ApiError {
+pub(crate) fn internal(err: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, err.to_string())
 }
 
 /// Decodes a message, refusing oversized ones and other protocol versions.
-fn decode<T: DeserializeOwned>(
+pub(crate) fn decode<T: DeserializeOwned>(
     msg: &Incoming,
     what: &str,
     version: impl Fn(&T) -> u32,

@@ -2,6 +2,7 @@
 //! carries out the steps of [`crate::lifecycle::next`]: launch, wait for the agent, hand
 //! the node to the allocator, retire, release, or fail — each a revision-checked write.
 
+use crate::events;
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
@@ -84,7 +85,12 @@ impl Worker {
             tracing::trace!(?step, state = ?b.value.state, "step");
             let outcome = match self.carry_out(&b, step).await {
                 Ok(o) => o,
-                Err(KvError::Conflict { .. }) => Outcome::Continue,
+                Err(KvError::Conflict { .. }) => {
+                    // Someone else wrote it (an operator's order, say): read it afresh
+                    // rather than wait for the watch to bring it.
+                    self.refresh().await;
+                    Outcome::Continue
+                }
                 Err(err) => {
                     tracing::warn!(%err, "step failed; retrying");
                     Outcome::Wait(Some(now_ms() + STEP_RETRY_PAUSE.as_millis() as u64))
@@ -99,6 +105,15 @@ impl Worker {
                     wait_for_change(std::slice::from_mut(&mut rx), deadline, &lease.lost).await;
                 }
             }
+        }
+    }
+
+    /// Reads the record from KV into the mirror.
+    async fn refresh(&self) {
+        match self.sh.bus.backing.get::<BackingNode>(&self.seat_key).await {
+            Ok(Some(b)) => self.sh.world().put_backing(b),
+            Ok(None) => self.sh.world().remove_backing(&self.seat_key, u64::MAX),
+            Err(err) => tracing::debug!(%err, "cannot re-read the record"),
         }
     }
 
@@ -141,20 +156,27 @@ impl Worker {
             Step::Launch { retry_reason } => self.launch(b, retry_reason).await,
             Step::BecomeReady => {
                 tracing::info!("ready");
-                self.write(b, BackingState::Ready, |n| {
-                    n.ready_at = Some(now);
-                    n.idle_since = Some(now);
-                })
-                .await
+                let outcome = self
+                    .write(b, BackingState::Ready, |n| {
+                        n.ready_at = Some(now);
+                        n.idle_since = Some(now);
+                    })
+                    .await?;
+                self.note(b, "ready: its agent reports in");
+                Ok(outcome)
             }
             Step::SetIdleSince(at) => self.write(b, b.value.state, |n| n.idle_since = at).await,
             Step::Retire(reason) => {
                 tracing::info!(%reason, "retiring: no new slots");
-                self.write(b, BackingState::Retiring, |_| {}).await
+                let outcome = self.write(b, BackingState::Retiring, |_| {}).await?;
+                self.note(b, format!("retiring (no new slots): {reason}"));
+                Ok(outcome)
             }
             Step::Release(reason) => {
                 tracing::info!(%reason, "releasing");
-                self.write(b, BackingState::Releasing, |_| {}).await
+                let outcome = self.write(b, BackingState::Releasing, |_| {}).await?;
+                self.note(b, format!("releasing: {reason}"));
+                Ok(outcome)
             }
             Step::FinishRelease => self.finish_release(b).await,
             Step::Fail(reason) => self.fail(b, reason).await,
@@ -167,14 +189,22 @@ impl Worker {
                         )));
                     }
                 }
-                self.write(b, BackingState::Failed, |n| n.instance = None)
-                    .await
+                let outcome = self
+                    .write(b, BackingState::Failed, |n| n.instance = None)
+                    .await?;
+                self.note(b, "failed node's instance deleted");
+                Ok(outcome)
             }
             Step::Forget => {
                 self.sh.bus.backing.delete(&b.key, b.revision).await?;
                 Ok(Outcome::Gone)
             }
         }
+    }
+
+    /// Records a state change in the event log.
+    fn note(&self, b: &Versioned<BackingNode>, message: impl Into<String>) {
+        events::backing_changed(&self.sh, &b.value.id, message);
     }
 
     /// Writes a new state (checked against the state machine) and applies it locally.
@@ -265,14 +295,25 @@ impl Worker {
         match result {
             Ok(Ok(launched)) => {
                 tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
-                self.write(&current, BackingState::Launching, |n| {
-                    n.instance = Some(launched.instance);
-                    n.attributes = launched.attributes;
-                })
-                .await
+                let message = format!(
+                    "launched on {} (attempt {}); waiting for its agent",
+                    launched.instance.host, current.value.attempts
+                );
+                let outcome = self
+                    .write(&current, BackingState::Launching, |n| {
+                        n.instance = Some(launched.instance);
+                        n.attributes = launched.attributes;
+                    })
+                    .await?;
+                self.note(b, message);
+                Ok(outcome)
             }
             Ok(Err(err)) => {
                 tracing::warn!(%err, "launch failed");
+                self.note(
+                    b,
+                    format!("launch attempt {} failed: {err}", current.value.attempts),
+                );
                 self.write(&current, BackingState::Launching, |n| {
                     n.failure = Some(err.to_string())
                 })
@@ -306,6 +347,7 @@ impl Worker {
                     if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
                 Ok(closed) => {
                     tracing::info!(prepared = ?closed.prepared, "a slot was claimed meanwhile; release aborted");
+                    self.note(b, "release aborted: a slot was claimed meanwhile");
                     let _ = self
                         .sh
                         .bus
@@ -332,6 +374,7 @@ impl Worker {
         }
         self.sh.bus.backing.delete(&b.key, b.revision).await?;
         tracing::info!("released");
+        self.note(b, "released: instance deleted, seat free");
         Ok(Outcome::Gone)
     }
 
@@ -342,6 +385,7 @@ impl Worker {
                 n.failure = Some(reason.clone())
             })
             .await?;
+        self.note(b, format!("failed: {reason}"));
         let on_it: Vec<_> = self
             .sh
             .world()

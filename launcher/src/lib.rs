@@ -5,10 +5,12 @@
 //! ([`world::World`]) and the set of work items it holds leases on. `run` is the whole
 //! daemon; `main.rs` only parses arguments.
 
+pub mod admin;
 pub mod api;
 pub mod backing;
 pub mod cli;
 pub mod config;
+pub mod events;
 pub mod lease;
 pub mod lifecycle;
 pub mod nodes;

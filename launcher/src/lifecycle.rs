@@ -102,6 +102,11 @@ pub fn release_at(b: &BackingNode, obs: &Observed, rules: &Rules) -> UnixMillis 
 
 pub fn next(b: &BackingNode, obs: &Observed) -> Step {
     use BackingState::*;
+    if let Some(why) = kill_reason(b) {
+        if matches!(b.state, Requested | Launching | Ready | Retiring) {
+            return Step::Fail(why);
+        }
+    }
     match b.state {
         Requested => Step::Launch { retry_reason: None },
         Launching => launching(b, obs),
@@ -124,6 +129,15 @@ pub fn next(b: &BackingNode, obs: &Observed) -> Step {
             }
         }
     }
+}
+
+/// Why the node must die now, if an operator ordered it killed.
+fn kill_reason(b: &BackingNode) -> Option<String> {
+    let order = b.order.as_ref().filter(|_| b.kill_ordered())?;
+    Some(match &order.reason {
+        Some(reason) => format!("killed by {}: {reason}", order.actor),
+        None => format!("killed by {}", order.actor),
+    })
 }
 
 fn launching(b: &BackingNode, obs: &Observed) -> Step {
@@ -271,6 +285,38 @@ mod tests {
             rules: Some(rules()),
             now,
         }
+    }
+
+    #[test]
+    fn a_kill_order_fails_the_node_in_any_live_state() {
+        use slotpool_protocol::model::{OperatorAction, OperatorOrder};
+        let order = OperatorOrder {
+            action: OperatorAction::Kill,
+            actor: "alice".into(),
+            reason: Some("disk broken".into()),
+            at: 1,
+        };
+        for state in [
+            BackingState::Requested,
+            BackingState::Launching,
+            BackingState::Ready,
+            BackingState::Retiring,
+        ] {
+            let mut b = node(state);
+            b.order = Some(order.clone());
+            assert_eq!(
+                next(&b, &obs(10_000, 1)),
+                Step::Fail("killed by alice: disk broken".into()),
+                "{state:?}"
+            );
+        }
+        let mut releasing = node(BackingState::Releasing);
+        releasing.order = Some(order);
+        assert_eq!(
+            next(&releasing, &obs(10_000, 0)),
+            Step::FinishRelease,
+            "a node already being released just finishes"
+        );
     }
 
     #[test]

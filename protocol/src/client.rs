@@ -198,4 +198,19 @@ pub fn submission(labels: Vec<String>, requestor: impl Into<String>) -> SubmitRe
     }
 }
 
+/// Who the local user is, for recording operators' orders: `user@host`.
+pub fn default_actor() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    if host.is_empty() {
+        user
+    } else {
+        format!("{user}@{host}")
+    }
+}
+
 pub use api::Reply;

@@ -50,7 +50,7 @@ pub enum BusError {
     NoJetStream,
     #[error(transparent)]
     Kv(#[from] KvError),
-    #[error("no launcher answers on {subject}: is `slotpool serve` running?")]
+    #[error("{}", no_responders_message(.subject))]
     NoResponders { subject: String },
     #[error("no answer on {subject} within {timeout:?}")]
     Timeout { subject: String, timeout: Duration },
@@ -63,6 +63,15 @@ pub enum BusError {
     },
     #[error(transparent)]
     Api(#[from] ApiError),
+}
+
+fn no_responders_message(subject: &str) -> String {
+    match subject.strip_prefix("slotpool.agent.v1.") {
+        Some(backing) => format!(
+            "no agent answers on {subject}: the agent of backing node {backing} is not running or not connected"
+        ),
+        None => format!("no launcher answers on {subject}: is `slotpool serve` running?"),
+    }
 }
 
 /// A connection to NATS with slotpool's buckets open.
@@ -351,5 +360,20 @@ mod tests {
         assert!(check_server_version("v3.0.0").is_ok());
         let err = check_server_version("2.9.10").unwrap_err().to_string();
         assert!(err.contains("2.9.10") && err.contains("2.11.0"), "{err}");
+    }
+
+    #[test]
+    fn no_responders_names_who_is_missing() {
+        let agent = BusError::NoResponders {
+            subject: "slotpool.agent.v1.bn-1".into(),
+        };
+        assert!(
+            agent.to_string().contains("agent of backing node bn-1"),
+            "{agent}"
+        );
+        let api = BusError::NoResponders {
+            subject: "slotpool.api.v1.submit".into(),
+        };
+        assert!(api.to_string().contains("slotpool serve"), "{api}");
     }
 }

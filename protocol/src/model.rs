@@ -112,6 +112,7 @@ pub struct Node {
 /// requested → launching → ready → retiring → releasing → gone
 ///      ↘          ↘          ↘         ↘           ↘
 ///                         failed  (→ releasing, to clean up the instance)
+/// releasing → ready when a slot was claimed before the agent closed (release aborted)
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -145,6 +146,7 @@ impl BackingState {
                 | (Ready, Releasing)
                 | (Retiring, Releasing)
                 | (Releasing, Gone)
+                | (Releasing, Ready) // a slot was claimed before the agent closed: abort
                 | (Requested | Launching | Ready | Retiring | Releasing, Failed)
                 | (Failed, Releasing)
                 | (Failed, Gone)

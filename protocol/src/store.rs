@@ -262,8 +262,9 @@ impl Store {
                 bucket: self.bucket.to_string(),
                 key: key.to_string(),
             },
-            // During a leader change a conflict can surface as a generic API error 10071.
-            _ if err.to_string().contains("10071") => self.conflict(key),
+            // The same conflict can surface as a generic API error: 10071 (wrong last
+            // sequence) or, during a leader change, 10164.
+            _ if is_conflict_code(&err.to_string()) => self.conflict(key),
             _ => transport(self.bucket, key, err),
         }
     }
@@ -474,6 +475,11 @@ impl Store {
         });
         Ok((name, head.chain(tail)))
     }
+}
+
+/// Whether an error text carries a JetStream error code meaning "the revision moved".
+fn is_conflict_code(text: &str) -> bool {
+    ["10071", "10164"].iter().any(|code| text.contains(code))
 }
 
 fn is_removal(headers: Option<&HeaderMap>) -> bool {

@@ -44,6 +44,7 @@ pub enum ListWhat {
     Nodes,
     Backing,
     Requests,
+    Events,
 }
 
 async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
@@ -160,6 +161,8 @@ fn print_nodes(output: Output, nodes: &[Node]) {
 pub async fn release(
     nats: &NatsArgs,
     nodes: Vec<String>,
+    reason: Option<String>,
+    actor: Option<String>,
     output: Output,
 ) -> anyhow::Result<ExitCode> {
     let ids = nodes
@@ -167,7 +170,12 @@ pub async fn release(
         .map(|n| NodeId::parse(n))
         .collect::<Result<Vec<_>, _>>()?;
     let client = connect(nats).await?;
-    let released = client.release(ids).await?;
+    let released = match reason {
+        Some(reason) => {
+            super::operator_cmds::release_with_reason(&client, ids, reason, actor).await?
+        }
+        None => client.release(ids).await?,
+    };
     match output {
         Output::Json => println!("{}", serde_json::to_string_pretty(&released)?),
         Output::Table => {
@@ -238,6 +246,21 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
                 ],
                 rows,
             );
+        }
+        ListWhat::Events => {
+            let events = client.list_events().await?;
+            let rows = events
+                .iter()
+                .map(|e| {
+                    vec![
+                        age(e.at),
+                        state(&e.kind),
+                        e.actor.clone(),
+                        e.message.clone(),
+                    ]
+                })
+                .collect();
+            print(output, &events, &["AGE", "KIND", "ACTOR", "EVENT"], rows);
         }
         ListWhat::Requests => {
             let mut requests: Vec<NodeRequest> = client.list_requests().await?;

@@ -3,11 +3,13 @@
 
 mod client_cmds;
 pub mod demo;
+mod operator_cmds;
 mod output;
 mod serve;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use slotpool_protocol::connect::NatsOptions;
+use slotpool_protocol::model::OperatorAction;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -102,20 +104,35 @@ pub enum Command {
     },
     /// Ask for nodes.
     Request(client_cmds::RequestArgs),
-    /// Return nodes to the pool.
+    /// Return nodes to the pool. With --reason, as an operator: the release is recorded
+    /// in the event log with who and why.
     Release {
         #[arg(required = true)]
         nodes: Vec<String>,
+        /// Why (makes this an operator's release, recorded in the event log).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Who releases (with --reason; default: user@host).
+        #[arg(long, env = "SLOTPOOL_ACTOR")]
+        actor: Option<String>,
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
+    /// Operator: no new slots on a backing node, and never release it automatically.
+    Hold(operator_cmds::OrderArgs),
+    /// Operator: no new slots; release the backing node as soon as it is empty.
+    Drain(operator_cmds::OrderArgs),
+    /// Operator: undo hold or drain.
+    Run(operator_cmds::OrderArgs),
+    /// Operator: terminate a backing node now; its nodes fail with the reason.
+    Kill(operator_cmds::OrderArgs),
     /// Cancel a waiting request.
     Cancel {
         request: String,
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
-    /// List nodes, backing nodes or requests.
+    /// List nodes, backing nodes, requests or recent events.
     List {
         #[arg(value_enum)]
         what: client_cmds::ListWhat,
@@ -151,7 +168,16 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, agent_nats } => serve::serve(&cli.nats, &config, agent_nats).await,
         Command::Request(args) => client_cmds::request(&cli.nats, args).await,
-        Command::Release { nodes, output } => client_cmds::release(&cli.nats, nodes, output).await,
+        Command::Release {
+            nodes,
+            reason,
+            actor,
+            output,
+        } => client_cmds::release(&cli.nats, nodes, reason, actor, output).await,
+        Command::Hold(args) => operator_cmds::order(&cli.nats, OperatorAction::Hold, args).await,
+        Command::Drain(args) => operator_cmds::order(&cli.nats, OperatorAction::Drain, args).await,
+        Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
+        Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }

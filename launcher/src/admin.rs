@@ -1,0 +1,219 @@
+//! Operators' orders, served on `slotpool.admin.v1.<action>`: hold, drain, run and kill a
+//! backing node, and release one node. An order is a revision-checked write of the backing
+//! node's record (its `idle` behaviour and `order`); the launcher that drives the node
+//! (whichever holds its lease) carries it out through the state machine, so orders survive
+//! a launcher restart. Every order is recorded in the event log with who, when and why.
+
+use crate::api::{bad, decode, internal};
+use crate::events::{self, Subject};
+use crate::nodes;
+use crate::shared::{label_topic, seat_topic, Shared};
+use slotpool_protocol::api::{
+    ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
+};
+use slotpool_protocol::connect::Incoming;
+use slotpool_protocol::layout;
+use slotpool_protocol::model::{
+    BackingNode, BackingState, IdleBehaviour, Node, OperatorAction, OperatorOrder,
+};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::BackingId;
+use std::sync::Arc;
+
+const MAX_ACTOR_LEN: usize = 256;
+const MAX_REASON_LEN: usize = 1024;
+
+fn check_who_and_why(actor: &str, reason: Option<&String>) -> Result<(), ApiError> {
+    if actor.trim().is_empty() || actor.len() > MAX_ACTOR_LEN {
+        return Err(bad(format!(
+            "actor must be 1 to {MAX_ACTOR_LEN} characters (who gives the order)"
+        )));
+    }
+    if reason.is_some_and(|r| r.len() > MAX_REASON_LEN || r.contains('\n')) {
+        return Err(bad(format!(
+            "reason must be one line of at most {MAX_REASON_LEN} characters"
+        )));
+    }
+    Ok(())
+}
+
+fn describe(order: &OperatorOrder) -> String {
+    let mut s = format!("{} by {}", order.action.as_str(), order.actor);
+    if let Some(r) = &order.reason {
+        s.push_str(": ");
+        s.push_str(r);
+    }
+    s
+}
+
+/// Serves `hold`, `drain`, `run` and `kill`.
+pub async fn order_backing(
+    sh: &Arc<Shared>,
+    action: OperatorAction,
+    msg: &Incoming,
+) -> Result<OrderTaken, ApiError> {
+    let o: BackingOrder = decode(msg, "backing order", |o: &BackingOrder| o.v)?;
+    check_who_and_why(&o.actor, o.reason.as_ref())?;
+    let order = OperatorOrder {
+        action,
+        actor: o.actor.clone(),
+        reason: o.reason.clone(),
+        at: now_ms(),
+    };
+    let seat = seat_of(sh, &o.backing_id).await?;
+    loop {
+        let current = match sh.bus.backing.get::<BackingNode>(&seat).await {
+            Ok(Some(b)) if b.value.id == o.backing_id => b,
+            Ok(_) => return Err(not_found(&o.backing_id)),
+            Err(err) => return Err(internal(err)),
+        };
+        let b = &current.value;
+        if matches!(b.state, BackingState::Releasing | BackingState::Failed) {
+            let already = match b.state {
+                BackingState::Failed => "failed",
+                _ => "being released",
+            };
+            if action == OperatorAction::Kill {
+                return Ok(taken(b, format!("{} is already {already}", b.id)));
+            }
+            return Err(ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "{} is already {already}; hold, drain and run apply to backing nodes that are requested, launching, ready or retiring",
+                    b.id
+                ),
+            ));
+        }
+        let mut next = b.clone();
+        if let Some(idle) = action.idle() {
+            next.idle = idle;
+        }
+        next.order = Some(order.clone());
+        next.updated_at = now_ms();
+        match sh
+            .bus
+            .backing
+            .update(&seat, &next, current.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                let used = sh.world().used_count(&next.id);
+                let message = outcome_message(&next, used);
+                tracing::info!(backing_id = %next.id, order = %describe(&order), "operator order taken");
+                events::operator(
+                    sh,
+                    &order.actor,
+                    Subject::backing(&next.id),
+                    format!("{} on {}: {message}", describe(&order), next.id),
+                );
+                let label = next.label.clone();
+                sh.world().put_backing(Versioned {
+                    key: seat.clone(),
+                    revision,
+                    value: next.clone(),
+                });
+                sh.signals.bump(&seat_topic(&seat));
+                sh.signals.bump(&label_topic(&label));
+                return Ok(taken(&next, message));
+            }
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(internal(err)),
+        }
+    }
+}
+
+/// What happens next, in words.
+fn outcome_message(b: &BackingNode, used: u32) -> String {
+    let in_use = format!("{used} of {} slots in use", b.slots);
+    if b.kill_ordered() {
+        return format!("killed: it is deleted now and its {used} nodes fail");
+    }
+    match b.idle {
+        IdleBehaviour::Hold => {
+            format!("held: takes no new slots and is never released automatically ({in_use})")
+        }
+        IdleBehaviour::Drain if used == 0 => "draining: empty, released now".into(),
+        IdleBehaviour::Drain => {
+            format!(
+                "draining: takes no new slots; released once its {used} slots in use are returned"
+            )
+        }
+        IdleBehaviour::Run => {
+            format!(
+                "running: takes slots again and is released after grace-time when idle ({in_use})"
+            )
+        }
+    }
+}
+
+fn taken(b: &BackingNode, message: String) -> OrderTaken {
+    OrderTaken {
+        backing_id: b.id.clone(),
+        state: b.state,
+        idle: b.idle,
+        message,
+    }
+}
+
+fn not_found(id: &BackingId) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("no backing node {id} (see `slotpool list backing`)"),
+    )
+}
+
+/// The seat key of a backing node: from the mirror, or by a scan of the bucket when the
+/// mirror has not seen it yet.
+async fn seat_of(sh: &Shared, id: &BackingId) -> Result<String, ApiError> {
+    if let Some(seat) = sh.world().seat_of.get(id).cloned() {
+        return Ok(seat);
+    }
+    let all = sh
+        .bus
+        .backing
+        .list::<BackingNode>()
+        .await
+        .map_err(internal)?;
+    all.into_iter()
+        .flatten()
+        .find(|b| &b.value.id == id)
+        .map(|b| b.key)
+        .ok_or_else(|| not_found(id))
+}
+
+/// Serves `release_node`: frees one slot whoever holds it.
+pub async fn release_node(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
+    let o: ReleaseNodeOrder = decode(msg, "release-node order", |o: &ReleaseNodeOrder| o.v)?;
+    check_who_and_why(&o.actor, o.reason.as_ref())?;
+    let mut out = Released::default();
+    let Some((backing, slot)) = o.node_id.slot() else {
+        out.not_found.push(o.node_id);
+        return Ok(out);
+    };
+    let key = layout::slot_key(&backing, slot);
+    let holder = sh.bus.slots.get::<Node>(&key).await.map_err(internal)?;
+    if holder.is_none_or(|n| n.value.id != o.node_id) {
+        out.not_found.push(o.node_id);
+        return Ok(out);
+    }
+    let order = OperatorOrder {
+        action: OperatorAction::ReleaseNode,
+        actor: o.actor.clone(),
+        reason: o.reason.clone(),
+        at: now_ms(),
+    };
+    if nodes::release(sh, &key).await.map_err(internal)? {
+        tracing::info!(node_id = %o.node_id, order = %describe(&order), "node released by an operator");
+        events::operator(
+            sh,
+            &o.actor,
+            Subject::node(&o.node_id),
+            format!("{} on {}", describe(&order), o.node_id),
+        );
+        out.released.push(o.node_id);
+    } else {
+        out.not_found.push(o.node_id);
+    }
+    Ok(out)
+}

@@ -1,0 +1,95 @@
+//! Operator subcommands: hold, drain, run and kill a backing node; release a node with a
+//! reason. Each goes to the launchers' admin API and is recorded in the event log.
+
+use super::output::state;
+use super::{NatsArgs, Output};
+use anyhow::{bail, Context};
+use clap::Args;
+use slotpool_protocol::client::{default_actor, Client};
+use slotpool_protocol::model::OperatorAction;
+use slotpool_protocol::{BackingId, NodeId};
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+
+#[derive(Debug, Args)]
+pub struct OrderArgs {
+    /// The backing node (`bn-...`, see `slotpool list backing`).
+    pub backing: String,
+    /// Why (recorded with the order and shown to operators and requestors).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Who gives the order (default: user@host).
+    #[arg(long, env = "SLOTPOOL_ACTOR")]
+    pub actor: Option<String>,
+    /// Do not ask for confirmation (kill only).
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
+    Client::connect(&nats.options("slotpool-operator"))
+        .await
+        .with_context(|| format!("connecting to NATS at {}", nats.url))
+}
+
+/// Asks on the terminal; refuses without a terminal (pass `--yes` in scripts).
+fn confirm(question: &str) -> anyhow::Result<bool> {
+    if !std::io::stdin().is_terminal() {
+        bail!("{question}: not confirmed (no terminal to ask on); pass --yes");
+    }
+    eprint!("{question} [y/N] ");
+    std::io::stderr().flush().ok();
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
+}
+
+pub async fn order(
+    nats: &NatsArgs,
+    action: OperatorAction,
+    args: OrderArgs,
+) -> anyhow::Result<ExitCode> {
+    let id = BackingId::parse(&args.backing)?;
+    if action == OperatorAction::Kill
+        && !args.yes
+        && !confirm(&format!("kill {id}? Its nodes fail and it is deleted now"))?
+    {
+        eprintln!("not killed");
+        return Ok(ExitCode::from(1));
+    }
+    let client = connect(nats).await?;
+    let actor = args.actor.unwrap_or_else(default_actor);
+    let taken = client.order(action, id, actor, args.reason).await?;
+    match args.output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&taken)?),
+        Output::Table => println!(
+            "{} ({}, {}): {}",
+            taken.backing_id,
+            state(&taken.state),
+            state(&taken.idle),
+            taken.message
+        ),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Releases nodes as an operator (with a reason, recorded in the event log).
+pub async fn release_with_reason(
+    client: &Client,
+    ids: Vec<NodeId>,
+    reason: String,
+    actor: Option<String>,
+) -> anyhow::Result<slotpool_protocol::api::Released> {
+    let actor = actor.unwrap_or_else(default_actor);
+    let mut all = slotpool_protocol::api::Released::default();
+    for id in ids {
+        let r = client
+            .release_node(id, actor.clone(), Some(reason.clone()))
+            .await?;
+        all.released.extend(r.released);
+        all.not_found.extend(r.not_found);
+    }
+    Ok(all)
+}

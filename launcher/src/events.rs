@@ -1,0 +1,75 @@
+//! The event log: one record per backing-node state change and operator order, in the
+//! `slotpool_events` bucket, for the console's Events view and `slotpool list events`.
+//!
+//! Recording never holds up the work it describes: the write runs as its own task, and a
+//! failed write is logged, not retried (the change itself is in KV regardless).
+
+use crate::shared::Shared;
+use slotpool_protocol::model::{Event, EventKind};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::{BackingId, EventId, NodeId, PROTOCOL_VERSION};
+
+/// What an event is about, besides its message.
+#[derive(Clone, Debug, Default)]
+pub struct Subject {
+    pub backing_id: Option<BackingId>,
+    pub node_id: Option<NodeId>,
+}
+
+impl Subject {
+    pub fn backing(id: &BackingId) -> Subject {
+        Subject {
+            backing_id: Some(id.clone()),
+            node_id: None,
+        }
+    }
+
+    pub fn node(id: &NodeId) -> Subject {
+        Subject {
+            backing_id: id.slot().map(|(b, _)| b),
+            node_id: Some(id.clone()),
+        }
+    }
+}
+
+/// Records a state change made by this launcher.
+pub fn backing_changed(sh: &Shared, id: &BackingId, message: impl Into<String>) {
+    let actor = sh.id.to_string();
+    record(
+        sh,
+        EventKind::Backing,
+        actor,
+        Subject::backing(id),
+        message.into(),
+    );
+}
+
+/// Records an operator's order.
+pub fn operator(sh: &Shared, actor: &str, about: Subject, message: impl Into<String>) {
+    record(
+        sh,
+        EventKind::Operator,
+        actor.to_string(),
+        about,
+        message.into(),
+    );
+}
+
+fn record(sh: &Shared, kind: EventKind, actor: String, about: Subject, message: String) {
+    let event = Event {
+        v: PROTOCOL_VERSION,
+        id: EventId::generate(),
+        at: now_ms(),
+        kind,
+        actor,
+        backing_id: about.backing_id,
+        node_id: about.node_id,
+        message,
+    };
+    let events = sh.bus.events.clone();
+    sh.tracker.spawn(async move {
+        if let Err(err) = events.create(event.id.as_str(), &event, None).await {
+            tracing::warn!(%err, event = %event.message, "cannot record an event");
+        }
+    });
+}

@@ -1,0 +1,217 @@
+//! End-to-end tests of operators' orders through the real `slotpool` CLI: hold, drain, run,
+//! kill and release with a reason, against a real nats-server, launchers and agents.
+
+use slotpool_protocol::api::ErrorCode;
+use slotpool_protocol::connect::BusError;
+use slotpool_protocol::model::{
+    BackingNode, BackingState, EventKind, IdleBehaviour, NodeState, OperatorAction,
+};
+use slotpool_protocol::{BackingId, NodeId};
+use slotpool_tests::{bin_path, label, wait_for, Pool};
+use std::process::Command;
+use std::time::Duration;
+
+const SOON: Duration = Duration::from_secs(15);
+
+/// Runs `slotpool <args>` as an operator named `op`; returns its stdout (panics on failure).
+fn slotpool(pool: &Pool, args: &[&str]) -> String {
+    let out = Command::new(bin_path("slotpool"))
+        .args(["--nats", &pool.nats.url()])
+        .args(args)
+        .env("SLOTPOOL_ACTOR", "op")
+        .output()
+        .expect("running slotpool");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "slotpool {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+async fn backing_of(pool: &Pool, node: &NodeId) -> BackingNode {
+    let (id, _) = node.slot().expect("node id names its slot");
+    pool.backing()
+        .await
+        .into_iter()
+        .find(|b| b.id == id)
+        .expect("backing node present")
+}
+
+async fn gone(pool: &Pool, id: &BackingId) -> bool {
+    !pool.backing().await.iter().any(|b| &b.id == id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_drain_and_kill_take_effect_and_are_recorded() {
+    let pool = Pool::start(3, 5, &label("small", 2, 60, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let a = backing_of(&pool, &first.nodes[0]).await;
+
+    // Hold: A takes no new slots, so the next request gets a new backing node.
+    let out = slotpool(&pool, &["hold", a.id.as_str(), "--reason", "maintenance"]);
+    assert!(out.contains("held"), "{out}");
+    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let b = backing_of(&pool, &second.nodes[0]).await;
+    assert_ne!(a.id, b.id, "a held backing node took a new slot");
+    let held = backing_of(&pool, &first.nodes[0]).await;
+    assert_eq!(held.idle, IdleBehaviour::Hold);
+    let order = held.order.expect("the order is recorded on the node");
+    assert_eq!(
+        (order.action, order.actor.as_str(), order.reason.as_deref()),
+        (OperatorAction::Hold, "op", Some("maintenance"))
+    );
+
+    // Drain: released as soon as its last slot returns, grace-time (60 s) ignored.
+    let out = slotpool(&pool, &["drain", a.id.as_str()]);
+    assert!(out.contains("released once its 1 slots"), "{out}");
+    assert!(!gone(&pool, &a.id).await, "drained while a slot is in use");
+    pool.client.release(first.nodes.clone()).await.unwrap();
+    wait_for("the drained node released", SOON, || gone(&pool, &a.id)).await;
+
+    // Kill: B fails now and its node says why.
+    slotpool(
+        &pool,
+        &["kill", b.id.as_str(), "--yes", "--reason", "bad disk"],
+    );
+    wait_for("the killed node's slot marked failed", SOON, || async {
+        pool.nodes().await.iter().any(|n| {
+            n.id == second.nodes[0]
+                && n.state == NodeState::Failed
+                && n.failure
+                    .as_deref()
+                    .unwrap_or("")
+                    .contains("killed by op: bad disk")
+        })
+    })
+    .await;
+    let killed = backing_of(&pool, &second.nodes[0]).await;
+    assert_eq!(killed.state, BackingState::Failed);
+    wait_for("the killed node's instance deleted", SOON, || async {
+        backing_of(&pool, &second.nodes[0]).await.instance.is_none()
+    })
+    .await;
+    assert!(
+        !pool
+            .work_dir()
+            .join(b.id.as_str())
+            .join("agent.pid")
+            .exists(),
+        "the local agent of a killed node still runs"
+    );
+
+    // Every order is in the event log with who and why, next to the state changes.
+    let events = pool.client.list_events().await.unwrap();
+    let said = |kind: EventKind, text: &str| {
+        events
+            .iter()
+            .any(|e| e.kind == kind && e.message.contains(text))
+    };
+    assert!(
+        said(EventKind::Operator, "hold by op: maintenance"),
+        "{events:#?}"
+    );
+    assert!(said(EventKind::Operator, "drain by op"), "{events:#?}");
+    assert!(
+        said(EventKind::Operator, "kill by op: bad disk"),
+        "{events:#?}"
+    );
+    assert!(
+        said(EventKind::Backing, "releasing: drained by an operator"),
+        "{events:#?}"
+    );
+    assert!(
+        said(EventKind::Backing, "failed: killed by op: bad disk"),
+        "{events:#?}"
+    );
+    let listed = slotpool(&pool, &["list", "events"]);
+    assert!(listed.contains("kill by op: bad disk"), "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_survives_a_launcher_restart_and_run_releases_after_grace_time() {
+    let mut pool = Pool::start(2, 2, &label("small", 2, 1, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let a = backing_of(&pool, &r.nodes[0]).await;
+    slotpool(&pool, &["hold", a.id.as_str()]);
+    pool.kill_launcher(0);
+    pool.spawn_launcher();
+    pool.wait_served().await;
+    pool.client.release(r.nodes.clone()).await.unwrap();
+    // Grace-time is 1 s: a node that is not held would be gone well before this.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let still = backing_of(&pool, &r.nodes[0]).await;
+    assert_eq!(
+        (still.state, still.idle),
+        (BackingState::Ready, IdleBehaviour::Hold),
+        "a held node was released"
+    );
+    slotpool(&pool, &["run", a.id.as_str()]);
+    wait_for("the node released once running again", SOON, || {
+        gone(&pool, &a.id)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recorded() {
+    let pool = Pool::start(2, 5, &label("small", 2, 60, &[]), 1).await;
+    let missing = BackingId::parse("bn-nosuchnode").unwrap();
+    let err = pool
+        .client
+        .order(OperatorAction::Drain, missing, "op", None)
+        .await
+        .unwrap_err();
+    match err {
+        BusError::Api(e) => {
+            assert_eq!(e.code, ErrorCode::NotFound);
+            assert!(e.message.contains("bn-nosuchnode"), "{}", e.message);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let a = backing_of(&pool, &r.nodes[0]).await;
+    match pool
+        .client
+        .order(OperatorAction::Hold, a.id.clone(), " ", None)
+        .await
+        .unwrap_err()
+    {
+        BusError::Api(e) => {
+            assert_eq!(e.code, ErrorCode::BadRequest);
+            assert!(e.message.contains("actor"), "{}", e.message);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Kill without --yes and without a terminal is refused, and nothing happens.
+    let out = Command::new(bin_path("slotpool"))
+        .args(["--nats", &pool.nats.url(), "kill", a.id.as_str()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--yes"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        backing_of(&pool, &r.nodes[0]).await.state,
+        BackingState::Ready
+    );
+
+    let out = slotpool(
+        &pool,
+        &["release", r.nodes[0].as_str(), "--reason", "job hung"],
+    );
+    assert!(out.contains("released"), "{out}");
+    assert!(pool.nodes().await.is_empty());
+    let events = pool.client.list_events().await.unwrap();
+    assert!(
+        events.iter().any(|e| e.kind == EventKind::Operator
+            && e.node_id.as_ref() == Some(&r.nodes[0])
+            && e.message.contains("release_node by op: job hung")),
+        "{events:#?}"
+    );
+}
