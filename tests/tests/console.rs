@@ -158,7 +158,10 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
     // The requestor returns its node: the drained node is released at once (grace-time
     // ignored), leaves KV and leaves the screen.
     console.keys(&["2"]);
-    pool.client.release(request.nodes.clone()).await.expect("release");
+    pool.client
+        .release(request.nodes.clone())
+        .await
+        .expect("release");
     wait_for("the drained node released", SOON, || async {
         !pool.backing().await.iter().any(|b| b.id == a)
     })
@@ -171,16 +174,14 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
     // Its state changes were logged as events too.
     console.keys(&["5"]);
     console
-        .wait_screen("backing-node events", |s| s.contains("backing ") && s.contains("drain by e2e@test"))
+        .wait_screen("backing-node events", |s| {
+            s.contains("backing ") && s.contains("drain by e2e@test")
+        })
         .await;
     // q quits; the console restores the terminal and exits.
     console.keys(&["q"]);
     wait_for_some("the console to exit", SOON, || async {
-        let out = console
-            .cmd()
-            .args(["list-sessions"])
-            .output()
-            .ok()?;
+        let out = console.cmd().args(["list-sessions"]).output().ok()?;
         (!String::from_utf8_lossy(&out.stdout).contains(&console.session)).then_some(())
     })
     .await;
@@ -204,7 +205,7 @@ fn backing_record(seat: u32) -> BackingNode {
         created_at: now - 3_600_000,
         launched_at: Some(now - 3_600_000),
         ready_at: Some(now - 3_500_000),
-        idle_since: (seat % 3 == 0).then_some(now - 10_000),
+        idle_since: seat.is_multiple_of(3).then_some(now - 10_000),
         attempts: 1,
         failure: None,
         attributes: Default::default(),
@@ -229,8 +230,11 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
             async move {
                 let b = backing_record(i);
                 let key = slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat);
-                bus.backing.create(&key, &b, None).await.expect("create backing");
-                if i % 2 == 0 {
+                bus.backing
+                    .create(&key, &b, None)
+                    .await
+                    .expect("create backing");
+                if i.is_multiple_of(2) {
                     let node = Node {
                         v: 1,
                         id: NodeId::parse(&format!("node-bench{i:06}_0_{}", b.id)).unwrap(),
@@ -248,7 +252,10 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
                         failure: None,
                     };
                     let key = slotpool_protocol::layout::slot_key(&b.id, 0);
-                    bus.slots.create(&key, &node, None).await.expect("create slot");
+                    bus.slots
+                        .create(&key, &node, None)
+                        .await
+                        .expect("create slot");
                 }
             }
         })
@@ -289,7 +296,10 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
         let t = outcome.first_full_render.expect("rendered");
         assert_eq!(outcome.backing_nodes, NODES as usize);
         let screen = terminal.backend().to_string();
-        assert!(screen.contains("10000 backing · 5000/80000 slots"), "{screen}");
+        assert!(
+            screen.contains("10000 backing · 5000/80000 slots"),
+            "{screen}"
+        );
         eprintln!("first full render after {t:?}");
         times.push(t);
     }

@@ -79,6 +79,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         exit_after_first_render: args.exit_after_first_render,
     };
     let shutdown = CancellationToken::new();
+    // SIGTERM or SIGHUP (the demo stopping, a closed terminal): leave cleanly, restoring
+    // the terminal. Ctrl-C is a key press in raw mode, handled by the console itself.
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = hup.recv() => {}
+        }
+        on_signal.cancel();
+    });
     let outcome = run_console(args.nats.options("slotpool-console"), settings, shutdown).await?;
     if args.exit_after_first_render {
         match outcome.first_full_render {

@@ -517,7 +517,12 @@ impl State {
         for view in View::ALL {
             let rows = self.rows_of(view);
             let vs = &mut self.views[view.index()];
+            // The event log follows the newest entry while the selection is on top.
+            let follow = view == View::Events && vs.selected == 0;
             vs.rows = rows;
+            if follow {
+                vs.selected_key = None;
+            }
             if let Some(key) = &vs.selected_key {
                 if let Some(i) = vs.rows.iter().position(|k| k == key) {
                     vs.selected = i;
@@ -597,7 +602,7 @@ impl State {
                 w.1 = w.1.min(r.created_at);
             }
         }
-        for (label, _) in &waiting {
+        for label in waiting.keys() {
             if !rows.keys().any(|k| k.2 == *label) {
                 rows.insert(
                     ("-".into(), "-".into(), label.to_string()),
@@ -630,7 +635,7 @@ impl State {
         haystack.iter().any(|h| h.to_lowercase().contains(&needle))
     }
 
-    fn rows_of(&self, view: View) -> Vec<String> {
+    fn rows_of<'s>(&'s self, view: View) -> Vec<String> {
         let vs = &self.views[view.index()];
         let filter = vs.filter.as_str();
         let sort = view.sorts()[vs.sort.min(view.sorts().len() - 1)];
@@ -667,8 +672,9 @@ impl State {
                         )
                     })
                     .collect();
-                let seat = |(k, b): &(&String, &BackingNode)| {
-                    (b.provider.clone(), b.pool.clone(), b.seat, (*k).clone())
+                // Keys borrow from the records: no allocation per comparison.
+                let seat = |&(k, b): &(&'s String, &'s BackingNode)| {
+                    (b.provider.as_str(), b.pool.as_str(), b.seat, k.as_str())
                 };
                 match sort {
                     "state" => nodes.sort_by_key(|n| (state_order(n.1.state), seat(n))),
@@ -679,8 +685,8 @@ impl State {
                             seat(n),
                         )
                     }),
-                    "label" => nodes.sort_by_key(|n| (n.1.label.clone(), seat(n))),
-                    "timer" => nodes.sort_by_key(|n| {
+                    "label" => nodes.sort_by_key(|n| (n.1.label.as_str(), seat(n))),
+                    "timer" => nodes.sort_by_cached_key(|n| {
                         let t = match self.idle_timer(n.1) {
                             IdleTimer::ReleaseIn(ms) => ms,
                             IdleTimer::Draining => 0,
@@ -736,21 +742,21 @@ impl State {
                     })
                     .collect();
                 match sort {
-                    "state" => reqs.sort_by_key(|(k, r)| {
+                    "state" => reqs.sort_by_key(|&(k, r)| {
                         (
                             r.state != RequestState::Requested,
                             r.state as u8,
                             std::cmp::Reverse(r.created_at),
-                            (*k).clone(),
+                            k.as_str(),
                         )
                     }),
-                    "requestor" => reqs.sort_by_key(|(k, r)| (r.requestor.clone(), (*k).clone())),
+                    "requestor" => reqs.sort_by_key(|&(k, r)| (r.requestor.as_str(), k.as_str())),
                     // Waiting first, then newest first.
-                    _ => reqs.sort_by_key(|(k, r)| {
+                    _ => reqs.sort_by_key(|&(k, r)| {
                         (
                             r.state != RequestState::Requested,
                             std::cmp::Reverse(r.created_at),
-                            (*k).clone(),
+                            k.as_str(),
                         )
                     }),
                 }
@@ -826,7 +832,7 @@ impl State {
     pub fn slot_row(&self, key: &str) -> Option<SlotRow> {
         let (backing, slot) = slotpool_protocol::layout::parse_slot_key(key)?;
         let node = self.slots.get(key).map(|s| s.value.clone());
-        if node.is_none() && self.backing_by_id.get(backing.as_str()).is_none() {
+        if node.is_none() && !self.backing_by_id.contains_key(backing.as_str()) {
             return None;
         }
         Some(SlotRow {
@@ -1702,6 +1708,38 @@ mod tests {
         // A smaller terminal keeps the selection on screen.
         apply_all(&mut state, [key('G'), Msg::Resize(80, 12)]);
         assert_eq!(state.view_state().offset, 100 - 5);
+    }
+
+    #[test]
+    fn the_event_log_follows_new_entries_while_on_top() {
+        let mut state = loaded(rules(), sample(), 80, 24);
+        apply_all(&mut state, [key('5')]);
+        let newest = put(Record::Event(Box::new(event(
+            9,
+            NOW,
+            EventKind::Operator,
+            &bid(0),
+            "drain by bob",
+        ))));
+        apply_all(&mut state, [Msg::Feed(vec![newest])]);
+        assert!(state
+            .view_state()
+            .selected_key
+            .as_ref()
+            .unwrap()
+            .ends_with('9'));
+        // Scrolled down: the selection stays on its entry.
+        apply_all(&mut state, [key('j')]);
+        let kept = state.view_state().selected_key.clone();
+        let newer = put(Record::Event(Box::new(event(
+            10,
+            NOW,
+            EventKind::Operator,
+            &bid(0),
+            "run by bob",
+        ))));
+        apply_all(&mut state, [Msg::Feed(vec![newer])]);
+        assert_eq!(state.view_state().selected_key, kept);
     }
 
     #[test]

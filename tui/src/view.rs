@@ -256,7 +256,7 @@ pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
     let filled = if total == 0 {
         0
     } else {
-        ((used as usize * width) + total as usize - 1) / total as usize
+        (used as usize * width).div_ceil(total as usize)
     }
     .min(width);
     format!(
