@@ -137,10 +137,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             _ = stop => stop_child(&mut child).await,
         }
         drop(quiet);
-        eprintln!(
-            "slotpool demo: console closed; its log is in {}",
-            log.display()
-        );
+        eprintln!("slotpool demo: console closed");
     } else {
         stop.await;
     }
