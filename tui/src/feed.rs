@@ -148,3 +148,49 @@ async fn feed(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    #[test]
+    fn watch_changes_decode_into_records() {
+        let b = crate::fixtures::backing(0, slotpool_protocol::model::BackingState::Ready, 2);
+        let put = store::Change::Put {
+            key: "cloud.main.0".into(),
+            revision: 3,
+            value: Bytes::from(serde_json::to_vec(&b).unwrap()),
+        };
+        match decode(Bucket::Backing, put) {
+            Change::Put {
+                key,
+                record: Record::Backing(got),
+            } => assert_eq!((key.as_str(), *got), ("cloud.main.0", b)),
+            other => panic!("{other:?}"),
+        }
+        let bad = store::Change::Put {
+            key: "cloud.main.1".into(),
+            revision: 4,
+            value: Bytes::from_static(b"{\"v\":1}"),
+        };
+        assert!(matches!(
+            decode(Bucket::Backing, bad),
+            Change::Failed { bucket: Bucket::Backing, error } if error.contains("cloud.main.1")
+        ));
+        assert!(matches!(
+            decode(
+                Bucket::Slots,
+                store::Change::Removed {
+                    key: "bn-1.0".into(),
+                    revision: 5
+                }
+            ),
+            Change::Removed { bucket: Bucket::Slots, key } if key == "bn-1.0"
+        ));
+        assert!(matches!(
+            decode(Bucket::Events, store::Change::Synced),
+            Change::Synced(Bucket::Events)
+        ));
+    }
+}
