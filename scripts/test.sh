@@ -9,6 +9,8 @@
 # Needs: a Rust toolchain, tmux (installed with apt-get when missing and run as root), and
 # python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
+# Runs as root: the isolation tests create users and cgroups and start their own sshd
+# (Debian's openssh-server, installed here when missing) on a loopback port.
 #
 # Runner: plain `cargo test`, not cargo-nextest. nextest would isolate each test in its
 # own process, but it is not part of a Rust toolchain: a fresh machine would have to
@@ -28,6 +30,26 @@ SLOTPOOL_NATS_SERVER="$(scripts/nats-server.sh)"
 export SLOTPOOL_NATS_SERVER
 nats_version="$("$SLOTPOOL_NATS_SERVER" --version)"
 step "using $SLOTPOOL_NATS_SERVER ($nats_version)"
+
+step "openssh-server"
+if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan >/dev/null; then
+    # Install without starting the system sshd: the tests start their own.
+    made_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 0755 /usr/sbin/policy-rc.d
+        made_policy=1
+    fi
+    apt_status=0
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -q --no-install-recommends openssh-server openssh-client; } || apt_status=$?
+    if [ -n "$made_policy" ]; then rm -f /usr/sbin/policy-rc.d; fi
+    if [ "$apt_status" -ne 0 ]; then
+        echo "==> summary: FAILED to install openssh-server (needed by the isolation tests)" >&2
+        exit 1
+    fi
+fi
+step "using $(/usr/sbin/sshd -V 2>&1 | head -n1)"
 
 # The console's end-to-end test runs slotpool-console in tmux.
 step "tmux"
@@ -59,9 +81,9 @@ for arg in "$@"; do
     -p | --package | -p* | --package=*) scope=() ;;
     esac
 done
-step "cargo test ${scope[*]} $*"
+step "cargo test --no-fail-fast ${scope[*]} $*"
 status=0
-cargo test "${scope[@]}" "$@" || status=$?
+cargo test --no-fail-fast "${scope[@]}" "$@" || status=$?
 
 echo >&2
 echo "==> summary" >&2

@@ -6,14 +6,17 @@
 //! the heartbeat that reports the new occupancy is only poked, never waited for.
 //!
 //! Replies (see [`slotpool_protocol::api::Reply`]):
-//! - `prepare_slot` → `{"ok":{"workspace":"<work-dir>/slots/<slot>"}}`
+//! - `prepare_slot` → `{"ok":{"workspace":"<work-dir>/slots/<slot>","username":"...",
+//!   "port":22,"host_keys":["ssh-ed25519 AAAA..."]}}` (username with user isolation)
 //! - `release_slot` → `{"ok":{}}`
 //! - `close`, `open` → `{"ok":{"prepared":[<slot>, ...]}}`
 //! - failures → `{"error":{"code":"<code>","message":"..."}}` with code `bad_request`
-//!   (malformed, slot out of range), `too_large`, `unavailable` (prepare while closed)
-//!   or `internal` (slot held by another node, file-system failure, queue full)
+//!   (malformed, slot out of range), `too_large`, `unavailable` (prepare while closed,
+//!   or of a dirty slot) or `internal` (slot held by another node, isolation failure,
+//!   a release that could not clean its slot, queue full)
 
 use crate::slots::{ReleaseOutcome, SlotError, Slots};
+use crate::ssh::SshInfo;
 use futures::{Stream, StreamExt};
 use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
 use slotpool_protocol::connect::{Bus, Incoming};
@@ -68,7 +71,7 @@ fn target(command: &AgentCommand) -> (&'static str, Option<(u32, &NodeId)>) {
 fn api_error(err: &SlotError) -> ApiError {
     let code = match err {
         SlotError::OutOfRange { .. } => ErrorCode::BadRequest,
-        SlotError::Closed { .. } => ErrorCode::Unavailable,
+        SlotError::Closed { .. } | SlotError::Dirty { .. } => ErrorCode::Unavailable,
         SlotError::Held { .. } | SlotError::Isolation { .. } | SlotError::Task { .. } => {
             ErrorCode::Internal
         }
@@ -84,25 +87,30 @@ fn reply_with<T: serde::Serialize>(result: Result<T, ApiError>) -> AnyReply {
 }
 
 /// Carries out one command.
-async fn execute(slots: &Slots, command: AgentCommand) -> AnyReply {
+async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> AnyReply {
     match command {
         AgentCommand::PrepareSlot {
             slot,
             node_id,
             ssh_public_key,
+            limits,
         } => {
-            let result = slots.prepare(slot, &node_id, ssh_public_key).await;
+            let result = slots.prepare(slot, &node_id, ssh_public_key, limits).await;
             match &result {
-                Ok(workspace) => tracing::info!(workspace = %workspace.display(), "slot prepared"),
+                Ok(p) => tracing::info!(
+                    workspace = %p.workspace.display(),
+                    username = p.username.as_deref().unwrap_or(""),
+                    ?limits,
+                    "slot prepared"
+                ),
                 Err(err) => tracing::warn!(%err, "prepare failed"),
             }
-            reply_with(
-                result
-                    .map_err(|e| api_error(&e))
-                    .map(|workspace| SlotPrepared {
-                        workspace: workspace.display().to_string(),
-                    }),
-            )
+            reply_with(result.map_err(|e| api_error(&e)).map(|p| SlotPrepared {
+                workspace: p.workspace.display().to_string(),
+                username: p.username,
+                port: Some(ssh.port),
+                host_keys: ssh.host_keys.clone(),
+            }))
         }
         AgentCommand::ReleaseSlot { slot, node_id } => {
             let result = slots.release(slot, &node_id).await;
@@ -154,11 +162,17 @@ struct Job {
 }
 
 /// Runs one lane's commands in order until its queue is closed.
-async fn slot_worker(mut jobs: mpsc::Receiver<Job>, slots: Slots, bus: Bus, poke: Arc<Notify>) {
+async fn slot_worker(
+    mut jobs: mpsc::Receiver<Job>,
+    slots: Slots,
+    ssh: Arc<SshInfo>,
+    bus: Bus,
+    poke: Arc<Notify>,
+) {
     while let Some(job) = jobs.recv().await {
         let span = job.span;
         async {
-            let reply = execute(&slots, job.command).await;
+            let reply = execute(&slots, &ssh, job.command).await;
             respond(&bus, job.reply_to.as_deref(), &reply).await;
         }
         .instrument(span)
@@ -173,6 +187,7 @@ async fn slot_worker(mut jobs: mpsc::Receiver<Job>, slots: Slots, bus: Bus, poke
 pub async fn serve(
     bus: &Bus,
     slots: &Slots,
+    ssh: Arc<SshInfo>,
     slot_count: u32,
     commands: impl Stream<Item = Incoming>,
     poke: Arc<Notify>,
@@ -183,7 +198,13 @@ pub async fn serve(
     let queues: Vec<mpsc::Sender<Job>> = (0..=slot_count)
         .map(|_| {
             let (tx, rx) = mpsc::channel(SLOT_QUEUE_DEPTH);
-            tracker.spawn(slot_worker(rx, slots.clone(), bus.clone(), poke.clone()));
+            tracker.spawn(slot_worker(
+                rx,
+                slots.clone(),
+                ssh.clone(),
+                bus.clone(),
+                poke.clone(),
+            ));
             tx
         })
         .collect();
@@ -307,6 +328,9 @@ mod tests {
     fn reply_json_shapes() {
         let ok = reply_with::<SlotPrepared>(Ok(SlotPrepared {
             workspace: "/w/slots/1".into(),
+            username: None,
+            port: None,
+            host_keys: vec![],
         }));
         assert_eq!(
             serde_json::to_string(&ok).unwrap(),

@@ -59,6 +59,71 @@ pub struct Args {
     /// How long a heartbeat lives in KV, in whole seconds (>= 1, longer than the interval).
     #[arg(long, value_name = "SECS", default_value_t = 6)]
     pub heartbeat_ttl_secs: u64,
+    /// How slots are isolated: `users` (a Unix user and cgroup per slot; needs root; the
+    /// default when root) or `none` (a directory per slot only, for unprivileged
+    /// development runs).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub isolation: Option<IsolationMode>,
+    /// Start of slot user names: `<prefix><8 hex of sha256(backing id)>s<slot>`.
+    #[arg(long, value_name = "PREFIX", default_value = "sp")]
+    pub user_prefix: String,
+    /// cgroup directory (under each hierarchy's mount) holding the slot groups.
+    #[arg(long, value_name = "NAME", default_value = "slotpool")]
+    pub cgroup_parent: String,
+    /// Directory of the placement sockets `enter-slot` connects to.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_RUN_DIR)]
+    pub run_dir: PathBuf,
+    /// SSH port slot users log in on (reported to launchers and put on nodes).
+    #[arg(long, value_name = "PORT", default_value_t = 22)]
+    pub ssh_port: u16,
+    /// Directory of the sshd host keys to report (`ssh_host_*_key.pub`).
+    #[arg(long, value_name = "DIR", default_value = "/etc/ssh")]
+    pub ssh_host_keys_dir: PathBuf,
+    /// Health probe, run with `sh -c`: the node is healthy only once it exits 0, and
+    /// while it keeps doing so.
+    #[arg(long, value_name = "COMMAND")]
+    pub health_probe: Option<String>,
+    /// Time between health probe runs, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    pub health_probe_interval_ms: u64,
+    /// Longest a health probe run may take, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    pub health_probe_timeout_ms: u64,
+    /// Unhealthy when less memory than this is available, in MiB (0: no check).
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    pub min_memory_available_mb: u64,
+    /// Unhealthy when less disk than this is available in the work dir, in MiB (0: no check).
+    #[arg(long, value_name = "MIB", default_value_t = 0)]
+    pub min_disk_available_mb: u64,
+}
+
+/// Default directory of the placement sockets.
+pub const DEFAULT_RUN_DIR: &str = "/run/slotpool";
+
+/// How slots are isolated from each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IsolationMode {
+    /// A Unix user, a 0700 home and a cgroup with limits per slot (root only).
+    Users,
+    /// A private directory per slot and nothing else: no protection between slots.
+    None,
+}
+
+impl IsolationMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IsolationMode::Users => "users",
+            IsolationMode::None => "none",
+        }
+    }
+}
+
+/// The health probe settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeConfig {
+    pub command: String,
+    pub interval: Duration,
+    pub timeout: Duration,
 }
 
 /// The agent's validated settings. Plain data.
@@ -72,6 +137,15 @@ pub struct AgentConfig {
     pub slots: u32,
     pub heartbeat_interval: Duration,
     pub heartbeat_ttl: Duration,
+    pub isolation: IsolationMode,
+    /// User-name namespace of this agent: `<prefix><8 hex of sha256(backing id)>`.
+    pub namespace: String,
+    pub cgroup_parent: String,
+    pub run_dir: PathBuf,
+    pub ssh_port: u16,
+    pub ssh_host_keys_dir: PathBuf,
+    pub probe: Option<ProbeConfig>,
+    pub thresholds: crate::health::Thresholds,
 }
 
 /// Why the flags do not make a valid configuration.
@@ -102,13 +176,26 @@ pub enum ConfigError {
         "--heartbeat-ttl-secs ({ttl_secs} s) must be longer than --heartbeat-interval-ms ({interval_ms} ms)"
     )]
     TtlNotAboveInterval { ttl_secs: u64, interval_ms: u64 },
+    #[error("--isolation users needs root (it creates users and cgroups); run as root, or pass --isolation none for an unprivileged development run without isolation")]
+    UsersNeedRoot,
+    #[error(
+        "invalid --user-prefix {0:?}: use 1 to 12 of a-z, 0-9, '_' and '-', starting with a letter"
+    )]
+    UserPrefix(String),
+    #[error(
+        "invalid --cgroup-parent {0:?}: use one directory name of A-Z, a-z, 0-9, '_', '-' and '.'"
+    )]
+    CgroupParent(String),
+    #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
+    ProbeTiming,
 }
 
 impl Args {
     /// Validates the flags. `secret_env` is the value of [`SECRET_ENV`], if set.
-    pub fn into_config(
+    pub fn into_config_as(
         self,
         secret_env: Option<std::ffi::OsString>,
+        running_as_root: bool,
     ) -> Result<AgentConfig, ConfigError> {
         let backing_id = BackingId::parse(&self.backing_id).map_err(ConfigError::BackingId)?;
         let secret = load_secret(secret_env, self.secret_file.as_deref())?;
@@ -129,14 +216,65 @@ impl Args {
                 interval_ms: self.heartbeat_interval_ms,
             });
         }
+        let isolation = match self.isolation {
+            Some(mode) => mode,
+            None if running_as_root => IsolationMode::Users,
+            None => return Err(ConfigError::UsersNeedRoot),
+        };
+        if isolation == IsolationMode::Users && !running_as_root {
+            return Err(ConfigError::UsersNeedRoot);
+        }
+        if !crate::users::valid_prefix(&self.user_prefix) {
+            return Err(ConfigError::UserPrefix(self.user_prefix));
+        }
+        let parent_ok = !self.cgroup_parent.is_empty()
+            && self.cgroup_parent != "."
+            && self.cgroup_parent != ".."
+            && self
+                .cgroup_parent
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+        if !parent_ok {
+            return Err(ConfigError::CgroupParent(self.cgroup_parent));
+        }
+        if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
+            return Err(ConfigError::ProbeTiming);
+        }
+        let probe = self.health_probe.map(|command| ProbeConfig {
+            command,
+            interval: Duration::from_millis(self.health_probe_interval_ms),
+            timeout: Duration::from_millis(self.health_probe_timeout_ms),
+        });
         Ok(AgentConfig {
             secret_sha256: model::secret_digest(&secret),
+            namespace: crate::users::namespace(&self.user_prefix, backing_id.as_str()),
             backing_id,
             work_dir: self.work_dir,
             slots: self.slots,
             heartbeat_interval,
             heartbeat_ttl,
+            isolation,
+            cgroup_parent: self.cgroup_parent,
+            run_dir: self.run_dir,
+            ssh_port: self.ssh_port,
+            ssh_host_keys_dir: self.ssh_host_keys_dir,
+            probe,
+            thresholds: crate::health::Thresholds {
+                min_memory_available_kb: self.min_memory_available_mb.saturating_mul(1024),
+                min_disk_available_kb: self.min_disk_available_mb.saturating_mul(1024),
+            },
         })
+    }
+
+    /// Validates the flags for a process running as root or not (`into_config` asks the
+    /// kernel); tests use this to be independent of who runs them.
+    pub fn into_config(
+        self,
+        secret_env: Option<std::ffi::OsString>,
+    ) -> Result<AgentConfig, ConfigError> {
+        // SAFETY: geteuid cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        self.into_config_as(secret_env, root)
     }
 
     /// How to reach NATS; the connection is named after the backing node.
@@ -174,7 +312,9 @@ fn load_secret(
                 error,
             })?;
             (
-                text.trim_end_matches(['\n', '\r']).to_string(),
+                // Surrounding whitespace is not part of a secret, as for static hosts'
+                // secret files on the launcher side: both hash the same bytes.
+                text.trim().to_string(),
                 path.display().to_string(),
             )
         }
@@ -201,7 +341,7 @@ mod tests {
 
     #[test]
     fn defaults_make_a_valid_config() {
-        let c = args(&[]).into_config(env_secret()).unwrap();
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
         assert_eq!(c.backing_id.as_str(), "bn-1");
         assert_eq!(c.slots, 8);
         assert_eq!(c.heartbeat_interval, Duration::from_millis(2000));
@@ -216,23 +356,23 @@ mod tests {
         std::fs::write(&file, "from-file\n").unwrap();
         let file_flag = ["--secret-file", file.to_str().unwrap()];
 
-        let c = args(&file_flag).into_config(None).unwrap();
+        let c = args(&file_flag).into_config_as(None, true).unwrap();
         assert_eq!(c.secret_sha256, model::secret_digest("from-file"));
         assert!(matches!(
-            args(&file_flag).into_config(env_secret()),
+            args(&file_flag).into_config_as(env_secret(), true),
             Err(ConfigError::TwoSecrets)
         ));
         assert!(matches!(
-            args(&[]).into_config(None),
+            args(&[]).into_config_as(None, true),
             Err(ConfigError::NoSecret)
         ));
         assert!(matches!(
-            args(&[]).into_config(Some("".into())),
+            args(&[]).into_config_as(Some("".into()), true),
             Err(ConfigError::EmptySecret { .. })
         ));
         let missing = dir.path().join("nope");
         let err = args(&["--secret-file", missing.to_str().unwrap()])
-            .into_config(None)
+            .into_config_as(None, true)
             .unwrap_err()
             .to_string();
         assert!(err.contains(missing.to_str().unwrap()), "{err}");
@@ -241,7 +381,10 @@ mod tests {
     #[test]
     fn bad_values_are_refused() {
         let bad_id = Args::try_parse_from(["slotpool-agent", "--backing-id", "bn.1"]).unwrap();
-        let err = bad_id.into_config(env_secret()).unwrap_err().to_string();
+        let err = bad_id
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("invalid --backing-id") && err.contains("bn.1"),
             "{err}"
@@ -262,11 +405,44 @@ mod tests {
         ];
         for (flags, wanted) in cases {
             let err = args(flags)
-                .into_config(env_secret())
+                .into_config_as(env_secret(), true)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(wanted), "{flags:?}: {err}");
         }
+    }
+
+    #[test]
+    fn isolation_defaults_to_users_for_root_only() {
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+        assert_eq!(c.isolation, IsolationMode::Users);
+        assert!(c.namespace.starts_with("sp") && c.namespace.len() == 10);
+        let err = args(&[]).into_config_as(env_secret(), false).unwrap_err();
+        assert!(err.to_string().contains("--isolation none"), "{err}");
+        assert!(matches!(
+            args(&["--isolation", "users"]).into_config_as(env_secret(), false),
+            Err(ConfigError::UsersNeedRoot)
+        ));
+        let c = args(&["--isolation", "none"])
+            .into_config_as(env_secret(), false)
+            .unwrap();
+        assert_eq!(c.isolation, IsolationMode::None);
+        for bad in [
+            &["--user-prefix", "Bad"][..],
+            &["--cgroup-parent", "a/b"][..],
+            &["--cgroup-parent", ".."][..],
+            &["--health-probe-interval-ms", "5"][..],
+        ] {
+            assert!(
+                args(bad).into_config_as(env_secret(), true).is_err(),
+                "{bad:?}"
+            );
+        }
+        let c = args(&["--health-probe", "true", "--min-disk-available-mb", "2"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(c.probe.unwrap().command, "true");
+        assert_eq!(c.thresholds.min_disk_available_kb, 2048);
     }
 
     #[test]

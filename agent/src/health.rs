@@ -1,8 +1,12 @@
 //! Health figures for the heartbeat, read from `/proc` and `statvfs(3)`.
 //!
 //! Parsing is pure (tested on sample text); reading takes the proc root as a parameter.
-//! A figure that cannot be read is reported as 0: health checks that mark the node
-//! unhealthy come later, so `healthy` is always true for now.
+//! A figure that cannot be read is reported as 0.
+//!
+//! A backing node is unhealthy ([`verdict`]) when its probe command has not passed yet
+//! or failed its last run, or when available memory or disk (of the work dir's file
+//! system) is below its threshold. The heartbeat then carries `healthy: false` and the
+//! reason; launchers hand out no new slots on it until it is healthy again.
 
 use slotpool_protocol::model::Health;
 use std::ffi::CString;
@@ -136,6 +140,86 @@ pub fn read_health(proc_root: &Path, work_dir: &Path) -> (Health, Vec<HealthErro
     (health, errors)
 }
 
+/// Thresholds below which the node is unhealthy; 0 means no check.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Thresholds {
+    pub min_memory_available_kb: u64,
+    pub min_disk_available_kb: u64,
+}
+
+/// The last outcome of the probe command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeStatus {
+    /// No probe configured.
+    None,
+    /// Configured, not run to the end yet: the node is not healthy until it passes.
+    Pending,
+    Passed,
+    /// The last run failed: why.
+    Failed(String),
+}
+
+/// Why the node is unhealthy, or `None` when it is healthy.
+pub fn verdict(health: &Health, thresholds: &Thresholds, probe: &ProbeStatus) -> Option<String> {
+    match probe {
+        ProbeStatus::Pending => return Some("health probe has not passed yet".into()),
+        ProbeStatus::Failed(why) => return Some(format!("health probe failed: {why}")),
+        ProbeStatus::None | ProbeStatus::Passed => {}
+    }
+    let min_mem = thresholds.min_memory_available_kb;
+    if min_mem > 0 && health.mem_total_kb > 0 && health.mem_available_kb < min_mem {
+        return Some(format!(
+            "memory available {} MiB is below the threshold of {} MiB",
+            health.mem_available_kb / 1024,
+            min_mem / 1024
+        ));
+    }
+    let min_disk = thresholds.min_disk_available_kb;
+    if min_disk > 0 && health.disk_total_kb > 0 && health.disk_available_kb < min_disk {
+        return Some(format!(
+            "disk available {} MiB is below the threshold of {} MiB",
+            health.disk_available_kb / 1024,
+            min_disk / 1024
+        ));
+    }
+    None
+}
+
+/// Runs `command` with `sh -c`; Ok when it exits 0 within `timeout`, else why not (the
+/// exit status and the last line of its output).
+pub async fn run_probe(command: &str, timeout: std::time::Duration) -> Result<(), String> {
+    let child = tokio::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(command)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|err| format!("cannot start /bin/sh: {err}"))?;
+    let out = match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Err(_) => return Err(format!("no answer within {timeout:?}")),
+        Ok(Err(err)) => return Err(format!("waiting for it: {err}")),
+        Ok(Ok(out)) => out,
+    };
+    if out.status.success() {
+        return Ok(());
+    }
+    let text = [out.stderr, out.stdout].concat();
+    let text = String::from_utf8_lossy(&text);
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    let last: String = last.chars().take(200).collect();
+    Err(match (out.status.code(), last.is_empty()) {
+        (Some(code), true) => format!("exit status {code}"),
+        (Some(code), false) => format!("exit status {code}: {last}"),
+        (None, _) => format!("killed by a signal ({})", out.status),
+    })
+}
+
 /// The value, or `None` with the error pushed onto `errors`.
 fn keep<T>(errors: &mut Vec<HealthError>, result: Result<T, HealthError>) -> Option<T> {
     result.map_err(|err| errors.push(err)).ok()
@@ -199,6 +283,55 @@ mod tests {
         assert!(health.healthy);
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert!(errors[0].to_string().contains("uptime"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn verdict_names_the_failing_check() {
+        let health = Health {
+            mem_total_kb: 1000 * 1024,
+            mem_available_kb: 100 * 1024,
+            disk_total_kb: 1000 * 1024,
+            disk_available_kb: 500 * 1024,
+            healthy: true,
+            ..Default::default()
+        };
+        let none = Thresholds::default();
+        assert_eq!(verdict(&health, &none, &ProbeStatus::None), None);
+        assert_eq!(verdict(&health, &none, &ProbeStatus::Passed), None);
+        assert!(verdict(&health, &none, &ProbeStatus::Pending)
+            .unwrap()
+            .contains("not passed yet"));
+        assert_eq!(
+            verdict(&health, &none, &ProbeStatus::Failed("exit status 1".into())).unwrap(),
+            "health probe failed: exit status 1"
+        );
+        let mem = Thresholds {
+            min_memory_available_kb: 200 * 1024,
+            ..Default::default()
+        };
+        assert_eq!(
+            verdict(&health, &mem, &ProbeStatus::None).unwrap(),
+            "memory available 100 MiB is below the threshold of 200 MiB"
+        );
+        let disk = Thresholds {
+            min_disk_available_kb: 600 * 1024,
+            ..Default::default()
+        };
+        assert!(verdict(&health, &disk, &ProbeStatus::None)
+            .unwrap()
+            .starts_with("disk available 500 MiB"));
+    }
+
+    #[tokio::test]
+    async fn probe_outcomes() {
+        let t = std::time::Duration::from_secs(5);
+        assert_eq!(run_probe("true", t).await, Ok(()));
+        assert_eq!(
+            run_probe("echo broken >&2; exit 3", t).await,
+            Err("exit status 3: broken".into())
+        );
+        let slow = run_probe("sleep 5", std::time::Duration::from_millis(50)).await;
+        assert!(slow.unwrap_err().contains("no answer"));
     }
 
     #[test]

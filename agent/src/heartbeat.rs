@@ -2,14 +2,15 @@
 //! TTL, so the entry of a dead agent expires on its own.
 
 use crate::config::AgentConfig;
-use crate::health;
+use crate::health::{self, ProbeStatus, Thresholds};
 use crate::slots::Slots;
+use crate::ssh::SshInfo;
 use slotpool_protocol::model::AgentHeartbeat;
 use slotpool_protocol::store::{KvError, Store};
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -42,10 +43,20 @@ pub struct Heartbeat {
     proc_root: PathBuf,
     ttl: Duration,
     slots: Slots,
+    thresholds: Thresholds,
+    probe: Arc<Mutex<ProbeStatus>>,
+    ssh: Arc<SshInfo>,
 }
 
 impl Heartbeat {
-    pub fn new(config: &AgentConfig, agents: Store, slots: Slots, started_at: UnixMillis) -> Self {
+    pub fn new(
+        config: &AgentConfig,
+        agents: Store,
+        slots: Slots,
+        started_at: UnixMillis,
+        probe: Arc<Mutex<ProbeStatus>>,
+        ssh: Arc<SshInfo>,
+    ) -> Self {
         Heartbeat {
             agents,
             backing_id: config.backing_id.clone(),
@@ -57,14 +68,22 @@ impl Heartbeat {
             proc_root: PathBuf::from(PROC_ROOT),
             ttl: config.heartbeat_ttl,
             slots,
+            thresholds: config.thresholds,
+            probe,
+            ssh,
         }
     }
 
     /// The heartbeat as of now.
     pub fn record(&self, draining: bool) -> AgentHeartbeat {
-        let (health, errors) = health::read_health(&self.proc_root, &self.work_dir);
+        let (mut health, errors) = health::read_health(&self.proc_root, &self.work_dir);
         for err in errors {
             tracing::debug!(%err, "health figure unavailable");
+        }
+        let probe = self.probe.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(reason) = health::verdict(&health, &self.thresholds, &probe) {
+            health.healthy = false;
+            health.reason = Some(reason);
         }
         AgentHeartbeat {
             v: PROTOCOL_VERSION,
@@ -78,6 +97,10 @@ impl Heartbeat {
             health,
             slots: self.slots.reports(),
             draining,
+            dirty_slots: self.slots.dirty_slots(),
+            isolation: Some(self.slots.isolation_name().to_string()),
+            ssh_port: Some(self.ssh.port),
+            ssh_host_keys: self.ssh.host_keys.clone(),
         }
     }
 

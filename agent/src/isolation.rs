@@ -1,8 +1,9 @@
 //! How a slot is set up and torn down on the machine, behind [`SlotIsolation`].
 //!
 //! An implementation only does the mechanics for one slot; who may hold a slot is decided
-//! in [`crate::slots`]. [`WorkspaceOnly`] gives each slot a private directory and nothing
-//! else; a Linux implementation (one user and one cgroup per slot) comes later.
+//! in [`crate::slots`]. [`WorkspaceOnly`] (isolation mode `none`) gives each slot a
+//! private directory and nothing else; [`crate::user_isolation::UserIsolation`] (mode
+//! `users`) gives each slot its own Unix user and cgroup.
 //!
 //! On-disk layout under the work dir:
 //!
@@ -15,6 +16,7 @@
 //! The marker is written last (via a rename), so a slot whose prepare was interrupted has
 //! no marker and counts as free: its leftovers are wiped by the next prepare or release.
 
+use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::NodeId;
 use std::fs;
 use std::io::Write;
@@ -37,7 +39,7 @@ pub struct IsolationError {
 }
 
 impl IsolationError {
-    fn new(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Self {
+    pub(crate) fn new(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.to_path_buf();
         move |error| IsolationError {
             action,
@@ -58,7 +60,7 @@ pub struct FoundSlot {
 /// processes); callers run them off the async runtime. Calls for the same slot are
 /// never concurrent.
 pub trait SlotIsolation: Send + Sync + 'static {
-    /// Short name for logs (`workspace-only`).
+    /// The isolation mode, for logs and the heartbeat (`none`, `users`).
     fn name(&self) -> &'static str;
 
     /// The slot's workspace directory (whether or not it exists).
@@ -71,6 +73,7 @@ pub trait SlotIsolation: Send + Sync + 'static {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
+        limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError>;
 
     /// Removes everything of the slot and checks it is gone. Succeeds when there was
@@ -79,6 +82,28 @@ pub trait SlotIsolation: Send + Sync + 'static {
 
     /// The slots left prepared by a previous run of the agent.
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError>;
+
+    /// The Unix user of a prepared slot, when slots have their own users.
+    fn username(&self, _slot: u32) -> Option<String> {
+        None
+    }
+
+    /// Moves process `pid` of user `uid` into its slot's cgroup; returns the slot, or
+    /// `None` when `uid` is no slot's user.
+    fn place(&self, _uid: u32, _pid: i32) -> Result<Option<u32>, IsolationError> {
+        Ok(None)
+    }
+
+    /// Moves every process of a slot user that is not in its slot's cgroup into it
+    /// (the placement backstop); returns how many were moved.
+    fn sweep(&self) -> usize {
+        0
+    }
+
+    /// Kills every process of every slot (agent shutdown); workspaces stay.
+    fn stop_all(&self) -> Result<(), IsolationError> {
+        Ok(())
+    }
 }
 
 /// Isolation by directory only: each slot gets `<work-dir>/slots/<slot>/`, mode 0700.
@@ -98,7 +123,7 @@ impl WorkspaceOnly {
 
 impl SlotIsolation for WorkspaceOnly {
     fn name(&self) -> &'static str {
-        "workspace-only"
+        "none"
     }
 
     fn workspace(&self, slot: u32) -> PathBuf {
@@ -110,6 +135,7 @@ impl SlotIsolation for WorkspaceOnly {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
+        _limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
         self.destroy(slot)?;
@@ -178,7 +204,7 @@ impl SlotIsolation for WorkspaceOnly {
 }
 
 /// The node id in a marker file; `None` when there is no marker.
-fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
+pub(crate) fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
     let text = match fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -192,14 +218,14 @@ fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
     })
 }
 
-fn with_newline(s: &str) -> String {
+pub(crate) fn with_newline(s: &str) -> String {
     let mut s = s.trim_end().to_string();
     s.push('\n');
     s
 }
 
 /// Creates `dir` with mode 0700 (set explicitly, whatever the umask).
-fn make_private_dir(dir: &Path) -> Result<(), IsolationError> {
+pub(crate) fn make_private_dir(dir: &Path) -> Result<(), IsolationError> {
     fs::DirBuilder::new()
         .mode(WORKSPACE_MODE)
         .create(dir)
@@ -209,7 +235,7 @@ fn make_private_dir(dir: &Path) -> Result<(), IsolationError> {
 }
 
 /// Writes a new file with `mode` and syncs it.
-fn write_file(path: &Path, contents: &str, mode: u32) -> Result<(), IsolationError> {
+pub(crate) fn write_file(path: &Path, contents: &str, mode: u32) -> Result<(), IsolationError> {
     let mut file = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -238,7 +264,12 @@ mod tests {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
         let ws = iso
-            .create(3, &node("node-a"), Some("ssh-ed25519 AAAA me"))
+            .create(
+                3,
+                &node("node-a"),
+                Some("ssh-ed25519 AAAA me"),
+                &SlotLimits::default(),
+            )
             .unwrap();
         assert_eq!(ws, work.path().join("slots/3"));
         assert_eq!(mode(&ws), 0o700);
@@ -259,10 +290,14 @@ mod tests {
     fn create_wipes_leftovers_and_destroy_is_idempotent() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        let ws = iso.create(0, &node("node-a"), None).unwrap();
+        let ws = iso
+            .create(0, &node("node-a"), None, &SlotLimits::default())
+            .unwrap();
         fs::create_dir_all(ws.join("deep/er")).unwrap();
         fs::write(ws.join("deep/er/file"), "x").unwrap();
-        let ws = iso.create(0, &node("node-b"), None).unwrap();
+        let ws = iso
+            .create(0, &node("node-b"), None, &SlotLimits::default())
+            .unwrap();
         assert!(!ws.join("deep").exists());
         assert!(!ws.join(".ssh").exists());
         iso.destroy(0).unwrap();
@@ -275,8 +310,10 @@ mod tests {
     fn recover_skips_unmarked_and_foreign_entries() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        iso.create(1, &node("node-a"), None).unwrap();
-        iso.create(5, &node("node-b"), None).unwrap();
+        iso.create(1, &node("node-a"), None, &SlotLimits::default())
+            .unwrap();
+        iso.create(5, &node("node-b"), None, &SlotLimits::default())
+            .unwrap();
         fs::create_dir(work.path().join("slots/2")).unwrap();
         fs::create_dir(work.path().join("slots/notaslot")).unwrap();
         fs::create_dir(work.path().join("slots/4")).unwrap();

@@ -4,23 +4,33 @@
 //! Code map:
 //! - [`config`]: flags and the validated [`AgentConfig`];
 //! - [`health`]: figures from `/proc` and `statvfs`;
-//! - [`isolation`]: the [`isolation::SlotIsolation`] trait and its `workspace-only` impl;
-//! - [`slots`]: who holds which slot, and the prepare/release rules;
+//! - [`isolation`]: the [`isolation::SlotIsolation`] trait and its mode-`none` impl;
+//! - [`user_isolation`]: mode `users`, a Unix user and a cgroup per slot, built from
+//!   [`users`] (names, useradd/userdel, kill by uid) and [`cgroup`] (v2/v1 drivers);
+//! - [`enter`]: the placement socket and the `enter-slot` helper sshd runs for logins;
+//! - [`slots`]: who holds which slot, the prepare/release rules, dirty slots;
 //! - [`commands`]: serving `slotpool.agent.v1.<backing id>`;
-//! - [`heartbeat`]: the TTL'd record in the agents bucket.
+//! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
 //! The agent writes only its own heartbeat key and never wipes slots on its own: the
 //! launcher decides when a slot is released, even across agent restarts.
 
+pub mod cgroup;
 pub mod commands;
 pub mod config;
+pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
 pub mod slots;
+pub mod ssh;
+pub mod user_isolation;
+pub mod users;
 
 pub use config::{AgentConfig, Args};
 
+use config::{IsolationMode, ProbeConfig};
+use health::ProbeStatus;
 use heartbeat::Heartbeat;
 use isolation::{IsolationError, SlotIsolation, WorkspaceOnly};
 use slotpool_protocol::connect::{Bus, BusError};
@@ -28,16 +38,21 @@ use slotpool_protocol::layout::subjects;
 use slotpool_protocol::time::now_ms;
 use slots::Slots;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use user_isolation::UserIsolation;
 
 /// Longest wait for the command subscription to be set up.
 pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait at shutdown for replies and the last heartbeat to leave.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often processes of slot users outside their slot's cgroup are moved into it.
+pub const PLACEMENT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Where cgroup mounts are looked up.
+const PROC_ROOT: &str = "/proc";
 
 /// Why the agent stopped.
 #[derive(Debug, thiserror::Error)]
@@ -55,9 +70,13 @@ pub enum AgentError {
     SubscribeTimeout { subject: String, timeout: Duration },
     #[error("command subscription on {subject} ended: the NATS connection was closed")]
     CommandsEnded { subject: String },
+    #[error("setting up slot isolation: {0}")]
+    Isolation(IsolationError),
+    #[error("setting up login placement: {0}")]
+    Enter(enter::EnterError),
 }
 
-/// Runs the agent with `workspace-only` isolation until `shutdown` is cancelled.
+/// Runs the agent with the isolation `config` asks for until `shutdown` is cancelled.
 pub async fn run(
     config: AgentConfig,
     bus: Bus,
@@ -67,8 +86,91 @@ pub async fn run(
         path: config.work_dir.clone(),
         error,
     })?;
-    let isolation = Arc::new(WorkspaceOnly::new(&config.work_dir).map_err(AgentError::Slots)?);
+    let isolation: Arc<dyn SlotIsolation> = match config.isolation {
+        IsolationMode::None => {
+            tracing::warn!(
+                "ISOLATION IS OFF (--isolation none): slots share one user, see each other's \
+                 files and processes and have no resource limits; use this for development only"
+            );
+            Arc::new(WorkspaceOnly::new(&config.work_dir).map_err(AgentError::Slots)?)
+        }
+        IsolationMode::Users => {
+            let layout =
+                cgroup::detect(std::path::Path::new(PROC_ROOT)).map_err(AgentError::Isolation)?;
+            tracing::info!(
+                ?layout,
+                parent = config.cgroup_parent,
+                "cgroup layout detected"
+            );
+            let driver = cgroup::driver(&layout, &config.cgroup_parent);
+            Arc::new(
+                UserIsolation::new(
+                    &config.work_dir,
+                    config.namespace.clone(),
+                    config.backing_id.to_string(),
+                    driver,
+                )
+                .map_err(AgentError::Isolation)?,
+            )
+        }
+    };
     run_with(config, bus, isolation, shutdown).await
+}
+
+/// Runs the probe every interval until `shutdown`, recording its outcome and poking the
+/// heartbeat when it changes.
+async fn probe_loop(
+    probe: ProbeConfig,
+    status: Arc<Mutex<ProbeStatus>>,
+    poke: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let result = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = health::run_probe(&probe.command, probe.timeout) => r,
+        };
+        let new = match result {
+            Ok(()) => ProbeStatus::Passed,
+            Err(why) => ProbeStatus::Failed(why),
+        };
+        let old = std::mem::replace(
+            &mut *status.lock().unwrap_or_else(|e| e.into_inner()),
+            new.clone(),
+        );
+        if old != new {
+            match &new {
+                ProbeStatus::Failed(why) => {
+                    tracing::warn!(reason = why, "health probe failed: node unhealthy")
+                }
+                _ => tracing::info!("health probe passed"),
+            }
+            poke.notify_one();
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(probe.interval) => {}
+        }
+    }
+}
+
+/// Moves stray slot processes into their cgroups every [`PLACEMENT_SWEEP_INTERVAL`].
+async fn sweep_loop(isolation: Arc<dyn SlotIsolation>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(PLACEMENT_SWEEP_INTERVAL) => {}
+        }
+        let iso = isolation.clone();
+        match tokio::task::spawn_blocking(move || iso.sweep()).await {
+            Ok(0) => {}
+            Ok(moved) => tracing::info!(
+                moved,
+                "placement sweep moved slot processes into their cgroups"
+            ),
+            Err(err) => tracing::warn!(%err, "placement sweep failed"),
+        }
+    }
 }
 
 /// Runs the agent with the given isolation until `shutdown` is cancelled: recovers the
@@ -83,14 +185,37 @@ pub async fn run_with(
     let span = tracing::info_span!("agent", backing_id = %config.backing_id);
     async move {
         let started_at = now_ms();
-        let slots = Slots::recover(isolation, config.slots)
+        let slots = Slots::recover(isolation.clone(), config.slots)
             .await
+            .and_then(|s| s.with_dirty_dir(config.work_dir.join("dirty")))
             .map_err(AgentError::Slots)?;
+        let ssh = Arc::new(ssh::SshInfo {
+            port: config.ssh_port,
+            host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),
+        });
+        let background = shutdown.child_token();
+        let mut tasks = Vec::new();
+        if config.isolation == IsolationMode::Users {
+            let listener =
+                enter::bind(&config.run_dir, &config.namespace).map_err(AgentError::Enter)?;
+            let path = enter::socket_path(&config.run_dir, &config.namespace);
+            tracing::info!(socket = %path.display(), "login placement socket ready");
+            tasks.push(tokio::spawn(
+                enter::serve(listener, path, isolation.clone(), background.clone())
+                    .in_current_span(),
+            ));
+            tasks.push(tokio::spawn(
+                sweep_loop(isolation.clone(), background.clone()).in_current_span(),
+            ));
+        }
         tracing::info!(
             isolation = slots.isolation_name(),
             work_dir = %config.work_dir.display(),
             slots = config.slots,
             prepared = ?slots.reports(),
+            dirty = ?slots.dirty_slots(),
+            ssh_port = ssh.port,
+            ssh_host_keys = ssh.host_keys.len(),
             "agent starting"
         );
         // Subscribe before the first heartbeat, so a launcher that sees the heartbeat
@@ -104,8 +229,26 @@ pub async fn run_with(
             })?
             .map_err(AgentError::Subscribe)?;
 
-        let heartbeat = Heartbeat::new(&config, bus.agents.clone(), slots.clone(), started_at);
         let poke = Arc::new(Notify::new());
+        let probe_status = Arc::new(Mutex::new(match &config.probe {
+            Some(_) => ProbeStatus::Pending,
+            None => ProbeStatus::None,
+        }));
+        if let Some(probe) = config.probe.clone() {
+            tracing::info!(command = probe.command, interval = ?probe.interval, "health probe configured");
+            tasks.push(tokio::spawn(
+                probe_loop(probe, probe_status.clone(), poke.clone(), background.clone())
+                    .in_current_span(),
+            ));
+        }
+        let heartbeat = Heartbeat::new(
+            &config,
+            bus.agents.clone(),
+            slots.clone(),
+            started_at,
+            probe_status,
+            ssh.clone(),
+        );
         let stop_beating = shutdown.child_token();
         let beating = tokio::spawn(
             heartbeat::beat(
@@ -117,7 +260,8 @@ pub async fn run_with(
             .in_current_span(),
         );
 
-        let ended = commands::serve(&bus, &slots, config.slots, commands, poke, &shutdown).await;
+        let ended =
+            commands::serve(&bus, &slots, ssh, config.slots, commands, poke, &shutdown).await;
 
         stop_beating.cancel();
         if let Err(err) = beating.await {
@@ -126,6 +270,19 @@ pub async fn run_with(
         match heartbeat.send(true).await {
             Ok(revision) => tracing::info!(revision, "draining heartbeat written"),
             Err(err) => tracing::warn!(%err, "cannot write draining heartbeat"),
+        }
+        background.cancel();
+        for task in tasks {
+            if let Err(err) = task.await {
+                tracing::warn!(%err, "background task failed");
+            }
+        }
+        // No slot process outlives the agent; workspaces stay for a restarted agent.
+        let iso = isolation.clone();
+        match tokio::task::spawn_blocking(move || iso.stop_all()).await {
+            Ok(Ok(())) => tracing::info!("slot processes stopped"),
+            Ok(Err(err)) => tracing::error!(%err, "cannot stop every slot process"),
+            Err(err) => tracing::error!(%err, "stopping slot processes failed"),
         }
         match tokio::time::timeout(FLUSH_TIMEOUT, bus.flush()).await {
             Ok(Ok(())) => {}

@@ -1,9 +1,12 @@
 //! The `slotpool-agent` binary: flags, logging, signals and the NATS connection; the
 //! agent itself is [`slotpool_agent::run`].
+//!
+//! `slotpool-agent enter-slot [--run-dir DIR]` is the login helper sshd runs for slot
+//! users (see [`slotpool_agent::enter`]); it never connects to NATS.
 
 use anyhow::Context;
 use clap::Parser;
-use slotpool_agent::config::{Args, SECRET_ENV};
+use slotpool_agent::config::{Args, DEFAULT_RUN_DIR, SECRET_ENV};
 use slotpool_protocol::connect::Bus;
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -13,7 +16,29 @@ use tokio_util::sync::CancellationToken;
 /// Longest wait for the NATS connection and the buckets at start-up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// `slotpool-agent enter-slot`: put this login into its slot's cgroup, then run the shell.
+#[derive(Debug, Parser)]
+#[command(name = "slotpool-agent enter-slot")]
+struct EnterArgs {
+    /// Directory of the agents' placement sockets (the agent's --run-dir).
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_RUN_DIR)]
+    run_dir: std::path::PathBuf,
+}
+
+fn enter_slot() -> anyhow::Result<()> {
+    let args = EnterArgs::parse_from(std::env::args_os().skip(1));
+    let command = std::env::var("SSH_ORIGINAL_COMMAND").ok();
+    let err = slotpool_agent::enter::enter_slot(&args.run_dir, command);
+    Err(anyhow::Error::new(err).context("login refused"))
+}
+
 fn main() -> anyhow::Result<()> {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == "enter-slot")
+    {
+        return enter_slot();
+    }
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

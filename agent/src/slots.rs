@@ -10,12 +10,17 @@
 //!
 //! - once closed ([`Slots::close`]), new prepares are refused until [`Slots::open`];
 //!   closing waits for prepares already running, so its list of prepared slots is final.
+//! - a release that cannot clean its slot marks the slot **dirty**: a file
+//!   `<work-dir>/dirty/<slot>` holding the reason. A dirty slot is reported in the
+//!   heartbeat and refuses every prepare until an operator has looked at the machine and
+//!   deleted the file; a later release that does clean the slot still leaves the file.
 //!
 //! Callers must not run two operations on the same slot at once ([`crate::commands`]
 //! queues them per slot). The closed flag is kept in memory only: a restarted agent is
 //! open again.
 
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
+use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::SlotReport;
 use slotpool_protocol::NodeId;
 use std::collections::BTreeMap;
@@ -35,6 +40,12 @@ pub enum SlotError {
     },
     #[error("slot {slot} not prepared: this agent is closed to new slots")]
     Closed { slot: u32 },
+    #[error("slot {slot} is dirty (it could not be cleaned: {reason}); an operator must check it and remove {marker}")]
+    Dirty {
+        slot: u32,
+        reason: String,
+        marker: PathBuf,
+    },
     #[error("slot {slot}: {error}")]
     Isolation { slot: u32, error: IsolationError },
     #[error("slot {slot}: {action} task failed: {message}")]
@@ -167,11 +178,21 @@ pub enum ReleaseOutcome {
     HeldByOther(NodeId),
 }
 
+/// A prepared slot: where it is and whose it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedSlot {
+    pub workspace: PathBuf,
+    /// The slot's Unix user, with user isolation.
+    pub username: Option<String>,
+}
+
 /// The slot table and the isolation that carries out its decisions.
 #[derive(Clone)]
 pub struct Slots {
     table: Arc<Mutex<SlotTable>>,
     isolation: Arc<dyn SlotIsolation>,
+    /// Where dirty-slot markers live (`None`: slots are never marked dirty).
+    dirty_dir: Option<PathBuf>,
     /// Held shared by each prepare and exclusively by close/open, so closing waits for
     /// the prepares already running.
     gate: Arc<tokio::sync::RwLock<()>>,
@@ -198,8 +219,61 @@ impl Slots {
         Ok(Slots {
             table: Arc::new(Mutex::new(table)),
             isolation,
+            dirty_dir: None,
             gate: Arc::new(tokio::sync::RwLock::new(())),
         })
+    }
+
+    /// Keeps dirty-slot markers in `dir` (created if missing).
+    pub fn with_dirty_dir(mut self, dir: PathBuf) -> Result<Slots, IsolationError> {
+        std::fs::create_dir_all(&dir).map_err(IsolationError::new("creating", &dir))?;
+        self.dirty_dir = Some(dir);
+        Ok(self)
+    }
+
+    fn dirty_marker(&self, slot: u32) -> Option<PathBuf> {
+        self.dirty_dir.as_ref().map(|d| d.join(slot.to_string()))
+    }
+
+    /// Why `slot` is dirty, if it is.
+    fn dirty_reason(&self, slot: u32) -> Option<(String, PathBuf)> {
+        let marker = self.dirty_marker(slot)?;
+        match std::fs::read_to_string(&marker) {
+            Ok(reason) => Some((reason.trim().to_string(), marker)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => Some((format!("unreadable marker: {e}"), marker)),
+        }
+    }
+
+    /// The dirty slots, in order.
+    pub fn dirty_slots(&self) -> Vec<u32> {
+        let Some(dir) = &self.dirty_dir else {
+            return Vec::new();
+        };
+        let mut slots: Vec<u32> = std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        slots.sort_unstable();
+        slots
+    }
+
+    fn mark_dirty(&self, slot: u32, reason: &str) {
+        let Some(marker) = self.dirty_marker(slot) else {
+            return;
+        };
+        if let Err(err) = std::fs::write(&marker, format!("{reason}\n")) {
+            tracing::error!(slot, marker = %marker.display(), %err, "cannot write dirty-slot marker");
+        }
+    }
+
+    /// The isolation in use.
+    pub fn isolation(&self) -> &Arc<dyn SlotIsolation> {
+        &self.isolation
     }
 
     fn table(&self) -> std::sync::MutexGuard<'_, SlotTable> {
@@ -223,26 +297,40 @@ impl Slots {
         self.isolation.name()
     }
 
-    /// Makes `slot` ready for `node_id` and returns its workspace.
+    /// Makes `slot` ready for `node_id` and returns its workspace and user.
     pub async fn prepare(
         &self,
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<String>,
-    ) -> Result<PathBuf, SlotError> {
+        limits: SlotLimits,
+    ) -> Result<PreparedSlot, SlotError> {
         let _running = self.gate.read().await;
         let plan = self.table().plan_prepare(slot, node_id)?;
         if plan == PreparePlan::Reuse {
-            return Ok(self.isolation.workspace(slot));
+            return Ok(PreparedSlot {
+                workspace: self.isolation.workspace(slot),
+                username: self.isolation.username(slot),
+            });
+        }
+        if let Some((reason, marker)) = self.dirty_reason(slot) {
+            return Err(SlotError::Dirty {
+                slot,
+                reason,
+                marker,
+            });
         }
         let isolation = self.isolation.clone();
         let node = node_id.clone();
         let workspace = blocking(slot, "prepare", move || {
-            isolation.create(slot, &node, ssh_public_key.as_deref())
+            isolation.create(slot, &node, ssh_public_key.as_deref(), &limits)
         })
         .await?;
         self.table().mark_prepared(slot, node_id.clone());
-        Ok(workspace)
+        Ok(PreparedSlot {
+            workspace,
+            username: self.isolation.username(slot),
+        })
     }
 
     /// Refuses new prepares from now on, once the prepares running have finished; returns
@@ -270,8 +358,13 @@ impl Slots {
             ReleasePlan::Destroy => {}
         }
         let isolation = self.isolation.clone();
-        blocking(slot, "release", move || isolation.destroy(slot)).await?;
+        let result = blocking(slot, "release", move || isolation.destroy(slot)).await;
         self.table().mark_released(slot);
+        if let Err(err) = result {
+            tracing::error!(slot, %err, "slot could not be cleaned: marking it dirty");
+            self.mark_dirty(slot, &err.to_string());
+            return Err(err);
+        }
         Ok(ReleaseOutcome::Wiped)
     }
 }
@@ -296,6 +389,12 @@ async fn blocking<T: Send + 'static>(
 mod tests {
     use super::*;
     use crate::isolation::WorkspaceOnly;
+
+    const L: SlotLimits = SlotLimits {
+        cpu_millis: None,
+        memory_bytes: None,
+        pids: None,
+    };
 
     fn node(s: &str) -> NodeId {
         NodeId::parse(s).unwrap()
@@ -374,13 +473,13 @@ mod tests {
         let iso = Arc::new(WorkspaceOnly::new(work.path()).unwrap());
         let slots = Slots::recover(iso.clone(), 2).await.unwrap();
         let a = node("node-a");
-        let ws = slots.prepare(1, &a, None).await.unwrap();
+        let ws = slots.prepare(1, &a, None, L).await.unwrap().workspace;
         std::fs::write(ws.join("job-output"), "keep me").unwrap();
         // Re-preparing for the same node keeps the workspace as it is.
-        assert_eq!(slots.prepare(1, &a, None).await.unwrap(), ws);
+        assert_eq!(slots.prepare(1, &a, None, L).await.unwrap().workspace, ws);
         assert!(ws.join("job-output").exists());
         assert!(matches!(
-            slots.prepare(1, &node("node-b"), None).await,
+            slots.prepare(1, &node("node-b"), None, L).await,
             Err(SlotError::Held { .. })
         ));
 
@@ -398,13 +497,70 @@ mod tests {
         assert_eq!(slots.release(1, &a).await.unwrap(), ReleaseOutcome::Wiped);
         assert!(slots.reports().is_empty());
 
-        slots.prepare(0, &a, None).await.unwrap();
+        slots.prepare(0, &a, None, L).await.unwrap();
         assert_eq!(slots.close().await, vec![0]);
         assert!(matches!(
-            slots.prepare(1, &node("node-c"), None).await,
+            slots.prepare(1, &node("node-c"), None, L).await,
             Err(SlotError::Closed { slot: 1 })
         ));
         assert_eq!(slots.open().await, vec![0]);
-        slots.prepare(1, &node("node-c"), None).await.unwrap();
+        slots.prepare(1, &node("node-c"), None, L).await.unwrap();
+    }
+
+    /// An isolation whose destroy always fails, to see a slot marked dirty.
+    struct Unwipeable(WorkspaceOnly);
+
+    impl SlotIsolation for Unwipeable {
+        fn name(&self) -> &'static str {
+            "unwipeable"
+        }
+        fn workspace(&self, slot: u32) -> PathBuf {
+            self.0.workspace(slot)
+        }
+        fn create(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &SlotLimits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.0.create(slot, node_id, key, limits)
+        }
+        fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
+            Err(IsolationError::new("killing", &self.0.workspace(slot))(
+                std::io::Error::other("a process survived"),
+            ))
+        }
+        fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
+            self.0.recover()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slot_that_cannot_be_cleaned_is_dirty_until_an_operator_acts() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = Arc::new(Unwipeable(WorkspaceOnly::new(work.path()).unwrap()));
+        let slots = Slots::recover(iso, 2)
+            .await
+            .unwrap()
+            .with_dirty_dir(work.path().join("dirty"))
+            .unwrap();
+        let a = node("node-a");
+        slots.prepare(1, &a, None, L).await.unwrap();
+        assert!(slots.release(1, &a).await.is_err());
+        assert_eq!(slots.dirty_slots(), vec![1]);
+        let err = slots
+            .prepare(1, &node("node-b"), None, L)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, SlotError::Dirty { slot: 1, .. })
+                && err.to_string().contains("a process survived"),
+            "{err}"
+        );
+        slots.prepare(0, &node("node-b"), None, L).await.unwrap();
+        std::fs::remove_file(work.path().join("dirty/1")).unwrap();
+        assert!(slots.dirty_slots().is_empty());
+        slots.prepare(1, &node("node-c"), None, L).await.unwrap();
     }
 }

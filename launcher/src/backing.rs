@@ -6,7 +6,7 @@ use crate::events;
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
-use crate::provider::LaunchSpec;
+use crate::provider::{LaunchSpec, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
@@ -108,6 +108,18 @@ impl Worker {
         }
     }
 
+    /// Sends `close` or `open` to the node's agent.
+    async fn agent_command(
+        &self,
+        b: &BackingNode,
+        cmd: AgentCommand,
+    ) -> Result<SlotsClosed, slotpool_protocol::connect::BusError> {
+        self.sh
+            .bus
+            .call(&subjects::agent(&b.id), &cmd, AGENT_COMMAND_TIMEOUT)
+            .await
+    }
+
     /// Reads the record from KV into the mirror.
     async fn refresh(&self) {
         match self.sh.bus.backing.get::<BackingNode>(&self.seat_key).await {
@@ -155,6 +167,14 @@ impl Worker {
             Step::Wait(at) => Ok(Outcome::Wait(at)),
             Step::Launch { retry_reason } => self.launch(b, retry_reason).await,
             Step::BecomeReady => {
+                // An agent that outlived an earlier release of this seat (a static host)
+                // is still closed to new slots: open it first.
+                if let Err(err) = self.agent_command(&b.value, AgentCommand::Open).await {
+                    tracing::warn!(%err, "agent did not confirm open; will retry");
+                    return Ok(Outcome::Wait(Some(
+                        now + STEP_RETRY_PAUSE.as_millis() as u64,
+                    )));
+                }
                 tracing::info!("ready");
                 let outcome = self
                     .write(b, BackingState::Ready, |n| {
@@ -260,7 +280,11 @@ impl Worker {
         };
         let Outcome::Continue = self
             .write(b, BackingState::Launching, |n| {
-                n.attempts += 1;
+                // An attempt refused for capacity is not counted against launch-retries.
+                if !n.out_of_capacity {
+                    n.attempts += 1;
+                }
+                n.out_of_capacity = false;
                 n.launched_at = Some(now_ms());
                 n.instance = None;
                 n.failure = None;
@@ -309,13 +333,26 @@ impl Worker {
                 Ok(outcome)
             }
             Ok(Err(err)) => {
-                tracing::warn!(%err, "launch failed");
-                self.note(
-                    b,
-                    format!("launch attempt {} failed: {err}", current.value.attempts),
-                );
+                let capacity = matches!(err, ProviderError::Capacity { .. });
+                if capacity {
+                    tracing::warn!(%err, backoff = ?lifecycle::CAPACITY_BACKOFF, "provider out of capacity; will ask again");
+                    self.note(
+                        b,
+                        format!(
+                            "provider out of capacity, asking again in {}s: {err}",
+                            lifecycle::CAPACITY_BACKOFF.as_secs()
+                        ),
+                    );
+                } else {
+                    tracing::warn!(%err, "launch failed");
+                    self.note(
+                        b,
+                        format!("launch attempt {} failed: {err}", current.value.attempts),
+                    );
+                }
                 self.write(&current, BackingState::Launching, |n| {
-                    n.failure = Some(err.to_string())
+                    n.failure = Some(err.to_string());
+                    n.out_of_capacity = capacity;
                 })
                 .await
             }
@@ -336,27 +373,13 @@ impl Worker {
         let v = &b.value;
         let agent_up = self.sh.world().agents.contains_key(&v.id);
         if agent_up {
-            let subject = subjects::agent(&v.id);
-            match self
-                .sh
-                .bus
-                .call::<_, SlotsClosed>(&subject, &AgentCommand::Close, AGENT_COMMAND_TIMEOUT)
-                .await
-            {
+            match self.agent_command(v, AgentCommand::Close).await {
                 Ok(closed)
                     if closed.prepared.is_empty() && self.sh.world().used_count(&v.id) == 0 => {}
                 Ok(closed) => {
                     tracing::info!(prepared = ?closed.prepared, "a slot was claimed meanwhile; release aborted");
                     self.note(b, "release aborted: a slot was claimed meanwhile");
-                    let _ = self
-                        .sh
-                        .bus
-                        .call::<_, SlotsClosed>(
-                            &subject,
-                            &AgentCommand::Open,
-                            AGENT_COMMAND_TIMEOUT,
-                        )
-                        .await;
+                    let _ = self.agent_command(v, AgentCommand::Open).await;
                     return self
                         .write(b, BackingState::Ready, |n| n.idle_since = None)
                         .await;

@@ -18,6 +18,7 @@
 
 use serde::Deserialize;
 use serde_saphyr::Spanned;
+use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::ids::is_key_token;
 use slotpool_protocol::model::Attributes;
 use std::collections::BTreeMap;
@@ -143,6 +144,18 @@ struct RawLabel {
     max_age: u64,
     #[serde(default)]
     node_attributes: Attributes,
+    #[serde(default)]
+    limits: Option<Spanned<RawLimits>>,
+    #[serde(default)]
+    host_key_checking: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawLimits {
+    cpu: Option<f64>,
+    memory_mb: Option<u64>,
+    pids: Option<u32>,
 }
 
 fn default_priority() -> i32 {
@@ -228,6 +241,10 @@ pub struct LabelConfig {
     /// Zero: no maximum age.
     pub max_age: Duration,
     pub node_attributes: Attributes,
+    /// Resource limits of each slot's cgroup, sent to the agent on prepare.
+    pub limits: SlotLimits,
+    /// Check the backing node's SSH host keys with a key scan before handing out a slot.
+    pub host_key_checking: bool,
 }
 
 /// Where a label is served: a provider's pool.
@@ -531,6 +548,33 @@ impl Validator<'_> {
         Ok(hosts)
     }
 
+    fn limits(&self, raw: &Spanned<RawLimits>) -> Result<SlotLimits, ConfigError> {
+        let l = &raw.value;
+        let cpu_millis = match l.cpu {
+            None => None,
+            Some(cpu) if cpu.is_finite() && (0.01..=4096.0).contains(&cpu) => {
+                Some((cpu * 1000.0).round() as u32)
+            }
+            Some(cpu) => {
+                return Err(self.at(
+                    raw,
+                    format!("limits.cpu must be 0.01 to 4096 CPUs, got {cpu}"),
+                ))
+            }
+        };
+        if l.memory_mb == Some(0) {
+            return Err(self.at(raw, "limits.memory-mb must be at least 1"));
+        }
+        if l.pids == Some(0) {
+            return Err(self.at(raw, "limits.pids must be at least 1"));
+        }
+        Ok(SlotLimits {
+            cpu_millis,
+            memory_bytes: l.memory_mb.map(|mb| mb.saturating_mul(1024 * 1024)),
+            pids: l.pids,
+        })
+    }
+
     fn pool(&self, p: RawPool) -> Result<PoolConfig, ConfigError> {
         let name = self.name("pool", &p.name)?;
         if p.max_servers.value == 0 || p.max_servers.value > 100_000 {
@@ -573,6 +617,10 @@ impl Validator<'_> {
                     ),
                 ));
             }
+            let limits = match &l.limits {
+                None => SlotLimits::default(),
+                Some(raw) => self.limits(raw)?,
+            };
             labels.push(LabelConfig {
                 name: label_name,
                 backing_label: l.backing_label,
@@ -581,6 +629,8 @@ impl Validator<'_> {
                 min_retention_time: Duration::from_secs(l.min_retention_time),
                 max_age: Duration::from_secs(l.max_age),
                 node_attributes: l.node_attributes,
+                limits,
+                host_key_checking: l.host_key_checking,
             });
         }
         Ok(PoolConfig {
@@ -663,6 +713,40 @@ providers:
             err.starts_with("pool.yaml:10:") && err.contains("invalid label name \"sm.all\""),
             "{err}"
         );
+    }
+
+    #[test]
+    fn limits_and_host_key_checking() {
+        let text = GOOD.replace(
+            "node-attributes: {zone: a}",
+            "node-attributes: {zone: a}\n            limits: {cpu: 1.5, memory-mb: 512, pids: 64}\n            host-key-checking: true",
+        );
+        let c = parse(&text).unwrap();
+        let label = c.sites("small")[0].label;
+        assert_eq!(
+            label.limits,
+            SlotLimits {
+                cpu_millis: Some(1500),
+                memory_bytes: Some(512 << 20),
+                pids: Some(64)
+            }
+        );
+        assert!(label.host_key_checking);
+        let plain = parse(GOOD).unwrap();
+        assert!(plain.sites("small")[0].label.limits.is_empty());
+        assert!(!plain.sites("small")[0].label.host_key_checking);
+        let bad = GOOD.replace(
+            "node-attributes: {zone: a}",
+            "node-attributes: {zone: a}\n            limits: {pids: 0}",
+        );
+        let err = parse(&bad).unwrap_err().to_string();
+        assert!(err.starts_with("pool.yaml:15:21: limits.pids"), "{err}");
+        let typo = GOOD.replace(
+            "node-attributes: {zone: a}",
+            "node-attributes: {zone: a}\n            limits: {memory: 5}",
+        );
+        let err = parse(&typo).unwrap_err().to_string();
+        assert!(err.contains("unknown field `memory`"), "{err}");
     }
 
     #[test]

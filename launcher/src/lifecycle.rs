@@ -10,6 +10,8 @@ use std::time::Duration;
 pub const FAILED_RETENTION: Duration = Duration::from_secs(600);
 /// How long a failed seat rests before the planner launches into it again (quota back-off).
 pub const FAILED_SEAT_COOLDOWN: Duration = Duration::from_secs(10);
+/// How long after a launch refused for capacity the launcher asks the provider again.
+pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
 
 /// What is known of a backing node's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -162,6 +164,16 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
     let Some(launched_at) = b.launched_at else {
         return retry_or_fail("launch was interrupted".into());
     };
+    if b.instance.is_none() && b.out_of_capacity {
+        // Quota back-off: ask again later; requests keep waiting meanwhile.
+        let again = after(launched_at, CAPACITY_BACKOFF);
+        if obs.now < again {
+            return Step::Wait(Some(again));
+        }
+        return Step::Launch {
+            retry_reason: b.failure.clone(),
+        };
+    }
     if b.instance.is_none() {
         // The attempt failed (failure says why) or its launcher died before recording it.
         let reason = b
@@ -270,6 +282,7 @@ mod tests {
             ready_at: Some(2_000),
             idle_since: Some(10_000),
             attempts: 1,
+            out_of_capacity: false,
             failure: None,
             attributes: Default::default(),
             order: None,
@@ -285,6 +298,27 @@ mod tests {
             rules: Some(rules()),
             now,
         }
+    }
+
+    #[test]
+    fn out_of_capacity_backs_off_and_retries_without_failing() {
+        let mut b = node(BackingState::Launching);
+        b.launched_at = Some(1_000);
+        b.attempts = rules().launch_retries; // no counted attempts left
+        b.out_of_capacity = true;
+        b.instance = None;
+        b.failure = Some("quota exceeded".into());
+        let backoff = CAPACITY_BACKOFF.as_millis() as u64;
+        assert_eq!(
+            next(&b, &obs(1_000 + backoff - 1, 0)),
+            Step::Wait(Some(1_000 + backoff))
+        );
+        assert_eq!(
+            next(&b, &obs(1_000 + backoff, 0)),
+            Step::Launch {
+                retry_reason: Some("quota exceeded".into())
+            }
+        );
     }
 
     #[test]

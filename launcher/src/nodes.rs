@@ -1,13 +1,18 @@
 //! Operations on one slot: claim it for a request, have its agent prepare it, release it.
 //! Each is a revision-checked write; a slot key is created only if absent, which is what
 //! makes double-booking impossible across any number of launchers.
+//!
+//! With `host-key-checking: true` on the label, a prepared slot is handed out only after
+//! a real key scan (`ssh-keyscan`) of the node's host and port finds keys the agent
+//! reported; otherwise the slot is given back and the backing node is marked failed.
 
 use crate::shared::Shared;
 use crate::world::SlotRef;
+use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::api::{AgentCommand, SlotPrepared};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::layout::subjects;
-use slotpool_protocol::model::{Node, NodeRequest, NodeState};
+use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, NodeState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
@@ -16,6 +21,8 @@ use std::time::Duration;
 
 /// How long an agent may take to prepare or release a slot.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a host key scan may take.
+pub const KEYSCAN_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SlotError {
@@ -28,6 +35,11 @@ pub enum SlotError {
     },
     #[error("backing node {0} is gone")]
     BackingGone(BackingId),
+    #[error("backing node {backing_id}: host key check failed: {reason}")]
+    HostKey {
+        backing_id: BackingId,
+        reason: String,
+    },
 }
 
 /// Claims `slot` for node `index` of `request`: creates the slot key (fails with a
@@ -74,6 +86,9 @@ pub async fn claim(
         attributes,
         allocated_at: now_ms(),
         failure: None,
+        username: None,
+        port: None,
+        host_keys: Vec::new(),
     };
     let key = slot.key();
     let revision = shared.bus.slots.create(&key, &node, None).await?;
@@ -90,10 +105,12 @@ pub async fn prepare(
     node: Versioned<Node>,
     ssh_public_key: Option<String>,
 ) -> Result<Versioned<Node>, SlotError> {
+    let (limits, host_key_checking, seat_key) = label_settings(shared, &node.value);
     let cmd = AgentCommand::PrepareSlot {
         slot: node.value.slot,
         node_id: node.value.id.clone(),
         ssh_public_key,
+        limits,
     };
     let prepared: SlotPrepared = shared
         .bus
@@ -107,9 +124,28 @@ pub async fn prepare(
             backing_id: node.value.backing_id.clone(),
             source,
         })?;
+    if host_key_checking {
+        let port = prepared.port.unwrap_or(22);
+        if let Err(reason) = check_host_keys(&node.value.host, port, &prepared.host_keys).await {
+            let backing_id = node.value.backing_id.clone();
+            tracing::warn!(%backing_id, %reason, "host key check failed: no more slots on this backing node");
+            if let Some(seat_key) = seat_key {
+                fail_backing(
+                    shared,
+                    &seat_key,
+                    &format!("host key check failed: {reason}"),
+                )
+                .await;
+            }
+            return Err(SlotError::HostKey { backing_id, reason });
+        }
+    }
     let mut ready = node.value.clone();
     ready.state = NodeState::Ready;
     ready.workspace = Some(prepared.workspace);
+    ready.username = prepared.username;
+    ready.port = prepared.port;
+    ready.host_keys = prepared.host_keys;
     let revision = shared
         .bus
         .slots
@@ -120,6 +156,109 @@ pub async fn prepare(
         revision,
         value: ready,
     })
+}
+
+/// The label's limits and host-key-checking, and the seat key of the node's backing node.
+fn label_settings(shared: &Shared, node: &Node) -> (SlotLimits, bool, Option<String>) {
+    let world = shared.world();
+    let Some(b) = world.backing_by_id(&node.backing_id) else {
+        return (SlotLimits::default(), false, None);
+    };
+    let seat_key = Some(b.key.clone());
+    match shared
+        .config
+        .label_in(&b.value.provider, &b.value.pool, &b.value.label)
+    {
+        Some(site) => (site.label.limits, site.label.host_key_checking, seat_key),
+        None => (SlotLimits::default(), false, seat_key),
+    }
+}
+
+/// `<type> <base64>` pairs in `ssh-keyscan` output (`<host> <type> <base64>` lines).
+pub fn parse_keyscan(output: &str) -> Vec<String> {
+    output
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let mut parts = l.split_whitespace();
+            let _host = parts.next()?;
+            Some(format!("{} {}", parts.next()?, parts.next()?))
+        })
+        .collect()
+}
+
+/// Whether every scanned key is one the agent reported (and at least one was scanned).
+pub fn keys_match(scanned: &[String], reported: &[String]) -> Result<(), String> {
+    if reported.is_empty() {
+        return Err("the agent reported no host keys".into());
+    }
+    if scanned.is_empty() {
+        return Err("the key scan found no host keys".into());
+    }
+    let reported: Vec<String> = reported
+        .iter()
+        .filter_map(|k| {
+            let mut p = k.split_whitespace();
+            Some(format!("{} {}", p.next()?, p.next()?))
+        })
+        .collect();
+    match scanned.iter().find(|k| !reported.contains(k)) {
+        Some(k) => Err(format!(
+            "the host presents a {} key the agent did not report",
+            k.split(' ').next().unwrap_or("?")
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Scans `host:port` with `ssh-keyscan` and compares the keys with `reported`.
+async fn check_host_keys(host: &str, port: u16, reported: &[String]) -> Result<(), String> {
+    let scan = tokio::process::Command::new("ssh-keyscan")
+        .args(["-T", "5", "-p", &port.to_string(), host])
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = match tokio::time::timeout(KEYSCAN_TIMEOUT, scan).await {
+        Err(_) => {
+            return Err(format!(
+                "ssh-keyscan of {host}:{port} took over {KEYSCAN_TIMEOUT:?}"
+            ))
+        }
+        Ok(Err(err)) => return Err(format!("running ssh-keyscan: {err}")),
+        Ok(Ok(out)) => out,
+    };
+    let scanned = parse_keyscan(&String::from_utf8_lossy(&out.stdout));
+    keys_match(&scanned, reported).map_err(|e| format!("{host}:{port}: {e}"))
+}
+
+/// Marks a ready backing node failed (revision-checked; a conflict means someone else
+/// changed it first, and the next prepare checks again).
+async fn fail_backing(shared: &Shared, seat_key: &str, reason: &str) {
+    let current = match shared.bus.backing.get::<BackingNode>(seat_key).await {
+        Ok(Some(b)) => b,
+        Ok(None) => return,
+        Err(err) => {
+            tracing::warn!(seat_key, %err, "cannot read backing node to mark it failed");
+            return;
+        }
+    };
+    if !current.value.state.can_become(BackingState::Failed)
+        || current.value.state == BackingState::Failed
+    {
+        return;
+    }
+    let mut failed = current.value.clone();
+    failed.state = BackingState::Failed;
+    failed.failure = Some(reason.to_string());
+    failed.updated_at = now_ms();
+    if let Err(err) = shared
+        .bus
+        .backing
+        .update(seat_key, &failed, current.revision, None)
+        .await
+    {
+        tracing::warn!(seat_key, %err, "cannot mark backing node failed");
+    }
 }
 
 /// Returns a slot to its backing node: marks the node releasing, has the agent clean the
@@ -194,5 +333,29 @@ pub async fn mark_failed(
     {
         Ok(_) | Err(KvError::Conflict { .. }) => Ok(()),
         Err(err) => Err(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyscan_output_is_compared_with_reported_keys() {
+        let out = "# 127.0.0.1:2222 SSH-2.0-OpenSSH_9.2\n[127.0.0.1]:2222 ssh-ed25519 AAAAC3\n[127.0.0.1]:2222 ssh-rsa AAAAB3\n";
+        let scanned = parse_keyscan(out);
+        assert_eq!(scanned, vec!["ssh-ed25519 AAAAC3", "ssh-rsa AAAAB3"]);
+        let reported = vec![
+            "ssh-rsa AAAAB3".to_string(),
+            "ssh-ed25519 AAAAC3 root@h".to_string(),
+        ];
+        assert_eq!(keys_match(&scanned, &reported), Ok(()));
+        let err = keys_match(&scanned, &reported[..1]).unwrap_err();
+        assert!(
+            err.contains("ssh-ed25519 key the agent did not report"),
+            "{err}"
+        );
+        assert!(keys_match(&[], &reported).is_err());
+        assert!(keys_match(&scanned, &[]).is_err());
     }
 }

@@ -96,6 +96,7 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
                 ready_at: None,
                 idle_since: None,
                 attempts: 0,
+                out_of_capacity: false,
                 failure: None,
                 attributes: Default::default(),
                 order: None,

@@ -246,6 +246,11 @@ impl Worker {
                 nodes::release(&self.sh, &key).await?;
                 Ok(false)
             }
+            Err(err @ SlotError::HostKey { .. }) => {
+                tracing::warn!(%err, "giving the slot back");
+                nodes::release(&self.sh, &key).await?;
+                Ok(false)
+            }
             Err(err) => Err(err),
         }
     }
@@ -380,6 +385,15 @@ impl Worker {
                 && matches!(b.state, BackingState::Requested | BackingState::Launching)
         });
         if let Some(b) = booting {
+            if b.out_of_capacity {
+                return format!(
+                    "waiting for capacity: provider {} is out of capacity for {} ({}); asking again every {}s {progress}",
+                    b.provider,
+                    b.backing_label,
+                    b.failure.as_deref().unwrap_or("no reason given"),
+                    crate::lifecycle::CAPACITY_BACKOFF.as_secs()
+                );
+            }
             return format!(
                 "waiting for a backing node of {} to boot {progress}",
                 b.backing_label

@@ -252,10 +252,18 @@ impl World {
         Some(r)
     }
 
+    /// The lowest slot that is neither used, reserved, nor reported dirty by the agent
+    /// (a dirty slot is never handed out again until an operator acts).
     fn first_free(&self, b: &BackingNode) -> Option<u32> {
         let used = self.used.get(&b.id);
+        let dirty = self
+            .agents
+            .get(&b.id)
+            .map(|a| a.dirty_slots.as_slice())
+            .unwrap_or_default();
         (0..b.slots).find(|s| {
             !used.is_some_and(|u| u.contains(s))
+                && !dirty.contains(s)
                 && !self.reserved.contains(&layout::slot_key(&b.id, *s))
         })
     }
@@ -370,6 +378,7 @@ pub mod tests_support {
                 ready_at: None,
                 idle_since: None,
                 attempts: 1,
+                out_of_capacity: false,
                 failure: None,
                 attributes: Default::default(),
                 order: None,
@@ -394,6 +403,10 @@ pub mod tests_support {
             },
             slots: vec![],
             draining: false,
+            dirty_slots: vec![],
+            isolation: None,
+            ssh_port: None,
+            ssh_host_keys: vec![],
         }
     }
 }
@@ -424,6 +437,9 @@ mod tests {
                 attributes: Default::default(),
                 allocated_at: 0,
                 failure: None,
+                username: None,
+                port: None,
+                host_keys: vec![],
             },
         }
     }
@@ -448,6 +464,23 @@ mod tests {
             ("bn-b", 2),
             "a reserved slot is not handed out twice"
         );
+    }
+
+    #[test]
+    fn dirty_slots_are_never_handed_out() {
+        let mut w = World::default();
+        w.put_backing(backing("bn-a", "small", 3, BackingState::Ready));
+        let mut a = agent("bn-a");
+        a.dirty_slots = vec![0, 2];
+        w.put_agent(a);
+        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        assert_eq!(r.slot, 1);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        let mut unhealthy = agent("bn-a");
+        unhealthy.health.healthy = false;
+        w.put_agent(unhealthy);
+        w.unreserve(&r);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
     }
 
     #[test]

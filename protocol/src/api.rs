@@ -183,6 +183,9 @@ pub enum AgentCommand {
         node_id: NodeId,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ssh_public_key: Option<String>,
+        /// Resource limits of the slot's cgroup (from the label's `limits`).
+        #[serde(default, skip_serializing_if = "SlotLimits::is_empty")]
+        limits: SlotLimits,
     },
     /// Kill everything of the slot and wipe it (idempotent; tolerates a slot never prepared).
     ReleaseSlot { slot: u32, node_id: NodeId },
@@ -200,8 +203,38 @@ pub struct SlotsClosed {
     pub prepared: Vec<u32>,
 }
 
-/// Reply to [`AgentCommand`].
+/// Resource limits of one slot; a missing field means no limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotLimits {
+    /// CPU time in thousandths of a CPU (1500 = one and a half CPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u32>,
+    /// Memory (RAM) in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Most processes and threads at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u32>,
+}
+
+impl SlotLimits {
+    pub fn is_empty(&self) -> bool {
+        *self == SlotLimits::default()
+    }
+}
+
+/// Reply to [`AgentCommand::PrepareSlot`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotPrepared {
     pub workspace: String,
+    /// The slot's Unix user (with user isolation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// The SSH port to log in on, when the agent reports one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The host's SSH host public keys, one `<type> <base64>` line each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_keys: Vec<String>,
 }

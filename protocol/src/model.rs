@@ -104,6 +104,15 @@ pub struct Node {
     pub allocated_at: UnixMillis,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// The slot's Unix user on the backing node (set once prepared, with user isolation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// The SSH port of the backing node (set once prepared, when the agent reports one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The backing node's SSH host public keys, one `<type> <base64>` line each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_keys: Vec<String>,
 }
 
 /// Lifecycle of a [`BackingNode`]. Allowed transitions (see [`BackingState::can_become`]):
@@ -215,9 +224,13 @@ pub struct BackingNode {
     /// When its last slot was returned (grace-time counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_since: Option<UnixMillis>,
-    /// Launch attempts made so far.
+    /// Launch attempts made so far (attempts refused for capacity do not count).
     #[serde(default)]
     pub attempts: u32,
+    /// The last launch attempt was refused because the provider is out of quota or
+    /// capacity: the launcher tries again after a back-off, without counting the attempt.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub out_of_capacity: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
     #[serde(default)]
@@ -363,6 +376,18 @@ pub struct AgentHeartbeat {
     /// True once the agent is shutting down.
     #[serde(default)]
     pub draining: bool,
+    /// Slots that could not be cleaned: never handed out again until an operator acts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dirty_slots: Vec<u32>,
+    /// How slots are isolated (`users` or `none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<String>,
+    /// The SSH port slot users log in on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_port: Option<u16>,
+    /// The host's SSH host public keys, one `<type> <base64>` line each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ssh_host_keys: Vec<String>,
 }
 
 /// A launcher's claim on a piece of work; its KV revision is the fencing token.
@@ -391,7 +416,11 @@ mod tests {
         assert!(Failed.can_become(Requested));
         assert!(!Ready.can_become(Requested));
         assert!(!Gone.can_become(Ready));
-        assert!(!Releasing.can_become(Ready));
+        assert!(
+            Releasing.can_become(Ready),
+            "a release aborted by a late claim"
+        );
+        assert!(!Releasing.can_become(Launching));
         assert!(Ready.takes_slots() && !Retiring.takes_slots());
     }
 

@@ -13,8 +13,17 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use tempfile::TempDir;
 
-/// Agents in tests heartbeat fast so a dead one is noticed quickly.
-pub const AGENT_ARGS: &str = r#"["--heartbeat-interval-ms", "300", "--heartbeat-ttl-secs", "2"]"#;
+/// Agents in tests heartbeat fast so a dead one is noticed quickly. They run without
+/// isolation unless a test asks for it ([`Pool::start_with`]): the isolation tests create
+/// users and cgroups with names of their own and clean them up ([`crate::IsolationEnv`]).
+pub const AGENT_ARGS: [&str; 6] = [
+    "--heartbeat-interval-ms",
+    "300",
+    "--heartbeat-ttl-secs",
+    "2",
+    "--isolation",
+    "none",
+];
 
 pub struct Pool {
     pub nats: NatsServer,
@@ -24,10 +33,22 @@ pub struct Pool {
     launchers: Vec<ChildGuard>,
 }
 
-/// A label line for [`Pool::start`]: `(name, max-parallel-jobs, grace-time, extra yaml)`.
+/// A launcher config with the local provider, [`AGENT_ARGS`] and `labels`.
 pub fn config_yaml(work_dir: &Path, max_servers: u32, lease_ttl: u32, labels: &str) -> String {
+    config_yaml_with(work_dir, max_servers, lease_ttl, labels, &AGENT_ARGS)
+}
+
+/// A launcher config with the local provider, the given agent args and `labels`.
+pub fn config_yaml_with(
+    work_dir: &Path,
+    max_servers: u32,
+    lease_ttl: u32,
+    labels: &str,
+    agent_args: &[&str],
+) -> String {
+    let agent_args = serde_json::to_string(agent_args).expect("args serialize");
     format!(
-        "launcher:\n  lease-ttl: {lease_ttl}\nproviders:\n  - name: local\n    driver: local\n    local:\n      work-dir: {}\n      agent-args: {AGENT_ARGS}\n    pools:\n      - name: main\n        max-servers: {max_servers}\n        boot-timeout: 20\n        labels:\n{labels}",
+        "launcher:\n  lease-ttl: {lease_ttl}\nproviders:\n  - name: local\n    driver: local\n    local:\n      work-dir: {}\n      agent-args: {agent_args}\n    pools:\n      - name: main\n        max-servers: {max_servers}\n        boot-timeout: 20\n        labels:\n{labels}",
         work_dir.display()
     )
 }
@@ -44,6 +65,17 @@ pub fn label(name: &str, slots: u32, grace: u32, extra: &[&str]) -> String {
 impl Pool {
     /// Starts a nats-server and `launchers` launcher processes on a config with `labels`.
     pub async fn start(max_servers: u32, lease_ttl: u32, labels: &str, launchers: usize) -> Pool {
+        Pool::start_with(max_servers, lease_ttl, labels, launchers, &AGENT_ARGS).await
+    }
+
+    /// [`Pool::start`] with the agents' arguments chosen by the test.
+    pub async fn start_with(
+        max_servers: u32,
+        lease_ttl: u32,
+        labels: &str,
+        launchers: usize,
+        agent_args: &[&str],
+    ) -> Pool {
         let nats = NatsServer::start().await;
         let dir = tempfile::Builder::new()
             .prefix("slotpool-pool-")
@@ -52,7 +84,13 @@ impl Pool {
         let config = dir.path().join("pool.yaml");
         std::fs::write(
             &config,
-            config_yaml(&dir.path().join("agents"), max_servers, lease_ttl, labels),
+            config_yaml_with(
+                &dir.path().join("agents"),
+                max_servers,
+                lease_ttl,
+                labels,
+                agent_args,
+            ),
         )
         .expect("writing config");
         let client = Client::from_bus(nats.bus().await);
@@ -77,6 +115,23 @@ impl Pool {
 
     pub fn work_dir(&self) -> PathBuf {
         self.dir.path().join("agents")
+    }
+
+    /// The pool's own temp dir (parent of [`Pool::work_dir`]).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The work dir of the agent of `backing_id`.
+    pub fn agent_dir(&self, backing_id: &str) -> PathBuf {
+        self.work_dir().join(backing_id)
+    }
+
+    /// Submits a request for `labels` carrying `ssh_public_key`.
+    pub async fn submit_with_key(&self, labels: &[&str], ssh_public_key: &str) -> RequestId {
+        let mut sub = submission(labels.iter().map(|s| s.to_string()).collect(), "test");
+        sub.ssh_public_key = Some(ssh_public_key.to_string());
+        self.client.submit(&sub).await.expect("submit")
     }
 
     /// Starts one more `slotpool serve`; returns its index.
@@ -110,18 +165,7 @@ impl Pool {
 
     /// Waits until some launcher answers the API.
     pub async fn wait_served(&self) {
-        crate::wait_for(
-            "a launcher to serve the API",
-            Duration::from_secs(30),
-            || async {
-                let probe = submission(vec![], "probe");
-                !matches!(
-                    self.client.submit(&probe).await,
-                    Err(slotpool_protocol::connect::BusError::NoResponders { .. })
-                )
-            },
-        )
-        .await;
+        wait_served(&self.client).await
     }
 
     /// Submits a request for `labels`.
@@ -194,6 +238,23 @@ impl Drop for Pool {
             }
         }
     }
+}
+
+/// Waits until some launcher answers the API (a probe submission gets any answer but
+/// "no responders").
+pub async fn wait_served(client: &Client) {
+    crate::wait_for(
+        "a launcher to serve the API",
+        Duration::from_secs(30),
+        || async {
+            let probe = submission(vec![], "probe");
+            !matches!(
+                client.submit(&probe).await,
+                Err(slotpool_protocol::connect::BusError::NoResponders { .. })
+            )
+        },
+    )
+    .await;
 }
 
 /// Kills every local agent whose pid file is under `work_dir` (checking its command line).

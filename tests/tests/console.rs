@@ -210,6 +210,7 @@ fn backing_record(seat: u32) -> BackingNode {
         failure: None,
         attributes: Default::default(),
         order: None,
+        out_of_capacity: false,
         updated_at: now,
     }
 }
@@ -250,6 +251,9 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
                         attributes: Default::default(),
                         allocated_at: b.created_at,
                         failure: None,
+                        username: None,
+                        port: None,
+                        host_keys: vec![],
                     };
                     let key = slotpool_protocol::layout::slot_key(&b.id, 0);
                     bus.slots

@@ -82,11 +82,7 @@ async fn expect_expiry(store: &Store, key: &str, revision: u64) {
 async fn create_succeeds_once_then_conflicts() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
-    let rev = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 1 }, None)
-        .await
-        .unwrap();
+    let rev = create_slot(&bus, 1).await;
     assert!(rev > 0);
     assert_conflict(
         bus.slots.create("bn-a.0", &Rec { n: 2 }, None).await,
@@ -101,18 +97,10 @@ async fn create_succeeds_once_then_conflicts() {
 async fn create_works_again_after_delete() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
-    let rev = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 1 }, None)
-        .await
-        .unwrap();
+    let rev = create_slot(&bus, 1).await;
     bus.slots.delete("bn-a.0", rev).await.unwrap();
     assert_eq!(bus.slots.get::<Rec>("bn-a.0").await.unwrap(), None);
-    let rev2 = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 2 }, None)
-        .await
-        .unwrap();
+    let rev2 = create_slot(&bus, 2).await;
     assert!(rev2 > rev);
     assert_conflict(
         bus.slots.create("bn-a.0", &Rec { n: 3 }, None).await,
@@ -131,11 +119,7 @@ async fn create_over_a_tombstone_keeps_the_ttl() {
     let key = "request.req-1";
     let rev = bus.leases.create(key, &Rec { n: 1 }, None).await.unwrap();
     bus.leases.delete(key, rev).await.unwrap();
-    let rev2 = bus
-        .leases
-        .create(key, &Rec { n: 2 }, Some(TTL))
-        .await
-        .unwrap();
+    let rev2 = take_lease(&bus, key, 2).await;
     expect_expiry(&bus.leases, key, rev2).await;
     assert_eq!(bus.leases.get::<Rec>(key).await.unwrap(), None);
 }
@@ -147,19 +131,11 @@ async fn ttl_expiry_is_a_removal_and_the_key_can_be_created_again() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
     let key = "backing.local.small.0";
-    let rev = bus
-        .leases
-        .create(key, &Rec { n: 1 }, Some(TTL))
-        .await
-        .unwrap();
+    let rev = take_lease(&bus, key, 1).await;
     expect_expiry(&bus.leases, key, rev).await;
     assert_eq!(bus.leases.get::<Rec>(key).await.unwrap(), None);
 
-    let rev2 = bus
-        .leases
-        .create(key, &Rec { n: 2 }, Some(TTL))
-        .await
-        .unwrap();
+    let rev2 = take_lease(&bus, key, 2).await;
     assert!(rev2 > rev);
     assert_conflict(
         bus.leases.create(key, &Rec { n: 3 }, Some(TTL)).await,
@@ -174,11 +150,7 @@ async fn update_with_ttl_keeps_the_key_expiring() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
     let key = "request.req-2";
-    let rev = bus
-        .leases
-        .create(key, &Rec { n: 1 }, Some(TTL))
-        .await
-        .unwrap();
+    let rev = take_lease(&bus, key, 1).await;
     let rev2 = bus
         .leases
         .update(key, &Rec { n: 2 }, rev, Some(TTL))
@@ -188,20 +160,32 @@ async fn update_with_ttl_keeps_the_key_expiring() {
     expect_expiry(&bus.leases, key, rev2).await;
 }
 
+/// Creates the slot key `bn-a.0`; returns its revision.
+async fn create_slot(bus: &Bus, n: u32) -> u64 {
+    bus.slots.create("bn-a.0", &Rec { n }, None).await.unwrap()
+}
+
+/// Creates the lease `key` (with the test TTL); returns its revision.
+async fn take_lease(bus: &Bus, key: &str, n: u32) -> u64 {
+    bus.leases.create(key, &Rec { n }, Some(TTL)).await.unwrap()
+}
+
+/// Creates `key` in the slots bucket and updates it once; returns both revisions.
+async fn written_twice(bus: &Bus, key: &str) -> (u64, u64) {
+    let rev1 = bus.slots.create(key, &Rec { n: 1 }, None).await.unwrap();
+    let rev2 = bus
+        .slots
+        .update(key, &Rec { n: 2 }, rev1, None)
+        .await
+        .unwrap();
+    (rev1, rev2)
+}
+
 #[tokio::test]
 async fn update_with_a_stale_revision_conflicts() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
-    let rev1 = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 1 }, None)
-        .await
-        .unwrap();
-    let rev2 = bus
-        .slots
-        .update("bn-a.0", &Rec { n: 2 }, rev1, None)
-        .await
-        .unwrap();
+    let (rev1, rev2) = written_twice(&bus, "bn-a.0").await;
     assert!(rev2 > rev1);
     assert_conflict(
         bus.slots.update("bn-a.0", &Rec { n: 3 }, rev1, None).await,
@@ -225,16 +209,7 @@ async fn update_with_a_stale_revision_conflicts() {
 async fn delete_with_a_stale_revision_conflicts() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
-    let rev1 = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 1 }, None)
-        .await
-        .unwrap();
-    let rev2 = bus
-        .slots
-        .update("bn-a.0", &Rec { n: 2 }, rev1, None)
-        .await
-        .unwrap();
+    let (rev1, rev2) = written_twice(&bus, "bn-a.0").await;
     assert_conflict(
         bus.slots.delete("bn-a.0", rev1).await,
         "delete at a stale revision",
@@ -295,11 +270,7 @@ async fn concurrent_creates_have_exactly_one_winner() {
 async fn concurrent_creates_over_a_tombstone_have_exactly_one_winner() {
     let server = NatsServer::start().await;
     let bus = server.bus().await;
-    let rev = bus
-        .slots
-        .create("bn-a.0", &Rec { n: 99 }, None)
-        .await
-        .unwrap();
+    let rev = create_slot(&bus, 99).await;
     bus.slots.delete("bn-a.0", rev).await.unwrap();
     race_creates(&server, "bn-a.0", None, |bus| &bus.slots).await;
 

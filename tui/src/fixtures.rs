@@ -42,6 +42,7 @@ pub fn backing(seat: u32, state: BackingState, slots: u32) -> BackingNode {
         failure: None,
         attributes: Default::default(),
         order: None,
+        out_of_capacity: false,
         updated_at: NOW - 60 * SEC,
     }
 }
@@ -66,6 +67,9 @@ pub fn node(b: &BackingNode, slot: u32, requestor: &str, allocated_at: u64) -> N
         attributes: Default::default(),
         allocated_at,
         failure: None,
+        username: None,
+        port: None,
+        host_keys: vec![],
     }
 }
 
@@ -85,6 +89,10 @@ pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
         },
         slots: vec![],
         draining: false,
+        dirty_slots: vec![],
+        isolation: None,
+        ssh_port: None,
+        ssh_host_keys: vec![],
     }
 }
 

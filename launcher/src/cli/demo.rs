@@ -53,6 +53,7 @@ providers:
     driver: local
     local:
       work-dir: WORK_DIR
+      agent-args: [--isolation, none]
     pools:
       - name: main
         max-servers: 3

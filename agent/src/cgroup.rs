@@ -1,0 +1,611 @@
+//! One cgroup per slot, behind [`CgroupDriver`]: create with limits, add a process, list
+//! its processes, kill them all, remove.
+//!
+//! **Detection** ([`detect`]) happens once at start-up from `/proc/self/mountinfo` and is
+//! logged:
+//! - **v2** when a `cgroup2` mount offers the `cpu`, `memory` and `pids` controllers in
+//!   its `cgroup.controllers` (a pure v2 host, or a hybrid one with controllers on v2);
+//! - otherwise **v1** when `cgroup` (v1) hierarchies carry `cpu`, `memory`, `pids` and
+//!   `freezer` (a hybrid host whose unified mount has no controllers delegated);
+//! - otherwise start-up fails, naming what is missing.
+//!
+//! Layout: `<mount>/<parent>/<name>` in v2; the same path in each of the cpu, memory, pids
+//! and freezer hierarchies in v1. `<parent>` is the agent's `--cgroup-parent` and `<name>`
+//! the slot's user name, so several agents on one host never share a group.
+//!
+//! **Kill** ([`CgroupDriver::kill_all`]): v2 writes `1` to `cgroup.kill` (Linux 5.14+) or
+//! else freezes the group; v1 freezes the group through the freezer hierarchy. While the
+//! group is frozen no process in it can fork, so one SIGKILL to every pid in
+//! `cgroup.procs` gets them all; the group is thawed (killed processes only die once
+//! thawed) and the whole round repeats until `cgroup.procs` is empty.
+//!
+//! Every function takes its roots as data ([`CgroupLayout`]), so unit tests run on a
+//! temp dir.
+
+use crate::isolation::IsolationError;
+use slotpool_protocol::api::SlotLimits;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Longest a kill or remove keeps retrying before it reports the group as not empty.
+pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause between rounds of a kill (or while a freeze settles).
+const KILL_ROUND_PAUSE: Duration = Duration::from_millis(5);
+/// CFS period used for the cpu limit, in microseconds.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// The v1 controllers a slot group lives in.
+pub const V1_CONTROLLERS: [&str; 4] = ["cpu", "memory", "pids", "freezer"];
+/// The v2 controllers slotpool needs enabled.
+pub const V2_CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
+
+/// Where the cgroup hierarchies are, as found by [`detect`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CgroupLayout {
+    /// The unified hierarchy mounted at `mount`.
+    V2 { mount: PathBuf },
+    /// v1 hierarchies: `(controller, mount)` for each of [`V1_CONTROLLERS`].
+    V1 { mounts: Vec<(String, PathBuf)> },
+}
+
+/// A mount from `/proc/self/mountinfo`: where, its type and its super options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountEntry {
+    pub mount_point: PathBuf,
+    pub fs_type: String,
+    pub super_options: Vec<String>,
+}
+
+/// The mounts in `/proc/self/mountinfo` text (octal escapes in paths decoded).
+pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mount_point = left.split(' ').nth(4)?;
+            let mut right = right.split(' ');
+            let fs_type = right.next()?.to_string();
+            let _source = right.next()?;
+            let super_options = right
+                .next()
+                .unwrap_or("")
+                .split(',')
+                .map(str::to_string)
+                .collect();
+            Some(MountEntry {
+                mount_point: PathBuf::from(unescape_octal(mount_point)),
+                fs_type,
+                super_options,
+            })
+        })
+        .collect()
+}
+
+fn unescape_octal(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 3 < bytes.len() {
+            if let Ok(v) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Picks v2 or v1 from the mounts; `read` reads a file (the v2 `cgroup.controllers`).
+pub fn choose_layout(
+    mounts: &[MountEntry],
+    read: impl Fn(&Path) -> Option<String>,
+) -> Result<CgroupLayout, String> {
+    let mut v2_note = String::from("no cgroup2 mount");
+    for m in mounts.iter().filter(|m| m.fs_type == "cgroup2") {
+        let controllers = read(&m.mount_point.join("cgroup.controllers")).unwrap_or_default();
+        let have: Vec<&str> = controllers.split_whitespace().collect();
+        let missing: Vec<&str> = V2_CONTROLLERS
+            .iter()
+            .copied()
+            .filter(|c| !have.contains(c))
+            .collect();
+        if missing.is_empty() {
+            return Ok(CgroupLayout::V2 {
+                mount: m.mount_point.clone(),
+            });
+        }
+        v2_note = format!(
+            "cgroup2 at {} lacks controllers {}",
+            m.mount_point.display(),
+            missing.join(",")
+        );
+    }
+    let mut v1 = Vec::new();
+    let mut missing = Vec::new();
+    for controller in V1_CONTROLLERS {
+        match mounts
+            .iter()
+            .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == controller))
+        {
+            Some(m) => v1.push((controller.to_string(), m.mount_point.clone())),
+            None => missing.push(controller),
+        }
+    }
+    if missing.is_empty() {
+        return Ok(CgroupLayout::V1 { mounts: v1 });
+    }
+    Err(format!(
+        "no usable cgroup hierarchy: {v2_note}, and no cgroup v1 hierarchy for {}",
+        missing.join(",")
+    ))
+}
+
+/// Detects the layout from `<proc_root>/self/mountinfo`.
+pub fn detect(proc_root: &Path) -> Result<CgroupLayout, IsolationError> {
+    let path = proc_root.join("self/mountinfo");
+    let text = fs::read_to_string(&path).map_err(IsolationError::new("reading", &path))?;
+    choose_layout(&parse_mountinfo(&text), |p| fs::read_to_string(p).ok())
+        .map_err(|message| IsolationError::new("detecting cgroups from", &path)(io_other(message)))
+}
+
+/// Builds the driver for a layout; groups go under `<mount>/<parent>/`.
+pub fn driver(layout: &CgroupLayout, parent: &str) -> Box<dyn CgroupDriver> {
+    match layout {
+        CgroupLayout::V2 { mount } => Box::new(CgroupV2 {
+            mount: mount.clone(),
+            parent: parent.to_string(),
+        }),
+        CgroupLayout::V1 { mounts } => Box::new(CgroupV1 {
+            mounts: mounts.clone(),
+            parent: parent.to_string(),
+        }),
+    }
+}
+
+/// One cgroup per slot. Calls block; `name` is a single path component.
+pub trait CgroupDriver: Send + Sync + 'static {
+    /// `v2` or `v1`, for logs.
+    fn version(&self) -> &'static str;
+    /// Creates the group (if absent) and applies `limits` (a missing limit means `max`).
+    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError>;
+    /// Moves process `pid` into the group.
+    fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError>;
+    /// The processes in the group (empty when it does not exist).
+    fn procs(&self, name: &str) -> Result<Vec<i32>, IsolationError>;
+    /// Kills every process in the group and waits until it is empty.
+    fn kill_all(&self, name: &str) -> Result<(), IsolationError>;
+    /// Removes the group (fine when it does not exist).
+    fn remove(&self, name: &str) -> Result<(), IsolationError>;
+    /// Every group directory of this parent, for logs and clean-up checks.
+    fn paths(&self, name: &str) -> Vec<PathBuf>;
+}
+
+fn io_other(message: impl Into<String>) -> std::io::Error {
+    std::io::Error::other(message.into())
+}
+
+/// Writes `value` to a control file; the error names the value and the file.
+fn write_control(path: &Path, value: &str) -> Result<(), IsolationError> {
+    fs::write(path, value).map_err(|error| IsolationError {
+        action: "writing",
+        path: path.to_path_buf(),
+        error: std::io::Error::new(error.kind(), format!("value {value:?}: {error}")),
+    })
+}
+
+fn read_pids(path: &Path) -> Result<Vec<i32>, IsolationError> {
+    match fs::read_to_string(path) {
+        Ok(text) => Ok(text
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(IsolationError::new("reading", path)(e)),
+    }
+}
+
+fn make_dir(path: &Path) -> Result<(), IsolationError> {
+    match fs::create_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(IsolationError::new("creating", path)(e)),
+    }
+}
+
+/// Removes a group directory, retrying while the kernel still counts exiting processes.
+fn remove_dir(path: &Path) -> Result<(), IsolationError> {
+    let deadline = Instant::now() + KILL_TIMEOUT;
+    loop {
+        match fs::remove_dir(path) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(KILL_ROUND_PAUSE)
+            }
+            Err(e) => return Err(IsolationError::new("removing cgroup", path)(e)),
+        }
+    }
+}
+
+fn sigkill_all(pids: &[i32]) {
+    for &pid in pids {
+        if pid > 1 {
+            // SAFETY: plain syscall; the pids come from the slot's own cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// The cpu quota (µs per [`CPU_PERIOD_US`]) for a limit in thousandths of a CPU.
+pub fn cpu_quota_us(cpu_millis: u32) -> u64 {
+    (u64::from(cpu_millis) * CPU_PERIOD_US / 1000).max(1000)
+}
+
+/// cgroup v2: one directory in the unified hierarchy.
+#[derive(Clone, Debug)]
+pub struct CgroupV2 {
+    pub mount: PathBuf,
+    pub parent: String,
+}
+
+impl CgroupV2 {
+    fn dir(&self, name: &str) -> PathBuf {
+        self.mount.join(&self.parent).join(name)
+    }
+
+    /// Enables the controllers for the children of `dir`.
+    fn delegate(dir: &Path) -> Result<(), IsolationError> {
+        let control = dir.join("cgroup.subtree_control");
+        let current = fs::read_to_string(&control).unwrap_or_default();
+        let wanted: Vec<String> = V2_CONTROLLERS
+            .iter()
+            .filter(|c| !current.split_whitespace().any(|x| x == **c))
+            .map(|c| format!("+{c}"))
+            .collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        write_control(&control, &wanted.join(" "))
+    }
+}
+
+impl CgroupDriver for CgroupV2 {
+    fn version(&self) -> &'static str {
+        "v2"
+    }
+
+    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError> {
+        let parent = self.mount.join(&self.parent);
+        CgroupV2::delegate(&self.mount)?;
+        make_dir(&parent)?;
+        CgroupV2::delegate(&parent)?;
+        let dir = self.dir(name);
+        make_dir(&dir)?;
+        let cpu = match limits.cpu_millis {
+            Some(m) => format!("{} {CPU_PERIOD_US}", cpu_quota_us(m)),
+            None => format!("max {CPU_PERIOD_US}"),
+        };
+        write_control(&dir.join("cpu.max"), &cpu)?;
+        let memory = limits
+            .memory_bytes
+            .map_or("max".to_string(), |b| b.to_string());
+        write_control(&dir.join("memory.max"), &memory)?;
+        let pids = limits.pids.map_or("max".to_string(), |p| p.to_string());
+        write_control(&dir.join("pids.max"), &pids)
+    }
+
+    fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError> {
+        write_control(&self.dir(name).join("cgroup.procs"), &pid.to_string())
+    }
+
+    fn procs(&self, name: &str) -> Result<Vec<i32>, IsolationError> {
+        read_pids(&self.dir(name).join("cgroup.procs"))
+    }
+
+    fn kill_all(&self, name: &str) -> Result<(), IsolationError> {
+        let dir = self.dir(name);
+        if !dir.exists() {
+            return Ok(());
+        }
+        let kill_file = dir.join("cgroup.kill");
+        let freeze = dir.join("cgroup.freeze");
+        let deadline = Instant::now() + KILL_TIMEOUT;
+        loop {
+            let pids = self.procs(name)?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(IsolationError::new("killing processes of", &dir)(io_other(
+                    format!("still running after {KILL_TIMEOUT:?}: {pids:?}"),
+                )));
+            }
+            if kill_file.exists() {
+                write_control(&kill_file, "1")?;
+            } else {
+                write_control(&freeze, "1")?;
+                sigkill_all(&self.procs(name)?);
+                write_control(&freeze, "0")?;
+            }
+            std::thread::sleep(KILL_ROUND_PAUSE);
+        }
+    }
+
+    fn remove(&self, name: &str) -> Result<(), IsolationError> {
+        remove_dir(&self.dir(name))
+    }
+
+    fn paths(&self, name: &str) -> Vec<PathBuf> {
+        vec![self.dir(name)]
+    }
+}
+
+/// cgroup v1: the same group in the cpu, memory, pids and freezer hierarchies.
+#[derive(Clone, Debug)]
+pub struct CgroupV1 {
+    pub mounts: Vec<(String, PathBuf)>,
+    pub parent: String,
+}
+
+impl CgroupV1 {
+    fn dir(&self, controller: &str, name: &str) -> Option<PathBuf> {
+        self.mounts
+            .iter()
+            .find(|(c, _)| c == controller)
+            .map(|(_, m)| m.join(&self.parent).join(name))
+    }
+
+    fn dirs(&self, name: &str) -> Vec<PathBuf> {
+        let mut dirs: Vec<PathBuf> = self
+            .mounts
+            .iter()
+            .map(|(_, m)| m.join(&self.parent).join(name))
+            .collect();
+        dirs.dedup();
+        dirs
+    }
+
+    fn freezer_state(&self, dir: &Path, state: &str) -> Result<(), IsolationError> {
+        let file = dir.join("freezer.state");
+        write_control(&file, state)?;
+        let deadline = Instant::now() + KILL_TIMEOUT;
+        while fs::read_to_string(&file).unwrap_or_default().trim() != state {
+            if Instant::now() >= deadline {
+                return Err(IsolationError::new("waiting for", &file)(io_other(
+                    format!("not {state} after {KILL_TIMEOUT:?}"),
+                )));
+            }
+            std::thread::sleep(KILL_ROUND_PAUSE);
+        }
+        Ok(())
+    }
+}
+
+impl CgroupDriver for CgroupV1 {
+    fn version(&self) -> &'static str {
+        "v1"
+    }
+
+    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError> {
+        for (_, mount) in &self.mounts {
+            make_dir(&mount.join(&self.parent))?;
+            make_dir(&mount.join(&self.parent).join(name))?;
+        }
+        if let Some(dir) = self.dir("cpu", name) {
+            write_control(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+            let quota = limits
+                .cpu_millis
+                .map_or("-1".to_string(), |m| cpu_quota_us(m).to_string());
+            write_control(&dir.join("cpu.cfs_quota_us"), &quota)?;
+        }
+        if let Some(dir) = self.dir("memory", name) {
+            let memory = limits
+                .memory_bytes
+                .map_or("-1".to_string(), |b| b.to_string());
+            write_control(&dir.join("memory.limit_in_bytes"), &memory)?;
+        }
+        if let Some(dir) = self.dir("pids", name) {
+            let pids = limits.pids.map_or("max".to_string(), |p| p.to_string());
+            write_control(&dir.join("pids.max"), &pids)?;
+        }
+        Ok(())
+    }
+
+    fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError> {
+        for dir in self.dirs(name) {
+            write_control(&dir.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn procs(&self, name: &str) -> Result<Vec<i32>, IsolationError> {
+        let mut all = Vec::new();
+        for dir in self.dirs(name) {
+            all.extend(read_pids(&dir.join("cgroup.procs"))?);
+        }
+        all.sort_unstable();
+        all.dedup();
+        Ok(all)
+    }
+
+    fn kill_all(&self, name: &str) -> Result<(), IsolationError> {
+        let Some(freezer) = self.dir("freezer", name) else {
+            return Err(IsolationError::new("killing", Path::new(name))(io_other(
+                "no freezer hierarchy",
+            )));
+        };
+        let deadline = Instant::now() + KILL_TIMEOUT;
+        loop {
+            let pids = self.procs(name)?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(IsolationError::new("killing processes of", &freezer)(
+                    io_other(format!("still running after {KILL_TIMEOUT:?}: {pids:?}")),
+                ));
+            }
+            if freezer.exists() {
+                self.freezer_state(&freezer, "FROZEN")?;
+                sigkill_all(&self.procs(name)?);
+                self.freezer_state(&freezer, "THAWED")?;
+            } else {
+                sigkill_all(&pids);
+            }
+            std::thread::sleep(KILL_ROUND_PAUSE);
+        }
+    }
+
+    fn remove(&self, name: &str) -> Result<(), IsolationError> {
+        for dir in self.dirs(name) {
+            remove_dir(&dir)?;
+        }
+        Ok(())
+    }
+
+    fn paths(&self, name: &str) -> Vec<PathBuf> {
+        self.dirs(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    #[test]
+    fn hybrid_without_delegated_controllers_falls_back_to_v1() {
+        let mounts = parse_mountinfo(HYBRID);
+        assert_eq!(mounts.len(), 7);
+        let layout = choose_layout(&mounts, |_| Some(String::new())).unwrap();
+        let CgroupLayout::V1 { mounts } = layout else {
+            panic!("expected v1: {layout:?}")
+        };
+        assert_eq!(
+            mounts,
+            V1_CONTROLLERS
+                .iter()
+                .map(|c| (c.to_string(), PathBuf::from(format!("/sys/fs/cgroup/{c}"))))
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn v2_with_controllers_wins() {
+        let mounts = parse_mountinfo(HYBRID);
+        let layout = choose_layout(&mounts, |p| {
+            (p == Path::new("/sys/fs/cgroup/unified/cgroup.controllers"))
+                .then(|| "cpuset cpu io memory pids\n".to_string())
+        })
+        .unwrap();
+        assert_eq!(
+            layout,
+            CgroupLayout::V2 {
+                mount: "/sys/fs/cgroup/unified".into()
+            }
+        );
+    }
+
+    #[test]
+    fn nothing_usable_says_what_is_missing() {
+        let text = "41 31 0:38 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let err = choose_layout(&parse_mountinfo(text), |_| Some("cpu io".into())).unwrap_err();
+        assert!(err.contains("lacks controllers memory,pids"), "{err}");
+        assert!(err.contains("cpu,memory,pids,freezer"), "{err}");
+    }
+
+    #[test]
+    fn mount_points_are_unescaped() {
+        let text = "1 2 0:3 / /mnt/with\\040space rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            parse_mountinfo(text)[0].mount_point,
+            PathBuf::from("/mnt/with space")
+        );
+    }
+
+    #[test]
+    fn v2_writes_limits_and_errors_name_value_and_path() {
+        let root = tempfile::tempdir().unwrap();
+        let v2 = CgroupV2 {
+            mount: root.path().to_path_buf(),
+            parent: "sp".into(),
+        };
+        let limits = SlotLimits {
+            cpu_millis: Some(1500),
+            memory_bytes: Some(1 << 20),
+            pids: Some(64),
+        };
+        v2.create("u1", &limits).unwrap();
+        let dir = root.path().join("sp/u1");
+        let read = |f: &str| fs::read_to_string(dir.join(f)).unwrap();
+        assert_eq!(read("cpu.max"), "150000 100000");
+        assert_eq!(read("memory.max"), "1048576");
+        assert_eq!(read("pids.max"), "64");
+        assert_eq!(
+            fs::read_to_string(root.path().join("sp/cgroup.subtree_control")).unwrap(),
+            "+cpu +memory +pids"
+        );
+        assert!(v2.procs("absent").unwrap().is_empty());
+        let err = v2.add("absent", 42).unwrap_err().to_string();
+        assert!(
+            err.contains("sp/absent/cgroup.procs") && err.contains("\"42\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn v1_creates_the_group_in_every_hierarchy() {
+        let root = tempfile::tempdir().unwrap();
+        let mounts: Vec<(String, PathBuf)> = V1_CONTROLLERS
+            .iter()
+            .map(|c| (c.to_string(), root.path().join(c)))
+            .collect();
+        for (_, m) in &mounts {
+            fs::create_dir(m).unwrap();
+        }
+        let v1 = CgroupV1 {
+            mounts,
+            parent: "sp".into(),
+        };
+        v1.create(
+            "u1",
+            &SlotLimits {
+                pids: Some(10),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            fs::read_to_string(root.path().join("cpu/sp/u1/cpu.cfs_quota_us")).unwrap(),
+            "-1"
+        );
+        assert_eq!(
+            fs::read_to_string(root.path().join("pids/sp/u1/pids.max")).unwrap(),
+            "10"
+        );
+        assert_eq!(v1.paths("u1").len(), 4);
+        fs::write(root.path().join("pids/sp/u1/cgroup.procs"), "7\n3\n").unwrap();
+        fs::write(root.path().join("cpu/sp/u1/cgroup.procs"), "3\n").unwrap();
+        assert_eq!(v1.procs("u1").unwrap(), vec![3, 7]);
+    }
+
+    #[test]
+    fn cpu_quota() {
+        assert_eq!(cpu_quota_us(1000), 100_000);
+        assert_eq!(cpu_quota_us(250), 25_000);
+        assert_eq!(cpu_quota_us(1), 1000);
+    }
+}

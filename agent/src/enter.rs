@@ -1,0 +1,198 @@
+//! Putting SSH logins into their slot's cgroup: the agent's placement socket and the
+//! `slotpool-agent enter-slot` helper.
+//!
+//! sshd runs the helper for every login of a slot user (`ForceCommand`, see
+//! ARCHITECTURE.md for the `sshd_config` lines). The helper runs as the slot user; it
+//! connects to `<run-dir>/<namespace>.sock` (the namespace is its user name without
+//! `s<slot>`), and the agent moves the *connecting process* into the slot's cgroup. The
+//! agent believes only the kernel: the uid and pid come from `SO_PEERCRED`, so a user
+//! can only ever move itself into its own slot. On `ok` the helper execs the user's
+//! shell (or `$SSH_ORIGINAL_COMMAND` through it), so the shell and everything it starts,
+//! daemons included, are in the cgroup. When the agent does not answer, the login is
+//! refused: a login never runs outside its slot's limits.
+
+use crate::isolation::SlotIsolation;
+use crate::users;
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+
+/// Longest the helper waits for the agent's answer.
+pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the placement socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("{action} {path}: {error}")]
+pub struct EnterError {
+    pub action: &'static str,
+    pub path: PathBuf,
+    pub error: std::io::Error,
+}
+
+/// The socket path of an agent namespace.
+pub fn socket_path(run_dir: &Path, namespace: &str) -> PathBuf {
+    run_dir.join(format!("{namespace}.sock"))
+}
+
+/// Binds the placement socket (replacing a stale one), reachable by every user.
+pub fn bind(run_dir: &Path, namespace: &str) -> Result<UnixListener, EnterError> {
+    let err = |action: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |error| EnterError {
+            action,
+            path,
+            error,
+        }
+    };
+    std::fs::create_dir_all(run_dir).map_err(err("creating", run_dir))?;
+    let path = socket_path(run_dir, namespace);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err("removing stale", &path)(e)),
+    }
+    let listener = UnixListener::bind(&path).map_err(err("binding", &path))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+        .map_err(err("setting mode 0666 on", &path))?;
+    Ok(listener)
+}
+
+/// Answers placement requests until `shutdown`, then removes the socket file.
+pub async fn serve(
+    listener: UnixListener,
+    path: PathBuf,
+    isolation: Arc<dyn SlotIsolation>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let mut stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(err) => {
+                tracing::warn!(%err, "placement socket accept failed");
+                continue;
+            }
+        };
+        let isolation = isolation.clone();
+        tokio::spawn(async move {
+            let answer = match stream.peer_cred() {
+                Ok(cred) => match cred.pid() {
+                    Some(pid) => {
+                        let uid = cred.uid();
+                        let result =
+                            tokio::task::spawn_blocking(move || isolation.place(uid, pid)).await;
+                        match result {
+                            Ok(Ok(Some(slot))) => {
+                                tracing::info!(slot, uid, pid, "login placed in its slot cgroup");
+                                "ok\n".to_string()
+                            }
+                            Ok(Ok(None)) => format!("error: uid {uid} is not a slot user\n"),
+                            Ok(Err(err)) => format!("error: {err}\n"),
+                            Err(err) => format!("error: {err}\n"),
+                        }
+                    }
+                    None => "error: no peer pid\n".to_string(),
+                },
+                Err(err) => format!("error: peer credentials: {err}\n"),
+            };
+            if answer != "ok\n" {
+                tracing::warn!(answer = answer.trim(), "login not placed");
+            }
+            let _ = stream.write_all(answer.as_bytes()).await;
+        });
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Why `enter-slot` refuses the login.
+#[derive(Debug, thiserror::Error)]
+pub enum EnterSlotError {
+    #[error("uid {0} has no user name")]
+    NoUser(u32),
+    #[error("user {0} is not a slotpool slot user")]
+    NotSlotUser(String),
+    #[error("asking the slotpool agent at {path}: {error}")]
+    Agent {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("the slotpool agent refused: {0}")]
+    Refused(String),
+    #[error("running {shell}: {error}")]
+    Exec {
+        shell: PathBuf,
+        error: std::io::Error,
+    },
+}
+
+/// The helper: has the agent place this process in its slot's cgroup, then replaces
+/// itself with the user's shell (running `command` if given). Returns only on error.
+pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let Some(name) = users::name_of(uid) else {
+        return EnterSlotError::NoUser(uid);
+    };
+    let Some((namespace, _slot)) = users::split_user_name(&name) else {
+        return EnterSlotError::NotSlotUser(name);
+    };
+    let path = socket_path(run_dir, namespace);
+    let answer = (|| {
+        let mut stream = std::os::unix::net::UnixStream::connect(&path)?;
+        stream.set_read_timeout(Some(ENTER_TIMEOUT))?;
+        stream.flush()?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer)?;
+        Ok::<_, std::io::Error>(answer)
+    })();
+    let answer = match answer {
+        Ok(a) => a,
+        Err(error) => return EnterSlotError::Agent { path, error },
+    };
+    if answer.trim() != "ok" {
+        return EnterSlotError::Refused(answer.trim().to_string());
+    }
+    let shell = users::lookup(&name)
+        .map(|u| u.shell)
+        .filter(|s| !s.as_os_str().is_empty())
+        .unwrap_or_else(|| PathBuf::from("/bin/sh"));
+    exec_shell(&shell, command)
+}
+
+fn exec_shell(shell: &Path, command: Option<String>) -> EnterSlotError {
+    use std::os::unix::ffi::OsStrExt;
+    let exec_error = |error| EnterSlotError::Exec {
+        shell: shell.to_path_buf(),
+        error,
+    };
+    let Ok(c_shell) = CString::new(shell.as_os_str().as_bytes()) else {
+        return exec_error(std::io::ErrorKind::InvalidInput.into());
+    };
+    let base = shell
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "sh".into());
+    let args: Vec<CString> = match command {
+        Some(cmd) => match CString::new(cmd) {
+            Ok(cmd) => vec![CString::new(base).expect("no nul"), c"-c".into(), cmd],
+            Err(_) => return exec_error(std::io::ErrorKind::InvalidInput.into()),
+        },
+        // A login shell: argv[0] starts with '-'.
+        None => vec![CString::new(format!("-{base}")).expect("no nul")],
+    };
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    // SAFETY: argv is a null-terminated array of valid C strings that outlive the call;
+    // execv only returns on failure.
+    unsafe { libc::execv(c_shell.as_ptr(), argv.as_ptr()) };
+    exec_error(std::io::Error::last_os_error())
+}

@@ -1,0 +1,386 @@
+//! Slot users: their names, creating and deleting them, and finding and killing their
+//! processes.
+//!
+//! **Names.** A slot's user is `<prefix><hash>s<slot>`: `<prefix>` is the agent's
+//! `--user-prefix` (default `sp`), `<hash>` the first 8 hex digits of the SHA-256 of the
+//! backing id. `<prefix><hash>` is the agent's *namespace*: two agents on one host (two
+//! backing ids) never share a user name even with the same slot numbers, and a helper
+//! that only knows its user name finds its agent's namespace by cutting `s<slot>` off.
+//!
+//! Users are created with `useradd` and deleted with `userdel` (shadow-utils keeps
+//! `/etc/passwd`, `/etc/group` and `/etc/shadow` consistent and locked; writing them by
+//! hand would race other tools). Calls are serialised in the process and retried while
+//! another process holds the password file lock.
+//!
+//! Processes are found by scanning `<proc>/<pid>/status` for any of the real, effective,
+//! saved or file-system uid; [`kill_uid`] kills them with `kill(-1, SIGKILL)` run *as the
+//! slot user*, which the kernel applies to every process of that user at once, and
+//! repeats until a scan finds none.
+
+use crate::isolation::IsolationError;
+use sha2::{Digest, Sha256};
+use std::ffi::CString;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Longest a kill by uid keeps trying.
+pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often `useradd`/`userdel` are retried while the password file is locked.
+const PASSWD_LOCK_RETRIES: u32 = 50;
+const PASSWD_LOCK_PAUSE: Duration = Duration::from_millis(100);
+/// The lowest uid a slot user may have: the kill-by-uid never targets system users.
+pub const MIN_SLOT_UID: u32 = 1000;
+/// Longest user name `useradd` accepts.
+pub const MAX_USER_NAME: usize = 32;
+
+/// Serialises this process's `useradd`/`userdel` calls.
+static PASSWD: Mutex<()> = Mutex::new(());
+
+/// The user-name namespace of an agent: `<prefix>` + 8 hex digits of SHA-256(backing id).
+pub fn namespace(prefix: &str, backing_id: &str) -> String {
+    let hash = hex::encode(Sha256::digest(backing_id.as_bytes()));
+    format!("{prefix}{}", &hash[..8])
+}
+
+/// The user name of `slot` in `namespace`.
+pub fn user_name(namespace: &str, slot: u32) -> String {
+    format!("{namespace}s{slot}")
+}
+
+/// The namespace and slot of a user name made by [`user_name`].
+pub fn split_user_name(name: &str) -> Option<(&str, u32)> {
+    let at = name.rfind('s')?;
+    let slot = name[at + 1..].parse().ok()?;
+    (at > 0 && name[at + 1..].bytes().all(|b| b.is_ascii_digit())).then_some((&name[..at], slot))
+}
+
+/// Whether `prefix` makes valid user names: starts with a lowercase letter, then
+/// lowercase letters, digits, `_` or `-`, at most 12 characters.
+pub fn valid_prefix(prefix: &str) -> bool {
+    let mut bytes = prefix.bytes();
+    bytes.next().is_some_and(|b| b.is_ascii_lowercase())
+        && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        && prefix.len() <= 12
+}
+
+/// A user as the password database knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UserInfo {
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+    pub shell: PathBuf,
+}
+
+/// Looks a user up by name (`getpwnam_r`); `None` when there is no such user.
+pub fn lookup(name: &str) -> Option<UserInfo> {
+    let c_name = CString::new(name).ok()?;
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: pwd and buf are valid for the call; getpwnam_r writes only into them and
+    // sets result to &pwd or null. The strings it points at live in buf, read before it
+    // is dropped.
+    unsafe {
+        let mut pwd: libc::passwd = std::mem::zeroed();
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        let rc = libc::getpwnam_r(
+            c_name.as_ptr(),
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        );
+        if rc != 0 || result.is_null() {
+            return None;
+        }
+        let text = |p: *const libc::c_char| {
+            PathBuf::from(std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned())
+        };
+        Some(UserInfo {
+            uid: pwd.pw_uid,
+            gid: pwd.pw_gid,
+            home: text(pwd.pw_dir),
+            shell: text(pwd.pw_shell),
+        })
+    }
+}
+
+/// The user name of `uid` (`getpwuid_r`).
+pub fn name_of(uid: u32) -> Option<String> {
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: as in `lookup`.
+    unsafe {
+        let mut pwd: libc::passwd = std::mem::zeroed();
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        let rc = libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        );
+        if rc != 0 || result.is_null() {
+            return None;
+        }
+        Some(
+            std::ffi::CStr::from_ptr(pwd.pw_name)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
+/// Runs a shadow-utils command, retrying while the password file is locked.
+fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), IsolationError> {
+    let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
+    let path = PathBuf::from(tool);
+    let mut attempts = 0;
+    loop {
+        let out = Command::new(tool)
+            .args(args)
+            .env("LC_ALL", "C")
+            .output()
+            .map_err(IsolationError::new("running", &path))?;
+        let code = out.status.code().unwrap_or(-1);
+        if out.status.success() || ok_codes.contains(&code) {
+            return Ok(());
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        // Exit 10: cannot lock or update the password/group file (another tool holds it).
+        attempts += 1;
+        if code == 10 && attempts < PASSWD_LOCK_RETRIES {
+            std::thread::sleep(PASSWD_LOCK_PAUSE);
+            continue;
+        }
+        return Err(IsolationError::new("running", &path)(
+            std::io::Error::other(format!("{} exited with {code}: {stderr}", args.join(" "))),
+        ));
+    }
+}
+
+/// Creates user `name` with its own group, home `home` (not created here) and `shell`.
+pub fn add(
+    name: &str,
+    home: &Path,
+    shell: &str,
+    comment: &str,
+) -> Result<UserInfo, IsolationError> {
+    let home_arg = home.display().to_string();
+    run_passwd_tool(
+        "useradd",
+        &[
+            "--no-create-home",
+            "--home-dir",
+            &home_arg,
+            "--shell",
+            shell,
+            "--user-group",
+            // No password, but not locked: sshd without PAM refuses locked ("!") accounts
+            // even for key logins.
+            "--password",
+            "*",
+            "--comment",
+            comment,
+            name,
+        ],
+        &[],
+    )?;
+    let info = lookup(name).ok_or_else(|| {
+        IsolationError::new("looking up", Path::new(name))(std::io::Error::other(
+            "user not found right after useradd",
+        ))
+    })?;
+    if info.uid < MIN_SLOT_UID {
+        return Err(IsolationError::new("checking uid of", Path::new(name))(
+            std::io::Error::other(format!("uid {} is below {MIN_SLOT_UID}", info.uid)),
+        ));
+    }
+    Ok(info)
+}
+
+/// Deletes user `name` and its group; fine when there is no such user.
+pub fn remove(name: &str) -> Result<(), IsolationError> {
+    if lookup(name).is_none() {
+        return Ok(());
+    }
+    // Exit 6: no such user (deleted meanwhile).
+    run_passwd_tool("userdel", &[name], &[6])
+}
+
+/// Every user whose name starts with `prefix`, from `<etc>/passwd`.
+pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_to_string(etc.join("passwd"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(':').next())
+        .filter(|n| n.starts_with(prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The uids (real, effective, saved, fs) in `/proc/<pid>/status` text.
+pub fn parse_status_uids(text: &str) -> Vec<u32> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|rest| {
+            rest.split_whitespace()
+                .filter_map(|u| u.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The processes of which any uid is `uid`.
+pub fn processes_of(proc_root: &Path, uid: u32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(proc_root.join(pid.to_string()).join("status"))
+                .map(|s| parse_status_uids(&s).contains(&uid))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Kills every process of `uid` and waits until none is left.
+pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationError> {
+    if uid < MIN_SLOT_UID {
+        return Err(IsolationError::new(
+            "killing processes of",
+            Path::new("uid"),
+        )(std::io::Error::other(format!(
+            "refusing to kill uid {uid}: not a slot user"
+        ))));
+    }
+    let deadline = Instant::now() + KILL_TIMEOUT;
+    loop {
+        let left = processes_of(proc_root, uid);
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(IsolationError::new(
+                "killing processes of",
+                Path::new(&format!("uid {uid}")),
+            )(std::io::Error::other(format!(
+                "still running after {KILL_TIMEOUT:?}: {left:?}"
+            ))));
+        }
+        // kill(-1) as the user reaches every process that user may signal: all of its own.
+        let mut cmd = Command::new("/bin/true");
+        cmd.uid(uid).gid(gid).env_clear();
+        // SAFETY: only the async-signal-safe kill(2) runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::kill(-1, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        match cmd.status() {
+            Ok(_) => {}
+            Err(err) => {
+                tracing::debug!(uid, %err, "kill as the user failed; killing one by one");
+            }
+        }
+        // Also one by one, for processes that only kept a saved or fs uid.
+        for pid in processes_of(proc_root, uid) {
+            // SAFETY: plain syscall on a pid owned by the slot user.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Removes what `uid` left in the shared temporary directories (`/tmp`, `/var/tmp`,
+/// `/dev/shm`): each top-level entry it owns. Errors are returned for the caller to log.
+pub fn remove_owned_in(dirs: &[&Path], uid: u32) -> Vec<IsolationError> {
+    use std::os::unix::fs::MetadataExt;
+    let mut errors = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            if meta.uid() != uid {
+                continue;
+            }
+            let result = if meta.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            if let Err(e) = result {
+                errors.push(IsolationError::new("removing", &path)(e));
+            }
+        }
+    }
+    errors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_namespaced_per_backing_node() {
+        let a = namespace("sp", "bn-01jq3m2f7h8g9k0m1n2p3q4r5s");
+        let b = namespace("sp", "bn-01jq3m2f7h8g9k0m1n2p3q4r5t");
+        assert_eq!(a.len(), 10);
+        assert_ne!(a, b);
+        assert!(a.starts_with("sp"));
+        let name = user_name(&a, 3);
+        assert_eq!(split_user_name(&name), Some((a.as_str(), 3)));
+        assert!(user_name(&namespace("abcdefghijkl", "x"), 1023).len() <= MAX_USER_NAME);
+        assert_eq!(split_user_name("root"), None);
+        assert_eq!(split_user_name("s1"), None);
+        assert_eq!(split_user_name("sp12s"), None);
+    }
+
+    #[test]
+    fn prefixes() {
+        assert!(valid_prefix("sp"));
+        assert!(valid_prefix("spt-x9_"));
+        assert!(!valid_prefix(""));
+        assert!(!valid_prefix("9sp"));
+        assert!(!valid_prefix("Sp"));
+        assert!(!valid_prefix("sp.x"));
+        assert!(!valid_prefix("abcdefghijklm"));
+    }
+
+    #[test]
+    fn status_uids() {
+        let text = "Name:\tsleep\nUid:\t1001\t1001\t1001\t1001\nGid:\t5\t5\t5\t5\n";
+        assert_eq!(parse_status_uids(text), vec![1001; 4]);
+        assert!(parse_status_uids("Name: x\n").is_empty());
+    }
+
+    #[test]
+    fn root_is_never_killed_by_uid() {
+        let err = kill_uid(Path::new("/proc"), 0, 0).unwrap_err().to_string();
+        assert!(err.contains("refusing"), "{err}");
+    }
+
+    #[test]
+    fn passwd_listing_by_prefix() {
+        let etc = tempfile::tempdir().unwrap();
+        std::fs::write(
+            etc.path().join("passwd"),
+            "root:x:0:0::/root:/bin/sh\nspab12s0:x:1001:1001::/w:/bin/bash\nspab12s1:x:1002:1002::/w:/bin/bash\n",
+        )
+        .unwrap();
+        assert_eq!(
+            users_with_prefix(etc.path(), "spab"),
+            vec!["spab12s0", "spab12s1"]
+        );
+    }
+}

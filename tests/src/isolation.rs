@@ -1,0 +1,302 @@
+//! Fixtures for the isolation tests (run as root): unique user and cgroup names per test
+//! with a guard that removes them, and a private sshd on a loopback port.
+
+use crate::process::{bin_path, ChildGuard};
+use slotpool_agent::cgroup::{self, CgroupLayout};
+use slotpool_agent::users;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tempfile::TempDir;
+
+/// Where Debian's openssh-server puts sshd.
+pub const SSHD: &str = "/usr/sbin/sshd";
+
+/// A random lowercase tag, for names unique to one test.
+fn tag(len: usize) -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..len)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect()
+}
+
+/// Panics unless the test runs as root: isolation tests never skip silently.
+pub fn require_root() {
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "isolation tests create users and cgroups and must run as root (CI does)"
+    );
+}
+
+/// A user prefix, cgroup parent and run dir owned by one test. On drop (also when the
+/// test panics) it kills every process of its users, deletes the users and the cgroups.
+/// Declare it *before* the [`crate::Pool`] so the agents are gone first.
+pub struct IsolationEnv {
+    pub user_prefix: String,
+    pub cgroup_parent: String,
+    pub run_dir: TempDir,
+    layout: CgroupLayout,
+}
+
+impl IsolationEnv {
+    pub fn new() -> IsolationEnv {
+        require_root();
+        let run_dir = tempfile::Builder::new()
+            .prefix("slotpool-run-")
+            .tempdir()
+            .expect("run dir");
+        // Slot users must reach the placement socket.
+        set_mode(run_dir.path(), 0o755);
+        IsolationEnv {
+            user_prefix: format!("spt{}", tag(5)),
+            cgroup_parent: format!("slotpool-test-{}", tag(8)),
+            run_dir,
+            layout: cgroup::detect(Path::new("/proc")).expect("cgroup layout"),
+        }
+    }
+
+    /// Agent arguments for user isolation with this environment's names.
+    pub fn agent_args(&self) -> Vec<String> {
+        vec![
+            "--heartbeat-interval-ms".into(),
+            "300".into(),
+            "--heartbeat-ttl-secs".into(),
+            "2".into(),
+            "--isolation".into(),
+            "users".into(),
+            "--user-prefix".into(),
+            self.user_prefix.clone(),
+            "--cgroup-parent".into(),
+            self.cgroup_parent.clone(),
+            "--run-dir".into(),
+            self.run_dir.path().display().to_string(),
+        ]
+    }
+
+    /// The cgroup driver the agents use.
+    pub fn cgroups(&self) -> Box<dyn cgroup::CgroupDriver> {
+        cgroup::driver(&self.layout, &self.cgroup_parent)
+    }
+
+    /// The directories of the cgroup parent in every hierarchy.
+    pub fn parent_dirs(&self) -> Vec<PathBuf> {
+        let mut dirs: Vec<PathBuf> = match &self.layout {
+            CgroupLayout::V2 { mount } => vec![mount.join(&self.cgroup_parent)],
+            CgroupLayout::V1 { mounts } => mounts
+                .iter()
+                .map(|(_, m)| m.join(&self.cgroup_parent))
+                .collect(),
+        };
+        dirs.dedup();
+        dirs
+    }
+
+    /// The users of this environment that exist now.
+    pub fn users(&self) -> Vec<String> {
+        users::users_with_prefix(Path::new("/etc"), &self.user_prefix)
+    }
+}
+
+impl Default for IsolationEnv {
+    fn default() -> Self {
+        IsolationEnv::new()
+    }
+}
+
+impl Drop for IsolationEnv {
+    fn drop(&mut self) {
+        let cgroups = self.cgroups();
+        for name in self.users() {
+            if let Some(info) = users::lookup(&name) {
+                if let Err(err) = users::kill_uid(Path::new("/proc"), info.uid, info.gid) {
+                    eprintln!("cleanup: {err}");
+                }
+            }
+            if let Err(err) = cgroups.kill_all(&name) {
+                eprintln!("cleanup: {err}");
+            }
+            if let Err(err) = users::remove(&name) {
+                eprintln!("cleanup: {err}");
+            }
+        }
+        // Groups left by slots whose user is already gone.
+        for parent in self.parent_dirs() {
+            if let Ok(entries) = std::fs::read_dir(&parent) {
+                for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let _ = cgroups.kill_all(&name);
+                    let _ = cgroups.remove(&name);
+                }
+            }
+            let _ = std::fs::remove_dir(&parent);
+        }
+    }
+}
+
+pub fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .unwrap_or_else(|e| panic!("chmod {mode:o} {}: {e}", path.display()));
+}
+
+/// Runs a command to completion, panicking with its output when it fails.
+fn run(cmd: &mut Command) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A private sshd on 127.0.0.1 with its own host key and config: logins run
+/// `slotpool-agent enter-slot`, as on a real backing node. Killed on drop.
+pub struct Sshd {
+    pub port: u16,
+    pub dir: TempDir,
+    _child: ChildGuard,
+}
+
+impl Sshd {
+    /// Starts sshd for the users of `env`; waits until it answers.
+    pub async fn start(env: &IsolationEnv) -> Sshd {
+        assert!(
+            Path::new(SSHD).is_file(),
+            "{SSHD} missing: install openssh-server (scripts/test.sh does)"
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("slotpool-sshd-")
+            .tempdir()
+            .expect("sshd dir");
+        let key = dir.path().join("ssh_host_ed25519_key");
+        run(Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", "slotpool-test", "-f"])
+            .arg(&key));
+        // sshd insists on its privilege separation directory.
+        std::fs::create_dir_all("/run/sshd").expect("creating /run/sshd");
+        let port = free_port();
+        let config = dir.path().join("sshd_config");
+        std::fs::write(
+            &config,
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
+                 UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
+                 PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
+                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n\
+                 ForceCommand {agent} enter-slot --run-dir {run}\n",
+                key = key.display(),
+                pid = dir.path().join("sshd.pid").display(),
+                prefix = env.user_prefix,
+                agent = bin_path("slotpool-agent").display(),
+                run = env.run_dir.path().display(),
+            ),
+        )
+        .expect("writing sshd_config");
+        let log = std::fs::File::create(dir.path().join("sshd.log")).expect("sshd log");
+        let mut cmd = Command::new(SSHD);
+        cmd.arg("-D")
+            .arg("-e")
+            .arg("-f")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        let child = ChildGuard::spawn("sshd", cmd).expect("starting sshd");
+        crate::wait_for(
+            "sshd to accept connections",
+            Duration::from_secs(20),
+            || async { std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() },
+        )
+        .await;
+        Sshd {
+            port,
+            dir,
+            _child: child,
+        }
+    }
+
+    /// sshd's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sshd.log")).unwrap_or_default()
+    }
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding a free port")
+        .port()
+}
+
+/// A client key pair in a temp dir.
+pub struct ClientKey {
+    pub dir: TempDir,
+}
+
+impl ClientKey {
+    pub fn new() -> ClientKey {
+        let dir = tempfile::tempdir().expect("key dir");
+        run(Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", "requester", "-f"])
+            .arg(dir.path().join("id")));
+        ClientKey { dir }
+    }
+
+    pub fn public(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("id.pub"))
+            .expect("public key")
+            .trim()
+            .to_string()
+    }
+
+    /// Runs `command` as `user` over ssh; returns (success, stdout, stderr).
+    pub fn ssh(&self, port: u16, user: &str, command: &str) -> (bool, String, String) {
+        let out = Command::new("ssh")
+            .args([
+                "-F",
+                "/dev/null",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "LogLevel=ERROR",
+                "-o",
+                "ConnectTimeout=10",
+                "-i",
+            ])
+            .arg(self.dir.path().join("id"))
+            .args([
+                "-p",
+                &port.to_string(),
+                &format!("{user}@127.0.0.1"),
+                command,
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running ssh");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+impl Default for ClientKey {
+    fn default() -> Self {
+        ClientKey::new()
+    }
+}

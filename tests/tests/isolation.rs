@@ -1,0 +1,279 @@
+//! Per-slot isolation and backing node health, end to end and as root: real agents with
+//! `--isolation users`, a real sshd on a loopback port, real logins.
+
+use slotpool_agent::users;
+use slotpool_protocol::model::{Node, RequestState};
+use slotpool_tests::{
+    label, set_mode, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool, Sshd,
+};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn args(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+/// The workspace is gone or empty.
+fn wiped(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
+}
+
+async fn node(pool: &Pool, id: &slotpool_protocol::NodeId) -> Node {
+    pool.nodes()
+        .await
+        .into_iter()
+        .find(|n| &n.id == id)
+        .unwrap_or_else(|| panic!("node {id} not found"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let key = ClientKey::new();
+    let mut agent_args = env.agent_args();
+    agent_args.extend([
+        "--ssh-port".into(),
+        sshd.port.to_string(),
+        "--ssh-host-keys-dir".into(),
+        sshd.dir.path().display().to_string(),
+    ]);
+    let labels = label(
+        "iso",
+        2,
+        60,
+        &[
+            "limits: {cpu: 1, memory-mb: 256, pids: 20}",
+            "host-key-checking: true",
+        ],
+    );
+    let pool = Pool::start_with(1, 5, &labels, 1, &args(&agent_args)).await;
+    let request = pool
+        .fulfilled(&pool.submit_with_key(&["iso", "iso"], &key.public()).await)
+        .await;
+    // Slot users pass through the test's temp dirs to reach their homes.
+    set_mode(pool.dir(), 0o711);
+    set_mode(&pool.work_dir(), 0o711);
+    let a = node(&pool, &request.nodes[0]).await;
+    let b = node(&pool, &request.nodes[1]).await;
+    let (user_a, user_b) = (a.username.clone().unwrap(), b.username.clone().unwrap());
+    assert_ne!(user_a, user_b);
+    assert!(user_a.starts_with(&env.user_prefix), "{user_a}");
+    assert_eq!(a.port, Some(sshd.port));
+    assert!(!a.host_keys.is_empty(), "node carries the host keys: {a:?}");
+    let ws_a = PathBuf::from(a.workspace.clone().unwrap());
+    let ws_b = PathBuf::from(b.workspace.clone().unwrap());
+    let info_a = users::lookup(&user_a).expect("slot user a exists");
+    let info_b = users::lookup(&user_b).expect("slot user b exists");
+
+    // The requester logs in with its key, as the slot's user, in the slot's home.
+    let (ok, out, err) = key.ssh(sshd.port, &user_a, "id -un; pwd; echo mine > file");
+    assert!(ok, "login as {user_a} failed: {err}\n{}", sshd.log());
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        vec![user_a.as_str(), ws_a.to_str().unwrap()]
+    );
+    let (ok, _, err) = key.ssh(sshd.port, &user_b, "echo secret > secret");
+    assert!(ok, "login as {user_b} failed: {err}");
+
+    // A cannot read B's workspace.
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!("cat {}/secret", ws_b.display()),
+    );
+    assert!(!ok && !out.contains("secret"), "a read b's file: {out}");
+    assert!(err.contains("Permission denied"), "{err}");
+
+    // A leaves a daemon behind that survives the logout...
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "setsid nohup sleep 1000 >/dev/null 2>&1 < /dev/null & echo started",
+    );
+    assert!(ok, "{err}");
+    let cgroups = env.cgroups();
+    let daemon = wait_for_some(
+        "a's daemon in a's cgroup",
+        Duration::from_secs(10),
+        || async {
+            let procs = users::processes_of(Path::new("/proc"), info_a.uid);
+            let inside = cgroups.procs(&user_a).unwrap_or_default();
+            procs.into_iter().find(|p| {
+                inside.contains(p)
+                    && std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                        .is_ok_and(|c| c.starts_with("sleep\0"))
+            })
+        },
+    )
+    .await;
+    assert!(alive(daemon), "the daemon survives the logout");
+
+    // B cannot go over its pids limit (20).
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_b,
+        "sh -c 'for i in $(seq 1 40); do sleep 60 >/dev/null 2>&1 & done; echo tried' 2>&1",
+    );
+    let text = format!("{out}{err}");
+    assert!(
+        text.contains("fork") || text.contains("Resource temporarily unavailable"),
+        "40 processes started under a pids limit of 20: {text}"
+    );
+    let in_b = cgroups.procs(&user_b).unwrap();
+    assert!(in_b.len() <= 20, "{} processes in b's cgroup", in_b.len());
+
+    // Release: everything of both slots is gone.
+    let released = pool.client.release(request.nodes.clone()).await.unwrap();
+    assert_eq!(released.released.len(), 2);
+    assert!(!alive(daemon), "the setsid daemon is gone after release");
+    for (user, info, ws) in [(&user_a, &info_a, &ws_a), (&user_b, &info_b, &ws_b)] {
+        assert!(
+            users::processes_of(Path::new("/proc"), info.uid).is_empty(),
+            "processes of {user} left"
+        );
+        assert!(wiped(ws), "workspace {} not empty", ws.display());
+        assert!(users::lookup(user).is_none(), "user {user} left");
+        for dir in cgroups.paths(user) {
+            assert!(!dir.exists(), "cgroup {} left", dir.display());
+        }
+    }
+    assert!(env.users().is_empty(), "users left: {:?}", env.users());
+
+    // SIGTERM: the agent reports draining and leaves no slot process behind.
+    let again = pool
+        .fulfilled(&pool.submit_with_key(&["iso"], &key.public()).await)
+        .await;
+    let c = node(&pool, &again.nodes[0]).await;
+    let user_c = c.username.clone().unwrap();
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user_c,
+        "setsid nohup sleep 1000 >/dev/null 2>&1 < /dev/null & echo started",
+    );
+    assert!(ok, "{err}");
+    let uid_c = users::lookup(&user_c).unwrap().uid;
+    assert!(!users::processes_of(Path::new("/proc"), uid_c).is_empty());
+    let pid: i32 = std::fs::read_to_string(pool.agent_dir(c.backing_id.as_str()).join("agent.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let agents = pool.client.list_agents().await.unwrap();
+    assert!(agents.iter().all(|h| !h.draining));
+    // SAFETY: signalling the agent the pool started, by its recorded pid.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    wait_for("the agent to exit", Duration::from_secs(20), || async {
+        !alive(pid)
+    })
+    .await;
+    assert!(
+        users::processes_of(Path::new("/proc"), uid_c).is_empty(),
+        "slot processes outlived the agent"
+    );
+    let log = std::fs::read_to_string(pool.agent_dir(c.backing_id.as_str()).join("agent.log"))
+        .unwrap_or_default();
+    assert!(log.contains("draining heartbeat written"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
+    let env = IsolationEnv::new();
+    let labels = label("pair", 1, 60, &["limits: {pids: 50}"]);
+    let pool = Pool::start_with(2, 5, &labels, 1, &args(&env.agent_args())).await;
+    let request = pool.fulfilled(&pool.submit(&["pair", "pair"]).await).await;
+    let a = node(&pool, &request.nodes[0]).await;
+    let b = node(&pool, &request.nodes[1]).await;
+    assert_ne!(a.backing_id, b.backing_id);
+    assert_eq!((a.slot, b.slot), (0, 0), "both agents use slot 0");
+    let (ua, ub) = (a.username.unwrap(), b.username.unwrap());
+    assert_ne!(ua, ub);
+    let (ia, ib) = (users::lookup(&ua).unwrap(), users::lookup(&ub).unwrap());
+    assert_ne!(ia.uid, ib.uid);
+    assert_ne!(a.workspace, b.workspace);
+    let cgroups = env.cgroups();
+    for u in [&ua, &ub] {
+        for dir in cgroups.paths(u) {
+            assert!(dir.is_dir(), "cgroup {} missing", dir.display());
+        }
+    }
+    // Releasing one leaves the other alone.
+    pool.client
+        .release(vec![request.nodes[0].clone()])
+        .await
+        .unwrap();
+    assert!(users::lookup(&ua).is_none());
+    assert!(users::lookup(&ub).is_some());
+    assert!(Path::new(b.workspace.as_deref().unwrap()).is_dir());
+    pool.client
+        .release(vec![request.nodes[1].clone()])
+        .await
+        .unwrap();
+    assert!(env.users().is_empty(), "users left: {:?}", env.users());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
+    let flags = tempfile::tempdir().unwrap();
+    let fail = flags.path().join("fail");
+    let probe = format!("test ! -e {}", fail.display());
+    let agent_args = [
+        "--heartbeat-interval-ms",
+        "300",
+        "--heartbeat-ttl-secs",
+        "2",
+        "--isolation",
+        "none",
+        "--health-probe",
+        &probe,
+        "--health-probe-interval-ms",
+        "200",
+    ];
+    let pool = Pool::start_with(1, 5, &label("probed", 2, 60, &[]), 1, &agent_args).await;
+    let first = pool.fulfilled(&pool.submit(&["probed"]).await).await;
+
+    std::fs::write(&fail, "").unwrap();
+    wait_for(
+        "the agent to report unhealthy",
+        Duration::from_secs(10),
+        || async {
+            pool.client.list_agents().await.unwrap().iter().any(|h| {
+                !h.health.healthy
+                    && h.health
+                        .reason
+                        .as_deref()
+                        .is_some_and(|r| r.contains("health probe failed"))
+            })
+        },
+    )
+    .await;
+    let second = pool.submit(&["probed"]).await;
+    // A free slot exists, but the node is unhealthy: the request must keep waiting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let waiting = pool.client.list_requests().await.unwrap();
+    let waiting = waiting.iter().find(|r| r.id == second).unwrap();
+    assert_eq!(waiting.state, RequestState::Requested, "{waiting:?}");
+    assert_eq!(
+        pool.nodes().await.len(),
+        1,
+        "no new slot on an unhealthy node"
+    );
+
+    std::fs::remove_file(&fail).unwrap();
+    let second = pool.wait_final(&second, LONG).await;
+    assert_eq!(second.state, RequestState::Fulfilled, "{second:?}");
+    let n1 = node(&pool, &first.nodes[0]).await;
+    let n2 = node(&pool, &second.nodes[0]).await;
+    assert_eq!(
+        n1.backing_id, n2.backing_id,
+        "the recovered node is used again"
+    );
+}

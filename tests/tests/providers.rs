@@ -1,0 +1,275 @@
+//! End-to-end tests of the `static` and `exec` providers with real agents: static hosts
+//! whose agents the test runs itself, and an exec provider (a script speaking the JSON
+//! contract) whose "machines" are agent processes.
+
+use slotpool_protocol::client::Client;
+use slotpool_protocol::model::{BackingState, NodeRequest, RequestState};
+use slotpool_tests::{bin_path, wait_for, wait_served, workspace_root, ChildGuard, NatsServer};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tempfile::TempDir;
+
+const SOON: Duration = Duration::from_secs(20);
+
+/// A `slotpool serve` process; its log is printed if the test fails.
+struct Launcher {
+    _child: ChildGuard,
+    log: PathBuf,
+}
+
+impl Launcher {
+    fn start(nats: &NatsServer, dir: &Path, config: &str) -> Launcher {
+        let path = dir.join("pool.yaml");
+        std::fs::write(&path, config).unwrap();
+        let log = dir.join("launcher.log");
+        let mut cmd = Command::new(bin_path("slotpool"));
+        cmd.args(["--nats", &nats.url(), "serve", "--config"])
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        Launcher {
+            _child: ChildGuard::spawn("launcher", cmd).unwrap(),
+            log,
+        }
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- launcher log\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+}
+
+async fn fulfilled(client: &Client, labels: &[&str]) -> NodeRequest {
+    let sub = slotpool_protocol::client::submission(
+        labels.iter().map(|l| l.to_string()).collect(),
+        "providers-test",
+    );
+    let id = client.submit(&sub).await.expect("submit");
+    let r = tokio::time::timeout(SOON, client.wait(&id, |_| {}))
+        .await
+        .unwrap_or_else(|_| panic!("request {id} not final in time"))
+        .unwrap();
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    r
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+/// Starts a real agent for static host `name` with `secret`.
+fn static_agent(nats: &NatsServer, dir: &Path, name: &str, secret: &str) -> ChildGuard {
+    let secret_file = dir.join(format!("{name}.secret"));
+    std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+    let mut cmd = Command::new(bin_path("slotpool-agent"));
+    cmd.args(["--nats", &nats.url(), "--backing-id", name, "--slots", "2"])
+        .args([
+            "--heartbeat-interval-ms",
+            "300",
+            "--heartbeat-ttl-secs",
+            "2",
+        ])
+        .arg("--secret-file")
+        .arg(&secret_file)
+        .arg("--work-dir")
+        .arg(dir.join(name))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap());
+    ChildGuard::spawn(name.to_string(), cmd).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_hosts_are_used_released_and_used_again_but_never_deleted() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let d = dir.path();
+    let mut agents = vec![
+        static_agent(&nats, d, "lab-1", "secret-one"),
+        static_agent(&nats, d, "lab-2", "secret-two"),
+    ];
+    let config = format!(
+        "providers:
+  - name: lab
+    driver: static
+    static:
+      hosts:
+        - {{name: lab-1, host: 192.0.2.11, secret-file: {d}/lab-1.secret, attributes: {{rack: a}}}}
+        - {{name: lab-2, host: 192.0.2.12, secret-file: {d}/lab-2.secret}}
+    pools:
+      - name: main
+        max-servers: 2
+        labels:
+          - {{name: small, backing-label: lab-host, max-parallel-jobs: 2, grace-time: 1,
+              node-attributes: {{size: small}}}}
+",
+        d = d.display()
+    );
+    let _launcher = Launcher::start(&nats, d, &config);
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    let r = fulfilled(&client, &["small", "small", "small"]).await;
+    let nodes = client.list_nodes().await.unwrap();
+    assert_eq!(nodes.len(), 3);
+    let mut hosts: Vec<_> = nodes.iter().map(|n| n.host.as_str()).collect();
+    hosts.sort();
+    assert_eq!(hosts, ["192.0.2.11", "192.0.2.11", "192.0.2.12"]);
+    let on_lab1 = nodes
+        .iter()
+        .find(|n| n.backing_id.as_str() == "lab-1")
+        .unwrap();
+    assert_eq!(on_lab1.attributes["rack"], "a", "{on_lab1:?}");
+    assert_eq!(on_lab1.attributes["size"], "small", "{on_lab1:?}");
+
+    client.release(r.nodes.clone()).await.unwrap();
+    wait_for(
+        "both static seats released after grace-time",
+        SOON,
+        || async { client.list_backing().await.unwrap().is_empty() },
+    )
+    .await;
+    for agent in &mut agents {
+        assert!(
+            agent.try_wait().is_none(),
+            "{} was stopped: static hosts are never deleted",
+            agent.name()
+        );
+    }
+    // The same hosts serve again.
+    let again = fulfilled(&client, &["small"]).await;
+    let node = &client.list_nodes().await.unwrap()[0];
+    assert_eq!(again.nodes[0], node.id);
+    assert!(node.backing_id.as_str().starts_with("lab-"), "{node:?}");
+}
+
+/// A config whose only provider is the test exec script, keeping its machines in `state`.
+fn exec_config(state: &Path, retries: u32) -> String {
+    let script = workspace_root().join("tests/fixtures/exec-provider.py");
+    let agent = bin_path("slotpool-agent");
+    let cmd = |op: &str| {
+        format!(
+            "[python3, {}, {op}, {}, {}]",
+            script.display(),
+            agent.display(),
+            state.display()
+        )
+    };
+    format!(
+        "providers:
+  - name: cloud
+    driver: exec
+    exec:
+      create: {}
+      delete: {}
+      list: {}
+    pools:
+      - name: main
+        max-servers: 2
+        boot-timeout: 20
+        launch-retries: {retries}
+        labels:
+          - {{name: small, backing-label: vm, max-parallel-jobs: 2, grace-time: 1}}
+",
+        cmd("create"),
+        cmd("delete"),
+        cmd("list")
+    )
+}
+
+/// Creates the test switch file `name` in the exec script's state dir.
+fn switch_on(state: &Path, name: &str) {
+    std::fs::create_dir_all(state).unwrap();
+    std::fs::write(state.join(name), "").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_provider_launches_and_deletes_real_machines() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 3));
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    let r = fulfilled(&client, &["small"]).await;
+    let node = client.list_nodes().await.unwrap().remove(0);
+    assert_eq!(node.attributes["made-by"], "exec", "{node:?}");
+    let backing = client.list_backing().await.unwrap().remove(0);
+    assert_eq!(backing.state, BackingState::Ready);
+    let instance = backing.instance.expect("instance recorded");
+    let pid = instance.data["pid"].as_i64().unwrap() as i32;
+    assert!(alive(pid), "the machine's agent is not running");
+
+    client.release(r.nodes.clone()).await.unwrap();
+    wait_for("the machine released after grace-time", SOON, || async {
+        client.list_backing().await.unwrap().is_empty()
+    })
+    .await;
+    wait_for("the machine's agent stopped by delete", SOON, || async {
+        !alive(pid)
+    })
+    .await;
+    let left: Vec<_> = std::fs::read_dir(&state)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        .collect();
+    assert!(left.is_empty(), "machines still listed: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    switch_on(&state, "out-of-capacity");
+    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 1));
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    // Out of capacity (exit 75): the request waits, saying why, even past launch-retries.
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "t");
+    let id = client.submit(&sub).await.unwrap();
+    wait_for(
+        "the request to say the provider is out of capacity",
+        SOON,
+        || async {
+            let r = client.request(&id).await.unwrap().unwrap().value;
+            r.state == RequestState::Requested && r.status.contains("out of capacity")
+        },
+    )
+    .await;
+    // Capacity comes back: the next attempt (after the back-off) serves it.
+    std::fs::remove_file(state.join("out-of-capacity")).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(40), client.wait(&id, |_| {}))
+        .await
+        .expect("served once capacity came back")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    client.release(r.nodes).await.unwrap();
+
+    // A launch that fails for good fails the request, quoting the provider's error.
+    switch_on(&state, "broken");
+    wait_for("the idle machine released", SOON, || async {
+        client.list_backing().await.unwrap().is_empty()
+    })
+    .await;
+    let id = client.submit(&sub).await.unwrap();
+    let r = tokio::time::timeout(SOON, client.wait(&id, |_| {}))
+        .await
+        .expect("failed in time")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Failed, "{r:?}");
+    let why = r.failure.unwrap_or_default();
+    assert!(why.contains("image not found"), "{why}");
+}
