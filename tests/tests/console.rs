@@ -89,6 +89,11 @@ impl Drop for Tmux {
             .arg("kill-server")
             .stderr(std::process::Stdio::null())
             .status();
+        // tmux may leave its socket file behind.
+        let dir = std::env::var("TMUX_TMPDIR").unwrap_or_else(|_| "/tmp".into());
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        let _ = std::fs::remove_file(format!("{dir}/tmux-{uid}/{}", self.socket));
     }
 }
 
