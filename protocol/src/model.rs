@@ -416,10 +416,7 @@ mod tests {
         assert!(Failed.can_become(Requested));
         assert!(!Ready.can_become(Requested));
         assert!(!Gone.can_become(Ready));
-        assert!(
-            Releasing.can_become(Ready),
-            "a release aborted by a late claim"
-        );
+        assert!(Releasing.can_become(Ready), "a release aborted by a late claim");
         assert!(!Releasing.can_become(Launching));
         assert!(Ready.takes_slots() && !Retiring.takes_slots());
     }
