@@ -20,6 +20,7 @@ use crate::ssh::SshInfo;
 use futures::{Stream, StreamExt};
 use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
 use slotpool_protocol::connect::{Bus, Incoming};
+use slotpool_protocol::model::SlotLogin;
 use slotpool_protocol::{NodeId, MAX_MESSAGE_BYTES};
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,9 +108,11 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> AnyRepl
             }
             reply_with(result.map_err(|e| api_error(&e)).map(|p| SlotPrepared {
                 workspace: p.workspace.display().to_string(),
-                username: p.username,
-                port: Some(ssh.port),
-                host_keys: ssh.host_keys.clone(),
+                login: SlotLogin {
+                    username: p.username,
+                    port: Some(ssh.port),
+                    host_keys: ssh.host_keys.clone(),
+                },
             }))
         }
         AgentCommand::ReleaseSlot { slot, node_id } => {
@@ -328,9 +331,7 @@ mod tests {
     fn reply_json_shapes() {
         let ok = reply_with::<SlotPrepared>(Ok(SlotPrepared {
             workspace: "/w/slots/1".into(),
-            username: None,
-            port: None,
-            host_keys: vec![],
+            login: Default::default(),
         }));
         assert_eq!(
             serde_json::to_string(&ok).unwrap(),

@@ -86,9 +86,7 @@ pub async fn claim(
         attributes,
         allocated_at: now_ms(),
         failure: None,
-        username: None,
-        port: None,
-        host_keys: Vec::new(),
+        login: Default::default(),
     };
     let key = slot.key();
     let revision = shared.bus.slots.create(&key, &node, None).await?;
@@ -125,8 +123,10 @@ pub async fn prepare(
             source,
         })?;
     if host_key_checking {
-        let port = prepared.port.unwrap_or(22);
-        if let Err(reason) = check_host_keys(&node.value.host, port, &prepared.host_keys).await {
+        let port = prepared.login.port.unwrap_or(22);
+        if let Err(reason) =
+            check_host_keys(&node.value.host, port, &prepared.login.host_keys).await
+        {
             let backing_id = node.value.backing_id.clone();
             tracing::warn!(%backing_id, %reason, "host key check failed: no more slots on this backing node");
             if let Some(seat_key) = seat_key {
@@ -143,9 +143,7 @@ pub async fn prepare(
     let mut ready = node.value.clone();
     ready.state = NodeState::Ready;
     ready.workspace = Some(prepared.workspace);
-    ready.username = prepared.username;
-    ready.port = prepared.port;
-    ready.host_keys = prepared.host_keys;
+    ready.login = prepared.login;
     let revision = shared
         .bus
         .slots

@@ -437,9 +437,7 @@ mod tests {
                 attributes: Default::default(),
                 allocated_at: 0,
                 failure: None,
-                username: None,
-                port: None,
-                host_keys: vec![],
+                login: Default::default(),
             },
         }
     }

@@ -228,13 +228,7 @@ impl SlotLimits {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotPrepared {
     pub workspace: String,
-    /// The slot's Unix user (with user isolation).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub username: Option<String>,
-    /// The SSH port to log in on, when the agent reports one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub port: Option<u16>,
-    /// The host's SSH host public keys, one `<type> <base64>` line each.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub host_keys: Vec<String>,
+    /// How to log in: fields `username`, `port`, `host_keys`.
+    #[serde(flatten)]
+    pub login: crate::model::SlotLogin,
 }

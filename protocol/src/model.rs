@@ -104,10 +104,19 @@ pub struct Node {
     pub allocated_at: UnixMillis,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
-    /// The slot's Unix user on the backing node (set once prepared, with user isolation).
+    /// How to log in (set once prepared): fields `username`, `port`, `host_keys`.
+    #[serde(flatten)]
+    pub login: SlotLogin,
+}
+
+/// How a requestor logs in to a slot: its Unix user and the backing node's SSH endpoint.
+/// Flattened into [`Node`] and the agent's `SlotPrepared` reply.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlotLogin {
+    /// The slot's Unix user on the backing node (with user isolation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username: Option<String>,
-    /// The SSH port of the backing node (set once prepared, when the agent reports one).
+    /// The SSH port of the backing node, when the agent reports one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
     /// The backing node's SSH host public keys, one `<type> <base64>` line each.
@@ -416,7 +425,10 @@ mod tests {
         assert!(Failed.can_become(Requested));
         assert!(!Ready.can_become(Requested));
         assert!(!Gone.can_become(Ready));
-        assert!(Releasing.can_become(Ready), "a release aborted by a late claim");
+        assert!(
+            Releasing.can_become(Ready),
+            "a release aborted by a late claim"
+        );
         assert!(!Releasing.can_become(Launching));
         assert!(Ready.takes_slots() && !Retiring.takes_slots());
     }

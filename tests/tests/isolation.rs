@@ -64,11 +64,17 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     set_mode(&pool.work_dir(), 0o711);
     let a = node(&pool, &request.nodes[0]).await;
     let b = node(&pool, &request.nodes[1]).await;
-    let (user_a, user_b) = (a.username.clone().unwrap(), b.username.clone().unwrap());
+    let (user_a, user_b) = (
+        a.login.username.clone().unwrap(),
+        b.login.username.clone().unwrap(),
+    );
     assert_ne!(user_a, user_b);
     assert!(user_a.starts_with(&env.user_prefix), "{user_a}");
-    assert_eq!(a.port, Some(sshd.port));
-    assert!(!a.host_keys.is_empty(), "node carries the host keys: {a:?}");
+    assert_eq!(a.login.port, Some(sshd.port));
+    assert!(
+        !a.login.host_keys.is_empty(),
+        "node carries the host keys: {a:?}"
+    );
     let ws_a = PathBuf::from(a.workspace.clone().unwrap());
     let ws_b = PathBuf::from(b.workspace.clone().unwrap());
     let info_a = users::lookup(&user_a).expect("slot user a exists");
@@ -153,7 +159,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         .fulfilled(&pool.submit_with_key(&["iso"], &key.public()).await)
         .await;
     let c = node(&pool, &again.nodes[0]).await;
-    let user_c = c.username.clone().unwrap();
+    let user_c = c.login.username.clone().unwrap();
     let (ok, _, err) = key.ssh(
         sshd.port,
         &user_c,
@@ -194,7 +200,7 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
     let b = node(&pool, &request.nodes[1]).await;
     assert_ne!(a.backing_id, b.backing_id);
     assert_eq!((a.slot, b.slot), (0, 0), "both agents use slot 0");
-    let (ua, ub) = (a.username.unwrap(), b.username.unwrap());
+    let (ua, ub) = (a.login.username.unwrap(), b.login.username.unwrap());
     assert_ne!(ua, ub);
     let (ia, ib) = (users::lookup(&ua).unwrap(), users::lookup(&ub).unwrap());
     assert_ne!(ia.uid, ib.uid);
