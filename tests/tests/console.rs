@@ -256,9 +256,7 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
                         attributes: Default::default(),
                         allocated_at: b.created_at,
                         failure: None,
-                        username: None,
-                        port: None,
-                        host_keys: vec![],
+                        login: Default::default(),
                     };
                     let key = slotpool_protocol::layout::slot_key(&b.id, 0);
                     bus.slots

@@ -67,9 +67,7 @@ pub fn node(b: &BackingNode, slot: u32, requestor: &str, allocated_at: u64) -> N
         attributes: Default::default(),
         allocated_at,
         failure: None,
-        username: None,
-        port: None,
-        host_keys: vec![],
+        login: Default::default(),
     }
 }
 
