@@ -6,7 +6,8 @@
 #   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
 #   scripts/test.sh -- --nocapture
 #
-# Needs: a Rust toolchain, and python3 with venv (for nats-server, see
+# Needs: a Rust toolchain, tmux (installed with apt-get when missing and run as root), and
+# python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
 # (Debian's openssh-server, installed here when missing) on a loopback port, and the
@@ -57,6 +58,19 @@ step "packaging tools"
 if ! packaging/tools.sh >/dev/null; then
     echo "==> summary: FAILED to provision the packaging tools (see the errors above)" >&2
     exit 1
+fi
+
+# The console's end-to-end test runs slotpool-console in tmux.
+step "tmux"
+if ! command -v tmux >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        step "installing tmux with apt-get"
+        apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >&2
+    else
+        echo "==> the console's end-to-end test needs tmux: install it (apt-get install tmux)" >&2
+        exit 1
+    fi
 fi
 
 # End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which

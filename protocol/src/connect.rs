@@ -86,6 +86,15 @@ pub struct Bus {
     pub events: Store,
 }
 
+/// Whether a [`Bus`]'s connection is up, as the NATS client reports it (see
+/// [`Bus::connect_watching`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    Up,
+    /// Lost; the client is reconnecting on its own.
+    Down,
+}
+
 /// A message received on a served subject.
 pub struct Incoming {
     pub payload: Bytes,
@@ -96,7 +105,23 @@ impl Bus {
     /// Connects, checks the server version and JetStream, and opens (creating if needed)
     /// every slotpool bucket.
     pub async fn connect(opts: &NatsOptions) -> Result<Bus, BusError> {
-        let client = connect_client(opts).await?;
+        Bus::connect_with(opts, None).await
+    }
+
+    /// Like [`Bus::connect`], and reports every loss and recovery of the connection on
+    /// the returned channel (for a display that must say when it is out of date).
+    pub async fn connect_watching(
+        opts: &NatsOptions,
+    ) -> Result<(Bus, tokio::sync::watch::Receiver<Link>), BusError> {
+        let (tx, rx) = tokio::sync::watch::channel(Link::Up);
+        Ok((Bus::connect_with(opts, Some(tx)).await?, rx))
+    }
+
+    async fn connect_with(
+        opts: &NatsOptions,
+        link: Option<tokio::sync::watch::Sender<Link>>,
+    ) -> Result<Bus, BusError> {
+        let client = connect_client(opts, link).await?;
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
@@ -234,7 +259,10 @@ impl Bus {
     }
 }
 
-async fn connect_client(opts: &NatsOptions) -> Result<async_nats::Client, BusError> {
+async fn connect_client(
+    opts: &NatsOptions,
+    link: Option<tokio::sync::watch::Sender<Link>>,
+) -> Result<async_nats::Client, BusError> {
     let mut o = async_nats::ConnectOptions::new()
         .name(if opts.name.is_empty() {
             "slotpool"
@@ -243,6 +271,18 @@ async fn connect_client(opts: &NatsOptions) -> Result<async_nats::Client, BusErr
         })
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None::<usize>);
+    if let Some(link) = link {
+        o = o.event_callback(move |event| {
+            let link = link.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => link.send_replace(Link::Up),
+                    async_nats::Event::Disconnected => link.send_replace(Link::Down),
+                    _ => return,
+                };
+            }
+        });
+    }
     if let Some(path) = &opts.creds {
         o = o
             .credentials_file(path)

@@ -108,6 +108,11 @@ impl Pool {
         pool
     }
 
+    /// The launchers' config file.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
     pub fn work_dir(&self) -> PathBuf {
         self.dir.path().join("agents")
     }

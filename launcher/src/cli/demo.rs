@@ -1,6 +1,9 @@
 //! `slotpool demo`: a whole pool on this machine. It starts a nats-server with JetStream in
 //! a temp dir (unless `--connect` is given), a launcher with the local provider, and a
-//! small load generator, and prints what happens. Ctrl-C stops everything it started.
+//! small load generator. On a terminal it opens the operator console (`slotpool-console`,
+//! built next to `slotpool`) and keeps its own log in a file meanwhile; otherwise, or with
+//! `--no-console`, it prints what happens. Ctrl-C (or quitting the console) stops
+//! everything it started.
 
 use crate::config::Config;
 use crate::provider::{local::LocalProvider, Provider};
@@ -10,6 +13,8 @@ use clap::Args;
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::{Bus, NatsOptions};
 use slotpool_protocol::model::RequestState;
+use std::io::IsTerminal;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -35,6 +40,9 @@ pub struct DemoArgs {
     /// Stop by itself after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
     pub duration: Option<u64>,
+    /// Print the log instead of opening the console, even on a terminal.
+    #[arg(long)]
+    pub no_console: bool,
 }
 
 const DEMO_CONFIG: &str = "\
@@ -111,7 +119,29 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             None => super::stop_signal().await,
         }
     };
-    stop.await;
+    let console = super::sibling_binary("slotpool-console");
+    if !args.no_console && std::io::stdout().is_terminal() && console.is_file() {
+        let log = dir.join("demo.log");
+        let quiet = StderrToFile::redirect(&log)
+            .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
+        let mut child = Command::new(&console)
+            .arg("--nats")
+            .arg(&url)
+            .arg("--config")
+            .arg(&config_path)
+            .stderr(quiet.original()?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", console.display()))?;
+        tokio::select! {
+            _ = child.wait() => {}
+            _ = stop => stop_child(&mut child).await,
+        }
+        drop(quiet);
+        eprintln!("slotpool demo: console closed");
+    } else {
+        stop.await;
+    }
     eprintln!("slotpool demo: stopping");
     shutdown.cancel();
     let _ = load.await;
@@ -290,5 +320,43 @@ async fn stop_child(child: &mut Child) {
         .is_err()
     {
         let _ = child.kill().await;
+    }
+}
+
+/// While alive, this process's stderr (the demo's log) goes to a file, so it does not
+/// scribble over the console; dropping it puts stderr back.
+struct StderrToFile {
+    saved: OwnedFd,
+}
+
+impl StderrToFile {
+    fn redirect(path: &Path) -> std::io::Result<StderrToFile> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::create(path)?;
+        // SAFETY: dup of our own stderr; the new descriptor is owned by `saved` at once.
+        let saved = unsafe { libc::dup(2) };
+        if saved < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `saved` is a fresh descriptor nobody else owns.
+        let saved = unsafe { OwnedFd::from_raw_fd(saved) };
+        // SAFETY: replaces fd 2 with a copy of the open file.
+        if unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(StderrToFile { saved })
+    }
+
+    /// The terminal's stderr, for a child that should still report there.
+    fn original(&self) -> std::io::Result<Stdio> {
+        Ok(Stdio::from(self.saved.try_clone()?))
+    }
+}
+
+impl Drop for StderrToFile {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: puts the saved descriptor back on fd 2.
+        unsafe { libc::dup2(self.saved.as_raw_fd(), 2) };
     }
 }

@@ -200,10 +200,15 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
 
 /// The `slotpool-agent` binary next to the running executable.
 pub fn sibling_agent_binary() -> PathBuf {
+    sibling_binary("slotpool-agent")
+}
+
+/// The workspace binary `name` next to the running executable.
+pub fn sibling_binary(name: &str) -> PathBuf {
     std::env::current_exe()
         .ok()
-        .and_then(|p| p.parent().map(|d| d.join("slotpool-agent")))
-        .unwrap_or_else(|| PathBuf::from("slotpool-agent"))
+        .and_then(|p| p.parent().map(|d| d.join(name)))
+        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.

@@ -1,0 +1,316 @@
+//! End-to-end test of `slotpool-console`: the real binary runs in tmux against a real
+//! nats-server, launcher and agents, and is driven with key presses. Plus an ignored
+//! start-up benchmark with 10,000 backing nodes.
+
+use futures::StreamExt;
+use slotpool_protocol::connect::Bus;
+use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
+use slotpool_protocol::{BackingId, NodeId, RequestId};
+use slotpool_tests::{bin_path, label, wait_for, wait_for_some, NatsServer, Pool};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+const SOON: Duration = Duration::from_secs(20);
+
+/// A tmux server of our own (its own socket) running one session; killed on drop with
+/// everything in it.
+struct Tmux {
+    socket: String,
+    session: String,
+}
+
+impl Tmux {
+    fn start(command: &str, width: u16, height: u16) -> Tmux {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let tmux = Tmux {
+            socket: format!("slotpool-test-{}-{n}", std::process::id()),
+            session: format!("console-{n}"),
+        };
+        let status = tmux
+            .cmd()
+            .args(["new-session", "-d", "-s", &tmux.session])
+            .args(["-x", &width.to_string(), "-y", &height.to_string()])
+            .arg(command)
+            .status()
+            .expect("running tmux (scripts/test.sh installs it)");
+        assert!(status.success(), "tmux new-session failed: {status}");
+        tmux
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new("tmux");
+        c.args(["-L", &self.socket, "-f", "/dev/null"]);
+        c
+    }
+
+    /// Sends tmux key names (`D`, `Tab`, `Enter`, `5`...).
+    fn keys(&self, keys: &[&str]) {
+        let status = self
+            .cmd()
+            .args(["send-keys", "-t", &self.session])
+            .args(keys)
+            .status()
+            .expect("tmux send-keys");
+        assert!(status.success());
+    }
+
+    fn screen(&self) -> String {
+        let out = self
+            .cmd()
+            .args(["capture-pane", "-p", "-t", &self.session])
+            .output()
+            .expect("tmux capture-pane");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    /// Waits until the screen satisfies `check`; panics with the screen otherwise.
+    async fn wait_screen(&self, what: &str, check: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + SOON;
+        loop {
+            let screen = self.screen();
+            if check(&screen) {
+                return screen;
+            }
+            if Instant::now() > deadline {
+                panic!("timed out waiting for the console to show {what}; screen:\n{screen}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        // The server is gone already when the console quit; that is fine.
+        let _ = self
+            .cmd()
+            .arg("kill-server")
+            .stderr(std::process::Stdio::null())
+            .status();
+        // tmux may leave its socket file behind.
+        let dir = std::env::var("TMUX_TMPDIR").unwrap_or_else(|_| "/tmp".into());
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        let _ = std::fs::remove_file(format!("{dir}/tmux-{uid}/{}", self.socket));
+    }
+}
+
+/// The line of the screen that shows backing node `id`.
+fn row_of<'a>(screen: &'a str, id: &BackingId) -> Option<&'a str> {
+    screen.lines().find(|l| l.starts_with(id.as_str()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_drains_a_backing_node_with_key_presses() {
+    // Long grace-time: nothing is released by itself.
+    let pool = Pool::start(2, 5, &label("small", 2, 600, &[]), 1).await;
+    let request = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (a, _) = request.nodes[0].slot().expect("node id names its slot");
+
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let console = Tmux::start(
+        &format!(
+            "NO_COLOR=1 {} --nats {} --config {} --actor e2e@test --log-file {} --log debug",
+            bin_path("slotpool-console").display(),
+            pool.nats.url(),
+            pool.config_path().display(),
+            log.path().display(),
+        ),
+        120,
+        40,
+    );
+    // The existing pool is on screen at start: the backing node, ready, one slot in use.
+    let screen = console
+        .wait_screen("the ready backing node", |s| {
+            row_of(s, &a).is_some_and(|row| row.contains("ready") && row.contains("1/2"))
+        })
+        .await;
+    assert!(row_of(&screen, &a).unwrap().contains(" run "), "{screen}");
+
+    // Drain it: D on the selected (only) backing node.
+    console.keys(&["D"]);
+    let screen = console
+        .wait_screen("the node draining", |s| {
+            row_of(s, &a).is_some_and(|row| row.contains("drain"))
+                && s.contains("released once its 1 slots in use are returned")
+        })
+        .await;
+    eprintln!("after D:\n{screen}");
+    assert!(
+        row_of(&screen, &a).unwrap().contains("ready"),
+        "in use, so not released yet:\n{screen}"
+    );
+    let b: BackingNode = pool
+        .backing()
+        .await
+        .into_iter()
+        .find(|b| b.id == a)
+        .expect("still there while its slot is in use");
+    assert_eq!(b.idle, IdleBehaviour::Drain);
+    assert_eq!(b.order.expect("order recorded").actor, "e2e@test");
+
+    // The Events view shows the order (Tab from Backing: Slots, Requests, Events).
+    console.keys(&["Tab", "Tab", "Tab"]);
+    let screen = console
+        .wait_screen("the order in the Events view", |s| {
+            s.contains("TIME UTC") && s.contains("operator") && s.contains("drain by e2e@test")
+        })
+        .await;
+    eprintln!("Events view:\n{screen}");
+
+    // The requestor returns its node: the drained node is released at once (grace-time
+    // ignored), leaves KV and leaves the screen.
+    console.keys(&["2"]);
+    pool.client
+        .release(request.nodes.clone())
+        .await
+        .expect("release");
+    wait_for("the drained node released", SOON, || async {
+        !pool.backing().await.iter().any(|b| b.id == a)
+    })
+    .await;
+    console
+        .wait_screen("the node gone from the Backing view", |s| {
+            row_of(s, &a).is_none() && s.contains("No backing nodes")
+        })
+        .await;
+    // Its state changes were logged as events too.
+    console.keys(&["5"]);
+    console
+        .wait_screen("backing-node events", |s| {
+            s.contains("backing ") && s.contains("drain by e2e@test")
+        })
+        .await;
+    // q quits; the console restores the terminal and exits.
+    console.keys(&["q"]);
+    wait_for_some("the console to exit", SOON, || async {
+        let out = console.cmd().args(["list-sessions"]).output().ok()?;
+        (!String::from_utf8_lossy(&out.stdout).contains(&console.session)).then_some(())
+    })
+    .await;
+}
+
+fn backing_record(seat: u32) -> BackingNode {
+    let now = slotpool_protocol::time::now_ms();
+    BackingNode {
+        v: 1,
+        id: BackingId::parse(&format!("bn-bench{seat:06}")).unwrap(),
+        provider: "cloud".into(),
+        pool: format!("pool{}", seat % 10),
+        seat: seat / 10,
+        label: "small".into(),
+        backing_label: "vm".into(),
+        slots: 8,
+        state: BackingState::Ready,
+        idle: IdleBehaviour::Run,
+        instance: None,
+        secret_sha256: "x".into(),
+        created_at: now - 3_600_000,
+        launched_at: Some(now - 3_600_000),
+        ready_at: Some(now - 3_500_000),
+        idle_since: seat.is_multiple_of(3).then_some(now - 10_000),
+        attempts: 1,
+        failure: None,
+        attributes: Default::default(),
+        order: None,
+        out_of_capacity: false,
+        updated_at: now,
+    }
+}
+
+/// Start-up time with 10,000 backing nodes (and 5,000 slots in use) in KV: from connecting
+/// to the first frame with every bucket loaded, on ratatui's TestBackend. Run with
+/// `cargo test --release -p slotpool-tests --test console -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: fills a bucket with 10,000 records"]
+async fn console_starts_quickly_with_10000_backing_nodes() {
+    const NODES: u32 = 10_000;
+    let nats = NatsServer::start().await;
+    let bus = nats.bus().await;
+    let filled = Instant::now();
+    futures::stream::iter(0..NODES)
+        .map(|i| {
+            let bus = bus.clone();
+            async move {
+                let b = backing_record(i);
+                let key = slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat);
+                bus.backing
+                    .create(&key, &b, None)
+                    .await
+                    .expect("create backing");
+                if i.is_multiple_of(2) {
+                    let node = Node {
+                        v: 1,
+                        id: NodeId::parse(&format!("node-bench{i:06}_0_{}", b.id)).unwrap(),
+                        request_id: RequestId::parse(&format!("req-bench{i}")).unwrap(),
+                        index: 0,
+                        label: "small".into(),
+                        backing_id: b.id.clone(),
+                        slot: 0,
+                        state: NodeState::Ready,
+                        requestor: "bench".into(),
+                        host: String::new(),
+                        workspace: None,
+                        attributes: Default::default(),
+                        allocated_at: b.created_at,
+                        failure: None,
+                        login: Default::default(),
+                    };
+                    let key = slotpool_protocol::layout::slot_key(&b.id, 0);
+                    bus.slots
+                        .create(&key, &node, None)
+                        .await
+                        .expect("create slot");
+                }
+            }
+        })
+        .buffer_unordered(64)
+        .collect::<Vec<()>>()
+        .await;
+    eprintln!("filled KV in {:?}", filled.elapsed());
+
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let opts = slotpool_protocol::connect::NatsOptions {
+            url: nats.url(),
+            name: "bench".into(),
+            ..Default::default()
+        };
+        let (bus, link) = Bus::connect_watching(&opts).await.expect("connect");
+        let mut terminal =
+            ratatui::Terminal::new(ratatui::backend::TestBackend::new(120, 40)).unwrap();
+        let settings = slotpool_tui::Settings {
+            actor: "bench".into(),
+            rules: slotpool_tui::Rules::unknown(),
+            theme: slotpool_tui::Theme::plain(),
+            exit_after_first_render: true,
+        };
+        let outcome = slotpool_tui::run_on(
+            &mut terminal,
+            bus,
+            link,
+            &opts.url,
+            futures::stream::pending(),
+            settings,
+            tokio_util::sync::CancellationToken::new(),
+            started,
+        )
+        .await
+        .expect("console run");
+        let t = outcome.first_full_render.expect("rendered");
+        assert_eq!(outcome.backing_nodes, NODES as usize);
+        let screen = terminal.backend().to_string();
+        assert!(
+            screen.contains("10000 backing · 5000/80000 slots"),
+            "{screen}"
+        );
+        eprintln!("first full render after {t:?}");
+        times.push(t);
+    }
+    times.sort();
+    eprintln!("start-up with {NODES} backing nodes: median {:?}", times[1]);
+    assert!(times[1] < Duration::from_secs(2), "{times:?}");
+}

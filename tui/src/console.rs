@@ -1,0 +1,221 @@
+//! The event loop: terminal input, watch batches, connection changes and a 1 s tick in,
+//! a redraw out whenever something changed. Orders run in their own tasks and report
+//! back as messages, so a slow launcher never freezes the screen.
+
+use crate::rules::Rules;
+use crate::state::{update, Command, Msg, State};
+use crate::theme::Theme;
+use crate::{feed, view};
+use anyhow::Context;
+use crossterm::event::{Event as TermEvent, EventStream, KeyEventKind};
+use futures::{Stream, StreamExt};
+use ratatui::backend::Backend;
+use ratatui::Terminal;
+use slotpool_protocol::client::Client;
+use slotpool_protocol::connect::{Bus, Link, NatsOptions};
+use slotpool_protocol::time::now_ms;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Re-render at least this often, for the countdowns.
+const TICK: Duration = Duration::from_secs(1);
+/// Watch batches queued for the drawing task before the feeds wait.
+const CHANNEL: usize = 256;
+/// Most queued messages applied before a redraw.
+const DRAIN: usize = 1024;
+/// How long running orders and feeds get to finish when the console quits.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// How the console runs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Who gives the orders (recorded with each order).
+    pub actor: String,
+    /// Timers and pool sizes from the launcher's config, if given.
+    pub rules: Rules,
+    pub theme: Theme,
+    /// Quit after the first render that shows every bucket loaded (start-up timing).
+    pub exit_after_first_render: bool,
+}
+
+/// What a run of the console measured.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    /// From the start of the loop to the first frame with every bucket loaded.
+    pub first_full_render: Option<Duration>,
+    /// Backing nodes shown in that frame.
+    pub backing_nodes: usize,
+}
+
+/// Connects to NATS and runs the console on this terminal until the operator quits or
+/// `shutdown` is cancelled. The terminal is restored on every way out, panics included.
+pub async fn run_console(
+    opts: NatsOptions,
+    settings: Settings,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Outcome> {
+    let started = Instant::now();
+    let (bus, link) = Bus::connect_watching(&opts)
+        .await
+        .with_context(|| format!("connecting to NATS at {}", opts.url))?;
+    let mut terminal = ratatui::try_init().context("setting up the terminal")?;
+    let result = run_on(
+        &mut terminal,
+        bus,
+        link,
+        &opts.url,
+        EventStream::new(),
+        settings,
+        shutdown,
+        started,
+    )
+    .await;
+    ratatui::restore();
+    result
+}
+
+/// The console on any ratatui backend, with `input` as its terminal events (tests give
+/// a [`ratatui::backend::TestBackend`] and a stream of their own).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_on<B, I>(
+    terminal: &mut Terminal<B>,
+    bus: Bus,
+    mut link: watch::Receiver<Link>,
+    endpoint: &str,
+    mut input: I,
+    settings: Settings,
+    shutdown: CancellationToken,
+    started: Instant,
+) -> anyhow::Result<Outcome>
+where
+    B: Backend,
+    B::Error: Send + Sync + 'static,
+    I: Stream<Item = std::io::Result<TermEvent>> + Unpin,
+{
+    let (tx, mut rx) = mpsc::channel::<Msg>(CHANNEL);
+    let tracker = TaskTracker::new();
+    let stop = shutdown.child_token();
+    feed::spawn_feeds(&bus, link.clone(), tx.clone(), stop.clone(), &tracker);
+    let client = Client::from_bus(bus);
+    let mut state = State::new(settings.rules.clone(), endpoint);
+    let size = terminal.size().context("reading the terminal size")?;
+    update(&mut state, Msg::Resize(size.width, size.height));
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut outcome = Outcome::default();
+    let result = loop {
+        let mut commands = Vec::new();
+        tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            msg = rx.recv() => {
+                let Some(msg) = msg else { break Ok(()) };
+                commands.extend(update(&mut state, msg));
+                for _ in 0..DRAIN {
+                    match rx.try_recv() {
+                        Ok(msg) => commands.extend(update(&mut state, msg)),
+                        Err(_) => break,
+                    }
+                }
+            }
+            event = input.next() => match event {
+                None => break Ok(()),
+                Some(Err(err)) => break Err(anyhow::Error::from(err).context("reading terminal input")),
+                Some(Ok(TermEvent::Key(key))) if key.kind != KeyEventKind::Release => {
+                    commands.extend(update(&mut state, Msg::Key(key)));
+                }
+                Some(Ok(TermEvent::Resize(w, h))) => {
+                    update(&mut state, Msg::Resize(w, h));
+                }
+                Some(Ok(_)) => continue,
+            },
+            Ok(()) = link.changed() => {
+                let up = *link.borrow_and_update() == Link::Up;
+                update(&mut state, Msg::Link(up));
+            }
+            _ = tick.tick() => {}
+        }
+        update(&mut state, Msg::Tick(now_ms()));
+        let mut quit = false;
+        for command in commands {
+            match command {
+                Command::Quit => quit = true,
+                order => send_order(order, &client, &settings.actor, &tx, &tracker),
+            }
+        }
+        if quit {
+            break Ok(());
+        }
+        state.settle();
+        if let Err(err) = terminal.draw(|frame| view::draw(frame, &state, &settings.theme)) {
+            break Err(anyhow::Error::from(err).context("drawing"));
+        }
+        if outcome.first_full_render.is_none() && state.loaded() {
+            outcome.first_full_render = Some(started.elapsed());
+            outcome.backing_nodes = state.backing_count();
+            if settings.exit_after_first_render {
+                break Ok(());
+            }
+        }
+    };
+    stop.cancel();
+    tracker.close();
+    drop(rx);
+    let _ = tokio::time::timeout(STOP_GRACE, tracker.wait()).await;
+    result.map(|()| outcome)
+}
+
+fn send_order(
+    command: Command,
+    client: &Client,
+    actor: &str,
+    tx: &mpsc::Sender<Msg>,
+    tracker: &TaskTracker,
+) {
+    let (client, actor, tx) = (client.clone(), actor.to_string(), tx.clone());
+    tracker.spawn(async move {
+        let (what, result) = match command {
+            Command::Order {
+                action,
+                backing_id,
+                reason,
+            } => (
+                format!("{} {backing_id}", action.as_str()),
+                client
+                    .order(action, backing_id, actor, reason)
+                    .await
+                    .map(|taken| taken.message),
+            ),
+            Command::ReleaseNode { node_id, reason } => (
+                format!("release {node_id}"),
+                client.release_node(node_id, actor, reason).await.map(|r| {
+                    if r.released.is_empty() {
+                        "already gone".to_string()
+                    } else {
+                        "released".to_string()
+                    }
+                }),
+            ),
+            Command::Quit => return,
+        };
+        let result = result.map_err(|err| err.to_string());
+        if let Err(err) = &result {
+            tracing::warn!(%what, %err, "order failed");
+        }
+        let _ = tx.send(Msg::OrderDone { what, result }).await;
+    });
+}
+
+/// `$USER@hostname`, the default actor recorded with orders.
+pub fn default_actor() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{user}@{host}")
+}

@@ -1,0 +1,242 @@
+//! Records for the unit and snapshot tests: a small pool at a fixed time.
+
+use crate::rules::{LabelRules, Rules};
+use crate::state::{apply_all, Bucket, Change, Msg, Record, State};
+use slotpool_protocol::model::{
+    AgentHeartbeat, BackingNode, BackingState, Event, EventKind, Health, IdleBehaviour, Instance,
+    Node, NodeRequest, NodeState, RequestState,
+};
+use slotpool_protocol::{BackingId, EventId, NodeId, RequestId};
+
+/// 2026-01-01 12:00:00 UTC.
+pub const NOW: u64 = 1_767_268_800_000;
+pub const SEC: u64 = 1000;
+
+pub fn bid(n: u32) -> BackingId {
+    BackingId::parse(&format!("bn-01jq3m2f7h8g9k0m1n2p3q4r{n:02}")).unwrap()
+}
+
+pub fn backing(seat: u32, state: BackingState, slots: u32) -> BackingNode {
+    BackingNode {
+        v: 1,
+        id: bid(seat),
+        provider: "cloud".into(),
+        pool: "main".into(),
+        seat,
+        label: "small".into(),
+        backing_label: "vm".into(),
+        slots,
+        state,
+        idle: IdleBehaviour::Run,
+        instance: Some(Instance {
+            id: format!("i-{seat}"),
+            host: format!("10.0.0.{seat}"),
+            data: serde_json::Value::Null,
+        }),
+        secret_sha256: "abc".into(),
+        created_at: NOW - 3600 * SEC,
+        launched_at: Some(NOW - 3600 * SEC),
+        ready_at: Some(NOW - 3500 * SEC),
+        idle_since: None,
+        attempts: 1,
+        failure: None,
+        attributes: Default::default(),
+        order: None,
+        out_of_capacity: false,
+        updated_at: NOW - 60 * SEC,
+    }
+}
+
+pub fn node(b: &BackingNode, slot: u32, requestor: &str, allocated_at: u64) -> Node {
+    Node {
+        v: 1,
+        id: NodeId::parse(&format!(
+            "node-01jq3m8x5v9k2c7t4r6y0a1b{slot:02}_{slot}_{}",
+            b.id
+        ))
+        .unwrap(),
+        request_id: RequestId::parse(&format!("req-{requestor}")).unwrap(),
+        index: 0,
+        label: b.label.clone(),
+        backing_id: b.id.clone(),
+        slot,
+        state: NodeState::Ready,
+        requestor: requestor.into(),
+        host: "10.0.0.1".into(),
+        workspace: Some(format!("/var/lib/slotpool/agent/slots/{slot}")),
+        attributes: Default::default(),
+        allocated_at,
+        failure: None,
+        login: Default::default(),
+    }
+}
+
+pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
+    AgentHeartbeat {
+        v: 1,
+        backing_id: b.id.clone(),
+        secret_sha256: b.secret_sha256.clone(),
+        agent_version: "0.1.0".into(),
+        hostname: "vm".into(),
+        pid: 7,
+        started_at: NOW - 3500 * SEC,
+        sent_at,
+        health: Health {
+            healthy: true,
+            ..Default::default()
+        },
+        slots: vec![],
+        draining: false,
+        dirty_slots: vec![],
+        isolation: None,
+        ssh_port: None,
+        ssh_host_keys: vec![],
+    }
+}
+
+pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) -> NodeRequest {
+    NodeRequest {
+        v: 1,
+        id: RequestId::parse(id).unwrap(),
+        labels: labels.iter().map(|s| s.to_string()).collect(),
+        requestor: format!("ci/{id}"),
+        priority: 100,
+        timeout_secs: None,
+        ssh_public_key: None,
+        created_at,
+        state,
+        status: match state {
+            RequestState::Requested => "waiting for a free slot of small".into(),
+            _ => "fulfilled: 1 node(s) ready".into(),
+        },
+        nodes: vec![],
+        failure: None,
+        updated_at: created_at,
+    }
+}
+
+pub fn event(n: u32, at: u64, kind: EventKind, b: &BackingId, message: &str) -> Event {
+    Event {
+        v: 1,
+        id: EventId::parse(&format!("evt-01jq3m{n:020}")).unwrap(),
+        at,
+        kind,
+        actor: if kind == EventKind::Operator {
+            "alice@ops".into()
+        } else {
+            "launcher-1".into()
+        },
+        backing_id: Some(b.clone()),
+        node_id: None,
+        message: message.into(),
+    }
+}
+
+pub fn put(record: Record) -> Change {
+    let key = match &record {
+        Record::Backing(b) => slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat),
+        Record::Slot(n) => slotpool_protocol::layout::slot_key(&n.backing_id, n.slot),
+        Record::Request(r) => r.id.to_string(),
+        Record::Agent(a) => a.backing_id.to_string(),
+        Record::Event(e) => e.id.to_string(),
+    };
+    Change::Put { key, record }
+}
+
+pub fn rules() -> Rules {
+    let mut r = Rules::unknown();
+    r.insert(
+        "cloud",
+        "main",
+        "small",
+        LabelRules {
+            grace_time_ms: 300 * SEC,
+            min_retention_ms: 0,
+            max_age_ms: 24 * 3600 * SEC,
+        },
+    );
+    r.set_max_servers("cloud", "main", 4);
+    r
+}
+
+/// A state with every bucket loaded and `changes` applied, at [`NOW`], size `w`×`h`.
+pub fn loaded(rules: Rules, changes: Vec<Change>, w: u16, h: u16) -> State {
+    let mut state = State::new(rules, "nats://127.0.0.1:4222");
+    let mut all: Vec<Change> = Bucket::ALL.iter().map(|b| Change::Restarted(*b)).collect();
+    all.extend(changes);
+    all.extend(Bucket::ALL.iter().map(|b| Change::Synced(*b)));
+    apply_all(
+        &mut state,
+        [Msg::Resize(w, h), Msg::Tick(NOW), Msg::Feed(all)],
+    );
+    state
+}
+
+/// A small pool: a busy node, an idle one, a failed one; requests and events.
+pub fn sample() -> Vec<Change> {
+    let busy = backing(0, BackingState::Ready, 4);
+    let mut idle = backing(1, BackingState::Ready, 4);
+    idle.idle_since = Some(NOW - 42 * SEC);
+    let mut failed = backing(2, BackingState::Failed, 4);
+    failed.failure = Some("agent heartbeat expired".into());
+    failed.ready_at = None;
+    let mut launching = backing(3, BackingState::Launching, 4);
+    launching.ready_at = None;
+    launching.created_at = NOW - 20 * SEC;
+    launching.launched_at = Some(NOW - 20 * SEC);
+    let mut fulfilled = request(
+        "req-01",
+        &["small"],
+        RequestState::Fulfilled,
+        NOW - 600 * SEC,
+    );
+    fulfilled.nodes = vec![node(&busy, 0, "ci-job-1", NOW - 600 * SEC).id];
+    vec![
+        put(Record::Backing(Box::new(busy.clone()))),
+        put(Record::Backing(Box::new(idle.clone()))),
+        put(Record::Backing(Box::new(failed.clone()))),
+        put(Record::Backing(Box::new(launching))),
+        put(Record::Slot(Box::new(node(
+            &busy,
+            0,
+            "ci-job-1",
+            NOW - 600 * SEC,
+        )))),
+        put(Record::Slot(Box::new(node(
+            &busy,
+            2,
+            "ci-job-2",
+            NOW - 95 * SEC,
+        )))),
+        put(Record::Agent(Box::new(agent(&busy, NOW - SEC)))),
+        put(Record::Agent(Box::new(agent(&idle, NOW - 2 * SEC)))),
+        put(Record::Request(Box::new(fulfilled))),
+        put(Record::Request(Box::new(request(
+            "req-02",
+            &["small", "small"],
+            RequestState::Requested,
+            NOW - 75 * SEC,
+        )))),
+        put(Record::Event(Box::new(event(
+            1,
+            NOW - 700 * SEC,
+            EventKind::Backing,
+            &busy.id,
+            "ready",
+        )))),
+        put(Record::Event(Box::new(event(
+            2,
+            NOW - 120 * SEC,
+            EventKind::Backing,
+            &failed.id,
+            "failed: agent heartbeat expired",
+        )))),
+        put(Record::Event(Box::new(event(
+            3,
+            NOW - 10 * SEC,
+            EventKind::Operator,
+            &idle.id,
+            "hold: kernel update (by alice@ops)",
+        )))),
+    ]
+}

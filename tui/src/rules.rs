@@ -1,0 +1,91 @@
+//! What the console knows of the launcher's configuration: the timers of each label and
+//! the size of each pool. The launcher keeps these in its YAML file, not in KV, so they
+//! are known only when the console is given that file (`--config`); without it the
+//! console shows how long a node has been idle instead of when it will be released.
+
+use slotpool_launcher::config::Config;
+use std::collections::BTreeMap;
+
+/// The timers of one label in one pool, in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LabelRules {
+    pub grace_time_ms: u64,
+    pub min_retention_ms: u64,
+    /// Zero: no maximum age.
+    pub max_age_ms: u64,
+}
+
+type Site = (String, String, String);
+
+/// Label timers and pool sizes by provider, pool and label.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Rules {
+    labels: BTreeMap<Site, LabelRules>,
+    pools: BTreeMap<(String, String), u32>,
+}
+
+impl Rules {
+    /// Nothing known (no `--config`).
+    pub fn unknown() -> Rules {
+        Rules::default()
+    }
+
+    pub fn from_config(config: &Config) -> Rules {
+        let mut rules = Rules::default();
+        for provider in &config.providers {
+            for pool in &provider.pools {
+                rules
+                    .pools
+                    .insert((provider.name.clone(), pool.name.clone()), pool.max_servers);
+                for label in &pool.labels {
+                    rules.insert(
+                        &provider.name,
+                        &pool.name,
+                        &label.name,
+                        LabelRules {
+                            grace_time_ms: label.grace_time.as_millis() as u64,
+                            min_retention_ms: label.min_retention_time.as_millis() as u64,
+                            max_age_ms: label.max_age.as_millis() as u64,
+                        },
+                    );
+                }
+            }
+        }
+        rules
+    }
+
+    /// Adds one label's timers (for tests and callers without a config file).
+    pub fn insert(&mut self, provider: &str, pool: &str, label: &str, rules: LabelRules) {
+        self.labels.insert(
+            (provider.to_string(), pool.to_string(), label.to_string()),
+            rules,
+        );
+    }
+
+    /// Sets a pool's max-servers.
+    pub fn set_max_servers(&mut self, provider: &str, pool: &str, max: u32) {
+        self.pools
+            .insert((provider.to_string(), pool.to_string()), max);
+    }
+
+    pub fn is_known(&self) -> bool {
+        !self.labels.is_empty()
+    }
+
+    pub fn label(&self, provider: &str, pool: &str, label: &str) -> Option<LabelRules> {
+        self.labels
+            .get(&(provider.to_string(), pool.to_string(), label.to_string()))
+            .copied()
+    }
+
+    pub fn max_servers(&self, provider: &str, pool: &str) -> Option<u32> {
+        self.pools
+            .get(&(provider.to_string(), pool.to_string()))
+            .copied()
+    }
+
+    /// Every configured (provider, pool, label).
+    pub fn sites(&self) -> impl Iterator<Item = &Site> {
+        self.labels.keys()
+    }
+}

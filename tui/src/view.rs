@@ -1,0 +1,1136 @@
+//! Drawing: pure functions from [`State`] to a ratatui frame. Tables build only the rows
+//! on screen (from the view's scroll offset), so 10,000 backing nodes cost no more to
+//! draw than ten.
+//!
+//! Screen layout, top to bottom: header (or the red connection banner), view tabs, the
+//! table with its column header, two detail lines about the selected row, the status
+//! line and the key hints. Help and confirmation dialogs are drawn over it.
+
+use crate::state::{
+    fmt_duration, idle_name, node_state_name, request_state_name, state_name, BackingRow,
+    Heartbeat, IdleTimer, Input, PoolRow, State, View,
+};
+use crate::theme::Theme;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Table, Wrap};
+use ratatui::Frame;
+use slotpool_protocol::model::{BackingState, EventKind, RequestState};
+
+/// Lines that are not table rows: header, tabs, column header, 2 detail lines, status,
+/// key hints.
+const CHROME_LINES: u16 = 7;
+/// At least this wide to show full ids and more columns.
+const WIDE: u16 = 120;
+
+/// How many table rows fit on a terminal of `size` (columns, lines).
+pub fn table_rows(size: (u16, u16), _view: View) -> u16 {
+    size.1.saturating_sub(CHROME_LINES)
+}
+
+/// Draws the whole console.
+pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
+    let area = frame.area();
+    let [header, tabs, body, detail, status, keys] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Min(1),
+        Constraint::Length(2),
+        Constraint::Length(1),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    draw_header(frame, header, state, theme);
+    draw_tabs(frame, tabs, state, theme);
+    match state.view {
+        View::Pools => draw_pools(frame, body, state, theme),
+        View::Backing => draw_backing(frame, body, state, theme),
+        View::Slots => draw_slots(frame, body, state, theme),
+        View::Requests => draw_requests(frame, body, state, theme),
+        View::Events => draw_events(frame, body, state, theme),
+    }
+    frame.render_widget(
+        Paragraph::new(detail_lines(state, theme)).wrap(Wrap { trim: false }),
+        detail,
+    );
+    draw_status(frame, status, state, theme);
+    frame.render_widget(Paragraph::new(key_hints(state, theme)), keys);
+    match &state.input {
+        Input::Help => draw_help(frame, area, theme),
+        Input::Confirm { order, reason } => {
+            draw_confirm(frame, area, &order.describe(), reason, theme)
+        }
+        Input::None | Input::Filter(_) => {}
+    }
+}
+
+fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    if !state.link_up {
+        let text = " NATS connection lost — reconnecting… (showing the last state seen)";
+        frame.render_widget(Paragraph::new(text).style(theme.banner()), area);
+        return;
+    }
+    let (nodes, used, total, waiting) = state.totals();
+    let mut spans = vec![Span::styled(" slotpool console ", theme.title())];
+    if !state.loaded() {
+        spans.push(Span::styled("loading… ", theme.warn()));
+    }
+    spans.push(Span::raw(format!(
+        "│ {nodes} backing · {used}/{total} slots · {waiting} waiting │ {}",
+        state.endpoint
+    )));
+    frame.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let mut spans = Vec::new();
+    for (i, v) in View::ALL.iter().enumerate() {
+        if i > 0 {
+            spans.push(Span::styled(" │ ", theme.dim()));
+        }
+        let title = if *v == View::Backing && area.width < WIDE {
+            "Backing"
+        } else {
+            v.title()
+        };
+        spans.push(Span::styled(
+            format!("{} {title}", i + 1),
+            theme.tab(*v == state.view),
+        ));
+    }
+    let vs = state.view_state();
+    let sort = state.view.sorts()[vs.sort.min(state.view.sorts().len() - 1)];
+    let mut right = format!("  sort:{sort}{}", if vs.reverse { "↓" } else { "" });
+    if !vs.filter.is_empty() {
+        right.push_str(&format!(" /{}", vs.filter));
+    }
+    spans.push(Span::styled(right, theme.dim()));
+    frame.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+/// The rows of the current view that are on screen: (index in rows, key).
+fn visible(state: &State, height: u16) -> impl Iterator<Item = (usize, &String)> {
+    let vs = state.view_state();
+    let page = height.saturating_sub(1) as usize;
+    let start = vs.offset.min(vs.rows.len());
+    let end = (start + page).min(vs.rows.len());
+    vs.rows[start..end]
+        .iter()
+        .enumerate()
+        .map(move |(i, k)| (start + i, k))
+}
+
+/// A table column: its header, its width (the least width for `fill`), and how early it
+/// goes when the terminal is too narrow (0: never; higher goes first).
+struct Col {
+    header: &'static str,
+    width: u16,
+    fill: bool,
+    drop: u8,
+}
+
+const fn col(header: &'static str, width: u16, drop: u8) -> Col {
+    Col {
+        header,
+        width,
+        fill: false,
+        drop,
+    }
+}
+
+const fn fill(header: &'static str, width: u16, drop: u8) -> Col {
+    Col {
+        header,
+        width,
+        fill: true,
+        drop,
+    }
+}
+
+/// Which columns fit in `width`: the ones most willing to go are dropped first.
+fn fit(cols: &[Col], width: u16) -> Vec<bool> {
+    let mut keep = vec![true; cols.len()];
+    loop {
+        let need: u16 = cols
+            .iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c.width + 1)
+            .sum();
+        if need <= width + 1 {
+            return keep;
+        }
+        let Some(i) = (0..cols.len())
+            .filter(|i| keep[*i] && cols[*i].drop > 0)
+            .max_by_key(|i| (cols[*i].drop, *i))
+        else {
+            return keep;
+        };
+        keep[i] = false;
+    }
+}
+
+/// A table of the columns that fit in `area`, with `rows` of (cells, selected).
+fn render_table<'a>(
+    frame: &mut Frame,
+    area: Rect,
+    cols: &[Col],
+    rows: Vec<(Vec<Cell<'a>>, bool)>,
+    theme: &Theme,
+) {
+    let keep = fit(cols, area.width);
+    let pick = |cells: Vec<Cell<'a>>| -> Vec<Cell<'a>> {
+        cells
+            .into_iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c)
+            .collect()
+    };
+    let header: Vec<Cell> = cols
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(c, _)| Cell::from(c.header))
+        .collect();
+    let widths: Vec<Constraint> = cols
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(c, _)| {
+            if c.fill {
+                Constraint::Fill(1)
+            } else {
+                Constraint::Length(c.width)
+            }
+        })
+        .collect();
+    let rows: Vec<Row> = rows
+        .into_iter()
+        .map(|(cells, selected)| {
+            let row = Row::new(pick(cells));
+            if selected {
+                row.style(theme.selected())
+            } else {
+                row
+            }
+        })
+        .collect();
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(Row::new(header).style(theme.header_row()))
+            .column_spacing(1),
+        area,
+    );
+}
+
+fn empty_hint(frame: &mut Frame, area: Rect, text: &str, theme: &Theme) {
+    let inner = Rect {
+        y: area.y + 1,
+        height: area.height.saturating_sub(1),
+        ..area
+    };
+    frame.render_widget(Paragraph::new(format!(" {text}")).style(theme.dim()), inner);
+}
+
+/// `id` shortened to `max` characters, keeping its end (a ULID's random part).
+pub fn short_id(id: &str, max: usize) -> String {
+    let n = id.chars().count();
+    if n <= max || max < 4 {
+        return id.to_string();
+    }
+    let prefix: String = id.split_inclusive('-').next().unwrap_or("").to_string();
+    let prefix = if prefix.ends_with('-') && prefix.len() < max / 2 {
+        prefix
+    } else {
+        String::new()
+    };
+    let keep = max - prefix.chars().count() - 1;
+    let tail: String = id.chars().skip(n - keep).collect();
+    format!("{prefix}…{tail}")
+}
+
+/// `used` of `total` as a bar of `width` cells and the figures.
+pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
+    let filled = if total == 0 {
+        0
+    } else {
+        (used as usize * width).div_ceil(total as usize)
+    }
+    .min(width);
+    format!(
+        "{}{} {used}/{total}",
+        "█".repeat(filled),
+        "░".repeat(width - filled)
+    )
+}
+
+fn timer_text(row: &BackingRow) -> String {
+    match row.timer {
+        IdleTimer::ReleaseIn(0) => "release due".into(),
+        IdleTimer::ReleaseIn(ms) => format!("rel {}", fmt_duration(ms)),
+        IdleTimer::IdleFor(ms) => format!("idle {}", fmt_duration(ms)),
+        IdleTimer::Held => "held".into(),
+        IdleTimer::Draining => "drain now".into(),
+        IdleTimer::None => match row.max_age_ms {
+            Some(ms) if ms <= 0 => "max-age".into(),
+            Some(ms) => format!("max {}", fmt_duration(ms as u64)),
+            None => "-".into(),
+        },
+    }
+}
+
+fn heartbeat_text(hb: &Heartbeat) -> String {
+    match hb {
+        Heartbeat::Missing => "none".into(),
+        Heartbeat::Healthy { age_ms } => format!("ok {}", fmt_duration(*age_ms)),
+        Heartbeat::Unhealthy { age_ms, .. } => format!("sick {}", fmt_duration(*age_ms)),
+        Heartbeat::Impostor { .. } => "impostor".into(),
+        Heartbeat::Draining { age_ms } => format!("bye {}", fmt_duration(*age_ms)),
+    }
+}
+
+fn heartbeat_style(row: &BackingRow, theme: &Theme) -> Style {
+    let expected = matches!(row.state, BackingState::Ready | BackingState::Retiring);
+    match &row.heartbeat {
+        Heartbeat::Healthy { .. } if row.reason.is_none() => theme.ok(),
+        Heartbeat::Missing if !expected && row.reason.is_none() => theme.dim(),
+        _ => theme.error(),
+    }
+}
+
+/// The part of a node id that tells nodes apart: its ULID (the slot and backing id it
+/// names are shown beside it).
+pub fn short_node(id: &str, max: usize) -> String {
+    short_id(id.split('_').next().unwrap_or(id), max)
+}
+
+fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let id_width = if wide { 29 } else { 12 };
+    let bar = if wide { 8 } else { 3 };
+    let cols = [
+        col("ID", id_width as u16, 0),
+        col("SEAT", 16, if wide { 6 } else { 9 }),
+        col("LABEL", if wide { 12 } else { 7 }, 4),
+        col("STATE", 9, 0),
+        col("IDLE", 5, 1),
+        col("SLOTS", bar as u16 + 6, 2),
+        col("AGE", 6, 5),
+        col("TIMER", 10, 3),
+        fill("HEALTH", 12, 2),
+    ];
+    let rows = visible(state, area.height)
+        .filter_map(|(i, key)| {
+            let r = state.backing_row(key)?;
+            let mut health = heartbeat_text(&r.heartbeat);
+            if let Some(reason) = &r.reason {
+                health = format!("{health}: {reason}");
+            }
+            let cells = vec![
+                Cell::from(short_id(&r.id, id_width)),
+                Cell::from(format!("{}/{}/{}", r.provider, r.pool, r.seat)),
+                Cell::from(r.label.clone()),
+                Cell::from(Span::styled(
+                    state_name(r.state),
+                    theme.backing_state(r.state),
+                )),
+                Cell::from(Span::styled(idle_name(r.idle), theme.idle(r.idle))),
+                Cell::from(slot_bar(r.used, r.slots, bar)),
+                Cell::from(fmt_duration(r.age_ms)),
+                Cell::from(timer_text(&r)),
+                Cell::from(Span::styled(health, heartbeat_style(&r, theme))),
+            ];
+            Some((cells, i == state.view_state().selected))
+        })
+        .collect::<Vec<_>>();
+    let empty = rows.is_empty();
+    render_table(frame, area, &cols, rows, theme);
+    if empty {
+        let text = if state.backing_count() == 0 {
+            if state.loaded() {
+                "No backing nodes: the pool is empty."
+            } else {
+                "Loading…"
+            }
+        } else {
+            "No backing node matches the filter (Esc clears it)."
+        };
+        empty_hint(frame, area, text, theme);
+    }
+}
+
+fn pool_states(p: &PoolRow) -> String {
+    let names = [
+        "requested",
+        "launching",
+        "ready",
+        "retiring",
+        "releasing",
+        "failed",
+    ];
+    let parts: Vec<String> = names
+        .iter()
+        .zip(p.by_state)
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| format!("{n} {name}"))
+        .collect();
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let cols = [
+        col("POOL", if wide { 20 } else { 12 }, 0),
+        col("LABEL", if wide { 14 } else { 8 }, 0),
+        col("NODES", 5, 1),
+        col("SLOTS", if wide { 18 } else { 11 }, 2),
+        col("WAITING", 7, 1),
+        col("OLDEST", 6, 3),
+        fill("BACKING NODES BY STATE", 10, 4),
+    ];
+    let rows = visible(state, area.height)
+        .filter_map(|(i, key)| {
+            let p = state.pool_row(key)?;
+            let states = pool_states(p);
+            let failed = p.by_state[5] > 0;
+            let cells = vec![
+                Cell::from(format!("{}/{}", p.provider, p.pool)),
+                Cell::from(p.label.clone()),
+                Cell::from(format!(
+                    "{}/{}",
+                    p.nodes(),
+                    p.max_servers.map_or("?".into(), |m| m.to_string())
+                )),
+                Cell::from(slot_bar(p.used, p.total, if wide { 10 } else { 4 })),
+                Cell::from(Span::styled(
+                    p.waiting.to_string(),
+                    if p.waiting > 0 {
+                        theme.warn()
+                    } else {
+                        Style::new()
+                    },
+                )),
+                Cell::from(p.oldest_wait_ms.map_or("-".into(), fmt_duration)),
+                Cell::from(Span::styled(
+                    states,
+                    if failed { theme.error() } else { Style::new() },
+                )),
+            ];
+            Some((cells, i == state.view_state().selected))
+        })
+        .collect::<Vec<_>>();
+    let empty = rows.is_empty();
+    render_table(frame, area, &cols, rows, theme);
+    if empty {
+        empty_hint(
+            frame,
+            area,
+            if state.loaded() {
+                "No pools yet: nothing in KV (with --config, configured pools show too)."
+            } else {
+                "Loading…"
+            },
+            theme,
+        );
+    }
+}
+
+fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let node_width = if wide { 31 } else { 13 };
+    let cols = [
+        col("SLOT", 4, 0),
+        col("NODE", node_width as u16, 0),
+        col("STATE", 9, 0),
+        col("REQUESTOR", if wide { 30 } else { 18 }, 2),
+        col("HELD", 6, 1),
+        fill("FAILURE", 10, 3),
+    ];
+    let [title, rest] = Layout::vertical([Constraint::Length(1), Constraint::Min(0)]).areas(area);
+    let Some(b) = state.focused() else {
+        render_table(frame, rest, &cols, vec![], theme);
+        empty_hint(
+            frame,
+            rest,
+            "No backing node selected: pick one in the Backing view and press Enter.",
+            theme,
+        );
+        return;
+    };
+    let rows = visible(state, rest.height)
+        .filter_map(|(i, key)| {
+            let s = state.slot_row(key)?;
+            let cells = match &s.node {
+                Some(n) => vec![
+                    Cell::from(s.slot.to_string()),
+                    Cell::from(short_node(n.id.as_str(), node_width)),
+                    Cell::from(Span::styled(
+                        node_state_name(n.state),
+                        theme.node_state(n.state),
+                    )),
+                    Cell::from(n.requestor.clone()),
+                    Cell::from(s.held_ms.map_or("-".into(), fmt_duration)),
+                    Cell::from(Span::styled(
+                        n.failure.clone().unwrap_or_default(),
+                        theme.error().remove_modifier(Modifier::BOLD),
+                    )),
+                ],
+                None => {
+                    let mut cells = vec![
+                        Cell::from(s.slot.to_string()),
+                        Cell::from(Span::styled("free", theme.dim())),
+                    ];
+                    cells.extend((0..4).map(|_| Cell::from("")));
+                    cells
+                }
+            };
+            Some((cells, i == state.view_state().selected))
+        })
+        .collect::<Vec<_>>();
+    frame.render_widget(
+        Paragraph::new(Line::from(vec![
+            Span::styled(format!(" {} ", b.id), theme.title()),
+            Span::styled(state_name(b.state), theme.backing_state(b.state)),
+            Span::raw(format!(" · {} · idle: ", b.label)),
+            Span::styled(idle_name(b.idle), theme.idle(b.idle)),
+        ])),
+        title,
+    );
+    render_table(frame, rest, &cols, rows, theme);
+}
+
+fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let id_width = if wide { 30 } else { 12 };
+    let cols = [
+        col("ID", id_width as u16, 0),
+        col("LABELS", if wide { 16 } else { 12 }, 2),
+        col("REQUESTOR", if wide { 24 } else { 12 }, 3),
+        col("AGE", 6, 1),
+        col("STATE", 9, 0),
+        fill("STATUS / FAILURE", 10, 4),
+    ];
+    let rows = visible(state, area.height)
+        .filter_map(|(i, key)| {
+            let r = state.request(key)?;
+            let detail = match r.state {
+                RequestState::Failed => r.failure.clone().unwrap_or_else(|| r.status.clone()),
+                _ => r.status.clone(),
+            };
+            let cells = vec![
+                Cell::from(short_id(r.id.as_str(), id_width)),
+                Cell::from(r.labels.join(",")),
+                Cell::from(r.requestor.clone()),
+                Cell::from(fmt_duration(state.now.saturating_sub(r.created_at))),
+                Cell::from(Span::styled(
+                    request_state_name(r.state),
+                    theme.request_state(r.state),
+                )),
+                Cell::from(detail),
+            ];
+            Some((cells, i == state.view_state().selected))
+        })
+        .collect::<Vec<_>>();
+    let empty = rows.is_empty();
+    render_table(frame, area, &cols, rows, theme);
+    if empty {
+        empty_hint(frame, area, "No requests.", theme);
+    }
+}
+
+/// `HH:MM:SS` (UTC) of a timestamp.
+pub fn clock(ms: u64) -> String {
+    let s = ms / 1000 % 86400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
+}
+
+fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let id_width = if wide { 29 } else { 12 };
+    let cols = [
+        col("TIME UTC", 8, 0),
+        col("KIND", 8, 2),
+        col("ACTOR", if wide { 24 } else { 12 }, 3),
+        col("BACKING", id_width as u16, 1),
+        fill("MESSAGE", 12, 0),
+    ];
+    let rows = visible(state, area.height)
+        .filter_map(|(i, key)| {
+            let e = state.event(key)?;
+            let (kind, style) = match e.kind {
+                EventKind::Operator => ("operator", theme.warn()),
+                EventKind::Backing => ("backing", Style::new()),
+            };
+            let cells = vec![
+                Cell::from(clock(e.at)),
+                Cell::from(Span::styled(kind, style)),
+                Cell::from(e.actor.clone()),
+                Cell::from(
+                    e.backing_id
+                        .as_ref()
+                        .map_or(String::new(), |b| short_id(b.as_str(), id_width)),
+                ),
+                Cell::from(e.message.clone()),
+            ];
+            Some((cells, i == state.view_state().selected))
+        })
+        .collect::<Vec<_>>();
+    let empty = rows.is_empty();
+    render_table(frame, area, &cols, rows, theme);
+    if empty {
+        empty_hint(frame, area, "No events yet.", theme);
+    }
+}
+
+fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
+    let key = state.view_state().selected_key.clone().unwrap_or_default();
+    match state.view {
+        View::Pools => match state.pool_row(&key) {
+            Some(p) => vec![
+                Line::from(format!(
+                    " {}/{} label {}: max-servers {} · {} slots used of {}",
+                    p.provider,
+                    p.pool,
+                    p.label,
+                    p.max_servers
+                        .map_or("unknown (no --config)".into(), |m| m.to_string()),
+                    p.used,
+                    p.total
+                )),
+                Line::from(format!(" backing nodes: {}", pool_states(p))),
+            ],
+            None => vec![],
+        },
+        View::Backing => match state.backing_row(&key) {
+            Some(r) => backing_detail(state, &r, theme),
+            None => vec![],
+        },
+        View::Slots => {
+            let node = state.slot_row(&key).and_then(|s| s.node);
+            match node {
+                Some(n) => vec![
+                    Line::from(format!(" {} · request {}", n.id, n.request_id)),
+                    Line::from(format!(
+                        " host {} · workspace {}{}",
+                        if n.host.is_empty() { "?" } else { &n.host },
+                        n.workspace.as_deref().unwrap_or("-"),
+                        n.failure
+                            .as_ref()
+                            .map_or(String::new(), |f| format!(" · failed: {f}"))
+                    )),
+                ],
+                None => match state.focused() {
+                    Some(b) => backing_detail(
+                        state,
+                        &state
+                            .backing_row(&slotpool_protocol::layout::seat_key(
+                                &b.provider,
+                                &b.pool,
+                                b.seat,
+                            ))
+                            .unwrap_or_else(|| unreachable_row(b)),
+                        theme,
+                    ),
+                    None => vec![],
+                },
+            }
+        }
+        View::Requests => match state.request(&key) {
+            Some(r) => vec![
+                Line::from(format!(
+                    " {} · priority {} · {}",
+                    r.id,
+                    r.priority,
+                    r.failure.as_deref().unwrap_or(&r.status)
+                )),
+                Line::from(if r.nodes.is_empty() {
+                    " no nodes yet".to_string()
+                } else {
+                    format!(
+                        " nodes: {}",
+                        r.nodes
+                            .iter()
+                            .map(|n| n.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }),
+            ],
+            None => vec![],
+        },
+        View::Events => match state.event(&key) {
+            Some(e) => vec![
+                Line::from(format!(" {}", e.message)),
+                Line::from(format!(
+                    " by {}{}{}",
+                    e.actor,
+                    e.backing_id
+                        .as_ref()
+                        .map_or(String::new(), |b| format!(" · backing {b}")),
+                    e.node_id
+                        .as_ref()
+                        .map_or(String::new(), |n| format!(" · node {n}"))
+                )),
+            ],
+            None => vec![],
+        },
+    }
+}
+
+/// A backing row for a record whose seat key is not the one computed (never expected).
+fn unreachable_row(b: &slotpool_protocol::model::BackingNode) -> BackingRow {
+    BackingRow {
+        key: String::new(),
+        id: b.id.to_string(),
+        provider: b.provider.clone(),
+        pool: b.pool.clone(),
+        seat: b.seat,
+        label: b.label.clone(),
+        state: b.state,
+        idle: b.idle,
+        used: 0,
+        slots: b.slots,
+        age_ms: 0,
+        timer: IdleTimer::None,
+        retained_ms: None,
+        max_age_ms: None,
+        heartbeat: Heartbeat::Missing,
+        reason: b.failure.clone(),
+        order: None,
+    }
+}
+
+fn backing_detail<'a>(state: &State, r: &BackingRow, theme: &Theme) -> Vec<Line<'a>> {
+    let mut first = vec![Span::raw(format!(
+        " {} · {}/{} seat {} · {} of {} slots used",
+        r.id, r.provider, r.pool, r.seat, r.used, r.slots
+    ))];
+    if let Some(o) = &r.order {
+        first.push(Span::styled(format!(" · last order: {o}"), theme.warn()));
+    }
+    let mut timers = Vec::new();
+    match r.timer {
+        IdleTimer::ReleaseIn(ms) => timers.push(format!("empty: released in {}", fmt_duration(ms))),
+        IdleTimer::IdleFor(ms) => timers.push(format!(
+            "empty for {} (grace-time unknown: start with --config)",
+            fmt_duration(ms)
+        )),
+        IdleTimer::Held => timers.push("held: never released automatically".into()),
+        IdleTimer::Draining => timers.push("draining: released as soon as empty".into()),
+        IdleTimer::None => {}
+    }
+    if let Some(ms) = r.retained_ms {
+        timers.push(format!("min-retention {} left", fmt_duration(ms)));
+    }
+    match r.max_age_ms {
+        Some(ms) if ms <= 0 => timers.push("max-age reached".into()),
+        Some(ms) => timers.push(format!("max-age in {}", fmt_duration(ms as u64))),
+        None => {}
+    }
+    let mut second = vec![Span::raw(format!(" {}", timers.join(" · ")))];
+    if let Some(reason) = &r.reason {
+        if !timers.is_empty() {
+            second.push(Span::raw(" · "));
+        }
+        second.push(Span::styled(reason.clone(), theme.error()));
+    }
+    if timers.is_empty() && r.reason.is_none() && !state.rules.is_known() {
+        second = vec![Span::styled(
+            " timers: start with --config to see grace-time and max-age countdowns",
+            theme.dim(),
+        )];
+    }
+    vec![Line::from(first), Line::from(second)]
+}
+
+fn draw_status(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let line = match &state.input {
+        Input::Filter(text) => Line::from(vec![
+            Span::styled(" filter /", theme.key()),
+            Span::raw(format!("{text}▏")),
+            Span::styled("  Enter apply · Esc cancel", theme.dim()),
+        ]),
+        _ => match &state.status {
+            Some(s) => Line::from(Span::styled(
+                format!(" {}", s.text),
+                if s.error { theme.error() } else { theme.ok() },
+            )),
+            None => Line::from(""),
+        },
+    };
+    frame.render_widget(Paragraph::new(line), area);
+}
+
+fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
+    let hints: &[(&str, &str)] = match state.view {
+        View::Backing => &[
+            ("Enter", "slots"),
+            ("H", "hold"),
+            ("D", "drain"),
+            ("R", "run"),
+            ("K", "kill"),
+            ("/", "filter"),
+            ("s", "sort"),
+            ("Tab", "view"),
+            ("?", "help"),
+            ("q", "quit"),
+        ],
+        View::Slots => &[
+            ("X", "release slot"),
+            ("H/D/R/K", "node"),
+            ("Esc", "back"),
+            ("/", "filter"),
+            ("s", "sort"),
+            ("Tab", "view"),
+            ("?", "help"),
+            ("q", "quit"),
+        ],
+        View::Pools => &[
+            ("Enter", "its nodes"),
+            ("/", "filter"),
+            ("s", "sort"),
+            ("Tab", "view"),
+            ("?", "help"),
+            ("q", "quit"),
+        ],
+        View::Requests => &[
+            ("Enter", "its slots"),
+            ("/", "filter"),
+            ("s", "sort"),
+            ("Tab", "view"),
+            ("?", "help"),
+            ("q", "quit"),
+        ],
+        View::Events => &[
+            ("/", "filter"),
+            ("s", "sort"),
+            ("Tab", "view"),
+            ("?", "help"),
+            ("q", "quit"),
+        ],
+    };
+    let mut spans = Vec::new();
+    for (k, what) in hints {
+        spans.push(Span::styled(format!(" {k}"), theme.key()));
+        spans.push(Span::raw(format!(" {what}")));
+    }
+    Line::from(spans)
+}
+
+/// Every key, for the help screen (and the README).
+pub const HELP: &[(&str, &str)] = &[
+    ("↑ ↓  j k", "move the selection"),
+    ("PgUp PgDn  Ctrl-u Ctrl-d", "a page up or down"),
+    ("Home End  g G", "first or last row"),
+    ("Tab Shift-Tab  ← →  h l", "next or previous view"),
+    ("1 2 3 4 5", "Pools, Backing, Slots, Requests, Events"),
+    ("Enter", "drill in: pool → its nodes, node → its slots"),
+    ("Esc", "clear the filter, or back from Slots"),
+    ("/", "filter the current view (Enter applies)"),
+    ("s  S", "next sort column; reverse the order"),
+    ("H", "hold: no new slots, never released"),
+    ("D", "drain: no new slots, released once empty"),
+    ("R", "run: back to normal"),
+    ("K", "kill the backing node now (confirms)"),
+    ("X", "release the selected slot (confirms)"),
+    ("?", "this help"),
+    ("q  Ctrl-c", "quit"),
+];
+
+fn centered(area: Rect, width: u16, height: u16) -> Rect {
+    let width = width.min(area.width);
+    let height = height.min(area.height);
+    Rect {
+        x: area.x + (area.width - width) / 2,
+        y: area.y + (area.height - height) / 2,
+        width,
+        height,
+    }
+}
+
+fn draw_help(frame: &mut Frame, area: Rect, theme: &Theme) {
+    let popup = centered(area, 72, HELP.len() as u16 + 2);
+    let lines: Vec<Line> = HELP
+        .iter()
+        .map(|(k, what)| {
+            Line::from(vec![
+                Span::styled(format!(" {k:<24} "), theme.key()),
+                Span::raw(*what),
+            ])
+        })
+        .collect();
+    frame.render_widget(Clear, popup);
+    frame.render_widget(
+        Paragraph::new(lines).block(
+            Block::bordered()
+                .title(" Keys ")
+                .title_bottom(" any key closes "),
+        ),
+        popup,
+    );
+}
+
+fn draw_confirm(frame: &mut Frame, area: Rect, question: &str, reason: &str, theme: &Theme) {
+    let popup = centered(area, 70, 8);
+    let lines = vec![
+        Line::from(Span::styled(question.to_string(), theme.error())),
+        Line::from(""),
+        Line::from(vec![
+            Span::raw("Reason (optional): "),
+            Span::styled(
+                format!("{reason}▏"),
+                Style::new().add_modifier(Modifier::UNDERLINED),
+            ),
+        ]),
+        Line::from(""),
+        Line::from(vec![
+            Span::styled("Enter", theme.key()),
+            Span::raw(" confirm   "),
+            Span::styled("Esc", theme.key()),
+            Span::raw(" cancel"),
+        ]),
+    ];
+    frame.render_widget(Clear, popup);
+    frame.render_widget(
+        Paragraph::new(lines)
+            .wrap(Wrap { trim: true })
+            .block(Block::bordered().title(" Confirm ")),
+        popup,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::*;
+    use crate::rules::Rules;
+    use crate::state::{apply_all, Change, Msg, Record};
+    use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    use ratatui::backend::TestBackend;
+    use ratatui::style::Color;
+    use ratatui::Terminal;
+    use slotpool_protocol::model::{BackingState, OperatorAction, OperatorOrder};
+
+    fn render(state: &State, theme: &Theme) -> Terminal<TestBackend> {
+        let mut t = Terminal::new(TestBackend::new(state.size.0, state.size.1)).unwrap();
+        t.draw(|f| draw(f, state, theme)).unwrap();
+        t
+    }
+
+    fn screen(state: &State) -> String {
+        render(state, &Theme::plain()).backend().to_string()
+    }
+
+    fn key(c: char) -> Msg {
+        Msg::Key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE))
+    }
+
+    fn sample_state(w: u16, h: u16) -> State {
+        let mut changes = sample();
+        // An operator's order on the idle node.
+        if let Change::Put {
+            record: Record::Backing(b),
+            ..
+        } = &mut changes[1]
+        {
+            b.idle = slotpool_protocol::model::IdleBehaviour::Hold;
+            b.order = Some(OperatorOrder {
+                action: OperatorAction::Hold,
+                actor: "alice@ops".into(),
+                reason: Some("kernel update".into()),
+                at: NOW - 10 * SEC,
+            });
+        }
+        loaded(rules(), changes, w, h)
+    }
+
+    #[test]
+    fn backing_view_80x24() {
+        insta::assert_snapshot!(screen(&sample_state(80, 24)));
+    }
+
+    #[test]
+    fn backing_view_wide() {
+        insta::assert_snapshot!(screen(&sample_state(160, 30)));
+    }
+
+    #[test]
+    fn backing_view_without_config_shows_idle_times() {
+        let state = loaded(Rules::unknown(), sample(), 80, 24);
+        let mut state = state;
+        apply_all(&mut state, [key('j')]);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn failed_node_selected() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [key('j'), key('j')]);
+        let text = screen(&state);
+        assert!(text.contains("agent heartbeat expired"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn pools_view() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [key('1')]);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn slots_view() {
+        let mut state = sample_state(80, 24);
+        apply_all(
+            &mut state,
+            [
+                Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)),
+                key('j'),
+                key('j'),
+            ],
+        );
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn requests_view() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [key('4')]);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn events_view() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [key('5')]);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn empty_pool() {
+        let state = loaded(Rules::unknown(), vec![], 80, 24);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn loading() {
+        let mut state = State::new(Rules::unknown(), "nats://127.0.0.1:4222");
+        apply_all(&mut state, [Msg::Resize(80, 24), Msg::Tick(NOW)]);
+        let text = screen(&state);
+        assert!(text.contains("loading"), "{text}");
+    }
+
+    #[test]
+    fn narrow_terminal() {
+        insta::assert_snapshot!(screen(&sample_state(50, 14)));
+    }
+
+    #[test]
+    fn tiny_terminals_do_not_panic() {
+        for (w, h) in [(1, 1), (10, 3), (20, 7), (79, 8)] {
+            let mut state = sample_state(w, h);
+            for v in ['1', '2', '3', '4', '5', '?'] {
+                apply_all(&mut state, [key(v)]);
+                screen(&state);
+            }
+        }
+    }
+
+    #[test]
+    fn help_lists_every_key() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [key('?')]);
+        let text = screen(&state);
+        for (k, _) in HELP {
+            assert!(text.contains(k), "help misses {k}:\n{text}");
+        }
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn kill_confirmation() {
+        let mut state = sample_state(80, 24);
+        let mut msgs = vec![key('K')];
+        msgs.extend("bad disk".chars().map(key));
+        apply_all(&mut state, msgs);
+        insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn connection_lost_banner() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [Msg::Link(false)]);
+        let text = screen(&state);
+        assert!(
+            text.contains("NATS connection lost — reconnecting…"),
+            "{text}"
+        );
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn no_color_means_no_colours() {
+        let state = sample_state(80, 24);
+        let plain = render(&state, &Theme::plain());
+        for cell in plain.backend().buffer().content() {
+            assert_eq!(cell.fg, Color::Reset);
+            assert_eq!(cell.bg, Color::Reset);
+        }
+        let colored = render(&state, &Theme::colored());
+        assert!(
+            colored
+                .backend()
+                .buffer()
+                .content()
+                .iter()
+                .any(|c| c.fg == Color::Red),
+            "the failed node is red"
+        );
+    }
+
+    #[test]
+    fn ten_thousand_nodes_render_only_the_visible_rows() {
+        let changes: Vec<Change> = (0..10_000)
+            .map(|i| {
+                put(Record::Backing(Box::new(backing(
+                    i,
+                    BackingState::Ready,
+                    4,
+                ))))
+            })
+            .collect();
+        let mut state = loaded(rules(), changes, 80, 24);
+        apply_all(&mut state, [key('G')]);
+        let started = std::time::Instant::now();
+        for _ in 0..100 {
+            screen(&state);
+        }
+        let text = screen(&state);
+        assert!(text.contains("10000 backing"), "{text}");
+        // The last node is on screen.
+        assert!(text.contains("…4r9999") || text.contains("9999"), "{text}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "100 frames took {:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn short_ids_keep_the_random_end() {
+        assert_eq!(
+            short_id("bn-01jq3m2f7h8g9k0m1n2p3q4r5s", 12),
+            "bn-…k0m1n2p3q4r5s".chars().take(3).collect::<String>() + "…" + "2p3q4r5s"
+        );
+        assert_eq!(short_id("build-01", 12), "build-01");
+        assert_eq!(slot_bar(1, 4, 4), "█░░░ 1/4");
+        assert_eq!(slot_bar(0, 0, 4), "░░░░ 0/0");
+        assert_eq!(clock(NOW + 61_000), "12:01:01");
+    }
+}
