@@ -175,6 +175,13 @@ impl Sshd {
             .prefix("slotpool-sshd-")
             .tempdir()
             .expect("sshd dir");
+        // Slot users run the agent binary at login (ForceCommand). The build's target dir
+        // may sit where they cannot reach it (a clone under a 0700 directory), so they run
+        // a copy from this dir, opened to everyone as /usr/bin would be.
+        let agent = dir.path().join("slotpool-agent");
+        std::fs::copy(bin_path("slotpool-agent"), &agent).expect("copying slotpool-agent");
+        set_mode(dir.path(), 0o755);
+        set_mode(&agent, 0o755);
         let key = dir.path().join("ssh_host_ed25519_key");
         run(Command::new("ssh-keygen")
             .args(["-q", "-t", "ed25519", "-N", "", "-C", "slotpool-test", "-f"])
@@ -194,7 +201,7 @@ impl Sshd {
                 key = key.display(),
                 pid = dir.path().join("sshd.pid").display(),
                 prefix = env.user_prefix,
-                agent = bin_path("slotpool-agent").display(),
+                agent = agent.display(),
                 run = env.run_dir.path().display(),
             ),
         )
