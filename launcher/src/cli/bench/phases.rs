@@ -159,7 +159,10 @@ pub async fn prewarm(
     for got in all {
         nodes.extend(got?);
     }
-    release(client, nodes).await
+    for chunk in nodes.chunks(slotpool_protocol::api::MAX_LABELS_PER_REQUEST) {
+        release(client, chunk.to_vec()).await?;
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy, Debug, Serialize)]
