@@ -232,7 +232,10 @@ fn version_ok(binary: &Path) -> bool {
 }
 
 /// Starts `nats-server -js` on a free loopback port with its store under `dir`.
-pub(crate) async fn start_nats_server(binary: &Path, dir: &Path) -> anyhow::Result<(Child, String)> {
+pub(crate) async fn start_nats_server(
+    binary: &Path,
+    dir: &Path,
+) -> anyhow::Result<(Child, String)> {
     let ports_dir = dir.join("ports");
     std::fs::create_dir_all(&ports_dir)?;
     let log = std::fs::File::create(dir.join("nats-server.log"))?;

@@ -246,18 +246,29 @@ async fn run_all(
         let config = dir.join("launcher.yaml");
         std::fs::write(
             &config,
-            launcher_config(&dir.join("agents"), agent_binary, warm_nodes, s.grace_time_secs),
+            launcher_config(
+                &dir.join("agents"),
+                agent_binary,
+                warm_nodes,
+                s.grace_time_secs,
+            ),
         )?;
-        let mut launcher =
-            procs::LauncherProcess::spawn(&config, &url, &dir.join("launcher.log"))?;
+        let mut launcher = procs::LauncherProcess::spawn(&config, &url, &dir.join("launcher.log"))?;
         let client = Client::from_bus(bus.clone());
         let watcher = Arc::new(client.watcher().await?);
         let figures = async {
-            step(format!("warm-up: {warm_nodes} backing nodes of {SLOTS_PER_WARM_NODE} slots"));
+            step(format!(
+                "warm-up: {warm_nodes} backing nodes of {SLOTS_PER_WARM_NODE} slots"
+            ));
             let start = std::time::Instant::now();
             phases::first_served(&client, &watcher, WARM_LABEL, start).await?;
-            phases::prewarm(&client, &watcher, WARM_LABEL, warm_nodes * SLOTS_PER_WARM_NODE)
-                .await?;
+            phases::prewarm(
+                &client,
+                &watcher,
+                WARM_LABEL,
+                warm_nodes * SLOTS_PER_WARM_NODE,
+            )
+            .await?;
             step(format!("warm: {} sequential allocations", s.warm));
             let warm = phases::warm(&client, &watcher, WARM_LABEL, s.warm).await?;
             step(format!(
@@ -456,7 +467,11 @@ fn print_table(r: &Report) {
         m.nats_server,
         m.load_at_start,
         m.load_at_end,
-        if r.settings.smoke { " (SMOKE: figures mean nothing)" } else { "" }
+        if r.settings.smoke {
+            " (SMOKE: figures mean nothing)"
+        } else {
+            ""
+        }
     );
     let floor = r.floor.chain.p50_ms;
     println!();

@@ -285,23 +285,29 @@ pub async fn cold_and_release(
         if let Some((backing, _)) = nodes.first().and_then(|n| n.slot()) {
             backing_ids.insert(backing);
         }
+        // The slot is freed somewhere within the release call: lateness counts from its
+        // end (never flatters), "early" from its start (never accuses wrongly).
+        let releasing = Instant::now();
         release(client, nodes).await?;
         let returned = Instant::now();
         let gone_by = grace + Duration::from_secs(60);
         loop {
             let change = tokio::time::timeout(gone_by, changes.next())
                 .await
-                .with_context(|| format!("backing node {seat_key} not released within {gone_by:?} of its last slot"))?
+                .with_context(|| {
+                    format!(
+                        "backing node {seat_key} not released within {gone_by:?} of its last slot"
+                    )
+                })?
                 .context("backing watch ended")??;
             if let Change::Removed { .. } = change {
                 break;
             }
         }
-        let after_ms = returned.elapsed().as_secs_f64() * 1000.0;
-        let late_ms = after_ms - grace.as_secs_f64() * 1000.0;
-        if late_ms < 0.0 {
+        if releasing.elapsed() < grace {
             early += 1;
         }
+        let late_ms = returned.elapsed().as_secs_f64() * 1000.0 - grace.as_secs_f64() * 1000.0;
         late.push_ms(late_ms);
     }
     Ok(ColdAndRelease {
@@ -322,12 +328,7 @@ pub struct Agent {
 }
 
 /// Starts a real `slotpool-agent` with 8 slots and measures it while idle.
-pub async fn agent(
-    bus: &Bus,
-    url: &str,
-    dir: &Path,
-    window: Duration,
-) -> anyhow::Result<Agent> {
+pub async fn agent(bus: &Bus, url: &str, dir: &Path, window: Duration) -> anyhow::Result<Agent> {
     let binary = crate::cli::sibling_agent_binary();
     let id = BackingId::parse("bn-bench-agent").expect("valid id");
     let work_dir = dir.join("idle-agent");
@@ -528,7 +529,12 @@ async fn seed_backing(
                 idle: IdleBehaviour::Run,
                 instance: Some(Instance {
                     id: id.to_string(),
-                    host: format!("10.{}.{}.{}", (seat >> 16) & 255, (seat >> 8) & 255, seat & 255),
+                    host: format!(
+                        "10.{}.{}.{}",
+                        (seat >> 16) & 255,
+                        (seat >> 8) & 255,
+                        seat & 255
+                    ),
                     data: serde_json::Value::Null,
                 }),
                 secret_sha256: digest.clone(),

@@ -30,7 +30,9 @@ pub fn cpu_time(pid: u32) -> Option<Duration> {
     let stime: u64 = fields.get(12)?.parse().ok()?;
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some(Duration::from_secs_f64((utime + stime) as f64 / ticks as f64))
+    Some(Duration::from_secs_f64(
+        (utime + stime) as f64 / ticks as f64,
+    ))
 }
 
 /// Memory and CPU of a process over a window in which nothing is asked of it.

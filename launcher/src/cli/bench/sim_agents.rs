@@ -97,7 +97,12 @@ pub async fn start(
 }
 
 /// The reply the real agent gives to one command.
-fn answer(node: &mut SimNode, id: &BackingId, slots: u32, payload: &[u8]) -> Reply<serde_json::Value> {
+fn answer(
+    node: &mut SimNode,
+    id: &BackingId,
+    slots: u32,
+    payload: &[u8],
+) -> Reply<serde_json::Value> {
     let command: AgentCommand = match serde_json::from_slice(payload) {
         Ok(c) => c,
         Err(err) => {
