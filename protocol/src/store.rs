@@ -384,7 +384,10 @@ impl Store {
         &self,
         filter: &str,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
-        Ok(self.open_watch(filter, consumer::DeliverPolicy::New).await?.1)
+        Ok(self
+            .open_watch(filter, consumer::DeliverPolicy::New)
+            .await?
+            .1)
     }
 
     /// For log-like buckets whose keys are written once (events): the last `limit`
