@@ -4,6 +4,7 @@
 //! specific error; nothing about it disturbs other requests.
 
 use crate::admin;
+use crate::lease;
 use crate::nodes;
 use crate::request;
 use crate::shared::Shared;
@@ -196,7 +197,30 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         updated_at: now,
     };
     let key = req.id.to_string();
-    match sh.bus.requests.create(&key, &req, None).await {
+    // The request's lease is taken in the same round trip as the request is created
+    // (both writes in flight at once), so the worker starts with it in hand instead of
+    // spending a round trip on it before it can claim a slot.
+    let lease_key = layout::request_lease_key(&req.id);
+    let mine = sh.start_work(&lease_key);
+    let (created, lease) = tokio::join!(sh.bus.requests.create(&key, &req, None), async {
+        match mine {
+            true => lease::acquire(sh, &lease_key).await.ok().flatten(),
+            false => None,
+        }
+    });
+    let lease = match (&created, lease) {
+        (Ok(_), Some(lease)) => Some(lease),
+        (_, unused) => {
+            if let Some(lease) = unused {
+                lease.release().await;
+            }
+            if mine {
+                sh.end_work(&lease_key);
+            }
+            None
+        }
+    };
+    match created {
         Ok(revision) => {
             tracing::info!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
             let id = req.id.clone();
@@ -205,7 +229,11 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
                 revision,
                 value: req,
             });
-            request::spawn(sh, id.clone());
+            match lease {
+                Some(lease) => request::spawn_leased(sh, id.clone(), lease),
+                // Taken by someone else or not reachable: the usual path sorts it out.
+                None => request::spawn(sh, id.clone()),
+            }
             Ok(Submitted { request_id: id })
         }
         // A retried submission with the same id: the first one stands.
@@ -248,9 +276,12 @@ async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError>
             .get::<slotpool_protocol::model::Node>(&key)
             .await
         {
-            Ok(Some(n)) if &n.value.id == id => {
-                (id, nodes::release(sh, &key).await.map_err(internal))
-            }
+            Ok(Some(n)) if &n.value.id == id => (
+                id,
+                nodes::release_read(sh, &key, Some(n))
+                    .await
+                    .map_err(internal),
+            ),
             Ok(_) => (id, Ok(false)),
             Err(err) => (id, Err(internal(err))),
         }

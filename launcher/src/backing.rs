@@ -38,11 +38,12 @@ pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
     let span = tracing::info_span!("backing", seat = %seat_key, backing_id = %backing_id);
     shared.tracker.spawn(
         async move {
+            let mut let_go = false;
             match lease::acquire(&sh, &key).await {
                 Ok(Some(lease)) => {
-                    Worker {
+                    let_go = Worker {
                         sh: sh.clone(),
-                        seat_key,
+                        seat_key: seat_key.clone(),
                     }
                     .run(&lease)
                     .await;
@@ -52,9 +53,72 @@ pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
                 Err(err) => tracing::warn!(%err, "cannot take the backing node's lease"),
             }
             sh.end_work(&key);
+            // A change that came while this worker was letting go found it still
+            // registered and was dropped: look once more now that it is gone.
+            if let_go && !sh.shutdown.is_cancelled() && due(&sh, &seat_key) == Due::Now {
+                spawn(&sh, seat_key);
+            }
         }
         .instrument(span),
     );
+}
+
+/// Whether a backing node needs a worker, judged from the mirror without a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Due {
+    /// A step is due now or within the lease TTL.
+    Now,
+    /// Nothing to do before this time (unless something changes).
+    At(u64),
+    /// Nothing to do until something changes (or there is no such seat).
+    Never,
+}
+
+/// What the backing node at `seat_key` needs, by [`lifecycle::next`] on the mirror. A
+/// node with nothing due within the lease TTL needs no worker and no lease: slot claims
+/// are create-if-absent and need neither, and the supervisor starts a worker when a
+/// change comes or the time given here is reached.
+pub fn due(shared: &Shared, seat_key: &str) -> Due {
+    let Some((b, obs)) = observe(shared, seat_key) else {
+        return Due::Never;
+    };
+    let horizon = obs.now + shared.config.lease_ttl.as_millis() as u64;
+    match lifecycle::next(&b.value, &obs) {
+        Step::Wait(None) => Due::Never,
+        Step::Wait(Some(at)) if at > horizon => Due::At(at),
+        _ => Due::Now,
+    }
+}
+
+/// The record and what is observed of it now.
+fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, Observed)> {
+    let world = shared.world();
+    let b = world.backing.get(seat_key)?.clone();
+    let agent = match world.agents.get(&b.value.id) {
+        None => AgentSeen::Absent,
+        Some(a) if a.secret_sha256 != b.value.secret_sha256 => AgentSeen::Impostor,
+        Some(a) => AgentSeen::Up {
+            draining: a.draining,
+        },
+    };
+    let rules = shared
+        .config
+        .label_in(&b.value.provider, &b.value.pool, &b.value.label)
+        .map(|s| Rules {
+            grace_time: s.label.grace_time,
+            min_retention_time: s.label.min_retention_time,
+            max_age: s.label.max_age,
+            boot_timeout: s.pool.boot_timeout,
+            launch_retries: s.pool.launch_retries,
+        });
+    let obs = Observed {
+        agent,
+        used: world.used_count(&b.value.id),
+        last_release: world.last_release.get(&b.value.id).copied(),
+        rules,
+        now: now_ms(),
+    };
+    Some((b, obs))
 }
 
 struct Worker {
@@ -71,15 +135,20 @@ enum Outcome {
 }
 
 impl Worker {
-    async fn run(&self, lease: &LeaseGuard) {
+    /// Carries out steps until the seat is empty, the lease is lost, or nothing is due
+    /// within the lease TTL and nothing was done for as long (then it lets go of the
+    /// lease and returns true: the supervisor starts a worker again when needed).
+    async fn run(&self, lease: &LeaseGuard) -> bool {
         let mut rx = self.sh.signals.subscribe(&seat_topic(&self.seat_key));
+        let linger = self.sh.config.lease_ttl;
+        let mut last_step = tokio::time::Instant::now();
         loop {
             if lease.lost.is_cancelled() {
-                return;
+                return false;
             }
             rx.mark_unchanged();
-            let Some((b, obs)) = self.observe() else {
-                return;
+            let Some((b, obs)) = observe(&self.sh, &self.seat_key) else {
+                return false;
             };
             let step = lifecycle::next(&b.value, &obs);
             tracing::trace!(?step, state = ?b.value.state, "step");
@@ -97,11 +166,21 @@ impl Worker {
                 }
             };
             match outcome {
-                Outcome::Continue => {}
-                Outcome::Gone => return,
+                Outcome::Continue => last_step = tokio::time::Instant::now(),
+                Outcome::Gone => return false,
                 Outcome::Wait(at) => {
-                    let deadline =
-                        at.map(|t| tokio::time::Instant::now() + slotpool_protocol::time::until(t));
+                    let now = tokio::time::Instant::now();
+                    let mut deadline = at.map(|t| now + slotpool_protocol::time::until(t));
+                    // Nothing due within the lease TTL: keep the lease a while after the
+                    // last step (a busy node would otherwise churn leases), then let go.
+                    if deadline.is_none_or(|d| d > now + linger) {
+                        let until = last_step + linger;
+                        if now >= until {
+                            tracing::debug!("nothing due; letting go of the lease");
+                            return true;
+                        }
+                        deadline = Some(deadline.map_or(until, |d| d.min(until)));
+                    }
                     wait_for_change(std::slice::from_mut(&mut rx), deadline, &lease.lost).await;
                 }
             }
@@ -127,38 +206,6 @@ impl Worker {
             Ok(None) => self.sh.world().remove_backing(&self.seat_key, u64::MAX),
             Err(err) => tracing::debug!(%err, "cannot re-read the record"),
         }
-    }
-
-    /// The record and what is observed of it now.
-    fn observe(&self) -> Option<(Versioned<BackingNode>, Observed)> {
-        let world = self.sh.world();
-        let b = world.backing.get(&self.seat_key)?.clone();
-        let agent = match world.agents.get(&b.value.id) {
-            None => AgentSeen::Absent,
-            Some(a) if a.secret_sha256 != b.value.secret_sha256 => AgentSeen::Impostor,
-            Some(a) => AgentSeen::Up {
-                draining: a.draining,
-            },
-        };
-        let rules = self
-            .sh
-            .config
-            .label_in(&b.value.provider, &b.value.pool, &b.value.label)
-            .map(|s| Rules {
-                grace_time: s.label.grace_time,
-                min_retention_time: s.label.min_retention_time,
-                max_age: s.label.max_age,
-                boot_timeout: s.pool.boot_timeout,
-                launch_retries: s.pool.launch_retries,
-            });
-        let obs = Observed {
-            agent,
-            used: world.used_count(&b.value.id),
-            last_release: world.last_release.get(&b.value.id).copied(),
-            rules,
-            now: now_ms(),
-        };
-        Some((b, obs))
     }
 
     async fn carry_out(&self, b: &Versioned<BackingNode>, step: Step) -> Result<Outcome, KvError> {

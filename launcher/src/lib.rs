@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::shared::Shared;
 use crate::watch::{Dirty, Mirror};
 use slotpool_protocol::connect::Bus;
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -116,12 +116,19 @@ pub async fn run(
 /// starts a worker for those nobody drives.
 async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
+    let mut timers = SeatTimers::default();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
+        let next_timer = timers
+            .next()
+            .map(|at| tokio::time::Instant::now() + slotpool_protocol::time::until(at));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             _ = resync.tick() => batch.extend(everything(shared)),
             d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
+            _ = sleep_until(next_timer) => {
+                batch.extend(timers.take_due(slotpool_protocol::time::now_ms()).into_iter().map(Dirty::Seat));
+            }
         }
         while let Ok(d) = dirty.try_recv() {
             batch.insert(d);
@@ -153,7 +160,11 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                                 .is_none()
                     };
                     if free {
-                        backing::spawn(shared, seat);
+                        match backing::due(shared, &seat) {
+                            backing::Due::Now => backing::spawn(shared, seat),
+                            backing::Due::At(at) => timers.schedule(seat, at),
+                            backing::Due::Never => timers.cancel(&seat),
+                        }
                     }
                 }
             }
@@ -167,9 +178,59 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
     }
 }
 
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// When backing nodes nobody drives have a step due (grace-time or max-age running
+/// out, a failed node to forget): the supervisor looks at them again then.
+#[derive(Default)]
+struct SeatTimers {
+    by_seat: HashMap<String, u64>,
+    queue: BTreeSet<(u64, String)>,
+}
+
+impl SeatTimers {
+    fn schedule(&mut self, seat: String, at: u64) {
+        if let Some(old) = self.by_seat.insert(seat.clone(), at) {
+            self.queue.remove(&(old, seat.clone()));
+        }
+        self.queue.insert((at, seat));
+    }
+
+    fn cancel(&mut self, seat: &str) {
+        if let Some(old) = self.by_seat.remove(seat) {
+            self.queue.remove(&(old, seat.to_string()));
+        }
+    }
+
+    fn next(&self) -> Option<u64> {
+        self.queue.first().map(|(at, _)| *at)
+    }
+
+    fn take_due(&mut self, now: u64) -> Vec<String> {
+        let mut due = Vec::new();
+        while self.queue.first().is_some_and(|(at, _)| *at <= now) {
+            if let Some((_, seat)) = self.queue.pop_first() {
+                self.by_seat.remove(&seat);
+                due.push(seat);
+            }
+        }
+        due
+    }
+}
+
 fn everything(shared: &Shared) -> Vec<Dirty> {
     let world = shared.world();
-    let mut all: Vec<Dirty> = world.requests.keys().cloned().map(Dirty::Request).collect();
+    let mut all: Vec<Dirty> = world
+        .open_requests
+        .iter()
+        .cloned()
+        .map(Dirty::Request)
+        .collect();
     all.extend(world.backing.keys().cloned().map(Dirty::Seat));
     all.extend(
         shared

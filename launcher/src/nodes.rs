@@ -264,9 +264,23 @@ async fn fail_backing(shared: &Shared, seat_key: &str, reason: &str) {
 /// slot key. Idempotent; tolerates a slot that was never prepared. Returns false when
 /// the slot was already free.
 pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError> {
+    release_read(shared, key, None).await
+}
+
+/// [`release`], starting from a record just read (saves reading it again); a stale one
+/// only costs a conflict and a re-read.
+pub async fn release_read(
+    shared: &Arc<Shared>,
+    key: &str,
+    mut read: Option<Versioned<Node>>,
+) -> Result<bool, SlotError> {
     loop {
-        let Some(current) = shared.bus.slots.get::<Node>(key).await? else {
-            return Ok(false);
+        let current = match read.take() {
+            Some(current) => current,
+            None => match shared.bus.slots.get::<Node>(key).await? {
+                Some(current) => current,
+                None => return Ok(false),
+            },
         };
         let mut node = current.value.clone();
         let revision = if node.state == NodeState::Releasing {

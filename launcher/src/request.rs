@@ -34,13 +34,7 @@ pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
     shared.tracker.spawn(
         async move {
             match lease::acquire(&sh, &key).await {
-                Ok(Some(lease)) => {
-                    let worker = Worker { sh: sh.clone(), id };
-                    if let Err(err) = worker.run(&lease).await {
-                        tracing::warn!(%err, "request worker stopped; another pass will resume it");
-                    }
-                    lease.release().await;
-                }
+                Ok(Some(lease)) => drive(&sh, id, lease).await,
                 Ok(None) => tracing::debug!("another launcher holds this request"),
                 Err(err) => tracing::warn!(%err, "cannot take the request's lease"),
             }
@@ -48,6 +42,30 @@ pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
         }
         .instrument(span),
     );
+}
+
+/// Starts a worker for `id` with its lease already held: the API takes the lease in
+/// the same round trip as it creates the request (see [`crate::api`]). The caller has
+/// marked the work as started ([`Shared::start_work`]).
+pub fn spawn_leased(shared: &Arc<Shared>, id: RequestId, lease: LeaseGuard) {
+    let key = layout::request_lease_key(&id);
+    let sh = shared.clone();
+    let span = tracing::info_span!("request", request_id = %id);
+    shared.tracker.spawn(
+        async move {
+            drive(&sh, id, lease).await;
+            sh.end_work(&key);
+        }
+        .instrument(span),
+    );
+}
+
+async fn drive(sh: &Arc<Shared>, id: RequestId, lease: LeaseGuard) {
+    let worker = Worker { sh: sh.clone(), id };
+    if let Err(err) = worker.run(&lease).await {
+        tracing::warn!(%err, "request worker stopped; another pass will resume it");
+    }
+    lease.release().await;
 }
 
 struct Worker {

@@ -185,6 +185,7 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 if let Some(n) = decode::<Node>(bucket, key, *revision, value) {
                     if let Some(seat) = world.seat_of.get(&n.value.backing_id) {
                         wake.push(seat_topic(seat));
+                        todo.push(Dirty::Seat(seat.clone()));
                     }
                     wake.push(request_topic(&n.value.request_id));
                     world.put_slot(n);
@@ -194,6 +195,7 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 if let Some(old) = world.slots.get(key).map(|n| n.value.clone()) {
                     if let Some(seat) = world.seat_of.get(&old.backing_id) {
                         wake.push(seat_topic(seat));
+                        todo.push(Dirty::Seat(seat.clone()));
                     }
                     wake.push(label_topic(&old.label));
                     wake.push(request_topic(&old.request_id));
@@ -239,14 +241,14 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                     let before = summary(world.agents.get(&hb.value.backing_id));
                     let after = summary(Some(&hb.value));
                     if before != after {
-                        wake_backing(&world, &hb.value.backing_id, &mut wake);
+                        wake_backing(&world, &hb.value.backing_id, &mut wake, &mut todo);
                     }
                     world.put_agent(hb.value);
                 }
             }
             (Mirror::Agents, Change::Removed { key, .. }) => {
                 if let Ok(id) = slotpool_protocol::BackingId::parse(key) {
-                    wake_backing(&world, &id, &mut wake);
+                    wake_backing(&world, &id, &mut wake, &mut todo);
                 }
                 world.remove_agent(key);
             }
@@ -287,9 +289,11 @@ fn wake_backing(
     world: &crate::world::World,
     id: &slotpool_protocol::BackingId,
     wake: &mut Vec<String>,
+    todo: &mut Vec<Dirty>,
 ) {
     if let Some(seat) = world.seat_of.get(id) {
         wake.push(seat_topic(seat));
+        todo.push(Dirty::Seat(seat.clone()));
         if let Some(b) = world.backing.get(seat) {
             wake.push(label_topic(&b.value.label));
         }

@@ -59,6 +59,9 @@ pub struct World {
     pub reserved: HashSet<String>,
     /// Requests of this launcher waiting for a slot, by queue position → labels still needed.
     pub waiting: BTreeMap<QueuePosition, Vec<String>>,
+    /// Requests not yet fulfilled, failed or canceled: finished ones stay in `requests`
+    /// for an hour, and demand must not be counted by walking all of them.
+    pub open_requests: HashSet<RequestId>,
 }
 
 /// Whether an agent heartbeat makes a backing node usable.
@@ -82,6 +85,11 @@ impl World {
         {
             return;
         }
+        if r.value.state == RequestState::Requested {
+            self.open_requests.insert(r.value.id.clone());
+        } else {
+            self.open_requests.remove(&r.value.id);
+        }
         self.requests.insert(r.value.id.clone(), r);
     }
 
@@ -93,6 +101,7 @@ impl World {
                 .is_some_and(|old| old.revision < revision)
             {
                 self.requests.remove(&id);
+                self.open_requests.remove(&id);
             }
         }
     }
@@ -297,9 +306,9 @@ impl World {
     pub fn unmet_demand(&self, label: &str) -> u32 {
         let mut n = 0u32;
         for r in self
-            .requests
-            .values()
-            .filter(|r| r.value.state == RequestState::Requested)
+            .open_requests
+            .iter()
+            .filter_map(|id| self.requests.get(id))
         {
             let want = r.value.labels.iter().filter(|l| *l == label).count() as u32;
             if want == 0 {

@@ -10,7 +10,10 @@ use crate::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest, Operat
 use crate::store::{Change, KvError, Versioned};
 use crate::{BackingId, NodeId, RequestId};
 use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::oneshot;
 
 /// How long API calls wait for a launcher's answer.
 pub const API_TIMEOUT: Duration = Duration::from_secs(10);
@@ -87,6 +90,15 @@ impl Client {
             subject: id.to_string(),
             message: "watch ended".into(),
         })
+    }
+
+    /// One watch on the requests bucket that serves any number of waits: the efficient
+    /// way to wait for many requests. [`Client::wait`] opens a watch (a JetStream
+    /// consumer) per request, which costs a server round trip to set up and tear down
+    /// and a consumer per waiting request; a CI system with many requests in flight
+    /// should keep one `RequestWatcher` instead.
+    pub async fn watcher(&self) -> Result<RequestWatcher, BusError> {
+        RequestWatcher::start(self.clone()).await
     }
 
     /// Returns nodes to the pool.
@@ -169,6 +181,102 @@ impl Client {
 
     pub async fn list_agents(&self) -> Result<Vec<AgentHeartbeat>, BusError> {
         Ok(values(self.bus.agents.list().await?))
+    }
+}
+
+type Waiters = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Result<NodeRequest, KvError>>>>>;
+
+/// Waits for many requests through one KV watch (see [`Client::watcher`]).
+///
+/// The watch delivers only changes made after it started, so a wait must be registered
+/// before the request can change: [`RequestWatcher::submit_and_wait`] picks the request
+/// id on the client side, registers it, and only then submits.
+pub struct RequestWatcher {
+    client: Client,
+    waiters: Waiters,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RequestWatcher {
+    async fn start(client: Client) -> Result<RequestWatcher, BusError> {
+        let bucket = client.bus.requests.bucket();
+        let changes = client.bus.requests.watch_new(">").await?;
+        let waiters: Waiters = Arc::default();
+        let w = waiters.clone();
+        let task = tokio::spawn(async move {
+            let mut changes = Box::pin(changes);
+            while let Some(change) = changes.next().await {
+                let (key, outcome) = match change {
+                    Ok(Change::Put {
+                        key,
+                        revision,
+                        value,
+                    }) => match Change::decode::<NodeRequest>(bucket, &key, revision, &value) {
+                        Ok(r) if r.value.state.is_final() => (key, Ok(r.value)),
+                        Ok(_) => continue,
+                        Err(err) => (key, Err(err)),
+                    },
+                    Ok(Change::Removed { key, .. }) => {
+                        let err = KvError::NotFound {
+                            bucket: bucket.to_string(),
+                            key: key.clone(),
+                        };
+                        (key, Err(err))
+                    }
+                    Ok(Change::Synced) => continue,
+                    Err(err) => {
+                        tracing::warn!(%err, "request watch failed; pending waits end");
+                        break;
+                    }
+                };
+                let Ok(id) = RequestId::parse(&key) else {
+                    continue;
+                };
+                let waiter = w.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                if let Some(tx) = waiter {
+                    let _ = tx.send(outcome);
+                }
+            }
+            // Dropping the senders ends every pending wait with an error.
+            w.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        });
+        Ok(RequestWatcher {
+            client,
+            waiters,
+            task,
+        })
+    }
+
+    /// Submits `req` (with an id chosen here unless it has one) and waits until it is
+    /// fulfilled, failed or canceled.
+    pub async fn submit_and_wait(&self, req: &SubmitRequest) -> Result<NodeRequest, BusError> {
+        let mut req = req.clone();
+        let id = req.id.get_or_insert_with(RequestId::generate).clone();
+        let (tx, rx) = oneshot::channel();
+        self.waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), tx);
+        if let Err(err) = self.client.submit(&req).await {
+            self.waiters
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+            return Err(err);
+        }
+        match rx.await {
+            Ok(outcome) => Ok(outcome?),
+            Err(_) => Err(BusError::Request {
+                subject: id.to_string(),
+                message: "request watch ended".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for RequestWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

@@ -97,6 +97,8 @@ pub enum Link {
 
 /// A message received on a served subject.
 pub struct Incoming {
+    /// The subject it was sent to (useful with a wildcard subscription).
+    pub subject: String,
     pub payload: Bytes,
     pub reply_to: Option<String>,
 }
@@ -148,6 +150,14 @@ impl Bus {
             events: find(layout::EVENTS.name),
             client,
         })
+    }
+
+    /// Opens (creating it if absent) a bucket that is not one of slotpool's own, on this
+    /// connection: for tools such as the benchmark's KV floor.
+    pub async fn open_bucket(&self, spec: crate::store::BucketSpec) -> Result<Store, KvError> {
+        let mut js = async_nats::jetstream::new(self.client.clone());
+        js.set_timeout(Duration::from_secs(5));
+        Store::open(&js, spec).await
     }
 
     /// Sends `msg` to `subject` and decodes the [`Reply`], with a deadline.
@@ -221,6 +231,7 @@ impl Bus {
             message: format!("subscribe: {err}"),
         })?;
         Ok(sub.map(|m| Incoming {
+            subject: m.subject.to_string(),
             payload: m.payload,
             reply_to: m.reply.map(|s| s.to_string()),
         }))

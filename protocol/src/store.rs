@@ -377,6 +377,20 @@ impl Store {
             .1)
     }
 
+    /// Every change to the keys matching `filter` from now on, without the current
+    /// values: [`Change::Synced`] first, then each change as it happens. For a watcher
+    /// that only cares about what happens after it started (a client's
+    /// [`crate::client::RequestWatcher`]).
+    pub async fn watch_new(
+        &self,
+        filter: &str,
+    ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        Ok(self
+            .open_watch(filter, consumer::DeliverPolicy::New)
+            .await?
+            .1)
+    }
+
     /// For log-like buckets whose keys are written once (events): the last `limit`
     /// values written, then [`Change::Synced`], then every new one.
     pub async fn watch_recent(

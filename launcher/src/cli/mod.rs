@@ -1,6 +1,7 @@
 //! The `slotpool` command line: argument types and dispatch. Each subcommand lives in its
 //! own module; this one only wires them up.
 
+pub mod bench;
 mod client_cmds;
 pub mod demo;
 mod operator_cmds;
@@ -146,6 +147,9 @@ pub enum Command {
     },
     /// Run everything locally: a NATS server, a launcher, local agents and some load.
     Demo(demo::DemoArgs),
+    /// Measure allocation latency, throughput, release timeliness and scale against the
+    /// bus's own floor (starts its own nats-server; see docs/benchmarks.md).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -195,6 +199,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
+        Command::Bench(args) => bench::run_bench(args).await,
     }
 }
 

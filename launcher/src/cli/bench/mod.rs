@@ -1,0 +1,627 @@
+//! `slotpool bench`: measures slotpool against the floor of its own bus, in one run.
+//!
+//! It starts a nats-server of its own (in a temp dir) and everything else it needs:
+//! the launcher as a separate `slotpool serve` process (so its memory and CPU can be
+//! read from `/proc`), real agents through the local provider, and for the scale
+//! figures simulated agents ([`sim_agents`]) on a second nats-server. The figures are
+//! printed as a table and, with `--json FILE`, written as JSON. See docs/benchmarks.md.
+//!
+//! Clients wait through one [`slotpool_protocol::client::RequestWatcher`] (one KV watch
+//! for all requests), the way a CI system with many requests in flight should.
+
+mod phases;
+mod procs;
+mod sim_agents;
+mod stats;
+
+use crate::cli::demo::{find_nats_server, start_nats_server, stop_child};
+use crate::provider::{local::LocalProvider, Provider};
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use slotpool_protocol::client::Client;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// nats-server binary (>= 2.11); default: $SLOTPOOL_NATS_SERVER, then `nats-server`
+    /// on PATH, then `.tools/nats/bin/nats-server`.
+    #[arg(long, env = "SLOTPOOL_NATS_SERVER")]
+    pub nats_server: Option<PathBuf>,
+    /// Also write the figures as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Tiny counts, to check that the benchmark works (CI); the figures mean nothing.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Floor chains measured (default 2000; smoke 20).
+    #[arg(long)]
+    pub floor: Option<usize>,
+    /// Sequential warm allocations (default 2000; smoke 20).
+    #[arg(long)]
+    pub warm: Option<usize>,
+    /// Concurrent clients for the throughput figure (default 64; smoke 4).
+    #[arg(long)]
+    pub clients: Option<usize>,
+    /// Seconds of throughput load (default 10; smoke 1).
+    #[arg(long)]
+    pub throughput_secs: Option<u64>,
+    /// Cold allocations, each followed by a release after grace-time (default 20; smoke 2).
+    #[arg(long)]
+    pub cold: Option<usize>,
+    /// grace-time of the backing nodes of the cold/release figure, in seconds.
+    #[arg(long, default_value_t = 2)]
+    pub grace_time: u64,
+    /// Simulated backing nodes for the scale figures (default 10000; smoke 20; 0 skips).
+    #[arg(long)]
+    pub scale_backing: Option<usize>,
+    /// Slots per simulated backing node.
+    #[arg(long, default_value_t = 8)]
+    pub scale_slots: u32,
+    /// Heartbeat interval of the simulated agents, in ms (the real agent's default).
+    #[arg(long, default_value_t = 2000)]
+    pub scale_heartbeat_ms: u64,
+    /// Warm allocations measured at scale (default 1000; smoke 5).
+    #[arg(long)]
+    pub scale_warm: Option<usize>,
+    /// Seconds over which idle memory and CPU are measured (default 20; smoke 1).
+    #[arg(long)]
+    pub idle_secs: Option<u64>,
+    /// Keep the temp dir (logs, configs, stores) instead of removing it.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// The counts a run uses.
+#[derive(Clone, Debug, Serialize)]
+struct Settings {
+    smoke: bool,
+    floor: usize,
+    warm: usize,
+    clients: usize,
+    throughput_secs: u64,
+    cold: usize,
+    grace_time_secs: u64,
+    scale_backing: usize,
+    scale_slots: u32,
+    scale_heartbeat_ms: u64,
+    scale_warm: usize,
+    idle_secs: u64,
+}
+
+impl Settings {
+    fn from(a: &BenchArgs) -> Settings {
+        let pick = |given: Option<usize>, full: usize, smoke: usize| {
+            given.unwrap_or(if a.smoke { smoke } else { full })
+        };
+        Settings {
+            smoke: a.smoke,
+            floor: pick(a.floor, 2000, 20),
+            warm: pick(a.warm, 2000, 20),
+            clients: pick(a.clients, 64, 4).max(1),
+            throughput_secs: pick(a.throughput_secs.map(|s| s as usize), 10, 1) as u64,
+            cold: pick(a.cold, 20, 2),
+            grace_time_secs: a.grace_time,
+            scale_backing: pick(a.scale_backing, 10_000, 20),
+            scale_slots: a.scale_slots,
+            scale_heartbeat_ms: a.scale_heartbeat_ms,
+            scale_warm: pick(a.scale_warm, 1000, 5),
+            idle_secs: pick(a.idle_secs.map(|s| s as usize), 20, 1) as u64,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Machine {
+    cpus: usize,
+    cpu_model: String,
+    mem_total_mb: u64,
+    kernel: String,
+    nats_server: String,
+    /// 1-minute load average at the start and at the end of the run: other work on the
+    /// machine shows here.
+    load_at_start: f64,
+    load_at_end: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    date: String,
+    command: String,
+    settings: Settings,
+    machine: Machine,
+    floor: phases::Floor,
+    warm: phases::Warm,
+    throughput: phases::Throughput,
+    /// The launcher process after the throughput load (RSS, CPU while idle).
+    launcher_idle: procs::Usage,
+    cold_and_release: phases::ColdAndRelease,
+    agent: phases::Agent,
+    scale: Option<phases::Scale>,
+    targets: Vec<Target>,
+}
+
+#[derive(Debug, Serialize)]
+struct Target {
+    figure: String,
+    target: String,
+    value: String,
+    met: bool,
+}
+
+pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let settings = Settings::from(&args);
+    let binary = find_nats_server(args.nats_server.as_deref())?;
+    let agent_binary = crate::cli::sibling_agent_binary();
+    anyhow::ensure!(
+        agent_binary.is_file(),
+        "the benchmark needs the slotpool-agent binary next to slotpool ({}): build with `cargo build --release --workspace --bins`",
+        agent_binary.display()
+    );
+    let dir = std::env::temp_dir().join(format!("slotpool-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    eprintln!("slotpool bench: working in {}", dir.display());
+    let load_at_start = load1();
+    let result = run_all(&settings, &binary, &agent_binary, &dir).await;
+    // Local agents outlive a launcher by design; the benchmark removes the ones it made.
+    let local = LocalProvider::new("local", agent_binary, vec![], dir.join("agents"));
+    for listed in local.list().await.unwrap_or_default() {
+        let _ = local.delete(&listed.instance).await;
+    }
+    if !args.keep {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (floor, warm, throughput, launcher_idle, cold_and_release, agent, scale) = result?;
+    let machine = Machine {
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model: cpu_model(),
+        mem_total_mb: mem_total_mb(),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        nats_server: nats_version(&binary),
+        load_at_start,
+        load_at_end: load1(),
+    };
+    let mut report = Report {
+        date: utc_now(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        settings,
+        machine,
+        floor,
+        warm,
+        throughput,
+        launcher_idle,
+        cold_and_release,
+        agent,
+        scale,
+        targets: Vec::new(),
+    };
+    report.targets = targets(&report);
+    print_table(&report);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("slotpool bench: figures written to {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+type Figures = (
+    phases::Floor,
+    phases::Warm,
+    phases::Throughput,
+    procs::Usage,
+    phases::ColdAndRelease,
+    phases::Agent,
+    Option<phases::Scale>,
+);
+
+const WARM_LABEL: &str = "warm";
+const COLD_LABEL: &str = "cold";
+const SLOTS_PER_WARM_NODE: usize = 8;
+
+async fn run_all(
+    s: &Settings,
+    nats_binary: &Path,
+    agent_binary: &Path,
+    dir: &Path,
+) -> anyhow::Result<Figures> {
+    let nats_dir = dir.join("nats");
+    std::fs::create_dir_all(&nats_dir)?;
+    let (mut server, url) = start_nats_server(nats_binary, &nats_dir).await?;
+    let result = async {
+        let bus = phases::connect(&url, "slotpool-bench").await?;
+        step(format!("floor: {} KV get+create+update chains", s.floor));
+        let floor = phases::floor(&bus, s.floor).await?;
+
+        step(format!("agent: one real agent, idle for {}s", s.idle_secs));
+        let agent = phases::agent(&bus, &url, dir, Duration::from_secs(s.idle_secs)).await?;
+
+        let warm_nodes = s.clients.div_ceil(SLOTS_PER_WARM_NODE) + 1;
+        let config = dir.join("launcher.yaml");
+        std::fs::write(
+            &config,
+            launcher_config(
+                &dir.join("agents"),
+                agent_binary,
+                warm_nodes,
+                s.grace_time_secs,
+            ),
+        )?;
+        let mut launcher = procs::LauncherProcess::spawn(&config, &url, &dir.join("launcher.log"))?;
+        let client = Client::from_bus(bus.clone());
+        let watcher = Arc::new(client.watcher().await?);
+        let figures = async {
+            step(format!(
+                "warm-up: {warm_nodes} backing nodes of {SLOTS_PER_WARM_NODE} slots"
+            ));
+            let start = std::time::Instant::now();
+            phases::first_served(&client, &watcher, WARM_LABEL, start).await?;
+            phases::prewarm(
+                &client,
+                &watcher,
+                WARM_LABEL,
+                warm_nodes * SLOTS_PER_WARM_NODE,
+            )
+            .await?;
+            step(format!("warm: {} sequential allocations", s.warm));
+            let warm = phases::warm(&client, &watcher, WARM_LABEL, s.warm).await?;
+            step(format!(
+                "throughput: {} clients for {}s",
+                s.clients, s.throughput_secs
+            ));
+            let throughput = phases::throughput(
+                &client,
+                &watcher,
+                WARM_LABEL,
+                s.clients,
+                Duration::from_secs(s.throughput_secs),
+            )
+            .await?;
+            launcher.check_alive()?;
+            step(format!("launcher idle for {}s", s.idle_secs));
+            let idle = procs::usage_over(launcher.pid, Duration::from_secs(s.idle_secs)).await?;
+            step(format!(
+                "cold + release: {} allocations, grace-time {}s",
+                s.cold, s.grace_time_secs
+            ));
+            let cold = phases::cold_and_release(
+                &bus,
+                &client,
+                &watcher,
+                COLD_LABEL,
+                &slotpool_protocol::layout::seat_key("local", COLD_LABEL, 0),
+                Duration::from_secs(s.grace_time_secs),
+                s.cold,
+            )
+            .await?;
+            launcher.check_alive()?;
+            anyhow::Ok((warm, throughput, idle, cold))
+        }
+        .await;
+        launcher.stop().await;
+        let (warm, throughput, idle, cold) = figures?;
+        anyhow::Ok((floor, warm, throughput, idle, cold, agent))
+    }
+    .await;
+    stop_child(&mut server).await;
+    let (floor, warm, throughput, idle, cold, agent) = result?;
+
+    let scale = if s.scale_backing > 0 {
+        step(format!(
+            "scale: {} simulated backing nodes x {} slots",
+            s.scale_backing, s.scale_slots
+        ));
+        let scale_dir = dir.join("scale");
+        std::fs::create_dir_all(&scale_dir)?;
+        let (mut server, url) = start_nats_server(nats_binary, &scale_dir).await?;
+        let settings = phases::ScaleSettings {
+            backing: s.scale_backing,
+            slots: s.scale_slots,
+            heartbeat: Duration::from_millis(s.scale_heartbeat_ms),
+            settle: Duration::from_secs(if s.smoke { 1 } else { 15 }),
+            idle_window: Duration::from_secs(s.idle_secs),
+            allocations: s.scale_warm,
+        };
+        let scale = phases::scale(&url, &scale_dir, &settings).await;
+        stop_child(&mut server).await;
+        Some(scale?)
+    } else {
+        None
+    };
+    Ok((floor, warm, throughput, idle, cold, agent, scale))
+}
+
+fn step(what: String) {
+    eprintln!("slotpool bench: {what}");
+}
+
+fn launcher_config(work_dir: &Path, agent: &Path, warm_nodes: usize, grace: u64) -> String {
+    format!(
+        "\
+launcher:
+  lease-ttl: 10
+providers:
+  - name: local
+    driver: local
+    local:
+      work-dir: {work}
+      agent-command: {agent}
+    pools:
+      - name: {WARM_LABEL}
+        max-servers: {warm_nodes}
+        boot-timeout: 60
+        labels:
+          - name: {WARM_LABEL}
+            backing-label: bench-vm
+            max-parallel-jobs: {SLOTS_PER_WARM_NODE}
+            grace-time: 86400
+      - name: {COLD_LABEL}
+        max-servers: 1
+        boot-timeout: 60
+        labels:
+          - name: {COLD_LABEL}
+            backing-label: bench-vm
+            max-parallel-jobs: 1
+            grace-time: {grace}
+",
+        work = work_dir.display(),
+        agent = agent.display(),
+    )
+}
+
+// ---- the report ----------------------------------------------------------------------
+
+fn targets(r: &Report) -> Vec<Target> {
+    let mut t = Vec::new();
+    let mut add = |figure: &str, target: &str, value: String, met: bool| {
+        t.push(Target {
+            figure: figure.into(),
+            target: target.into(),
+            value,
+            met,
+        })
+    };
+    let floor = r.floor.chain.p50_ms;
+    let w = &r.warm.allocation;
+    add(
+        "warm allocation p50",
+        "<= 1.5 ms and <= 3x floor p50",
+        format!("{:.2} ms ({:.1}x floor)", w.p50_ms, w.p50_ms / floor),
+        w.p50_ms <= 1.5 && w.p50_ms <= 3.0 * floor,
+    );
+    add(
+        "warm allocation p99",
+        "<= 10 ms",
+        format!("{:.2} ms", w.p99_ms),
+        w.p99_ms <= 10.0,
+    );
+    add(
+        "throughput",
+        ">= 2000 allocations/s",
+        format!("{:.0}/s", r.throughput.allocations_per_sec),
+        r.throughput.allocations_per_sec >= 2000.0,
+    );
+    let c = &r.cold_and_release;
+    add(
+        "cold allocation p50",
+        "<= 500 ms",
+        format!("{:.0} ms", c.cold_allocation.p50_ms),
+        c.cold_allocation.p50_ms <= 500.0,
+    );
+    add(
+        "release after grace-time",
+        "p99 <= 1 s late, never early",
+        format!(
+            "p99 {:.0} ms late, {} early",
+            c.release_late.p99_ms, c.early
+        ),
+        c.release_late.p99_ms <= 1000.0 && c.early == 0,
+    );
+    if let Some(s) = &r.scale {
+        add(
+            "scale: launcher RSS",
+            "<= 250 MB",
+            format!("{:.0} MB", s.idle.rss_mb),
+            s.idle.rss_mb <= 250.0,
+        );
+        let restart = s
+            .start_to_first_served_secs
+            .max(s.restart_after_kill_to_first_served_secs);
+        add(
+            "scale: start to first served",
+            "<= 5 s",
+            format!("{restart:.2} s"),
+            restart <= 5.0,
+        );
+        add(
+            "scale: warm allocation p99",
+            "<= 20 ms",
+            format!("{:.2} ms", s.allocation.p99_ms),
+            s.allocation.p99_ms <= 20.0,
+        );
+    }
+    let a = &r.agent.idle;
+    add(
+        "agent idle",
+        "RSS <= 15 MB, CPU <= 0.5 %",
+        format!("{:.1} MB, {:.2} %", a.rss_mb, a.cpu_percent),
+        a.rss_mb <= 15.0 && a.cpu_percent <= 0.5,
+    );
+    t
+}
+
+fn print_table(r: &Report) {
+    let m = &r.machine;
+    println!(
+        "slotpool bench, {} — {} CPU(s) {}, {} MB, nats-server {}, load {:.1} → {:.1}{}",
+        r.date,
+        m.cpus,
+        m.cpu_model,
+        m.mem_total_mb,
+        m.nats_server,
+        m.load_at_start,
+        m.load_at_end,
+        if r.settings.smoke {
+            " (SMOKE: figures mean nothing)"
+        } else {
+            ""
+        }
+    );
+    let floor = r.floor.chain.p50_ms;
+    println!();
+    println!(
+        "{:<44} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "latency (ms)", "n", "p50", "p90", "p99", "max", "p50/floor"
+    );
+    let row = |name: &str, s: &stats::Summary| {
+        println!(
+            "{:<44} {:>6} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.1}x",
+            name,
+            s.count,
+            s.p50_ms,
+            s.p90_ms,
+            s.p99_ms,
+            s.max_ms,
+            s.p50_ms / floor
+        )
+    };
+    row("floor: KV get + create + CAS update", &r.floor.chain);
+    row("  floor: KV get", &r.floor.get);
+    row("  floor: KV create", &r.floor.create);
+    row("  floor: KV CAS update", &r.floor.update);
+    row("warm allocation (sequential)", &r.warm.allocation);
+    row("  release round trip", &r.warm.release);
+    let t = &r.throughput;
+    row(
+        &format!("allocation under load ({} clients)", t.clients),
+        &t.allocation,
+    );
+    row("  release under load", &t.release);
+    let c = &r.cold_and_release;
+    row("cold allocation (local provider)", &c.cold_allocation);
+    row(
+        &format!("release after grace-time {}s, lateness", c.grace_time_secs),
+        &c.release_late,
+    );
+    if let Some(s) = &r.scale {
+        row(
+            &format!("warm allocation at {} slots", s.slots),
+            &s.allocation,
+        );
+    }
+    println!();
+    println!(
+        "throughput: {:.0} allocations/s ({} in {:.1} s, {} clients)",
+        t.allocations_per_sec, t.allocations, t.seconds, t.clients
+    );
+    println!(
+        "release after grace-time: {} early; {} distinct backing nodes launched",
+        c.early, c.distinct_backing_nodes
+    );
+    println!(
+        "launcher after load, idle: RSS {:.1} MB, CPU {:.2} %",
+        r.launcher_idle.rss_mb, r.launcher_idle.cpu_percent
+    );
+    println!(
+        "agent (8 slots), idle: RSS {:.1} MB, CPU {:.2} %",
+        r.agent.idle.rss_mb, r.agent.idle.cpu_percent
+    );
+    if let Some(s) = &r.scale {
+        println!(
+            "scale, {} backing nodes x {} slots (heartbeat every {} ms): launcher RSS {:.1} MB, idle CPU {:.1} %, {:.0} lease writes/s",
+            s.backing_nodes,
+            s.slots / s.backing_nodes.max(1),
+            s.heartbeat_interval_ms,
+            s.idle.rss_mb,
+            s.idle.cpu_percent,
+            s.idle_lease_writes_per_sec
+        );
+        println!(
+            "scale: start to first served {:.2} s; restart after kill -9 to first served {:.2} s",
+            s.start_to_first_served_secs, s.restart_after_kill_to_first_served_secs
+        );
+    }
+    println!();
+    println!("{:<32} {:<32} {:<28} met", "target", "wanted", "got");
+    for t in &r.targets {
+        println!(
+            "{:<32} {:<32} {:<28} {}",
+            t.figure,
+            t.target,
+            t.value,
+            if t.met { "yes" } else { "NO" }
+        );
+    }
+}
+
+fn load1() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default()
+}
+
+fn mem_total_mb() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next().and_then(|v| v.parse().ok()))
+        })
+        .map_or(0, |kb: u64| kb / 1024)
+}
+
+fn nats_version(binary: &Path) -> String {
+    std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .trim_start_matches("nats-server: ")
+                .to_string()
+        })
+        .unwrap_or_default()
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}

@@ -1,0 +1,559 @@
+//! The measurements, one function per figure of the report.
+
+use super::procs::{self, LauncherProcess, Usage};
+use super::sim_agents::{self, SimSpec};
+use super::stats::{Samples, Summary};
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use serde::Serialize;
+use slotpool_protocol::client::{submission, Client, RequestWatcher};
+use slotpool_protocol::connect::{Bus, BusError, NatsOptions};
+use slotpool_protocol::layout;
+use slotpool_protocol::model::{
+    secret_digest, BackingNode, BackingState, IdleBehaviour, Instance, RequestState,
+};
+use slotpool_protocol::store::{BucketSpec, Change};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// How long the launcher may take to serve its first request after it starts.
+const FIRST_SERVE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long one allocation may take before the benchmark gives up.
+const ALLOCATION_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A bucket of its own for the floor, so the launcher's mirror never sees its keys.
+const FLOOR_BUCKET: BucketSpec = BucketSpec {
+    name: "slotpool_bench_floor",
+    history: 1,
+    per_key_ttl: false,
+    max_value_size: 64 * 1024,
+    max_age_secs: 0,
+    max_bytes: -1,
+};
+
+pub async fn connect(url: &str, name: &str) -> anyhow::Result<Bus> {
+    let opts = NatsOptions {
+        url: url.to_string(),
+        name: name.to_string(),
+        ..Default::default()
+    };
+    Bus::connect(&opts)
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
+// ---- floor ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Floor {
+    /// get + create + CAS update of one key, one after the other.
+    pub chain: Summary,
+    pub get: Summary,
+    pub create: Summary,
+    pub update: Summary,
+}
+
+/// The raw KV chain an allocation is shaped like, on the benchmark's own connection.
+pub async fn floor(bus: &Bus, n: usize) -> anyhow::Result<Floor> {
+    let store = bus.open_bucket(FLOOR_BUCKET).await?;
+    // About the size of a slot record.
+    let value = serde_json::json!({ "v": 1, "state": "preparing", "pad": "x".repeat(300) });
+    let (mut chain, mut get, mut create, mut update) = (
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+    );
+    let run = format!("{:x}", now_ms());
+    for i in 0..n + n / 10 {
+        let key = format!("k-{run}-{i}");
+        let t0 = Instant::now();
+        let absent = store.get::<serde_json::Value>(&key).await?;
+        let t1 = Instant::now();
+        let rev = store.create(&key, &value, None).await?;
+        let t2 = Instant::now();
+        store.update(&key, &value, rev, None).await?;
+        let t3 = Instant::now();
+        anyhow::ensure!(absent.is_none(), "floor key {key} already existed");
+        // The first tenth warms the connection and the server up.
+        if i >= n / 10 {
+            chain.push(t3 - t0);
+            get.push(t1 - t0);
+            create.push(t2 - t1);
+            update.push(t3 - t2);
+        }
+    }
+    Ok(Floor {
+        chain: chain.summary(),
+        get: get.summary(),
+        create: create.summary(),
+        update: update.summary(),
+    })
+}
+
+// ---- allocations -----------------------------------------------------------------------
+
+/// Requests one node of `label` and waits until the request is fulfilled.
+pub async fn allocate(watcher: &RequestWatcher, label: &str) -> anyhow::Result<Vec<NodeId>> {
+    let sub = submission(vec![label.to_string()], "slotpool-bench");
+    let done = tokio::time::timeout(ALLOCATION_TIMEOUT, watcher.submit_and_wait(&sub))
+        .await
+        .with_context(|| format!("no allocation of {label} within {ALLOCATION_TIMEOUT:?}"))??;
+    if done.state != RequestState::Fulfilled {
+        bail!("request {} {:?}: {}", done.id, done.state, done.status);
+    }
+    Ok(done.nodes)
+}
+
+/// Releases nodes, failing unless every one was released.
+pub async fn release(client: &Client, nodes: Vec<NodeId>) -> anyhow::Result<()> {
+    let released = client.release(nodes).await?;
+    if !released.not_found.is_empty() {
+        bail!("release found no nodes {:?}", released.not_found);
+    }
+    Ok(())
+}
+
+/// Waits until a launcher answers, then returns how long the first allocation took from
+/// `since` (the launcher's start).
+pub async fn first_served(
+    client: &Client,
+    watcher: &RequestWatcher,
+    label: &str,
+    since: Instant,
+) -> anyhow::Result<Duration> {
+    let deadline = since + FIRST_SERVE_TIMEOUT;
+    loop {
+        let sub = submission(vec![label.to_string()], "slotpool-bench");
+        match watcher.submit_and_wait(&sub).await {
+            Err(BusError::NoResponders { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(err) => return Err(err.into()),
+            Ok(done) if done.state == RequestState::Fulfilled => {
+                let took = since.elapsed();
+                release(client, done.nodes).await?;
+                return Ok(took);
+            }
+            Ok(done) => bail!("first request {:?}: {}", done.state, done.status),
+        }
+    }
+}
+
+/// Holds `n` nodes of `label` at once and gives them back: backing nodes for that many
+/// slots are launched and ready afterwards.
+pub async fn prewarm(
+    client: &Client,
+    watcher: &Arc<RequestWatcher>,
+    label: &str,
+    n: usize,
+) -> anyhow::Result<()> {
+    let all = futures::future::join_all((0..n).map(|_| allocate(watcher, label))).await;
+    let mut nodes = Vec::new();
+    for got in all {
+        nodes.extend(got?);
+    }
+    for chunk in nodes.chunks(slotpool_protocol::api::MAX_LABELS_PER_REQUEST) {
+        release(client, chunk.to_vec()).await?;
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Warm {
+    /// Submit until the client sees the request fulfilled.
+    pub allocation: Summary,
+    /// The release call's round trip (the slot is free when it returns).
+    pub release: Summary,
+}
+
+/// Sequential warm allocations, each node released before the next request.
+pub async fn warm(
+    client: &Client,
+    watcher: &RequestWatcher,
+    label: &str,
+    n: usize,
+) -> anyhow::Result<Warm> {
+    let (mut alloc, mut rel) = (Samples::default(), Samples::default());
+    for i in 0..n + n / 10 {
+        let t0 = Instant::now();
+        let nodes = allocate(watcher, label).await?;
+        let t1 = Instant::now();
+        release(client, nodes).await?;
+        if i >= n / 10 {
+            alloc.push(t1 - t0);
+            rel.push(t1.elapsed());
+        }
+    }
+    Ok(Warm {
+        allocation: alloc.summary(),
+        release: rel.summary(),
+    })
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Throughput {
+    pub clients: usize,
+    pub seconds: f64,
+    pub allocations: usize,
+    pub allocations_per_sec: f64,
+    pub allocation: Summary,
+    pub release: Summary,
+}
+
+/// `clients` concurrent clients, each requesting a node and releasing it, for `duration`.
+pub async fn throughput(
+    client: &Client,
+    watcher: &Arc<RequestWatcher>,
+    label: &str,
+    clients: usize,
+    duration: Duration,
+) -> anyhow::Result<Throughput> {
+    let start = Instant::now();
+    let end = start + duration;
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (client, watcher, label) = (client.clone(), watcher.clone(), label.to_string());
+            tokio::spawn(async move {
+                let (mut alloc, mut rel) = (Samples::default(), Samples::default());
+                while Instant::now() < end {
+                    let t0 = Instant::now();
+                    let nodes = allocate(&watcher, &label).await?;
+                    let t1 = Instant::now();
+                    release(&client, nodes).await?;
+                    alloc.push(t1 - t0);
+                    rel.push(t1.elapsed());
+                }
+                anyhow::Ok((alloc, rel))
+            })
+        })
+        .collect();
+    let (mut alloc, mut rel) = (Samples::default(), Samples::default());
+    for t in tasks {
+        let (a, r) = t.await.context("throughput client")??;
+        alloc.extend(a);
+        rel.extend(r);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(Throughput {
+        clients,
+        seconds,
+        allocations: alloc.len(),
+        allocations_per_sec: alloc.len() as f64 / seconds,
+        allocation: alloc.summary(),
+        release: rel.summary(),
+    })
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ColdAndRelease {
+    /// Submit until fulfilled, with a new backing node launched for it.
+    pub cold_allocation: Summary,
+    pub grace_time_secs: u64,
+    /// Last slot returned → backing node released (seat deleted), minus the grace-time.
+    pub release_late: Summary,
+    /// Releases that came before the grace-time ran out (must be 0).
+    pub early: usize,
+    pub distinct_backing_nodes: usize,
+}
+
+/// Cold allocations on a pool of one single-slot backing node with the given
+/// grace-time: allocate (launches a node), release, wait for the node to be released.
+pub async fn cold_and_release(
+    bus: &Bus,
+    client: &Client,
+    watcher: &RequestWatcher,
+    label: &str,
+    seat_key: &str,
+    grace: Duration,
+    n: usize,
+) -> anyhow::Result<ColdAndRelease> {
+    let mut changes = Box::pin(bus.backing.watch_new(seat_key).await?);
+    let (mut cold, mut late) = (Samples::default(), Samples::default());
+    let mut early = 0;
+    let mut backing_ids = std::collections::HashSet::new();
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let nodes = allocate(watcher, label).await?;
+        cold.push(t0.elapsed());
+        if let Some((backing, _)) = nodes.first().and_then(|n| n.slot()) {
+            backing_ids.insert(backing);
+        }
+        // The slot is freed somewhere within the release call: lateness counts from its
+        // end (never flatters), "early" from its start (never accuses wrongly).
+        let releasing = Instant::now();
+        release(client, nodes).await?;
+        let returned = Instant::now();
+        let gone_by = grace + Duration::from_secs(60);
+        loop {
+            let change = tokio::time::timeout(gone_by, changes.next())
+                .await
+                .with_context(|| {
+                    format!(
+                        "backing node {seat_key} not released within {gone_by:?} of its last slot"
+                    )
+                })?
+                .context("backing watch ended")??;
+            if let Change::Removed { .. } = change {
+                break;
+            }
+        }
+        if releasing.elapsed() < grace {
+            early += 1;
+        }
+        let late_ms = returned.elapsed().as_secs_f64() * 1000.0 - grace.as_secs_f64() * 1000.0;
+        late.push_ms(late_ms);
+    }
+    Ok(ColdAndRelease {
+        cold_allocation: cold.summary(),
+        grace_time_secs: grace.as_secs(),
+        release_late: late.summary(),
+        early,
+        distinct_backing_nodes: backing_ids.len(),
+    })
+}
+
+// ---- one real agent ----------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Agent {
+    pub slots: u32,
+    pub idle: Usage,
+}
+
+/// Starts a real `slotpool-agent` with 8 slots and measures it while idle.
+pub async fn agent(bus: &Bus, url: &str, dir: &Path, window: Duration) -> anyhow::Result<Agent> {
+    let binary = crate::cli::sibling_agent_binary();
+    let id = BackingId::parse("bn-bench-agent").expect("valid id");
+    let work_dir = dir.join("idle-agent");
+    std::fs::create_dir_all(&work_dir)?;
+    let log = std::fs::File::create(dir.join("idle-agent.log"))?;
+    let slots = 8;
+    let mut child = tokio::process::Command::new(&binary)
+        .arg("--nats")
+        .arg(url)
+        .arg("--backing-id")
+        .arg(id.as_str())
+        .arg("--work-dir")
+        .arg(&work_dir)
+        .arg("--slots")
+        .arg(slots.to_string())
+        .env("SLOTPOOL_AGENT_SECRET", "bench-agent-secret")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let pid = child.id().context("agent pid")?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while bus
+        .agents
+        .get::<serde_json::Value>(id.as_str())
+        .await?
+        .is_none()
+    {
+        if Instant::now() > deadline {
+            bail!("the agent did not heartbeat within 30s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Let start-up work settle before measuring.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle = procs::usage_over(pid, window).await;
+    crate::cli::demo::stop_child(&mut child).await;
+    Ok(Agent { slots, idle: idle? })
+}
+
+// ---- scale -------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Scale {
+    pub backing_nodes: usize,
+    pub slots: usize,
+    pub heartbeat_interval_ms: u64,
+    /// Launcher start (KV already holding every backing node) → first request fulfilled.
+    pub start_to_first_served_secs: f64,
+    /// Launcher killed (SIGKILL) and started again → first request fulfilled.
+    pub restart_after_kill_to_first_served_secs: f64,
+    pub idle: Usage,
+    /// Lease writes per second seen on the bus while the launcher is idle.
+    pub idle_lease_writes_per_sec: f64,
+    pub allocation: Summary,
+}
+
+pub struct ScaleSettings {
+    pub backing: usize,
+    pub slots: u32,
+    pub heartbeat: Duration,
+    pub settle: Duration,
+    pub idle_window: Duration,
+    pub allocations: usize,
+}
+
+const SCALE_LABEL: &str = "scale";
+
+/// The launcher over `s.backing` simulated backing nodes on its own nats-server.
+pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<Scale> {
+    let bus = connect(url, "slotpool-bench").await?;
+    let agents_bus = connect(url, "slotpool-bench-agents").await?;
+    let client = Client::from_bus(bus.clone());
+    let watcher = client.watcher().await?;
+
+    let secret = "bench-simulated-secret";
+    let secret_file = dir.join("sim-secret");
+    std::fs::write(&secret_file, secret)?;
+    let ids: Vec<BackingId> = (0..s.backing)
+        .map(|i| BackingId::parse(&format!("bn-sim-{i:05}")).expect("valid id"))
+        .collect();
+    let config = dir.join("scale.yaml");
+    std::fs::write(&config, scale_config(&ids, &secret_file, s.slots))?;
+
+    let stop = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let spec = SimSpec {
+        ids: ids.clone(),
+        secret_sha256: secret_digest(secret),
+        slots: s.slots,
+        interval: s.heartbeat,
+        ttl: Duration::from_secs((s.heartbeat.as_secs() * 3).max(6)),
+    };
+    sim_agents::start(agents_bus, spec, &tracker, stop.clone()).await?;
+    seed_backing(&bus, &ids, secret, s.slots).await?;
+
+    let result = async {
+        let log = dir.join("scale-launcher.log");
+        let started = Instant::now();
+        let mut launcher = LauncherProcess::spawn(&config, url, &log)?;
+        let first = first_served(&client, &watcher, SCALE_LABEL, started).await?;
+        tokio::time::sleep(s.settle).await;
+        launcher.check_alive()?;
+
+        let leases = bus.leases.watch_new(">").await?;
+        let lease_writes = Arc::new(AtomicU64::new(0));
+        let counting = {
+            let lease_writes = lease_writes.clone();
+            tokio::spawn(async move {
+                let mut leases = Box::pin(leases);
+                while let Some(Ok(change)) = leases.next().await {
+                    if let Change::Put { .. } = change {
+                        lease_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        };
+        let window_start = Instant::now();
+        let idle = procs::usage_over(launcher.pid, s.idle_window).await?;
+        counting.abort();
+        let lease_rate =
+            lease_writes.load(Ordering::Relaxed) as f64 / window_start.elapsed().as_secs_f64();
+
+        let mut alloc = Samples::default();
+        for _ in 0..s.allocations {
+            let t0 = Instant::now();
+            let nodes = allocate(&watcher, SCALE_LABEL).await?;
+            alloc.push(t0.elapsed());
+            release(&client, nodes).await?;
+        }
+        launcher.check_alive()?;
+        launcher.crash().await;
+
+        let log = dir.join("scale-launcher-restarted.log");
+        let restarted = Instant::now();
+        let launcher = LauncherProcess::spawn(&config, url, &log)?;
+        let again = first_served(&client, &watcher, SCALE_LABEL, restarted).await?;
+        launcher.crash().await;
+        anyhow::Ok(Scale {
+            backing_nodes: s.backing,
+            slots: s.backing * s.slots as usize,
+            heartbeat_interval_ms: s.heartbeat.as_millis() as u64,
+            start_to_first_served_secs: first.as_secs_f64(),
+            restart_after_kill_to_first_served_secs: again.as_secs_f64(),
+            idle,
+            idle_lease_writes_per_sec: lease_rate,
+            allocation: alloc.summary(),
+        })
+    }
+    .await;
+    stop.cancel();
+    tracker.close();
+    tracker.wait().await;
+    result
+}
+
+fn scale_config(ids: &[BackingId], secret_file: &Path, slots: u32) -> String {
+    let mut hosts = String::new();
+    for (i, id) in ids.iter().enumerate() {
+        hosts.push_str(&format!(
+            "        - {{name: {id}, host: 10.{}.{}.{}, secret-file: {}}}\n",
+            (i >> 16) & 255,
+            (i >> 8) & 255,
+            i & 255,
+            secret_file.display()
+        ));
+    }
+    format!(
+        "launcher:\n  lease-ttl: 10\nproviders:\n  - name: sim\n    driver: static\n    static:\n      hosts:\n{hosts}    pools:\n      - name: main\n        max-servers: {}\n        labels:\n          - name: {SCALE_LABEL}\n            backing-label: sim-vm\n            max-parallel-jobs: {slots}\n            grace-time: 86400\n",
+        ids.len()
+    )
+}
+
+/// Writes every backing node as a launcher would have left it: ready, its agent up.
+async fn seed_backing(
+    bus: &Bus,
+    ids: &[BackingId],
+    secret: &str,
+    slots: u32,
+) -> anyhow::Result<()> {
+    let now = now_ms();
+    let digest = secret_digest(secret);
+    for (chunk_no, chunk) in ids.chunks(512).enumerate() {
+        let writes = chunk.iter().enumerate().map(|(j, id)| {
+            let seat = (chunk_no * 512 + j) as u32;
+            let record = BackingNode {
+                v: PROTOCOL_VERSION,
+                id: id.clone(),
+                provider: "sim".into(),
+                pool: "main".into(),
+                seat,
+                label: SCALE_LABEL.into(),
+                backing_label: "sim-vm".into(),
+                slots,
+                state: BackingState::Ready,
+                idle: IdleBehaviour::Run,
+                instance: Some(Instance {
+                    id: id.to_string(),
+                    host: format!(
+                        "10.{}.{}.{}",
+                        (seat >> 16) & 255,
+                        (seat >> 8) & 255,
+                        seat & 255
+                    ),
+                    data: serde_json::Value::Null,
+                }),
+                secret_sha256: digest.clone(),
+                created_at: now,
+                launched_at: Some(now),
+                ready_at: Some(now),
+                idle_since: Some(now),
+                attempts: 1,
+                failure: None,
+                attributes: Default::default(),
+                order: None,
+                updated_at: now,
+            };
+            let key = layout::seat_key("sim", "main", seat);
+            async move { bus.backing.create(&key, &record, None).await }
+        });
+        for written in futures::future::join_all(writes).await {
+            written.context("seeding backing nodes")?;
+        }
+    }
+    Ok(())
+}

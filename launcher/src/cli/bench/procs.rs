@@ -1,0 +1,123 @@
+//! The processes the benchmark starts and what `/proc` says about them: resident memory
+//! (`VmRSS` in `/proc/<pid>/status`) and CPU time (`utime + stime` in `/proc/<pid>/stat`).
+
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// How long a launcher may take to stop after SIGTERM (it releases its leases first).
+const LAUNCHER_STOP_GRACE: Duration = Duration::from_secs(60);
+
+/// Resident memory in KiB.
+pub fn rss_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// CPU time used so far (user + system).
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces) start at field 3.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(Duration::from_secs_f64(
+        (utime + stime) as f64 / ticks as f64,
+    ))
+}
+
+/// Memory and CPU of a process over a window in which nothing is asked of it.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Usage {
+    pub rss_mb: f64,
+    /// Share of one core, in percent.
+    pub cpu_percent: f64,
+    pub window_secs: f64,
+}
+
+/// Watches `pid` for `window` and reports its memory at the end and its CPU use over it.
+pub async fn usage_over(pid: u32, window: Duration) -> anyhow::Result<Usage> {
+    let before = cpu_time(pid).context("reading the process's CPU time")?;
+    let start = Instant::now();
+    tokio::time::sleep(window).await;
+    let after = cpu_time(pid).context("reading the process's CPU time")?;
+    let wall = start.elapsed().as_secs_f64();
+    let rss = rss_kb(pid).context("reading the process's memory")?;
+    Ok(Usage {
+        rss_mb: rss as f64 / 1024.0,
+        cpu_percent: (after - before).as_secs_f64() / wall * 100.0,
+        window_secs: wall,
+    })
+}
+
+/// A `slotpool serve` child process, killed on drop.
+pub struct LauncherProcess {
+    child: Child,
+    pub pid: u32,
+    pub log: PathBuf,
+}
+
+impl LauncherProcess {
+    /// Starts this very binary as `slotpool serve --config <config>`.
+    pub fn spawn(config: &Path, nats_url: &str, log: &Path) -> anyhow::Result<LauncherProcess> {
+        let exe = std::env::current_exe().context("finding the slotpool binary")?;
+        let log_file =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let child = Command::new(exe)
+            .arg("--nats")
+            .arg(nats_url)
+            .arg("serve")
+            .arg("--config")
+            .arg(config)
+            .env("SLOTPOOL_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting slotpool serve")?;
+        let pid = child.id().context("launcher pid")?;
+        Ok(LauncherProcess {
+            child,
+            pid,
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// Fails if the launcher has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "the launcher exited with {status}; see {}",
+                self.log.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then SIGKILL if it does not stop in time.
+    pub async fn stop(mut self) {
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.pid as i32, libc::SIGTERM) };
+        if tokio::time::timeout(LAUNCHER_STOP_GRACE, self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+
+    /// SIGKILL: a crash, leaving its leases behind.
+    pub async fn crash(mut self) {
+        let _ = self.child.kill().await;
+    }
+}

@@ -1,0 +1,43 @@
+//! `slotpool bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
+//! rot. Its figures are not checked (timing assertions do not belong in CI); only that it
+//! completes and writes every figure.
+
+use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
+use std::process::Command;
+use std::time::Duration;
+
+/// Generous: the smoke run takes well under a minute even on a busy 2-core machine.
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[tokio::test]
+async fn bench_smoke_run_completes_and_writes_every_figure() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let mut cmd = Command::new(bin_path("slotpool"));
+    cmd.args(["bench", "--smoke", "--json"])
+        .arg(&json)
+        .env("SLOTPOOL_NATS_SERVER", nats_server_binary())
+        .env("SLOTPOOL_LOG", "warn")
+        .env("TMPDIR", dir.path());
+    let mut bench = ChildGuard::spawn("slotpool bench", cmd).unwrap();
+    let status = bench
+        .wait_timeout(SMOKE_TIMEOUT)
+        .await
+        .expect("slotpool bench --smoke did not finish in time");
+    assert!(status.success(), "slotpool bench --smoke failed: {status}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    for figure in [
+        "floor",
+        "warm",
+        "throughput",
+        "launcher_idle",
+        "cold_and_release",
+        "agent",
+        "scale",
+        "targets",
+    ] {
+        assert!(!report[figure].is_null(), "{figure} missing from {report}");
+    }
+    assert!(report["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
+    assert_eq!(report["cold_and_release"]["early"], 0, "{report}");
+}
