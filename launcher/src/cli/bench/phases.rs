@@ -543,6 +543,7 @@ async fn seed_backing(
                 ready_at: Some(now),
                 idle_since: Some(now),
                 attempts: 1,
+                out_of_capacity: false,
                 failure: None,
                 attributes: Default::default(),
                 order: None,

@@ -141,6 +141,7 @@ fn answer(
                     node.prepared.insert(slot, node_id);
                     value(&SlotPrepared {
                         workspace: format!("/sim/{id}/slots/{slot}"),
+                        login: Default::default(),
                     })
                 }
             }
@@ -212,6 +213,10 @@ async fn heartbeats(
             },
             slots,
             draining: false,
+            dirty_slots: Vec::new(),
+            isolation: Some("simulated".into()),
+            ssh_port: None,
+            ssh_host_keys: Vec::new(),
         }
     };
     let write = |batch: &[BackingId]| {
