@@ -73,6 +73,10 @@ pub struct BenchArgs {
     /// Keep the temp dir (logs, configs, stores) instead of removing it.
     #[arg(long)]
     pub keep: bool,
+    /// The agents' slot isolation: `none` measures slotpool's own path; `users` adds the
+    /// per-slot Unix users and cgroups of a production backing node (needs root).
+    #[arg(long, default_value = "none", value_parser = ["none", "users"])]
+    pub isolation: String,
 }
 
 /// The counts a run uses.
@@ -90,6 +94,7 @@ struct Settings {
     scale_heartbeat_ms: u64,
     scale_warm: usize,
     idle_secs: u64,
+    isolation: String,
 }
 
 impl Settings {
@@ -110,6 +115,7 @@ impl Settings {
             scale_heartbeat_ms: a.scale_heartbeat_ms,
             scale_warm: pick(a.scale_warm, 1000, 5),
             idle_secs: pick(a.idle_secs.map(|s| s as usize), 20, 1) as u64,
+            isolation: a.isolation.clone(),
         }
     }
 }
@@ -240,7 +246,14 @@ async fn run_all(
         let floor = phases::floor(&bus, s.floor).await?;
 
         step(format!("agent: one real agent, idle for {}s", s.idle_secs));
-        let agent = phases::agent(&bus, &url, dir, Duration::from_secs(s.idle_secs)).await?;
+        let agent = phases::agent(
+            &bus,
+            &url,
+            dir,
+            &s.isolation,
+            Duration::from_secs(s.idle_secs),
+        )
+        .await?;
 
         let warm_nodes = s.clients.div_ceil(SLOTS_PER_WARM_NODE) + 1;
         let config = dir.join("launcher.yaml");
@@ -251,6 +264,7 @@ async fn run_all(
                 agent_binary,
                 warm_nodes,
                 s.grace_time_secs,
+                &s.isolation,
             ),
         )?;
         let mut launcher = procs::LauncherProcess::spawn(&config, &url, &dir.join("launcher.log"))?;
@@ -341,7 +355,13 @@ fn step(what: String) {
     eprintln!("slotpool bench: {what}");
 }
 
-fn launcher_config(work_dir: &Path, agent: &Path, warm_nodes: usize, grace: u64) -> String {
+fn launcher_config(
+    work_dir: &Path,
+    agent: &Path,
+    warm_nodes: usize,
+    grace: u64,
+    isolation: &str,
+) -> String {
     format!(
         "\
 launcher:
@@ -352,6 +372,7 @@ providers:
     local:
       work-dir: {work}
       agent-command: {agent}
+      agent-args: [--isolation, {isolation}]
     pools:
       - name: {WARM_LABEL}
         max-servers: {warm_nodes}

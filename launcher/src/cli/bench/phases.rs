@@ -328,7 +328,13 @@ pub struct Agent {
 }
 
 /// Starts a real `slotpool-agent` with 8 slots and measures it while idle.
-pub async fn agent(bus: &Bus, url: &str, dir: &Path, window: Duration) -> anyhow::Result<Agent> {
+pub async fn agent(
+    bus: &Bus,
+    url: &str,
+    dir: &Path,
+    isolation: &str,
+    window: Duration,
+) -> anyhow::Result<Agent> {
     let binary = crate::cli::sibling_agent_binary();
     let id = BackingId::parse("bn-bench-agent").expect("valid id");
     let work_dir = dir.join("idle-agent");
@@ -344,6 +350,7 @@ pub async fn agent(bus: &Bus, url: &str, dir: &Path, window: Duration) -> anyhow
         .arg(&work_dir)
         .arg("--slots")
         .arg(slots.to_string())
+        .args(["--isolation", isolation])
         .env("SLOTPOOL_AGENT_SECRET", "bench-agent-secret")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
