@@ -394,7 +394,12 @@ mod tests {
         // Warming twice fails rather than reuse what is there.
         assert!(iso.warm(2).is_err());
         let got = iso
-            .prepare_warm(2, &node("node-a"), Some("ssh-ed25519 K"), &SlotLimits::default())
+            .prepare_warm(
+                2,
+                &node("node-a"),
+                Some("ssh-ed25519 K"),
+                &SlotLimits::default(),
+            )
             .unwrap();
         assert_eq!(got, ws);
         assert_eq!(

@@ -509,9 +509,8 @@ impl Slots {
             return Err(err);
         }
         let slots = self.clone();
-        self.warming.spawn(
-            async move { slots.warm_locked(slot, lock, true).await }.in_current_span(),
-        );
+        self.warming
+            .spawn(async move { slots.warm_locked(slot, lock, true).await }.in_current_span());
         Ok(ReleaseOutcome::Wiped)
     }
 }
@@ -703,7 +702,10 @@ mod tests {
         assert_eq!(slots.dirty_slots(), vec![1]);
         slots.warm_free_slots();
         slots.warm_ups_done().await;
-        assert!(!slots.warm_slots().contains(&1), "a dirty slot is never warmed");
+        assert!(
+            !slots.warm_slots().contains(&1),
+            "a dirty slot is never warmed"
+        );
         let err = slots
             .prepare(1, &node("node-b"), None, L)
             .await
@@ -823,7 +825,10 @@ mod tests {
             limits: &SlotLimits,
         ) -> Result<PathBuf, IsolationError> {
             self.record("prepare_warm", slot);
-            if self.fail_prepare_warm.load(std::sync::atomic::Ordering::SeqCst) {
+            if self
+                .fail_prepare_warm
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
                 return Err(failed("prepare_warm"));
             }
             self.iso().prepare_warm(slot, node_id, key, limits)
@@ -858,7 +863,10 @@ mod tests {
         assert_eq!(again.warm_slots(), vec![0, 2]);
 
         // Preparing a warm slot takes only the warm path.
-        let ws = slots.prepare(0, &a, Some("ssh-ed25519 K".into()), L).await.unwrap();
+        let ws = slots
+            .prepare(0, &a, Some("ssh-ed25519 K".into()), L)
+            .await
+            .unwrap();
         assert_eq!(iso.take(), ["prepare_warm 0"]);
         std::fs::write(ws.workspace.join("job-output"), "of job 1").unwrap();
         // Release wipes, then warms again without wiping twice.
@@ -901,7 +909,8 @@ mod tests {
         let slots = Slots::recover(iso.clone(), 2).await.unwrap();
         let a = node("node-a");
         // Warm-up fails: the slot stays cold and the prepare does everything.
-        iso.fail_warm.store(true, std::sync::atomic::Ordering::SeqCst);
+        iso.fail_warm
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         slots.warm_free_slots();
         slots.warm_ups_done().await;
         assert!(slots.warm_slots().is_empty());
@@ -909,7 +918,8 @@ mod tests {
         slots.prepare(0, &a, None, L).await.unwrap();
         assert_eq!(iso.take(), ["create 0"]);
         // The warm path fails: the prepare falls back to the full path.
-        iso.fail_warm.store(false, std::sync::atomic::Ordering::SeqCst);
+        iso.fail_warm
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         slots.warm_free_slots();
         slots.warm_ups_done().await;
         assert_eq!(slots.warm_slots(), vec![1]);

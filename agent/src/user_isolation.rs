@@ -228,7 +228,10 @@ impl UserIsolation {
         }
         let ws = self.workspace(slot);
         if !is_empty_dir(&ws) {
-            return Err(format!("workspace {} is not an empty directory", ws.display()));
+            return Err(format!(
+                "workspace {} is not an empty directory",
+                ws.display()
+            ));
         }
         let procs = users::processes_of(&self.proc_root, info.uid);
         if !procs.is_empty() {
@@ -323,13 +326,20 @@ impl SlotIsolation for UserIsolation {
         limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
-        let not_warm = |why: String| IsolationError::new("preparing warm slot", &dir)(std::io::Error::other(why));
+        let not_warm = |why: String| {
+            IsolationError::new("preparing warm slot", &dir)(std::io::Error::other(why))
+        };
         let Some(warm) = self.users().get(&slot).cloned() else {
             return Err(not_warm("the slot is not warm".into()));
         };
         match users::lookup(&warm.user) {
             Some(info) if info.uid == warm.uid => {}
-            Some(info) => return Err(not_warm(format!("user {} changed uid to {}", warm.user, info.uid))),
+            Some(info) => {
+                return Err(not_warm(format!(
+                    "user {} changed uid to {}",
+                    warm.user, info.uid
+                )))
+            }
             None => return Err(not_warm(format!("user {} is gone", warm.user))),
         }
         if let Some(key) = ssh_public_key {

@@ -27,7 +27,8 @@ fn wiped(dir: &Path) -> bool {
 }
 
 /// Shell commands a job runs to leave files behind in the shared temporary directories.
-const LEAVE_TRACES: &str = "for d in /tmp /var/tmp /dev/shm; do echo left > $d/$(id -un)-left; done";
+const LEAVE_TRACES: &str =
+    "for d in /tmp /var/tmp /dev/shm; do echo left > $d/$(id -un)-left; done";
 
 /// The files [`LEAVE_TRACES`] makes for `user`.
 fn traces(user: &str) -> Vec<PathBuf> {
@@ -205,7 +206,11 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         ),
     );
     assert!(ok, "login as {user_c} failed: {err}");
-    assert_eq!(out.trim(), ".ssh", "the second job sees the first one's traces");
+    assert_eq!(
+        out.trim(),
+        ".ssh",
+        "the second job sees the first one's traces"
+    );
 
     // SIGTERM: the agent reports draining and leaves no slot process behind.
     let (ok, _, err) = key.ssh(
@@ -261,7 +266,11 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
     // Releasing one leaves the other alone.
     let ws_b = Path::new(b.workspace.as_deref().unwrap());
     std::fs::write(ws_b.join("output"), "b's").unwrap();
-    std::fs::write(Path::new(a.workspace.as_deref().unwrap()).join("output"), "a's").unwrap();
+    std::fs::write(
+        Path::new(a.workspace.as_deref().unwrap()).join("output"),
+        "a's",
+    )
+    .unwrap();
     pool.client
         .release(vec![request.nodes[0].clone()])
         .await
