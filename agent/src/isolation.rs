@@ -15,6 +15,12 @@
 //!
 //! The marker is written last (via a rename), so a slot whose prepare was interrupted has
 //! no marker and counts as free: its leftovers are wiped by the next prepare or release.
+//!
+//! **Warm slots.** A free slot is *warmed* ahead of time ([`SlotIsolation::warm`]): the
+//! slow, node-independent part of a prepare (with mode `none`: the empty workspace) is
+//! done while nobody waits, so a prepare of a warm slot ([`SlotIsolation::prepare_warm`])
+//! only adds the key and the marker. A warm slot is one whose empty workspace exists
+//! without a marker; one with anything else in it is cold and wiped before use.
 
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::NodeId;
@@ -49,11 +55,30 @@ impl IsolationError {
     }
 }
 
-/// A slot found prepared on disk at start-up.
+/// A slot found on disk at start-up, prepared or warm.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FoundSlot {
     pub slot: u32,
-    pub node_id: NodeId,
+    /// The node holding the slot; `None` for a warm (free, ready) slot.
+    pub node_id: Option<NodeId>,
+}
+
+impl FoundSlot {
+    /// A slot prepared for `node_id`.
+    pub fn prepared(slot: u32, node_id: NodeId) -> FoundSlot {
+        FoundSlot {
+            slot,
+            node_id: Some(node_id),
+        }
+    }
+
+    /// A free slot that is warm.
+    pub fn warm(slot: u32) -> FoundSlot {
+        FoundSlot {
+            slot,
+            node_id: None,
+        }
+    }
 }
 
 /// Sets up and tears down the environment of one slot. Calls block (file system,
@@ -76,11 +101,28 @@ pub trait SlotIsolation: Send + Sync + 'static {
         limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError>;
 
+    /// Readies a free slot that was just verified clean (by [`SlotIsolation::destroy`])
+    /// for a later [`SlotIsolation::prepare_warm`]: everything a prepare needs that does
+    /// not depend on the node. Fails, leaving the slot for the full path, when anything
+    /// of the slot already exists.
+    fn warm(&self, slot: u32) -> Result<(), IsolationError>;
+
+    /// Hands a warm slot to `node_id`: adds the key, applies `limits` and records the
+    /// node, and returns the workspace. On failure the caller falls back to
+    /// [`SlotIsolation::create`].
+    fn prepare_warm(
+        &self,
+        slot: u32,
+        node_id: &NodeId,
+        ssh_public_key: Option<&str>,
+        limits: &SlotLimits,
+    ) -> Result<PathBuf, IsolationError>;
+
     /// Removes everything of the slot and checks it is gone. Succeeds when there was
     /// nothing to remove.
     fn destroy(&self, slot: u32) -> Result<(), IsolationError>;
 
-    /// The slots left prepared by a previous run of the agent.
+    /// The slots left prepared or warm by a previous run of the agent.
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError>;
 
     /// The Unix user of a prepared slot, when slots have their own users.
@@ -135,13 +177,28 @@ impl SlotIsolation for WorkspaceOnly {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
+        limits: &SlotLimits,
+    ) -> Result<PathBuf, IsolationError> {
+        self.destroy(slot)?;
+        self.warm(slot)?;
+        self.prepare_warm(slot, node_id, ssh_public_key, limits)
+    }
+
+    fn warm(&self, slot: u32) -> Result<(), IsolationError> {
+        make_private_dir(&self.workspace(slot))
+    }
+
+    fn prepare_warm(
+        &self,
+        slot: u32,
+        node_id: &NodeId,
+        ssh_public_key: Option<&str>,
         _limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
-        self.destroy(slot)?;
-        make_private_dir(&dir)?;
         if let Some(key) = ssh_public_key {
             let ssh_dir = dir.join(".ssh");
+            remove_if_present(&ssh_dir)?;
             make_private_dir(&ssh_dir)?;
             write_file(
                 &ssh_dir.join("authorized_keys"),
@@ -151,6 +208,7 @@ impl SlotIsolation for WorkspaceOnly {
         }
         let tmp = dir.join(NODE_MARKER_TMP);
         let marker = dir.join(NODE_MARKER);
+        remove_if_present(&tmp)?;
         write_file(&tmp, &with_newline(node_id.as_str()), PRIVATE_FILE_MODE)?;
         fs::rename(&tmp, &marker).map_err(IsolationError::new("renaming", &tmp))?;
         Ok(dir)
@@ -188,11 +246,12 @@ impl SlotIsolation for WorkspaceOnly {
                 continue;
             };
             match read_marker(&path.join(NODE_MARKER)) {
-                Ok(Some(node_id)) => found.push(FoundSlot { slot, node_id }),
+                Ok(Some(node_id)) => found.push(FoundSlot::prepared(slot, node_id)),
+                Ok(None) if is_empty_dir(&path) => found.push(FoundSlot::warm(slot)),
                 Ok(None) => {
                     tracing::info!(
                         slot,
-                        "slot has leftovers but no node marker; treating it as free"
+                        "slot has leftovers but no node marker; treating it as free and cold"
                     )
                 }
                 Err(err) => tracing::warn!(slot, %err, "treating slot as free"),
@@ -216,6 +275,27 @@ pub(crate) fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError>
             err,
         ))
     })
+}
+
+/// Whether `dir` is a directory (not a symlink) with nothing in it.
+pub(crate) fn is_empty_dir(dir: &Path) -> bool {
+    fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir())
+        && fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none())
+}
+
+/// Removes a file or a directory tree; fine when there is nothing.
+pub(crate) fn remove_if_present(path: &Path) -> Result<(), IsolationError> {
+    let result = match fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => Err(e),
+        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+    };
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(IsolationError::new("removing", path)(e)),
+    }
 }
 
 pub(crate) fn with_newline(s: &str) -> String {
@@ -279,10 +359,7 @@ mod tests {
         assert_eq!(mode(&ws.join(".ssh")), 0o700);
         assert_eq!(
             iso.recover().unwrap(),
-            vec![FoundSlot {
-                slot: 3,
-                node_id: node("node-a")
-            }]
+            vec![FoundSlot::prepared(3, node("node-a"))]
         );
     }
 
@@ -307,6 +384,40 @@ mod tests {
     }
 
     #[test]
+    fn a_warm_slot_is_an_empty_workspace_that_prepare_fills() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        iso.warm(2).unwrap();
+        let ws = work.path().join("slots/2");
+        assert_eq!(mode(&ws), 0o700);
+        assert_eq!(iso.recover().unwrap(), vec![FoundSlot::warm(2)]);
+        // Warming twice fails rather than reuse what is there.
+        assert!(iso.warm(2).is_err());
+        let got = iso
+            .prepare_warm(
+                2,
+                &node("node-a"),
+                Some("ssh-ed25519 K"),
+                &SlotLimits::default(),
+            )
+            .unwrap();
+        assert_eq!(got, ws);
+        assert_eq!(
+            fs::read_to_string(ws.join(".ssh/authorized_keys")).unwrap(),
+            "ssh-ed25519 K\n"
+        );
+        assert_eq!(
+            iso.recover().unwrap(),
+            vec![FoundSlot::prepared(2, node("node-a"))]
+        );
+        // Something written into a free slot makes it cold again.
+        iso.destroy(2).unwrap();
+        iso.warm(2).unwrap();
+        fs::write(ws.join("stray"), "x").unwrap();
+        assert!(iso.recover().unwrap().is_empty());
+    }
+
+    #[test]
     fn recover_skips_unmarked_and_foreign_entries() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
@@ -322,14 +433,9 @@ mod tests {
         assert_eq!(
             found,
             vec![
-                FoundSlot {
-                    slot: 1,
-                    node_id: node("node-a")
-                },
-                FoundSlot {
-                    slot: 5,
-                    node_id: node("node-b")
-                },
+                FoundSlot::prepared(1, node("node-a")),
+                FoundSlot::warm(2),
+                FoundSlot::prepared(5, node("node-b")),
             ]
         );
     }

@@ -49,7 +49,8 @@ use user_isolation::UserIsolation;
 pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait at shutdown for replies and the last heartbeat to leave.
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often processes of slot users outside their slot's cgroup are moved into it.
+/// How often processes of slot users outside their slot's cgroup are moved into it
+/// (only while some slot is prepared).
 pub const PLACEMENT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// Where cgroup mounts are looked up.
 const PROC_ROOT: &str = "/proc";
@@ -154,14 +155,18 @@ async fn probe_loop(
     }
 }
 
-/// Moves stray slot processes into their cgroups every [`PLACEMENT_SWEEP_INTERVAL`].
-async fn sweep_loop(isolation: Arc<dyn SlotIsolation>, shutdown: CancellationToken) {
+/// Moves stray slot processes into their cgroups every [`PLACEMENT_SWEEP_INTERVAL`]
+/// while some slot is prepared (free slots, warm or not, have no processes to place).
+async fn sweep_loop(slots: Slots, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(PLACEMENT_SWEEP_INTERVAL) => {}
         }
-        let iso = isolation.clone();
+        if slots.reports().is_empty() {
+            continue;
+        }
+        let iso = slots.isolation().clone();
         match tokio::task::spawn_blocking(move || iso.sweep()).await {
             Ok(0) => {}
             Ok(moved) => tracing::info!(
@@ -205,14 +210,16 @@ pub async fn run_with(
                     .in_current_span(),
             ));
             tasks.push(tokio::spawn(
-                sweep_loop(isolation.clone(), background.clone()).in_current_span(),
+                sweep_loop(slots.clone(), background.clone()).in_current_span(),
             ));
         }
+        slots.warm_free_slots();
         tracing::info!(
             isolation = slots.isolation_name(),
             work_dir = %config.work_dir.display(),
             slots = config.slots,
             prepared = ?slots.reports(),
+            warm = ?slots.warm_slots(),
             dirty = ?slots.dirty_slots(),
             ssh_port = ssh.port,
             ssh_host_keys = ssh.host_keys.len(),
@@ -277,6 +284,8 @@ pub async fn run_with(
                 tracing::warn!(%err, "background task failed");
             }
         }
+        // Let warm-ups finish, so none races the kill below or leaves a half-made slot.
+        slots.warm_ups_done().await;
         // No slot process outlives the agent; workspaces stay for a restarted agent.
         let iso = isolation.clone();
         match tokio::task::spawn_blocking(move || iso.stop_all()).await {

@@ -15,6 +15,10 @@ use tokio_util::sync::CancellationToken;
 
 /// Longest wait for the NATS connection and the buckets at start-up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Threads for blocking work (slot set-up and wiping, /proc scans) at most; more wait.
+const MAX_BLOCKING_THREADS: usize = 8;
+/// How long an idle blocking thread lives before it exits.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(2);
 
 /// `slotpool-agent enter-slot`: put this login into its slot's cgroup, then run the shell.
 #[derive(Debug, Parser)]
@@ -58,8 +62,13 @@ fn main() -> anyhow::Result<()> {
         .into_config(secret_env)
         .context("invalid configuration")?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // One thread runs every task: the agent's work is I/O waits and short bookkeeping,
+    // and file-system or process work goes to the blocking pool (kept small, its threads
+    // exiting when idle), so a big backing node does not get one worker per core.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build()
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {

@@ -15,17 +15,31 @@
 //!   heartbeat and refuses every prepare until an operator has looked at the machine and
 //!   deleted the file; a later release that does clean the slot still leaves the file.
 //!
-//! Callers must not run two operations on the same slot at once ([`crate::commands`]
-//! queues them per slot). The closed flag is kept in memory only: a restarted agent is
-//! open again.
+//! - a free slot is **warm** or **cold**. Warm-up ([`SlotIsolation::warm`]: with user
+//!   isolation the user, the cgroup and the empty workspace) runs in the background at
+//!   start-up for every free slot that is neither warm nor dirty
+//!   ([`Slots::warm_free_slots`]) and after every release that verified the slot clean,
+//!   so a prepare of a warm slot only adds the key, the limits and the state. A prepare of
+//!   a cold slot (warm-up failed or not reached yet) takes the full path, wiping
+//!   leftovers first; so does a prepare whose warm path fails. Dirty slots are never
+//!   warmed.
+//!
+//! Operations on one slot (prepare, release, warm-up) are serialised by a per-slot lock:
+//! a prepare that arrives while its slot is warming waits for the warm-up, and a release
+//! hands its lock straight to the warm-up that follows it, so nothing runs on the slot
+//! between the clean check and the warm-up. ([`crate::commands`] also queues commands
+//! per slot, so they are answered in order.) The closed flag is kept in memory only: a
+//! restarted agent is open again.
 
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::SlotReport;
 use slotpool_protocol::NodeId;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 /// Why a slot operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +75,9 @@ pub enum SlotError {
 pub enum PreparePlan {
     /// The node already holds the slot: return its workspace as it is.
     Reuse,
-    /// The slot is free: make it fresh for the node.
+    /// The slot is free and warm: hand it to the node (key, limits, state).
+    FromWarm,
+    /// The slot is free and cold: wipe it and build it for the node (the full path).
     Create,
 }
 
@@ -74,20 +90,23 @@ pub enum ReleasePlan {
     KeepHolder(NodeId),
 }
 
-/// The prepared slots of this node. Plain data.
+/// The prepared and the warm slots of this node. Plain data.
 #[derive(Clone, Debug)]
 pub struct SlotTable {
     slots: u32,
     held: BTreeMap<u32, NodeId>,
+    /// Free slots that are warm; never a held slot.
+    warm: BTreeSet<u32>,
     closed: bool,
 }
 
 impl SlotTable {
-    /// An empty table for a node with `slots` slots.
+    /// An empty table (every slot free and cold) for a node with `slots` slots.
     pub fn new(slots: u32) -> SlotTable {
         SlotTable {
             slots,
             held: BTreeMap::new(),
+            warm: BTreeSet::new(),
             closed: false,
         }
     }
@@ -105,14 +124,15 @@ impl SlotTable {
     }
 
     /// Rebuilds the table from slots found on disk; slots out of range are logged and left
-    /// out (they were prepared when the node had more slots).
+    /// out (they were prepared or warmed when the node had more slots).
     pub fn restore(&mut self, found: Vec<FoundSlot>) {
         for FoundSlot { slot, node_id } in found {
-            match self.check(slot) {
-                Ok(()) => {
-                    self.held.insert(slot, node_id);
+            match (self.check(slot), node_id) {
+                (Ok(()), Some(node_id)) => self.mark_prepared(slot, node_id),
+                (Ok(()), None) => self.mark_warm(slot),
+                (Err(err), node_id) => {
+                    tracing::warn!(slot, ?node_id, %err, "ignoring slot found on disk")
                 }
-                Err(err) => tracing::warn!(slot, %node_id, %err, "ignoring prepared slot on disk"),
             }
         }
     }
@@ -121,6 +141,7 @@ impl SlotTable {
         self.check(slot)?;
         match self.held.get(&slot) {
             None if self.closed => Err(SlotError::Closed { slot }),
+            None if self.warm.contains(&slot) => Ok(PreparePlan::FromWarm),
             None => Ok(PreparePlan::Create),
             Some(holder) if holder == node_id => Ok(PreparePlan::Reuse),
             Some(holder) => Err(SlotError::Held {
@@ -139,12 +160,40 @@ impl SlotTable {
         }
     }
 
+    /// Whether `slot` should be warmed now: one of ours, free, cold and not `dirty`.
+    pub fn plan_warm(&self, slot: u32, dirty: bool) -> bool {
+        self.check(slot).is_ok()
+            && !dirty
+            && !self.held.contains_key(&slot)
+            && !self.warm.contains(&slot)
+    }
+
     pub fn mark_prepared(&mut self, slot: u32, node_id: NodeId) {
+        self.warm.remove(&slot);
         self.held.insert(slot, node_id);
     }
 
+    /// The slot was wiped (or a wipe was attempted): free and cold.
     pub fn mark_released(&mut self, slot: u32) {
         self.held.remove(&slot);
+        self.warm.remove(&slot);
+    }
+
+    /// The free slot was warmed.
+    pub fn mark_warm(&mut self, slot: u32) {
+        if !self.held.contains_key(&slot) {
+            self.warm.insert(slot);
+        }
+    }
+
+    /// The slot's warm state cannot be trusted any more: the next prepare takes the full path.
+    pub fn mark_cold(&mut self, slot: u32) {
+        self.warm.remove(&slot);
+    }
+
+    /// The warm slot indexes, in order.
+    pub fn warm(&self) -> Vec<u32> {
+        self.warm.iter().copied().collect()
     }
 
     /// Refuses (`true`) or accepts again (`false`) new prepares.
@@ -196,6 +245,10 @@ pub struct Slots {
     /// Held shared by each prepare and exclusively by close/open, so closing waits for
     /// the prepares already running.
     gate: Arc<tokio::sync::RwLock<()>>,
+    /// One lock per slot, held by each prepare, release and warm-up of that slot.
+    locks: Arc<[Arc<tokio::sync::Mutex<()>>]>,
+    /// The warm-ups running in the background.
+    warming: TaskTracker,
 }
 
 impl Slots {
@@ -221,6 +274,10 @@ impl Slots {
             isolation,
             dirty_dir: None,
             gate: Arc::new(tokio::sync::RwLock::new(())),
+            locks: (0..slots)
+                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                .collect(),
+            warming: TaskTracker::new(),
         })
     }
 
@@ -292,12 +349,76 @@ impl Slots {
         self.table().reports()
     }
 
+    /// The free slots that are warm.
+    pub fn warm_slots(&self) -> Vec<u32> {
+        self.table().warm()
+    }
+
+    /// Takes the lock of `slot` (checked to be one of ours).
+    async fn lock(&self, slot: u32) -> Result<tokio::sync::OwnedMutexGuard<()>, SlotError> {
+        self.check(slot)?;
+        Ok(self.locks[slot as usize].clone().lock_owned().await)
+    }
+
+    /// Warms, in the background and one at a time in slot order, every free slot that is
+    /// neither warm nor dirty (at start-up). Leftovers of a slot are wiped first.
+    pub fn warm_free_slots(&self) {
+        let slots = self.clone();
+        self.warming.spawn(
+            async move {
+                for slot in 0..slots.locks.len() as u32 {
+                    let Ok(lock) = slots.lock(slot).await else {
+                        return;
+                    };
+                    slots.warm_locked(slot, lock, false).await;
+                }
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Warms `slot` while holding its `lock`; `clean` when a release just verified it.
+    async fn warm_locked(&self, slot: u32, lock: tokio::sync::OwnedMutexGuard<()>, clean: bool) {
+        let dirty = self.dirty_reason(slot).is_some();
+        if !self.table().plan_warm(slot, dirty) {
+            return;
+        }
+        let isolation = self.isolation.clone();
+        let result = blocking(slot, "warm-up", move || {
+            if !clean {
+                isolation.destroy(slot)?;
+            }
+            isolation.warm(slot)
+        })
+        .await;
+        match result {
+            Ok(()) => {
+                self.table().mark_warm(slot);
+                tracing::debug!(slot, "slot warm");
+            }
+            Err(err) => tracing::warn!(
+                slot,
+                %err,
+                "cannot warm slot; its next prepare takes the full path"
+            ),
+        }
+        drop(lock);
+    }
+
+    /// Waits for the warm-ups running now (shutdown, tests).
+    pub async fn warm_ups_done(&self) {
+        self.warming.close();
+        self.warming.wait().await;
+        self.warming.reopen();
+    }
+
     /// Name of the isolation in use, for logs.
     pub fn isolation_name(&self) -> &'static str {
         self.isolation.name()
     }
 
-    /// Makes `slot` ready for `node_id` and returns its workspace and user.
+    /// Makes `slot` ready for `node_id` and returns its workspace and user. Waits for a
+    /// warm-up of the slot that is running.
     pub async fn prepare(
         &self,
         slot: u32,
@@ -306,6 +427,7 @@ impl Slots {
         limits: SlotLimits,
     ) -> Result<PreparedSlot, SlotError> {
         let _running = self.gate.read().await;
+        let _slot = self.lock(slot).await?;
         let plan = self.table().plan_prepare(slot, node_id)?;
         if plan == PreparePlan::Reuse {
             return Ok(PreparedSlot {
@@ -320,17 +442,36 @@ impl Slots {
                 marker,
             });
         }
+        if plan == PreparePlan::FromWarm {
+            let isolation = self.isolation.clone();
+            let (node, key) = (node_id.clone(), ssh_public_key.clone());
+            let warm = blocking(slot, "prepare", move || {
+                isolation.prepare_warm(slot, &node, key.as_deref(), &limits)
+            })
+            .await;
+            match warm {
+                Ok(workspace) => return Ok(self.prepared(slot, node_id, workspace)),
+                Err(err) => {
+                    tracing::warn!(slot, %err, "warm slot could not be prepared; taking the full path");
+                    self.table().mark_cold(slot);
+                }
+            }
+        }
         let isolation = self.isolation.clone();
         let node = node_id.clone();
         let workspace = blocking(slot, "prepare", move || {
             isolation.create(slot, &node, ssh_public_key.as_deref(), &limits)
         })
         .await?;
+        Ok(self.prepared(slot, node_id, workspace))
+    }
+
+    fn prepared(&self, slot: u32, node_id: &NodeId, workspace: PathBuf) -> PreparedSlot {
         self.table().mark_prepared(slot, node_id.clone());
-        Ok(PreparedSlot {
+        PreparedSlot {
             workspace,
             username: self.isolation.username(slot),
-        })
+        }
     }
 
     /// Refuses new prepares from now on, once the prepares running have finished; returns
@@ -351,8 +492,10 @@ impl Slots {
         table.prepared()
     }
 
-    /// Wipes `slot` unless another node holds it.
+    /// Wipes `slot` unless another node holds it; once it is verified clean, warms it
+    /// again in the background (the slot's lock passes straight to the warm-up).
     pub async fn release(&self, slot: u32, node_id: &NodeId) -> Result<ReleaseOutcome, SlotError> {
+        let lock = self.lock(slot).await?;
         match self.table().plan_release(slot, node_id)? {
             ReleasePlan::KeepHolder(holder) => return Ok(ReleaseOutcome::HeldByOther(holder)),
             ReleasePlan::Destroy => {}
@@ -365,6 +508,9 @@ impl Slots {
             self.mark_dirty(slot, &err.to_string());
             return Err(err);
         }
+        let slots = self.clone();
+        self.warming
+            .spawn(async move { slots.warm_locked(slot, lock, true).await }.in_current_span());
         Ok(ReleaseOutcome::Wiped)
     }
 }
@@ -446,19 +592,12 @@ mod tests {
     fn restore_keeps_slots_in_range_in_order() {
         let mut t = SlotTable::new(2);
         t.restore(vec![
-            FoundSlot {
-                slot: 1,
-                node_id: node("node-b"),
-            },
-            FoundSlot {
-                slot: 5,
-                node_id: node("node-x"),
-            },
-            FoundSlot {
-                slot: 0,
-                node_id: node("node-a"),
-            },
+            FoundSlot::prepared(1, node("node-b")),
+            FoundSlot::prepared(5, node("node-x")),
+            FoundSlot::prepared(0, node("node-a")),
+            FoundSlot::warm(7),
         ]);
+        assert!(t.warm().is_empty());
         let slots: Vec<_> = t
             .reports()
             .into_iter()
@@ -526,6 +665,18 @@ mod tests {
         ) -> Result<PathBuf, IsolationError> {
             self.0.create(slot, node_id, key, limits)
         }
+        fn warm(&self, slot: u32) -> Result<(), IsolationError> {
+            self.0.warm(slot)
+        }
+        fn prepare_warm(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &SlotLimits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.0.prepare_warm(slot, node_id, key, limits)
+        }
         fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
             Err(IsolationError::new("killing", &self.0.workspace(slot))(
                 std::io::Error::other("a process survived"),
@@ -549,6 +700,12 @@ mod tests {
         slots.prepare(1, &a, None, L).await.unwrap();
         assert!(slots.release(1, &a).await.is_err());
         assert_eq!(slots.dirty_slots(), vec![1]);
+        slots.warm_free_slots();
+        slots.warm_ups_done().await;
+        assert!(
+            !slots.warm_slots().contains(&1),
+            "a dirty slot is never warmed"
+        );
         let err = slots
             .prepare(1, &node("node-b"), None, L)
             .await
@@ -562,5 +719,215 @@ mod tests {
         std::fs::remove_file(work.path().join("dirty/1")).unwrap();
         assert!(slots.dirty_slots().is_empty());
         slots.prepare(1, &node("node-c"), None, L).await.unwrap();
+    }
+
+    #[test]
+    fn warm_and_cold_slots() {
+        let mut t = SlotTable::new(4);
+        let a = node("node-a");
+        t.restore(vec![FoundSlot::warm(1), FoundSlot::prepared(2, a.clone())]);
+        assert_eq!(t.warm(), vec![1]);
+        assert_eq!(t.plan_prepare(1, &a).unwrap(), PreparePlan::FromWarm);
+        assert_eq!(t.plan_prepare(0, &a).unwrap(), PreparePlan::Create);
+        // Only free, cold, clean slots of ours are warmed.
+        assert!(t.plan_warm(0, false));
+        assert!(!t.plan_warm(0, true), "dirty");
+        assert!(!t.plan_warm(1, false), "already warm");
+        assert!(!t.plan_warm(2, false), "held");
+        assert!(!t.plan_warm(4, false), "not ours");
+        // Preparing uses up the warm state; a held slot is never marked warm.
+        t.mark_prepared(1, a.clone());
+        assert!(t.warm().is_empty());
+        t.mark_warm(1);
+        assert!(t.warm().is_empty());
+        // A release leaves the slot cold until warmed again.
+        t.mark_released(1);
+        assert_eq!(t.plan_prepare(1, &a).unwrap(), PreparePlan::Create);
+        t.mark_warm(1);
+        assert_eq!(t.plan_prepare(1, &a).unwrap(), PreparePlan::FromWarm);
+        t.mark_cold(1);
+        assert_eq!(t.plan_prepare(1, &a).unwrap(), PreparePlan::Create);
+        // Closed: a warm slot is refused like any free one.
+        t.mark_warm(3);
+        t.set_closed(true);
+        assert!(matches!(
+            t.plan_prepare(3, &a),
+            Err(SlotError::Closed { slot: 3 })
+        ));
+    }
+
+    /// A workspace isolation that records its calls and can be made to fail.
+    #[derive(Default)]
+    struct Recording {
+        inner: Option<WorkspaceOnly>,
+        calls: Mutex<Vec<String>>,
+        fail_warm: std::sync::atomic::AtomicBool,
+        fail_prepare_warm: std::sync::atomic::AtomicBool,
+        warm_pause: Option<std::time::Duration>,
+    }
+
+    impl Recording {
+        fn new(work: &std::path::Path) -> Recording {
+            Recording {
+                inner: Some(WorkspaceOnly::new(work).unwrap()),
+                ..Recording::default()
+            }
+        }
+        fn iso(&self) -> &WorkspaceOnly {
+            self.inner.as_ref().unwrap()
+        }
+        fn record(&self, call: &str, slot: u32) {
+            self.calls.lock().unwrap().push(format!("{call} {slot}"));
+        }
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut *self.calls.lock().unwrap())
+        }
+    }
+
+    fn failed(what: &str) -> IsolationError {
+        IsolationError::new("testing", std::path::Path::new(what))(std::io::Error::other(
+            "made to fail",
+        ))
+    }
+
+    impl SlotIsolation for Recording {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+        fn workspace(&self, slot: u32) -> PathBuf {
+            self.iso().workspace(slot)
+        }
+        fn create(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &SlotLimits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.record("create", slot);
+            self.iso().create(slot, node_id, key, limits)
+        }
+        fn warm(&self, slot: u32) -> Result<(), IsolationError> {
+            self.record("warm", slot);
+            if let Some(pause) = self.warm_pause {
+                std::thread::sleep(pause);
+            }
+            if self.fail_warm.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(failed("warm"));
+            }
+            self.iso().warm(slot)
+        }
+        fn prepare_warm(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &SlotLimits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.record("prepare_warm", slot);
+            if self
+                .fail_prepare_warm
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                return Err(failed("prepare_warm"));
+            }
+            self.iso().prepare_warm(slot, node_id, key, limits)
+        }
+        fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
+            self.record("destroy", slot);
+            self.iso().destroy(slot)
+        }
+        fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
+            self.iso().recover()
+        }
+    }
+
+    #[tokio::test]
+    async fn free_slots_are_warmed_at_start_and_after_release() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = Arc::new(Recording::new(work.path()));
+        let a = node("node-a");
+        // A slot prepared before a restart stays prepared and is not warmed.
+        iso.iso().create(1, &a, None, &L).unwrap();
+        let slots = Slots::recover(iso.clone(), 3).await.unwrap();
+        slots.warm_free_slots();
+        slots.warm_ups_done().await;
+        assert_eq!(slots.warm_slots(), vec![0, 2]);
+        assert_eq!(
+            iso.take(),
+            ["destroy 0", "warm 0", "destroy 2", "warm 2"],
+            "cold slots are wiped before warm-up"
+        );
+        // A restarted agent finds its warm slots on disk.
+        let again = Slots::recover(iso.clone(), 3).await.unwrap();
+        assert_eq!(again.warm_slots(), vec![0, 2]);
+
+        // Preparing a warm slot takes only the warm path.
+        let ws = slots
+            .prepare(0, &a, Some("ssh-ed25519 K".into()), L)
+            .await
+            .unwrap();
+        assert_eq!(iso.take(), ["prepare_warm 0"]);
+        std::fs::write(ws.workspace.join("job-output"), "of job 1").unwrap();
+        // Release wipes, then warms again without wiping twice.
+        slots.release(0, &a).await.unwrap();
+        slots.warm_ups_done().await;
+        assert_eq!(iso.take(), ["destroy 0", "warm 0"]);
+        assert_eq!(slots.warm_slots(), vec![0, 2]);
+        assert!(crate::isolation::is_empty_dir(&ws.workspace));
+        let b = node("node-b");
+        slots.prepare(0, &b, None, L).await.unwrap();
+        assert_eq!(
+            std::fs::read_dir(&ws.workspace).unwrap().count(),
+            1,
+            "only the node marker: nothing of the previous job"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_prepare_right_after_a_release_waits_for_the_warm_up() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = Arc::new(Recording {
+            warm_pause: Some(std::time::Duration::from_millis(200)),
+            ..Recording::new(work.path())
+        });
+        let slots = Slots::recover(iso.clone(), 1).await.unwrap();
+        let (a, b) = (node("node-a"), node("node-b"));
+        slots.prepare(0, &a, None, L).await.unwrap();
+        slots.release(0, &a).await.unwrap();
+        slots.prepare(0, &b, None, L).await.unwrap();
+        assert_eq!(
+            iso.take(),
+            ["create 0", "destroy 0", "warm 0", "prepare_warm 0"]
+        );
+    }
+
+    #[tokio::test]
+    async fn cold_slots_take_the_full_path() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = Arc::new(Recording::new(work.path()));
+        let slots = Slots::recover(iso.clone(), 2).await.unwrap();
+        let a = node("node-a");
+        // Warm-up fails: the slot stays cold and the prepare does everything.
+        iso.fail_warm
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        slots.warm_free_slots();
+        slots.warm_ups_done().await;
+        assert!(slots.warm_slots().is_empty());
+        iso.take();
+        slots.prepare(0, &a, None, L).await.unwrap();
+        assert_eq!(iso.take(), ["create 0"]);
+        // The warm path fails: the prepare falls back to the full path.
+        iso.fail_warm
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        slots.warm_free_slots();
+        slots.warm_ups_done().await;
+        assert_eq!(slots.warm_slots(), vec![1]);
+        iso.take();
+        iso.fail_prepare_warm
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        slots.prepare(1, &a, None, L).await.unwrap();
+        assert_eq!(iso.take(), ["prepare_warm 1", "create 1"]);
+        assert_eq!(slots.reports().len(), 2);
     }
 }

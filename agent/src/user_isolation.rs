@@ -7,12 +7,21 @@
 //! ```text
 //! <work-dir>/slots/<slot>/                        workspace = home, owned by the slot user, 0700
 //! <work-dir>/slots/<slot>/.ssh/authorized_keys    root-owned (the user cannot add keys)
-//! <work-dir>/state/<slot>.json                    root-only: node id, user, limits; written last
+//! <work-dir>/state/<slot>.json                    root-only: user, uid, limits and the node id
+//!                                                 (none while warm); written last
 //! ```
 //!
-//! **Prepare** wipes any leftovers (as release does), creates the user (`useradd`,
-//! name from [`crate::users::user_name`]), the workspace, the key and the cgroup, and
-//! writes the state file last.
+//! **Warm-up** ([`SlotIsolation::warm`], on a slot a release just verified clean, or one
+//! wiped first) creates the user (`useradd`, name from [`crate::users::user_name`]), the
+//! empty workspace and the cgroup (no limits), and writes the state file without a node.
+//! Nobody can use a warm slot: the user has no password and no key, so no login is
+//! possible, and no process of it can exist (release killed them all and deleted the
+//! user before it was made again).
+//!
+//! **Prepare** of a warm slot checks the user is still the one warmed (same uid), writes
+//! the key, applies the label's limits to the existing cgroup and writes the state file
+//! with the node last. The full path ([`SlotIsolation::create`], a cold slot) wipes any
+//! leftovers (as release does), warms, then does the same.
 //!
 //! **Placement.** Every process of a slot must end up in the slot's cgroup:
 //! - SSH logins go through `slotpool-agent enter-slot` (sshd `ForceCommand`; see
@@ -27,12 +36,23 @@
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
 //! cgroup, the workspace (with the key), what the uid owns in `/tmp`, `/var/tmp` and
-//! `/dev/shm`, and the user, and **verifies** the slot is clean (no process with the uid,
-//! no cgroup, no workspace, no user) before reporting success.
+//! `/dev/shm`, the user's crontab, at jobs and mail, and the user, and **verifies** the
+//! slot is clean (no process with the uid, no cgroup, no workspace, no crontab, no user)
+//! before reporting success.
+//!
+//! **uid reuse.** The user deleted by a release is made again by the warm-up that
+//! follows, and `useradd` usually hands out the same uid (the next free one). That is
+//! safe because nothing of the old uid is left to inherit: no process (killed and
+//! verified), no workspace, nothing it owned at the top of the shared temporary
+//! directories or the cron/at/mail spools. Files the old job made *inside* other
+//! directories it could write to (say a world-writable directory of another program)
+//! would pass to the new user, as they would to any later user with that uid; slotpool
+//! does not scan the whole file system. SysV IPC objects are not removed either.
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
-    make_private_dir, with_newline, write_file, FoundSlot, IsolationError, SlotIsolation,
+    is_empty_dir, make_private_dir, remove_if_present, with_newline, write_file, FoundSlot,
+    IsolationError, SlotIsolation,
 };
 use crate::users::{self, UserInfo};
 use serde::{Deserialize, Serialize};
@@ -49,20 +69,49 @@ const TRAVERSE_MODE: u32 = 0o711;
 /// Login shell of slot users.
 pub const SLOT_SHELL: &str = "/bin/bash";
 
-/// What the state file of a prepared slot holds.
+/// Shared directories where a slot user may leave top-level entries (files it owns are
+/// removed on release): temporary files, cron and at spools, mail.
+const USER_WRITABLE_DIRS: [&str; 8] = [
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/var/spool/cron",
+    "/var/spool/cron/crontabs",
+    "/var/spool/cron/atjobs",
+    "/var/spool/at",
+    "/var/mail",
+];
+/// Directories holding a file named after each user (crontabs, mailboxes), removed on
+/// release whoever owns them.
+const PER_USER_FILE_DIRS: [&str; 4] = [
+    "/var/spool/cron/crontabs",
+    "/var/spool/cron",
+    "/var/mail",
+    "/var/spool/mail",
+];
+
+/// What the state file of a warm or prepared slot holds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct SlotState {
-    node_id: NodeId,
+    /// The node holding the slot; none while the slot is warm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    node_id: Option<NodeId>,
     user: String,
+    /// The uid the user had when the slot was warmed (absent in older files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    uid: Option<u32>,
     #[serde(default)]
     limits: SlotLimits,
 }
 
-/// A prepared slot's user.
+/// The user of a warm or prepared slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Active {
+struct SlotUser {
     user: String,
     uid: u32,
+    gid: u32,
+    /// Held by a node (logins placed, processes swept), not just warm.
+    prepared: bool,
 }
 
 /// One user and one cgroup per slot.
@@ -73,8 +122,9 @@ pub struct UserIsolation {
     backing_id: String,
     cgroups: Box<dyn CgroupDriver>,
     proc_root: PathBuf,
-    tmp_dirs: Vec<PathBuf>,
-    active: Mutex<BTreeMap<u32, Active>>,
+    user_writable_dirs: Vec<PathBuf>,
+    per_user_file_dirs: Vec<PathBuf>,
+    users: Mutex<BTreeMap<u32, SlotUser>>,
 }
 
 impl UserIsolation {
@@ -103,11 +153,9 @@ impl UserIsolation {
             backing_id,
             cgroups,
             proc_root: PathBuf::from("/proc"),
-            tmp_dirs: ["/tmp", "/var/tmp", "/dev/shm"]
-                .iter()
-                .map(PathBuf::from)
-                .collect(),
-            active: Mutex::new(BTreeMap::new()),
+            user_writable_dirs: USER_WRITABLE_DIRS.iter().map(PathBuf::from).collect(),
+            per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
+            users: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -124,8 +172,26 @@ impl UserIsolation {
         self.state_dir.join(format!("{slot}.json"))
     }
 
-    fn active(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, Active>> {
-        self.active.lock().unwrap_or_else(|e| e.into_inner())
+    fn users(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, SlotUser>> {
+        self.users.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The users of prepared slots, by slot.
+    fn prepared_users(&self) -> Vec<(u32, SlotUser)> {
+        self.users()
+            .iter()
+            .filter(|(_, u)| u.prepared)
+            .map(|(s, u)| (*s, u.clone()))
+            .collect()
+    }
+
+    /// The files named after `user` in the per-user spools that exist.
+    fn per_user_files(&self, user: &str) -> Vec<PathBuf> {
+        self.per_user_file_dirs
+            .iter()
+            .map(|d| d.join(user))
+            .filter(|f| fs::symlink_metadata(f).is_ok_and(|m| !m.is_dir()))
+            .collect()
     }
 
     fn write_state(&self, slot: u32, state: &SlotState) -> Result<(), IsolationError> {
@@ -137,23 +203,41 @@ impl UserIsolation {
         fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
     }
 
-    /// Workspace owned by the user, 0700; the key root-owned in `.ssh`.
-    fn make_workspace(
-        &self,
-        dir: &Path,
-        info: &UserInfo,
-        ssh_public_key: Option<&str>,
-    ) -> Result<(), IsolationError> {
+    /// Empty workspace owned by the user, 0700.
+    fn make_workspace(&self, dir: &Path, info: &UserInfo) -> Result<(), IsolationError> {
         make_private_dir(dir)?;
-        if let Some(key) = ssh_public_key {
-            let ssh_dir = dir.join(".ssh");
-            fs::create_dir(&ssh_dir).map_err(IsolationError::new("creating", &ssh_dir))?;
-            fs::set_permissions(&ssh_dir, fs::Permissions::from_mode(0o755))
-                .map_err(IsolationError::new("setting mode 0755 on", &ssh_dir))?;
-            write_file(&ssh_dir.join("authorized_keys"), &with_newline(key), 0o644)?;
-        }
         std::os::unix::fs::chown(dir, Some(info.uid), Some(info.gid))
             .map_err(IsolationError::new("changing owner of", dir))
+    }
+
+    /// The key as the only line of a root-owned `.ssh/authorized_keys` (replacing any).
+    fn write_key(&self, dir: &Path, key: &str) -> Result<(), IsolationError> {
+        let ssh_dir = dir.join(".ssh");
+        remove_if_present(&ssh_dir)?;
+        fs::create_dir(&ssh_dir).map_err(IsolationError::new("creating", &ssh_dir))?;
+        fs::set_permissions(&ssh_dir, fs::Permissions::from_mode(0o755))
+            .map_err(IsolationError::new("setting mode 0755 on", &ssh_dir))?;
+        write_file(&ssh_dir.join("authorized_keys"), &with_newline(key), 0o644)
+    }
+
+    /// Whether a warm slot found on disk can be trusted: its user is the one warmed, its
+    /// workspace empty and no process has its uid. `Err` says why not.
+    fn check_warm(&self, slot: u32, state: &SlotState, info: &UserInfo) -> Result<(), String> {
+        if state.uid.is_some_and(|uid| uid != info.uid) {
+            return Err(format!("user {} has a new uid {}", state.user, info.uid));
+        }
+        let ws = self.workspace(slot);
+        if !is_empty_dir(&ws) {
+            return Err(format!(
+                "workspace {} is not an empty directory",
+                ws.display()
+            ));
+        }
+        let procs = users::processes_of(&self.proc_root, info.uid);
+        if !procs.is_empty() {
+            return Err(format!("processes {procs:?} of uid {}", info.uid));
+        }
+        Ok(())
     }
 
     /// What is left of a slot after cleaning, or `None` when it is clean.
@@ -174,6 +258,9 @@ impl UserIsolation {
         let ws = self.workspace(slot);
         if fs::symlink_metadata(&ws).is_ok() {
             left.push(format!("workspace {}", ws.display()));
+        }
+        for file in self.per_user_files(&user) {
+            left.push(format!("file {}", file.display()));
         }
         if users::lookup(&user).is_some() {
             left.push(format!("user {user}"));
@@ -199,27 +286,78 @@ impl SlotIsolation for UserIsolation {
         limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError> {
         self.destroy(slot)?;
+        self.warm(slot)?;
+        self.prepare_warm(slot, node_id, ssh_public_key, limits)
+    }
+
+    fn warm(&self, slot: u32) -> Result<(), IsolationError> {
         let user = self.user(slot);
         let dir = self.workspace(slot);
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
         let info = users::add(&user, &dir, SLOT_SHELL, &comment)?;
-        self.make_workspace(&dir, &info, ssh_public_key)?;
-        self.cgroups.create(&user, limits)?;
+        self.make_workspace(&dir, &info)?;
+        self.cgroups.create(&user, &SlotLimits::default())?;
         self.write_state(
             slot,
             &SlotState {
-                node_id: node_id.clone(),
+                node_id: None,
                 user: user.clone(),
+                uid: Some(info.uid),
+                limits: SlotLimits::default(),
+            },
+        )?;
+        self.users().insert(
+            slot,
+            SlotUser {
+                user,
+                uid: info.uid,
+                gid: info.gid,
+                prepared: false,
+            },
+        );
+        Ok(())
+    }
+
+    fn prepare_warm(
+        &self,
+        slot: u32,
+        node_id: &NodeId,
+        ssh_public_key: Option<&str>,
+        limits: &SlotLimits,
+    ) -> Result<PathBuf, IsolationError> {
+        let dir = self.workspace(slot);
+        let not_warm = |why: String| {
+            IsolationError::new("preparing warm slot", &dir)(std::io::Error::other(why))
+        };
+        let Some(warm) = self.users().get(&slot).cloned() else {
+            return Err(not_warm("the slot is not warm".into()));
+        };
+        match users::lookup(&warm.user) {
+            Some(info) if info.uid == warm.uid => {}
+            Some(info) => {
+                return Err(not_warm(format!(
+                    "user {} changed uid to {}",
+                    warm.user, info.uid
+                )))
+            }
+            None => return Err(not_warm(format!("user {} is gone", warm.user))),
+        }
+        if let Some(key) = ssh_public_key {
+            self.write_key(&dir, key)?;
+        }
+        self.cgroups.create(&warm.user, limits)?;
+        self.write_state(
+            slot,
+            &SlotState {
+                node_id: Some(node_id.clone()),
+                user: warm.user.clone(),
+                uid: Some(warm.uid),
                 limits: *limits,
             },
         )?;
-        self.active().insert(
-            slot,
-            Active {
-                user,
-                uid: info.uid,
-            },
-        );
+        if let Some(u) = self.users().get_mut(&slot) {
+            u.prepared = true;
+        }
         Ok(dir)
     }
 
@@ -230,6 +368,8 @@ impl SlotIsolation for UserIsolation {
         if let Some(info) = &info {
             users::kill_uid(&self.proc_root, info.uid, info.gid)?;
         }
+        // From here on no process of the slot exists: nothing can be re-created.
+        self.users().remove(&slot);
         self.cgroups.remove(&user)?;
         let ws = self.workspace(slot);
         match fs::remove_dir_all(&ws) {
@@ -238,9 +378,18 @@ impl SlotIsolation for UserIsolation {
             Err(e) => return Err(IsolationError::new("removing", &ws)(e)),
         }
         if let Some(info) = &info {
-            let dirs: Vec<&Path> = self.tmp_dirs.iter().map(PathBuf::as_path).collect();
+            let dirs: Vec<&Path> = self
+                .user_writable_dirs
+                .iter()
+                .map(PathBuf::as_path)
+                .collect();
             for err in users::remove_owned_in(&dirs, info.uid) {
                 tracing::warn!(slot, %err, "cannot remove a file the slot user left");
+            }
+        }
+        for file in self.per_user_files(&user) {
+            if let Err(e) = fs::remove_file(&file) {
+                tracing::warn!(slot, file = %file.display(), %e, "cannot remove the slot user's spool file");
             }
         }
         users::remove(&user)?;
@@ -255,7 +404,6 @@ impl SlotIsolation for UserIsolation {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(IsolationError::new("removing", &state)(e)),
         }
-        self.active().remove(&slot);
         Ok(())
     }
 
@@ -287,17 +435,25 @@ impl SlotIsolation for UserIsolation {
                 tracing::warn!(
                     slot,
                     user = state.user,
-                    "slot user is gone; treating the slot as free"
+                    "slot user is gone; treating the slot as free and cold"
                 );
                 continue;
             };
+            if state.node_id.is_none() {
+                if let Err(why) = self.check_warm(slot, &state, &info) {
+                    tracing::warn!(slot, reason = why, "warm slot changed; treating it as cold");
+                    continue;
+                }
+            }
             // Re-apply the limits (the group may be gone after a reboot).
             self.cgroups.create(&state.user, &state.limits)?;
-            self.active().insert(
+            self.users().insert(
                 slot,
-                Active {
+                SlotUser {
                     user: state.user,
                     uid: info.uid,
+                    gid: info.gid,
+                    prepared: state.node_id.is_some(),
                 },
             );
             found.push(FoundSlot {
@@ -310,15 +466,18 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn username(&self, slot: u32) -> Option<String> {
-        self.active().get(&slot).map(|a| a.user.clone())
+        self.users()
+            .get(&slot)
+            .filter(|u| u.prepared)
+            .map(|u| u.user.clone())
     }
 
     fn place(&self, uid: u32, pid: i32) -> Result<Option<u32>, IsolationError> {
         let Some((slot, user)) = self
-            .active()
+            .users()
             .iter()
-            .find(|(_, a)| a.uid == uid)
-            .map(|(s, a)| (*s, a.user.clone()))
+            .find(|(_, u)| u.prepared && u.uid == uid)
+            .map(|(s, u)| (*s, u.user.clone()))
         else {
             return Ok(None);
         };
@@ -327,16 +486,26 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn sweep(&self) -> usize {
-        let active: Vec<(u32, Active)> =
-            self.active().iter().map(|(s, a)| (*s, a.clone())).collect();
+        let prepared = self.prepared_users();
+        if prepared.is_empty() {
+            return 0;
+        }
+        let uids: Vec<u32> = prepared.iter().map(|(_, u)| u.uid).collect();
+        // One scan of /proc for every slot; a slot's cgroup is read only when it has
+        // processes.
+        let procs = users::processes_of_any(&self.proc_root, &uids);
         let mut moved = 0;
-        for (slot, a) in active {
-            let inside = self.cgroups.procs(&a.user).unwrap_or_default();
-            for pid in users::processes_of(&self.proc_root, a.uid) {
+        for (slot, u) in prepared {
+            let mut pids = procs.iter().filter(|(uid, _)| *uid == u.uid).peekable();
+            if pids.peek().is_none() {
+                continue;
+            }
+            let inside = self.cgroups.procs(&u.user).unwrap_or_default();
+            for &(_, pid) in pids {
                 if inside.contains(&pid) {
                     continue;
                 }
-                match self.cgroups.add(&a.user, pid) {
+                match self.cgroups.add(&u.user, pid) {
                     Ok(()) => {
                         moved += 1;
                         tracing::debug!(slot, pid, "moved a slot process into its cgroup");
@@ -350,15 +519,15 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn stop_all(&self) -> Result<(), IsolationError> {
-        let active: Vec<Active> = self.active().values().cloned().collect();
+        let all: Vec<SlotUser> = self.users().values().cloned().collect();
         let mut first_error = None;
-        for a in active {
-            let result = self.cgroups.kill_all(&a.user).and_then(|()| {
-                let gid = users::lookup(&a.user).map_or(a.uid, |i| i.gid);
-                users::kill_uid(&self.proc_root, a.uid, gid)
-            });
+        for u in all {
+            let result = self
+                .cgroups
+                .kill_all(&u.user)
+                .and_then(|()| users::kill_uid(&self.proc_root, u.uid, u.gid));
             if let Err(err) = result {
-                tracing::warn!(user = a.user, %err, "cannot stop slot processes");
+                tracing::warn!(user = u.user, %err, "cannot stop slot processes");
                 first_error.get_or_insert(err);
             }
         }

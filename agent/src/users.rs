@@ -222,30 +222,56 @@ pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
 
 /// The uids (real, effective, saved, fs) in `/proc/<pid>/status` text.
 pub fn parse_status_uids(text: &str) -> Vec<u32> {
+    status_uids(text).collect()
+}
+
+/// The uids on the `Uid:` line of status text, without allocating.
+fn status_uids(text: &str) -> impl Iterator<Item = u32> + '_ {
     text.lines()
         .find_map(|l| l.strip_prefix("Uid:"))
-        .map(|rest| {
-            rest.split_whitespace()
-                .filter_map(|u| u.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|rest| rest.split_whitespace().filter_map(|u| u.parse().ok()))
 }
 
 /// The processes of which any uid is `uid`.
 pub fn processes_of(proc_root: &Path, uid: u32) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir(proc_root) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(proc_root.join(pid.to_string()).join("status"))
-                .map(|s| parse_status_uids(&s).contains(&uid))
-                .unwrap_or(false)
-        })
+    processes_of_any(proc_root, &[uid])
+        .into_iter()
+        .map(|(_, pid)| pid)
         .collect()
+}
+
+/// The processes of which any uid is one of `uids`, as `(uid, pid)`, from one scan of
+/// `proc_root` (each status file read once, into one reused buffer).
+pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
+    use std::io::Read;
+    let mut found = Vec::new();
+    if uids.is_empty() {
+        return found;
+    }
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return found;
+    };
+    let mut text = String::with_capacity(2048);
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        text.clear();
+        let read = std::fs::File::open(entry.path().join("status"))
+            .and_then(|mut f| f.read_to_string(&mut text));
+        if read.is_err() {
+            continue;
+        }
+        if let Some(uid) = status_uids(&text).find(|u| uids.contains(u)) {
+            found.push((uid, pid));
+        }
+    }
+    found
 }
 
 /// Kills every process of `uid` and waits until none is left.

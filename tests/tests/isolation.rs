@@ -26,6 +26,18 @@ fn wiped(dir: &Path) -> bool {
     std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
 }
 
+/// Shell commands a job runs to leave files behind in the shared temporary directories.
+const LEAVE_TRACES: &str =
+    "for d in /tmp /var/tmp /dev/shm; do echo left > $d/$(id -un)-left; done";
+
+/// The files [`LEAVE_TRACES`] makes for `user`.
+fn traces(user: &str) -> Vec<PathBuf> {
+    ["/tmp", "/var/tmp", "/dev/shm"]
+        .iter()
+        .map(|d| Path::new(d).join(format!("{user}-left")))
+        .collect()
+}
+
 async fn node(pool: &Pool, id: &slotpool_protocol::NodeId) -> Node {
     pool.nodes()
         .await
@@ -81,13 +93,21 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     let info_b = users::lookup(&user_b).expect("slot user b exists");
 
     // The requester logs in with its key, as the slot's user, in the slot's home.
-    let (ok, out, err) = key.ssh(sshd.port, &user_a, "id -un; pwd; echo mine > file");
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!("id -un; pwd; echo mine > file; {}", LEAVE_TRACES),
+    );
     assert!(ok, "login as {user_a} failed: {err}\n{}", sshd.log());
     assert_eq!(
         out.lines().collect::<Vec<_>>(),
         vec![user_a.as_str(), ws_a.to_str().unwrap()]
     );
-    let (ok, _, err) = key.ssh(sshd.port, &user_b, "echo secret > secret");
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user_b,
+        &format!("echo secret > secret; {}", LEAVE_TRACES),
+    );
     assert!(ok, "login as {user_b} failed: {err}");
 
     // A cannot read B's workspace.
@@ -137,7 +157,8 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     let in_b = cgroups.procs(&user_b).unwrap();
     assert!(in_b.len() <= 20, "{} processes in b's cgroup", in_b.len());
 
-    // Release: everything of both slots is gone.
+    // Release: everything of both slots is gone; then each slot is warmed again (its
+    // user made anew, with an empty workspace and an empty cgroup).
     let released = pool.client.release(request.nodes.clone()).await.unwrap();
     assert_eq!(released.released.len(), 2);
     assert!(!alive(daemon), "the setsid daemon is gone after release");
@@ -147,26 +168,57 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
             "processes of {user} left"
         );
         assert!(wiped(ws), "workspace {} not empty", ws.display());
-        assert!(users::lookup(user).is_none(), "user {user} left");
-        for dir in cgroups.paths(user) {
-            assert!(!dir.exists(), "cgroup {} left", dir.display());
+        for trace in traces(user) {
+            assert!(!trace.exists(), "{} left", trace.display());
         }
+        wait_for("the slot to be warm again", LONG, || async {
+            users::lookup(user).is_some() && ws.is_dir()
+        })
+        .await;
+        assert!(wiped(ws), "warm workspace {} not empty", ws.display());
+        assert!(cgroups.procs(user).unwrap().is_empty());
     }
-    assert!(env.users().is_empty(), "users left: {:?}", env.users());
 
-    // SIGTERM: the agent reports draining and leaves no slot process behind.
+    // The next job on a slot sees a fresh user: an empty home (but for its key), nothing
+    // the previous job left in the shared temporary directories, no process of it.
     let again = pool
         .fulfilled(&pool.submit_with_key(&["iso"], &key.public()).await)
         .await;
     let c = node(&pool, &again.nodes[0]).await;
     let user_c = c.login.username.clone().unwrap();
+    assert!(user_c == user_a || user_c == user_b, "{user_c}");
+    let uid_c = users::lookup(&user_c).unwrap().uid;
+    assert!(users::processes_of(Path::new("/proc"), uid_c).is_empty());
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_c,
+        &format!(
+            concat!(
+                "ls -A; ls -d {} 2>/dev/null; ",
+                "find /tmp /var/tmp /dev/shm -maxdepth 1 -user $(id -u) 2>/dev/null; ",
+                "pgrep -u $(id -u) -x sleep; true"
+            ),
+            traces(&user_c)
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    );
+    assert!(ok, "login as {user_c} failed: {err}");
+    assert_eq!(
+        out.trim(),
+        ".ssh",
+        "the second job sees the first one's traces"
+    );
+
+    // SIGTERM: the agent reports draining and leaves no slot process behind.
     let (ok, _, err) = key.ssh(
         sshd.port,
         &user_c,
         "setsid nohup sleep 1000 >/dev/null 2>&1 < /dev/null & echo started",
     );
     assert!(ok, "{err}");
-    let uid_c = users::lookup(&user_c).unwrap().uid;
     assert!(!users::processes_of(Path::new("/proc"), uid_c).is_empty());
     let pid: i32 = std::fs::read_to_string(pool.agent_dir(c.backing_id.as_str()).join("agent.pid"))
         .unwrap()
@@ -212,18 +264,25 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
         }
     }
     // Releasing one leaves the other alone.
+    let ws_b = Path::new(b.workspace.as_deref().unwrap());
+    std::fs::write(ws_b.join("output"), "b's").unwrap();
+    std::fs::write(
+        Path::new(a.workspace.as_deref().unwrap()).join("output"),
+        "a's",
+    )
+    .unwrap();
     pool.client
         .release(vec![request.nodes[0].clone()])
         .await
         .unwrap();
-    assert!(users::lookup(&ua).is_none());
-    assert!(users::lookup(&ub).is_some());
-    assert!(Path::new(b.workspace.as_deref().unwrap()).is_dir());
+    assert!(wiped(Path::new(a.workspace.as_deref().unwrap())));
+    assert_eq!(users::lookup(&ub).map(|i| i.uid), Some(ib.uid));
+    assert!(ws_b.join("output").is_file());
     pool.client
         .release(vec![request.nodes[1].clone()])
         .await
         .unwrap();
-    assert!(env.users().is_empty(), "users left: {:?}", env.users());
+    assert!(wiped(ws_b));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

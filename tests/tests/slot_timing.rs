@@ -1,11 +1,16 @@
 //! Figures, not assertions: how long a real agent with user isolation takes to prepare and
-//! release a slot (NATS round trip included), and its resident memory when idle with 8
-//! prepared slots. Ignored by default; run as root with
+//! release a slot (NATS round trip included), and its resident memory and CPU use when
+//! idle with 8 prepared slots. Prepare is timed twice: on a warm slot (the agent warmed
+//! it after the previous release, as happens when jobs do not follow each other within
+//! milliseconds), and right after a release, when it waits for the warm-up. Ignored by
+//! default; run as root with
 //!
 //! ```text
 //! cargo build --workspace --bins
 //! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
+//!
+//! or with `--release` on both commands for release-build figures.
 
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
 use slotpool_protocol::layout::subjects;
@@ -17,6 +22,34 @@ use std::time::{Duration, Instant};
 const ROUNDS: usize = 60;
 const SLOTS: u32 = 8;
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the agent is watched idle for its CPU use.
+const IDLE: Duration = Duration::from_secs(30);
+
+/// The agent's CPU time so far (user + system), in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces): utime is the 12th, stime the 13th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// Whether the agent's state file for `slot` says the slot is warm (free, no node).
+fn warm(work: &std::path::Path, slot: u32) -> bool {
+    std::fs::read_to_string(work.join(format!("state/{slot}.json")))
+        .is_ok_and(|s| !s.contains("node_id"))
+}
+
+fn summary(name: &str, times: &mut [Duration]) {
+    times.sort();
+    println!(
+        "{name} over {}: median {:?}, p90 {:?}, max {:?}",
+        times.len(),
+        percentile(times, 0.5),
+        percentile(times, 0.9),
+        times[times.len() - 1]
+    );
+}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
@@ -69,37 +102,37 @@ async fn prepare_release_times_and_idle_memory() {
         memory_bytes: Some(512 << 20),
         pids: Some(256),
     };
-    let (mut prepare, mut release) = (Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
+    let prepare_cmd = |node_id: &NodeId| AgentCommand::PrepareSlot {
+        slot: 0,
+        node_id: node_id.clone(),
+        ssh_public_key: Some("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB bench".into()),
+        limits,
+    };
+    let (mut warm_prepare, mut eager_prepare, mut release) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..2 * ROUNDS {
+        let back_to_back = round >= ROUNDS;
+        if !back_to_back {
+            wait_for("slot 0 to be warm", TIMEOUT, || async {
+                warm(work.path(), 0)
+            })
+            .await;
+        }
         let node_id = NodeId::for_slot(&backing, 0);
         let t = Instant::now();
         let _: SlotPrepared = bus
-            .call(
-                &subject,
-                &AgentCommand::PrepareSlot {
-                    slot: 0,
-                    node_id: node_id.clone(),
-                    ssh_public_key: Some("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB bench".into()),
-                    limits,
-                },
-                TIMEOUT,
-            )
+            .call(&subject, &prepare_cmd(&node_id), TIMEOUT)
             .await
             .unwrap();
-        prepare.push(t.elapsed());
+        if back_to_back {
+            eager_prepare.push(t.elapsed());
+        } else {
+            warm_prepare.push(t.elapsed());
+        }
         let t = Instant::now();
-        let _: serde_json::Value = bus
-            .call(
-                &subject,
-                &AgentCommand::ReleaseSlot { slot: 0, node_id },
-                TIMEOUT,
-            )
-            .await
-            .unwrap();
+        let release_cmd = AgentCommand::ReleaseSlot { slot: 0, node_id };
+        let _: serde_json::Value = bus.call(&subject, &release_cmd, TIMEOUT).await.unwrap();
         release.push(t.elapsed());
     }
-    prepare.sort();
-    release.sort();
     let idle_empty = rss_kb(agent.id());
     let mut held = Vec::new();
     for slot in 0..SLOTS {
@@ -119,8 +152,14 @@ async fn prepare_release_times_and_idle_memory() {
             .unwrap();
         held.push(node_id);
     }
-    // Idle: a few heartbeats and placement sweeps with 8 slots prepared.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Idle: heartbeats and placement sweeps with 8 slots prepared.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (ticks, t) = (cpu_ticks(agent.id()), Instant::now());
+    tokio::time::sleep(IDLE).await;
+    let idle_ticks = cpu_ticks(agent.id()) - ticks;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let idle_cpu = idle_ticks as f64 / hz / t.elapsed().as_secs_f64() * 100.0;
     let idle_eight = rss_kb(agent.id());
     for (slot, node_id) in held.into_iter().enumerate() {
         let _: serde_json::Value = bus
@@ -136,17 +175,15 @@ async fn prepare_release_times_and_idle_memory() {
             .unwrap();
     }
     agent.terminate(Duration::from_secs(10)).await;
-    println!(
-        "prepare_slot over {ROUNDS}: median {:?}, p90 {:?}, max {:?}",
-        percentile(&prepare, 0.5),
-        percentile(&prepare, 0.9),
-        prepare[prepare.len() - 1]
+    summary("prepare_slot of a warm slot", &mut warm_prepare);
+    summary(
+        "prepare_slot right after release (waits for the warm-up)",
+        &mut eager_prepare,
     );
-    println!(
-        "release_slot over {ROUNDS}: median {:?}, p90 {:?}, max {:?}",
-        percentile(&release, 0.5),
-        percentile(&release, 0.9),
-        release[release.len() - 1]
-    );
+    summary("release_slot", &mut release);
     println!("agent VmRSS idle: {idle_empty} KiB with no slot, {idle_eight} KiB with {SLOTS} slots prepared");
+    println!(
+        "agent CPU idle with {SLOTS} slots prepared: {idle_cpu:.3} % ({idle_ticks} ticks in {:?})",
+        t.elapsed()
+    );
 }
