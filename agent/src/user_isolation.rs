@@ -249,6 +249,10 @@ impl UserIsolation {
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
             }
+            let ipc = users::ipc_objects_of(&self.proc_root, uid);
+            if !ipc.is_empty() {
+                left.push(format!("System V IPC objects {ipc:?} of uid {uid}"));
+            }
         }
         for path in self.cgroups.paths(&user) {
             if path.exists() {
@@ -385,6 +389,9 @@ impl SlotIsolation for UserIsolation {
                 .collect();
             for err in users::remove_owned_in(&dirs, info.uid) {
                 tracing::warn!(slot, %err, "cannot remove a file the slot user left");
+            }
+            for err in users::remove_ipc_of(&self.proc_root, info.uid) {
+                tracing::warn!(slot, %err, "cannot remove an IPC object the slot user left");
             }
         }
         for file in self.per_user_files(&user) {

@@ -353,9 +353,115 @@ pub fn remove_owned_in(dirs: &[&Path], uid: u32) -> Vec<IsolationError> {
     errors
 }
 
+/// A System V IPC object: shared memory, semaphore set or message queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpcKind {
+    Shm,
+    Sem,
+    Msg,
+}
+
+impl IpcKind {
+    pub const ALL: [IpcKind; 3] = [IpcKind::Shm, IpcKind::Sem, IpcKind::Msg];
+
+    fn table(self) -> &'static str {
+        match self {
+            IpcKind::Shm => "shm",
+            IpcKind::Sem => "sem",
+            IpcKind::Msg => "msg",
+        }
+    }
+}
+
+/// The ids of the objects of `kind` owned or created by `uid`, from the text of
+/// `/proc/sysvipc/<kind>` (a header line naming the columns, then one line per object;
+/// the id is the second column).
+pub fn ipc_ids_of(table: &str, uid: u32) -> Vec<i32> {
+    let mut lines = table.lines();
+    let Some(header) = lines.next() else {
+        return Vec::new();
+    };
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    let at = |name: &str| columns.iter().position(|c| *c == name);
+    let (Some(uid_at), Some(cuid_at)) = (at("uid"), at("cuid")) else {
+        return Vec::new();
+    };
+    lines
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let owned = [uid_at, cuid_at]
+                .iter()
+                .any(|&i| fields.get(i).and_then(|f| f.parse::<u32>().ok()) == Some(uid));
+            if owned {
+                fields.get(1)?.parse().ok()
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// The System V IPC objects `uid` still owns, as `(kind, id)`.
+pub fn ipc_objects_of(proc_root: &Path, uid: u32) -> Vec<(IpcKind, i32)> {
+    IpcKind::ALL
+        .iter()
+        .flat_map(|&kind| {
+            let table = std::fs::read_to_string(proc_root.join("sysvipc").join(kind.table()))
+                .unwrap_or_default();
+            ipc_ids_of(&table, uid)
+                .into_iter()
+                .map(move |id| (kind, id))
+        })
+        .collect()
+}
+
+/// Removes the System V IPC objects (shared memory, semaphores, message queues) `uid`
+/// owns or created: they outlive every process and would be handed to the next job,
+/// whose user may get the same uid. Errors name the object.
+pub fn remove_ipc_of(proc_root: &Path, uid: u32) -> Vec<String> {
+    let mut errors = Vec::new();
+    for (kind, id) in ipc_objects_of(proc_root, uid) {
+        // SAFETY: plain syscalls on an id just read from the kernel's table; a stale id
+        // fails with EINVAL/EIDRM, which is reported.
+        let rc = unsafe {
+            match kind {
+                IpcKind::Shm => libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                IpcKind::Sem => libc::semctl(id, 0, libc::IPC_RMID),
+                IpcKind::Msg => libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+            }
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EINVAL) && err.raw_os_error() != Some(libc::EIDRM) {
+                errors.push(format!("removing {} {id}: {err}", kind.table()));
+            }
+        }
+    }
+    errors
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipc_tables_are_read_by_their_header() {
+        let shm = "       key      shmid perms                  size  cpid  lpid nattch   uid   gid  cuid  cgid      atime      dtime      ctime                   rss                  swap\n\
+                            0         12   600                  1024   100   100      0  1042  1042  1042  1042          0          0 1763770000                     0                     0\n\
+                            0         13   600                  1024   100   100      0     0     0  1042     0          0          0 1763770000                     0                     0\n\
+                            0         14   600                  1024   100   100      0     0     0     0     0          0          0 1763770000                     0                     0\n";
+        assert_eq!(
+            ipc_ids_of(shm, 1042),
+            vec![12, 13],
+            "owned or created by the uid"
+        );
+        let sem = "       key      semid perms      nsems   uid   gid  cuid  cgid      otime      ctime\n\
+                            1          7   600          1  1042  1042  1042  1042          0 1763770000\n";
+        assert_eq!(ipc_ids_of(sem, 1042), vec![7]);
+        assert!(ipc_ids_of(sem, 1043).is_empty());
+        assert!(ipc_ids_of("", 1042).is_empty());
+        assert!(ipc_ids_of("garbage without columns\n1 2 3\n", 1042).is_empty());
+    }
 
     #[test]
     fn names_are_namespaced_per_backing_node() {

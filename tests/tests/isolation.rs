@@ -26,9 +26,11 @@ fn wiped(dir: &Path) -> bool {
     std::fs::read_dir(dir).map_or(true, |mut d| d.next().is_none())
 }
 
-/// Shell commands a job runs to leave files behind in the shared temporary directories.
+/// Shell commands a job runs to leave files behind in the shared temporary directories,
+/// and System V IPC objects (shared memory, a semaphore set, a message queue).
 const LEAVE_TRACES: &str =
-    "for d in /tmp /var/tmp /dev/shm; do echo left > $d/$(id -un)-left; done";
+    "for d in /tmp /var/tmp /dev/shm; do echo left > $d/$(id -un)-left; done; \
+     ipcmk -M 4096 >/dev/null && ipcmk -S 1 >/dev/null && ipcmk -Q >/dev/null";
 
 /// The files [`LEAVE_TRACES`] makes for `user`.
 fn traces(user: &str) -> Vec<PathBuf> {
@@ -109,6 +111,11 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         &format!("echo secret > secret; {}", LEAVE_TRACES),
     );
     assert!(ok, "login as {user_b} failed: {err}");
+    assert_eq!(
+        users::ipc_objects_of(Path::new("/proc"), info_b.uid).len(),
+        3,
+        "the job made its IPC objects"
+    );
 
     // A cannot read B's workspace.
     let (ok, out, err) = key.ssh(
@@ -171,6 +178,8 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         for trace in traces(user) {
             assert!(!trace.exists(), "{} left", trace.display());
         }
+        let ipc = users::ipc_objects_of(Path::new("/proc"), info.uid);
+        assert!(ipc.is_empty(), "IPC objects of {user} left: {ipc:?}");
         wait_for("the slot to be warm again", LONG, || async {
             users::lookup(user).is_some() && ws.is_dir()
         })

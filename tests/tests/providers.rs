@@ -78,6 +78,9 @@ fn static_agent(nats: &NatsServer, dir: &Path, name: &str, secret: &str) -> Chil
             "--heartbeat-ttl-secs",
             "2",
         ])
+        // Per-slot users and cgroups are the isolation tests' business; here they would
+        // outlive the SIGKILLed agents.
+        .args(["--isolation", "none"])
         .arg("--secret-file")
         .arg(&secret_file)
         .arg("--work-dir")
