@@ -92,14 +92,18 @@ pub trait SlotIsolation: Send + Sync + 'static {
     fn workspace(&self, slot: u32) -> PathBuf;
 
     /// Makes the slot fresh for `node_id`, wiping anything a previous node left, and
-    /// returns its workspace.
+    /// returns its workspace: the full (cold) path, wipe then warm then prepare.
     fn create(
         &self,
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
         limits: &SlotLimits,
-    ) -> Result<PathBuf, IsolationError>;
+    ) -> Result<PathBuf, IsolationError> {
+        self.destroy(slot)?;
+        self.warm(slot)?;
+        self.prepare_warm(slot, node_id, ssh_public_key, limits)
+    }
 
     /// Readies a free slot that was just verified clean (by [`SlotIsolation::destroy`])
     /// for a later [`SlotIsolation::prepare_warm`]: everything a prepare needs that does
@@ -170,18 +174,6 @@ impl SlotIsolation for WorkspaceOnly {
 
     fn workspace(&self, slot: u32) -> PathBuf {
         self.slots_dir.join(slot.to_string())
-    }
-
-    fn create(
-        &self,
-        slot: u32,
-        node_id: &NodeId,
-        ssh_public_key: Option<&str>,
-        limits: &SlotLimits,
-    ) -> Result<PathBuf, IsolationError> {
-        self.destroy(slot)?;
-        self.warm(slot)?;
-        self.prepare_warm(slot, node_id, ssh_public_key, limits)
     }
 
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {

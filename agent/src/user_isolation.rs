@@ -282,18 +282,6 @@ impl SlotIsolation for UserIsolation {
         self.slots_dir.join(slot.to_string())
     }
 
-    fn create(
-        &self,
-        slot: u32,
-        node_id: &NodeId,
-        ssh_public_key: Option<&str>,
-        limits: &SlotLimits,
-    ) -> Result<PathBuf, IsolationError> {
-        self.destroy(slot)?;
-        self.warm(slot)?;
-        self.prepare_warm(slot, node_id, ssh_public_key, limits)
-    }
-
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {
         let user = self.user(slot);
         let dir = self.workspace(slot);
