@@ -132,6 +132,19 @@ pub fn event(n: u32, at: u64, kind: EventKind, b: &BackingId, message: &str) -> 
     }
 }
 
+/// Changes putting `count` ready backing nodes of `slots` slots each (seats 0..count).
+pub fn ready_backing(count: u32, slots: u32) -> Vec<Change> {
+    (0..count)
+        .map(|i| {
+            put(Record::Backing(Box::new(backing(
+                i,
+                BackingState::Ready,
+                slots,
+            ))))
+        })
+        .collect()
+}
+
 pub fn put(record: Record) -> Change {
     let key = match &record {
         Record::Backing(b) => slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat),

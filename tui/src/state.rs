@@ -1685,15 +1685,7 @@ mod tests {
 
     #[test]
     fn paging_scrolls_and_keeps_the_selection_visible() {
-        let changes: Vec<Change> = (0..100)
-            .map(|i| {
-                put(Record::Backing(Box::new(backing(
-                    i,
-                    BackingState::Ready,
-                    2,
-                ))))
-            })
-            .collect();
+        let changes = ready_backing(100, 2);
         let mut state = loaded(rules(), changes, 80, 24);
         let page = state.page_rows();
         assert_eq!(page, 17);

@@ -915,7 +915,7 @@ mod tests {
     use ratatui::backend::TestBackend;
     use ratatui::style::Color;
     use ratatui::Terminal;
-    use slotpool_protocol::model::{BackingState, OperatorAction, OperatorOrder};
+    use slotpool_protocol::model::{OperatorAction, OperatorOrder};
 
     fn render(state: &State, theme: &Theme) -> Terminal<TestBackend> {
         let mut t = Terminal::new(TestBackend::new(state.size.0, state.size.1)).unwrap();
@@ -1096,15 +1096,7 @@ mod tests {
 
     #[test]
     fn ten_thousand_nodes_render_only_the_visible_rows() {
-        let changes: Vec<Change> = (0..10_000)
-            .map(|i| {
-                put(Record::Backing(Box::new(backing(
-                    i,
-                    BackingState::Ready,
-                    4,
-                ))))
-            })
-            .collect();
+        let changes = ready_backing(10_000, 4);
         let mut state = loaded(rules(), changes, 80, 24);
         apply_all(&mut state, [key('G')]);
         let started = std::time::Instant::now();
