@@ -12,9 +12,8 @@ use slotpool_protocol::api::{
     ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
 };
 use slotpool_protocol::connect::Incoming;
-use slotpool_protocol::layout;
 use slotpool_protocol::model::{
-    BackingNode, BackingState, IdleBehaviour, Node, OperatorAction, OperatorOrder,
+    BackingNode, BackingState, IdleBehaviour, OperatorAction, OperatorOrder,
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -187,23 +186,16 @@ pub async fn release_node(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, 
     let o: ReleaseNodeOrder = decode(msg, "release-node order", |o: &ReleaseNodeOrder| o.v)?;
     check_who_and_why(&o.actor, o.reason.as_ref())?;
     let mut out = Released::default();
-    let Some((backing, slot)) = o.node_id.slot() else {
-        out.not_found.push(o.node_id);
-        return Ok(out);
-    };
-    let key = layout::slot_key(&backing, slot);
-    let holder = sh.bus.slots.get::<Node>(&key).await.map_err(internal)?;
-    if holder.is_none_or(|n| n.value.id != o.node_id) {
-        out.not_found.push(o.node_id);
-        return Ok(out);
-    }
     let order = OperatorOrder {
         action: OperatorAction::ReleaseNode,
         actor: o.actor.clone(),
         reason: o.reason.clone(),
         at: now_ms(),
     };
-    if nodes::release(sh, &key).await.map_err(internal)? {
+    if nodes::release_node(sh, &o.node_id)
+        .await
+        .map_err(internal)?
+    {
         tracing::info!(node_id = %o.node_id, order = %describe(&order), "node released by an operator");
         events::operator(
             sh,

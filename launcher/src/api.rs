@@ -8,6 +8,7 @@ use crate::lease;
 use crate::nodes;
 use crate::request;
 use crate::shared::Shared;
+use crate::world::{QueuePosition, SlotRef};
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 use slotpool_protocol::api::{
@@ -16,7 +17,7 @@ use slotpool_protocol::api::{
 };
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
-use slotpool_protocol::model::{NodeRequest, OperatorAction, RequestState};
+use slotpool_protocol::model::{Node, NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{RequestId, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
@@ -197,17 +198,36 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         updated_at: now,
     };
     let key = req.id.to_string();
-    // The request's lease is taken in the same round trip as the request is created
-    // (both writes in flight at once), so the worker starts with it in hand instead of
-    // spending a round trip on it before it can claim a slot.
+    // The request's lease is taken, and free slots are claimed, in the same round trip as
+    // the request is created (all writes in flight at once): the worker starts with the
+    // lease in hand and its slots claimed, ready to have them prepared. A slot claimed
+    // for a request whose creation fails is given back; one left behind by a launcher
+    // that died in between is swept ([`nodes::sweep_left_behind`]).
     let lease_key = layout::request_lease_key(&req.id);
     let mine = sh.start_work(&lease_key);
-    let (created, lease) = tokio::join!(sh.bus.requests.create(&key, &req, None), async {
-        match mine {
-            true => lease::acquire(sh, &lease_key).await.ok().flatten(),
-            false => None,
+    let reserved = reserve_slots(sh, &req);
+    let claims = futures::future::join_all(
+        reserved
+            .iter()
+            .map(|(index, slot)| nodes::claim(sh, slot, &req, *index)),
+    );
+    let (created, lease, claimed) = tokio::join!(
+        sh.bus.requests.create(&key, &req, None),
+        async {
+            match mine {
+                true => lease::acquire(sh, &lease_key).await.ok().flatten(),
+                false => None,
+            }
+        },
+        claims
+    );
+    let claimed: Vec<Versioned<Node>> = {
+        let mut world = sh.world();
+        for (_, slot) in &reserved {
+            world.unreserve(slot);
         }
-    });
+        claimed.into_iter().filter_map(Result::ok).collect()
+    };
     let lease = match (&created, lease) {
         (Ok(_), Some(lease)) => Some(lease),
         (_, unused) => {
@@ -220,15 +240,28 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
             None
         }
     };
+    if created.is_err() {
+        for node in &claimed {
+            if let Err(err) = nodes::release(sh, &node.key).await {
+                tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
+            }
+        }
+    }
     match created {
         Ok(revision) => {
             tracing::info!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
             let id = req.id.clone();
-            sh.world().put_request(Versioned {
-                key,
-                revision,
-                value: req,
-            });
+            {
+                let mut world = sh.world();
+                world.put_request(Versioned {
+                    key,
+                    revision,
+                    value: req,
+                });
+                for node in claimed {
+                    world.put_slot(node);
+                }
+            }
             match lease {
                 Some(lease) => request::spawn_leased(sh, id.clone(), lease),
                 // Taken by someone else or not reachable: the usual path sorts it out.
@@ -252,6 +285,18 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
     }
 }
 
+/// Reserves a free slot for every label of a new request that can have one now (in the
+/// queue's order: none when a request ahead waits for the label).
+fn reserve_slots(sh: &Shared, req: &NodeRequest) -> Vec<(u32, SlotRef)> {
+    let pos: QueuePosition = (req.priority, req.created_at, req.id.clone());
+    let mut world = sh.world();
+    req.labels
+        .iter()
+        .enumerate()
+        .filter_map(|(index, label)| Some((index as u32, world.reserve_slot(&pos, label)?)))
+        .collect()
+}
+
 async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
     let r: ReleaseNodes = decode(msg, "release request", |r: &ReleaseNodes| r.v)?;
     if r.nodes.len() > MAX_LABELS_PER_REQUEST {
@@ -264,28 +309,11 @@ async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError>
         ));
     }
     let mut out = Released::default();
-    let results = futures::future::join_all(r.nodes.iter().map(|id| async move {
-        let Some((backing, slot)) = id.slot() else {
-            return (id, Ok(false));
-        };
-        let key = layout::slot_key(&backing, slot);
-        // Only the node that holds the slot now may be released under this id.
-        match sh
-            .bus
-            .slots
-            .get::<slotpool_protocol::model::Node>(&key)
-            .await
-        {
-            Ok(Some(n)) if &n.value.id == id => (
-                id,
-                nodes::release_read(sh, &key, Some(n))
-                    .await
-                    .map_err(internal),
-            ),
-            Ok(_) => (id, Ok(false)),
-            Err(err) => (id, Err(internal(err))),
-        }
-    }))
+    let results = futures::future::join_all(
+        r.nodes
+            .iter()
+            .map(|id| async move { (id, nodes::release_node(sh, id).await.map_err(internal)) }),
+    )
     .await;
     for (id, result) in results {
         match result? {

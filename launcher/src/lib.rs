@@ -124,7 +124,10 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
             .map(|at| tokio::time::Instant::now() + slotpool_protocol::time::until(at));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            _ = resync.tick() => batch.extend(everything(shared)),
+            _ = resync.tick() => {
+                batch.extend(everything(shared));
+                nodes::sweep_left_behind(shared);
+            }
             d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
             _ = sleep_until(next_timer) => {
                 batch.extend(timers.take_due(slotpool_protocol::time::now_ms()).into_iter().map(Dirty::Seat));

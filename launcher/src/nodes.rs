@@ -11,13 +11,14 @@ use crate::world::SlotRef;
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::api::{AgentCommand, SlotPrepared};
 use slotpool_protocol::connect::BusError;
-use slotpool_protocol::layout::subjects;
+use slotpool_protocol::layout::{self, subjects};
 use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, NodeState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// How long an agent may take to prepare or release a slot.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,8 +51,10 @@ pub async fn claim(
     request: &NodeRequest,
     index: u32,
 ) -> Result<Versioned<Node>, SlotError> {
-    let (host, attributes) = {
+    let key = slot.key();
+    let (host, attributes, tombstone) = {
         let world = shared.world();
+        let tombstone = world.tombstones.get(&key).copied();
         let b = world
             .backing
             .get(&slot.seat_key)
@@ -69,7 +72,7 @@ pub async fn claim(
             .as_ref()
             .map(|i| i.host.clone())
             .unwrap_or_default();
-        (host, attributes)
+        (host, attributes, tombstone)
     };
     let node = Node {
         v: PROTOCOL_VERSION,
@@ -85,11 +88,15 @@ pub async fn claim(
         workspace: None,
         attributes,
         allocated_at: now_ms(),
+        released_at: None,
         failure: None,
         login: Default::default(),
     };
-    let key = slot.key();
-    let revision = shared.bus.slots.create(&key, &node, None).await?;
+    let revision = shared
+        .bus
+        .slots
+        .create_over(&key, &node, None, tombstone)
+        .await?;
     Ok(Versioned {
         key,
         revision,
@@ -259,69 +266,180 @@ async fn fail_backing(shared: &Shared, seat_key: &str, reason: &str) {
     }
 }
 
-/// Returns a slot to its backing node: marks the node releasing, has the agent clean the
-/// slot (skipped when the agent is gone: there is nothing left to clean), and deletes the
-/// slot key. Idempotent; tolerates a slot that was never prepared. Returns false when
-/// the slot was already free.
+/// Returns a slot to its backing node and waits until it is done: marks the node
+/// releasing, then [`finish_release`]. Idempotent; tolerates a slot that was never
+/// prepared. Returns false when the slot was already free.
 pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError> {
-    release_read(shared, key, None).await
+    match begin_release(shared, key, None, None).await? {
+        Some(node) => finish_release(shared, node).await.map(|()| true),
+        None => Ok(false),
+    }
 }
 
-/// [`release`], starting from a record just read (saves reading it again); a stale one
-/// only costs a conflict and a re-read.
-pub async fn release_read(
-    shared: &Arc<Shared>,
+/// Marks the node in slot `key` releasing (revision-checked), starting from `read` when
+/// the caller has a recent record (a stale one costs a conflict and a re-read). With
+/// `expect`, only that node is released: `None` when the slot is free or holds another
+/// node. Once this returns the record, the release is durable: whoever finishes it.
+pub async fn begin_release(
+    shared: &Shared,
     key: &str,
+    expect: Option<&NodeId>,
     mut read: Option<Versioned<Node>>,
-) -> Result<bool, SlotError> {
+) -> Result<Option<Versioned<Node>>, SlotError> {
     loop {
         let current = match read.take() {
             Some(current) => current,
             None => match shared.bus.slots.get::<Node>(key).await? {
                 Some(current) => current,
-                None => return Ok(false),
+                None => return Ok(None),
             },
         };
-        let mut node = current.value.clone();
-        let revision = if node.state == NodeState::Releasing {
-            current.revision
-        } else {
-            node.state = NodeState::Releasing;
-            match shared
-                .bus
-                .slots
-                .update(key, &node, current.revision, None)
-                .await
-            {
-                Ok(rev) => rev,
-                Err(KvError::Conflict { .. }) => continue,
-                Err(err) => return Err(err.into()),
-            }
-        };
-        let agent_alive = shared.world().agents.contains_key(&node.backing_id);
-        if agent_alive {
-            let cmd = AgentCommand::ReleaseSlot {
-                slot: node.slot,
-                node_id: node.id.clone(),
-            };
-            shared
-                .bus
-                .call::<_, serde_json::Value>(
-                    &subjects::agent(&node.backing_id),
-                    &cmd,
-                    AGENT_TIMEOUT,
-                )
-                .await
-                .map_err(|source| SlotError::Agent {
-                    backing_id: node.backing_id.clone(),
-                    source,
-                })?;
+        if expect.is_some_and(|id| *id != current.value.id) {
+            return Ok(None);
         }
-        match shared.bus.slots.delete(key, revision).await {
-            Ok(()) => return Ok(true),
+        if current.value.state == NodeState::Releasing {
+            return Ok(Some(current));
+        }
+        let mut node = current.value.clone();
+        node.state = NodeState::Releasing;
+        node.released_at = Some(now_ms());
+        match shared
+            .bus
+            .slots
+            .update(key, &node, current.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                return Ok(Some(Versioned {
+                    key: key.to_string(),
+                    revision,
+                    value: node,
+                }))
+            }
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
         }
+    }
+}
+
+/// Finishes the release of a node marked releasing: has the agent clean the slot
+/// (skipped when the agent is gone: there is nothing left to clean) and deletes the slot
+/// key. Safe to run twice: the agent wipes only the node named, and the key is deleted
+/// only while it still holds that node.
+pub async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<(), SlotError> {
+    let agent_alive = shared.world().agents.contains_key(&node.value.backing_id);
+    if agent_alive {
+        let cmd = AgentCommand::ReleaseSlot {
+            slot: node.value.slot,
+            node_id: node.value.id.clone(),
+        };
+        shared
+            .bus
+            .call::<_, serde_json::Value>(
+                &subjects::agent(&node.value.backing_id),
+                &cmd,
+                AGENT_TIMEOUT,
+            )
+            .await
+            .map_err(|source| SlotError::Agent {
+                backing_id: node.value.backing_id.clone(),
+                source,
+            })?;
+    }
+    loop {
+        match shared.bus.slots.delete(&node.key, node.revision).await {
+            Ok(_) => return Ok(()),
+            Err(KvError::Conflict { .. }) => match shared.bus.slots.get::<Node>(&node.key).await? {
+                // Marked again by a second releaser: still ours to delete.
+                Some(again) if again.value.id == node.value.id => node = again,
+                _ => return Ok(()),
+            },
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Releases node `id` if its slot still holds it: marks it releasing, and finishes the
+/// release in the background. False when the id names no slot, or its slot is free or
+/// holds another node.
+pub async fn release_node(shared: &Arc<Shared>, id: &NodeId) -> Result<bool, SlotError> {
+    let Some((backing, slot)) = id.slot() else {
+        return Ok(false);
+    };
+    let key = layout::slot_key(&backing, slot);
+    let mirrored = shared
+        .world()
+        .slots
+        .get(&key)
+        .filter(|n| &n.value.id == id)
+        .cloned();
+    match begin_release(shared, &key, Some(id), mirrored).await? {
+        Some(node) => {
+            spawn_finish_release(shared, node);
+            Ok(true)
+        }
+        None => Ok(false),
+    }
+}
+
+/// Finishes a release in the background (the API replies once the node is marked).
+pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
+    let work = format!("release.{}", node.value.id);
+    if !shared.start_work(&work) {
+        return;
+    }
+    let sh = shared.clone();
+    let span = tracing::info_span!("release", node_id = %node.value.id);
+    shared.tracker.spawn(
+        async move {
+            if let Err(err) = finish_release(&sh, node).await {
+                tracing::warn!(%err, "cannot finish the release; it is retried later");
+            }
+            sh.end_work(&work);
+        }
+        .instrument(span),
+    );
+}
+
+/// How long a node may stay releasing before any launcher finishes its release (the
+/// one that began it died, or its agent did not answer), and how long a node may be
+/// preparing for a request that does not exist (its launcher died between claiming the
+/// slot and creating the request: see [`crate::api`]) before it is released.
+pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
+
+/// Finishes releases left behind, and releases slots claimed for requests that were
+/// never created: both older than [`STALE_RELEASE`].
+pub fn sweep_left_behind(shared: &Arc<Shared>) {
+    let cutoff = now_ms().saturating_sub(STALE_RELEASE.as_millis() as u64);
+    let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
+        let world = shared.world();
+        world
+            .slots
+            .values()
+            .filter(|n| match n.value.state {
+                NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
+                NodeState::Preparing => {
+                    n.value.allocated_at <= cutoff
+                        && !world.requests.contains_key(&n.value.request_id)
+                }
+                _ => false,
+            })
+            .cloned()
+            .partition(|n| n.value.state == NodeState::Releasing)
+    };
+    for node in stale {
+        tracing::info!(node_id = %node.value.id, "finishing a release left behind");
+        spawn_finish_release(shared, node);
+    }
+    for node in orphans {
+        tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that does not exist");
+        let sh = shared.clone();
+        shared.tracker.spawn(async move {
+            let id = node.value.id.clone();
+            if let Err(err) = release_node(&sh, &id).await {
+                tracing::warn!(node_id = %id, %err, "cannot release an orphaned slot");
+            }
+        });
     }
 }
 

@@ -211,36 +211,68 @@ impl Worker {
         for node in self.sh.world().nodes_of(&r.id).into_iter().cloned() {
             have.insert(node.value.index, node);
         }
-        let mut missing = Vec::new();
+        let mut to_prepare = Vec::new();
+        let mut unassigned = Vec::new();
         for (index, label) in r.labels.iter().enumerate() {
             let index = index as u32;
-            match have.get(&index) {
-                Some(n) if n.value.state == NodeState::Ready => continue,
-                Some(n) if n.value.state == NodeState::Preparing => {
-                    if !self.prepare(n.clone(), r).await? {
-                        return Ok(Pass::Pause);
-                    }
-                }
+            match have.remove(&index) {
+                Some(n) if n.value.state == NodeState::Ready => {}
+                Some(n) if n.value.state == NodeState::Preparing => to_prepare.push(n),
                 Some(n) => {
                     // Its backing node failed before the request was fulfilled: start over.
                     nodes::release(&self.sh, &n.key).await?;
                     return Ok(Pass::Again);
                 }
-                None => {
-                    let slot = self.sh.world().reserve_slot(&pos, label);
-                    let Some(slot) = slot else {
-                        missing.push(label.clone());
-                        continue;
-                    };
-                    let claimed = nodes::claim(&self.sh, &slot, r, index).await;
-                    self.sh.world().unreserve(&slot);
-                    let node = claimed?;
-                    self.sh.world().put_slot(node.clone());
-                    if !self.prepare(node, r).await? {
-                        return Ok(Pass::Pause);
-                    }
+                None => unassigned.push((index, label)),
+            }
+        }
+        // Reserve what is free in one look, and leave the queue for those labels at once:
+        // the requests behind this one need not wait for its claims and prepares.
+        let (reserved, missing) = {
+            let mut world = self.sh.world();
+            let mut reserved = Vec::new();
+            let mut missing = Vec::new();
+            for (index, label) in unassigned {
+                match world.reserve_slot(&pos, label) {
+                    Some(slot) => reserved.push((index, slot)),
+                    None => missing.push(label.clone()),
                 }
             }
+            (reserved, missing)
+        };
+        self.set_waiting(&pos, missing.clone());
+        let claims = futures::future::join_all(
+            reserved
+                .iter()
+                .map(|(index, slot)| nodes::claim(&self.sh, slot, r, *index)),
+        )
+        .await;
+        let mut lost_race = false;
+        {
+            let mut world = self.sh.world();
+            for (_, slot) in &reserved {
+                world.unreserve(slot);
+            }
+            for claim in claims {
+                match claim {
+                    Ok(node) => {
+                        world.put_slot(node.clone());
+                        to_prepare.push(node);
+                    }
+                    Err(SlotError::Kv(KvError::Conflict { .. })) => lost_race = true,
+                    Err(err) => return Err(err),
+                }
+            }
+        }
+        let prepared =
+            futures::future::join_all(to_prepare.into_iter().map(|n| self.prepare(n, r))).await;
+        for ok in prepared {
+            if !ok? {
+                return Ok(Pass::Pause);
+            }
+        }
+        if lost_race {
+            return Ok(Pass::Again);
         }
         if !missing.is_empty() {
             if let Some(why) = self.launch_failure(r, &missing) {

@@ -57,6 +57,9 @@ pub struct World {
     pub last_release: HashMap<BackingId, UnixMillis>,
     /// Slot keys this launcher's workers are claiming right now.
     pub reserved: HashSet<String>,
+    /// Slot key → revision of its tombstone, for free slots whose deletion was seen: a
+    /// claim writes over it in one round trip ([`slotpool_protocol::store::Store::create_over`]).
+    pub tombstones: HashMap<String, u64>,
     /// Requests of this launcher waiting for a slot, by queue position → labels still needed.
     pub waiting: BTreeMap<QueuePosition, Vec<String>>,
     /// Requests not yet fulfilled, failed or canceled: finished ones stay in `requests`
@@ -126,18 +129,26 @@ impl World {
             .or_default()
             .insert(n.value.slot);
         self.reserved.remove(&key);
+        self.tombstones.remove(&key);
         self.slots.insert(key, n);
     }
 
     pub fn remove_slot(&mut self, key: &str, revision: u64) {
-        if self
-            .slots
-            .get(key)
-            .is_none_or(|old| old.revision >= revision)
-        {
-            return;
+        match self.slots.get(key) {
+            Some(old) if old.revision >= revision => return,
+            // A tombstone of a slot never seen in use (the first load after a start).
+            None => {
+                if revision != u64::MAX {
+                    self.tombstones.insert(key.to_string(), revision);
+                }
+                return;
+            }
+            Some(_) => {}
         }
         self.unindex_slot(key);
+        if revision != u64::MAX {
+            self.tombstones.insert(key.to_string(), revision);
+        }
         if let Some((backing, _)) = parse_slot_key(key) {
             self.last_release.insert(backing, now_ms());
         }
@@ -186,6 +197,10 @@ impl World {
         }
         if let Some(old) = self.backing.remove(key) {
             self.seat_of.remove(&old.value.id);
+            for slot in 0..old.value.slots {
+                self.tombstones
+                    .remove(&layout::slot_key(&old.value.id, slot));
+            }
         }
     }
 
@@ -445,6 +460,7 @@ mod tests {
                 workspace: None,
                 attributes: Default::default(),
                 allocated_at: 0,
+                released_at: None,
                 failure: None,
                 login: Default::default(),
             },

@@ -101,6 +101,49 @@ impl Client {
         RequestWatcher::start(self.clone()).await
     }
 
+    /// Waits until each of `nodes` holds its slot no more: its release is finished (the
+    /// agent wiped the slot and the slot record is deleted). A release is acknowledged
+    /// once the node is marked `releasing`, before that. Event-driven (a KV watch on each
+    /// slot key).
+    pub async fn wait_released(&self, nodes: &[NodeId]) -> Result<(), BusError> {
+        let bucket = self.bus.slots.bucket();
+        for id in nodes {
+            let Some((backing, slot)) = id.slot() else {
+                continue;
+            };
+            let key = crate::layout::slot_key(&backing, slot);
+            let mut changes = Box::pin(self.bus.slots.watch_keys(&key).await?);
+            let mut holds = false;
+            loop {
+                match changes.next().await {
+                    None => {
+                        return Err(BusError::Request {
+                            subject: key,
+                            message: "watch ended".into(),
+                        })
+                    }
+                    Some(change) => match change? {
+                        Change::Put {
+                            key,
+                            revision,
+                            value,
+                        } => {
+                            let node: Versioned<Node> =
+                                Change::decode(bucket, &key, revision, &value)?;
+                            holds = &node.value.id == id;
+                        }
+                        Change::Removed { .. } => holds = false,
+                        Change::Synced => {}
+                    },
+                }
+                if !holds {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Returns nodes to the pool.
     pub async fn release(&self, nodes: Vec<crate::NodeId>) -> Result<Released, BusError> {
         let msg = ReleaseNodes {

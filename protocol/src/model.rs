@@ -102,6 +102,9 @@ pub struct Node {
     #[serde(default)]
     pub attributes: Attributes,
     pub allocated_at: UnixMillis,
+    /// When the node was marked releasing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at: Option<UnixMillis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
     /// How to log in (set once prepared): fields `username`, `port`, `host_keys`.

@@ -281,7 +281,30 @@ impl Store {
         value: &T,
         ttl: Option<Duration>,
     ) -> Result<u64, KvError> {
+        self.create_over(key, value, ttl, None).await
+    }
+
+    /// [`Store::create`], given the revision of the tombstone the key is believed to
+    /// have (from a watch or from one's own delete): the create is then one round trip
+    /// instead of three (write, read the tombstone, write again). A wrong guess costs only
+    /// the usual path.
+    pub async fn create_over<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        ttl: Option<Duration>,
+        tombstone: Option<u64>,
+    ) -> Result<u64, KvError> {
         let payload = Self::encode(value);
+        if let Some(rev) = tombstone {
+            match self
+                .publish(key, payload.clone(), Some(rev), ttl, None)
+                .await
+            {
+                Err(KvError::Conflict { .. }) => {}
+                other => return other,
+            }
+        }
         match self.publish(key, payload.clone(), Some(0), ttl, None).await {
             Err(KvError::Conflict { .. }) => match self.entry(key).await? {
                 Some((rev, None)) => self.publish(key, payload, Some(rev), ttl, None).await,
@@ -315,11 +338,11 @@ impl Store {
             .await
     }
 
-    /// Deletes `key` only if its revision is still `revision`.
-    pub async fn delete(&self, key: &str, revision: u64) -> Result<(), KvError> {
+    /// Deletes `key` only if its revision is still `revision`; returns the revision of
+    /// the tombstone (see [`Store::create_over`]).
+    pub async fn delete(&self, key: &str, revision: u64) -> Result<u64, KvError> {
         self.publish(key, Bytes::new(), Some(revision), None, Some("DEL"))
             .await
-            .map(|_| ())
     }
 
     /// Every current value in the bucket, decoded; undecodable values are returned as errors

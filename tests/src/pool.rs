@@ -4,9 +4,10 @@
 
 use crate::nats::NatsServer;
 use crate::process::{bin_path, ChildGuard};
+use slotpool_protocol::api::Released;
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, RequestState};
-use slotpool_protocol::RequestId;
+use slotpool_protocol::{NodeId, RequestId};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,6 +17,9 @@ use tempfile::TempDir;
 /// Agents in tests heartbeat fast so a dead one is noticed quickly. They run without
 /// isolation unless a test asks for it ([`Pool::start_with`]): the isolation tests create
 /// users and cgroups with names of their own and clean them up ([`crate::IsolationEnv`]).
+/// How long a test waits for a release to finish in the background.
+const RELEASE_WAIT: Duration = Duration::from_secs(30);
+
 pub const AGENT_ARGS: [&str; 6] = [
     "--heartbeat-interval-ms",
     "300",
@@ -198,6 +202,17 @@ impl Pool {
             .into_iter()
             .filter(|b| states.contains(&b.state))
             .collect()
+    }
+
+    /// Releases `nodes` and waits until their slots are wiped and free (a release is
+    /// acknowledged before that).
+    pub async fn release_and_wait(&self, nodes: &[NodeId]) -> Released {
+        let released = self.client.release(nodes.to_vec()).await.expect("release");
+        tokio::time::timeout(RELEASE_WAIT, self.client.wait_released(nodes))
+            .await
+            .expect("release finished in time")
+            .expect("watch the slots");
+        released
     }
 
     pub async fn nodes(&self) -> Vec<Node> {

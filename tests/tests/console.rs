@@ -255,6 +255,7 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
                         workspace: None,
                         attributes: Default::default(),
                         allocated_at: b.created_at,
+                        released_at: None,
                         failure: None,
                         login: Default::default(),
                     };

@@ -3,8 +3,9 @@
 
 use slotpool_protocol::api::ErrorCode;
 use slotpool_protocol::connect::BusError;
-use slotpool_protocol::layout::subjects;
-use slotpool_protocol::model::{BackingState, NodeRequest, RequestState};
+use slotpool_protocol::layout::{slot_key, subjects};
+use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, RequestState};
+use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{NodeId, RequestId};
 use slotpool_tests::{label, wait_for, Pool};
 use std::collections::{HashMap, HashSet};
@@ -228,6 +229,58 @@ async fn a_killed_launcher_is_restarted_and_every_request_is_fulfilled_once() {
     }
     assert_exactly_once(&pool, &reqs).await;
     assert!(pool.backing().await.len() <= 6);
+}
+
+/// A release acknowledged but never finished (its launcher was killed), and a slot
+/// claimed for a request that was never created, are finished by the next launcher:
+/// the agent wipes the slots and they are handed out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_and_claims_left_behind_by_a_killed_launcher_are_finished() {
+    let mut pool = Pool::start(1, 2, &label("small", 2, 30, &[]), 1).await;
+    let r = pool
+        .fulfilled(&pool.submit(&["small", "small"]).await)
+        .await;
+    pool.kill_launcher(0);
+    let a_minute_ago = now_ms() - 60_000;
+    rewrite_node(&pool, &r.nodes[0], |n| {
+        n.state = NodeState::Releasing;
+        n.released_at = Some(a_minute_ago);
+    })
+    .await;
+    rewrite_node(&pool, &r.nodes[1], |n| {
+        n.state = NodeState::Preparing;
+        n.request_id = RequestId::parse("req-never-created").unwrap();
+        n.allocated_at = a_minute_ago;
+    })
+    .await;
+    pool.spawn_launcher();
+    tokio::time::timeout(LONG, pool.client.wait_released(&r.nodes))
+        .await
+        .expect("both slots freed")
+        .unwrap();
+    wait_for("the agent to report its slots wiped", LONG, || async {
+        let agents = pool.client.list_agents().await.unwrap();
+        agents.len() == 1 && agents[0].slots.is_empty()
+    })
+    .await;
+    let again = pool
+        .fulfilled(&pool.submit(&["small", "small"]).await)
+        .await;
+    assert_eq!(again.nodes.len(), 2, "both slots are handed out again");
+}
+
+/// Changes a node's record behind the launchers' backs (revision-checked).
+async fn rewrite_node(pool: &Pool, id: &NodeId, change: impl FnOnce(&mut Node)) {
+    let (backing, slot) = id.slot().unwrap();
+    let key = slot_key(&backing, slot);
+    let slots = &pool.client.bus().slots;
+    let node = slots.get::<Node>(&key).await.unwrap().unwrap();
+    let mut changed = node.value.clone();
+    change(&mut changed);
+    slots
+        .update(&key, &changed, node.revision, None)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -166,7 +166,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
 
     // Release: everything of both slots is gone; then each slot is warmed again (its
     // user made anew, with an empty workspace and an empty cgroup).
-    let released = pool.client.release(request.nodes.clone()).await.unwrap();
+    let released = pool.release_and_wait(&request.nodes).await;
     assert_eq!(released.released.len(), 2);
     assert!(!alive(daemon), "the setsid daemon is gone after release");
     for (user, info, ws) in [(&user_a, &info_a, &ws_a), (&user_b, &info_b, &ws_b)] {
@@ -280,17 +280,11 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
         "a's",
     )
     .unwrap();
-    pool.client
-        .release(vec![request.nodes[0].clone()])
-        .await
-        .unwrap();
+    pool.release_and_wait(&request.nodes[..1]).await;
     assert!(wiped(Path::new(a.workspace.as_deref().unwrap())));
     assert_eq!(users::lookup(&ub).map(|i| i.uid), Some(ib.uid));
     assert!(ws_b.join("output").is_file());
-    pool.client
-        .release(vec![request.nodes[1].clone()])
-        .await
-        .unwrap();
+    pool.release_and_wait(&request.nodes[1..]).await;
     assert!(wiped(ws_b));
 }
 

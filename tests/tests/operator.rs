@@ -206,6 +206,10 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
         &["release", r.nodes[0].as_str(), "--reason", "job hung"],
     );
     assert!(out.contains("released"), "{out}");
+    tokio::time::timeout(SOON, pool.client.wait_released(&r.nodes[..1]))
+        .await
+        .expect("the release finishes")
+        .unwrap();
     assert!(pool.nodes().await.is_empty());
     let events = pool.client.list_events().await.unwrap();
     assert!(

@@ -66,6 +66,7 @@ pub fn node(b: &BackingNode, slot: u32, requestor: &str, allocated_at: u64) -> N
         workspace: Some(format!("/var/lib/slotpool/agent/slots/{slot}")),
         attributes: Default::default(),
         allocated_at,
+        released_at: None,
         failure: None,
         login: Default::default(),
     }
