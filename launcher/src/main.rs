@@ -6,10 +6,11 @@ use slotpool_launcher::cli::{self, Cli};
 fn main() -> std::process::ExitCode {
     let args = Cli::parse();
     cli::init_tracing(&args);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        builder.worker_threads(usize::from(n));
+    }
+    let runtime = builder.enable_all().build().expect("tokio runtime");
     match runtime.block_on(cli::dispatch(args)) {
         Ok(code) => code,
         Err(err) => {

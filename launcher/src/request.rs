@@ -23,6 +23,10 @@ use tracing::Instrument;
 /// worker spin (the backing worker will fail the node if its agent is really gone).
 const PREPARE_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
+/// How long a request waits before its status says what it waits for (see
+/// [`Worker::waiting_status`]).
+pub const STATUS_DELAY: Duration = Duration::from_millis(250);
+
 /// Starts a worker for `id` unless this process already has one.
 pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
     let key = layout::request_lease_key(&id);
@@ -92,6 +96,7 @@ impl Worker {
         let mut label_rxs = Vec::new();
         let mut subscribed: Vec<String> = Vec::new();
         let mut queued: Option<QueuePosition> = None;
+        let mut waiting_since: Option<tokio::time::Instant> = None;
         let result = loop {
             if lease.lost.is_cancelled() {
                 break Ok(());
@@ -128,18 +133,27 @@ impl Worker {
                             .collect();
                         subscribed = missing.clone();
                     }
-                    let status = self.waiting_status(&req.value, &missing);
-                    if status != req.value.status {
-                        match self.set_status(&req, status).await {
-                            Ok(()) => {}
-                            Err(SlotError::Kv(KvError::Conflict { .. })) => continue,
-                            Err(err) => break Err(err),
+                    // A short wait (a slot being wiped, a burst) is not worth a write:
+                    // the status says what the request waits for once it has waited
+                    // STATUS_DELAY.
+                    let now = tokio::time::Instant::now();
+                    let status_at = *waiting_since.get_or_insert(now) + STATUS_DELAY;
+                    let mut wake_at = (now < status_at).then_some(status_at);
+                    if wake_at.is_none() {
+                        let status = self.waiting_status(&req.value, &missing);
+                        if status != req.value.status {
+                            match self.set_status(&req, status).await {
+                                Ok(()) => {}
+                                Err(SlotError::Kv(KvError::Conflict { .. })) => continue,
+                                Err(err) => break Err(err),
+                            }
                         }
                     }
-                    let deadline = req
-                        .value
-                        .deadline()
-                        .map(|d| tokio::time::Instant::now() + slotpool_protocol::time::until(d));
+                    if let Some(d) = req.value.deadline() {
+                        let d = now + slotpool_protocol::time::until(d);
+                        wake_at = Some(wake_at.map_or(d, |w| w.min(d)));
+                    }
+                    let deadline = wake_at;
                     let mut rxs = label_rxs.clone();
                     rxs.push(request_rx.clone());
                     for rx in rxs.iter_mut() {

@@ -172,17 +172,17 @@ async fn max_servers_bounds_backing_nodes_and_waiting_requests_are_served_later(
             == 8
     })
     .await;
-    let all = pool.client.list_requests().await.unwrap();
-    let waiting: Vec<_> = all
-        .iter()
-        .filter(|r| r.state == RequestState::Requested)
-        .collect();
-    assert_eq!(waiting.len(), 4, "4 requests wait");
-    assert!(
-        waiting.iter().all(|r| r.status.contains("max-servers")),
-        "status says why: {:?}",
-        waiting[0].status
-    );
+    // A waiting request's status says why once it has waited a moment.
+    wait_for("the waiting requests' status to say why", LONG, || async {
+        let all = pool.client.list_requests().await.unwrap();
+        let waiting: Vec<_> = all
+            .iter()
+            .filter(|r| r.state == RequestState::Requested)
+            .collect();
+        assert_eq!(waiting.len(), 4, "4 requests wait");
+        waiting.iter().all(|r| r.status.contains("max-servers"))
+    })
+    .await;
     assert_eq!(
         pool.backing().await.len(),
         2,

@@ -203,14 +203,13 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
 
     let out = slotpool(
         &pool,
-        &["release", r.nodes[0].as_str(), "--reason", "job hung"],
+        &["release", r.nodes[0].as_str(), "--reason", "job hung", "--wait"],
     );
     assert!(out.contains("released"), "{out}");
-    tokio::time::timeout(SOON, pool.client.wait_released(&r.nodes[..1]))
-        .await
-        .expect("the release finishes")
-        .unwrap();
-    assert!(pool.nodes().await.is_empty());
+    assert!(
+        pool.nodes().await.is_empty(),
+        "release --wait returns once the slot is free"
+    );
     let events = pool.client.list_events().await.unwrap();
     assert!(
         events.iter().any(|e| e.kind == EventKind::Operator

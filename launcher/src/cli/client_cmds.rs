@@ -10,7 +10,10 @@ use slotpool_protocol::{NodeId, RequestId};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long `release --wait` waits for the slots to be wiped and free.
+const RELEASE_WAIT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Args)]
 pub struct RequestArgs {
@@ -163,6 +166,7 @@ pub async fn release(
     nodes: Vec<String>,
     reason: Option<String>,
     actor: Option<String>,
+    wait: bool,
     output: Output,
 ) -> anyhow::Result<ExitCode> {
     let ids = nodes
@@ -176,6 +180,13 @@ pub async fn release(
         }
         None => client.release(ids).await?,
     };
+    if wait {
+        tokio::time::timeout(RELEASE_WAIT, client.wait_released(&released.released))
+            .await
+            .with_context(|| {
+                format!("the released slots were not wiped and free within {RELEASE_WAIT:?}")
+            })??;
+    }
     match output {
         Output::Json => println!("{}", serde_json::to_string_pretty(&released)?),
         Output::Table => {

@@ -26,6 +26,10 @@ pub struct Cli {
     /// Log filter (tracing env-filter syntax), e.g. `info` or `slotpool_launcher=debug`.
     #[arg(long, global = true, env = "SLOTPOOL_LOG", default_value = "info")]
     pub log: String,
+    /// Threads of the async runtime (default: one per CPU). On a small machine shared
+    /// with nats-server, 1 can serve more requests per CPU second.
+    #[arg(long, global = true, env = "SLOTPOOL_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -116,6 +120,10 @@ pub enum Command {
         /// Who releases (with --reason; default: user@host).
         #[arg(long, env = "SLOTPOOL_ACTOR")]
         actor: Option<String>,
+        /// Wait until the slots are wiped and free (a release is acknowledged as soon as
+        /// it is recorded; the wipe follows in the background).
+        #[arg(long)]
+        wait: bool,
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
@@ -176,8 +184,9 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             nodes,
             reason,
             actor,
+            wait,
             output,
-        } => client_cmds::release(&cli.nats, nodes, reason, actor, output).await,
+        } => client_cmds::release(&cli.nats, nodes, reason, actor, wait, output).await,
         Command::Hold(args) => operator_cmds::order(&cli.nats, OperatorAction::Hold, args).await,
         Command::Drain(args) => operator_cmds::order(&cli.nats, OperatorAction::Drain, args).await,
         Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
