@@ -637,9 +637,9 @@ mod tests {
             slots.release(1, &node("node-b")).await.unwrap(),
             ReleaseOutcome::HeldByOther(a.clone())
         );
-        assert!(ws.exists());
+        assert!(ws.join("job-output").exists());
         assert_eq!(slots.release(1, &a).await.unwrap(), ReleaseOutcome::Wiped);
-        assert!(!ws.exists());
+        assert!(!ws.join("job-output").exists());
         assert_eq!(slots.release(1, &a).await.unwrap(), ReleaseOutcome::Wiped);
         assert!(slots.reports().is_empty());
 
@@ -891,11 +891,14 @@ mod tests {
         assert!(crate::isolation::is_empty_dir(&ws.workspace));
         let b = node("node-b");
         slots.prepare(0, &b, None, L).await.unwrap();
-        assert_eq!(
-            std::fs::read_dir(&ws.workspace).unwrap().count(),
-            1,
-            "only the node marker: nothing of the previous job"
+        assert!(
+            crate::isolation::is_empty_dir(&ws.workspace),
+            "nothing of the previous job"
         );
+        // A restarted agent sees who holds the slot now.
+        let again = Slots::recover(iso.clone(), 3).await.unwrap();
+        assert_eq!(again.reports(), slots.reports());
+        assert_eq!(again.warm_slots(), vec![2]);
     }
 
     #[tokio::test]
