@@ -24,6 +24,10 @@ use tokio_util::sync::CancellationToken;
 
 /// Longest wait for the server to acknowledge one heartbeat.
 pub const HEARTBEAT_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for the last, `draining` heartbeat at shutdown. Short: launchers that
+/// miss it see the heartbeat expire after its TTL anyway, and a stopping agent should not
+/// wait out an unreachable server (its stop grace is a few seconds).
+pub const DRAINING_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Shortest time from one heartbeat to a poked one: pokes within it are merged.
 pub const POKE_GAP: Duration = Duration::from_millis(250);
 
@@ -113,15 +117,16 @@ impl Heartbeat {
         }
     }
 
-    /// Writes the heartbeat as of now; returns its KV revision.
-    pub async fn send(&self, draining: bool) -> Result<u64, HeartbeatError> {
+    /// Writes the heartbeat as of now, waiting at most `timeout` for the server to
+    /// acknowledge it; returns its KV revision.
+    pub async fn send(&self, draining: bool, timeout: Duration) -> Result<u64, HeartbeatError> {
         let record = self.record(draining);
         let put = self
             .agents
             .put(self.backing_id.as_str(), &record, Some(self.ttl));
-        match tokio::time::timeout(HEARTBEAT_WRITE_TIMEOUT, put).await {
+        match tokio::time::timeout(timeout, put).await {
             Ok(result) => result.map_err(HeartbeatError::Kv),
-            Err(_) => Err(HeartbeatError::Timeout(HEARTBEAT_WRITE_TIMEOUT)),
+            Err(_) => Err(HeartbeatError::Timeout(timeout)),
         }
     }
 }
@@ -167,7 +172,7 @@ pub async fn beat(
     let mut failing = false;
     loop {
         let started = Instant::now();
-        match heartbeat.send(false).await {
+        match heartbeat.send(false, HEARTBEAT_WRITE_TIMEOUT).await {
             Ok(revision) if failing => {
                 failing = false;
                 tracing::info!(revision, "heartbeat written again");
