@@ -2,8 +2,10 @@
 //!
 //! Each slot has its own queue and worker task (a "lane"), and `close`/`open` share one
 //! more, so commands for different slots run concurrently while commands for one slot
-//! run one at a time, in arrival order. A command is answered as soon as it is done;
-//! the heartbeat that reports the new occupancy is only poked, never waited for.
+//! run one at a time, in arrival order. A command is answered as soon as it is done.
+//! It pokes the heartbeat only when it changed something launchers act on (a release
+//! that left its slot dirty); occupancy they read from the slots bucket, so the regular
+//! beats carrying it for the console are enough.
 //!
 //! Replies (see [`slotpool_protocol::api::Reply`]):
 //! - `prepare_slot` → `{"ok":{"workspace":"<work-dir>/slots/<slot>","username":"...",
@@ -73,9 +75,10 @@ fn api_error(err: &SlotError) -> ApiError {
     let code = match err {
         SlotError::OutOfRange { .. } => ErrorCode::BadRequest,
         SlotError::Closed { .. } | SlotError::Dirty { .. } => ErrorCode::Unavailable,
-        SlotError::Held { .. } | SlotError::Isolation { .. } | SlotError::Task { .. } => {
-            ErrorCode::Internal
-        }
+        SlotError::Held { .. }
+        | SlotError::Isolation { .. }
+        | SlotError::Task { .. }
+        | SlotError::Unclean { .. } => ErrorCode::Internal,
     };
     ApiError::new(code, err.to_string())
 }
@@ -87,8 +90,30 @@ fn reply_with<T: serde::Serialize>(result: Result<T, ApiError>) -> AnyReply {
     }
 }
 
+/// A command carried out: its reply, and whether it changed what the heartbeat tells
+/// launchers.
+struct Done {
+    reply: AnyReply,
+    changes_heartbeat: bool,
+}
+
+impl From<AnyReply> for Done {
+    fn from(reply: AnyReply) -> Done {
+        Done {
+            reply,
+            changes_heartbeat: false,
+        }
+    }
+}
+
+/// Whether a release's outcome changed the heartbeat: only a release that could not clean
+/// its slot does (the slot joins the dirty slots).
+fn release_changes_heartbeat(result: &Result<ReleaseOutcome, SlotError>) -> bool {
+    matches!(result, Err(SlotError::Unclean { .. }))
+}
+
 /// Carries out one command.
-async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> AnyReply {
+async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
     match command {
         AgentCommand::PrepareSlot {
             slot,
@@ -114,6 +139,7 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> AnyRepl
                     host_keys: ssh.host_keys.clone(),
                 },
             }))
+            .into()
         }
         AgentCommand::ReleaseSlot { slot, node_id } => {
             let result = slots.release(slot, &node_id).await;
@@ -125,21 +151,24 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> AnyRepl
                 ),
                 Err(err) => tracing::warn!(%err, "release failed"),
             }
-            reply_with(
-                result
-                    .map_err(|e| api_error(&e))
-                    .map(|_| serde_json::json!({})),
-            )
+            Done {
+                changes_heartbeat: release_changes_heartbeat(&result),
+                reply: reply_with(
+                    result
+                        .map_err(|e| api_error(&e))
+                        .map(|_| serde_json::json!({})),
+                ),
+            }
         }
         AgentCommand::Close => {
             let prepared = slots.close().await;
             tracing::info!(?prepared, "closed to new slots");
-            reply_with(Ok(SlotsClosed { prepared }))
+            reply_with(Ok(SlotsClosed { prepared })).into()
         }
         AgentCommand::Open => {
             let prepared = slots.open().await;
             tracing::info!(?prepared, "open to new slots");
-            reply_with(Ok(SlotsClosed { prepared }))
+            reply_with(Ok(SlotsClosed { prepared })).into()
         }
     }
 }
@@ -174,13 +203,16 @@ async fn slot_worker(
 ) {
     while let Some(job) = jobs.recv().await {
         let span = job.span;
-        async {
-            let reply = execute(&slots, &ssh, job.command).await;
-            respond(&bus, job.reply_to.as_deref(), &reply).await;
+        let done = async {
+            let done = execute(&slots, &ssh, job.command).await;
+            respond(&bus, job.reply_to.as_deref(), &done.reply).await;
+            done
         }
         .instrument(span)
         .await;
-        poke.notify_one();
+        if done.changes_heartbeat {
+            poke.notify_one();
+        }
     }
 }
 
@@ -319,6 +351,31 @@ mod tests {
             bad_request(r#"{"op":"release_slot","slot":1,"node_id":"node-a","x":1}"#)
                 .contains("unknown field `x`")
         );
+    }
+
+    #[test]
+    fn only_a_release_that_leaves_its_slot_dirty_changes_the_heartbeat() {
+        let node_a = NodeId::parse("node-a").unwrap();
+        assert!(!release_changes_heartbeat(&Ok(ReleaseOutcome::Wiped)));
+        assert!(!release_changes_heartbeat(&Ok(
+            ReleaseOutcome::HeldByOther(node_a)
+        )));
+        let refused = SlotError::OutOfRange { slot: 9, slots: 8 };
+        let unclean = SlotError::Unclean {
+            slot: 1,
+            cause: Box::new(SlotError::Task {
+                slot: 1,
+                action: "release",
+                message: "panicked".into(),
+            }),
+        };
+        assert_eq!(
+            unclean.to_string(),
+            "slot 1: release task failed: panicked; the slot is now dirty"
+        );
+        assert_eq!(api_error(&unclean).code, ErrorCode::Internal);
+        assert!(!release_changes_heartbeat(&Err(refused)));
+        assert!(release_changes_heartbeat(&Err(unclean)));
     }
 
     #[test]

@@ -5,33 +5,42 @@
 //! private directory and nothing else; [`crate::user_isolation::UserIsolation`] (mode
 //! `users`) gives each slot its own Unix user and cgroup.
 //!
-//! On-disk layout under the work dir:
+//! On-disk layout of mode `none` under the work dir:
 //!
 //! ```text
 //! <work-dir>/slots/<slot>/                 the slot's workspace (0700)
-//! <work-dir>/slots/<slot>/.slotpool-node   marker: the node id, written last on prepare
 //! <work-dir>/slots/<slot>/.ssh/authorized_keys
+//! <work-dir>/markers/<slot>                marker: the node holding the slot, or blank
 //! ```
 //!
-//! The marker is written last (via a rename), so a slot whose prepare was interrupted has
-//! no marker and counts as free: its leftovers are wiped by the next prepare or release.
+//! The marker is a fixed-size record (the node id padded with spaces) rewritten in place,
+//! so preparing and releasing a slot create no files of their own: the file is made once,
+//! at the first warm-up. It names the node last on prepare and is blanked first on
+//! release, so a slot whose prepare or release was interrupted names no node and counts as
+//! free: its leftovers are wiped by the next prepare or release. Release empties the
+//! workspace rather than removing it, and the warm-up keeps the directory.
 //!
 //! **Warm slots.** A free slot is *warmed* ahead of time ([`SlotIsolation::warm`]): the
 //! slow, node-independent part of a prepare (with mode `none`: the empty workspace) is
 //! done while nobody waits, so a prepare of a warm slot ([`SlotIsolation::prepare_warm`])
 //! only adds the key and the marker. A warm slot is one whose empty workspace exists
-//! without a marker; one with anything else in it is cold and wiped before use.
+//! and whose marker names no node; one with anything in it is cold and wiped before use.
 
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::NodeId;
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-/// Name of the marker file holding the node id of a prepared slot.
-pub const NODE_MARKER: &str = ".slotpool-node";
-const NODE_MARKER_TMP: &str = ".slotpool-node.tmp";
+/// The directory, next to `slots/`, of the node markers of mode `none`.
+const MARKERS_DIR: &str = "markers";
+/// Size of a marker record: a node id (at most 128 bytes) padded with spaces, then a
+/// newline.
+const MARKER_LEN: usize = 256;
+/// Where a workspace held its node marker before markers had a directory of their own;
+/// recovery still reads it, so an upgraded agent keeps the slots prepared before.
+const LEGACY_NODE_MARKER: &str = ".slotpool-node";
 const WORKSPACE_MODE: u32 = 0o700;
 const PRIVATE_FILE_MODE: u32 = 0o600;
 
@@ -107,8 +116,8 @@ pub trait SlotIsolation: Send + Sync + 'static {
 
     /// Readies a free slot that was just verified clean (by [`SlotIsolation::destroy`])
     /// for a later [`SlotIsolation::prepare_warm`]: everything a prepare needs that does
-    /// not depend on the node. Fails, leaving the slot for the full path, when anything
-    /// of the slot already exists.
+    /// not depend on the node. Fails, leaving the slot for the full path, when something
+    /// of a previous use of the slot is still there.
     fn warm(&self, slot: u32) -> Result<(), IsolationError>;
 
     /// Hands a warm slot to `node_id`: adds the key, applies `limits` and records the
@@ -122,8 +131,8 @@ pub trait SlotIsolation: Send + Sync + 'static {
         limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError>;
 
-    /// Removes everything of the slot and checks it is gone. Succeeds when there was
-    /// nothing to remove.
+    /// Removes everything of the slot's previous use and checks it is gone (mode `none`
+    /// keeps the empty workspace directory). Succeeds when there was nothing to remove.
     fn destroy(&self, slot: u32) -> Result<(), IsolationError>;
 
     /// The slots left prepared or warm by a previous run of the agent.
@@ -152,18 +161,40 @@ pub trait SlotIsolation: Send + Sync + 'static {
     }
 }
 
-/// Isolation by directory only: each slot gets `<work-dir>/slots/<slot>/`, mode 0700.
+/// Isolation by directory only: each slot gets `<work-dir>/slots/<slot>/`, mode 0700,
+/// and a marker `<work-dir>/markers/<slot>`.
 #[derive(Clone, Debug)]
 pub struct WorkspaceOnly {
     slots_dir: PathBuf,
+    markers_dir: PathBuf,
 }
 
 impl WorkspaceOnly {
-    /// Uses (and creates) `<work_dir>/slots`.
+    /// Uses (and creates) `<work_dir>/slots` and `<work_dir>/markers`.
     pub fn new(work_dir: &Path) -> Result<WorkspaceOnly, IsolationError> {
         let slots_dir = work_dir.join("slots");
-        fs::create_dir_all(&slots_dir).map_err(IsolationError::new("creating", &slots_dir))?;
-        Ok(WorkspaceOnly { slots_dir })
+        let markers_dir = work_dir.join(MARKERS_DIR);
+        for dir in [&slots_dir, &markers_dir] {
+            fs::create_dir_all(dir).map_err(IsolationError::new("creating", dir))?;
+        }
+        Ok(WorkspaceOnly {
+            slots_dir,
+            markers_dir,
+        })
+    }
+
+    fn marker(&self, slot: u32) -> PathBuf {
+        self.markers_dir.join(slot.to_string())
+    }
+
+    /// The node holding `slot` by its marker (by the marker in its workspace `dir`, for a
+    /// slot an older agent prepared that has no marker file yet).
+    fn holder(&self, slot: u32, dir: &Path) -> Result<Option<NodeId>, IsolationError> {
+        let marker = self.marker(slot);
+        match read_marker(&marker)? {
+            None if !marker.exists() => read_marker(&dir.join(LEGACY_NODE_MARKER)),
+            held => Ok(held),
+        }
     }
 }
 
@@ -177,7 +208,21 @@ impl SlotIsolation for WorkspaceOnly {
     }
 
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {
-        make_private_dir(&self.workspace(slot))
+        let dir = self.workspace(slot);
+        match fs::symlink_metadata(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => make_private_dir(&dir)?,
+            Err(e) => return Err(IsolationError::new("checking", &dir)(e)),
+            Ok(_) if is_empty_dir(&dir) => {
+                fs::set_permissions(&dir, fs::Permissions::from_mode(WORKSPACE_MODE))
+                    .map_err(IsolationError::new("setting mode 0700 on", &dir))?
+            }
+            Ok(_) => {
+                return Err(IsolationError::new("warming", &dir)(std::io::Error::other(
+                    "not an empty directory",
+                )))
+            }
+        }
+        write_marker(&self.marker(slot), None)
     }
 
     fn prepare_warm(
@@ -188,6 +233,11 @@ impl SlotIsolation for WorkspaceOnly {
         _limits: &SlotLimits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
+        if !fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+            return Err(IsolationError::new("preparing", &dir)(
+                std::io::Error::other("the workspace is not a directory"),
+            ));
+        }
         if let Some(key) = ssh_public_key {
             let ssh_dir = dir.join(".ssh");
             remove_if_present(&ssh_dir)?;
@@ -198,28 +248,13 @@ impl SlotIsolation for WorkspaceOnly {
                 PRIVATE_FILE_MODE,
             )?;
         }
-        let tmp = dir.join(NODE_MARKER_TMP);
-        let marker = dir.join(NODE_MARKER);
-        remove_if_present(&tmp)?;
-        write_file(&tmp, &with_newline(node_id.as_str()), PRIVATE_FILE_MODE)?;
-        fs::rename(&tmp, &marker).map_err(IsolationError::new("renaming", &tmp))?;
+        write_marker(&self.marker(slot), Some(node_id))?;
         Ok(dir)
     }
 
     fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
-        let dir = self.workspace(slot);
-        match fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(IsolationError::new("removing", &dir)(e)),
-        }
-        match fs::symlink_metadata(&dir) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(IsolationError::new("checking removal of", &dir)(e)),
-            Ok(_) => Err(IsolationError::new("removing", &dir)(
-                std::io::Error::other("still present after removal"),
-            )),
-        }
+        write_marker(&self.marker(slot), None)?;
+        empty_dir(&self.workspace(slot))
     }
 
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
@@ -237,7 +272,7 @@ impl SlotIsolation for WorkspaceOnly {
                 tracing::warn!(path = %path.display(), "ignoring unexpected entry in slots dir");
                 continue;
             };
-            match read_marker(&path.join(NODE_MARKER)) {
+            match self.holder(slot, &path) {
                 Ok(Some(node_id)) => found.push(FoundSlot::prepared(slot, node_id)),
                 Ok(None) if is_empty_dir(&path) => found.push(FoundSlot::warm(slot)),
                 Ok(None) => {
@@ -254,19 +289,76 @@ impl SlotIsolation for WorkspaceOnly {
     }
 }
 
-/// The node id in a marker file; `None` when there is no marker.
-pub(crate) fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
+/// The node id in a marker file; `None` when there is no marker or it is blank.
+fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
     let text = match fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(IsolationError::new("reading", path)(e)),
     };
-    NodeId::parse(text.trim()).map(Some).map_err(|err| {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    NodeId::parse(text).map(Some).map_err(|err| {
         IsolationError::new("parsing", path)(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             err,
         ))
     })
+}
+
+/// Writes the marker record naming `node` (blank for `None`) over the start of the file
+/// at `path`, creating it if needed: one fixed-size write, no truncation, no new file
+/// once it exists.
+fn write_marker(path: &Path, node: Option<&NodeId>) -> Result<(), IsolationError> {
+    let mut record = [b' '; MARKER_LEN];
+    record[MARKER_LEN - 1] = b'\n';
+    if let Some(node) = node {
+        let id = node.as_str().as_bytes();
+        if id.len() >= MARKER_LEN {
+            return Err(IsolationError::new("writing", path)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("node id {node} does not fit a {MARKER_LEN}-byte marker"),
+            )));
+        }
+        record[..id.len()].copy_from_slice(id);
+    }
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .mode(PRIVATE_FILE_MODE)
+        .open(path)
+        .map_err(IsolationError::new("opening", path))?;
+    file.write_all_at(&record, 0)
+        .map_err(IsolationError::new("writing", path))
+}
+
+/// Removes everything in the directory `dir` and checks it is empty; removes `dir`
+/// itself only when it is not a directory (a file or a symlink in its place). Fine when
+/// there is nothing.
+fn empty_dir(dir: &Path) -> Result<(), IsolationError> {
+    match fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(IsolationError::new("checking", dir)(e)),
+        Ok(meta) if !meta.is_dir() => return remove_if_present(dir),
+        Ok(_) => {}
+    }
+    // A job may have taken write access away from its workspace.
+    fs::set_permissions(dir, fs::Permissions::from_mode(WORKSPACE_MODE))
+        .map_err(IsolationError::new("setting mode 0700 on", dir))?;
+    let entries = fs::read_dir(dir).map_err(IsolationError::new("listing", dir))?;
+    for entry in entries {
+        let entry = entry.map_err(IsolationError::new("listing", dir))?;
+        remove_if_present(&entry.path())?;
+    }
+    if is_empty_dir(dir) {
+        Ok(())
+    } else {
+        Err(IsolationError::new("emptying", dir)(std::io::Error::other(
+            "entries still present after removal",
+        )))
+    }
 }
 
 /// Whether `dir` is a directory (not a symlink) with nothing in it.
@@ -325,6 +417,7 @@ pub(crate) fn write_file(path: &Path, contents: &str, mode: u32) -> Result<(), I
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn node(s: &str) -> NodeId {
         NodeId::parse(s).unwrap()
@@ -332,6 +425,19 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    fn inode(path: &Path) -> u64 {
+        fs::symlink_metadata(path).unwrap().ino()
+    }
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
     }
 
     #[test]
@@ -353,6 +459,14 @@ mod tests {
         assert_eq!(mode(&keys), 0o600);
         assert_eq!(mode(&ws.join(".ssh")), 0o700);
         assert_eq!(
+            entries(&ws),
+            [".ssh"],
+            "the marker is outside the workspace"
+        );
+        let marker = work.path().join("markers/3");
+        assert_eq!(mode(&marker), 0o600);
+        assert_eq!(fs::metadata(&marker).unwrap().len(), MARKER_LEN as u64);
+        assert_eq!(
             iso.recover().unwrap(),
             vec![FoundSlot::prepared(3, node("node-a"))]
         );
@@ -363,19 +477,104 @@ mod tests {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
         let ws = iso
-            .create(0, &node("node-a"), None, &SlotLimits::default())
+            .create(
+                0,
+                &node("node-a"),
+                Some("ssh-ed25519 K"),
+                &SlotLimits::default(),
+            )
             .unwrap();
         fs::create_dir_all(ws.join("deep/er")).unwrap();
         fs::write(ws.join("deep/er/file"), "x").unwrap();
+        fs::write(ws.join(".hidden"), "x").unwrap();
         let ws = iso
             .create(0, &node("node-b"), None, &SlotLimits::default())
             .unwrap();
-        assert!(!ws.join("deep").exists());
-        assert!(!ws.join(".ssh").exists());
+        assert!(entries(&ws).is_empty(), "{:?}", entries(&ws));
         iso.destroy(0).unwrap();
-        assert!(!ws.exists());
+        assert!(is_empty_dir(&ws));
+        assert_eq!(
+            iso.recover().unwrap(),
+            vec![FoundSlot::warm(0)],
+            "a released slot names no node"
+        );
         iso.destroy(0).unwrap();
         iso.destroy(7).unwrap();
+    }
+
+    #[test]
+    fn release_and_prepare_reuse_the_workspace_and_the_marker_in_place() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        let limits = SlotLimits::default();
+        iso.create(
+            1,
+            &node("a-much-longer-node-id-than-the-next"),
+            None,
+            &limits,
+        )
+        .unwrap();
+        let ws = iso.workspace(1);
+        let marker = work.path().join("markers/1");
+        let (ws_inode, marker_inode) = (inode(&ws), inode(&marker));
+        for (n, id) in ["node-b", "node-c"].into_iter().enumerate() {
+            fs::write(ws.join(format!("output-{n}")), "of the job").unwrap();
+            iso.destroy(1).unwrap();
+            iso.warm(1).unwrap();
+            iso.prepare_warm(1, &node(id), None, &limits).unwrap();
+            assert_eq!(
+                iso.recover().unwrap(),
+                vec![FoundSlot::prepared(1, node(id))],
+                "a shorter id leaves nothing of the longer one"
+            );
+            assert!(entries(&ws).is_empty(), "{:?}", entries(&ws));
+            assert_eq!(
+                inode(&ws),
+                ws_inode,
+                "the workspace is kept, not made again"
+            );
+            assert_eq!(
+                inode(&marker),
+                marker_inode,
+                "the marker is rewritten in place"
+            );
+            assert_eq!(fs::metadata(&marker).unwrap().len(), MARKER_LEN as u64);
+        }
+    }
+
+    #[test]
+    fn destroy_empties_what_a_job_did_to_its_workspace() {
+        let work = tempfile::tempdir().unwrap();
+        let outside = work.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("precious"), "x").unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        let ws = iso
+            .create(0, &node("node-a"), None, &SlotLimits::default())
+            .unwrap();
+        std::os::unix::fs::symlink(&outside, ws.join("link")).unwrap();
+        fs::create_dir(ws.join("sub")).unwrap();
+        fs::set_permissions(&ws, fs::Permissions::from_mode(0o500)).unwrap();
+        iso.destroy(0).unwrap();
+        assert!(is_empty_dir(&ws));
+        assert!(
+            outside.join("precious").exists(),
+            "symlinks are not followed"
+        );
+        iso.warm(0).unwrap();
+        assert_eq!(mode(&ws), 0o700);
+
+        // A file in place of the workspace is removed; warm-up makes the directory.
+        fs::remove_dir(&ws).unwrap();
+        fs::write(&ws, "not a dir").unwrap();
+        assert!(iso.warm(0).is_err());
+        assert!(iso
+            .prepare_warm(0, &node("node-b"), None, &SlotLimits::default())
+            .is_err());
+        iso.destroy(0).unwrap();
+        iso.warm(0).unwrap();
+        assert!(is_empty_dir(&ws));
+        assert_eq!(mode(&ws), 0o700);
     }
 
     #[test]
@@ -386,8 +585,6 @@ mod tests {
         let ws = work.path().join("slots/2");
         assert_eq!(mode(&ws), 0o700);
         assert_eq!(iso.recover().unwrap(), vec![FoundSlot::warm(2)]);
-        // Warming twice fails rather than reuse what is there.
-        assert!(iso.warm(2).is_err());
         let got = iso
             .prepare_warm(
                 2,
@@ -405,11 +602,16 @@ mod tests {
             iso.recover().unwrap(),
             vec![FoundSlot::prepared(2, node("node-a"))]
         );
+        // Warming a slot with something in it fails rather than reuse what is there.
+        assert!(iso.warm(2).is_err());
         // Something written into a free slot makes it cold again.
         iso.destroy(2).unwrap();
         iso.warm(2).unwrap();
         fs::write(ws.join("stray"), "x").unwrap();
         assert!(iso.recover().unwrap().is_empty());
+        assert!(iso.warm(2).is_err());
+        iso.destroy(2).unwrap();
+        assert!(!ws.join("stray").exists(), "stray files are wiped");
     }
 
     #[test]
@@ -420,10 +622,21 @@ mod tests {
             .unwrap();
         iso.create(5, &node("node-b"), None, &SlotLimits::default())
             .unwrap();
-        fs::create_dir(work.path().join("slots/2")).unwrap();
-        fs::create_dir(work.path().join("slots/notaslot")).unwrap();
-        fs::create_dir(work.path().join("slots/4")).unwrap();
-        fs::write(work.path().join("slots/4").join(NODE_MARKER), "bad id!\n").unwrap();
+        let slots = work.path().join("slots");
+        let markers = work.path().join("markers");
+        fs::create_dir(slots.join("2")).unwrap();
+        fs::create_dir(slots.join("notaslot")).unwrap();
+        // Leftovers without a marker: free and cold.
+        fs::create_dir(slots.join("3")).unwrap();
+        fs::write(slots.join("3/left"), "x").unwrap();
+        // A marker that does not hold a node id, or is torn: treated as free and cold.
+        fs::create_dir(slots.join("4")).unwrap();
+        fs::write(markers.join("4"), "bad id!\n").unwrap();
+        fs::create_dir(slots.join("6")).unwrap();
+        fs::write(markers.join("6"), b"node-\0\0\0").unwrap();
+        // A slot prepared by an agent that kept the marker in the workspace.
+        fs::create_dir(slots.join("7")).unwrap();
+        fs::write(slots.join("7").join(LEGACY_NODE_MARKER), "node-c\n").unwrap();
         let found = iso.recover().unwrap();
         assert_eq!(
             found,
@@ -431,8 +644,12 @@ mod tests {
                 FoundSlot::prepared(1, node("node-a")),
                 FoundSlot::warm(2),
                 FoundSlot::prepared(5, node("node-b")),
+                FoundSlot::prepared(7, node("node-c")),
             ]
         );
+        // Once released, the old marker goes with the rest of the workspace.
+        iso.destroy(7).unwrap();
+        assert_eq!(iso.recover().unwrap().last(), Some(&FoundSlot::warm(7)));
     }
 
     #[test]

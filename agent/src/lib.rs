@@ -47,7 +47,7 @@ use user_isolation::UserIsolation;
 
 /// Longest wait for the command subscription to be set up.
 pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest wait at shutdown for replies and the last heartbeat to leave.
+/// Longest wait at shutdown for replies to leave (only tried while connected).
 pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often processes of slot users outside their slot's cgroup are moved into it
 /// (only while some slot is prepared).
@@ -274,7 +274,10 @@ pub async fn run_with(
         if let Err(err) = beating.await {
             tracing::warn!(%err, "heartbeat task failed");
         }
-        match heartbeat.send(true).await {
+        match heartbeat
+            .send(true, heartbeat::DRAINING_WRITE_TIMEOUT)
+            .await
+        {
             Ok(revision) => tracing::info!(revision, "draining heartbeat written"),
             Err(err) => tracing::warn!(%err, "cannot write draining heartbeat"),
         }
@@ -293,12 +296,18 @@ pub async fn run_with(
             Ok(Err(err)) => tracing::error!(%err, "cannot stop every slot process"),
             Err(err) => tracing::error!(%err, "stopping slot processes failed"),
         }
-        match tokio::time::timeout(FLUSH_TIMEOUT, bus.flush()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) => tracing::warn!(%err, "cannot flush replies at shutdown"),
-            Err(_) => {
-                tracing::warn!(timeout = ?FLUSH_TIMEOUT, "flushing replies at shutdown timed out")
+        // Without a connection nothing can leave: do not wait for one.
+        if bus.is_connected() {
+            match tokio::time::timeout(FLUSH_TIMEOUT, bus.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => tracing::warn!(%err, "cannot flush replies at shutdown"),
+                Err(_) => tracing::warn!(
+                    timeout = ?FLUSH_TIMEOUT,
+                    "flushing replies at shutdown timed out"
+                ),
             }
+        } else {
+            tracing::warn!("not connected to NATS at shutdown: replies not yet sent are lost");
         }
         if ended {
             return Err(AgentError::CommandsEnded { subject });

@@ -68,6 +68,9 @@ pub enum SlotError {
         action: &'static str,
         message: String,
     },
+    /// A release that could not clean its slot: the slot is now dirty.
+    #[error("{cause}; the slot is now dirty")]
+    Unclean { slot: u32, cause: Box<SlotError> },
 }
 
 /// What a prepare has to do.
@@ -493,7 +496,8 @@ impl Slots {
     }
 
     /// Wipes `slot` unless another node holds it; once it is verified clean, warms it
-    /// again in the background (the slot's lock passes straight to the warm-up).
+    /// again in the background (the slot's lock passes straight to the warm-up). A slot
+    /// that cannot be cleaned is marked dirty and the error is [`SlotError::Unclean`].
     pub async fn release(&self, slot: u32, node_id: &NodeId) -> Result<ReleaseOutcome, SlotError> {
         let lock = self.lock(slot).await?;
         match self.table().plan_release(slot, node_id)? {
@@ -506,7 +510,10 @@ impl Slots {
         if let Err(err) = result {
             tracing::error!(slot, %err, "slot could not be cleaned: marking it dirty");
             self.mark_dirty(slot, &err.to_string());
-            return Err(err);
+            return Err(SlotError::Unclean {
+                slot,
+                cause: Box::new(err),
+            });
         }
         let slots = self.clone();
         self.warming
@@ -630,9 +637,9 @@ mod tests {
             slots.release(1, &node("node-b")).await.unwrap(),
             ReleaseOutcome::HeldByOther(a.clone())
         );
-        assert!(ws.exists());
+        assert!(ws.join("job-output").exists());
         assert_eq!(slots.release(1, &a).await.unwrap(), ReleaseOutcome::Wiped);
-        assert!(!ws.exists());
+        assert!(!ws.join("job-output").exists());
         assert_eq!(slots.release(1, &a).await.unwrap(), ReleaseOutcome::Wiped);
         assert!(slots.reports().is_empty());
 
@@ -698,7 +705,14 @@ mod tests {
             .unwrap();
         let a = node("node-a");
         slots.prepare(1, &a, None, L).await.unwrap();
-        assert!(slots.release(1, &a).await.is_err());
+        let err = slots.release(1, &a).await.unwrap_err();
+        assert!(
+            matches!(err, SlotError::Unclean { slot: 1, .. })
+                && err
+                    .to_string()
+                    .ends_with("a process survived; the slot is now dirty"),
+            "{err}"
+        );
         assert_eq!(slots.dirty_slots(), vec![1]);
         slots.warm_free_slots();
         slots.warm_ups_done().await;
@@ -877,11 +891,14 @@ mod tests {
         assert!(crate::isolation::is_empty_dir(&ws.workspace));
         let b = node("node-b");
         slots.prepare(0, &b, None, L).await.unwrap();
-        assert_eq!(
-            std::fs::read_dir(&ws.workspace).unwrap().count(),
-            1,
-            "only the node marker: nothing of the previous job"
+        assert!(
+            crate::isolation::is_empty_dir(&ws.workspace),
+            "nothing of the previous job"
         );
+        // A restarted agent sees who holds the slot now.
+        let again = Slots::recover(iso.clone(), 3).await.unwrap();
+        assert_eq!(again.reports(), slots.reports());
+        assert_eq!(again.warm_slots(), vec![2]);
     }
 
     #[tokio::test]

@@ -6,7 +6,7 @@
 //! everything it started.
 
 use crate::config::Config;
-use crate::provider::{local::LocalProvider, Provider};
+use crate::provider::local::LocalProvider;
 use crate::{run, LauncherDeps};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -148,8 +148,8 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
     let result = launcher.await.context("launcher task")?;
     // Local agents are "VMs" that outlive a launcher on purpose; the demo removes them.
     let local = LocalProvider::new("local", agent_binary, vec![], work_dir);
-    for listed in local.list().await.unwrap_or_default() {
-        let _ = local.delete(&listed.instance).await;
+    if let Err(err) = local.delete_all().await {
+        eprintln!("slotpool demo: cannot stop every local agent: {err}");
     }
     if let Some(mut child) = server {
         stop_child(&mut child).await;

@@ -13,7 +13,9 @@
 //! `delete` reads `agent.pid`, checks that `/proc/<pid>/cmdline` still carries
 //! `--backing-id <id>` (so a recycled pid is never killed), sends SIGTERM, waits up to
 //! [`STOP_GRACE`] and then SIGKILLs the agent's process group; then it removes the
-//! directory. An agent that is already gone is not an error.
+//! directory. An agent that is already gone is not an error. [`LocalProvider::delete_all`]
+//! deletes every agent it lists at once (the demo and the benchmark clean up with it,
+//! while nats-server still runs, so each agent writes its last heartbeat and exits).
 
 use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use slotpool_protocol::model::Instance;
@@ -74,6 +76,17 @@ impl LocalProvider {
             host: HOST.to_string(),
             data: serde_json::json!({ "pid": pid, "dir": dir.display().to_string() }),
         }
+    }
+
+    /// Deletes every instance [`Provider::list`] finds, concurrently; returns the first
+    /// error once all were tried.
+    pub async fn delete_all(&self) -> Result<(), ProviderError> {
+        let listed = self.list().await?;
+        let deletes = listed.iter().map(|l| self.delete(&l.instance));
+        futures::future::join_all(deletes)
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// Stops the agent recorded in `dir` (if it still runs as `backing_id`).
@@ -366,11 +379,36 @@ mod tests {
     impl Drop for Cleanup {
         fn drop(&mut self) {
             for pid in &self.0 {
-                if runs_as(*pid, "bn-local-test") {
+                if ["bn-local-test", "bn-local-a", "bn-local-b"]
+                    .iter()
+                    .any(|id| runs_as(*pid, id))
+                {
                     signal(-*pid, libc::SIGKILL);
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn delete_all_stops_every_agent() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = LocalProvider::new(
+            "local",
+            fake_agent(tmp.path()),
+            vec![],
+            tmp.path().join("work"),
+        );
+        let mut pids = Vec::new();
+        for id in ["bn-local-a", "bn-local-b"] {
+            let launched = p.launch(&spec(id)).await.unwrap();
+            pids.push(launched.instance.data["pid"].as_i64().unwrap() as i32);
+        }
+        let _cleanup = Cleanup(pids.clone());
+        assert_eq!(p.list().await.unwrap().len(), 2);
+        p.delete_all().await.unwrap();
+        assert!(pids.iter().all(|pid| !is_alive(*pid)));
+        assert!(p.list().await.unwrap().is_empty());
+        p.delete_all().await.unwrap();
     }
 
     #[tokio::test]

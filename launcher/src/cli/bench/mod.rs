@@ -15,7 +15,7 @@ mod sim_agents;
 mod stats;
 
 use crate::cli::demo::{find_nats_server, start_nats_server, stop_child};
-use crate::provider::{local::LocalProvider, Provider};
+use crate::provider::local::LocalProvider;
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
@@ -172,11 +172,8 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     eprintln!("slotpool bench: working in {}", dir.display());
     let load_at_start = load1();
     let result = run_all(&settings, &binary, &agent_binary, &dir).await;
-    // Local agents outlive a launcher by design; the benchmark removes the ones it made.
-    let local = LocalProvider::new("local", agent_binary, vec![], dir.join("agents"));
-    for listed in local.list().await.unwrap_or_default() {
-        let _ = local.delete(&listed.instance).await;
-    }
+    // Normally none are left (run_all stops them); this catches the ones a failed run left.
+    remove_local_agents(&agent_binary, &dir).await;
     if !args.keep {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -319,6 +316,8 @@ async fn run_all(
         }
         .await;
         launcher.stop().await;
+        // While nats-server still runs, so each agent writes its last heartbeat and exits.
+        remove_local_agents(agent_binary, dir).await;
         let (warm, throughput, idle, cold) = figures?;
         anyhow::Ok((floor, warm, throughput, idle, cold, agent))
     }
@@ -353,6 +352,20 @@ async fn run_all(
 
 fn step(what: String) {
     eprintln!("slotpool bench: {what}");
+}
+
+/// Stops and removes the local agents the launcher started: they outlive a launcher by
+/// design.
+async fn remove_local_agents(agent_binary: &Path, dir: &Path) {
+    let local = LocalProvider::new(
+        "local",
+        agent_binary.to_path_buf(),
+        vec![],
+        dir.join("agents"),
+    );
+    if let Err(err) = local.delete_all().await {
+        eprintln!("slotpool bench: cannot stop every local agent: {err}");
+    }
 }
 
 fn launcher_config(
