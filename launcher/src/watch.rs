@@ -6,9 +6,11 @@
 
 use crate::shared::{label_topic, request_topic, seat_topic, Shared};
 use futures::StreamExt;
-use slotpool_protocol::model::{AgentHeartbeat, BackingNode, Node, NodeRequest, RequestState};
+use slotpool_protocol::model::{
+    BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
+};
 use slotpool_protocol::store::{Change, Store, Versioned};
-use slotpool_protocol::{layout, RequestId};
+use slotpool_protocol::{layout, BackingId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -140,141 +142,140 @@ fn decode<T: serde::de::DeserializeOwned>(
         .ok()
 }
 
+/// A change as read from the wire, before the world lock is taken.
+enum Record<'a> {
+    Request(Versioned<NodeRequest>),
+    Slot(Versioned<Node>),
+    Backing(Versioned<BackingNode>),
+    /// Only what decides slots: heartbeats are most of the traffic.
+    Heartbeat(HeartbeatGist<'a>),
+    Lease(Versioned<Lease>),
+    Removed {
+        key: &'a str,
+        revision: u64,
+    },
+}
+
+/// Decodes a change of `mirror`'s bucket; `None` for the end of the initial load and for
+/// records that cannot be read (logged).
+fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'a>> {
+    let (key, revision, value) = match change {
+        Change::Synced => return None,
+        Change::Removed { key, revision } => {
+            return Some(Record::Removed {
+                key,
+                revision: *revision,
+            })
+        }
+        Change::Put {
+            key,
+            revision,
+            value,
+        } => (key.as_str(), *revision, value),
+    };
+    Some(match mirror {
+        Mirror::Requests => Record::Request(decode(bucket, key, revision, value)?),
+        Mirror::Slots => Record::Slot(decode(bucket, key, revision, value)?),
+        Mirror::Backing => Record::Backing(decode(bucket, key, revision, value)?),
+        Mirror::Agents => Record::Heartbeat(
+            HeartbeatGist::from_json(value)
+                .map_err(
+                    |err| tracing::warn!(bucket, key, %err, "ignoring an unreadable heartbeat"),
+                )
+                .ok()?,
+        ),
+        Mirror::Leases => Record::Lease(decode(bucket, key, revision, value)?),
+    })
+}
+
 /// Applies one change to the mirror and signals whoever cares.
 fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, change: &Change) {
-    let bucket = mirror.store(shared).bucket();
+    let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
+        return;
+    };
     let mut wake: Vec<String> = Vec::new();
     let mut todo: Vec<Dirty> = Vec::new();
     {
         let mut world = shared.world();
-        match (mirror, change) {
-            (_, Change::Synced) => {}
-            (
-                Mirror::Requests,
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                },
-            ) => {
-                if let Some(r) = decode::<NodeRequest>(bucket, key, *revision, value) {
-                    wake.push(request_topic(&r.value.id));
-                    for label in &r.value.labels {
-                        todo.push(Dirty::Label(label.clone()));
-                        if r.value.state.is_final() {
-                            wake.push(label_topic(label));
+        match record {
+            Record::Request(r) => {
+                wake.push(request_topic(&r.value.id));
+                for label in &r.value.labels {
+                    todo.push(Dirty::Label(label.clone()));
+                    if r.value.state.is_final() {
+                        wake.push(label_topic(label));
+                    }
+                }
+                if r.value.state == RequestState::Requested {
+                    todo.push(Dirty::Request(r.value.id.clone()));
+                }
+                world.put_request(r);
+            }
+            Record::Slot(n) => {
+                if let Some(seat) = world.seat_of.get(&n.value.backing_id) {
+                    wake.push(seat_topic(seat));
+                    todo.push(Dirty::Seat(seat.clone()));
+                }
+                wake.push(request_topic(&n.value.request_id));
+                world.put_slot(n);
+            }
+            Record::Backing(b) => {
+                wake.push(seat_topic(&b.key));
+                wake.push(label_topic(&b.value.label));
+                todo.push(Dirty::Seat(b.key.clone()));
+                todo.push(Dirty::Label(b.value.label.clone()));
+                world.put_backing(b);
+            }
+            Record::Heartbeat(hb) => {
+                let id = BackingId::parse(&hb.backing_id);
+                if world.put_agent(hb) {
+                    if let Ok(id) = id {
+                        wake_backing(&world, &id, &mut wake, &mut todo);
+                    }
+                }
+            }
+            Record::Lease(l) => {
+                world.leases.insert(l.key.clone(), l);
+            }
+            Record::Removed { key, revision } => match mirror {
+                Mirror::Requests => world.remove_request(key, revision),
+                Mirror::Slots => {
+                    if let Some(old) = world.slots.get(key).map(|n| &n.value) {
+                        if let Some(seat) = world.seat_of.get(&old.backing_id) {
+                            wake.push(seat_topic(seat));
+                            todo.push(Dirty::Seat(seat.clone()));
                         }
+                        wake.push(label_topic(&old.label));
+                        wake.push(request_topic(&old.request_id));
                     }
-                    if r.value.state == RequestState::Requested {
-                        todo.push(Dirty::Request(r.value.id.clone()));
-                    }
-                    world.put_request(r);
+                    world.remove_slot(key, revision);
                 }
-            }
-            (Mirror::Requests, Change::Removed { key, revision }) => {
-                world.remove_request(key, *revision)
-            }
-            (
-                Mirror::Slots,
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                },
-            ) => {
-                if let Some(n) = decode::<Node>(bucket, key, *revision, value) {
-                    if let Some(seat) = world.seat_of.get(&n.value.backing_id) {
-                        wake.push(seat_topic(seat));
-                        todo.push(Dirty::Seat(seat.clone()));
+                Mirror::Backing => {
+                    if let Some(old) = world.backing.get(key) {
+                        wake.push(label_topic(&old.value.label));
+                        todo.push(Dirty::Label(old.value.label.clone()));
                     }
-                    wake.push(request_topic(&n.value.request_id));
-                    world.put_slot(n);
-                }
-            }
-            (Mirror::Slots, Change::Removed { key, revision }) => {
-                if let Some(old) = world.slots.get(key).map(|n| n.value.clone()) {
-                    if let Some(seat) = world.seat_of.get(&old.backing_id) {
-                        wake.push(seat_topic(seat));
-                        todo.push(Dirty::Seat(seat.clone()));
-                    }
-                    wake.push(label_topic(&old.label));
-                    wake.push(request_topic(&old.request_id));
-                }
-                world.remove_slot(key, *revision);
-            }
-            (
-                Mirror::Backing,
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                },
-            ) => {
-                if let Some(b) = decode::<BackingNode>(bucket, key, *revision, value) {
                     wake.push(seat_topic(key));
-                    wake.push(label_topic(&b.value.label));
-                    todo.push(Dirty::Seat(key.clone()));
-                    todo.push(Dirty::Label(b.value.label.clone()));
-                    world.put_backing(b);
+                    world.remove_backing(key, revision);
                 }
-            }
-            (Mirror::Backing, Change::Removed { key, revision }) => {
-                if let Some(old) = world.backing.get(key) {
-                    wake.push(label_topic(&old.value.label));
-                    todo.push(Dirty::Label(old.value.label.clone()));
-                }
-                wake.push(seat_topic(key));
-                world.remove_backing(key, *revision);
-            }
-            (
-                Mirror::Agents,
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                },
-            ) => {
-                if let Some(hb) = decode::<AgentHeartbeat>(bucket, key, *revision, value) {
-                    let summary = |a: Option<&AgentHeartbeat>| {
-                        a.map(|a| (a.secret_sha256.clone(), a.health.healthy, a.draining))
-                    };
-                    let before = summary(world.agents.get(&hb.value.backing_id));
-                    let after = summary(Some(&hb.value));
-                    if before != after {
-                        wake_backing(&world, &hb.value.backing_id, &mut wake, &mut todo);
+                Mirror::Agents => {
+                    if let Ok(id) = BackingId::parse(key) {
+                        wake_backing(&world, &id, &mut wake, &mut todo);
                     }
-                    world.put_agent(hb.value);
+                    world.remove_agent(key);
                 }
-            }
-            (Mirror::Agents, Change::Removed { key, .. }) => {
-                if let Ok(id) = slotpool_protocol::BackingId::parse(key) {
-                    wake_backing(&world, &id, &mut wake, &mut todo);
+                Mirror::Leases => {
+                    world.leases.remove(key);
+                    if let Some(id) = key
+                        .strip_prefix("request.")
+                        .and_then(|id| RequestId::parse(id).ok())
+                    {
+                        todo.push(Dirty::Request(id));
+                    } else if let Some(seat) = key.strip_prefix("backing.") {
+                        todo.push(Dirty::Seat(seat.to_string()));
+                    }
                 }
-                world.remove_agent(key);
-            }
-            (
-                Mirror::Leases,
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                },
-            ) => {
-                if let Some(l) = decode(bucket, key, *revision, value) {
-                    world.leases.insert(key.clone(), l);
-                }
-            }
-            (Mirror::Leases, Change::Removed { key, .. }) => {
-                world.leases.remove(key);
-                if let Some(id) = key
-                    .strip_prefix("request.")
-                    .and_then(|id| RequestId::parse(id).ok())
-                {
-                    todo.push(Dirty::Request(id));
-                } else if let Some(seat) = key.strip_prefix("backing.") {
-                    todo.push(Dirty::Seat(seat.to_string()));
-                }
-            }
+            },
         }
     }
     for topic in wake {

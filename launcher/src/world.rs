@@ -4,11 +4,18 @@
 //!
 //! Besides the mirror it holds one piece of local bookkeeping: slots this launcher is
 //! about to claim (`reserved`), so two of its own workers do not race for the same key.
+//!
+//! What each backing node offers its label is kept indexed ([`capacity`]), so that
+//! handing out a slot or counting capacity does not walk every backing node. The index
+//! is updated by the methods that change what it depends on (backing nodes, agents,
+//! slots, reservations): change the mirror only through them.
 
+mod capacity;
+
+use capacity::{CapacityIndex, Offer, Standing};
 use slotpool_protocol::layout::{self, parse_slot_key};
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, BackingState, IdleBehaviour, Lease, Node, NodeRequest,
-    RequestState,
+    BackingNode, BackingState, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
@@ -51,7 +58,7 @@ pub struct World {
     /// Seat key → backing node.
     pub backing: HashMap<String, Versioned<BackingNode>>,
     pub seat_of: HashMap<BackingId, String>,
-    pub agents: HashMap<BackingId, AgentHeartbeat>,
+    pub agents: HashMap<BackingId, AgentReport>,
     pub leases: HashMap<String, Versioned<Lease>>,
     /// When a slot of each backing node was last returned (local clock).
     pub last_release: HashMap<BackingId, UnixMillis>,
@@ -65,13 +72,44 @@ pub struct World {
     /// Requests not yet fulfilled, failed or canceled: finished ones stay in `requests`
     /// for an hour, and demand must not be counted by walking all of them.
     pub open_requests: HashSet<RequestId>,
+    /// What each backing node offers its label.
+    capacity: CapacityIndex,
 }
 
-/// Whether an agent heartbeat makes a backing node usable.
-pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentHeartbeat>) -> bool {
-    agent.is_some_and(|a| {
-        a.secret_sha256 == backing.secret_sha256 && a.health.healthy && !a.draining
-    })
+/// What the launcher keeps of an agent's heartbeat: the part that decides whether its
+/// backing node gets slots.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentReport {
+    pub secret_sha256: String,
+    pub healthy: bool,
+    pub draining: bool,
+    /// Slots never to be handed out again until an operator acts.
+    pub dirty_slots: Vec<u32>,
+}
+
+impl AgentReport {
+    fn says_the_same_as(&self, hb: &HeartbeatGist<'_>) -> bool {
+        self.secret_sha256 == hb.secret_sha256
+            && self.healthy == hb.health.healthy
+            && self.draining == hb.draining
+            && self.dirty_slots == hb.dirty_slots
+    }
+}
+
+impl From<HeartbeatGist<'_>> for AgentReport {
+    fn from(hb: HeartbeatGist<'_>) -> Self {
+        AgentReport {
+            secret_sha256: hb.secret_sha256.into_owned(),
+            healthy: hb.health.healthy,
+            draining: hb.draining,
+            dirty_slots: hb.dirty_slots,
+        }
+    }
+}
+
+/// Whether an agent's report makes a backing node usable.
+pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentReport>) -> bool {
+    agent.is_some_and(|a| a.secret_sha256 == backing.secret_sha256 && a.healthy && !a.draining)
 }
 
 impl World {
@@ -130,7 +168,9 @@ impl World {
             .insert(n.value.slot);
         self.reserved.remove(&key);
         self.tombstones.remove(&key);
+        let backing = n.value.backing_id.clone();
         self.slots.insert(key, n);
+        self.restand_backing(&backing);
     }
 
     pub fn remove_slot(&mut self, key: &str, revision: u64) {
@@ -172,6 +212,7 @@ impl World {
                 self.used.remove(&node.backing_id);
             }
         }
+        self.restand_backing(&node.backing_id);
     }
 
     pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
@@ -184,7 +225,9 @@ impl World {
             }
         }
         self.seat_of.insert(b.value.id.clone(), b.key.clone());
+        let seat = b.key.clone();
         self.backing.insert(b.key.clone(), b);
+        self.restand(&seat);
     }
 
     pub fn remove_backing(&mut self, key: &str, revision: u64) {
@@ -202,15 +245,66 @@ impl World {
                     .remove(&layout::slot_key(&old.value.id, slot));
             }
         }
+        self.restand(key);
     }
 
-    pub fn put_agent(&mut self, hb: AgentHeartbeat) {
-        self.agents.insert(hb.backing_id.clone(), hb);
+    /// Applies a heartbeat; true when it changed what decides whether the node gets
+    /// slots (most heartbeats change nothing and cost no copy).
+    pub fn put_agent(&mut self, hb: HeartbeatGist<'_>) -> bool {
+        let Ok(id) = BackingId::parse(&hb.backing_id) else {
+            return false;
+        };
+        if self
+            .agents
+            .get(&id)
+            .is_some_and(|a| a.says_the_same_as(&hb))
+        {
+            return false;
+        }
+        self.agents.insert(id.clone(), hb.into());
+        self.restand_backing(&id);
+        true
     }
 
     pub fn remove_agent(&mut self, key: &str) {
         if let Ok(id) = BackingId::parse(key) {
-            self.agents.remove(&id);
+            if self.agents.remove(&id).is_some() {
+                self.restand_backing(&id);
+            }
+        }
+    }
+
+    // ---- the capacity index -----------------------------------------------------------
+
+    /// What the backing node `b` offers its label now.
+    fn offer(&self, b: &BackingNode) -> Offer {
+        match b.state {
+            BackingState::Requested | BackingState::Launching => Offer::Booting { slots: b.slots },
+            _ if self.takes_slots(b) => {
+                let used = self.used_count(&b.id);
+                Offer::Serving {
+                    slots: b.slots,
+                    used,
+                    open: used < b.slots && self.first_free(b).is_some(),
+                }
+            }
+            _ => Offer::Nothing,
+        }
+    }
+
+    /// Brings the index up to date for the seat `seat`.
+    fn restand(&mut self, seat: &str) {
+        let standing = self.backing.get(seat).map(|b| Standing {
+            label: b.value.label.clone(),
+            offer: self.offer(&b.value),
+        });
+        self.capacity.set(seat, standing);
+    }
+
+    /// Brings the index up to date for the backing node `id`, if it has a seat.
+    fn restand_backing(&mut self, id: &BackingId) {
+        if let Some(seat) = self.seat_of.get(id).cloned() {
+            self.restand(&seat);
         }
     }
 
@@ -251,21 +345,7 @@ impl World {
         if self.someone_ahead_wants(me, label) {
             return None;
         }
-        let mut best: Option<(u32, &Versioned<BackingNode>)> = None;
-        for b in self.backing.values() {
-            let v = &b.value;
-            if v.label != label || !self.takes_slots(v) {
-                continue;
-            }
-            let used = self.used_count(&v.id);
-            if used >= v.slots {
-                continue;
-            }
-            if best.is_none_or(|(u, _)| used > u) && self.first_free(v).is_some() {
-                best = Some((used, b));
-            }
-        }
-        let (_, b) = best?;
+        let b = self.backing.get(self.capacity.fullest_open(label)?)?;
         let slot = self.first_free(&b.value)?;
         let r = SlotRef {
             backing_id: b.value.id.clone(),
@@ -273,6 +353,7 @@ impl World {
             slot,
         };
         self.reserved.insert(r.key());
+        self.restand(&r.seat_key);
         Some(r)
     }
 
@@ -293,7 +374,9 @@ impl World {
     }
 
     pub fn unreserve(&mut self, r: &SlotRef) {
-        self.reserved.remove(&r.key());
+        if self.reserved.remove(&r.key()) {
+            self.restand_backing(&r.backing_id);
+        }
     }
 
     /// Records the labels the request at `me` still waits for (none: it left the queue).
@@ -341,18 +424,7 @@ impl World {
 
     /// Slots of `label` free now or soon (on backing nodes still booting).
     pub fn coming_capacity(&self, label: &str) -> u32 {
-        self.backing
-            .values()
-            .map(|b| &b.value)
-            .filter(|b| b.label == label)
-            .map(|b| match b.state {
-                BackingState::Requested | BackingState::Launching => b.slots,
-                BackingState::Ready if self.takes_slots(b) => {
-                    b.slots.saturating_sub(self.used_count(&b.id))
-                }
-                _ => 0,
-            })
-            .sum()
+        self.capacity.coming(label)
     }
 
     /// Seats of a pool currently taken, by index.
@@ -370,10 +442,67 @@ impl World {
     }
 }
 
+/// Checks of the capacity index against a walk over every backing node, for tests.
+#[cfg(test)]
+impl World {
+    /// Panics unless the index says what the walk says, for every label.
+    pub fn check_capacity_index(&self) {
+        let mut fresh = CapacityIndex::default();
+        for (seat, b) in &self.backing {
+            let standing = Standing {
+                label: b.value.label.clone(),
+                offer: self.offer(&b.value),
+            };
+            fresh.set(seat, Some(standing));
+        }
+        assert_eq!(self.capacity, fresh, "the capacity index is out of date");
+        let labels: BTreeSet<&str> = self
+            .backing
+            .values()
+            .map(|b| b.value.label.as_str())
+            .collect();
+        for label in labels {
+            let nodes = || {
+                self.backing
+                    .values()
+                    .map(|b| &b.value)
+                    .filter(|b| b.label == label)
+            };
+            let fullest = nodes()
+                .filter(|b| {
+                    self.takes_slots(b)
+                        && self.used_count(&b.id) < b.slots
+                        && self.first_free(b).is_some()
+                })
+                .map(|b| self.used_count(&b.id))
+                .max();
+            let picked = self
+                .capacity
+                .fullest_open(label)
+                .map(|seat| self.used_count(&self.backing[seat].value.id));
+            assert_eq!(picked, fullest, "not the fullest usable node of {label}");
+            let coming: u32 = nodes()
+                .map(|b| match b.state {
+                    BackingState::Requested | BackingState::Launching => b.slots,
+                    BackingState::Ready if self.takes_slots(b) => {
+                        b.slots.saturating_sub(self.used_count(&b.id))
+                    }
+                    _ => 0,
+                })
+                .sum();
+            assert_eq!(
+                self.coming_capacity(label),
+                coming,
+                "coming capacity of {label}"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 pub mod tests_support {
     use super::*;
-    use slotpool_protocol::model::Health;
+    use slotpool_protocol::model::HealthGist;
 
     pub fn backing(
         id: &str,
@@ -411,26 +540,13 @@ pub mod tests_support {
         }
     }
 
-    pub fn agent(id: &str) -> AgentHeartbeat {
-        AgentHeartbeat {
-            v: 1,
-            backing_id: BackingId::parse(id).unwrap(),
+    pub fn agent(id: &str) -> HeartbeatGist<'static> {
+        HeartbeatGist {
+            backing_id: id.to_string().into(),
             secret_sha256: "s".into(),
-            agent_version: "t".into(),
-            hostname: "h".into(),
-            pid: 1,
-            started_at: 0,
-            sent_at: 0,
-            health: Health {
-                healthy: true,
-                ..Default::default()
-            },
-            slots: vec![],
+            health: HealthGist { healthy: true },
             draining: false,
             dirty_slots: vec![],
-            isolation: None,
-            ssh_port: None,
-            ssh_host_keys: vec![],
         }
     }
 }
@@ -584,5 +700,206 @@ mod tests {
         assert!(w
             .last_release
             .contains_key(&BackingId::parse("bn-a").unwrap()));
+    }
+
+    /// The node a request at the back of the queue would get now, as (backing id, slot);
+    /// the reservation is given back.
+    fn peek(w: &mut World, label: &str) -> Option<(String, u32)> {
+        let r = w.reserve_slot(&pos(100, 1, "req-peek"), label)?;
+        w.unreserve(&r);
+        w.check_capacity_index();
+        Some((r.backing_id.to_string(), r.slot))
+    }
+
+    fn two_ready_nodes() -> World {
+        let mut w = World::default();
+        for id in ["bn-a", "bn-b"] {
+            w.put_backing(backing(id, "small", 2, BackingState::Ready));
+            w.put_agent(agent(id));
+        }
+        w.put_slot(node("bn-b", 0, "req-x", "small"));
+        w.check_capacity_index();
+        w
+    }
+
+    fn with_state(id: &str, state: BackingState, revision: u64) -> Versioned<BackingNode> {
+        let mut b = backing(id, "small", 2, state);
+        b.revision = revision;
+        b
+    }
+
+    #[test]
+    fn the_index_follows_the_backing_state() {
+        let mut w = two_ready_nodes();
+        assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 1)));
+        assert_eq!(w.coming_capacity("small"), 3);
+
+        w.put_backing(with_state("bn-b", BackingState::Retiring, 2));
+        assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
+        assert_eq!(w.coming_capacity("small"), 2);
+
+        let mut held = with_state("bn-a", BackingState::Ready, 2);
+        held.value.idle = IdleBehaviour::Hold;
+        w.put_backing(held);
+        assert_eq!(peek(&mut w, "small"), None);
+        assert_eq!(w.coming_capacity("small"), 0);
+
+        w.put_backing(with_state("bn-a", BackingState::Ready, 3));
+        assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
+
+        w.remove_backing("p.main.bn-a", 4);
+        assert_eq!(peek(&mut w, "small"), None);
+        w.put_backing(with_state("bn-c", BackingState::Launching, 1));
+        assert_eq!(w.coming_capacity("small"), 2, "a booting node counts whole");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn the_index_follows_the_agents() {
+        let mut w = two_ready_nodes();
+        let mut draining = agent("bn-b");
+        draining.draining = true;
+        assert!(w.put_agent(draining.clone()));
+        assert!(
+            !w.put_agent(draining),
+            "the same report again changes nothing"
+        );
+        assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
+
+        w.remove_agent("bn-a");
+        assert_eq!(peek(&mut w, "small"), None, "no agent, no slots");
+        assert_eq!(w.coming_capacity("small"), 0);
+
+        assert!(w.put_agent(agent("bn-a")));
+        assert!(w.put_agent(agent("bn-b")));
+        assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 1)));
+
+        let mut dirty = agent("bn-b");
+        dirty.dirty_slots = vec![1];
+        assert!(w.put_agent(dirty));
+        assert_eq!(
+            peek(&mut w, "small"),
+            Some(("bn-a".into(), 0)),
+            "a node whose only free slot is dirty has nothing to hand out"
+        );
+        assert_eq!(
+            w.coming_capacity("small"),
+            3,
+            "capacity counts slots not in use, dirty or not"
+        );
+    }
+
+    #[test]
+    fn the_index_follows_slots_and_reservations() {
+        let mut w = two_ready_nodes();
+        let me = pos(100, 1, "req-1");
+        let first = w.reserve_slot(&me, "small").unwrap();
+        assert_eq!((first.backing_id.as_str(), first.slot), ("bn-b", 1));
+        w.check_capacity_index();
+        let second = w.reserve_slot(&me, "small").unwrap();
+        assert_eq!(
+            (second.backing_id.as_str(), second.slot),
+            ("bn-a", 0),
+            "bn-b has no slot left that is neither used nor reserved"
+        );
+        w.check_capacity_index();
+
+        w.put_slot(node("bn-b", 1, "req-1", "small")); // the claim landed
+        w.unreserve(&first);
+        w.unreserve(&second);
+        assert_eq!(w.coming_capacity("small"), 2);
+        assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
+
+        w.remove_slot("bn-b.0", 3);
+        assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 0)));
+        assert_eq!(w.coming_capacity("small"), 3);
+        w.put_slot(node("bn-a", 0, "req-2", "small"));
+        w.put_slot(node("bn-a", 1, "req-2", "small"));
+        w.put_slot(node("bn-b", 0, "req-2", "small"));
+        assert_eq!(peek(&mut w, "small"), None, "every slot in use");
+        assert_eq!(w.coming_capacity("small"), 0);
+    }
+
+    /// A small deterministic generator, so the sequence below can be replayed.
+    struct XorShift(u64);
+
+    impl XorShift {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    #[test]
+    fn the_index_agrees_with_a_walk_over_every_node_after_any_change() {
+        let states = [
+            BackingState::Requested,
+            BackingState::Launching,
+            BackingState::Ready,
+            BackingState::Ready,
+            BackingState::Retiring,
+            BackingState::Failed,
+        ];
+        let mut w = World::default();
+        let mut rng = XorShift(0x5eed_1234_abcd);
+        let mut revision = 1;
+        let mut reservations = Vec::new();
+        for step in 0..5_000 {
+            revision += 1;
+            // Five seats; a seat taken again gets a new backing id, as after a failure.
+            let seat = rng.below(5);
+            let id = format!("bn-s{seat}g{}", rng.below(2));
+            let backing_id = BackingId::parse(&id).unwrap();
+            let label = if rng.below(3) == 0 { "big" } else { "small" };
+            let slot = rng.below(3) as u32;
+            match rng.below(9) {
+                0 | 1 => {
+                    let state = states[rng.below(states.len() as u64) as usize];
+                    let mut b = backing(&id, label, 1 + rng.below(3) as u32, state);
+                    b.key = format!("p.main.{seat}");
+                    b.revision = revision;
+                    if rng.below(5) == 0 {
+                        b.value.idle = IdleBehaviour::Hold;
+                    }
+                    w.put_backing(b);
+                }
+                2 => w.remove_backing(&format!("p.main.{seat}"), revision),
+                3 => {
+                    let mut a = agent(&id);
+                    a.health.healthy = rng.below(6) != 0;
+                    a.draining = rng.below(6) == 0;
+                    if rng.below(4) == 0 {
+                        a.dirty_slots = vec![slot];
+                    }
+                    w.put_agent(a);
+                }
+                4 => w.remove_agent(&id),
+                5 => {
+                    let mut n = node(&id, slot, "req-r", label);
+                    n.revision = revision;
+                    w.put_slot(n);
+                }
+                6 => w.remove_slot(&layout::slot_key(&backing_id, slot), revision),
+                7 => {
+                    if let Some(r) = w.reserve_slot(&pos(100, step, "req-r"), label) {
+                        assert!(!w
+                            .used
+                            .get(&r.backing_id)
+                            .is_some_and(|u| u.contains(&r.slot)));
+                        reservations.push(r);
+                    }
+                }
+                _ => {
+                    if !reservations.is_empty() {
+                        let i = rng.below(reservations.len() as u64) as usize;
+                        let r = reservations.swap_remove(i);
+                        w.unreserve(&r);
+                    }
+                }
+            }
+            w.check_capacity_index();
+        }
     }
 }

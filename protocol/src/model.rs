@@ -4,6 +4,7 @@
 use crate::ids::{BackingId, EventId, LauncherId, NodeId, RequestId};
 use crate::time::UnixMillis;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Free-form attributes copied onto nodes (`node-attributes` in the config).
@@ -402,6 +403,35 @@ pub struct AgentHeartbeat {
     pub ssh_host_keys: Vec<String>,
 }
 
+/// The part of an [`AgentHeartbeat`] that decides whether its backing node gets slots,
+/// read straight from the JSON without copying: a launcher mirrors every heartbeat of
+/// every agent (thousands a second), and almost none of them change this part.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct HeartbeatGist<'a> {
+    #[serde(borrow)]
+    pub backing_id: Cow<'a, str>,
+    #[serde(borrow)]
+    pub secret_sha256: Cow<'a, str>,
+    pub health: HealthGist,
+    #[serde(default)]
+    pub draining: bool,
+    #[serde(default)]
+    pub dirty_slots: Vec<u32>,
+}
+
+/// The verdict of a heartbeat's [`Health`].
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+pub struct HealthGist {
+    pub healthy: bool,
+}
+
+impl<'a> HeartbeatGist<'a> {
+    /// Reads the gist of a heartbeat record.
+    pub fn from_json(bytes: &'a [u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
 /// A launcher's claim on a piece of work; its KV revision is the fencing token.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Lease {
@@ -459,5 +489,46 @@ mod tests {
             r#"{"v":1,"id":"req-1","labels":["small"],"requestor":"ci","priority":100,"created_at":5,"state":"requested","status":"queued","nodes":[],"updated_at":5}"#
         );
         assert_eq!(serde_json::from_str::<NodeRequest>(&json).unwrap(), r);
+    }
+
+    #[test]
+    fn a_heartbeat_gist_reads_the_fields_that_decide_slots() {
+        let mut hb = AgentHeartbeat {
+            v: 1,
+            backing_id: BackingId::parse("bn-1").unwrap(),
+            secret_sha256: "abc".into(),
+            agent_version: "1".into(),
+            hostname: "h".into(),
+            pid: 7,
+            started_at: 1,
+            sent_at: 2,
+            health: Health {
+                healthy: true,
+                reason: Some("fine \"really\"".into()),
+                ..Default::default()
+            },
+            slots: vec![SlotReport {
+                slot: 1,
+                node_id: NodeId::parse("node-x").unwrap(),
+            }],
+            draining: false,
+            dirty_slots: vec![],
+            isolation: Some("users".into()),
+            ssh_port: Some(22),
+            ssh_host_keys: vec!["ssh-ed25519 AAAA".into()],
+        };
+        let json = serde_json::to_vec(&hb).unwrap();
+        let gist = HeartbeatGist::from_json(&json).unwrap();
+        assert_eq!(gist.backing_id, "bn-1");
+        assert_eq!(gist.secret_sha256, "abc");
+        assert!(gist.health.healthy && !gist.draining && gist.dirty_slots.is_empty());
+
+        hb.health.healthy = false;
+        hb.draining = true;
+        hb.dirty_slots = vec![0, 3];
+        let json = serde_json::to_vec(&hb).unwrap();
+        let gist = HeartbeatGist::from_json(&json).unwrap();
+        assert!(!gist.health.healthy && gist.draining);
+        assert_eq!(gist.dirty_slots, vec![0, 3]);
     }
 }

@@ -1,0 +1,166 @@
+//! What every backing node offers its label, indexed by label, so that handing out a
+//! slot and planning cost a lookup instead of a walk over every backing node.
+//!
+//! The [`World`](super::World) works out a node's [`Standing`] whenever something it
+//! depends on changes and hands it to [`CapacityIndex::set`]; this module only keeps the
+//! books.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
+
+/// What one backing node offers its label now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// Requested or launching: all its slots are coming.
+    Booting { slots: u32 },
+    /// Taking slots, `used` of `slots` in use; `open` when one of the others can be
+    /// handed out now (not dirty, not reserved).
+    Serving { slots: u32, used: u32, open: bool },
+    /// Nothing now or soon: held, draining, failed, without a healthy agent…
+    Nothing,
+}
+
+impl Offer {
+    /// Slots free now or soon.
+    fn coming(&self) -> u32 {
+        match *self {
+            Offer::Booting { slots } => slots,
+            Offer::Serving { slots, used, .. } => slots.saturating_sub(used),
+            Offer::Nothing => 0,
+        }
+    }
+
+    /// Where the node ranks among those with a slot to hand out: fullest first.
+    fn rank(&self) -> Option<Reverse<u32>> {
+        match *self {
+            Offer::Serving {
+                used, open: true, ..
+            } => Some(Reverse(used)),
+            _ => None,
+        }
+    }
+}
+
+/// A backing node's label and offer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Standing {
+    pub label: String,
+    pub offer: Offer,
+}
+
+/// One label's totals.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct LabelCapacity {
+    /// Seats with a slot to hand out now, fullest first, then by seat key.
+    open: BTreeSet<(Reverse<u32>, String)>,
+    coming: u32,
+}
+
+/// Standings by seat key, and their sums by label.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CapacityIndex {
+    by_seat: HashMap<String, Standing>,
+    by_label: HashMap<String, LabelCapacity>,
+}
+
+impl CapacityIndex {
+    /// Records what the node at `seat` offers now (`None`: there is no node there).
+    pub fn set(&mut self, seat: &str, standing: Option<Standing>) {
+        if self.by_seat.get(seat) == standing.as_ref() {
+            return;
+        }
+        if let Some(old) = self.by_seat.remove(seat) {
+            self.leave(seat, &old);
+        }
+        if let Some(new) = standing {
+            let (coming, rank) = (new.offer.coming(), new.offer.rank());
+            if coming > 0 || rank.is_some() {
+                let label = self.by_label.entry(new.label.clone()).or_default();
+                label.coming += coming;
+                if let Some(rank) = rank {
+                    label.open.insert((rank, seat.to_string()));
+                }
+            }
+            self.by_seat.insert(seat.to_string(), new);
+        }
+    }
+
+    fn leave(&mut self, seat: &str, old: &Standing) {
+        let Some(label) = self.by_label.get_mut(&old.label) else {
+            return;
+        };
+        label.coming -= old.offer.coming();
+        if let Some(rank) = old.offer.rank() {
+            label.open.remove(&(rank, seat.to_string()));
+        }
+        if label.open.is_empty() && label.coming == 0 {
+            self.by_label.remove(&old.label);
+        }
+    }
+
+    /// The seat of the fullest node of `label` with a slot to hand out now.
+    pub fn fullest_open(&self, label: &str) -> Option<&str> {
+        let (_, seat) = self.by_label.get(label)?.open.first()?;
+        Some(seat)
+    }
+
+    /// Slots of `label` free now or soon.
+    pub fn coming(&self, label: &str) -> u32 {
+        self.by_label.get(label).map_or(0, |l| l.coming)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serving(label: &str, used: u32, open: bool) -> Option<Standing> {
+        Some(Standing {
+            label: label.into(),
+            offer: Offer::Serving {
+                slots: 4,
+                used,
+                open,
+            },
+        })
+    }
+
+    #[test]
+    fn the_fullest_open_node_comes_first_and_totals_follow_changes() {
+        let mut idx = CapacityIndex::default();
+        idx.set("s.a", serving("small", 1, true));
+        idx.set("s.b", serving("small", 3, true));
+        idx.set("s.c", serving("small", 4, false));
+        idx.set(
+            "s.d",
+            Some(Standing {
+                label: "small".into(),
+                offer: Offer::Booting { slots: 4 },
+            }),
+        );
+        assert_eq!(idx.fullest_open("small"), Some("s.b"));
+        assert_eq!(idx.coming("small"), 3 + 1 + 4);
+
+        idx.set("s.b", serving("small", 3, false)); // its last slot reserved
+        assert_eq!(idx.fullest_open("small"), Some("s.a"));
+        assert_eq!(idx.coming("small"), 8, "reserved is not used");
+
+        idx.set("s.a", serving("big", 1, true)); // a seat taken over by another label
+        assert_eq!(idx.fullest_open("small"), None);
+        assert_eq!(idx.fullest_open("big"), Some("s.a"));
+        assert_eq!(idx.coming("small"), 1 + 4);
+
+        for seat in ["s.a", "s.b", "s.c", "s.d"] {
+            idx.set(seat, None);
+        }
+        assert_eq!(idx, CapacityIndex::default(), "nothing left behind");
+    }
+
+    #[test]
+    fn ties_go_to_the_lowest_seat_key() {
+        let mut idx = CapacityIndex::default();
+        idx.set("s.b", serving("small", 2, true));
+        idx.set("s.a", serving("small", 2, true));
+        assert_eq!(idx.fullest_open("small"), Some("s.a"));
+    }
+}
