@@ -189,6 +189,7 @@ async fn max_servers_bounds_backing_nodes_and_waiting_requests_are_served_later(
         "never more than max-servers backing nodes"
     );
     // Release the fulfilled ones: the waiting ones get their slots.
+    let all = pool.client.list_requests().await.unwrap();
     let fulfilled: Vec<NodeRequest> = all
         .into_iter()
         .filter(|r| r.state == RequestState::Fulfilled)
