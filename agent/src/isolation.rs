@@ -100,6 +100,12 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// The slot's workspace directory (whether or not it exists).
     fn workspace(&self, slot: u32) -> PathBuf;
 
+    /// Whether [`SlotIsolation::prepare_warm`] is a few small file writes, quick enough
+    /// to run on the agent's event loop: that saves two thread hand-offs per prepare.
+    fn quick_prepare(&self) -> bool {
+        false
+    }
+
     /// Makes the slot fresh for `node_id`, wiping anything a previous node left, and
     /// returns its workspace: the full (cold) path, wipe then warm then prepare.
     fn create(
@@ -205,6 +211,10 @@ impl SlotIsolation for WorkspaceOnly {
 
     fn workspace(&self, slot: u32) -> PathBuf {
         self.slots_dir.join(slot.to_string())
+    }
+
+    fn quick_prepare(&self) -> bool {
+        true
     }
 
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {

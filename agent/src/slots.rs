@@ -446,12 +446,18 @@ impl Slots {
             });
         }
         if plan == PreparePlan::FromWarm {
-            let isolation = self.isolation.clone();
-            let (node, key) = (node_id.clone(), ssh_public_key.clone());
-            let warm = blocking(slot, "prepare", move || {
-                isolation.prepare_warm(slot, &node, key.as_deref(), &limits)
-            })
-            .await;
+            let warm = if self.isolation.quick_prepare() {
+                self.isolation
+                    .prepare_warm(slot, node_id, ssh_public_key.as_deref(), &limits)
+                    .map_err(|error| SlotError::Isolation { slot, error })
+            } else {
+                let isolation = self.isolation.clone();
+                let (node, key) = (node_id.clone(), ssh_public_key.clone());
+                blocking(slot, "prepare", move || {
+                    isolation.prepare_warm(slot, &node, key.as_deref(), &limits)
+                })
+                .await
+            };
             match warm {
                 Ok(workspace) => return Ok(self.prepared(slot, node_id, workspace)),
                 Err(err) => {

@@ -4,7 +4,6 @@
 //! specific error; nothing about it disturbs other requests.
 
 use crate::admin;
-use crate::lease;
 use crate::nodes;
 use crate::request;
 use crate::shared::Shared;
@@ -16,7 +15,7 @@ use slotpool_protocol::api::{
     Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST,
 };
 use slotpool_protocol::connect::{BusError, Incoming};
-use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::layout::{subjects, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{Node, NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -196,49 +195,28 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         nodes: vec![],
         failure: None,
         updated_at: now,
+        owner: Some(sh.id.clone()),
     };
     let key = req.id.to_string();
-    // The request's lease is taken, and free slots are claimed, in the same round trip as
-    // the request is created (all writes in flight at once): the worker starts with the
-    // lease in hand and its slots claimed, ready to have them prepared. A slot claimed
-    // for a request whose creation fails is given back; one left behind by a launcher
-    // that died in between is swept ([`nodes::sweep_left_behind`]).
-    let lease_key = layout::request_lease_key(&req.id);
-    let mine = sh.start_work(&lease_key);
+    // Free slots are claimed in the same round trip as the request is created (both
+    // writes in flight at once): the worker starts with its slots claimed, ready to have
+    // them prepared. A slot claimed for a request whose creation fails is given back;
+    // one left behind by a launcher that died in between is swept
+    // ([`nodes::sweep_left_behind`]). The request names this launcher its owner, so no
+    // other launcher drives it while this one is alive.
     let reserved = reserve_slots(sh, &req);
     let claims = futures::future::join_all(
         reserved
             .iter()
             .map(|(index, slot)| nodes::claim(sh, slot, &req, *index)),
     );
-    let (created, lease, claimed) = tokio::join!(
-        sh.bus.requests.create(&key, &req, None),
-        async {
-            match mine {
-                true => lease::acquire(sh, &lease_key).await.ok().flatten(),
-                false => None,
-            }
-        },
-        claims
-    );
+    let (created, claimed) = tokio::join!(sh.bus.requests.create(&key, &req, None), claims);
     let claimed: Vec<Versioned<Node>> = {
         let mut world = sh.world();
         for (_, slot) in &reserved {
             world.unreserve(slot);
         }
         claimed.into_iter().filter_map(Result::ok).collect()
-    };
-    let lease = match (&created, lease) {
-        (Ok(_), Some(lease)) => Some(lease),
-        (_, unused) => {
-            if let Some(lease) = unused {
-                lease.release().await;
-            }
-            if mine {
-                sh.end_work(&lease_key);
-            }
-            None
-        }
     };
     if created.is_err() {
         for node in &claimed {
@@ -262,11 +240,7 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
                     world.put_slot(node);
                 }
             }
-            match lease {
-                Some(lease) => request::spawn_leased(sh, id.clone(), lease),
-                // Taken by someone else or not reachable: the usual path sorts it out.
-                None => request::spawn(sh, id.clone()),
-            }
+            request::spawn(sh, id.clone());
             Ok(Submitted { request_id: id })
         }
         // A retried submission with the same id: the first one stands.

@@ -1,4 +1,5 @@
-//! Leases: a launcher's claim on a request or a backing seat, as a KV key with a TTL.
+//! Leases: a launcher's claim on a backing seat, and its own liveness (which stands for
+//! every request it owns), as KV keys with a TTL.
 //!
 //! Acquire is create-if-absent; the holder renews it every third of the TTL with a
 //! revision-checked write; a launcher that stops renewing loses it when the TTL runs out,
@@ -10,7 +11,8 @@ use slotpool_protocol::model::Lease;
 use slotpool_protocol::store::KvError;
 use slotpool_protocol::time::now_ms;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// A held lease. Renewal runs until [`LeaseGuard::release`] or drop; `lost` is cancelled
@@ -107,5 +109,78 @@ impl LeaseGuard {
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+/// This launcher's liveness lease (`launcher.<id>`): while it stands, no other launcher
+/// takes over the requests this one owns. [`Liveness::token`] is cancelled when the lease
+/// is lost (the bus was out of reach for longer than the lease TTL): the request workers
+/// stop, as others may take their requests over, and the lease is taken again.
+pub struct Liveness {
+    current: Mutex<CancellationToken>,
+}
+
+/// Pause between attempts to take the liveness lease again.
+const LIVENESS_RETRY: Duration = Duration::from_secs(1);
+
+impl Liveness {
+    pub fn new(shutdown: &CancellationToken) -> Liveness {
+        Liveness {
+            current: Mutex::new(shutdown.child_token()),
+        }
+    }
+
+    /// Cancelled when the liveness lease held now is lost (or at shutdown).
+    pub fn token(&self) -> CancellationToken {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set(&self, token: CancellationToken) {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = token;
+    }
+}
+
+/// Takes this launcher's liveness lease; an error when the bus cannot be written.
+pub async fn take_liveness(shared: &Arc<Shared>) -> Result<LeaseGuard, KvError> {
+    let key = slotpool_protocol::layout::launcher_lease_key(&shared.id);
+    match acquire(shared, &key).await? {
+        Some(guard) => {
+            shared.liveness.set(guard.lost.clone());
+            Ok(guard)
+        }
+        None => Err(KvError::Conflict {
+            bucket: shared.bus.leases.bucket().to_string(),
+            key,
+        }),
+    }
+}
+
+/// Keeps the liveness lease until shutdown (then deletes it, so other launchers take
+/// this one's requests over at once), taking it again whenever it is lost.
+pub async fn keep_alive(shared: Arc<Shared>, mut guard: LeaseGuard) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = shared.shutdown.cancelled() => {
+                guard.release().await;
+                return;
+            }
+            _ = guard.lost.cancelled() => {}
+        }
+        tracing::warn!("liveness lease lost: request workers stop until it is taken again");
+        guard = loop {
+            match take_liveness(&shared).await {
+                Ok(guard) => break guard,
+                Err(err) => tracing::debug!(%err, "cannot take the liveness lease yet"),
+            }
+            tokio::select! {
+                _ = shared.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(LIVENESS_RETRY) => {}
+            }
+        };
+        tracing::info!("liveness lease taken again");
     }
 }

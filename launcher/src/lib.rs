@@ -100,6 +100,14 @@ pub async fn run(
         (world.requests.len(), world.backing.len(), world.slots.len())
     };
     tracing::info!(requests, backing, slots, "state loaded");
+    // The liveness lease stands for every request this launcher owns: it exists before
+    // the first request is accepted.
+    let liveness = lease::take_liveness(&shared)
+        .await
+        .map_err(slotpool_protocol::connect::BusError::from)?;
+    shared
+        .tracker
+        .spawn(lease::keep_alive(shared.clone(), liveness));
     let api = {
         let sh = shared.clone();
         shared.tracker.spawn(async move { api::serve(sh).await })
@@ -141,16 +149,7 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
             match d {
                 Dirty::Label(l) => labels.push(l),
                 Dirty::Request(id) => {
-                    let free = {
-                        let world = shared.world();
-                        world
-                            .requests
-                            .get(&id)
-                            .is_some_and(|r| !r.value.state.is_final())
-                            && watch::lease_key(&Dirty::Request(id.clone()))
-                                .is_some_and(|k| world.lease(&k).is_none())
-                    };
-                    if free {
+                    if request::wants_driver(shared, &id) {
                         request::spawn(shared, id);
                     }
                 }

@@ -1,11 +1,11 @@
-//! The request worker: one task per node request this launcher holds the lease of. It
+//! The request worker: one task per node request this launcher owns (`owner` in the
+//! request; see [`crate::lease::Liveness`] for how ownership passes on). It
 //! claims a slot for every label of the node set, has the agents prepare them, and marks
 //! the request fulfilled — or failed, with a reason a human can act on.
 //!
 //! Resumable: everything it has done is in KV (slots name their request), so a worker
 //! that takes a request over from a dead launcher adopts the slots already claimed.
 
-use crate::lease::{self, LeaseGuard};
 use crate::nodes::{self, SlotError};
 use crate::shared::{label_topic, request_topic, wait_for_change, Shared};
 use crate::world::QueuePosition;
@@ -17,6 +17,7 @@ use slotpool_protocol::RequestId;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// Pause after a failed prepare before trying again, so a broken agent cannot make a
@@ -27,9 +28,29 @@ const PREPARE_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// [`Worker::waiting_status`]).
 pub const STATUS_DELAY: Duration = Duration::from_millis(250);
 
-/// Starts a worker for `id` unless this process already has one.
+/// The work key of a request's worker ([`Shared::start_work`]).
+fn work_key(id: &RequestId) -> String {
+    format!("request.{id}")
+}
+
+/// Whether request `id` needs a worker of this launcher: it is open, nobody here drives
+/// it, and it is this launcher's, or nobody's, or its owner's liveness lease is gone.
+pub fn wants_driver(shared: &Shared, id: &RequestId) -> bool {
+    let world = shared.world();
+    let Some(req) = world.requests.get(id) else {
+        return false;
+    };
+    !req.value.state.is_final()
+        && !shared.is_working_on(&work_key(id))
+        && req.value.owner.as_ref().is_none_or(|owner| {
+            *owner == shared.id || world.lease(&layout::launcher_lease_key(owner)).is_none()
+        })
+}
+
+/// Starts a worker for `id` unless this process already has one. A request owned by
+/// no live launcher is taken over first.
 pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
-    let key = layout::request_lease_key(&id);
+    let key = work_key(&id);
     if !shared.start_work(&key) {
         return;
     }
@@ -37,10 +58,10 @@ pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
     let span = tracing::info_span!("request", request_id = %id);
     shared.tracker.spawn(
         async move {
-            match lease::acquire(&sh, &key).await {
-                Ok(Some(lease)) => drive(&sh, id, lease).await,
-                Ok(None) => tracing::debug!("another launcher holds this request"),
-                Err(err) => tracing::warn!(%err, "cannot take the request's lease"),
+            match take(&sh, &id).await {
+                Ok(true) => drive(&sh, id).await,
+                Ok(false) => tracing::debug!("another launcher drives this request"),
+                Err(err) => tracing::warn!(%err, "cannot take the request over"),
             }
             sh.end_work(&key);
         }
@@ -48,28 +69,62 @@ pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
     );
 }
 
-/// Starts a worker for `id` with its lease already held: the API takes the lease in
-/// the same round trip as it creates the request (see [`crate::api`]). The caller has
-/// marked the work as started ([`Shared::start_work`]).
-pub fn spawn_leased(shared: &Arc<Shared>, id: RequestId, lease: LeaseGuard) {
-    let key = layout::request_lease_key(&id);
-    let sh = shared.clone();
-    let span = tracing::info_span!("request", request_id = %id);
-    shared.tracker.spawn(
-        async move {
-            drive(&sh, id, lease).await;
-            sh.end_work(&key);
+/// Makes this launcher the request's owner unless a live launcher owns it (a
+/// revision-checked write: of two launchers taking it over, one wins). True when it is
+/// this launcher's to drive.
+async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
+    loop {
+        let Some(req) = sh.world().requests.get(id).cloned() else {
+            return Ok(false);
+        };
+        if req.value.state.is_final() {
+            return Ok(false);
         }
-        .instrument(span),
-    );
+        match &req.value.owner {
+            Some(owner) if *owner == sh.id => return Ok(true),
+            Some(owner)
+                if sh
+                    .world()
+                    .lease(&layout::launcher_lease_key(owner))
+                    .is_some() =>
+            {
+                return Ok(false)
+            }
+            _ => {}
+        }
+        let mut mine = req.value.clone();
+        let previous = mine.owner.replace(sh.id.clone());
+        mine.updated_at = now_ms();
+        match sh
+            .bus
+            .requests
+            .update(&req.key, &mine, req.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                tracing::info!(previous_owner = ?previous, "took the request over");
+                sh.world().put_request(Versioned {
+                    key: req.key,
+                    revision,
+                    value: mine,
+                });
+                return Ok(true);
+            }
+            Err(KvError::Conflict { .. }) => match sh.bus.requests.get(&req.key).await? {
+                Some(fresh) => sh.world().put_request(fresh),
+                None => return Ok(false),
+            },
+            Err(err) => return Err(err),
+        }
+    }
 }
 
-async fn drive(sh: &Arc<Shared>, id: RequestId, lease: LeaseGuard) {
+async fn drive(sh: &Arc<Shared>, id: RequestId) {
     let worker = Worker { sh: sh.clone(), id };
-    if let Err(err) = worker.run(&lease).await {
+    let lost = sh.liveness.token();
+    if let Err(err) = worker.run(&lost).await {
         tracing::warn!(%err, "request worker stopped; another pass will resume it");
     }
-    lease.release().await;
 }
 
 struct Worker {
@@ -91,19 +146,25 @@ enum Pass {
 }
 
 impl Worker {
-    async fn run(&self, lease: &LeaseGuard) -> Result<(), SlotError> {
+    /// Drives the request until it is final, taken over by another launcher, or `lost`
+    /// (this launcher's liveness lease) is cancelled.
+    async fn run(&self, lost: &CancellationToken) -> Result<(), SlotError> {
         let mut request_rx = self.sh.signals.subscribe(&request_topic(&self.id));
         let mut label_rxs = Vec::new();
         let mut subscribed: Vec<String> = Vec::new();
         let mut queued: Option<QueuePosition> = None;
         let mut waiting_since: Option<tokio::time::Instant> = None;
         let result = loop {
-            if lease.lost.is_cancelled() {
+            if lost.is_cancelled() {
                 break Ok(());
             }
             let Some(req) = self.sh.world().requests.get(&self.id).cloned() else {
                 break Ok(());
             };
+            if req.value.owner.as_ref() != Some(&self.sh.id) {
+                tracing::info!(owner = ?req.value.owner, "taken over by another launcher");
+                break Ok(());
+            }
             let pos: QueuePosition = (req.value.priority, req.value.created_at, self.id.clone());
             let pass = match self.pass(&req).await {
                 Ok(p) => p,
@@ -122,7 +183,7 @@ impl Worker {
                 Pass::Pause => {
                     tokio::select! {
                         _ = tokio::time::sleep(PREPARE_RETRY_PAUSE) => {}
-                        _ = lease.lost.cancelled() => {}
+                        _ = lost.cancelled() => {}
                     }
                 }
                 Pass::Waiting { missing } => {
@@ -163,7 +224,7 @@ impl Worker {
                     if self.could_progress(&pos) {
                         continue;
                     }
-                    wait_for_change(&mut rxs, deadline, &lease.lost).await;
+                    wait_for_change(&mut rxs, deadline, lost).await;
                     request_rx.mark_unchanged();
                 }
             }

@@ -2,6 +2,7 @@
 //! change signals, and the set of work items this process is driving.
 
 use crate::config::Config;
+use crate::lease::Liveness;
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
@@ -26,6 +27,8 @@ pub struct Shared {
     active: Mutex<HashSet<String>>,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
+    /// This launcher's liveness lease, which stands for every request it owns.
+    pub liveness: Liveness,
 }
 
 impl Shared {
@@ -46,6 +49,7 @@ impl Shared {
             signals: Signals::default(),
             active: Mutex::new(HashSet::new()),
             tracker: TaskTracker::new(),
+            liveness: Liveness::new(&shutdown),
             shutdown,
         }
     }

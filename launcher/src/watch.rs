@@ -10,7 +10,7 @@ use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
 };
 use slotpool_protocol::store::{Change, Store, Versioned};
-use slotpool_protocol::{layout, BackingId, RequestId};
+use slotpool_protocol::{BackingId, LauncherId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -266,11 +266,12 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
                 }
                 Mirror::Leases => {
                     world.leases.remove(key);
-                    if let Some(id) = key
-                        .strip_prefix("request.")
-                        .and_then(|id| RequestId::parse(id).ok())
+                    if let Some(launcher) = key
+                        .strip_prefix("launcher.")
+                        .and_then(|id| LauncherId::parse(id).ok())
                     {
-                        todo.push(Dirty::Request(id));
+                        // A launcher is gone: its open requests are free to take over.
+                        todo.extend(owned_by(&world, &launcher).map(Dirty::Request));
                     } else if let Some(seat) = key.strip_prefix("backing.") {
                         todo.push(Dirty::Seat(seat.to_string()));
                     }
@@ -301,11 +302,19 @@ fn wake_backing(
     }
 }
 
-/// The lease keys of a work item, for the supervisor.
-pub fn lease_key(d: &Dirty) -> Option<String> {
-    match d {
-        Dirty::Request(id) => Some(layout::request_lease_key(id)),
-        Dirty::Seat(seat) => Some(layout::backing_lease_key(seat)),
-        Dirty::Label(_) => None,
-    }
+/// The open requests `launcher` owns.
+fn owned_by<'a>(
+    world: &'a crate::world::World,
+    launcher: &'a LauncherId,
+) -> impl Iterator<Item = RequestId> + 'a {
+    world
+        .open_requests
+        .iter()
+        .filter(move |id| {
+            world
+                .requests
+                .get(id)
+                .is_some_and(|r| r.value.owner.as_ref() == Some(launcher))
+        })
+        .cloned()
 }

@@ -686,6 +686,7 @@ mod tests {
             nodes: vec![],
             failure: None,
             updated_at: 0,
+            owner: None,
         };
         w.put_request(Versioned {
             key: "req-1".into(),

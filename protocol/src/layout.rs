@@ -7,7 +7,7 @@
 //! - operators publish to `slotpool.admin.v1.>`;
 //! - launchers may do everything.
 
-use crate::ids::{BackingId, RequestId};
+use crate::ids::{BackingId, LauncherId};
 use crate::store::BucketSpec;
 
 /// Node requests, key = request id.
@@ -91,9 +91,10 @@ pub fn seat_key(provider: &str, pool: &str, seat: u32) -> String {
     format!("{provider}.{pool}.{seat}")
 }
 
-/// Key of a request's lease in [`LEASES`].
-pub fn request_lease_key(request: &RequestId) -> String {
-    format!("request.{request}")
+/// Key of a launcher's liveness lease in [`LEASES`]: while it stands, no other launcher
+/// takes over the requests that launcher owns.
+pub fn launcher_lease_key(launcher: &LauncherId) -> String {
+    format!("launcher.{launcher}")
 }
 
 /// Key of a backing seat's lease in [`LEASES`].

@@ -56,6 +56,11 @@ pub struct NodeRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
     pub updated_at: UnixMillis,
+    /// The launcher driving the request (set by the launcher that accepted it). Another
+    /// launcher takes it over, by a revision-checked write of this field, only once the
+    /// owner's liveness lease is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<LauncherId>,
 }
 
 impl NodeRequest {
@@ -482,6 +487,7 @@ mod tests {
             nodes: vec![],
             failure: None,
             updated_at: 5,
+            owner: None,
         };
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(

@@ -203,7 +203,13 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
 
     let out = slotpool(
         &pool,
-        &["release", r.nodes[0].as_str(), "--reason", "job hung", "--wait"],
+        &[
+            "release",
+            r.nodes[0].as_str(),
+            "--reason",
+            "job hung",
+            "--wait",
+        ],
     );
     assert!(out.contains("released"), "{out}");
     assert!(

@@ -113,6 +113,7 @@ pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) 
         nodes: vec![],
         failure: None,
         updated_at: created_at,
+        owner: None,
     }
 }
 
