@@ -100,9 +100,10 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// The slot's workspace directory (whether or not it exists).
     fn workspace(&self, slot: u32) -> PathBuf;
 
-    /// Whether [`SlotIsolation::prepare_warm`] is a few small file writes, quick enough
-    /// to run on the agent's event loop: that saves two thread hand-offs per prepare.
-    fn quick_prepare(&self) -> bool {
+    /// Whether [`SlotIsolation::warm`] and [`SlotIsolation::prepare_warm`] are a few
+    /// small file operations, quick enough to run on the agent's event loop: that saves
+    /// two thread hand-offs each. (`destroy` may wipe a big workspace: never inline.)
+    fn quick_setup(&self) -> bool {
         false
     }
 
@@ -213,7 +214,7 @@ impl SlotIsolation for WorkspaceOnly {
         self.slots_dir.join(slot.to_string())
     }
 
-    fn quick_prepare(&self) -> bool {
+    fn quick_setup(&self) -> bool {
         true
     }
 

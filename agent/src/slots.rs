@@ -387,13 +387,16 @@ impl Slots {
             return;
         }
         let isolation = self.isolation.clone();
-        let result = blocking(slot, "warm-up", move || {
-            if !clean {
+        let result = if clean {
+            self.setup(slot, "warm-up", move || isolation.warm(slot))
+                .await
+        } else {
+            blocking(slot, "warm-up", move || {
                 isolation.destroy(slot)?;
-            }
-            isolation.warm(slot)
-        })
-        .await;
+                isolation.warm(slot)
+            })
+            .await
+        };
         match result {
             Ok(()) => {
                 self.table().mark_warm(slot);
@@ -406,6 +409,21 @@ impl Slots {
             ),
         }
         drop(lock);
+    }
+
+    /// Runs a set-up call (a warm-up, a warm prepare): on the event loop when the
+    /// isolation's set-up is quick, else on a blocking thread.
+    async fn setup<T: Send + 'static>(
+        &self,
+        slot: u32,
+        action: &'static str,
+        f: impl FnOnce() -> Result<T, IsolationError> + Send + 'static,
+    ) -> Result<T, SlotError> {
+        if self.isolation.quick_setup() {
+            f().map_err(|error| SlotError::Isolation { slot, error })
+        } else {
+            blocking(slot, action, f).await
+        }
     }
 
     /// Waits for the warm-ups running now (shutdown, tests).
@@ -446,18 +464,13 @@ impl Slots {
             });
         }
         if plan == PreparePlan::FromWarm {
-            let warm = if self.isolation.quick_prepare() {
-                self.isolation
-                    .prepare_warm(slot, node_id, ssh_public_key.as_deref(), &limits)
-                    .map_err(|error| SlotError::Isolation { slot, error })
-            } else {
-                let isolation = self.isolation.clone();
-                let (node, key) = (node_id.clone(), ssh_public_key.clone());
-                blocking(slot, "prepare", move || {
+            let isolation = self.isolation.clone();
+            let (node, key) = (node_id.clone(), ssh_public_key.clone());
+            let warm = self
+                .setup(slot, "prepare", move || {
                     isolation.prepare_warm(slot, &node, key.as_deref(), &limits)
                 })
-                .await
-            };
+                .await;
             match warm {
                 Ok(workspace) => return Ok(self.prepared(slot, node_id, workspace)),
                 Err(err) => {
