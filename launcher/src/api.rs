@@ -204,6 +204,9 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
     // one left behind by a launcher that died in between is swept
     // ([`nodes::sweep_left_behind`]). The request names this launcher its owner, so no
     // other launcher drives it while this one is alive.
+    // Marked before the request exists: its watch delivery must not start a second
+    // worker, which would not know of the slots claimed here.
+    let mine = request::begin(sh, &req.id);
     let reserved = reserve_slots(sh, &req);
     let claims = futures::future::join_all(
         reserved
@@ -219,6 +222,9 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         claimed.into_iter().filter_map(Result::ok).collect()
     };
     if created.is_err() {
+        if mine {
+            request::abandon(sh, &req.id);
+        }
         for node in &claimed {
             if let Err(err) = nodes::release(sh, &node.key).await {
                 tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
@@ -227,7 +233,7 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
     }
     match created {
         Ok(revision) => {
-            tracing::info!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
+            tracing::debug!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
             let id = req.id.clone();
             {
                 let mut world = sh.world();
@@ -240,7 +246,9 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
                     world.put_slot(node);
                 }
             }
-            request::spawn(sh, id.clone());
+            if mine {
+                request::spawn_started(sh, id.clone());
+            }
             Ok(Submitted { request_id: id })
         }
         // A retried submission with the same id: the first one stands.

@@ -66,6 +66,18 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
                 Ok(new) => rev.store(new, Ordering::SeqCst),
                 // A timed-out write may have landed; the next renewal will tell.
                 Err(KvError::Timeout { .. }) => continue,
+                // Still ours when the record is the one we wrote: an earlier renewal
+                // that timed out had landed after all.
+                Err(err @ KvError::Conflict { .. }) => match sh.bus.leases.get::<Lease>(&k).await {
+                    Ok(Some(now)) if now.value == lease => {
+                        rev.store(now.revision, Ordering::SeqCst);
+                    }
+                    _ => {
+                        tracing::warn!(lease = %k, %err, "lease lost; stopping its work");
+                        l.cancel();
+                        return;
+                    }
+                },
                 Err(err) => {
                     tracing::warn!(lease = %k, %err, "lease lost; stopping its work");
                     l.cancel();

@@ -407,8 +407,8 @@ pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
 /// slot and creating the request: see [`crate::api`]) before it is released.
 pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
 
-/// Finishes releases left behind, and releases slots claimed for requests that were
-/// never created: both older than [`STALE_RELEASE`].
+/// Finishes releases left behind, and releases slots still preparing for requests
+/// that were never created or ended without them: all older than [`STALE_RELEASE`].
 pub fn sweep_left_behind(shared: &Arc<Shared>) {
     let cutoff = now_ms().saturating_sub(STALE_RELEASE.as_millis() as u64);
     let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
@@ -420,7 +420,10 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
                 NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
                 NodeState::Preparing => {
                     n.value.allocated_at <= cutoff
-                        && !world.requests.contains_key(&n.value.request_id)
+                        && world
+                            .requests
+                            .get(&n.value.request_id)
+                            .is_none_or(|r| r.value.state.is_final())
                 }
                 _ => false,
             })
@@ -432,7 +435,7 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
         spawn_finish_release(shared, node);
     }
     for node in orphans {
-        tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that does not exist");
+        tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
         let sh = shared.clone();
         shared.tracker.spawn(async move {
             let id = node.value.id.clone();

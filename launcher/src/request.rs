@@ -47,13 +47,29 @@ pub fn wants_driver(shared: &Shared, id: &RequestId) -> bool {
         })
 }
 
+/// Marks request `id` as driven by this process (before it exists, for a request being
+/// created, so that no other worker starts on it meanwhile); false if it already is.
+/// Follow with [`spawn_started`], or [`Shared::end_work`] with [`work_key`].
+pub fn begin(shared: &Shared, id: &RequestId) -> bool {
+    shared.start_work(&work_key(id))
+}
+
+/// Gives up a [`begin`] without starting a worker.
+pub fn abandon(shared: &Shared, id: &RequestId) {
+    shared.end_work(&work_key(id));
+}
+
 /// Starts a worker for `id` unless this process already has one. A request owned by
 /// no live launcher is taken over first.
 pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
-    let key = work_key(&id);
-    if !shared.start_work(&key) {
-        return;
+    if begin(shared, &id) {
+        spawn_started(shared, id);
     }
+}
+
+/// Starts the worker of a request marked with [`begin`].
+pub fn spawn_started(shared: &Arc<Shared>, id: RequestId) {
+    let key = work_key(&id);
     let sh = shared.clone();
     let span = tracing::info_span!("request", request_id = %id);
     shared.tracker.spawn(
@@ -166,6 +182,8 @@ impl Worker {
                 break Ok(());
             }
             let pos: QueuePosition = (req.value.priority, req.value.created_at, self.id.clone());
+            // A pass may join the queue; whatever ends this worker, it leaves it.
+            queued = Some(pos.clone());
             let pass = match self.pass(&req).await {
                 Ok(p) => p,
                 Err(SlotError::Kv(KvError::Conflict { .. })) => Pass::Again,
@@ -176,7 +194,6 @@ impl Worker {
                 _ => Vec::new(),
             };
             self.set_waiting(&pos, still_missing);
-            queued = Some(pos.clone());
             match pass {
                 Pass::Done => break Ok(()),
                 Pass::Again => continue,
@@ -387,14 +404,19 @@ impl Worker {
             .world()
             .nodes_of(&done.id)
             .into_iter()
+            .filter(|n| n.value.state == NodeState::Ready)
             .map(|n| (n.value.index, n.value.id.clone()))
             .collect();
         nodes.sort();
+        // One node per label; another claimed for the same index is a stray, released
+        // by the sweep of slots left preparing.
+        nodes.dedup_by_key(|(index, _)| *index);
         done.nodes = nodes.into_iter().map(|(_, id)| id).collect();
         done.state = RequestState::Fulfilled;
         done.status = format!("fulfilled: {} node(s) ready", done.nodes.len());
+        let (requestor, nodes) = (done.requestor.clone(), done.nodes.clone());
         self.finish(req, done).await?;
-        tracing::info!("fulfilled");
+        tracing::info!(%requestor, ?nodes, "fulfilled");
         Ok(Pass::Done)
     }
 
