@@ -203,9 +203,9 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
     // them prepared. A slot claimed for a request whose creation fails is given back;
     // one left behind by a launcher that died in between is swept
     // ([`nodes::sweep_left_behind`]). The request names this launcher its owner, so no
-    // other launcher drives it while this one is alive.
-    // Marked before the request exists: its watch delivery must not start a second
-    // worker, which would not know of the slots claimed here.
+    // other launcher drives it while this one is alive. It is marked as driven here
+    // before it exists: its watch delivery must not start a second worker, which would
+    // not know of the slots claimed here.
     let mine = request::begin(sh, &req.id);
     let reserved = reserve_slots(sh, &req);
     let claims = futures::future::join_all(

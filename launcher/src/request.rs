@@ -49,7 +49,7 @@ pub fn wants_driver(shared: &Shared, id: &RequestId) -> bool {
 
 /// Marks request `id` as driven by this process (before it exists, for a request being
 /// created, so that no other worker starts on it meanwhile); false if it already is.
-/// Follow with [`spawn_started`], or [`Shared::end_work`] with [`work_key`].
+/// Follow with [`spawn_started`], or [`abandon`].
 pub fn begin(shared: &Shared, id: &RequestId) -> bool {
     shared.start_work(&work_key(id))
 }

@@ -169,7 +169,7 @@ pub async fn prewarm(
 pub struct Warm {
     /// Submit until the client sees the request fulfilled.
     pub allocation: Summary,
-    /// The release call's round trip (the slot is free when it returns).
+    /// The release call's round trip (acknowledged once the node is marked releasing).
     pub release: Summary,
 }
 
@@ -285,8 +285,9 @@ pub async fn cold_and_release(
         if let Some((backing, _)) = nodes.first().and_then(|n| n.slot()) {
             backing_ids.insert(backing);
         }
-        // The slot is freed somewhere within the release call: lateness counts from its
-        // end (never flatters), "early" from its start (never accuses wrongly).
+        // The slot is freed after the release call has begun (the wipe may follow its
+        // reply): lateness counts from its end (the wipe counts as late, never
+        // flatters), "early" from its start (never accuses wrongly).
         let releasing = Instant::now();
         release(client, nodes).await?;
         let returned = Instant::now();
