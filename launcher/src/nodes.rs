@@ -404,7 +404,8 @@ pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
 /// How long a node may stay releasing before any launcher finishes its release (the
 /// one that began it died, or its agent did not answer), and how long a node may be
 /// preparing for a request that does not exist (its launcher died between claiming the
-/// slot and creating the request: see [`crate::api`]) before it is released.
+/// slot and creating the request: see [`crate::api`]) or that ended without it, before
+/// it is released.
 pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
 
 /// Finishes releases left behind, and releases slots still preparing for requests
