@@ -117,18 +117,7 @@ pub async fn prepare(
         ssh_public_key,
         limits,
     };
-    let prepared: SlotPrepared = shared
-        .bus
-        .call(
-            &subjects::agent(&node.value.backing_id),
-            &cmd,
-            AGENT_TIMEOUT,
-        )
-        .await
-        .map_err(|source| SlotError::Agent {
-            backing_id: node.value.backing_id.clone(),
-            source,
-        })?;
+    let prepared: SlotPrepared = call_agent(shared, &node.value.backing_id, &cmd).await?;
     if host_key_checking {
         let port = prepared.login.port.unwrap_or(22);
         if let Err(reason) =
@@ -161,6 +150,23 @@ pub async fn prepare(
         revision,
         value: ready,
     })
+}
+
+/// Sends `cmd` to the agent of `backing_id` and decodes its reply (waiting at most
+/// [`AGENT_TIMEOUT`]).
+async fn call_agent<R: serde::de::DeserializeOwned>(
+    shared: &Shared,
+    backing_id: &BackingId,
+    cmd: &AgentCommand,
+) -> Result<R, SlotError> {
+    shared
+        .bus
+        .call(&subjects::agent(backing_id), cmd, AGENT_TIMEOUT)
+        .await
+        .map_err(|source| SlotError::Agent {
+            backing_id: backing_id.clone(),
+            source,
+        })
 }
 
 /// The label's limits and host-key-checking, and the seat key of the node's backing node.
@@ -333,18 +339,7 @@ pub async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Resul
             slot: node.value.slot,
             node_id: node.value.id.clone(),
         };
-        shared
-            .bus
-            .call::<_, serde_json::Value>(
-                &subjects::agent(&node.value.backing_id),
-                &cmd,
-                AGENT_TIMEOUT,
-            )
-            .await
-            .map_err(|source| SlotError::Agent {
-                backing_id: node.value.backing_id.clone(),
-                source,
-            })?;
+        call_agent::<serde_json::Value>(shared, &node.value.backing_id, &cmd).await?;
     }
     loop {
         match shared.bus.slots.delete(&node.key, node.revision).await {
