@@ -4,7 +4,7 @@
 use slotpool_agent::users;
 use slotpool_protocol::model::{Node, RequestState};
 use slotpool_tests::{
-    label, set_mode, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool, Sshd,
+    label, set_mode, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool, Sshd, AGENT_ARGS,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -293,18 +293,13 @@ async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
     let flags = tempfile::tempdir().unwrap();
     let fail = flags.path().join("fail");
     let probe = format!("test ! -e {}", fail.display());
-    let agent_args = [
-        "--heartbeat-interval-ms",
-        "300",
-        "--heartbeat-ttl-secs",
-        "2",
-        "--isolation",
-        "none",
+    let mut agent_args = AGENT_ARGS.to_vec();
+    agent_args.extend([
         "--health-probe",
         &probe,
         "--health-probe-interval-ms",
         "200",
-    ];
+    ]);
     let pool = Pool::start_with(1, 5, &label("probed", 2, 60, &[]), 1, &agent_args).await;
     let first = pool.fulfilled(&pool.submit(&["probed"]).await).await;
 
