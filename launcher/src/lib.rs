@@ -112,7 +112,18 @@ pub async fn run(
         let sh = shared.clone();
         shared.tracker.spawn(async move { api::serve(sh).await })
     };
-    supervise(&shared, dirty_rx).await;
+    // The supervisor runs on the runtime's workers: `run` may be polled outside them
+    // (`block_on`), and waking that thread for every change the watches report would
+    // cost a futex call and a context switch each time.
+    let supervisor = {
+        let sh = shared.clone();
+        tokio::spawn(async move { supervise(&sh, dirty_rx).await })
+    };
+    if let Err(err) = supervisor.await {
+        if err.is_panic() {
+            std::panic::resume_unwind(err.into_panic());
+        }
+    }
     shared.tracker.close();
     shared.tracker.wait().await;
     api.await.ok().transpose()?;
