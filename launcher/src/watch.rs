@@ -5,6 +5,7 @@
 //! disappeared while it was away.
 
 use crate::shared::{label_topic, request_topic, seat_topic, Shared};
+use crate::world::World;
 use futures::StreamExt;
 use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
@@ -188,107 +189,163 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
     })
 }
 
-/// Applies one change to the mirror and signals whoever cares.
-fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, change: &Change) {
-    let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
-        return;
-    };
-    let mut wake: Vec<String> = Vec::new();
-    let mut todo: Vec<Dirty> = Vec::new();
-    {
-        let mut world = shared.world();
-        match record {
-            Record::Request(r) => {
-                wake.push(request_topic(&r.value.id));
-                for label in &r.value.labels {
-                    todo.push(Dirty::Label(label.clone()));
-                    if r.value.state.is_final() {
-                        wake.push(label_topic(label));
-                    }
-                }
-                if r.value.state == RequestState::Requested {
-                    todo.push(Dirty::Request(r.value.id.clone()));
-                }
-                world.put_request(r);
+/// What a change asks for: topics to wake, and work items for the supervisor.
+#[derive(Default)]
+struct Effects {
+    wake: Vec<String>,
+    todo: Vec<Dirty>,
+}
+
+impl Effects {
+    fn request(&mut self, r: &NodeRequest) {
+        self.wake.push(request_topic(&r.id));
+        for label in &r.labels {
+            self.todo.push(Dirty::Label(label.clone()));
+            if r.state.is_final() {
+                self.wake.push(label_topic(label));
             }
-            Record::Slot(n) => {
-                if let Some(seat) = world.seat_of.get(&n.value.backing_id) {
-                    wake.push(seat_topic(seat));
-                    todo.push(Dirty::Seat(seat.clone()));
-                }
-                wake.push(request_topic(&n.value.request_id));
-                world.put_slot(n);
-            }
-            Record::Backing(b) => {
-                wake.push(seat_topic(&b.key));
-                wake.push(label_topic(&b.value.label));
-                todo.push(Dirty::Seat(b.key.clone()));
-                todo.push(Dirty::Label(b.value.label.clone()));
-                world.put_backing(b);
-            }
-            Record::Heartbeat(hb) => {
-                let id = BackingId::parse(&hb.backing_id);
-                if world.put_agent(hb) {
-                    if let Ok(id) = id {
-                        wake_backing(&world, &id, &mut wake, &mut todo);
-                    }
-                }
-            }
-            Record::Lease(l) => {
-                world.leases.insert(l.key.clone(), l);
-            }
-            Record::Removed { key, revision } => match mirror {
-                Mirror::Requests => world.remove_request(key, revision),
-                Mirror::Slots => {
-                    if let Some(old) = world.slots.get(key).map(|n| &n.value) {
-                        if let Some(seat) = world.seat_of.get(&old.backing_id) {
-                            wake.push(seat_topic(seat));
-                            todo.push(Dirty::Seat(seat.clone()));
-                        }
-                        wake.push(label_topic(&old.label));
-                        wake.push(request_topic(&old.request_id));
-                    }
-                    world.remove_slot(key, revision);
-                }
-                Mirror::Backing => {
-                    if let Some(old) = world.backing.get(key) {
-                        wake.push(label_topic(&old.value.label));
-                        todo.push(Dirty::Label(old.value.label.clone()));
-                    }
-                    wake.push(seat_topic(key));
-                    world.remove_backing(key, revision);
-                }
-                Mirror::Agents => {
-                    if let Ok(id) = BackingId::parse(key) {
-                        wake_backing(&world, &id, &mut wake, &mut todo);
-                    }
-                    world.remove_agent(key);
-                }
-                Mirror::Leases => {
-                    world.leases.remove(key);
-                    if let Some(launcher) = key
-                        .strip_prefix("launcher.")
-                        .and_then(|id| LauncherId::parse(id).ok())
-                    {
-                        // A launcher is gone: its open requests are free to take over.
-                        todo.extend(owned_by(&world, &launcher).map(Dirty::Request));
-                    } else if let Some(seat) = key.strip_prefix("backing.") {
-                        todo.push(Dirty::Seat(seat.to_string()));
-                    }
-                }
-            },
+        }
+        if r.state == RequestState::Requested {
+            self.todo.push(Dirty::Request(r.id.clone()));
         }
     }
-    for topic in wake {
-        shared.signals.bump(&topic);
+
+    fn slot(&mut self, world: &World, n: &Node) {
+        if let Some(seat) = world.seat_of.get(&n.backing_id) {
+            self.wake.push(seat_topic(seat));
+            self.todo.push(Dirty::Seat(seat.clone()));
+        }
+        self.wake.push(request_topic(&n.request_id));
     }
-    for d in todo {
-        let _ = dirty.send(d);
+
+    fn backing(&mut self, seat: &str, b: &BackingNode) {
+        self.wake.push(seat_topic(seat));
+        self.wake.push(label_topic(&b.label));
+        self.todo.push(Dirty::Seat(seat.to_string()));
+        self.todo.push(Dirty::Label(b.label.clone()));
+    }
+
+    fn send(self, shared: &Shared, dirty: &mpsc::UnboundedSender<Dirty>) {
+        for topic in self.wake {
+            shared.signals.bump(&topic);
+        }
+        for d in self.todo {
+            let _ = dirty.send(d);
+        }
+    }
+}
+
+/// Applies one change to the mirror and signals whoever cares.
+fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, change: &Change) {
+    let mut fx = Effects::default();
+    if !echo(shared, mirror, change, &mut fx) {
+        let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
+            return;
+        };
+        store(&mut shared.world(), mirror, record, &mut fx);
+    }
+    fx.send(shared, dirty);
+}
+
+/// A launcher puts its own writes into the mirror once they are acknowledged, and the
+/// watch brings each back: for those only the signals are left to give, from the record
+/// already held, without decoding the change again. True when `change` was such an echo.
+/// A request held at a later revision than the change stands for it too (its id and
+/// labels never change, and its newer state is what matters now).
+fn echo(shared: &Shared, mirror: Mirror, change: &Change, fx: &mut Effects) -> bool {
+    let Change::Put { key, revision, .. } = change else {
+        return false;
+    };
+    let world = shared.world();
+    match mirror {
+        Mirror::Requests => match world.requests.get(key.as_str()) {
+            Some(r) if r.revision >= *revision => fx.request(&r.value),
+            _ => return false,
+        },
+        Mirror::Slots => match world.slots.get(key) {
+            Some(n) if n.revision == *revision => fx.slot(&world, &n.value),
+            _ => return false,
+        },
+        Mirror::Backing => match world.backing.get(key) {
+            Some(b) if b.revision == *revision => fx.backing(key, &b.value),
+            _ => return false,
+        },
+        Mirror::Agents | Mirror::Leases => return false,
+    }
+    true
+}
+
+/// Puts a decoded change into the mirror, noting what it asks for.
+fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects) {
+    match record {
+        Record::Request(r) => {
+            fx.request(&r.value);
+            world.put_request(r);
+        }
+        Record::Slot(n) => {
+            fx.slot(world, &n.value);
+            world.put_slot(n);
+        }
+        Record::Backing(b) => {
+            fx.backing(&b.key, &b.value);
+            world.put_backing(b);
+        }
+        Record::Heartbeat(hb) => {
+            let id = BackingId::parse(&hb.backing_id);
+            if world.put_agent(hb) {
+                if let Ok(id) = id {
+                    wake_backing(world, &id, &mut fx.wake, &mut fx.todo);
+                }
+            }
+        }
+        Record::Lease(l) => {
+            world.leases.insert(l.key.clone(), l);
+        }
+        Record::Removed { key, revision } => match mirror {
+            Mirror::Requests => world.remove_request(key, revision),
+            Mirror::Slots => {
+                if let Some(old) = world.slots.get(key).map(|n| &n.value) {
+                    if let Some(seat) = world.seat_of.get(&old.backing_id) {
+                        fx.wake.push(seat_topic(seat));
+                        fx.todo.push(Dirty::Seat(seat.clone()));
+                    }
+                    fx.wake.push(label_topic(&old.label));
+                    fx.wake.push(request_topic(&old.request_id));
+                }
+                world.remove_slot(key, revision);
+            }
+            Mirror::Backing => {
+                if let Some(old) = world.backing.get(key) {
+                    fx.wake.push(label_topic(&old.value.label));
+                    fx.todo.push(Dirty::Label(old.value.label.clone()));
+                }
+                fx.wake.push(seat_topic(key));
+                world.remove_backing(key, revision);
+            }
+            Mirror::Agents => {
+                if let Ok(id) = BackingId::parse(key) {
+                    wake_backing(world, &id, &mut fx.wake, &mut fx.todo);
+                }
+                world.remove_agent(key);
+            }
+            Mirror::Leases => {
+                world.leases.remove(key);
+                if let Some(launcher) = key
+                    .strip_prefix("launcher.")
+                    .and_then(|id| LauncherId::parse(id).ok())
+                {
+                    // A launcher is gone: its open requests are free to take over.
+                    fx.todo.extend(owned_by(world, &launcher).map(Dirty::Request));
+                } else if let Some(seat) = key.strip_prefix("backing.") {
+                    fx.todo.push(Dirty::Seat(seat.to_string()));
+                }
+            }
+        },
     }
 }
 
 fn wake_backing(
-    world: &crate::world::World,
+    world: &World,
     id: &slotpool_protocol::BackingId,
     wake: &mut Vec<String>,
     todo: &mut Vec<Dirty>,
@@ -304,7 +361,7 @@ fn wake_backing(
 
 /// The open requests `launcher` owns.
 fn owned_by<'a>(
-    world: &'a crate::world::World,
+    world: &'a World,
     launcher: &'a LauncherId,
 ) -> impl Iterator<Item = RequestId> + 'a {
     world
@@ -313,7 +370,7 @@ fn owned_by<'a>(
         .filter(move |id| {
             world
                 .requests
-                .get(id)
+                .get(*id)
                 .is_some_and(|r| r.value.owner.as_ref() == Some(launcher))
         })
         .cloned()

@@ -49,6 +49,14 @@ macro_rules! id_type {
             }
         }
 
+        // Hash and Eq of the newtype are those of its string, so maps keyed by the id can
+        // be looked up with a `&str` key.
+        impl std::borrow::Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(&self.0)
