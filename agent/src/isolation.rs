@@ -127,6 +127,13 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// of a previous use of the slot is still there.
     fn warm(&self, slot: u32) -> Result<(), IsolationError>;
 
+    /// [`SlotIsolation::warm`] right after a [`SlotIsolation::destroy`] of the slot that
+    /// succeeded; an isolation whose destroy already leaves the slot warm checks only
+    /// what that destroy may not have left behind.
+    fn warm_after_destroy(&self, slot: u32) -> Result<(), IsolationError> {
+        self.warm(slot)
+    }
+
     /// Hands a warm slot to `node_id`: adds the key, applies `limits` and records the
     /// node, and returns the workspace. On failure the caller falls back to
     /// [`SlotIsolation::create`].
@@ -234,6 +241,16 @@ impl SlotIsolation for WorkspaceOnly {
             }
         }
         write_marker(&self.marker(slot), None)
+    }
+
+    /// `destroy` blanked the marker and left the workspace empty with mode 0700: that
+    /// is warm, unless there was no workspace directory to empty.
+    fn warm_after_destroy(&self, slot: u32) -> Result<(), IsolationError> {
+        if fs::symlink_metadata(self.workspace(slot)).is_ok_and(|m| m.is_dir()) {
+            Ok(())
+        } else {
+            self.warm(slot)
+        }
     }
 
     fn prepare_warm(
@@ -531,7 +548,7 @@ mod tests {
         for (n, id) in ["node-b", "node-c"].into_iter().enumerate() {
             fs::write(ws.join(format!("output-{n}")), "of the job").unwrap();
             iso.destroy(1).unwrap();
-            iso.warm(1).unwrap();
+            iso.warm_after_destroy(1).unwrap();
             iso.prepare_warm(1, &node(id), None, &limits).unwrap();
             assert_eq!(
                 iso.recover().unwrap(),
@@ -551,6 +568,33 @@ mod tests {
             );
             assert_eq!(fs::metadata(&marker).unwrap().len(), MARKER_LEN as u64);
         }
+    }
+
+    #[test]
+    fn a_warm_up_after_a_destroy_makes_a_workspace_that_was_not_there() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = WorkspaceOnly::new(work.path()).unwrap();
+        let limits = SlotLimits::default();
+        let ws = iso.workspace(2);
+        // A job replaced its workspace with a file: destroy removes it, and the warm-up
+        // must make the directory again.
+        iso.create(2, &node("node-a"), None, &limits).unwrap();
+        fs::remove_dir(&ws).unwrap();
+        fs::write(&ws, "not a directory").unwrap();
+        iso.destroy(2).unwrap();
+        assert!(fs::symlink_metadata(&ws).is_err());
+        iso.warm_after_destroy(2).unwrap();
+        assert!(is_empty_dir(&ws));
+        assert_eq!(
+            fs::metadata(&ws).unwrap().permissions().mode() & 0o777,
+            WORKSPACE_MODE
+        );
+        assert_eq!(iso.recover().unwrap(), vec![FoundSlot::warm(2)]);
+        iso.prepare_warm(2, &node("node-b"), None, &limits).unwrap();
+        assert_eq!(
+            iso.recover().unwrap(),
+            vec![FoundSlot::prepared(2, node("node-b"))]
+        );
     }
 
     #[test]

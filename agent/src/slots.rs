@@ -388,7 +388,7 @@ impl Slots {
         }
         let isolation = self.isolation.clone();
         let result = if clean {
-            self.setup(slot, "warm-up", move || isolation.warm(slot))
+            self.setup(slot, "warm-up", move || isolation.warm_after_destroy(slot))
                 .await
         } else {
             blocking(slot, "warm-up", move || {
