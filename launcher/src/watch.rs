@@ -335,7 +335,8 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                     .and_then(|id| LauncherId::parse(id).ok())
                 {
                     // A launcher is gone: its open requests are free to take over.
-                    fx.todo.extend(owned_by(world, &launcher).map(Dirty::Request));
+                    fx.todo
+                        .extend(owned_by(world, &launcher).map(Dirty::Request));
                 } else if let Some(seat) = key.strip_prefix("backing.") {
                     fx.todo.push(Dirty::Seat(seat.to_string()));
                 }

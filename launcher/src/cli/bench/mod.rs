@@ -237,6 +237,7 @@ async fn run_all(
     let nats_dir = dir.join("nats");
     std::fs::create_dir_all(&nats_dir)?;
     let (mut server, url) = start_nats_server(nats_binary, &nats_dir).await?;
+    let server_pid = server.id();
     let result = async {
         let bus = phases::connect(&url, "slotpool-bench").await?;
         step(format!("floor: {} KV get+create+update chains", s.floor));
@@ -286,7 +287,25 @@ async fn run_all(
                 "throughput: {} clients for {}s",
                 s.clients, s.throughput_secs
             ));
-            let throughput = phases::throughput(
+            let cpu = procs::CpuMeter::start(vec![
+                procs::Role {
+                    name: "launcher",
+                    pids: vec![launcher.pid],
+                },
+                procs::Role {
+                    name: "nats-server",
+                    pids: server_pid.into_iter().collect(),
+                },
+                procs::Role {
+                    name: "agents",
+                    pids: procs::pids_of(agent_binary, dir),
+                },
+                procs::Role {
+                    name: "benchmark clients",
+                    pids: vec![std::process::id()],
+                },
+            ]);
+            let mut throughput = phases::throughput(
                 &client,
                 &watcher,
                 WARM_LABEL,
@@ -294,6 +313,7 @@ async fn run_all(
                 Duration::from_secs(s.throughput_secs),
             )
             .await?;
+            throughput.cpu = cpu.per_allocation(throughput.allocations);
             launcher.check_alive()?;
             step(format!("launcher idle for {}s", s.idle_secs));
             let idle = procs::usage_over(launcher.pid, Duration::from_secs(s.idle_secs)).await?;
@@ -553,6 +573,27 @@ fn print_table(r: &Report) {
     println!(
         "throughput: {:.0} allocations/s ({} in {:.1} s, {} clients)",
         t.allocations_per_sec, t.allocations, t.seconds, t.clients
+    );
+    let cpu: Vec<String> = t
+        .cpu
+        .iter()
+        .map(|c| {
+            format!(
+                "{} {:.3} ms ({:.0} % of a core{})",
+                c.role,
+                c.ms_per_allocation,
+                c.cpu_percent,
+                if c.processes > 1 {
+                    format!(", {} processes", c.processes)
+                } else {
+                    String::new()
+                }
+            )
+        })
+        .collect();
+    println!(
+        "CPU per allocation and release under load: {}",
+        cpu.join("; ")
     );
     println!(
         "release after grace-time: {} early; {} distinct backing nodes launched",

@@ -197,7 +197,7 @@ pub async fn warm(
     })
 }
 
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct Throughput {
     pub clients: usize,
     pub seconds: f64,
@@ -205,6 +205,8 @@ pub struct Throughput {
     pub allocations_per_sec: f64,
     pub allocation: Summary,
     pub release: Summary,
+    /// CPU time per allocation (and its release) of each process involved.
+    pub cpu: Vec<procs::RoleCpu>,
 }
 
 /// `clients` concurrent clients, each requesting a node and releasing it, for `duration`.
@@ -248,6 +250,7 @@ pub async fn throughput(
         allocations_per_sec: alloc.len() as f64 / seconds,
         allocation: alloc.summary(),
         release: rel.summary(),
+        cpu: Vec::new(),
     })
 }
 

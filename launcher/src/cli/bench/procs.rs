@@ -2,6 +2,8 @@
 //! (`VmRSS` in `/proc/<pid>/status`) and CPU time (`utime + stime` in `/proc/<pid>/stat`).
 
 use anyhow::{bail, Context};
+use serde::Serialize;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -57,6 +59,86 @@ pub async fn usage_over(pid: u32, window: Duration) -> anyhow::Result<Usage> {
         cpu_percent: (after - before).as_secs_f64() / wall * 100.0,
         window_secs: wall,
     })
+}
+
+/// The processes of one role (the launcher, nats-server, the agents, the benchmark's
+/// own clients) whose CPU time is counted together.
+pub struct Role {
+    pub name: &'static str,
+    pub pids: Vec<u32>,
+}
+
+/// CPU time one role spent per allocation (and its release) during a load.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoleCpu {
+    pub role: &'static str,
+    pub processes: usize,
+    pub ms_per_allocation: f64,
+    /// Share of one core over the load, in percent.
+    pub cpu_percent: f64,
+}
+
+/// Counts the CPU time of several roles from its start: what an allocation costs in CPU
+/// across every process involved, a figure a busy machine disturbs less than throughput.
+pub struct CpuMeter {
+    roles: Vec<(Role, Duration)>,
+    start: Instant,
+}
+
+impl CpuMeter {
+    pub fn start(roles: Vec<Role>) -> CpuMeter {
+        let roles = roles
+            .into_iter()
+            .map(|r| {
+                let used = total_cpu_time(&r.pids);
+                (r, used)
+            })
+            .collect();
+        CpuMeter {
+            roles,
+            start: Instant::now(),
+        }
+    }
+
+    /// Each role's CPU time since the start, per one of `allocations`.
+    pub fn per_allocation(&self, allocations: usize) -> Vec<RoleCpu> {
+        let wall = self.start.elapsed().as_secs_f64();
+        self.roles
+            .iter()
+            .map(|(role, before)| {
+                let used = total_cpu_time(&role.pids).saturating_sub(*before);
+                RoleCpu {
+                    role: role.name,
+                    processes: role.pids.len(),
+                    ms_per_allocation: used.as_secs_f64() * 1000.0 / allocations.max(1) as f64,
+                    cpu_percent: used.as_secs_f64() / wall * 100.0,
+                }
+            })
+            .collect()
+    }
+}
+
+fn total_cpu_time(pids: &[u32]) -> Duration {
+    pids.iter().filter_map(|&pid| cpu_time(pid)).sum()
+}
+
+/// The running processes of `binary` that have an argument inside `dir` (the agents the
+/// local provider started for this benchmark, not any others on the machine).
+pub fn pids_of(binary: &Path, dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let (binary, dir) = (binary.as_os_str().as_bytes(), dir.as_os_str().as_bytes());
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let mut args = cmdline.split(|b| *b == 0);
+            args.next() == Some(binary) && args.any(|a| a.starts_with(dir))
+        })
+        .collect()
 }
 
 /// A `slotpool serve` child process, killed on drop.
