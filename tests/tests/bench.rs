@@ -40,4 +40,25 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     }
     assert!(report["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
     assert_eq!(report["cold_and_release"]["early"], 0, "{report}");
+    // The CPU meter found every process of the load, the local agents included.
+    let cpu = report["throughput"]["cpu"].as_array().unwrap();
+    let roles: Vec<(&str, u64)> = cpu
+        .iter()
+        .map(|c| {
+            (
+                c["role"].as_str().unwrap(),
+                c["processes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            ("launcher", 1),
+            ("nats-server", 1),
+            ("agents", 2),
+            ("benchmark clients", 1)
+        ],
+        "{report}"
+    );
 }
