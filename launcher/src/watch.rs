@@ -225,6 +225,17 @@ impl Effects {
         self.todo.push(Dirty::Label(b.label.clone()));
     }
 
+    /// A change of the agent of backing node `id`.
+    fn agent(&mut self, world: &World, id: &BackingId) {
+        if let Some(seat) = world.seat_of.get(id) {
+            self.wake.push(seat_topic(seat));
+            self.todo.push(Dirty::Seat(seat.clone()));
+            if let Some(b) = world.backing.get(seat) {
+                self.wake.push(label_topic(&b.value.label));
+            }
+        }
+    }
+
     fn send(self, shared: &Shared, dirty: &mpsc::UnboundedSender<Dirty>) {
         for topic in self.wake {
             shared.signals.bump(&topic);
@@ -294,7 +305,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
             let id = BackingId::parse(&hb.backing_id);
             if world.put_agent(hb) {
                 if let Ok(id) = id {
-                    wake_backing(world, &id, &mut fx.wake, &mut fx.todo);
+                    fx.agent(world, &id);
                 }
             }
         }
@@ -324,7 +335,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
             }
             Mirror::Agents => {
                 if let Ok(id) = BackingId::parse(key) {
-                    wake_backing(world, &id, &mut fx.wake, &mut fx.todo);
+                    fx.agent(world, &id);
                 }
                 world.remove_agent(key);
             }
@@ -342,21 +353,6 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                 }
             }
         },
-    }
-}
-
-fn wake_backing(
-    world: &World,
-    id: &slotpool_protocol::BackingId,
-    wake: &mut Vec<String>,
-    todo: &mut Vec<Dirty>,
-) {
-    if let Some(seat) = world.seat_of.get(id) {
-        wake.push(seat_topic(seat));
-        todo.push(Dirty::Seat(seat.clone()));
-        if let Some(b) = world.backing.get(seat) {
-            wake.push(label_topic(&b.value.label));
-        }
     }
 }
 
