@@ -314,6 +314,7 @@ async fn run_all(
             )
             .await?;
             throughput.cpu = cpu.per_allocation(throughput.allocations);
+            throughput.stolen_percent = cpu.stolen_percent();
             launcher.check_alive()?;
             step(format!("launcher idle for {}s", s.idle_secs));
             let idle = procs::usage_over(launcher.pid, Duration::from_secs(s.idle_secs)).await?;
@@ -595,6 +596,11 @@ fn print_table(r: &Report) {
         "CPU per allocation and release under load: {}",
         cpu.join("; ")
     );
+    if let Some(stolen) = t.stolen_percent {
+        println!(
+            "CPU time the host took from this machine during that load (steal): {stolen:.1} %"
+        );
+    }
     println!(
         "release after grace-time: {} early; {} distinct backing nodes launched",
         c.early, c.distinct_backing_nodes

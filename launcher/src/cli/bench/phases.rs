@@ -207,6 +207,8 @@ pub struct Throughput {
     pub release: Summary,
     /// CPU time per allocation (and its release) of each process involved.
     pub cpu: Vec<procs::RoleCpu>,
+    /// Share of the machine's CPU time the hypervisor took during the load (steal).
+    pub stolen_percent: Option<f64>,
 }
 
 /// `clients` concurrent clients, each requesting a node and releasing it, for `duration`.
@@ -251,6 +253,7 @@ pub async fn throughput(
         allocation: alloc.summary(),
         release: rel.summary(),
         cpu: Vec::new(),
+        stolen_percent: None,
     })
 }
 

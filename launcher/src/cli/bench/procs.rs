@@ -83,6 +83,32 @@ pub struct RoleCpu {
 pub struct CpuMeter {
     roles: Vec<(Role, Duration)>,
     start: Instant,
+    machine: Option<MachineTicks>,
+}
+
+/// The machine's CPU time from `/proc/stat`, in ticks: all of it, and what the
+/// hypervisor gave to others (steal) while this VM wanted to run.
+#[derive(Clone, Copy)]
+struct MachineTicks {
+    total: u64,
+    steal: u64,
+}
+
+impl MachineTicks {
+    fn read() -> Option<MachineTicks> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
+        let fields: Vec<u64> = cpu
+            .split_whitespace()
+            .map(|f| f.parse().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is
+        // already counted in user.
+        Some(MachineTicks {
+            total: fields.iter().take(8).sum(),
+            steal: *fields.get(7)?,
+        })
+    }
 }
 
 impl CpuMeter {
@@ -97,7 +123,16 @@ impl CpuMeter {
         CpuMeter {
             roles,
             start: Instant::now(),
+            machine: MachineTicks::read(),
         }
+    }
+
+    /// The share of the machine's CPU time the hypervisor took since the start (steal),
+    /// in percent: a busy host shows here, not in this machine's load.
+    pub fn stolen_percent(&self) -> Option<f64> {
+        let (before, now) = (self.machine?, MachineTicks::read()?);
+        let total = now.total.checked_sub(before.total).filter(|t| *t > 0)?;
+        Some(now.steal.saturating_sub(before.steal) as f64 / total as f64 * 100.0)
     }
 
     /// Each role's CPU time since the start, per one of `allocations`.
