@@ -170,8 +170,9 @@ pub fn pids_of(binary: &Path, dir: &Path) -> Vec<u32> {
             let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
                 return false;
             };
+            let inside = |a: &[u8]| a.starts_with(dir) && a.get(dir.len()) == Some(&b'/');
             let mut args = cmdline.split(|b| *b == 0);
-            args.next() == Some(binary) && args.any(|a| a.starts_with(dir))
+            args.next() == Some(binary) && args.any(inside)
         })
         .collect()
 }
