@@ -272,23 +272,43 @@ pub async fn wait_served(client: &Client) {
     .await;
 }
 
-/// Kills every local agent whose pid file is under `work_dir` (checking its command line).
+/// Kills every local agent under `work_dir`: those its pid files name, and any other
+/// process with an argument inside it (an agent started by a launcher that was killed
+/// before it recorded the pid).
 pub fn kill_agents(work_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(work_dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let Ok(pid) = std::fs::read_to_string(e.path().join("agent.pid")) else {
-            continue;
-        };
-        let Ok(pid) = pid.trim().parse::<i32>() else {
-            continue;
-        };
-        let id = e.file_name().to_string_lossy().to_string();
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&id) {
-            // SAFETY: killing a process we started, identified by its command line.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut pids = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(work_dir) {
+        for e in entries.flatten() {
+            let Ok(pid) = std::fs::read_to_string(e.path().join("agent.pid")) else {
+                continue;
+            };
+            let Ok(pid) = pid.trim().parse::<i32>() else {
+                continue;
+            };
+            let id = e.file_name().to_string_lossy().to_string();
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&id) {
+                pids.push(pid);
+            }
         }
+    }
+    let inside = |arg: &[u8]| {
+        let dir = work_dir.as_os_str().as_encoded_bytes();
+        arg.starts_with(dir) && arg.get(dir.len()) == Some(&b'/')
+    };
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for pid in procs
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if pid > 1 && cmdline.split(|b| *b == 0).any(inside) {
+                pids.push(pid);
+            }
+        }
+    }
+    for pid in pids {
+        // SAFETY: killing a process we started, identified by its command line.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
 }

@@ -21,6 +21,7 @@ use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use slotpool_protocol::model::Instance;
 use slotpool_protocol::BackingId;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -91,10 +92,16 @@ impl LocalProvider {
 
     /// Stops the agent recorded in `dir` (if it still runs as `backing_id`).
     async fn stop_recorded(&self, dir: &Path, backing_id: &str) -> Result<(), ProviderError> {
-        match read_pid(dir).map_err(|err| self.failed(err))? {
-            Some(pid) => self.stop(pid, backing_id).await,
-            None => Ok(()),
+        let mut pids = started_in(dir, backing_id);
+        if let Some(pid) = read_pid(dir).map_err(|err| self.failed(err))? {
+            if !pids.contains(&pid) {
+                pids.push(pid);
+            }
         }
+        for pid in pids {
+            self.stop(pid, backing_id).await?;
+        }
+        Ok(())
     }
 
     /// Stops `pid` if it still runs as `backing_id`.
@@ -296,6 +303,27 @@ fn write_pid(dir: &Path, pid: i32) -> Result<(), String> {
         .map_err(|err| format!("writing {}: {err}", path.display()))
 }
 
+/// The live agents of `backing_id` started with `--work-dir <dir>`, whether or not the
+/// pid file names them: a launcher killed between starting an agent and recording its
+/// pid leaves one behind, which the next launch or delete must stop too.
+fn started_in(dir: &Path, backing_id: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let dir = dir.as_os_str().as_bytes();
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid > 1 && runs_as(pid, backing_id))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                args.windows(2)
+                    .any(|w| w[0] == b"--work-dir" && w[1] == dir)
+            })
+        })
+        .collect()
+}
+
 /// Whether `pid` is alive (not a zombie) and was started with `--backing-id <id>`.
 fn runs_as(pid: i32, backing_id: &str) -> bool {
     if !is_alive(pid) {
@@ -379,7 +407,7 @@ mod tests {
     impl Drop for Cleanup {
         fn drop(&mut self) {
             for pid in &self.0 {
-                if ["bn-local-test", "bn-local-a", "bn-local-b"]
+                if ["bn-local-test", "bn-local-a", "bn-local-b", "bn-local-c"]
                     .iter()
                     .any(|id| runs_as(*pid, id))
                 {
@@ -387,6 +415,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn an_agent_its_pid_file_does_not_name_is_stopped_by_the_next_launch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let work_dir = tmp.path().join("work");
+        let p = LocalProvider::new("local", fake_agent(tmp.path()), vec![], work_dir.clone());
+        let first = p.launch(&spec("bn-local-c")).await.unwrap();
+        let first = first.instance.data["pid"].as_i64().unwrap() as i32;
+        let mut cleanup = Cleanup(vec![first]);
+        // A launcher killed between starting the agent and recording its pid.
+        std::fs::remove_file(work_dir.join("bn-local-c").join("agent.pid")).unwrap();
+        let second = p.launch(&spec("bn-local-c")).await.unwrap();
+        let second = second.instance.data["pid"].as_i64().unwrap() as i32;
+        cleanup.0.push(second);
+        assert!(!is_alive(first), "the unrecorded agent still runs");
+        assert!(is_alive(second));
+        p.delete(&p.instance("bn-local-c", second)).await.unwrap();
+        assert!(!is_alive(second));
     }
 
     #[tokio::test]
