@@ -148,9 +148,8 @@ fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), Is
             return Ok(());
         }
         let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        // Exit 10: cannot lock or update the password/group file (another tool holds it).
         attempts += 1;
-        if code == 10 && attempts < PASSWD_LOCK_RETRIES {
+        if passwd_locked(code, &stderr) && attempts < PASSWD_LOCK_RETRIES {
             std::thread::sleep(PASSWD_LOCK_PAUSE);
             continue;
         }
@@ -158,6 +157,13 @@ fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), Is
             std::io::Error::other(format!("{} exited with {code}: {stderr}", args.join(" "))),
         ));
     }
+}
+
+/// Whether a shadow-utils tool failed only because another process holds the password
+/// or group file: `useradd` says so with exit 10, `userdel` with exit 1 and "cannot lock"
+/// (another agent on the host, or an administrator's tool, is changing users).
+fn passwd_locked(code: i32, stderr: &str) -> bool {
+    code == 10 || (code == 1 && stderr.contains("cannot lock"))
 }
 
 /// Creates user `name` with its own group, home `home` (not created here) and `shell`.
@@ -476,6 +482,23 @@ mod tests {
         assert_eq!(split_user_name("root"), None);
         assert_eq!(split_user_name("s1"), None);
         assert_eq!(split_user_name("sp12s"), None);
+    }
+
+    #[test]
+    fn a_locked_password_file_is_retried_and_other_failures_are_not() {
+        // As userdel and useradd print them when another process holds the lock.
+        assert!(passwd_locked(
+            1,
+            "userdel: lock /etc/passwd.lock already used by PID 16811\n\
+             userdel: cannot lock /etc/passwd; try again later."
+        ));
+        assert!(passwd_locked(
+            10,
+            "useradd: cannot lock /etc/group; try again later."
+        ));
+        assert!(!passwd_locked(6, "userdel: user 'x' does not exist"));
+        assert!(!passwd_locked(1, "userdel: cannot open /etc/passwd"));
+        assert!(!passwd_locked(9, "useradd: user 'x' already exists"));
     }
 
     #[test]
