@@ -307,18 +307,29 @@ fn write_pid(dir: &Path, pid: i32) -> Result<(), String> {
 /// pid file names them: a launcher killed between starting an agent and recording its
 /// pid leaves one behind, which the next launch or delete must stop too.
 fn started_in(dir: &Path, backing_id: &str) -> Vec<i32> {
+    let (dir, id) = (dir.as_os_str().as_bytes(), backing_id.as_bytes());
+    let pair = |args: &[&[u8]], flag: &[u8], value: &[u8]| {
+        args.windows(2).any(|w| w[0] == flag && w[1] == value)
+    };
+    processes_where(|args| pair(args, b"--backing-id", id) && pair(args, b"--work-dir", dir))
+        .into_iter()
+        .filter(|&pid| is_alive(pid))
+        .collect()
+}
+
+/// Every process (but init) whose command line, split into its arguments, satisfies
+/// `pred`: found through `/proc`, reading each command line once.
+pub fn processes_where(pred: impl Fn(&[&[u8]]) -> bool) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let dir = dir.as_os_str().as_bytes();
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid > 1 && runs_as(pid, backing_id))
+        .filter(|&pid| pid > 1)
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
                 let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-                args.windows(2)
-                    .any(|w| w[0] == b"--work-dir" && w[1] == dir)
+                pred(&args)
             })
         })
         .collect()

@@ -160,21 +160,14 @@ fn total_cpu_time(pids: &[u32]) -> Duration {
 /// The running processes of `binary` that have an argument inside `dir` (the agents the
 /// local provider started for this benchmark, not any others on the machine).
 pub fn pids_of(binary: &Path, dir: &Path) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let (binary, dir) = (binary.as_os_str().as_bytes(), dir.as_os_str().as_bytes());
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                return false;
-            };
-            let inside = |a: &[u8]| a.starts_with(dir) && a.get(dir.len()) == Some(&b'/');
-            let mut args = cmdline.split(|b| *b == 0);
-            args.next() == Some(binary) && args.any(inside)
-        })
-        .collect()
+    let inside = |a: &&[u8]| a.starts_with(dir) && a.get(dir.len()) == Some(&b'/');
+    crate::provider::local::processes_where(|args| {
+        args.first() == Some(&binary) && args[1..].iter().any(inside)
+    })
+    .into_iter()
+    .filter_map(|pid| u32::try_from(pid).ok())
+    .collect()
 }
 
 /// A `slotpool serve` child process, killed on drop.
