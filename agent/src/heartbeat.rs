@@ -114,6 +114,7 @@ impl Heartbeat {
             isolation: Some(self.slots.isolation_name().to_string()),
             ssh_port: Some(self.ssh.port),
             ssh_host_keys: self.ssh.host_keys.clone(),
+            slot_names: Some(self.slots.isolation().slot_names()),
         }
     }
 

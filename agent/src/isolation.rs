@@ -27,6 +27,7 @@
 //! and whose marker names no node; one with anything in it is cold and wiped before use.
 
 use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::fs;
 use std::io::Write;
@@ -99,6 +100,10 @@ pub trait SlotIsolation: Send + Sync + 'static {
 
     /// The slot's workspace directory (whether or not it exists).
     fn workspace(&self, slot: u32) -> PathBuf;
+
+    /// Every slot's workspace and user as templates: what [`SlotIsolation::workspace`]
+    /// and [`SlotIsolation::username`] of a prepared slot say, for the heartbeat.
+    fn slot_names(&self) -> SlotNames;
 
     /// Whether [`SlotIsolation::warm`] and [`SlotIsolation::prepare_warm`] are a few
     /// small file operations, quick enough to run on the agent's event loop: that saves
@@ -221,6 +226,13 @@ impl SlotIsolation for WorkspaceOnly {
         self.slots_dir.join(slot.to_string())
     }
 
+    fn slot_names(&self) -> SlotNames {
+        SlotNames {
+            workspace: workspace_template(&self.slots_dir),
+            username: None,
+        }
+    }
+
     fn quick_setup(&self) -> bool {
         true
     }
@@ -318,6 +330,11 @@ impl SlotIsolation for WorkspaceOnly {
 }
 
 /// The node id in a marker file; `None` when there is no marker or it is blank.
+/// The [`SlotNames`] template of the workspaces `<slots_dir>/<slot>`.
+pub fn workspace_template(slots_dir: &Path) -> String {
+    slots_dir.join(SlotNames::SLOT).display().to_string()
+}
+
 fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
     let text = match fs::read_to_string(path) {
         Ok(text) => text,

@@ -639,6 +639,10 @@ mod tests {
         let slots = Slots::recover(iso.clone(), 2).await.unwrap();
         let a = node("node-a");
         let ws = slots.prepare(1, &a, None, L).await.unwrap().workspace;
+        // The heartbeat's template names the workspace the prepare returned.
+        let names = slots.isolation().slot_names();
+        assert_eq!(names.workspace_of(1), ws.display().to_string());
+        assert_eq!(names.username_of(1), None);
         std::fs::write(ws.join("job-output"), "keep me").unwrap();
         // Re-preparing for the same node keeps the workspace as it is.
         assert_eq!(slots.prepare(1, &a, None, L).await.unwrap().workspace, ws);
@@ -681,6 +685,9 @@ mod tests {
         }
         fn workspace(&self, slot: u32) -> PathBuf {
             self.0.workspace(slot)
+        }
+        fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
+            self.0.slot_names()
         }
         fn create(
             &self,
@@ -829,6 +836,9 @@ mod tests {
         }
         fn workspace(&self, slot: u32) -> PathBuf {
             self.iso().workspace(slot)
+        }
+        fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
+            self.iso().slot_names()
         }
         fn create(
             &self,

@@ -51,12 +51,13 @@
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
-    is_empty_dir, make_private_dir, remove_if_present, with_newline, write_file, FoundSlot,
-    IsolationError, SlotIsolation,
+    is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
+    write_file, FoundSlot, IsolationError, SlotIsolation,
 };
 use crate::users::{self, UserInfo};
 use serde::{Deserialize, Serialize};
 use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::collections::BTreeMap;
 use std::fs;
@@ -280,6 +281,13 @@ impl SlotIsolation for UserIsolation {
 
     fn workspace(&self, slot: u32) -> PathBuf {
         self.slots_dir.join(slot.to_string())
+    }
+
+    fn slot_names(&self) -> SlotNames {
+        SlotNames {
+            workspace: workspace_template(&self.slots_dir),
+            username: Some(users::user_name_template(&self.namespace)),
+        }
     }
 
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {

@@ -19,6 +19,7 @@
 
 use crate::isolation::IsolationError;
 use sha2::{Digest, Sha256};
+use slotpool_protocol::model::SlotNames;
 use std::ffi::CString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -48,6 +49,11 @@ pub fn namespace(prefix: &str, backing_id: &str) -> String {
 /// The user name of `slot` in `namespace`.
 pub fn user_name(namespace: &str, slot: u32) -> String {
     format!("{namespace}s{slot}")
+}
+
+/// [`user_name`] as a [`SlotNames`] template.
+pub fn user_name_template(namespace: &str) -> String {
+    format!("{namespace}s{}", SlotNames::SLOT)
 }
 
 /// The namespace and slot of a user name made by [`user_name`].
@@ -499,6 +505,18 @@ mod tests {
         assert!(!passwd_locked(6, "userdel: user 'x' does not exist"));
         assert!(!passwd_locked(1, "userdel: cannot open /etc/passwd"));
         assert!(!passwd_locked(9, "useradd: user 'x' already exists"));
+    }
+
+    #[test]
+    fn the_user_name_template_names_the_slot_users() {
+        let ns = namespace("sp", "bn-01jq3m2f7h8g9k0m1n2p3q4r5s");
+        let names = SlotNames {
+            workspace: String::new(),
+            username: Some(user_name_template(&ns)),
+        };
+        for slot in [0, 7, 12] {
+            assert_eq!(names.username_of(slot), Some(user_name(&ns, slot)));
+        }
     }
 
     #[test]

@@ -11,8 +11,10 @@ use crate::world::SlotRef;
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::api::{AgentCommand, SlotPrepared};
 use slotpool_protocol::connect::BusError;
-use slotpool_protocol::layout::{self, subjects};
-use slotpool_protocol::model::{BackingNode, BackingState, Node, NodeRequest, NodeState};
+use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Node, NodeRequest, NodeState, RequestState, SlotLogin,
+};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
@@ -45,6 +47,12 @@ pub enum SlotError {
 
 /// Claims `slot` for node `index` of `request`: creates the slot key (fails with a
 /// conflict if anyone holds it).
+///
+/// When the agent's heartbeat says what a prepare of the slot will answer (its
+/// [`SlotLoginPlan`](crate::world::SlotLoginPlan)), the node is created `ready` with that
+/// workspace and login, and [`prepare`] has nothing left to write: it only has the agent
+/// prepare the slot, and the request is fulfilled after that. Otherwise it is created
+/// `preparing` and [`prepare`] writes what the agent answers.
 pub async fn claim(
     shared: &Shared,
     slot: &SlotRef,
@@ -52,8 +60,13 @@ pub async fn claim(
     index: u32,
 ) -> Result<Versioned<Node>, SlotError> {
     let key = slot.key();
-    let (host, attributes, tombstone) = {
+    let (host, attributes, tombstone, planned) = {
         let world = shared.world();
+        let planned = world
+            .agents
+            .get(&slot.backing_id)
+            .and_then(|a| a.login.as_ref())
+            .map(|plan| plan.of_slot(slot.slot));
         let tombstone = world.tombstones.get(&key).copied();
         let b = world
             .backing
@@ -72,7 +85,11 @@ pub async fn claim(
             .as_ref()
             .map(|i| i.host.clone())
             .unwrap_or_default();
-        (host, attributes, tombstone)
+        (host, attributes, tombstone, planned)
+    };
+    let (state, workspace, login) = match planned {
+        Some((workspace, login)) => (NodeState::Ready, Some(workspace), login),
+        None => (NodeState::Preparing, None, SlotLogin::default()),
     };
     let node = Node {
         v: PROTOCOL_VERSION,
@@ -82,15 +99,15 @@ pub async fn claim(
         label: request.labels[index as usize].clone(),
         backing_id: slot.backing_id.clone(),
         slot: slot.slot,
-        state: NodeState::Preparing,
+        state,
         requestor: request.requestor.clone(),
         host,
-        workspace: None,
+        workspace,
         attributes,
         allocated_at: now_ms(),
         released_at: None,
         failure: None,
-        login: Default::default(),
+        login,
     };
     let revision = shared
         .bus
@@ -104,7 +121,8 @@ pub async fn claim(
     })
 }
 
-/// Has the agent prepare a claimed slot, then marks the node ready.
+/// Has the agent prepare a claimed slot, then marks the node ready with what the agent
+/// answered, unless the claim already said just that (see [`claim`]).
 pub async fn prepare(
     shared: &Shared,
     node: Versioned<Node>,
@@ -140,6 +158,9 @@ pub async fn prepare(
     ready.state = NodeState::Ready;
     ready.workspace = Some(prepared.workspace);
     ready.login = prepared.login;
+    if ready == node.value {
+        return Ok(node);
+    }
     let revision = shared
         .bus
         .slots
@@ -398,15 +419,16 @@ pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
 
 /// How long a node may stay releasing before any launcher finishes its release (the
 /// one that began it died, or its agent did not answer), and how long a node may be
-/// preparing for a request that does not exist (its launcher died between claiming the
+/// claimed for a request that does not exist (its launcher died between claiming the
 /// slot and creating the request: see [`crate::api`]) or that ended without it, before
 /// it is released.
 pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
 
-/// Finishes releases left behind, and releases slots still preparing for requests
-/// that were never created or ended without them: all older than [`STALE_RELEASE`].
+/// Finishes releases left behind, and releases slots claimed for requests that were
+/// never created or ended without them: all older than [`STALE_RELEASE`].
 pub fn sweep_left_behind(shared: &Arc<Shared>) {
-    let cutoff = now_ms().saturating_sub(STALE_RELEASE.as_millis() as u64);
+    let now = now_ms();
+    let cutoff = now.saturating_sub(STALE_RELEASE.as_millis() as u64);
     let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
         let world = shared.world();
         world
@@ -414,14 +436,15 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
             .values()
             .filter(|n| match n.value.state {
                 NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
-                NodeState::Preparing => {
+                NodeState::Preparing | NodeState::Ready => {
                     n.value.allocated_at <= cutoff
-                        && world
-                            .requests
-                            .get(&n.value.request_id)
-                            .is_none_or(|r| r.value.state.is_final())
+                        && left_behind(
+                            &n.value,
+                            world.requests.get(&n.value.request_id).map(|r| &r.value),
+                            now,
+                        )
                 }
-                _ => false,
+                NodeState::Failed => false,
             })
             .cloned()
             .partition(|n| n.value.state == NodeState::Releasing)
@@ -439,6 +462,24 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
                 tracing::warn!(node_id = %id, %err, "cannot release an orphaned slot");
             }
         });
+    }
+}
+
+/// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
+/// ended without it, or was never created. A `ready` node whose request is gone may be
+/// the node of a fulfilled request whose record expired
+/// ([`FINISHED_REQUEST_TTL_SECS`] after it was fulfilled): it is left behind only when it
+/// was claimed too recently for that.
+fn left_behind(node: &Node, request: Option<&NodeRequest>, now: u64) -> bool {
+    match request {
+        Some(r) => {
+            r.state.is_final()
+                && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id))
+        }
+        None => {
+            node.state == NodeState::Preparing
+                || now.saturating_sub(node.allocated_at) < FINISHED_REQUEST_TTL_SECS * 1000
+        }
     }
 }
 
@@ -468,6 +509,83 @@ pub async fn mark_failed(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use slotpool_protocol::{BackingId, RequestId};
+
+    fn node(state: NodeState, allocated_at: u64) -> Node {
+        let backing = BackingId::parse("bn-1").unwrap();
+        Node {
+            v: PROTOCOL_VERSION,
+            id: NodeId::for_slot(&backing, 0),
+            request_id: RequestId::parse("req-1").unwrap(),
+            index: 0,
+            label: "small".into(),
+            backing_id: backing,
+            slot: 0,
+            state,
+            requestor: "t".into(),
+            host: String::new(),
+            workspace: None,
+            attributes: Default::default(),
+            allocated_at,
+            released_at: None,
+            failure: None,
+            login: Default::default(),
+        }
+    }
+
+    fn request(state: RequestState, nodes: Vec<NodeId>) -> NodeRequest {
+        NodeRequest {
+            v: PROTOCOL_VERSION,
+            id: RequestId::parse("req-1").unwrap(),
+            labels: vec!["small".into()],
+            requestor: "t".into(),
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 0,
+            state,
+            status: String::new(),
+            nodes,
+            failure: None,
+            updated_at: 0,
+            owner: None,
+        }
+    }
+
+    #[test]
+    fn a_claimed_node_is_left_behind_when_its_request_ended_without_it_or_never_was() {
+        let hour = FINISHED_REQUEST_TTL_SECS * 1000;
+        let now = 10 * hour;
+        let minute_ago = now - 60_000;
+        for state in [NodeState::Preparing, NodeState::Ready] {
+            let n = node(state, minute_ago);
+            let mine = request(RequestState::Fulfilled, vec![n.id.clone()]);
+            let other = request(
+                RequestState::Fulfilled,
+                vec![NodeId::parse("node-x").unwrap()],
+            );
+            assert!(!left_behind(&n, Some(&mine), now), "{state:?}: its own");
+            assert!(left_behind(&n, Some(&other), now), "{state:?}: a stray");
+            let waiting = request(RequestState::Requested, vec![]);
+            assert!(
+                !left_behind(&n, Some(&waiting), now),
+                "{state:?}: its worker's"
+            );
+            for ended in [RequestState::Failed, RequestState::Canceled] {
+                let r = request(ended, vec![]);
+                assert!(left_behind(&n, Some(&r), now), "{state:?}: {ended:?}");
+            }
+            assert!(left_behind(&n, None, now), "{state:?}: never created");
+        }
+        // A ready node older than a finished request is kept: its request may have expired.
+        let old = node(NodeState::Ready, now - hour - 1);
+        assert!(!left_behind(&old, None, now));
+        assert!(left_behind(
+            &node(NodeState::Preparing, now - hour - 1),
+            None,
+            now
+        ));
+    }
 
     #[test]
     fn keyscan_output_is_compared_with_reported_keys() {

@@ -13,9 +13,9 @@ use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::RequestId;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use slotpool_protocol::{NodeId, RequestId};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -136,7 +136,11 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
 }
 
 async fn drive(sh: &Arc<Shared>, id: RequestId) {
-    let worker = Worker { sh: sh.clone(), id };
+    let worker = Worker {
+        sh: sh.clone(),
+        id,
+        prepared: Mutex::default(),
+    };
     let lost = sh.liveness.token();
     if let Err(err) = worker.run(&lost).await {
         tracing::warn!(%err, "request worker stopped; another pass will resume it");
@@ -146,6 +150,12 @@ async fn drive(sh: &Arc<Shared>, id: RequestId) {
 struct Worker {
     sh: Arc<Shared>,
     id: RequestId,
+    /// The nodes this worker had their agents prepare. A node is claimed `ready` when
+    /// its agent says ahead what the prepare will answer ([`nodes::claim`]), so the
+    /// record alone does not say whether the agent has prepared it: a worker prepares
+    /// every node it has not prepared itself (again, after a takeover: a prepare for the
+    /// node already holding the slot changes nothing) before it fulfils the request.
+    prepared: Mutex<HashSet<NodeId>>,
 }
 
 /// What one pass over the request found.
@@ -308,8 +318,10 @@ impl Worker {
         for (index, label) in r.labels.iter().enumerate() {
             let index = index as u32;
             match have.remove(&index) {
-                Some(n) if n.value.state == NodeState::Ready => {}
-                Some(n) if n.value.state == NodeState::Preparing => to_prepare.push(n),
+                Some(n) if self.has_prepared(&n.value) => {}
+                Some(n) if matches!(n.value.state, NodeState::Ready | NodeState::Preparing) => {
+                    to_prepare.push(n)
+                }
                 Some(n) => {
                     // Its backing node failed before the request was fulfilled: start over.
                     nodes::release(&self.sh, &n.key).await?;
@@ -380,6 +392,7 @@ impl Worker {
         let key = node.key.clone();
         match nodes::prepare(&self.sh, node, r.ssh_public_key.clone()).await {
             Ok(ready) => {
+                self.prepared_set().insert(ready.value.id.clone());
                 self.sh.world().put_slot(ready);
                 Ok(true)
             }
@@ -397,6 +410,15 @@ impl Worker {
         }
     }
 
+    /// Whether `node` is ready and this worker had its agent prepare it.
+    fn has_prepared(&self, node: &Node) -> bool {
+        node.state == NodeState::Ready && self.prepared_set().contains(&node.id)
+    }
+
+    fn prepared_set(&self) -> std::sync::MutexGuard<'_, HashSet<NodeId>> {
+        self.prepared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     async fn fulfil(&self, req: &Versioned<NodeRequest>) -> Result<Pass, SlotError> {
         let mut done = req.value.clone();
         let mut nodes: Vec<_> = self
@@ -404,12 +426,12 @@ impl Worker {
             .world()
             .nodes_of(&done.id)
             .into_iter()
-            .filter(|n| n.value.state == NodeState::Ready)
+            .filter(|n| self.has_prepared(&n.value))
             .map(|n| (n.value.index, n.value.id.clone()))
             .collect();
         nodes.sort();
         // One node per label; another claimed for the same index is a stray, released
-        // by the sweep of slots left preparing.
+        // by the sweep of claims left behind.
         nodes.dedup_by_key(|(index, _)| *index);
         done.nodes = nodes.into_iter().map(|(_, id)| id).collect();
         done.state = RequestState::Fulfilled;

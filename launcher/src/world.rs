@@ -10,7 +10,10 @@
 //! is updated by the methods that change what it depends on (backing nodes, agents,
 //! slots, reservations): change the mirror only through them.
 
+mod agent;
 mod capacity;
+
+pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
 use slotpool_protocol::layout::{self, parse_slot_key};
@@ -74,42 +77,6 @@ pub struct World {
     pub open_requests: HashSet<RequestId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
-}
-
-/// What the launcher keeps of an agent's heartbeat: the part that decides whether its
-/// backing node gets slots.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AgentReport {
-    pub secret_sha256: String,
-    pub healthy: bool,
-    pub draining: bool,
-    /// Slots never to be handed out again until an operator acts.
-    pub dirty_slots: Vec<u32>,
-}
-
-impl AgentReport {
-    fn says_the_same_as(&self, hb: &HeartbeatGist<'_>) -> bool {
-        self.secret_sha256 == hb.secret_sha256
-            && self.healthy == hb.health.healthy
-            && self.draining == hb.draining
-            && self.dirty_slots == hb.dirty_slots
-    }
-}
-
-impl From<HeartbeatGist<'_>> for AgentReport {
-    fn from(hb: HeartbeatGist<'_>) -> Self {
-        AgentReport {
-            secret_sha256: hb.secret_sha256.into_owned(),
-            healthy: hb.health.healthy,
-            draining: hb.draining,
-            dirty_slots: hb.dirty_slots,
-        }
-    }
-}
-
-/// Whether an agent's report makes a backing node usable.
-pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentReport>) -> bool {
-    agent.is_some_and(|a| a.secret_sha256 == backing.secret_sha256 && a.healthy && !a.draining)
 }
 
 impl World {
@@ -547,6 +514,9 @@ pub mod tests_support {
             health: HealthGist { healthy: true },
             draining: false,
             dirty_slots: vec![],
+            ssh_port: None,
+            ssh_host_keys: vec![],
+            slot_names: None,
         }
     }
 }

@@ -406,6 +406,39 @@ pub struct AgentHeartbeat {
     /// The host's SSH host public keys, one `<type> <base64>` line each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ssh_host_keys: Vec<String>,
+    /// How the agent names a slot's workspace and user: what a prepare of the slot will
+    /// answer. A launcher writes them into the node when it claims the slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot_names: Option<SlotNames>,
+}
+
+/// The workspace and user of every slot of an agent, as templates in which `{slot}`
+/// stands for the slot index (`"/var/lib/slotpool/slots/{slot}"`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotNames {
+    pub workspace: String,
+    /// Only with user isolation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+}
+
+impl SlotNames {
+    /// The placeholder of the slot index in a template.
+    pub const SLOT: &'static str = "{slot}";
+
+    /// Slot `slot`'s workspace.
+    pub fn workspace_of(&self, slot: u32) -> String {
+        Self::expand(&self.workspace, slot)
+    }
+
+    /// Slot `slot`'s user, with user isolation.
+    pub fn username_of(&self, slot: u32) -> Option<String> {
+        self.username.as_deref().map(|t| Self::expand(t, slot))
+    }
+
+    fn expand(template: &str, slot: u32) -> String {
+        template.replace(Self::SLOT, &slot.to_string())
+    }
 }
 
 /// The part of an [`AgentHeartbeat`] that decides whether its backing node gets slots,
@@ -422,6 +455,23 @@ pub struct HeartbeatGist<'a> {
     pub draining: bool,
     #[serde(default)]
     pub dirty_slots: Vec<u32>,
+    /// With `slot_names`, what a node claimed on this backing node says before its
+    /// agent prepared it.
+    #[serde(default)]
+    pub ssh_port: Option<u16>,
+    #[serde(default, borrow)]
+    pub ssh_host_keys: Vec<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub slot_names: Option<SlotNamesGist<'a>>,
+}
+
+/// [`SlotNames`] as read by [`HeartbeatGist`], without copying.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct SlotNamesGist<'a> {
+    #[serde(borrow)]
+    pub workspace: Cow<'a, str>,
+    #[serde(default, borrow)]
+    pub username: Option<Cow<'a, str>>,
 }
 
 /// The verdict of a heartbeat's [`Health`].
@@ -522,12 +572,21 @@ mod tests {
             isolation: Some("users".into()),
             ssh_port: Some(22),
             ssh_host_keys: vec!["ssh-ed25519 AAAA".into()],
+            slot_names: Some(SlotNames {
+                workspace: "/w/slots/{slot}".into(),
+                username: Some("sp0a1b2c3ds{slot}".into()),
+            }),
         };
         let json = serde_json::to_vec(&hb).unwrap();
         let gist = HeartbeatGist::from_json(&json).unwrap();
         assert_eq!(gist.backing_id, "bn-1");
         assert_eq!(gist.secret_sha256, "abc");
         assert!(gist.health.healthy && !gist.draining && gist.dirty_slots.is_empty());
+        assert_eq!(gist.ssh_port, Some(22));
+        assert_eq!(gist.ssh_host_keys, vec!["ssh-ed25519 AAAA"]);
+        let names = gist.slot_names.as_ref().unwrap();
+        assert_eq!(names.workspace, "/w/slots/{slot}");
+        assert_eq!(names.username.as_deref(), Some("sp0a1b2c3ds{slot}"));
 
         hb.health.healthy = false;
         hb.draining = true;
@@ -536,5 +595,20 @@ mod tests {
         let gist = HeartbeatGist::from_json(&json).unwrap();
         assert!(!gist.health.healthy && gist.draining);
         assert_eq!(gist.dirty_slots, vec![0, 3]);
+    }
+
+    #[test]
+    fn slot_names_put_the_slot_index_into_their_templates() {
+        let names = SlotNames {
+            workspace: "/w/slots/{slot}".into(),
+            username: Some("sp0a1b2c3ds{slot}".into()),
+        };
+        assert_eq!(names.workspace_of(7), "/w/slots/7");
+        assert_eq!(names.username_of(12).as_deref(), Some("sp0a1b2c3ds12"));
+        let no_users = SlotNames {
+            workspace: "/w/{slot}".into(),
+            username: None,
+        };
+        assert_eq!(no_users.username_of(0), None);
     }
 }

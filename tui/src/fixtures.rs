@@ -92,6 +92,7 @@ pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
         isolation: None,
         ssh_port: None,
         ssh_host_keys: vec![],
+        slot_names: None,
     }
 }
 

@@ -10,7 +10,7 @@
 use futures::StreamExt;
 use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
 use slotpool_protocol::connect::{Bus, BusError};
-use slotpool_protocol::model::{AgentHeartbeat, Health, SlotReport};
+use slotpool_protocol::model::{AgentHeartbeat, Health, SlotNames, SlotReport};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
 use std::collections::{BTreeMap, HashMap};
@@ -18,6 +18,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// What a simulated agent says of its slots, as a real one does.
+fn slot_names(id: &BackingId) -> SlotNames {
+    SlotNames {
+        workspace: format!("/sim/{id}/slots/{}", SlotNames::SLOT),
+        username: None,
+    }
+}
 
 /// Subject prefix of agent commands (the backing id follows).
 const AGENT_PREFIX: &str = "slotpool.agent.v1.";
@@ -140,7 +148,7 @@ fn answer(
                 _ => {
                     node.prepared.insert(slot, node_id);
                     value(&SlotPrepared {
-                        workspace: format!("/sim/{id}/slots/{slot}"),
+                        workspace: slot_names(id).workspace_of(slot),
                         login: Default::default(),
                     })
                 }
@@ -217,6 +225,7 @@ async fn heartbeats(
             isolation: Some("simulated".into()),
             ssh_port: None,
             ssh_host_keys: Vec::new(),
+            slot_names: Some(slot_names(id)),
         }
     };
     let write = |batch: &[BackingId]| {
