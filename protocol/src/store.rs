@@ -11,12 +11,16 @@ use async_nats::jetstream::{self, consumer, kv, stream::DirectGetErrorKind};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
 const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
+/// How long [`Store::list`] waits for a change up to the revision it reads on to (a
+/// value written by then and removed before it was delivered never comes).
+const LIST_CATCH_UP: Duration = Duration::from_secs(2);
 
 /// What went wrong with a KV operation, in slotpool's terms.
 #[derive(Debug, thiserror::Error)]
@@ -346,24 +350,48 @@ impl Store {
     }
 
     /// Every current value in the bucket, decoded; undecodable values are returned as errors
-    /// in place so one bad record cannot hide the others.
+    /// in place so one bad record cannot hide the others. In key order.
+    ///
+    /// A watch's [`Change::Synced`] can come before the new value of a key rewritten while
+    /// the watch started (the old value is gone, the new one not yet delivered), so the
+    /// listing reads on until it has seen the bucket's last revision as of the sync.
     pub async fn list<T: DeserializeOwned>(
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
-        let mut out = Vec::new();
+        let mut out = BTreeMap::new();
         let (name, changes) = self
             .open_watch(">", consumer::DeliverPolicy::LastPerSubject)
             .await?;
         let mut changes = Box::pin(changes);
+        let mut seen = 0;
+        let mut until: Option<u64> = None;
         let result = loop {
-            match changes.next().await {
+            if until.is_some_and(|last| seen >= last) {
+                break Ok(());
+            }
+            let next = match until {
+                None => changes.next().await,
+                Some(_) => match tokio::time::timeout(LIST_CATCH_UP, changes.next()).await {
+                    Ok(next) => next,
+                    // What was there has been read: the rest was removed meanwhile.
+                    Err(_) => break Ok(()),
+                },
+            };
+            match next {
                 Some(Ok(Change::Put {
                     key,
                     revision,
                     value,
-                })) => out.push(self.decode(&key, revision, &value)),
-                Some(Ok(Change::Removed { .. })) => {}
-                Some(Ok(Change::Synced)) => break Ok(out),
+                })) => {
+                    seen = revision;
+                    let decoded = self.decode(&key, revision, &value);
+                    out.insert(key, decoded);
+                }
+                Some(Ok(Change::Removed { key, revision })) => {
+                    seen = revision;
+                    out.remove(&key);
+                }
+                Some(Ok(Change::Synced)) => until = Some(self.last_revision().await?),
                 Some(Err(err)) => break Err(err),
                 None => {
                     break Err(transport(
@@ -377,7 +405,18 @@ impl Store {
         drop(changes);
         // Ephemeral consumers linger on the server for minutes; a lister removes its own.
         let _ = self.kv.stream.delete_consumer(&name).await;
-        result
+        result.map(|()| out.into_values().collect())
+    }
+
+    /// The revision of the last write to the bucket.
+    async fn last_revision(&self) -> Result<u64, KvError> {
+        let mut stream = self.kv.stream.clone();
+        Ok(stream
+            .info()
+            .await
+            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
+            .state
+            .last_sequence)
     }
 
     /// The current value of every key, then [`Change::Synced`], then every change as it
@@ -420,13 +459,7 @@ impl Store {
         &self,
         limit: u64,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
-        let mut stream = self.kv.stream.clone();
-        let last = stream
-            .info()
-            .await
-            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
-            .state
-            .last_sequence;
+        let last = self.last_revision().await?;
         let start_sequence = last.saturating_add(1).saturating_sub(limit).max(1);
         Ok(self
             .open_watch(

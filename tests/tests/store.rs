@@ -488,3 +488,44 @@ async fn connect_to_a_closed_port_fails_quickly_and_clearly() {
         start.elapsed()
     );
 }
+
+/// A listing taken while every key is being rewritten still has every key: a key whose
+/// value the listing was about to deliver, and which was replaced meanwhile, is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_has_every_key_while_the_keys_are_rewritten() {
+    const KEYS: u32 = 40;
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let mut revisions = Vec::new();
+    for n in 0..KEYS {
+        let key = format!("bn-a.{n}");
+        revisions.push(bus.slots.create(&key, &Rec { n }, None).await.unwrap());
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (bus, stop) = (bus.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut round = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let n = (round % u64::from(KEYS)) as u32;
+                let key = format!("bn-a.{n}");
+                let rev = revisions[n as usize];
+                revisions[n as usize] =
+                    bus.slots.update(&key, &Rec { n }, rev, None).await.unwrap();
+                round += 1;
+            }
+            round
+        })
+    };
+    for attempt in 0..150 {
+        let listed = bus.slots.list::<Rec>().await.unwrap();
+        let keys: BTreeSet<String> = listed.into_iter().map(|r| r.unwrap().key).collect();
+        assert_eq!(
+            keys.len(),
+            KEYS as usize,
+            "listing {attempt} missed a key: {keys:?}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(writer.await.unwrap() > 0);
+}
