@@ -454,15 +454,29 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
         spawn_finish_release(shared, node);
     }
     for node in orphans {
-        tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
         let sh = shared.clone();
         shared.tracker.spawn(async move {
             let id = node.value.id.clone();
-            if let Err(err) = release_node(&sh, &id).await {
+            if let Err(err) = release_orphan(&sh, node).await {
                 tracing::warn!(node_id = %id, %err, "cannot release an orphaned slot");
             }
         });
     }
+}
+
+/// Releases a node the mirror says is [`left_behind`], once the request's record in KV
+/// says so too (the mirror may not have the request yet).
+async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(), SlotError> {
+    let request = shared
+        .bus
+        .requests
+        .get::<NodeRequest>(node.value.request_id.as_str())
+        .await?;
+    if !left_behind(&node.value, request.as_ref().map(|r| &r.value), now_ms()) {
+        return Ok(());
+    }
+    tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
+    release_node(shared, &node.value.id).await.map(|_| ())
 }
 
 /// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
