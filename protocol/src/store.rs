@@ -18,8 +18,7 @@ const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequenc
 const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
-/// How long [`Store::list`] waits for a change up to the revision it reads on to (a
-/// value written by then and removed before it was delivered never comes).
+/// How long [`Store::list`] waits for a change up to the revision it reads on to.
 const LIST_CATCH_UP: Duration = Duration::from_secs(2);
 
 /// What went wrong with a KV operation, in slotpool's terms.
@@ -354,7 +353,9 @@ impl Store {
     ///
     /// A watch's [`Change::Synced`] can come before the new value of a key rewritten while
     /// the watch started (the old value is gone, the new one not yet delivered), so the
-    /// listing reads on until it has seen the bucket's last revision as of the sync.
+    /// listing reads on until it has seen the bucket's last revision as of the sync, or
+    /// the server says the watch has nothing more to deliver (the last write's value can
+    /// be gone: an expired key).
     pub async fn list<T: DeserializeOwned>(
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
@@ -363,11 +364,15 @@ impl Store {
             .open_watch(">", consumer::DeliverPolicy::LastPerSubject)
             .await?;
         let mut changes = Box::pin(changes);
-        let mut seen = 0;
+        let (mut seen, mut received) = (0, 0);
         let mut until: Option<u64> = None;
         let result = loop {
-            if until.is_some_and(|last| seen >= last) {
-                break Ok(());
+            if let Some(last) = until {
+                // Read on to the last revision as of the sync, unless the watch has
+                // nothing left to deliver (that write's value is gone: an expired key).
+                if seen >= last || self.delivered_all(&name, received).await? {
+                    break Ok(());
+                }
             }
             let next = match until {
                 None => changes.next().await,
@@ -383,12 +388,12 @@ impl Store {
                     revision,
                     value,
                 })) => {
-                    seen = revision;
+                    (seen, received) = (revision, received + 1);
                     let decoded = self.decode(&key, revision, &value);
                     out.insert(key, decoded);
                 }
                 Some(Ok(Change::Removed { key, revision })) => {
-                    seen = revision;
+                    (seen, received) = (revision, received + 1);
                     out.remove(&key);
                 }
                 Some(Ok(Change::Synced)) => until = Some(self.last_revision().await?),
@@ -406,6 +411,18 @@ impl Store {
         // Ephemeral consumers linger on the server for minutes; a lister removes its own.
         let _ = self.kv.stream.delete_consumer(&name).await;
         result.map(|()| out.into_values().collect())
+    }
+
+    /// Whether watch consumer `name` has nothing more to deliver than the `received`
+    /// messages it has delivered.
+    async fn delivered_all(&self, name: &str, received: u64) -> Result<bool, KvError> {
+        let info = self
+            .kv
+            .stream
+            .consumer_info(name)
+            .await
+            .map_err(|err| transport(self.bucket, ">", format!("reading watch info: {err}")))?;
+        Ok(info.num_pending == 0 && info.delivered.consumer_sequence <= received)
     }
 
     /// The revision of the last write to the bucket.

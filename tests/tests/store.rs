@@ -529,3 +529,16 @@ async fn list_has_every_key_while_the_keys_are_rewritten() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(writer.await.unwrap() > 0);
 }
+
+/// A listing of a bucket whose last write is gone (a key expired, and then its expiry
+/// marker) ends with what is there, without waiting for that write.
+#[tokio::test]
+async fn list_of_a_bucket_whose_keys_expired_is_empty() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let rev = take_lease(&bus, "request.req-1", 1).await;
+    expect_expiry(&bus.leases, "request.req-1", rev).await;
+    // The expiry marker has a TTL of its own.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(bus.leases.list::<Rec>().await.unwrap().is_empty());
+}
