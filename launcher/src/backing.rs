@@ -10,7 +10,7 @@ use crate::provider::{LaunchSpec, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
-use slotpool_protocol::model::{secret_digest, BackingNode, BackingState};
+use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, HeartbeatGist};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use std::sync::Arc;
@@ -152,6 +152,12 @@ impl Worker {
             };
             let step = lifecycle::next(&b.value, &obs);
             tracing::trace!(?step, state = ?b.value.state, "step");
+            if matches!(step, Step::Fail(_))
+                && obs.agent == AgentSeen::Absent
+                && self.heartbeat_only_in_kv(&b.value).await
+            {
+                continue;
+            }
             let outcome = match self.carry_out(&b, step).await {
                 Ok(o) => o,
                 Err(KvError::Conflict { .. }) => {
@@ -197,6 +203,30 @@ impl Worker {
             .bus
             .call(&subjects::agent(&b.id), &cmd, AGENT_COMMAND_TIMEOUT)
             .await
+    }
+
+    /// Whether KV has a heartbeat of the node's agent that the mirror lacks (a watch
+    /// delivers a key rewritten while it started just after its sync); it is put into
+    /// the mirror. A node is failed for a missing heartbeat only once KV says so too.
+    async fn heartbeat_only_in_kv(&self, b: &BackingNode) -> bool {
+        let bytes = match self.sh.bus.agents.get_bytes(b.id.as_str()).await {
+            Ok(Some((_, bytes))) => bytes,
+            Ok(None) => return false,
+            Err(err) => {
+                tracing::debug!(%err, "cannot read the agent's heartbeat");
+                return false;
+            }
+        };
+        let Ok(gist) = HeartbeatGist::from_json(&bytes) else {
+            return false;
+        };
+        let mut world = self.sh.world();
+        world.put_agent(gist);
+        let found = world.agents.contains_key(&b.id);
+        if found {
+            tracing::info!("the agent's heartbeat was in KV but not yet in the mirror");
+        }
+        found
     }
 
     /// Reads the record from KV into the mirror.

@@ -184,6 +184,14 @@ impl Store {
         }
     }
 
+    /// The value of `key` undecoded, with its revision; `None` when absent or deleted.
+    pub async fn get_bytes(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, KvError> {
+        Ok(self
+            .entry(key)
+            .await?
+            .and_then(|(revision, value)| Some((revision, value?.to_vec()))))
+    }
+
     /// The raw latest entry: its revision and value (`None` value for a tombstone/marker).
     async fn entry(&self, key: &str) -> Result<Option<(u64, Option<Bytes>)>, KvError> {
         match self.kv.entry(key).await {
