@@ -219,6 +219,15 @@ impl Pool {
         self.client.list_nodes().await.expect("list nodes")
     }
 
+    /// The record of node `id`, which must hold its slot.
+    pub async fn node(&self, id: &NodeId) -> Node {
+        self.nodes()
+            .await
+            .into_iter()
+            .find(|n| &n.id == id)
+            .unwrap_or_else(|| panic!("node {id} holds no slot"))
+    }
+
     /// The launchers' logs (for failure messages).
     pub fn logs(&self) -> String {
         let mut out = String::new();

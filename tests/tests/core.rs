@@ -1,7 +1,6 @@
 //! End-to-end tests of the core: real nats-server, real `slotpool serve` processes, real
 //! `slotpool-agent` processes started by the local provider.
 
-use futures::StreamExt;
 use slotpool_protocol::api::ErrorCode;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::layout::{slot_key, subjects};
@@ -9,7 +8,7 @@ use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, Reque
 use slotpool_protocol::store::Change;
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{LauncherId, NodeId, RequestId};
-use slotpool_tests::{label, wait_for, Pool};
+use slotpool_tests::{label, next_within, wait_for, Pool};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -135,20 +134,8 @@ async fn min_retention_holds_and_max_age_retires() {
     .await;
     // Retired: a new request for the label gets a new backing node.
     let other = pool.fulfilled(&pool.submit(&["aging"]).await).await;
-    let old = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == aging.nodes[0])
-        .unwrap()
-        .backing_id;
-    let new = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == other.nodes[0])
-        .unwrap()
-        .backing_id;
+    let old = pool.node(&aging.nodes[0]).await.backing_id;
+    let new = pool.node(&other.nodes[0]).await.backing_id;
     assert_ne!(old, new, "a retired backing node took a new slot");
     pool.client.release(aging.nodes.clone()).await.unwrap();
     wait_for(
@@ -344,12 +331,7 @@ async fn a_warm_allocation_writes_its_slot_once() {
     pool.fulfilled(&pool.submit(&["small"]).await).await;
     let mut changes = Box::pin(pool.client.bus().slots.watch_new(">").await.unwrap());
     let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let node = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == r.nodes[0])
-        .unwrap();
+    let node = pool.node(&r.nodes[0]).await;
     assert_eq!(node.state, NodeState::Ready);
     let agents = pool.client.list_agents().await.unwrap();
     let names = agents[0]
@@ -357,17 +339,31 @@ async fn a_warm_allocation_writes_its_slot_once() {
         .as_ref()
         .expect("the agent names its slots");
     assert_eq!(node.workspace, Some(names.workspace_of(node.slot)));
-    let mut writes = Vec::new();
-    while let Ok(Some(change)) =
-        tokio::time::timeout(Duration::from_millis(500), changes.next()).await
-    {
-        if let Change::Put { key, revision, .. } = change.unwrap() {
-            writes.push((key, revision));
-        }
-    }
+    // The slot's first write since the watch began (the claim) is its current revision.
     let key = slot_key(&node.backing_id, node.slot);
-    let of_slot: Vec<_> = writes.iter().filter(|(k, _)| *k == key).collect();
-    assert_eq!(of_slot.len(), 1, "writes of the slot: {writes:?}");
+    let now = pool
+        .client
+        .bus()
+        .slots
+        .get::<Node>(&key)
+        .await
+        .unwrap()
+        .unwrap();
+    let claimed = loop {
+        match next_within(&mut changes, LONG, "the claim of the slot")
+            .await
+            .unwrap()
+        {
+            Change::Put {
+                key: k, revision, ..
+            } if k == key => break revision,
+            _ => {}
+        }
+    };
+    assert_eq!(
+        claimed, now.revision,
+        "the slot was written again after its claim"
+    );
 }
 
 /// Changes a node's record behind the launchers' backs (revision-checked).
@@ -408,12 +404,7 @@ async fn two_launchers_share_a_burst_and_one_finishes_when_the_other_dies() {
 async fn a_dead_agent_fails_its_backing_node_and_new_requests_go_elsewhere() {
     let pool = Pool::start(2, 5, &label("small", 4, 30, &[]), 1).await;
     let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let node = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == r.nodes[0])
-        .unwrap();
+    let node = pool.node(&r.nodes[0]).await;
     // Kill the agent process of its backing node.
     let pid: i32 = std::fs::read_to_string(
         pool.work_dir()
@@ -443,12 +434,7 @@ async fn a_dead_agent_fails_its_backing_node_and_new_requests_go_elsewhere() {
         took <= Duration::from_secs(4),
         "failed {took:?} after the agent died (heartbeat TTL 2 s)"
     );
-    let failed_node = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == node.id)
-        .unwrap();
+    let failed_node = pool.node(&node.id).await;
     assert!(
         failed_node
             .failure
@@ -458,12 +444,7 @@ async fn a_dead_agent_fails_its_backing_node_and_new_requests_go_elsewhere() {
         "{failed_node:?}"
     );
     let later = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let later_node = pool
-        .nodes()
-        .await
-        .into_iter()
-        .find(|n| n.id == later.nodes[0])
-        .unwrap();
+    let later_node = pool.node(&later.nodes[0]).await;
     assert_ne!(
         later_node.backing_id, node.backing_id,
         "a new request landed on the dead backing node"
