@@ -18,7 +18,8 @@ const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequenc
 const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
-/// How long [`Store::list`] waits for a change up to the revision it reads on to.
+/// How long [`Store::list`] waits for a change up to the revision it reads on to before
+/// it gives up with an error.
 const LIST_CATCH_UP: Duration = Duration::from_secs(2);
 
 /// What went wrong with a KV operation, in slotpool's terms.
@@ -182,6 +183,12 @@ impl Store {
             Some((revision, Some(bytes))) => Ok(Some(self.decode(key, revision, &bytes)?)),
             _ => Ok(None),
         }
+    }
+
+    /// Whether the bucket holds any entry for `key`, a tombstone or an expiry marker
+    /// included.
+    pub async fn has_entry(&self, key: &str) -> Result<bool, KvError> {
+        Ok(self.entry(key).await?.is_some())
     }
 
     /// The value of `key` undecoded, with its revision; `None` when absent or deleted.
@@ -374,6 +381,7 @@ impl Store {
         let mut changes = Box::pin(changes);
         let (mut seen, mut received) = (0, 0);
         let mut until: Option<u64> = None;
+        let mut stalled = false;
         let result = loop {
             if let Some(last) = until {
                 // Read on to the last revision as of the sync, unless the watch has
@@ -381,13 +389,24 @@ impl Store {
                 if seen >= last || self.delivered_all(&name, received).await? {
                     break Ok(());
                 }
+                if stalled {
+                    break Err(transport(
+                        self.bucket,
+                        ">",
+                        format!(
+                            "the listing did not reach revision {last} within {LIST_CATCH_UP:?}"
+                        ),
+                    ));
+                }
             }
             let next = match until {
                 None => changes.next().await,
                 Some(_) => match tokio::time::timeout(LIST_CATCH_UP, changes.next()).await {
                     Ok(next) => next,
-                    // What was there has been read: the rest was removed meanwhile.
-                    Err(_) => break Ok(()),
+                    Err(_) => {
+                        stalled = true;
+                        continue;
+                    }
                 },
             };
             match next {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use slotpool_protocol::connect::{check_server_version, Bus, BusError, NatsOptions};
 use slotpool_protocol::store::{Change, KvError, Store};
-use slotpool_tests::{next_within, NatsServer};
+use slotpool_tests::{next_within, wait_for, NatsServer};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -539,6 +539,10 @@ async fn list_of_a_bucket_whose_keys_expired_is_empty() {
     let rev = take_lease(&bus, "request.req-1", 1).await;
     expect_expiry(&bus.leases, "request.req-1", rev).await;
     // The expiry marker has a TTL of its own.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for("the expiry marker to expire", EXPIRY, || async {
+        !bus.leases.has_entry("request.req-1").await.unwrap()
+    })
+    .await;
+    // A listing that waited for the gone write would fail ("did not reach revision").
     assert!(bus.leases.list::<Rec>().await.unwrap().is_empty());
 }
