@@ -11,6 +11,7 @@ mod serve;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use slotpool_protocol::connect::NatsOptions;
 use slotpool_protocol::model::OperatorAction;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -172,6 +173,7 @@ pub fn init_tracing(cli: &Cli) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .init();
 }
