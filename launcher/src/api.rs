@@ -53,7 +53,7 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
             next = all.next() => match next { Some(m) => m, None => return Ok(()) },
         };
         let sh = shared.clone();
-        shared.tracker.spawn(
+        shared.spawn_task(
             async move { handle(sh, op, msg).await }
                 .instrument(tracing::info_span!("api", op = ?op)),
         );

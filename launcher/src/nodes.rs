@@ -406,7 +406,7 @@ pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
     }
     let sh = shared.clone();
     let span = tracing::info_span!("release", node_id = %node.value.id);
-    shared.tracker.spawn(
+    shared.spawn_task(
         async move {
             if let Err(err) = finish_release(&sh, node).await {
                 tracing::warn!(%err, "cannot finish the release; it is retried later");

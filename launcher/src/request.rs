@@ -72,7 +72,7 @@ pub fn spawn_started(shared: &Arc<Shared>, id: RequestId) {
     let key = work_key(&id);
     let sh = shared.clone();
     let span = tracing::info_span!("request", request_id = %id);
-    shared.tracker.spawn(
+    shared.spawn_task(
         async move {
             match take(&sh, &id).await {
                 Ok(true) => drive(&sh, id).await,

@@ -54,6 +54,17 @@ impl Shared {
         }
     }
 
+    /// Spawns one of the per-message tasks (an API call, a request worker, a release),
+    /// tracked for shutdown. The future goes on the heap first: these are several KB
+    /// (5.5 KB for a request worker), and tokio moves a spawned future by value more
+    /// than once on its way into the task; boxed, each move is a pointer.
+    pub fn spawn_task<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tracker.spawn(Box::pin(task));
+    }
+
     /// The KV mirror. Hold the guard briefly and never across an await.
     pub fn world(&self) -> MutexGuard<'_, World> {
         self.world.lock().unwrap_or_else(|p| p.into_inner())
