@@ -205,9 +205,11 @@ impl Worker {
             .await
     }
 
-    /// Whether KV has a heartbeat of the node's agent that the mirror lacks (a watch
-    /// delivers a key rewritten while it started just after its sync); it is put into
-    /// the mirror. A node is failed for a missing heartbeat only once KV says so too.
+    /// Whether KV has a heartbeat of the node's agent that the mirror lacks (each bucket
+    /// has its own watch, so the mirror can hold a backing node before its agent's
+    /// heartbeat, or have lost it in a watch that failed and is starting again); it is
+    /// put into the mirror. A node is failed for a missing heartbeat only once KV says so
+    /// too.
     async fn heartbeat_only_in_kv(&self, b: &BackingNode) -> bool {
         let bytes = match self.sh.bus.agents.get_bytes(b.id.as_str()).await {
             Ok(Some((_, bytes))) => bytes,

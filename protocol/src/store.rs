@@ -14,13 +14,12 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+mod watch;
+
 const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
 const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
-/// How long [`Store::list`] waits for a change up to the revision it reads on to before
-/// it gives up with an error.
-const LIST_CATCH_UP: Duration = Duration::from_secs(2);
 
 /// What went wrong with a KV operation, in slotpool's terms.
 #[derive(Debug, thiserror::Error)]
@@ -364,13 +363,8 @@ impl Store {
     }
 
     /// Every current value in the bucket, decoded; undecodable values are returned as errors
-    /// in place so one bad record cannot hide the others. In key order.
-    ///
-    /// A watch's [`Change::Synced`] can come before the new value of a key rewritten while
-    /// the watch started (the old value is gone, the new one not yet delivered), so the
-    /// listing reads on until it has seen the bucket's last revision as of the sync, or
-    /// the server says the watch has nothing more to deliver (the last write's value can
-    /// be gone: an expired key).
+    /// in place so one bad record cannot hide the others. In key order. A watch up to its
+    /// [`Change::Synced`], which has every key (see [`Store::watch`]).
     pub async fn list<T: DeserializeOwned>(
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
@@ -379,51 +373,20 @@ impl Store {
             .open_watch(">", consumer::DeliverPolicy::LastPerSubject)
             .await?;
         let mut changes = Box::pin(changes);
-        let (mut seen, mut received) = (0, 0);
-        let mut until: Option<u64> = None;
-        let mut stalled = false;
         let result = loop {
-            if let Some(last) = until {
-                // Read on to the last revision as of the sync, unless the watch has
-                // nothing left to deliver (that write's value is gone: an expired key).
-                if seen >= last || self.delivered_all(&name, received).await? {
-                    break Ok(());
-                }
-                if stalled {
-                    break Err(transport(
-                        self.bucket,
-                        ">",
-                        format!(
-                            "the listing did not reach revision {last} within {LIST_CATCH_UP:?}"
-                        ),
-                    ));
-                }
-            }
-            let next = match until {
-                None => changes.next().await,
-                Some(_) => match tokio::time::timeout(LIST_CATCH_UP, changes.next()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        stalled = true;
-                        continue;
-                    }
-                },
-            };
-            match next {
+            match changes.next().await {
                 Some(Ok(Change::Put {
                     key,
                     revision,
                     value,
                 })) => {
-                    (seen, received) = (revision, received + 1);
                     let decoded = self.decode(&key, revision, &value);
                     out.insert(key, decoded);
                 }
-                Some(Ok(Change::Removed { key, revision })) => {
-                    (seen, received) = (revision, received + 1);
+                Some(Ok(Change::Removed { key, .. })) => {
                     out.remove(&key);
                 }
-                Some(Ok(Change::Synced)) => until = Some(self.last_revision().await?),
+                Some(Ok(Change::Synced)) => break Ok(()),
                 Some(Err(err)) => break Err(err),
                 None => {
                     break Err(transport(
@@ -465,6 +428,10 @@ impl Store {
 
     /// The current value of every key, then [`Change::Synced`], then every change as it
     /// happens. The stream ends only when the connection is closed for good.
+    ///
+    /// At [`Change::Synced`] every key has been delivered, even one rewritten while the
+    /// watch started (see `store/watch.rs`); a watch that cannot catch up within 2 s
+    /// fails with an error item.
     pub async fn watch(
         &self,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
@@ -472,7 +439,9 @@ impl Store {
     }
 
     /// Like [`Store::watch`], for the keys matching `filter` (a key, or a pattern with
-    /// `*` and `>` tokens).
+    /// `*` and `>` tokens). Unless `filter` is `>`, [`Change::Synced`] comes when the
+    /// server has nothing more pending, and a key rewritten while the watch started can
+    /// come just after it.
     pub async fn watch_keys(
         &self,
         filter: &str,
@@ -527,67 +496,28 @@ impl Store {
         KvError,
     > {
         let bucket = self.bucket;
-        let prefix = format!("$KV.{bucket}.");
         let consumer = self
             .kv
             .stream
             .create_consumer(consumer::push::OrderedConfig {
                 deliver_subject: self.js.client().new_inbox(),
                 description: Some("slotpool watch".to_string()),
-                filter_subject: format!("{prefix}{filter}"),
+                filter_subject: format!("$KV.{bucket}.{filter}"),
                 replay_policy: consumer::ReplayPolicy::Instant,
                 deliver_policy,
                 ..Default::default()
             })
             .await
             .map_err(|err| transport(bucket, ">", format!("creating watch: {err}")))?;
-        let mut synced = consumer.cached_info().num_pending == 0;
+        let synced = consumer.cached_info().num_pending == 0;
         let name = consumer.cached_info().name.clone();
         let messages = consumer
             .messages()
             .await
             .map_err(|err| transport(bucket, ">", format!("starting watch: {err}")))?;
-        let head = futures::stream::iter(synced.then_some(Ok(Change::Synced)));
-        let tail = messages.flat_map(move |message| {
-            let mut out = Vec::with_capacity(2);
-            match message {
-                Err(err) => out.push(Err(transport(bucket, ">", format!("watch: {err}")))),
-                Ok(message) => {
-                    let (revision, pending) = match message.info() {
-                        Ok(info) => (info.stream_sequence, info.pending),
-                        Err(err) => {
-                            out.push(Err(transport(
-                                bucket,
-                                ">",
-                                format!("watch metadata: {err}"),
-                            )));
-                            return futures::stream::iter(out);
-                        }
-                    };
-                    let key = message
-                        .subject
-                        .as_str()
-                        .strip_prefix(&prefix)
-                        .unwrap_or_default()
-                        .to_string();
-                    out.push(Ok(if is_removal(message.headers.as_ref()) {
-                        Change::Removed { key, revision }
-                    } else {
-                        Change::Put {
-                            key,
-                            revision,
-                            value: message.payload.clone(),
-                        }
-                    }));
-                    if !synced && pending == 0 {
-                        synced = true;
-                        out.push(Ok(Change::Synced));
-                    }
-                }
-            }
-            futures::stream::iter(out)
-        });
-        Ok((name, head.chain(tail)))
+        let reader =
+            watch::Reader::new(self.clone(), name.clone(), messages, filter == ">", synced);
+        Ok((name, reader.into_stream()))
     }
 }
 

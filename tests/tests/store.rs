@@ -489,13 +489,14 @@ async fn connect_to_a_closed_port_fails_quickly_and_clearly() {
     );
 }
 
-/// A listing taken while every key is being rewritten still has every key: a key whose
-/// value the listing was about to deliver, and which was replaced meanwhile, is not lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn list_has_every_key_while_the_keys_are_rewritten() {
-    const KEYS: u32 = 40;
-    let server = NatsServer::start().await;
-    let bus = server.bus().await;
+/// Keys `bn-a.0` to `bn-a.<KEYS - 1>` of the slots bucket, rewritten one after another
+/// until the returned flag is set; the task returns how many writes it made.
+async fn rewrite_keys_until_stopped(
+    bus: &Bus,
+) -> (
+    Arc<std::sync::atomic::AtomicBool>,
+    tokio::task::JoinHandle<u64>,
+) {
     let mut revisions = Vec::new();
     for n in 0..KEYS {
         let key = format!("bn-a.{n}");
@@ -517,6 +518,19 @@ async fn list_has_every_key_while_the_keys_are_rewritten() {
             round
         })
     };
+    (stop, writer)
+}
+
+/// How many keys [`rewrite_keys_until_stopped`] rewrites.
+const KEYS: u32 = 40;
+
+/// A listing taken while every key is being rewritten still has every key: a key whose
+/// value the listing was about to deliver, and which was replaced meanwhile, is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_has_every_key_while_the_keys_are_rewritten() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let (stop, writer) = rewrite_keys_until_stopped(&bus).await;
     for attempt in 0..150 {
         let listed = bus.slots.list::<Rec>().await.unwrap();
         let keys: BTreeSet<String> = listed.into_iter().map(|r| r.unwrap().key).collect();
@@ -524,6 +538,37 @@ async fn list_has_every_key_while_the_keys_are_rewritten() {
             keys.len(),
             KEYS as usize,
             "listing {attempt} missed a key: {keys:?}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(writer.await.unwrap() > 0);
+}
+
+/// The same for a watch: at its `Synced`, a whole-bucket watch has delivered every key,
+/// so a mirror built from it (the launcher's, the console's) lacks none at that point.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_has_every_key_at_its_sync_while_the_keys_are_rewritten() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let (stop, writer) = rewrite_keys_until_stopped(&bus).await;
+    for attempt in 0..150 {
+        let mut watch = Box::pin(bus.slots.watch().await.unwrap());
+        let mut keys = BTreeSet::new();
+        loop {
+            match next_change(&mut watch, "the initial values").await {
+                Change::Put { key, .. } => {
+                    keys.insert(key);
+                }
+                Change::Removed { key, .. } => {
+                    keys.remove(&key);
+                }
+                Change::Synced => break,
+            }
+        }
+        assert_eq!(
+            keys.len(),
+            KEYS as usize,
+            "watch {attempt} synced without a key: {keys:?}"
         );
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
