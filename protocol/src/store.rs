@@ -431,7 +431,7 @@ impl Store {
     ///
     /// At [`Change::Synced`] every key has been delivered, even one rewritten while the
     /// watch started (see `store/watch.rs`); a watch that cannot catch up within 2 s
-    /// fails with an error item.
+    /// gives an error item, then [`Change::Synced`] where it is.
     pub async fn watch(
         &self,
     ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {

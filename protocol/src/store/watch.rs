@@ -164,7 +164,9 @@ impl Reader {
         }
     }
 
-    /// No message came for a while: the write the watch reads on to may be gone.
+    /// No message came for a while: the write the watch reads on to may be gone. A watch
+    /// that cannot catch up in time reports it once, then syncs where it is (a reader
+    /// that goes on after an error, such as the console, is not left without a sync).
     async fn check_caught_up(&mut self, until: u64, since: Instant) {
         match self
             .store
@@ -172,9 +174,12 @@ impl Reader {
             .await
         {
             Ok(true) => self.sync(),
-            Ok(false) | Err(_) if since.elapsed() >= CATCH_UP_LIMIT => self.fail(format!(
-                "the watch did not reach revision {until} within {CATCH_UP_LIMIT:?}"
-            )),
+            Ok(false) | Err(_) if since.elapsed() >= CATCH_UP_LIMIT => {
+                self.fail(format!(
+                    "the watch did not reach revision {until} within {CATCH_UP_LIMIT:?}"
+                ));
+                self.sync();
+            }
             Ok(false) | Err(_) => {}
         }
     }
