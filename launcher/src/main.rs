@@ -4,8 +4,8 @@ use clap::Parser;
 use slotpool_launcher::cli::{self, Cli};
 
 /// mimalloc instead of glibc's malloc: under load the launcher allocates and frees many
-/// short-lived buffers (messages, records, task states), and glibc's malloc, free and
-/// memmove were about a fifth of its CPU (docs/benchmarks.md, item 13).
+/// short-lived buffers (messages, records, task states), and glibc's malloc and free
+/// were about a fifth of its CPU (docs/benchmarks.md, item 13).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
