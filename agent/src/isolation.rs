@@ -329,12 +329,12 @@ impl SlotIsolation for WorkspaceOnly {
     }
 }
 
-/// The node id in a marker file; `None` when there is no marker or it is blank.
 /// The [`SlotNames`] template of the workspaces `<slots_dir>/<slot>`.
 pub fn workspace_template(slots_dir: &Path) -> String {
     slots_dir.join(SlotNames::SLOT).display().to_string()
 }
 
+/// The node id in a marker file; `None` when there is no marker or it is blank.
 fn read_marker(path: &Path) -> Result<Option<NodeId>, IsolationError> {
     let text = match fs::read_to_string(path) {
         Ok(text) => text,

@@ -191,11 +191,11 @@ impl Store {
     }
 
     /// The value of `key` undecoded, with its revision; `None` when absent or deleted.
-    pub async fn get_bytes(&self, key: &str) -> Result<Option<(u64, Vec<u8>)>, KvError> {
+    pub async fn get_bytes(&self, key: &str) -> Result<Option<(u64, Bytes)>, KvError> {
         Ok(self
             .entry(key)
             .await?
-            .and_then(|(revision, value)| Some((revision, value?.to_vec()))))
+            .and_then(|(revision, value)| Some((revision, value?))))
     }
 
     /// The raw latest entry: its revision and value (`None` value for a tombstone/marker).

@@ -41,12 +41,7 @@ impl SlotLoginPlan {
             n.workspace == self.names.workspace
                 && n.username.as_deref() == self.names.username.as_deref()
         }) && self.port == hb.ssh_port
-            && self.host_keys.len() == hb.ssh_host_keys.len()
-            && self
-                .host_keys
-                .iter()
-                .zip(&hb.ssh_host_keys)
-                .all(|(a, b)| a == b)
+            && self.host_keys.iter().eq(&hb.ssh_host_keys)
     }
 }
 
