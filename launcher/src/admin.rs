@@ -1,8 +1,9 @@
-//! Operators' orders, served on `slotpool.admin.v1.<action>`: hold, drain, run and kill a
+//! Operators' orders, served on `slotpool.admin.v2.<operator>.<action>`: hold, drain, run and kill a
 //! backing node, and release one node. An order is a revision-checked write of the backing
 //! node's record (its `idle` behaviour and `order`); the launcher that drives the node
 //! (whichever holds its lease) carries it out through the state machine, so orders survive
-//! a launcher restart. Every order is recorded in the event log with who, when and why.
+//! a launcher restart. Every order is recorded in the event log with who (the operator's bus user name, from the subject: never what the message
+//! says), when and why.
 
 use crate::api::{bad, decode, internal};
 use crate::events::{self, Subject};
@@ -17,18 +18,12 @@ use slotpool_protocol::model::{
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::BackingId;
+use slotpool_protocol::{BackingId, UserName};
 use std::sync::Arc;
 
-const MAX_ACTOR_LEN: usize = 256;
 const MAX_REASON_LEN: usize = 1024;
 
-fn check_who_and_why(actor: &str, reason: Option<&String>) -> Result<(), ApiError> {
-    if actor.trim().is_empty() || actor.len() > MAX_ACTOR_LEN {
-        return Err(bad(format!(
-            "actor must be 1 to {MAX_ACTOR_LEN} characters (who gives the order)"
-        )));
-    }
+fn check_why(reason: Option<&String>) -> Result<(), ApiError> {
     if reason.is_some_and(|r| r.len() > MAX_REASON_LEN || r.contains('\n')) {
         return Err(bad(format!(
             "reason must be one line of at most {MAX_REASON_LEN} characters"
@@ -49,14 +44,15 @@ fn describe(order: &OperatorOrder) -> String {
 /// Serves `hold`, `drain`, `run` and `kill`.
 pub async fn order_backing(
     sh: &Arc<Shared>,
+    operator: &UserName,
     action: OperatorAction,
     msg: &Incoming,
 ) -> Result<OrderTaken, ApiError> {
     let o: BackingOrder = decode(msg, "backing order", |o: &BackingOrder| o.v)?;
-    check_who_and_why(&o.actor, o.reason.as_ref())?;
+    check_why(o.reason.as_ref())?;
     let order = OperatorOrder {
         action,
-        actor: o.actor.clone(),
+        actor: operator.to_string(),
         reason: o.reason.clone(),
         at: now_ms(),
     };
@@ -182,13 +178,17 @@ async fn seat_of(sh: &Shared, id: &BackingId) -> Result<String, ApiError> {
 }
 
 /// Serves `release_node`: frees one slot whoever holds it.
-pub async fn release_node(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
+pub async fn release_node(
+    sh: &Arc<Shared>,
+    operator: &UserName,
+    msg: &Incoming,
+) -> Result<Released, ApiError> {
     let o: ReleaseNodeOrder = decode(msg, "release-node order", |o: &ReleaseNodeOrder| o.v)?;
-    check_who_and_why(&o.actor, o.reason.as_ref())?;
+    check_why(o.reason.as_ref())?;
     let mut out = Released::default();
     let order = OperatorOrder {
         action: OperatorAction::ReleaseNode,
-        actor: o.actor.clone(),
+        actor: operator.to_string(),
         reason: o.reason.clone(),
         at: now_ms(),
     };
@@ -199,7 +199,7 @@ pub async fn release_node(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, 
         tracing::info!(node_id = %o.node_id, order = %describe(&order), "node released by an operator");
         events::operator(
             sh,
-            &o.actor,
+            &order.actor,
             Subject::node(&o.node_id),
             format!("{} on {}", describe(&order), o.node_id),
         );

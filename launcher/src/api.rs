@@ -1,5 +1,8 @@
-//! The launcher's request-reply API: submit, release, cancel, and operators' orders
-//! (see [`crate::admin`]). Every launcher serves it in
+//! The launcher's request-reply API: submit, release, cancel, status and wait_released
+//! (see [`crate::status`]), and operators' orders (see [`crate::admin`]). The caller is the
+//! bus user named in the subject, which the server let only that user publish on; a
+//! client may see, release and cancel only its own requests and nodes. Every launcher
+//! serves it in
 //! one queue group, so each message is handled once. Bad input is answered with a
 //! specific error; nothing about it disturbs other requests.
 
@@ -7,6 +10,7 @@ use crate::admin;
 use crate::nodes;
 use crate::request;
 use crate::shared::Shared;
+use crate::status;
 use crate::world::{QueuePosition, SlotRef};
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
@@ -15,11 +19,12 @@ use slotpool_protocol::api::{
     Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST,
 };
 use slotpool_protocol::connect::{BusError, Incoming};
-use slotpool_protocol::layout::{subjects, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::layout::subjects::{self, ApiOp};
+use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
 use slotpool_protocol::model::{Node, NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::{RequestId, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use slotpool_protocol::{RequestId, UserName, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -30,14 +35,15 @@ const MAX_SSH_KEY_LEN: usize = 16 * 1024;
 /// Serves the API until shutdown.
 pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
     let bus = &shared.bus;
-    let mut served = vec![
-        (subjects::SUBMIT.to_string(), Op::Submit),
-        (subjects::RELEASE.to_string(), Op::Release),
-        (subjects::CANCEL.to_string(), Op::Cancel),
-    ];
+    let mut served: Vec<(String, Op)> = ApiOp::ALL
+        .into_iter()
+        .map(|op| (subjects::api_all(op), Op::Api(op)))
+        .collect();
     for action in OperatorAction::ALL {
-        served.push((subjects::admin(action), Op::Admin(action)));
+        served.push((subjects::admin_all(action), Op::Admin(action)));
     }
+    served.push((subjects::API_V1_ALL.to_string(), Op::Retired));
+    served.push((subjects::ADMIN_V1_ALL.to_string(), Op::Retired));
     let mut streams = Vec::with_capacity(served.len());
     for (subject, op) in served {
         let messages = bus
@@ -53,41 +59,66 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
             next = all.next() => match next { Some(m) => m, None => return Ok(()) },
         };
         let sh = shared.clone();
-        shared.spawn_task(
-            async move { handle(sh, op, msg).await }
-                .instrument(tracing::info_span!("api", op = ?op)),
-        );
+        let caller = subjects::caller(&msg.subject);
+        let span =
+            tracing::info_span!("api", op = ?op, caller = caller.as_ref().map(|c| c.as_str()));
+        shared.spawn_task(async move { handle(sh, op, caller, msg).await }.instrument(span));
     }
 }
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
-    Submit,
-    Release,
-    Cancel,
+    Api(ApiOp),
     Admin(OperatorAction),
+    /// A subject of API v1, answered with `unsupported_version`.
+    Retired,
 }
 
-async fn handle(sh: Arc<Shared>, op: Op, msg: Incoming) {
+async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming) {
     let Some(reply_to) = msg.reply_to.clone() else {
         tracing::debug!("message without a reply subject ignored");
         return;
     };
+    let Some(caller) = caller else {
+        let err = ApiError::new(
+            ErrorCode::UnsupportedVersion,
+            format!(
+                "{} is API v1, which this launcher no longer serves: send to \
+                 slotpool.api.v2.<your bus user>.<op> (operators: slotpool.admin.v2.<user>.<action>); \
+                 see docs/protocol.md",
+                msg.subject
+            ),
+        );
+        let _ = respond::<()>(&sh, &reply_to, Err(err)).await;
+        return;
+    };
     let sent = match op {
-        Op::Submit => respond(&sh, &reply_to, submit(&sh, &msg).await).await,
-        Op::Release => respond(&sh, &reply_to, release(&sh, &msg).await).await,
-        Op::Cancel => respond(&sh, &reply_to, cancel(&sh, &msg).await).await,
+        Op::Api(ApiOp::Submit) => respond(&sh, &reply_to, submit(&sh, &caller, &msg).await).await,
+        Op::Api(ApiOp::Release) => respond(&sh, &reply_to, release(&sh, &caller, &msg).await).await,
+        Op::Api(ApiOp::Cancel) => respond(&sh, &reply_to, cancel(&sh, &caller, &msg).await).await,
+        Op::Api(ApiOp::Status) => {
+            respond(&sh, &reply_to, status::request(&sh, &caller, &msg).await).await
+        }
+        Op::Api(ApiOp::WaitReleased) => {
+            respond(&sh, &reply_to, status::released(&sh, &caller, &msg).await).await
+        }
         Op::Admin(OperatorAction::ReleaseNode) => {
-            respond(&sh, &reply_to, admin::release_node(&sh, &msg).await).await
+            respond(
+                &sh,
+                &reply_to,
+                admin::release_node(&sh, &caller, &msg).await,
+            )
+            .await
         }
         Op::Admin(action) => {
             respond(
                 &sh,
                 &reply_to,
-                admin::order_backing(&sh, action, &msg).await,
+                admin::order_backing(&sh, &caller, action, &msg).await,
             )
             .await
         }
+        Op::Retired => unreachable!("a v1 subject has no caller"),
     };
     if let Err(err) = sent {
         tracing::warn!(%err, "cannot send the reply");
@@ -177,7 +208,11 @@ fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError> {
+async fn submit(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    msg: &Incoming,
+) -> Result<Submitted, ApiError> {
     let s: SubmitRequest = decode(msg, "submit request", |s: &SubmitRequest| s.v)?;
     validate(sh, &s)?;
     let now = now_ms();
@@ -196,6 +231,7 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         failure: None,
         updated_at: now,
         owner: Some(sh.id.clone()),
+        client: Some(caller.clone()),
     };
     let key = req.id.to_string();
     // Free slots are claimed in the same round trip as the request is created (both
@@ -254,7 +290,10 @@ async fn submit(sh: &Arc<Shared>, msg: &Incoming) -> Result<Submitted, ApiError>
         // A retried submission with the same id: the first one stands.
         Err(KvError::Conflict { .. }) if s.id.is_some() => {
             match sh.bus.requests.get::<NodeRequest>(&key).await {
-                Ok(Some(existing)) if existing.value.labels == req.labels => {
+                Ok(Some(existing))
+                    if existing.value.labels == req.labels
+                        && existing.value.client.as_ref() == Some(caller) =>
+                {
                     Ok(Submitted { request_id: req.id })
                 }
                 Ok(_) => Err(bad(format!(
@@ -279,7 +318,11 @@ fn reserve_slots(sh: &Shared, req: &NodeRequest) -> Vec<(u32, SlotRef)> {
         .collect()
 }
 
-async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError> {
+async fn release(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    msg: &Incoming,
+) -> Result<Released, ApiError> {
     let r: ReleaseNodes = decode(msg, "release request", |r: &ReleaseNodes| r.v)?;
     if r.nodes.len() > MAX_LABELS_PER_REQUEST {
         return Err(ApiError::new(
@@ -289,6 +332,11 @@ async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError>
                 r.nodes.len()
             ),
         ));
+    }
+    for id in &r.nodes {
+        if let Some(node) = nodes::record(sh, id).await.map_err(internal)? {
+            check_owner(caller, node.client.as_ref(), || format!("node {id}"))?;
+        }
     }
     let mut out = Released::default();
     let results = futures::future::join_all(
@@ -309,7 +357,7 @@ async fn release(sh: &Arc<Shared>, msg: &Incoming) -> Result<Released, ApiError>
     Ok(out)
 }
 
-async fn cancel(sh: &Arc<Shared>, msg: &Incoming) -> Result<Canceled, ApiError> {
+async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<Canceled, ApiError> {
     let c: CancelRequest = decode(msg, "cancel request", |c: &CancelRequest| c.v)?;
     let key = c.request_id.to_string();
     loop {
@@ -325,6 +373,9 @@ async fn cancel(sh: &Arc<Shared>, msg: &Incoming) -> Result<Canceled, ApiError> 
                 format!("no request {key}"),
             ));
         };
+        check_owner(caller, current.value.client.as_ref(), || {
+            format!("request {key}")
+        })?;
         if current.value.state.is_final() {
             return Ok(Canceled {
                 request_id: c.request_id,
@@ -352,4 +403,22 @@ async fn cancel(sh: &Arc<Shared>, msg: &Incoming) -> Result<Canceled, ApiError> 
             Err(err) => return Err(internal(err)),
         }
     }
+}
+
+/// Refuses a caller that is not the client a request or node belongs to.
+pub(crate) fn check_owner(
+    caller: &UserName,
+    owner: Option<&UserName>,
+    what: impl FnOnce() -> String,
+) -> Result<(), ApiError> {
+    if owner == Some(caller) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "{} belongs to another client; {caller} may release or cancel only its own",
+            what()
+        ),
+    ))
 }

@@ -384,6 +384,18 @@ impl Worker {
             .pool(&v.provider, &v.pool)
             .map(|(_, p)| p.launch_timeout)
             .unwrap_or(Duration::from_secs(300));
+        let max_age = self
+            .sh
+            .config
+            .label_in(&v.provider, &v.pool, &v.label)
+            .map_or(Duration::ZERO, |site| site.label.max_age);
+        let credentials = match self.sh.agent_bus.credential(&v.id, max_age) {
+            Ok(c) => c,
+            Err(err) => {
+                tracing::error!(%err, "cannot mint the agent's bus credential");
+                None
+            }
+        };
         let spec = LaunchSpec {
             backing_id: v.id.clone(),
             secret,
@@ -391,7 +403,8 @@ impl Worker {
             pool: v.pool.clone(),
             backing_label: v.backing_label.clone(),
             slots: v.slots,
-            nats_url: self.sh.agent_nats_url.clone(),
+            nats_url: self.sh.agent_bus.url.clone(),
+            credentials,
             timeout,
         };
         let result = tokio::time::timeout(timeout, provider.launch(&spec)).await;

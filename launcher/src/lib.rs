@@ -6,6 +6,7 @@
 //! daemon; `main.rs` only parses arguments.
 
 pub mod admin;
+pub mod agent_bus;
 pub mod api;
 pub mod backing;
 pub mod cli;
@@ -18,6 +19,7 @@ pub mod planner;
 pub mod provider;
 pub mod request;
 pub mod shared;
+pub mod status;
 pub mod watch;
 pub mod world;
 
@@ -37,8 +39,8 @@ pub const RESYNC_INTERVAL: Duration = Duration::from_secs(15);
 
 /// Everything `run` needs besides the connection.
 pub struct LauncherDeps {
-    /// NATS URL given to the agents this launcher's providers start.
-    pub agent_nats_url: String,
+    /// How the agents this launcher's providers start reach the bus.
+    pub agent_bus: agent_bus::AgentBus,
     /// The `slotpool-agent` binary the local provider runs by default.
     pub agent_binary: PathBuf,
 }
@@ -75,7 +77,7 @@ pub async fn run(
         bus,
         config,
         providers,
-        deps.agent_nats_url,
+        deps.agent_bus,
         shutdown.clone(),
     ));
     tracing::info!(launcher = %shared.id, "launcher starting");

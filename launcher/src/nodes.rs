@@ -43,6 +43,11 @@ pub enum SlotError {
         backing_id: BackingId,
         reason: String,
     },
+    #[error("backing node {backing_id}: prepare reply refused: {reason}")]
+    ForgedReply {
+        backing_id: BackingId,
+        reason: String,
+    },
 }
 
 /// Claims `slot` for node `index` of `request`: creates the slot key (fails with a
@@ -101,6 +106,7 @@ pub async fn claim(
         slot: slot.slot,
         state,
         requestor: request.requestor.clone(),
+        client: request.client.clone(),
         host,
         workspace,
         attributes,
@@ -136,6 +142,24 @@ pub async fn prepare(
         limits,
     };
     let prepared: SlotPrepared = call_agent(shared, &node.value.backing_id, &cmd).await?;
+    // The reply must say what the agent's own heartbeat said a prepare of this slot
+    // would: only the agent's credential may write its heartbeat, so a reply that
+    // disagrees (a forged one, say, sent to the launcher's inbox by another party) is
+    // never handed to a client. The backing node is failed: something on it speaks for
+    // its agent.
+    if let Err(reason) = check_reply(shared, &node.value, &prepared) {
+        let backing_id = node.value.backing_id.clone();
+        tracing::warn!(%backing_id, %reason, "prepare reply refused: no more slots on this backing node");
+        if let Some(seat_key) = &seat_key {
+            fail_backing(
+                shared,
+                seat_key,
+                &format!("prepare reply refused: {reason}"),
+            )
+            .await;
+        }
+        return Err(SlotError::ForgedReply { backing_id, reason });
+    }
     if host_key_checking {
         let port = prepared.login.port.unwrap_or(22);
         if let Err(reason) =
@@ -171,6 +195,38 @@ pub async fn prepare(
         revision,
         value: ready,
     })
+}
+
+/// Checks a prepare reply against the agent's heartbeat: the workspace, user name, port
+/// and host keys must be the ones the heartbeat's slot plan names for this slot.
+fn check_reply(shared: &Shared, node: &Node, prepared: &SlotPrepared) -> Result<(), String> {
+    let plan = shared
+        .world()
+        .agents
+        .get(&node.backing_id)
+        .and_then(|a| a.login.clone())
+        .ok_or_else(|| {
+            "the agent's heartbeat names no slot login to check it against".to_string()
+        })?;
+    let (workspace, login) = plan.of_slot(node.slot);
+    if prepared.workspace != workspace {
+        return Err(format!(
+            "workspace {:?}, where the heartbeat says {workspace:?}",
+            prepared.workspace
+        ));
+    }
+    if prepared.login != login {
+        return Err(format!(
+            "login {:?} port {:?} with {} host key(s), where the heartbeat says {:?} port {:?} with {}",
+            prepared.login.username,
+            prepared.login.port,
+            prepared.login.host_keys.len(),
+            login.username,
+            login.port,
+            login.host_keys.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Sends `cmd` to the agent of `backing_id` and decodes its reply (waiting at most
@@ -378,6 +434,35 @@ pub async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Resul
 /// Releases node `id` if its slot still holds it: marks it releasing, and finishes the
 /// release in the background. False when the id names no slot, or its slot is free or
 /// holds another node.
+/// The node `id` as the mirror has it, while it holds its slot.
+pub fn mirrored(shared: &Shared, id: &NodeId) -> Option<Node> {
+    let (backing, slot) = id.slot()?;
+    shared
+        .world()
+        .slots
+        .get(&layout::slot_key(&backing, slot))
+        .filter(|n| &n.value.id == id)
+        .map(|n| n.value.clone())
+}
+
+/// The node `id` while it holds its slot: from the mirror, or from KV when the mirror
+/// has not seen it yet.
+pub async fn record(shared: &Shared, id: &NodeId) -> Result<Option<Node>, KvError> {
+    if let Some(node) = mirrored(shared, id) {
+        return Ok(Some(node));
+    }
+    let Some((backing, slot)) = id.slot() else {
+        return Ok(None);
+    };
+    Ok(shared
+        .bus
+        .slots
+        .get::<Node>(&layout::slot_key(&backing, slot))
+        .await?
+        .map(|n| n.value)
+        .filter(|n| &n.id == id))
+}
+
 pub async fn release_node(shared: &Arc<Shared>, id: &NodeId) -> Result<bool, SlotError> {
     let Some((backing, slot)) = id.slot() else {
         return Ok(false);
@@ -537,6 +622,7 @@ mod tests {
             slot: 0,
             state,
             requestor: "t".into(),
+            client: None,
             host: String::new(),
             workspace: None,
             attributes: Default::default(),
@@ -553,6 +639,7 @@ mod tests {
             id: RequestId::parse("req-1").unwrap(),
             labels: vec!["small".into()],
             requestor: "t".into(),
+            client: None,
             priority: 100,
             timeout_secs: None,
             ssh_public_key: None,

@@ -401,7 +401,7 @@ impl Worker {
                 nodes::release(&self.sh, &key).await?;
                 Ok(false)
             }
-            Err(err @ SlotError::HostKey { .. }) => {
+            Err(err @ (SlotError::HostKey { .. } | SlotError::ForgedReply { .. })) => {
                 tracing::warn!(%err, "giving the slot back");
                 nodes::release(&self.sh, &key).await?;
                 Ok(false)

@@ -1,6 +1,7 @@
 //! What every launcher task shares: the bus, the config, the providers, the mirror of KV,
 //! change signals, and the set of work items this process is driving.
 
+use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::lease::Liveness;
 use crate::provider::Provider;
@@ -19,8 +20,8 @@ pub struct Shared {
     pub bus: Bus,
     pub config: Config,
     pub providers: HashMap<String, Arc<dyn Provider>>,
-    /// NATS URL handed to agents started by providers.
-    pub agent_nats_url: String,
+    /// How agents started by providers reach the bus.
+    pub agent_bus: AgentBus,
     world: Mutex<World>,
     pub signals: Signals,
     /// Work items (lease keys) this process has a worker for.
@@ -36,7 +37,7 @@ impl Shared {
         bus: Bus,
         config: Config,
         providers: HashMap<String, Arc<dyn Provider>>,
-        agent_nats_url: String,
+        agent_bus: AgentBus,
         shutdown: CancellationToken,
     ) -> Shared {
         Shared {
@@ -44,7 +45,7 @@ impl Shared {
             bus,
             config,
             providers,
-            agent_nats_url,
+            agent_bus,
             world: Mutex::new(World::default()),
             signals: Signals::default(),
             active: Mutex::new(HashSet::new()),

@@ -50,6 +50,8 @@ pub enum ErrorCode {
     Unavailable,
     /// The responder failed; retrying may help.
     Internal,
+    /// The caller may not do this: the request or node belongs to another client.
+    Forbidden,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -75,7 +77,7 @@ fn default_version() -> u32 {
 /// Most labels one request may ask for.
 pub const MAX_LABELS_PER_REQUEST: usize = 64;
 
-/// `slotpool.api.v1.submit`: ask for a node set.
+/// `slotpool.api.v2.<client>.submit`: ask for a node set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitRequest {
@@ -104,13 +106,51 @@ pub struct Submitted {
     pub request_id: RequestId,
 }
 
-/// `slotpool.api.v1.release`: return nodes. Releasing a node twice is not an error.
+/// `slotpool.api.v2.<client>.release`: return nodes. Releasing a node twice is not an error.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseNodes {
     #[serde(default = "default_version")]
     pub v: u32,
     pub nodes: Vec<NodeId>,
+}
+
+/// `slotpool.api.v2.<client>.status`: the caller's request as it is now, or, with
+/// `wait_ms`, as soon as it is final (fulfilled, failed or canceled) or `wait_ms` has
+/// passed, whichever comes first. Answered with the [`crate::model::NodeRequest`] record;
+/// another client's request is `not_found`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestStatus {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub request_id: RequestId,
+    /// Wait this long for the request to end (at most [`MAX_WAIT_MS`]); 0: answer now.
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// Longest a launcher holds a status or wait_released call open before it answers with
+/// what is now (the caller asks again).
+pub const MAX_WAIT_MS: u64 = 8_000;
+
+/// `slotpool.api.v2.<client>.wait_released`: answers once none of `nodes` holds its
+/// slot any more (each release finished: the agent wiped the slot), or after `wait_ms`
+/// with those that still do.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitReleased {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub nodes: Vec<NodeId>,
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// Reply to [`WaitReleased`]: the nodes that still hold their slots (empty: all done).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StillHeld {
+    pub held: Vec<NodeId>,
 }
 
 /// Reply to [`ReleaseNodes`].
@@ -121,7 +161,7 @@ pub struct Released {
     pub not_found: Vec<NodeId>,
 }
 
-/// `slotpool.api.v1.cancel`: give up a waiting request (its partial slots are freed).
+/// `slotpool.api.v2.<client>.cancel`: give up a waiting request (its partial slots are freed).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CancelRequest {
@@ -138,14 +178,16 @@ pub struct Canceled {
     pub state: crate::model::RequestState,
 }
 
-/// `slotpool.admin.v1.{hold,drain,run,kill}`: an operator's order on one backing node.
+/// `slotpool.admin.v2.<operator>.{hold,drain,run,kill}`: an operator's order on one backing node.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackingOrder {
     #[serde(default = "default_version")]
     pub v: u32,
     pub backing_id: BackingId,
-    /// Who gives the order (recorded with it).
+    /// Ignored: the order is recorded under the operator's bus user name, taken from
+    /// the subject the server let it publish on (kept so older senders still decode).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub actor: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -161,13 +203,15 @@ pub struct OrderTaken {
     pub message: String,
 }
 
-/// `slotpool.admin.v1.release_node`: an operator releases one slot.
+/// `slotpool.admin.v2.<operator>.release_node`: an operator releases one slot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseNodeOrder {
     #[serde(default = "default_version")]
     pub v: u32,
     pub node_id: NodeId,
+    /// Ignored, as in [`BackingOrder`].
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub actor: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,

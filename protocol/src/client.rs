@@ -1,22 +1,20 @@
 //! The typed client: what `slotpool request`, CI systems and tests use.
 
 use crate::api::{
-    self, BackingOrder, CancelRequest, Canceled, OrderTaken, ReleaseNodeOrder, ReleaseNodes,
-    Released, SubmitRequest, Submitted,
+    self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, OrderTaken, ReleaseNodeOrder,
+    ReleaseNodes, Released, RequestStatus, StillHeld, SubmitRequest, Submitted, WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
-use crate::layout::subjects;
+use crate::layout::subjects::{self, ApiOp};
 use crate::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction};
-use crate::store::{Change, KvError, Versioned};
-use crate::{BackingId, NodeId, RequestId};
-use futures::StreamExt;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use crate::store::{KvError, Versioned};
+use crate::{BackingId, NodeId, RequestId, UserName};
 use std::time::Duration;
-use tokio::sync::oneshot;
 
 /// How long API calls wait for a launcher's answer.
 pub const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a read is sent again while no launcher answers.
+const RETRY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// A slotpool client on one NATS connection.
 #[derive(Clone)]
@@ -41,105 +39,122 @@ impl Client {
 
     /// Submits a node request; returns its id at once (it is fulfilled later).
     pub async fn submit(&self, req: &SubmitRequest) -> Result<RequestId, BusError> {
-        let s: Submitted = self.bus.call(subjects::SUBMIT, req, API_TIMEOUT).await?;
+        let s: Submitted = self.call(ApiOp::Submit, req).await?;
         Ok(s.request_id)
     }
 
-    /// The request's current record.
-    pub async fn request(
+    /// The name this client acts under (its bus user's).
+    pub fn name(&self) -> &UserName {
+        &self.bus.user().name
+    }
+
+    async fn call<Q: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        op: ApiOp,
+        msg: &Q,
+    ) -> Result<R, BusError> {
+        self.bus
+            .call(&subjects::api(self.name(), op), msg, API_TIMEOUT)
+            .await
+    }
+
+    /// Like `call`, for reads that are safe to repeat: while no launcher answers (all of
+    /// them restarting, say), asks again every [`RETRY_INTERVAL`] for up to
+    /// [`API_TIMEOUT`].
+    async fn call_read<Q: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        op: ApiOp,
+        msg: &Q,
+    ) -> Result<R, BusError> {
+        let deadline = tokio::time::Instant::now() + API_TIMEOUT;
+        loop {
+            match self.call(op, msg).await {
+                Err(BusError::NoResponders { .. }) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(RETRY_INTERVAL).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The request as a launcher sees it now; with `wait`, as soon as it is final or
+    /// `wait` (at most [`api::MAX_WAIT_MS`]) has passed. `None`: no such request of
+    /// this client's.
+    async fn status(
         &self,
         id: &RequestId,
-    ) -> Result<Option<Versioned<NodeRequest>>, BusError> {
-        Ok(self.bus.requests.get(id.as_str()).await?)
+        wait: Duration,
+    ) -> Result<Option<NodeRequest>, BusError> {
+        let msg = RequestStatus {
+            v: crate::PROTOCOL_VERSION,
+            request_id: id.clone(),
+            wait_ms: (wait.as_millis() as u64).min(api::MAX_WAIT_MS),
+        };
+        match self.call_read(ApiOp::Status, &msg).await {
+            Ok(r) => Ok(Some(r)),
+            Err(BusError::Api(ApiError {
+                code: ErrorCode::NotFound,
+                ..
+            })) => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// The request's current record (this client's own requests only).
+    pub async fn request(&self, id: &RequestId) -> Result<Option<NodeRequest>, BusError> {
+        self.status(id, Duration::ZERO).await
     }
 
     /// Waits until the request is fulfilled, failed or canceled, calling `progress` with
-    /// every change of it seen on the way. Event-driven (a KV watch on its key).
+    /// every state of it seen on the way. A launcher answers each call as soon as the
+    /// request ends (or after [`api::MAX_WAIT_MS`], and the wait asks again), so no
+    /// polling interval adds to the wait.
     pub async fn wait(
         &self,
         id: &RequestId,
         mut progress: impl FnMut(&NodeRequest),
     ) -> Result<NodeRequest, BusError> {
-        let bucket = self.bus.requests.bucket();
-        let mut changes = Box::pin(self.bus.requests.watch_keys(id.as_str()).await?);
-        while let Some(change) = changes.next().await {
-            match change? {
-                Change::Put {
-                    key,
-                    revision,
-                    value,
-                } => {
-                    let req: Versioned<NodeRequest> =
-                        Change::decode(bucket, &key, revision, &value)?;
-                    progress(&req.value);
-                    if req.value.state.is_final() {
-                        return Ok(req.value);
-                    }
-                }
-                Change::Removed { key, .. } => {
-                    return Err(KvError::NotFound {
-                        bucket: bucket.to_string(),
-                        key,
-                    }
-                    .into());
-                }
-                Change::Synced => {}
+        let mut last = None;
+        loop {
+            let Some(req) = self
+                .status(id, Duration::from_millis(api::MAX_WAIT_MS))
+                .await?
+            else {
+                return Err(BusError::Api(ApiError::new(
+                    ErrorCode::NotFound,
+                    format!("no request {id} of {}", self.name()),
+                )));
+            };
+            if last.as_ref() != Some(&(req.state, req.status.clone())) {
+                progress(&req);
+                last = Some((req.state, req.status.clone()));
+            }
+            if req.state.is_final() {
+                return Ok(req);
             }
         }
-        Err(BusError::Request {
-            subject: id.to_string(),
-            message: "watch ended".into(),
-        })
     }
 
-    /// One watch on the requests bucket that serves any number of waits: the efficient
-    /// way to wait for many requests. [`Client::wait`] opens a watch (a JetStream
-    /// consumer) per request, which costs a server round trip to set up and tear down
-    /// and a consumer per waiting request; a CI system with many requests in flight
-    /// should keep one `RequestWatcher` instead.
+    /// A helper for waiting on many requests (see [`RequestWatcher`]).
     pub async fn watcher(&self) -> Result<RequestWatcher, BusError> {
-        RequestWatcher::start(self.clone()).await
+        Ok(RequestWatcher {
+            client: self.clone(),
+        })
     }
 
     /// Waits until each of `nodes` holds its slot no more: its release is finished (the
     /// agent wiped the slot and the slot record is deleted). A release is acknowledged
-    /// once the node is marked `releasing`, before that. Event-driven (a KV watch on each
-    /// slot key).
+    /// once the node is marked `releasing`, before that.
     pub async fn wait_released(&self, nodes: &[NodeId]) -> Result<(), BusError> {
-        let bucket = self.bus.slots.bucket();
-        for id in nodes {
-            let Some((backing, slot)) = id.slot() else {
-                continue;
+        let mut held = nodes.to_vec();
+        while !held.is_empty() {
+            let msg = WaitReleased {
+                v: crate::PROTOCOL_VERSION,
+                nodes: held,
+                wait_ms: api::MAX_WAIT_MS,
             };
-            let key = crate::layout::slot_key(&backing, slot);
-            let mut changes = Box::pin(self.bus.slots.watch_keys(&key).await?);
-            let mut holds = false;
-            loop {
-                match changes.next().await {
-                    None => {
-                        return Err(BusError::Request {
-                            subject: key,
-                            message: "watch ended".into(),
-                        })
-                    }
-                    Some(change) => match change? {
-                        Change::Put {
-                            key,
-                            revision,
-                            value,
-                        } => {
-                            let node: Versioned<Node> =
-                                Change::decode(bucket, &key, revision, &value)?;
-                            holds = &node.value.id == id;
-                        }
-                        Change::Removed { .. } => holds = false,
-                        Change::Synced => {}
-                    },
-                }
-                if !holds {
-                    break;
-                }
-            }
+            let still: StillHeld = self.call_read(ApiOp::WaitReleased, &msg).await?;
+            held = still.held;
         }
         Ok(())
     }
@@ -150,7 +165,7 @@ impl Client {
             v: crate::PROTOCOL_VERSION,
             nodes,
         };
-        self.bus.call(subjects::RELEASE, &msg, API_TIMEOUT).await
+        self.call(ApiOp::Release, &msg).await
     }
 
     /// Cancels a request that is still waiting.
@@ -159,7 +174,7 @@ impl Client {
             v: crate::PROTOCOL_VERSION,
             request_id,
         };
-        self.bus.call(subjects::CANCEL, &msg, API_TIMEOUT).await
+        self.call(ApiOp::Cancel, &msg).await
     }
 
     /// An operator's order on a backing node: hold, drain, run or kill (`action` must be
@@ -178,7 +193,7 @@ impl Client {
             reason,
         };
         self.bus
-            .call(&subjects::admin(action), &msg, API_TIMEOUT)
+            .call(&subjects::admin(self.name(), action), &msg, API_TIMEOUT)
             .await
     }
 
@@ -197,7 +212,7 @@ impl Client {
         };
         self.bus
             .call(
-                &subjects::admin(OperatorAction::ReleaseNode),
+                &subjects::admin(self.name(), OperatorAction::ReleaseNode),
                 &msg,
                 API_TIMEOUT,
             )
@@ -227,99 +242,20 @@ impl Client {
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<RequestId, oneshot::Sender<Result<NodeRequest, KvError>>>>>;
-
-/// Waits for many requests through one KV watch (see [`Client::watcher`]).
-///
-/// The watch delivers only changes made after it started, so a wait must be registered
-/// before the request can change: [`RequestWatcher::submit_and_wait`] picks the request
-/// id on the client side, registers it, and only then submits.
+/// Waits for many requests of one client at once (the benchmark's and the demo's load):
+/// each wait is a [`Client::wait`], answered by a launcher as soon as its request ends.
 pub struct RequestWatcher {
     client: Client,
-    waiters: Waiters,
-    task: tokio::task::JoinHandle<()>,
 }
 
 impl RequestWatcher {
-    async fn start(client: Client) -> Result<RequestWatcher, BusError> {
-        let bucket = client.bus.requests.bucket();
-        let changes = client.bus.requests.watch_new(">").await?;
-        let waiters: Waiters = Arc::default();
-        let w = waiters.clone();
-        let task = tokio::spawn(async move {
-            let mut changes = Box::pin(changes);
-            while let Some(change) = changes.next().await {
-                let (key, outcome) = match change {
-                    Ok(Change::Put {
-                        key,
-                        revision,
-                        value,
-                    }) => match Change::decode::<NodeRequest>(bucket, &key, revision, &value) {
-                        Ok(r) if r.value.state.is_final() => (key, Ok(r.value)),
-                        Ok(_) => continue,
-                        Err(err) => (key, Err(err)),
-                    },
-                    Ok(Change::Removed { key, .. }) => {
-                        let err = KvError::NotFound {
-                            bucket: bucket.to_string(),
-                            key: key.clone(),
-                        };
-                        (key, Err(err))
-                    }
-                    Ok(Change::Synced) => continue,
-                    Err(err) => {
-                        tracing::warn!(%err, "request watch failed; pending waits end");
-                        break;
-                    }
-                };
-                let Ok(id) = RequestId::parse(&key) else {
-                    continue;
-                };
-                let waiter = w.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                if let Some(tx) = waiter {
-                    let _ = tx.send(outcome);
-                }
-            }
-            // Dropping the senders ends every pending wait with an error.
-            w.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        });
-        Ok(RequestWatcher {
-            client,
-            waiters,
-            task,
-        })
-    }
-
     /// Submits `req` (with an id chosen here unless it has one) and waits until it is
     /// fulfilled, failed or canceled.
     pub async fn submit_and_wait(&self, req: &SubmitRequest) -> Result<NodeRequest, BusError> {
         let mut req = req.clone();
         let id = req.id.get_or_insert_with(RequestId::generate).clone();
-        let (tx, rx) = oneshot::channel();
-        self.waiters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), tx);
-        if let Err(err) = self.client.submit(&req).await {
-            self.waiters
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            return Err(err);
-        }
-        match rx.await {
-            Ok(outcome) => Ok(outcome?),
-            Err(_) => Err(BusError::Request {
-                subject: id.to_string(),
-                message: "request watch ended".into(),
-            }),
-        }
-    }
-}
-
-impl Drop for RequestWatcher {
-    fn drop(&mut self) {
-        self.task.abort();
+        self.client.submit(&req).await?;
+        self.client.wait(&id, |_| {}).await
     }
 }
 

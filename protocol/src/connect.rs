@@ -2,6 +2,7 @@
 //! request-reply helpers. Everything async-nats stays behind this module's types.
 
 use crate::api::{ApiError, Reply};
+use crate::auth::{BusUser, Role};
 use crate::layout::{self, ALL_BUCKETS};
 use crate::store::{KvError, Store};
 use bytes::Bytes;
@@ -27,6 +28,10 @@ pub struct NatsOptions {
     pub tls_key: Option<PathBuf>,
     /// Connection name shown by the server (`slotpool-launcher`, ...).
     pub name: String,
+    /// The bus user name to act as on a bus without slotpool credentials (an anonymous
+    /// development bus, or user/password logins). Ignored with `creds`: credentials made
+    /// by `slotpool nats-setup` carry their own name, and the server holds a user to it.
+    pub act_as: Option<crate::UserName>,
 }
 
 /// Why slotpool could not talk to NATS.
@@ -63,10 +68,12 @@ pub enum BusError {
     },
     #[error(transparent)]
     Api(#[from] ApiError),
+    #[error("credentials: {0}")]
+    Auth(crate::auth::AuthError),
 }
 
 fn no_responders_message(subject: &str) -> String {
-    match subject.strip_prefix("slotpool.agent.v1.") {
+    match subject.strip_prefix("slotpool.agent.v2.") {
         Some(backing) => format!(
             "no agent answers on {subject}: the agent of backing node {backing} is not running or not connected"
         ),
@@ -78,6 +85,8 @@ fn no_responders_message(subject: &str) -> String {
 #[derive(Clone)]
 pub struct Bus {
     client: async_nats::Client,
+    /// Who this connection is on the bus.
+    user: BusUser,
     pub requests: Store,
     pub slots: Store,
     pub backing: Store,
@@ -123,7 +132,8 @@ impl Bus {
         opts: &NatsOptions,
         link: Option<tokio::sync::watch::Sender<Link>>,
     ) -> Result<Bus, BusError> {
-        let client = connect_client(opts, link).await?;
+        let user = bus_user(opts)?;
+        let client = connect_client(opts, &user, link).await?;
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
@@ -149,7 +159,14 @@ impl Bus {
             leases: find(layout::LEASES.name),
             events: find(layout::EVENTS.name),
             client,
+            user,
         })
+    }
+
+    /// Who this connection is on the bus: from its credentials, or `act_as` (default
+    /// `anonymous`) on a bus without slotpool credentials.
+    pub fn user(&self) -> &BusUser {
+        &self.user
     }
 
     /// Opens (creating it if absent) a bucket that is not one of slotpool's own, on this
@@ -270,11 +287,30 @@ impl Bus {
     }
 }
 
+/// The bus user `opts` connect as. With slotpool credentials the name and role are the
+/// credentials' own; otherwise `act_as`, as a client.
+fn bus_user(opts: &NatsOptions) -> Result<BusUser, BusError> {
+    if let Some(path) = &opts.creds {
+        return crate::auth::read_user(path).map_err(BusError::Auth);
+    }
+    let name = opts
+        .act_as
+        .clone()
+        .unwrap_or_else(|| crate::UserName::parse("anonymous").expect("a name token"));
+    Ok(BusUser {
+        role: Role::Client,
+        name,
+    })
+}
+
 async fn connect_client(
     opts: &NatsOptions,
+    user: &BusUser,
     link: Option<tokio::sync::watch::Sender<Link>>,
 ) -> Result<async_nats::Client, BusError> {
     let mut o = async_nats::ConnectOptions::new()
+        // Replies come to this user's own inbox: a user may subscribe to no other's.
+        .custom_inbox_prefix(user.inbox_prefix())
         .name(if opts.name.is_empty() {
             "slotpool"
         } else {
@@ -376,14 +412,14 @@ mod tests {
     #[test]
     fn no_responders_names_who_is_missing() {
         let agent = BusError::NoResponders {
-            subject: "slotpool.agent.v1.bn-1".into(),
+            subject: "slotpool.agent.v2.bn-1".into(),
         };
         assert!(
             agent.to_string().contains("agent of backing node bn-1"),
             "{agent}"
         );
         let api = BusError::NoResponders {
-            subject: "slotpool.api.v1.submit".into(),
+            subject: "slotpool.api.v2.ci.submit".into(),
         };
         assert!(api.to_string().contains("slotpool serve"), "{api}");
     }

@@ -92,6 +92,12 @@ id_type!(
     /// One entry of the event log (time-ordered).
     EventId, "evt-"
 );
+id_type!(
+    /// The name of a user of the bus (a client, an operator, a launcher): the token its
+    /// credentials carry and its API subjects are made of, so who sends a message is
+    /// known from the subject the server let it publish on.
+    UserName, "user-"
+);
 
 /// An id that is not a valid key token.
 #[derive(Debug, thiserror::Error, PartialEq)]

@@ -1,11 +1,7 @@
 //! Where slotpool state lives: KV buckets, their keys, and NATS subjects.
 //!
-//! Subjects are laid out so NATS permissions can separate the four kinds of users:
-//! - clients publish to `slotpool.api.v1.>` and read the requests and slots buckets;
-//! - an agent subscribes to `slotpool.agent.v1.<its backing id>` and writes only
-//!   `$KV.slotpool_agents.<its backing id>`;
-//! - operators publish to `slotpool.admin.v1.>`;
-//! - launchers may do everything.
+//! Subjects are laid out so NATS permissions can separate the four kinds of users; the
+//! permissions themselves are [`crate::auth::permissions`].
 
 use crate::ids::{BackingId, LauncherId};
 use crate::store::BucketSpec;
@@ -102,32 +98,102 @@ pub fn backing_lease_key(seat_key: &str) -> String {
     format!("backing.{seat_key}")
 }
 
-/// Subjects of the launcher's API and the agents' commands.
+/// Subjects of the launcher's API and the agents' commands (API v2).
+///
+/// The sender's bus user name is a token of every API and admin subject, and the
+/// server lets each user publish only under its own name ([`crate::auth::permissions`]),
+/// so a launcher knows who sent a message from its subject ([`subjects::caller`]).
 pub mod subjects {
-    use crate::ids::BackingId;
+    use crate::ids::{BackingId, UserName};
+    use crate::model::OperatorAction;
 
-    /// Submit a node request ([`crate::api::SubmitRequest`] → [`crate::api::Submitted`]).
-    pub const SUBMIT: &str = "slotpool.api.v1.submit";
-    /// Return nodes ([`crate::api::ReleaseNodes`] → [`crate::api::Released`]).
-    pub const RELEASE: &str = "slotpool.api.v1.release";
-    /// Cancel a waiting request ([`crate::api::CancelRequest`] → [`crate::api::Canceled`]).
-    pub const CANCEL: &str = "slotpool.api.v1.cancel";
+    /// The client API operations: `slotpool.api.v2.<client>.<op>`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum ApiOp {
+        /// [`crate::api::SubmitRequest`] → [`crate::api::Submitted`].
+        Submit,
+        /// [`crate::api::ReleaseNodes`] → [`crate::api::Released`].
+        Release,
+        /// [`crate::api::CancelRequest`] → [`crate::api::Canceled`].
+        Cancel,
+        /// [`crate::api::RequestStatus`] → [`crate::model::NodeRequest`].
+        Status,
+        /// [`crate::api::WaitReleased`] → [`crate::api::StillHeld`].
+        WaitReleased,
+    }
+
+    impl ApiOp {
+        pub const ALL: [ApiOp; 5] = [
+            ApiOp::Submit,
+            ApiOp::Release,
+            ApiOp::Cancel,
+            ApiOp::Status,
+            ApiOp::WaitReleased,
+        ];
+
+        pub fn as_str(self) -> &'static str {
+            match self {
+                ApiOp::Submit => "submit",
+                ApiOp::Release => "release",
+                ApiOp::Cancel => "cancel",
+                ApiOp::Status => "status",
+                ApiOp::WaitReleased => "wait_released",
+            }
+        }
+    }
+
+    /// `client`'s subject for `op`.
+    pub fn api(client: &UserName, op: ApiOp) -> String {
+        format!("slotpool.api.v2.{client}.{}", op.as_str())
+    }
+    /// Every client's subject for `op`, for serving it.
+    pub fn api_all(op: ApiOp) -> String {
+        format!("slotpool.api.v2.*.{}", op.as_str())
+    }
+    /// Everything `client` may send to the API (a permission pattern).
+    pub fn api_of(client: &str) -> String {
+        format!("slotpool.api.v2.{client}.>")
+    }
+
+    /// `operator`'s subject for an order ([`crate::api::BackingOrder`] for hold, drain,
+    /// run and kill; [`crate::api::ReleaseNodeOrder`] for release_node).
+    pub fn admin(operator: &UserName, action: OperatorAction) -> String {
+        format!("slotpool.admin.v2.{operator}.{}", action.as_str())
+    }
+    /// Every operator's subject for `action`, for serving it.
+    pub fn admin_all(action: OperatorAction) -> String {
+        format!("slotpool.admin.v2.*.{}", action.as_str())
+    }
+    /// Every order `operator` may give (a permission pattern).
+    pub fn admin_of(operator: &str) -> String {
+        format!("slotpool.admin.v2.{operator}.>")
+    }
+
+    /// The bus user who sent a message on an API or admin subject: its fourth token.
+    pub fn caller(subject: &str) -> Option<UserName> {
+        let mut tokens = subject.split('.');
+        match (tokens.next(), tokens.next(), tokens.next(), tokens.next()) {
+            (Some("slotpool"), Some("api" | "admin"), Some("v2"), Some(name)) => {
+                UserName::parse(name).ok()
+            }
+            _ => None,
+        }
+    }
+
+    /// The retired API v1 subjects: launchers answer them with `unsupported_version`
+    /// and say what to use instead, so an old client gets an error, not silence.
+    pub const API_V1_ALL: &str = "slotpool.api.v1.>";
+    pub const ADMIN_V1_ALL: &str = "slotpool.admin.v1.>";
+
     /// Queue group all launchers serve the API in, so each message is handled once.
     pub const LAUNCHER_QUEUE: &str = "slotpool-launchers";
 
-    /// Operators' orders on backing nodes and slots: `slotpool.admin.v1.<action>` with
-    /// action `hold`, `drain`, `run`, `kill` ([`crate::api::BackingOrder`]) or
-    /// `release_node` ([`crate::api::ReleaseNodeOrder`]). NATS permissions can grant
-    /// operators `slotpool.admin.v1.>`, or single actions.
-    pub fn admin(action: crate::model::OperatorAction) -> String {
-        format!("slotpool.admin.v1.{}", action.as_str())
-    }
-    /// Every admin subject, for serving them.
-    pub const ADMIN_ALL: &str = "slotpool.admin.v1.>";
-
     /// Commands from launchers to one agent ([`crate::api::AgentCommand`]).
     pub fn agent(backing: &BackingId) -> String {
-        format!("slotpool.agent.v1.{backing}")
+        agent_of(backing.as_str())
+    }
+    pub fn agent_of(backing: &str) -> String {
+        format!("slotpool.agent.v2.{backing}")
     }
 }
 
@@ -141,5 +207,17 @@ mod tests {
         assert_eq!(parse_slot_key(&slot_key(&b, 7)), Some((b, 7)));
         assert_eq!(parse_slot_key("nodots"), None);
         assert_eq!(parse_slot_key("bn-1.x"), None);
+    }
+
+    #[test]
+    fn the_caller_is_read_from_the_subject() {
+        use subjects::*;
+        let ci = crate::UserName::parse("ci").unwrap();
+        assert_eq!(caller(&api(&ci, ApiOp::Submit)), Some(ci.clone()));
+        let action = crate::model::OperatorAction::Kill;
+        assert_eq!(caller(&admin(&ci, action)), Some(ci));
+        assert_eq!(caller("slotpool.api.v1.submit"), None);
+        assert_eq!(caller("slotpool.api.v2.*.submit"), None);
+        assert_eq!(caller("slotpool.agent.v2.bn-1"), None);
     }
 }

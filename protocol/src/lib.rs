@@ -5,6 +5,7 @@
 //! and a [`store::Store`] whose errors are our own ([`store::KvError`]), never async-nats types.
 
 pub mod api;
+pub mod auth;
 pub mod client;
 pub mod connect;
 pub mod ids;
@@ -13,7 +14,7 @@ pub mod model;
 pub mod store;
 pub mod time;
 
-pub use ids::{BackingId, EventId, LauncherId, NodeId, RequestId};
+pub use ids::{BackingId, EventId, LauncherId, NodeId, RequestId, UserName};
 
 /// Version of the wire format. Every record and message carries it as `"v"`.
 pub const PROTOCOL_VERSION: u32 = 1;

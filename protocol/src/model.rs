@@ -61,6 +61,10 @@ pub struct NodeRequest {
     /// owner's liveness lease is gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<LauncherId>,
+    /// The bus user who submitted it (from the subject; only it may see, release or
+    /// cancel the request and its nodes). `None` for a request of an anonymous bus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<crate::UserName>,
 }
 
 impl NodeRequest {
@@ -99,6 +103,9 @@ pub struct Node {
     pub slot: u32,
     pub state: NodeState,
     pub requestor: String,
+    /// The bus user whose request holds it (see [`NodeRequest::client`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<crate::UserName>,
     /// Where to reach the node (the backing node's host).
     pub host: String,
     /// The slot's workspace directory on the backing node (set once prepared).
@@ -538,6 +545,7 @@ mod tests {
             failure: None,
             updated_at: 5,
             owner: None,
+            client: None,
         };
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(

@@ -1,6 +1,8 @@
 //! A real nats-server with JetStream, one per test.
 
 use crate::process::{workspace_root, ChildGuard};
+use slotpool_protocol::auth::setup::{self, SetupFiles, SetupPlan};
+use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::connect::{Bus, NatsOptions};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -62,7 +64,10 @@ fn find_binary() -> Result<PathBuf, String> {
     Ok(path)
 }
 
-/// A nats-server with JetStream on 127.0.0.1, a free port and a store in its own temp dir.
+/// A nats-server with JetStream on 127.0.0.1, a free port and a store in its own temp dir,
+/// with slotpool's shipped authorisation: its configuration and credentials are written
+/// by the same code as `slotpool nats-setup` ([`setup::write`]), so every test runs on an
+/// authenticated bus, each party with the permissions it has in production.
 ///
 /// It is killed and reaped on drop, also when the test panics; `PR_SET_PDEATHSIG` kills it
 /// when the test process dies. After [`NatsServer::start`] returns, JetStream answers and
@@ -72,6 +77,7 @@ pub struct NatsServer {
     child: Option<ChildGuard>,
     port: u16,
     dir: TempDir,
+    files: SetupFiles,
 }
 
 impl NatsServer {
@@ -81,11 +87,22 @@ impl NatsServer {
             .prefix("slotpool-nats-")
             .tempdir()
             .expect("creating a temp dir for nats-server");
-        let (child, port) = spawn(dir.path(), None).await;
+        let files = setup::write(&SetupPlan {
+            dir: dir.path().join("auth"),
+            users: vec![
+                BusUser::new(Role::Launcher, "launcher").expect("a name"),
+                BusUser::new(Role::Operator, "operator").expect("a name"),
+                BusUser::new(Role::Client, "client").expect("a name"),
+            ],
+            ..Default::default()
+        })
+        .expect("writing the test installation");
+        let (child, port) = spawn(dir.path(), &files.server_config, None).await;
         let server = NatsServer {
             child: Some(child),
             port,
             dir,
+            files,
         };
         server.wait_ready().await;
         server
@@ -100,13 +117,62 @@ impl NatsServer {
         self.port
     }
 
-    /// Options reaching this server.
+    /// Options reaching this server as its launcher (who may do everything).
     pub fn options(&self) -> NatsOptions {
+        self.options_as(Role::Launcher, "launcher")
+    }
+
+    /// Options reaching this server as `role` `name` (credentials minted on first use).
+    pub fn options_as(&self, role: Role, name: &str) -> NatsOptions {
         NatsOptions {
             url: self.url(),
-            name: "slotpool-test".into(),
+            name: format!("slotpool-test-{role}-{name}"),
+            creds: Some(self.creds(role, name)),
             ..Default::default()
         }
+    }
+
+    /// The credentials file of `role` `name`, minted with the installation's signing
+    /// key when it does not exist yet (for an agent, `name` is its backing id).
+    pub fn creds(&self, role: Role, name: &str) -> PathBuf {
+        let user = BusUser::new(role, name).expect("a user name token");
+        let path = setup::creds_path(&self.dir.path().join("auth"), &user);
+        if !path.exists() {
+            Minter::load(&self.files.signing_key)
+                .and_then(|m| m.mint(&user, None))
+                .and_then(|c| c.write_private(&path))
+                .unwrap_or_else(|err| panic!("minting test credentials for {user}: {err}"));
+        }
+        path
+    }
+
+    /// The installation's signing key (for `slotpool serve --agent-signing-key`).
+    pub fn signing_key(&self) -> &Path {
+        &self.files.signing_key
+    }
+
+    /// `--nats <url> --creds <launcher creds> serve --agent-signing-key <key> --config
+    /// <config>`: how a `slotpool serve` of this server is started.
+    pub fn serve_args(&self, config: &Path) -> Vec<String> {
+        let mut args = self.args_as(Role::Launcher, "launcher");
+        args.extend([
+            "serve".into(),
+            "--agent-signing-key".into(),
+            self.signing_key().display().to_string(),
+            "--config".into(),
+            config.display().to_string(),
+        ]);
+        args
+    }
+
+    /// `--nats <url> --creds <creds of role name>`.
+    pub fn args_as(&self, role: Role, name: &str) -> Vec<String> {
+        vec![
+            "--nats".into(),
+            self.url(),
+            "--creds".into(),
+            self.creds(role, name).display().to_string(),
+        ]
     }
 
     /// A new connection to this server (panics if it fails).
@@ -152,7 +218,8 @@ impl NatsServer {
             self.child.is_none(),
             "resume: the nats-server is still running"
         );
-        let (child, port) = spawn(self.dir.path(), Some(self.port)).await;
+        let (child, port) =
+            spawn(self.dir.path(), &self.files.server_config, Some(self.port)).await;
         assert_eq!(port, self.port, "restarted nats-server took another port");
         self.child = Some(child);
         self.wait_ready().await;
@@ -200,7 +267,7 @@ impl Drop for NatsServer {
 
 /// Spawns the server in `dir` on `port` (`None` = any free port) and waits for the ports
 /// file that tells which port it took.
-async fn spawn(dir: &Path, port: Option<u16>) -> (ChildGuard, u16) {
+async fn spawn(dir: &Path, config: &Path, port: Option<u16>) -> (ChildGuard, u16) {
     let binary = nats_server_binary();
     let log = File::options()
         .create(true)
@@ -208,7 +275,9 @@ async fn spawn(dir: &Path, port: Option<u16>) -> (ChildGuard, u16) {
         .open(dir.join("nats-server.log"))
         .expect("creating the nats-server log");
     let mut cmd = Command::new(binary);
-    cmd.arg("-a")
+    cmd.arg("-c")
+        .arg(config)
+        .arg("-a")
         .arg("127.0.0.1")
         .arg("-p")
         .arg(port.map_or("-1".to_string(), |p| p.to_string()))

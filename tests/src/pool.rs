@@ -144,18 +144,11 @@ impl Pool {
         let log =
             File::create(self.dir.path().join(format!("launcher-{n}.log"))).expect("launcher log");
         let mut cmd = Command::new(bin_path("slotpool"));
-        cmd.args([
-            "--nats",
-            &self.nats.url(),
-            "--log",
-            "info,slotpool_launcher=debug",
-            "serve",
-            "--config",
-        ])
-        .arg(&self.config)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log);
+        cmd.args(self.nats.serve_args(&self.config))
+            .args(["--log", "info,slotpool_launcher=debug"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
         self.launchers.push(
             ChildGuard::spawn(format!("launcher-{n}"), cmd).expect("spawning slotpool serve"),
         );

@@ -112,9 +112,11 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
     let log = tempfile::NamedTempFile::new().unwrap();
     let console = Tmux::start(
         &format!(
-            "NO_COLOR=1 {} --nats {} --config {} --actor e2e@test --log-file {} --log debug",
+            "NO_COLOR=1 {} {} --config {} --actor e2e@test --log-file {} --log debug",
             bin_path("slotpool-console").display(),
-            pool.nats.url(),
+            pool.nats
+                .args_as(slotpool_protocol::auth::Role::Operator, "e2e")
+                .join(" "),
             pool.config_path().display(),
             log.path().display(),
         ),
@@ -251,6 +253,7 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
                         slot: 0,
                         state: NodeState::Ready,
                         requestor: "bench".into(),
+                        client: None,
                         host: String::new(),
                         workspace: None,
                         attributes: Default::default(),
@@ -275,11 +278,7 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
     let mut times = Vec::new();
     for _ in 0..3 {
         let started = Instant::now();
-        let opts = slotpool_protocol::connect::NatsOptions {
-            url: nats.url(),
-            name: "bench".into(),
-            ..Default::default()
-        };
+        let opts = nats.options_as(slotpool_protocol::auth::Role::Operator, "bench");
         let (bus, link) = Bus::connect_watching(&opts).await.expect("connect");
         let mut terminal =
             ratatui::Terminal::new(ratatui::backend::TestBackend::new(120, 40)).unwrap();

@@ -283,7 +283,16 @@ async fn a_node_claimed_before_its_launcher_died_is_prepared_by_the_next_one() {
     // As the dead launcher left it: its request, and a node claimed on the other slot.
     let held = pool.nodes().await.pop().unwrap();
     let slot = 1 - held.slot;
-    let mut request = pool.client.request(&first.id).await.unwrap().unwrap().value;
+    // Straight from KV (the test's bus user is a launcher's): no launcher runs now.
+    let mut request: slotpool_protocol::model::NodeRequest = pool
+        .client
+        .bus()
+        .requests
+        .get(first.id.as_str())
+        .await
+        .unwrap()
+        .unwrap()
+        .value;
     request.id = RequestId::generate();
     request.state = RequestState::Requested;
     request.nodes.clear();
@@ -461,8 +470,10 @@ async fn bad_input_gets_clear_errors_and_the_launcher_keeps_serving() {
     let pool = Pool::start(2, 5, &label("small", 2, 30, &[]), 1).await;
     let bus = pool.client.bus();
     let timeout = Duration::from_secs(10);
+    let submit = subjects::api(pool.client.name(), subjects::ApiOp::Submit);
+    let submit = &submit;
     let reply = |raw: &'static [u8]| async move {
-        bus.call_raw(subjects::SUBMIT, bytes::Bytes::from_static(raw), timeout)
+        bus.call_raw(submit, bytes::Bytes::from_static(raw), timeout)
             .await
             .unwrap()
     };
@@ -493,7 +504,7 @@ async fn bad_input_gets_clear_errors_and_the_launcher_keeps_serving() {
         "x".repeat(70_000)
     );
     let r = bus
-        .call_raw(subjects::SUBMIT, bytes::Bytes::from(big), timeout)
+        .call_raw(submit, bytes::Bytes::from(big), timeout)
         .await
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&r).unwrap();

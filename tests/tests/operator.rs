@@ -2,6 +2,7 @@
 //! kill and release with a reason, against a real nats-server, launchers and agents.
 
 use slotpool_protocol::api::ErrorCode;
+use slotpool_protocol::auth::Role;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{
     BackingNode, BackingState, EventKind, IdleBehaviour, NodeState, OperatorAction,
@@ -16,9 +17,8 @@ const SOON: Duration = Duration::from_secs(15);
 /// Runs `slotpool <args>` as an operator named `op`; returns its stdout (panics on failure).
 fn slotpool(pool: &Pool, args: &[&str]) -> String {
     let out = Command::new(bin_path("slotpool"))
-        .args(["--nats", &pool.nats.url()])
+        .args(pool.nats.args_as(Role::Operator, "op"))
         .args(args)
-        .env("SLOTPOOL_ACTOR", "op")
         .output()
         .expect("running slotpool");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
@@ -186,7 +186,8 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
     }
     // Kill without --yes and without a terminal is refused, and nothing happens.
     let out = Command::new(bin_path("slotpool"))
-        .args(["--nats", &pool.nats.url(), "kill", a.id.as_str()])
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["kill", a.id.as_str()])
         .stdin(std::process::Stdio::null())
         .output()
         .unwrap();

@@ -2,6 +2,7 @@
 //! whose agents the test runs itself, and an exec provider (a script speaking the JSON
 //! contract) whose "machines" are agent processes.
 
+use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::model::{BackingState, NodeRequest, RequestState};
 use slotpool_tests::{bin_path, wait_for, wait_served, workspace_root, ChildGuard, NatsServer};
@@ -24,8 +25,7 @@ impl Launcher {
         std::fs::write(&path, config).unwrap();
         let log = dir.join("launcher.log");
         let mut cmd = Command::new(bin_path("slotpool"));
-        cmd.args(["--nats", &nats.url(), "serve", "--config"])
-            .arg(&path)
+        cmd.args(nats.serve_args(&path))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -71,7 +71,8 @@ fn static_agent(nats: &NatsServer, dir: &Path, name: &str, secret: &str) -> Chil
     let secret_file = dir.join(format!("{name}.secret"));
     std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
     let mut cmd = Command::new(bin_path("slotpool-agent"));
-    cmd.args(["--nats", &nats.url(), "--backing-id", name, "--slots", "2"])
+    cmd.args(nats.args_as(Role::Agent, name))
+        .args(["--backing-id", name, "--slots", "2"])
         .args([
             "--heartbeat-interval-ms",
             "300",
@@ -261,7 +262,7 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
         "the request to say the provider is out of capacity",
         SOON,
         || async {
-            let r = client.request(&id).await.unwrap().unwrap().value;
+            let r = client.request(&id).await.unwrap().unwrap();
             r.state == RequestState::Requested && r.status.contains("out of capacity")
         },
     )

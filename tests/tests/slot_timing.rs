@@ -73,21 +73,16 @@ async fn prepare_release_times_and_idle_memory() {
     let work = tempfile::tempdir().unwrap();
     let backing = BackingId::parse("bn-bench").unwrap();
     let mut cmd = Command::new(bin_path("slotpool-agent"));
-    cmd.args([
-        "--nats",
-        &nats.url(),
-        "--backing-id",
-        backing.as_str(),
-        "--slots",
-    ])
-    .arg(SLOTS.to_string())
-    .arg("--work-dir")
-    .arg(work.path())
-    .args(env.agent_args())
-    .env("SLOTPOOL_AGENT_SECRET", "bench")
-    .env("RUST_LOG", "warn")
-    .stdin(Stdio::null())
-    .stdout(Stdio::null());
+    cmd.args(nats.args_as(slotpool_protocol::auth::Role::Agent, backing.as_str()))
+        .args(["--backing-id", backing.as_str(), "--slots"])
+        .arg(SLOTS.to_string())
+        .arg("--work-dir")
+        .arg(work.path())
+        .args(env.agent_args())
+        .env("SLOTPOOL_AGENT_SECRET", "bench")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
     let mut agent = ChildGuard::spawn("agent", cmd).unwrap();
     wait_for("the agent's heartbeat", TIMEOUT, || async {
         matches!(

@@ -1,15 +1,18 @@
-//! `slotpool demo`: a whole pool on this machine. It starts a nats-server with JetStream in
-//! a temp dir (unless `--connect` is given), a launcher with the local provider, and a
+//! `slotpool demo`: a whole pool on this machine. It starts a nats-server with JetStream and
+//! authentication on in a temp dir (unless `--connect` is given), a launcher with the local provider, and a
 //! small load generator. On a terminal it opens the operator console (`slotpool-console`,
 //! built next to `slotpool`) and keeps its own log in a file meanwhile; otherwise, or with
 //! `--no-console`, it prints what happens. Ctrl-C (or quitting the console) stops
 //! everything it started.
 
+use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::provider::local::LocalProvider;
 use crate::{run, LauncherDeps};
 use anyhow::{bail, Context};
 use clap::Args;
+use slotpool_protocol::auth::setup::{self, SetupPlan};
+use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::{Bus, NatsOptions};
 use slotpool_protocol::model::RequestState;
@@ -43,6 +46,10 @@ pub struct DemoArgs {
     /// Print the log instead of opening the console, even on a terminal.
     #[arg(long)]
     pub no_console: bool,
+    /// With --connect: the installation's signing key, so the demo's local agents get
+    /// credentials of their own (`slotpool nats-setup` writes it).
+    #[arg(long, value_name = "FILE")]
+    pub agent_signing_key: Option<PathBuf>,
 }
 
 const DEMO_CONFIG: &str = "\
@@ -70,40 +77,87 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
     let dir = tempfile_dir()?;
     let work_dir = dir.join("agents");
     let mut server = None;
-    let url = if args.connect {
-        nats.url.clone()
+    // The demo's own bus runs with authentication on, as a real one must: the launcher,
+    // the load generator (a client) and the console (an operator) each log in with the
+    // credentials of their role, and each local agent with its own.
+    let (url, launcher_opts, client_opts, console_args, minter) = if args.connect {
+        let minter = match &args.agent_signing_key {
+            Some(path) => Some(Minter::load(path).context("loading --agent-signing-key")?),
+            None => None,
+        };
+        let mut console_args = vec!["--nats".to_string(), nats.url.clone()];
+        if let Some(creds) = &nats.creds {
+            console_args.extend(["--creds".to_string(), creds.display().to_string()]);
+        }
+        (
+            nats.url.clone(),
+            nats.options("slotpool-demo"),
+            nats.options("slotpool-demo-load"),
+            console_args,
+            minter,
+        )
     } else {
         let binary = find_nats_server(args.nats_server.as_deref())?;
-        let (child, url) = start_nats_server(&binary, &dir).await?;
+        let files = setup::write(&SetupPlan {
+            dir: dir.join("auth"),
+            users: vec![
+                BusUser::new(Role::Launcher, "demo-launcher")?,
+                BusUser::new(Role::Client, "demo-jobs")?,
+                BusUser::new(Role::Operator, "demo-operator")?,
+            ],
+            ..Default::default()
+        })
+        .context("writing the demo's NATS installation")?;
+        let (child, url) = start_nats_server(&binary, &dir, Some(&files.server_config)).await?;
         server = Some(child);
-        url
+        let creds = |role, name| files.creds_of(role, name).map(Path::to_path_buf);
+        let opts = |name: &str, creds: Option<PathBuf>| NatsOptions {
+            url: url.clone(),
+            name: name.into(),
+            creds,
+            ..Default::default()
+        };
+        let operator = creds(Role::Operator, "demo-operator").expect("written");
+        (
+            url.clone(),
+            opts("slotpool-demo", creds(Role::Launcher, "demo-launcher")),
+            opts("slotpool-demo-load", creds(Role::Client, "demo-jobs")),
+            vec![
+                "--nats".to_string(),
+                url.clone(),
+                "--creds".to_string(),
+                operator.display().to_string(),
+            ],
+            Some(Minter::load(&files.signing_key)?),
+        )
     };
-    eprintln!("slotpool demo: NATS at {url}, state in {}", dir.display());
+    eprintln!(
+        "slotpool demo: NATS at {url} (authentication on), state in {}",
+        dir.display()
+    );
     let config_path = dir.join("demo.yaml");
     std::fs::write(
         &config_path,
         DEMO_CONFIG.replace("WORK_DIR", &work_dir.display().to_string()),
     )?;
     let config = Config::load(&config_path)?;
-    let opts = NatsOptions {
-        url: url.clone(),
-        name: "slotpool-demo".into(),
-        ..Default::default()
-    };
-    let bus = Bus::connect(&opts)
+    let bus = Bus::connect(&launcher_opts)
         .await
         .context("connecting to the demo NATS server")?;
+    let jobs_bus = Bus::connect(&client_opts)
+        .await
+        .context("connecting the demo's jobs to NATS")?;
     let shutdown = CancellationToken::new();
     let agent_binary = super::sibling_agent_binary();
     if !agent_binary.is_file() {
         bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
     }
     let deps = LauncherDeps {
-        agent_nats_url: url.clone(),
+        agent_bus: AgentBus::new(url.clone(), minter),
         agent_binary: agent_binary.clone(),
     };
     let launcher = tokio::spawn(run(config, bus.clone(), deps, shutdown.clone()));
-    let client = Client::from_bus(bus);
+    let client = Client::from_bus(jobs_bus);
     let load = tokio::spawn(load(
         client,
         args.jobs,
@@ -125,8 +179,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         let quiet = StderrToFile::redirect(&log)
             .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
         let mut child = Command::new(&console)
-            .arg("--nats")
-            .arg(&url)
+            .args(&console_args)
             .arg("--config")
             .arg(&config_path)
             .stderr(quiet.original()?)
@@ -263,14 +316,21 @@ fn version_ok(binary: &Path) -> bool {
 }
 
 /// Starts `nats-server -js` on a free loopback port with its store under `dir`.
+/// With `config`, the server also reads that configuration file (an installation's,
+/// from [`slotpool_protocol::auth::setup`]: authentication on).
 pub(crate) async fn start_nats_server(
     binary: &Path,
     dir: &Path,
+    config: Option<&Path>,
 ) -> anyhow::Result<(Child, String)> {
     let ports_dir = dir.join("ports");
     std::fs::create_dir_all(&ports_dir)?;
     let log = std::fs::File::create(dir.join("nats-server.log"))?;
-    let mut child = Command::new(binary)
+    let mut cmd = Command::new(binary);
+    if let Some(config) = config {
+        cmd.arg("-c").arg(config);
+    }
+    let mut child = cmd
         .args(["-a", "127.0.0.1", "-p", "-1", "-js", "-sd"])
         .arg(dir.join("js"))
         .arg("--ports_file_dir")

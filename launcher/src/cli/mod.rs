@@ -4,6 +4,7 @@
 pub mod bench;
 mod client_cmds;
 pub mod demo;
+mod nats_setup;
 mod operator_cmds;
 mod output;
 mod serve;
@@ -73,6 +74,11 @@ pub struct NatsArgs {
     pub tls_cert: Option<PathBuf>,
     #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
+    /// The bus user name to act as on a bus without slotpool credentials (a development
+    /// bus, or user/password logins); credentials from `slotpool nats-setup` carry their
+    /// own name and this is ignored.
+    #[arg(long, global = true, env = "SLOTPOOL_ACT_AS", value_name = "NAME")]
+    pub act_as: Option<slotpool_protocol::UserName>,
 }
 
 impl NatsArgs {
@@ -87,7 +93,13 @@ impl NatsArgs {
             tls_cert: self.tls_cert.clone(),
             tls_key: self.tls_key.clone(),
             name: name.to_string(),
+            act_as: self.act_as.clone(),
         }
+    }
+
+    /// Whether these options log in at all (credentials, user/password or a token).
+    pub fn authenticates(&self) -> bool {
+        self.creds.is_some() || self.user.is_some() || self.token.is_some()
     }
 }
 
@@ -101,13 +113,7 @@ pub enum Output {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the launcher daemon.
-    Serve {
-        #[arg(long, short)]
-        config: PathBuf,
-        /// NATS URL handed to agents this launcher starts (default: --nats).
-        #[arg(long)]
-        agent_nats: Option<String>,
-    },
+    Serve(serve::ServeArgs),
     /// Ask for nodes.
     Request(client_cmds::RequestArgs),
     /// Return nodes to the pool. With --reason, as an operator: the release is recorded
@@ -149,6 +155,9 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
+    /// Write a new installation's nats-server configuration (authentication on) and the
+    /// credentials of its launchers, operators, clients and static agents.
+    NatsSetup(nats_setup::NatsSetupArgs),
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -180,7 +189,7 @@ pub fn init_tracing(cli: &Cli) {
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve { config, agent_nats } => serve::serve(&cli.nats, &config, agent_nats).await,
+        Command::Serve(args) => serve::serve(&cli.nats, args).await,
         Command::Request(args) => client_cmds::request(&cli.nats, args).await,
         Command::Release {
             nodes,
@@ -210,6 +219,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
+        Command::NatsSetup(args) => nats_setup::run(args),
         Command::Bench(args) => bench::run_bench(args).await,
     }
 }

@@ -1,24 +1,65 @@
 //! `slotpool serve`: the launcher daemon.
 
 use super::NatsArgs;
+use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::{run, LauncherDeps};
 use anyhow::Context;
+use slotpool_protocol::auth::Minter;
 use slotpool_protocol::connect::Bus;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
-pub async fn serve(
-    nats: &NatsArgs,
-    config_path: &Path,
-    agent_nats: Option<String>,
-) -> anyhow::Result<ExitCode> {
-    let config = Config::load(config_path)?;
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// NATS URL handed to agents this launcher starts (default: --nats).
+    #[arg(long)]
+    pub agent_nats: Option<String>,
+    /// The installation's signing key (`agent-signing.json` from `slotpool nats-setup`):
+    /// each backing node launched gets a bus credential of its own, minted with it.
+    #[arg(long, env = "SLOTPOOL_AGENT_SIGNING_KEY", value_name = "FILE")]
+    pub agent_signing_key: Option<PathBuf>,
+    /// Run on a bus without authentication. Anyone who reaches it (a CI job in a slot,
+    /// say) can then read every record, forge agents' replies and give operators'
+    /// orders: for development only.
+    #[arg(long, env = "SLOTPOOL_ALLOW_ANONYMOUS_BUS")]
+    pub allow_anonymous_bus: bool,
+}
+
+pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let config = Config::load(&args.config)?;
+    if !nats.authenticates() {
+        if !args.allow_anonymous_bus {
+            anyhow::bail!(
+                "refusing to run on an anonymous bus: give --creds (see `slotpool nats-setup`), \
+                 or --allow-anonymous-bus for a development bus that no untrusted job can reach"
+            );
+        }
+        tracing::warn!(
+            "ANONYMOUS BUS: no authentication; anyone who reaches NATS controls this pool \
+             (--allow-anonymous-bus)"
+        );
+    }
+    let minter = match &args.agent_signing_key {
+        Some(path) => Some(Minter::load(path).context("loading --agent-signing-key")?),
+        None => {
+            if nats.authenticates() {
+                tracing::warn!(
+                    "no --agent-signing-key: agents this launcher starts get no credentials \
+                     and cannot log in to an authenticated bus (static hosts bring their own)"
+                );
+            }
+            None
+        }
+    };
     let bus = Bus::connect(&nats.options("slotpool-launcher"))
         .await
         .context("connecting to NATS")?;
-    let agent_nats_url = agent_nats
+    let agent_nats_url = args
+        .agent_nats
         .or_else(|| config.agent_nats_url.clone())
         .unwrap_or_else(|| nats.url.clone());
     let shutdown = CancellationToken::new();
@@ -29,7 +70,7 @@ pub async fn serve(
         stopper.cancel();
     });
     let deps = LauncherDeps {
-        agent_nats_url,
+        agent_bus: AgentBus::new(agent_nats_url, minter),
         agent_binary: super::sibling_agent_binary(),
     };
     run(config, bus, deps, shutdown).await.context("launcher")?;

@@ -16,13 +16,17 @@
 //! **create** gets on stdin
 //!
 //! ```json
-//! {"v": 1, "backing_id": "bn-…", "secret": "…", "provider": "cloud", "pool": "main",
-//!  "backing_label": "large-node", "slots": 8, "nats_url": "nats://10.0.0.1:4222"}
+//! {"v": 2, "backing_id": "bn-…", "secret": "…", "provider": "cloud", "pool": "main",
+//!  "backing_label": "large-node", "slots": 8, "nats_url": "nats://10.0.0.1:4222",
+//!  "nats_credentials": "-----BEGIN NATS USER JWT-----\n…"}
 //! ```
 //!
 //! It must start a machine whose agent runs with `--backing-id <backing_id>`,
-//! `--slots <slots>`, `--nats <nats_url>` and the secret (in `SLOTPOOL_AGENT_SECRET` or a
-//! `--secret-file`; never on a command line), then print one JSON object and exit 0:
+//! `--slots <slots>`, `--nats <nats_url>`, the secret (in `SLOTPOOL_AGENT_SECRET` or a
+//! `--secret-file`; never on a command line) and, when `nats_credentials` is present,
+//! that text as its `--creds` file (mode 0600, owned by the agent's user, e.g. through
+//! cloud-init's `write_files`; never on a command line or in world-readable user data),
+//! then print one JSON object and exit 0:
 //!
 //! ```json
 //! {"id": "i-0abc", "host": "10.0.0.7", "data": {"zone": "a"}, "attributes": {"cpu": 16}}
@@ -33,7 +37,7 @@
 //! `attributes` (an object, default empty) is copied onto the nodes of this machine. It
 //! should return once the machine exists; the launcher then waits for the agent itself.
 //!
-//! **delete** gets on stdin `{"v": 1, "id": "i-0abc", "host": "10.0.0.7", "data": {…}}`
+//! **delete** gets on stdin `{"v": 2, "id": "i-0abc", "host": "10.0.0.7", "data": {…}}`
 //! (what create printed). It must exit 0 once the machine is deleted, and also when it
 //! was already gone. Its stdout is ignored.
 //!
@@ -67,7 +71,7 @@ const STDERR_LINES: usize = 20;
 /// Characters of unparsable stdout quoted in an error.
 const STDOUT_QUOTE: usize = 200;
 /// The version of the JSON sent to commands.
-const CONTRACT_VERSION: u32 = 1;
+const CONTRACT_VERSION: u32 = 2;
 
 /// Runs the configured commands.
 #[derive(Debug)]
@@ -88,6 +92,10 @@ struct CreateInput<'a> {
     backing_label: &'a str,
     slots: u32,
     nats_url: &'a str,
+    /// The agent's own bus credential (a `.creds` file's text), minted for this backing
+    /// node alone (contract v2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nats_credentials: Option<&'a str>,
 }
 
 #[derive(Deserialize)]
@@ -254,6 +262,7 @@ impl Provider for ExecProvider {
             backing_label: &spec.backing_label,
             slots: spec.slots,
             nats_url: &spec.nats_url,
+            nats_credentials: spec.credentials.as_ref().map(|c| c.text()),
         })
         .expect("serializable");
         let out = self.run(&self.create, &input, spec.timeout).await?;
@@ -405,6 +414,9 @@ mod tests {
             backing_label: "large-node".into(),
             slots: 8,
             nats_url: "nats://10.0.0.1:4222".into(),
+            credentials: Some(slotpool_protocol::auth::Credentials::from_text(
+                "CREDS".into(),
+            )),
             timeout,
         }
     }
@@ -430,9 +442,9 @@ print(json.dumps({"id": "i-" + req["backing_id"], "host": "10.0.0.7",
         assert_eq!(launched.instance.host, "10.0.0.7");
         assert_eq!(
             launched.instance.data["req"],
-            serde_json::json!({"v": 1, "backing_id": "bn-abc", "secret": "top-secret",
+            serde_json::json!({"v": 2, "backing_id": "bn-abc", "secret": "top-secret",
                 "provider": "cloud", "pool": "main", "backing_label": "large-node",
-                "slots": 8, "nats_url": "nats://10.0.0.1:4222"})
+                "slots": 8, "nats_url": "nats://10.0.0.1:4222", "nats_credentials": "CREDS"})
         );
         assert_eq!(launched.attributes["cpu"], serde_json::json!(16));
 
@@ -441,7 +453,7 @@ print(json.dumps({"id": "i-" + req["backing_id"], "host": "10.0.0.7",
             serde_json::from_slice(&std::fs::read(dir.path().join("delete.in")).unwrap()).unwrap();
         assert_eq!(
             sent,
-            serde_json::json!({"v": 1, "id": "i-bn-abc", "host": "10.0.0.7",
+            serde_json::json!({"v": 2, "id": "i-bn-abc", "host": "10.0.0.7",
                 "data": launched.instance.data})
         );
     }

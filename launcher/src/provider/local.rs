@@ -8,7 +8,8 @@
 //! it. (Under systemd, that needs `KillMode=process` or `mixed` on the launcher's unit.)
 //! While the launcher lives, a task waits on the agent so it never lingers as a zombie.
 //!
-//! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, never on its command line.
+//! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, and its bus credential in
+//! `agent.creds` (mode 0600), never on its command line.
 //!
 //! `delete` reads `agent.pid`, checks that `/proc/<pid>/cmdline` still carries
 //! `--backing-id <id>` (so a recycled pid is never killed), sends SIGTERM, waits up to
@@ -34,6 +35,9 @@ const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How often to look whether a stopping agent has exited (it is not our child, in
 /// general, so there is nothing to wait on).
 const EXIT_POLL: Duration = Duration::from_millis(20);
+/// The agent's bus credential in its directory (mode 0600).
+const CREDS_FILE: &str = "agent.creds";
+
 /// The environment variable the agent reads its secret from.
 const SECRET_ENV: &str = "SLOTPOOL_AGENT_SECRET";
 /// Spawn attempts after the first when the agent binary is busy (ETXTBSY).
@@ -154,6 +158,15 @@ impl Provider for LocalProvider {
             .map_err(|err| self.failed(format!("opening {}: {err}", log_path.display())))?;
 
         let mut cmd = tokio::process::Command::new(&self.command);
+        if let Some(creds) = &spec.credentials {
+            // The credential goes in a file only its owner can read; the command line
+            // (readable by every process on the host) names the file.
+            let path = dir.join(CREDS_FILE);
+            creds
+                .write_private(&path)
+                .map_err(|err| self.failed(format!("writing the agent's credentials: {err}")))?;
+            cmd.arg("--creds").arg(path);
+        }
         cmd.arg("--nats")
             .arg(&spec.nats_url)
             .arg("--backing-id")
@@ -409,6 +422,7 @@ mod tests {
             backing_label: "big".into(),
             slots: 3,
             nats_url: "nats://127.0.0.1:4222".into(),
+            credentials: None,
             timeout: Duration::from_secs(5),
         }
     }

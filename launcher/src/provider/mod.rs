@@ -2,7 +2,8 @@
 //! never knows which kind it talks to.
 //!
 //! Guarantees a provider gives:
-//! - `launch` starts an instance whose agent connects with the given backing id and secret;
+//! - `launch` starts an instance whose agent connects with the given backing id, secret
+//!   and bus credential (never on a command line or in a file others can read);
 //!   it returns once the instance exists (not once its agent is up: the launcher waits for
 //!   the agent's heartbeat itself, up to `boot-timeout`);
 //! - `delete` is idempotent: deleting an instance that is already gone is not an error;
@@ -13,6 +14,7 @@ pub mod local;
 pub mod static_hosts;
 
 use crate::config::{DriverConfig, ProviderConfig};
+use slotpool_protocol::auth::Credentials;
 use slotpool_protocol::model::{Attributes, Instance};
 use slotpool_protocol::BackingId;
 use std::path::Path;
@@ -33,6 +35,9 @@ pub struct LaunchSpec {
     pub slots: u32,
     /// NATS URL the agent should connect to.
     pub nats_url: String,
+    /// The agent's own bus credential (secret, like `secret`); `None` on an anonymous
+    /// development bus.
+    pub credentials: Option<Credentials>,
     /// How long the provider may take (`launch-timeout`).
     pub timeout: Duration,
 }

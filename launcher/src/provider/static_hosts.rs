@@ -151,6 +151,7 @@ mod tests {
             backing_label: "big".into(),
             slots: 4,
             nats_url: "nats://127.0.0.1:4222".into(),
+            credentials: None,
             timeout: Duration::from_secs(5),
         }
     }

@@ -236,7 +236,7 @@ async fn run_all(
 ) -> anyhow::Result<Figures> {
     let nats_dir = dir.join("nats");
     std::fs::create_dir_all(&nats_dir)?;
-    let (mut server, url) = start_nats_server(nats_binary, &nats_dir).await?;
+    let (mut server, url) = start_nats_server(nats_binary, &nats_dir, None).await?;
     let server_pid = server.id();
     let result = async {
         let bus = phases::connect(&url, "slotpool-bench").await?;
@@ -353,7 +353,7 @@ async fn run_all(
         ));
         let scale_dir = dir.join("scale");
         std::fs::create_dir_all(&scale_dir)?;
-        let (mut server, url) = start_nats_server(nats_binary, &scale_dir).await?;
+        let (mut server, url) = start_nats_server(nats_binary, &scale_dir, None).await?;
         let settings = phases::ScaleSettings {
             backing: s.scale_backing,
             slots: s.scale_slots,

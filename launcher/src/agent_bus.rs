@@ -1,0 +1,55 @@
+//! What the agents this launcher's providers start get to reach the bus: a URL and, when
+//! the launcher holds the installation's signing key, a credential of their own, minted
+//! per launch for that backing node alone ([`slotpool_protocol::auth::permissions`]:
+//! its command subject, its heartbeat key, its inbox) and expiring.
+
+use slotpool_protocol::auth::{AuthError, BusUser, Credentials, Minter};
+use slotpool_protocol::BackingId;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long an agent's credential lasts when its label has no max-age. A backing node
+/// that outlives it loses its bus connection, so its heartbeat stops and it is replaced:
+/// set max-age below this for long-lived pools.
+pub const AGENT_CREDENTIAL_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Slack added to a label's max-age: the time to launch and boot before max-age counts,
+/// and to drain after it.
+const CREDENTIAL_SLACK: Duration = Duration::from_secs(6 * 3600);
+
+/// The agents' way onto the bus. Plain data after start-up.
+#[derive(Clone)]
+pub struct AgentBus {
+    pub url: String,
+    minter: Option<Arc<Minter>>,
+}
+
+impl AgentBus {
+    pub fn new(url: String, minter: Option<Minter>) -> AgentBus {
+        AgentBus {
+            url,
+            minter: minter.map(Arc::new),
+        }
+    }
+
+    /// A credential for the agent of `backing`, valid for a node retired at `max_age`
+    /// (zero: no limit). `None` when this launcher mints none (an anonymous development
+    /// bus): the agent then connects with the URL alone.
+    pub fn credential(
+        &self,
+        backing: &BackingId,
+        max_age: Duration,
+    ) -> Result<Option<Credentials>, AuthError> {
+        let Some(minter) = &self.minter else {
+            return Ok(None);
+        };
+        let lifetime = if max_age.is_zero() {
+            AGENT_CREDENTIAL_LIFETIME
+        } else {
+            max_age + CREDENTIAL_SLACK
+        };
+        minter
+            .mint(&BusUser::agent(backing), Some(lifetime))
+            .map(Some)
+    }
+}

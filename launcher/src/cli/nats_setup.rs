@@ -1,0 +1,138 @@
+//! `slotpool nats-setup`: a new installation's nats-server configuration and credentials
+//! (see [`slotpool_protocol::auth::setup`] for the files), and `slotpool nats-setup
+//! mint` for one more credential later.
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use slotpool_protocol::auth::setup::{self, SetupPlan};
+use slotpool_protocol::auth::{BusUser, Minter, Role};
+use slotpool_protocol::BackingId;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  slotpool nats-setup --dir /etc/slotpool/nats --listen 0.0.0.0:4222 \\
+      --launcher launcher-1 --operator alice --client zuul --static-agent build-01
+  nats-server -c /etc/slotpool/nats/nats-server.conf
+  slotpool --creds /etc/slotpool/nats/creds/launcher-launcher-1.creds serve \\
+      --config pool.yaml --agent-signing-key /etc/slotpool/nats/agent-signing.json
+  slotpool nats-setup mint --signing-key /etc/slotpool/nats/agent-signing.json \\
+      --role client --name jenkins --out jenkins.creds")]
+pub struct NatsSetupArgs {
+    #[command(subcommand)]
+    pub command: Option<SetupCommand>,
+    /// Directory to write into (created; refused if it holds an installation already).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Address the server listens on, `host:port`.
+    #[arg(long, default_value = "127.0.0.1:4222")]
+    pub listen: String,
+    /// A launcher's credential (repeat for several launchers).
+    #[arg(long = "launcher", value_name = "NAME", default_value = "launcher")]
+    pub launchers: Vec<String>,
+    /// An operator's credential: orders recorded under this name.
+    #[arg(long = "operator", value_name = "NAME")]
+    pub operators: Vec<String>,
+    /// A client's credential (a CI system): its requests and nodes are its own.
+    #[arg(long = "client", value_name = "NAME")]
+    pub clients: Vec<String>,
+    /// A static host's agent credential (its backing id, as in the launcher's config).
+    #[arg(long = "static-agent", value_name = "BACKING_ID")]
+    pub static_agents: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SetupCommand {
+    /// Mint one more credential with an installation's signing key.
+    Mint {
+        #[arg(long, value_name = "FILE")]
+        signing_key: PathBuf,
+        #[arg(long, value_enum)]
+        role: RoleArg,
+        /// The user's name (an agent's: its backing id).
+        #[arg(long)]
+        name: String,
+        /// Valid for this many days (default: no expiry).
+        #[arg(long)]
+        days: Option<u64>,
+        /// Where to write it (mode 0600).
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum RoleArg {
+    Launcher,
+    Operator,
+    Client,
+    Agent,
+}
+
+impl From<RoleArg> for Role {
+    fn from(r: RoleArg) -> Role {
+        match r {
+            RoleArg::Launcher => Role::Launcher,
+            RoleArg::Operator => Role::Operator,
+            RoleArg::Client => Role::Client,
+            RoleArg::Agent => Role::Agent,
+        }
+    }
+}
+
+pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
+    if let Some(SetupCommand::Mint {
+        signing_key,
+        role,
+        name,
+        days,
+        out,
+    }) = args.command
+    {
+        let minter = Minter::load(&signing_key)?;
+        let user = BusUser::new(role.into(), &name)?;
+        let valid = days.map(|d| std::time::Duration::from_secs(d * 24 * 3600));
+        minter.mint(&user, valid)?.write_private(&out)?;
+        println!("{}: credentials of {user}", out.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let dir = args
+        .dir
+        .context("--dir is required: where to write the installation")?;
+    let mut users = Vec::new();
+    for (role, names) in [
+        (Role::Launcher, &args.launchers),
+        (Role::Operator, &args.operators),
+        (Role::Client, &args.clients),
+    ] {
+        for name in names {
+            users.push(BusUser::new(role, name).with_context(|| format!("--{role} {name}"))?);
+        }
+    }
+    let static_agents = args
+        .static_agents
+        .iter()
+        .map(|id| BackingId::parse(id).with_context(|| format!("--static-agent {id}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let files = setup::write(&SetupPlan {
+        dir: dir.clone(),
+        listen: Some(args.listen),
+        store_dir: Some(dir.join("jetstream")),
+        users,
+        static_agents,
+        ..Default::default()
+    })?;
+    println!(
+        "{}: nats-server configuration (nats-server -c …)",
+        files.server_config.display()
+    );
+    println!(
+        "{}: signing key for `slotpool serve --agent-signing-key` (secret, 0600)",
+        files.signing_key.display()
+    );
+    for (user, path) in &files.creds {
+        println!("{}: credentials of {user} (secret, 0600)", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,542 @@
+//! Who may do what on the bus: slotpool's four roles, the exact subjects each may use,
+//! and the NATS credentials (user JWTs) that carry them.
+//!
+//! Identity is in the subject, never in a payload: a client named `ci` may publish only
+//! on `slotpool.api.v2.ci.>`, so a launcher that receives a message there knows `ci`
+//! sent it; an operator's orders come on `slotpool.admin.v2.<operator>.<action>`; only
+//! the agent of backing node `B` may subscribe to `slotpool.agent.v2.B`, and only
+//! launchers may publish there. The server enforces all of it from the JWT each user
+//! connects with; [`permissions`] is the one place the rules are written.
+//!
+//! Trust root ([`Installation`]): an operator key signs two accounts, the system account
+//! and slotpool's own (JetStream on); slotpool's account has one signing key, held by
+//! launchers as a [`Minter`], which signs user JWTs: the setup command's fixed users and,
+//! at each launch, one agent credential per backing node with an expiry.
+
+pub mod jwt;
+pub mod setup;
+
+use crate::ids::{is_key_token, BackingId, UserName};
+use crate::layout::{self, subjects, ALL_BUCKETS};
+use nkeys::KeyPair;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Why a credential could not be made or read.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("encoding a JWT: {0}")]
+    Encode(String),
+    #[error("malformed JWT: {0}")]
+    BadJwt(String),
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not slotpool credentials: {message}")]
+    NotSlotpool { path: PathBuf, message: String },
+}
+
+/// The four kinds of bus users.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Runs `slotpool serve`: everything.
+    Launcher,
+    /// Orders hold, drain, run, kill and release of any node; reads every bucket.
+    Operator,
+    /// Submits, releases and cancels its own requests; reads nothing else.
+    Client,
+    /// One backing node's agent: its own command subject and heartbeat key only.
+    Agent,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Launcher, Role::Operator, Role::Client, Role::Agent];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Launcher => "launcher",
+            Role::Operator => "operator",
+            Role::Client => "client",
+            Role::Agent => "agent",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One user of the bus: a role and a name (for an agent, its backing id).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BusUser {
+    pub role: Role,
+    pub name: UserName,
+}
+
+impl BusUser {
+    pub fn new(role: Role, name: &str) -> Result<BusUser, crate::ids::InvalidId> {
+        Ok(BusUser {
+            role,
+            name: UserName::parse(name)?,
+        })
+    }
+
+    /// The agent of backing node `backing`.
+    pub fn agent(backing: &BackingId) -> BusUser {
+        BusUser {
+            role: Role::Agent,
+            name: UserName::parse(backing.as_str()).expect("a backing id is a name token"),
+        }
+    }
+
+    /// The prefix of this user's reply subjects (`_INBOX.<role>.<name>`): a user may
+    /// subscribe to its own replies only, never to another's.
+    pub fn inbox_prefix(&self) -> String {
+        format!("_INBOX.{}.{}", self.role, self.name)
+    }
+
+    /// The JWT tag that says which role a credential is for.
+    fn tag(&self) -> String {
+        format!("slotpool-role:{}", self.role)
+    }
+}
+
+impl fmt::Display for BusUser {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.role, self.name)
+    }
+}
+
+/// What a user may publish and subscribe to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Permissions {
+    pub publish: Vec<String>,
+    pub subscribe: Vec<String>,
+    /// May answer a request it received (one reply each), whatever its reply subject.
+    pub responses: bool,
+}
+
+/// The subjects `user` may use: the one statement of slotpool's authorisation.
+pub fn permissions(user: &BusUser) -> Permissions {
+    let name = user.name.as_str();
+    let inbox = format!("{}.>", user.inbox_prefix());
+    // Every slotpool connection opens the six buckets (stream info, no contents).
+    let mut open_buckets = vec!["$JS.API.INFO".to_string()];
+    open_buckets.extend(
+        ALL_BUCKETS
+            .iter()
+            .map(|b| format!("$JS.API.STREAM.INFO.KV_{}", b.name)),
+    );
+    match user.role {
+        Role::Launcher => Permissions {
+            publish: vec![">".into()],
+            subscribe: vec![">".into()],
+            responses: false,
+        },
+        Role::Client => {
+            let mut publish = vec![subjects::api_of(name), subjects::API_V1_ALL.into()];
+            publish.extend(open_buckets);
+            Permissions {
+                publish,
+                subscribe: vec![inbox],
+                responses: false,
+            }
+        }
+        Role::Operator => {
+            let mut publish = vec![
+                subjects::api_of(name),
+                subjects::admin_of(name),
+                subjects::API_V1_ALL.into(),
+                subjects::ADMIN_V1_ALL.into(),
+            ];
+            publish.extend(open_buckets);
+            for b in ALL_BUCKETS {
+                let stream = format!("KV_{}", b.name);
+                publish.extend([
+                    format!("$JS.API.DIRECT.GET.{stream}.>"),
+                    format!("$JS.API.DIRECT.GET.{stream}"),
+                    format!("$JS.API.STREAM.MSG.GET.{stream}"),
+                    format!("$JS.API.CONSUMER.CREATE.{stream}"),
+                    format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
+                    format!("$JS.API.CONSUMER.INFO.{stream}.>"),
+                    format!("$JS.FC.{stream}.>"),
+                ]);
+            }
+            Permissions {
+                publish,
+                subscribe: vec![inbox],
+                responses: false,
+            }
+        }
+        Role::Agent => {
+            let mut publish = vec![format!("$KV.{}.{name}", layout::AGENTS.name)];
+            publish.extend(open_buckets);
+            Permissions {
+                publish,
+                subscribe: vec![subjects::agent_of(name), inbox],
+                responses: true,
+            }
+        }
+    }
+}
+
+/// A `.creds` file's text: a user JWT and its seed. Secret: never printed, logged or put
+/// on a command line; written only with [`Credentials::write_private`].
+#[derive(Clone, PartialEq)]
+pub struct Credentials(String);
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Credentials(<redacted>)")
+    }
+}
+
+impl Credentials {
+    pub fn from_text(text: String) -> Credentials {
+        Credentials(text)
+    }
+
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+
+    /// Writes the credentials to `path`, readable by its owner only (created 0600, never
+    /// readable by others even for a moment; an existing file is replaced).
+    pub fn write_private(&self, path: &Path) -> Result<(), AuthError> {
+        write_private(path, self.0.as_bytes())
+    }
+}
+
+/// Writes `bytes` to `path` with mode 0600 from the start (via a temp file in the same
+/// directory, renamed over the target).
+pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), AuthError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| AuthError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// The bus user a credentials file is for, from the JWT in it (its `name` and role
+/// tag). Used by clients to pick their subjects and inbox; the server checks the
+/// signature, this only reads.
+pub fn read_user(path: &Path) -> Result<BusUser, AuthError> {
+    let text = std::fs::read_to_string(path).map_err(|source| AuthError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let not = |message: String| AuthError::NotSlotpool {
+        path: path.to_path_buf(),
+        message,
+    };
+    let jwt = jwt::jwt_of_creds(&text).ok_or_else(|| not("no user JWT in it".into()))?;
+    let claims = jwt::decode(jwt).map_err(|e| not(e.to_string()))?;
+    let role = claims.nats["tags"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_str()?.strip_prefix("slotpool-role:"))
+        .find_map(Role::parse)
+        .ok_or_else(|| {
+            not("its JWT has no slotpool-role tag (made by `slotpool nats-setup`?)".into())
+        })?;
+    if !is_key_token(&claims.name) {
+        return Err(not(format!(
+            "user name {:?} is not a name token",
+            claims.name
+        )));
+    }
+    Ok(BusUser::new(role, &claims.name).map_err(|e| not(e.to_string()))?)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// What a launcher holds to mint user credentials: slotpool's account public key and
+/// the account's signing key. Secret.
+pub struct Minter {
+    account: String,
+    signing: KeyPair,
+}
+
+/// The on-disk form of a [`Minter`] (`agent-signing.json`, mode 0600).
+#[derive(Serialize, Deserialize)]
+struct MinterFile {
+    account: String,
+    signing_seed: String,
+}
+
+impl Minter {
+    /// Reads a signing key file written by `slotpool nats-setup`.
+    pub fn load(path: &Path) -> Result<Minter, AuthError> {
+        let bad = |message: String| AuthError::File {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let file: MinterFile = serde_json::from_str(&text).map_err(|e| {
+            bad(format!(
+                "not a slotpool signing key file ({e}); expected {{\"account\", \"signing_seed\"}}"
+            ))
+        })?;
+        let signing = KeyPair::from_seed(&file.signing_seed)
+            .map_err(|e| bad(format!("signing_seed: {e}")))?;
+        if !file.account.starts_with('A') || KeyPair::from_public_key(&file.account).is_err() {
+            return Err(bad(format!(
+                "account {:?} is not an account public key",
+                file.account
+            )));
+        }
+        Ok(Minter {
+            account: file.account,
+            signing,
+        })
+    }
+
+    /// Writes this minter's file (mode 0600).
+    pub fn save(&self, path: &Path) -> Result<(), AuthError> {
+        let file = MinterFile {
+            account: self.account.clone(),
+            signing_seed: self
+                .signing
+                .seed()
+                .map_err(|e| AuthError::Encode(e.to_string()))?,
+        };
+        let json = serde_json::to_vec_pretty(&file).expect("plain data");
+        write_private(path, &json)
+    }
+
+    /// A credential for `user`, valid for `valid_for` (none: until revoked by a new
+    /// installation).
+    pub fn mint(
+        &self,
+        user: &BusUser,
+        valid_for: Option<Duration>,
+    ) -> Result<Credentials, AuthError> {
+        let key = KeyPair::new_user();
+        let perms = permissions(user);
+        let now = unix_now();
+        let claims = jwt::Claims {
+            exp: valid_for.map(|d| now + d.as_secs().max(1)),
+            jti: String::new(),
+            iat: now,
+            iss: String::new(),
+            name: user.name.to_string(),
+            sub: key.public_key(),
+            nats: jwt::user_nats(
+                &self.account,
+                &perms.publish,
+                &perms.subscribe,
+                perms.responses,
+                &[user.tag()],
+            ),
+        };
+        let token = jwt::encode(claims, &self.signing)?;
+        let seed = key.seed().map_err(|e| AuthError::Encode(e.to_string()))?;
+        Ok(Credentials(jwt::creds_file(&token, &seed)))
+    }
+}
+
+/// An installation's trust root: the operator, the system account, slotpool's account
+/// and its signing key. Made once by `slotpool nats-setup`; the server loads the JWTs
+/// ([`Installation::server_config`]), launchers the [`Minter`].
+pub struct Installation {
+    operator: KeyPair,
+    system: KeyPair,
+    account: KeyPair,
+    signing: KeyPair,
+}
+
+impl Installation {
+    pub fn generate() -> Installation {
+        Installation {
+            operator: KeyPair::new_operator(),
+            system: KeyPair::new_account(),
+            account: KeyPair::new_account(),
+            signing: KeyPair::new_account(),
+        }
+    }
+
+    pub fn minter(&self) -> Minter {
+        Minter {
+            account: self.account.public_key(),
+            signing: KeyPair::from_seed(&self.signing.seed().expect("a generated key has a seed"))
+                .expect("a seed read back"),
+        }
+    }
+
+    fn signed(
+        &self,
+        name: &str,
+        subject: &KeyPair,
+        nats: serde_json::Value,
+        signer: &KeyPair,
+    ) -> Result<String, AuthError> {
+        jwt::encode(
+            jwt::Claims {
+                exp: None,
+                jti: String::new(),
+                iat: unix_now(),
+                iss: String::new(),
+                name: name.into(),
+                sub: subject.public_key(),
+                nats,
+            },
+            signer,
+        )
+    }
+
+    /// The nats-server configuration lines that trust this installation: the operator,
+    /// the system account and slotpool's account, preloaded into a memory resolver. Add
+    /// `listen`, `jetstream` and `tls` around them.
+    pub fn server_config(&self) -> Result<String, AuthError> {
+        let operator = self.signed(
+            "slotpool",
+            &self.operator,
+            jwt::operator_nats(&self.system.public_key()),
+            &self.operator,
+        )?;
+        let system = self.signed(
+            "SYS",
+            &self.system,
+            jwt::system_account_nats(),
+            &self.operator,
+        )?;
+        let account = self.signed(
+            "slotpool",
+            &self.account,
+            jwt::account_nats(&[self.signing.public_key()]),
+            &self.operator,
+        )?;
+        Ok(format!(
+            "# slotpool: decentralised authentication (operator, accounts, user JWTs).\n\
+             # Users need credentials minted with this installation's signing key.\n\
+             operator: {operator}\n\
+             system_account: {sys}\n\
+             resolver: MEMORY\n\
+             resolver_preload: {{\n  {sys}: {system}\n  {acc}: {account}\n}}\n",
+            sys = self.system.public_key(),
+            acc = self.account.public_key(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(role: Role, name: &str) -> BusUser {
+        BusUser::new(role, name).unwrap()
+    }
+
+    #[test]
+    fn a_client_publishes_only_under_its_own_name() {
+        let p = permissions(&user(Role::Client, "ci"));
+        assert!(p.publish.contains(&"slotpool.api.v2.ci.>".to_string()));
+        assert!(!p.publish.iter().any(|s| s.starts_with("slotpool.admin")
+            || s.starts_with("slotpool.agent")
+            || s.starts_with("$KV")
+            || s.contains("DIRECT.GET")
+            || s.contains("CONSUMER")
+            || s.contains("DELETE")
+            || s == ">"));
+        assert_eq!(p.subscribe, vec!["_INBOX.client.ci.>".to_string()]);
+        assert!(!p.responses);
+    }
+
+    #[test]
+    fn an_agent_hears_only_its_own_commands_and_writes_only_its_heartbeat() {
+        let b = BackingId::parse("bn-abc").unwrap();
+        let p = permissions(&BusUser::agent(&b));
+        assert_eq!(
+            p.subscribe,
+            vec![
+                "slotpool.agent.v2.bn-abc".to_string(),
+                "_INBOX.agent.bn-abc.>".to_string()
+            ]
+        );
+        let writes: Vec<_> = p
+            .publish
+            .iter()
+            .filter(|s| !s.starts_with("$JS.API"))
+            .collect();
+        assert_eq!(writes, vec!["$KV.slotpool_agents.bn-abc"]);
+        assert!(p.responses);
+    }
+
+    #[test]
+    fn operators_order_under_their_own_name_and_delete_nothing() {
+        let p = permissions(&user(Role::Operator, "alice"));
+        assert!(p.publish.contains(&"slotpool.admin.v2.alice.>".to_string()));
+        assert!(!p.publish.iter().any(|s| s.contains("DELETE")
+            || s.contains("PURGE")
+            || s.starts_with("$KV")
+            || s.contains("slotpool.admin.v2.*")
+            || s == ">"));
+    }
+
+    #[test]
+    fn minted_credentials_say_who_they_are_for() {
+        let inst = Installation::generate();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ci.creds");
+        let creds = inst
+            .minter()
+            .mint(&user(Role::Client, "ci"), Some(Duration::from_secs(60)))
+            .unwrap();
+        creds.write_private(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(read_user(&path).unwrap(), user(Role::Client, "ci"));
+        assert!(format!("{creds:?}").contains("redacted"));
+        let claims = jwt::decode(jwt::jwt_of_creds(creds.text()).unwrap()).unwrap();
+        assert!(claims.exp.is_some());
+    }
+
+    #[test]
+    fn a_minter_survives_its_file() {
+        let inst = Installation::generate();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("signing.json");
+        inst.minter().save(&path).unwrap();
+        let back = Minter::load(&path).unwrap();
+        assert_eq!(back.account, inst.account.public_key());
+        std::fs::write(&path, "{}").unwrap();
+        let err = Minter::load(&path).err().unwrap().to_string();
+        assert!(err.contains("signing key file"), "{err}");
+    }
+}

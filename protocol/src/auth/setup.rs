@@ -1,0 +1,112 @@
+//! An installation's files, as `slotpool nats-setup` writes them (and the demo, the
+//! benchmark and the tests, so what they run is what ships):
+//!
+//! - `nats-server.conf`: the server's configuration, trusting only this installation's
+//!   operator (decentralised authentication, a memory resolver), with JetStream on;
+//! - `agent-signing.json` (0600): the signing key launchers mint agents' credentials
+//!   with (`slotpool serve --agent-signing-key`);
+//! - `creds/<role>-<name>.creds` (0600): one credential per launcher, operator, client
+//!   and static host's agent asked for.
+
+use super::{AuthError, BusUser, Installation, Role};
+use crate::BackingId;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// What to write.
+#[derive(Clone, Debug, Default)]
+pub struct SetupPlan {
+    pub dir: PathBuf,
+    /// `host:port` the server listens on (`listen:`); none: the server's default.
+    pub listen: Option<String>,
+    /// JetStream's store directory (a `jetstream` block); none: JetStream is turned on
+    /// on the server's command line (`-js -sd DIR`), as the demo and the tests do.
+    pub store_dir: Option<PathBuf>,
+    /// Users to issue credentials for (launchers, operators, clients).
+    pub users: Vec<BusUser>,
+    /// Static hosts whose agents get a credential of their own.
+    pub static_agents: Vec<BackingId>,
+    /// How long the users' credentials last (none: until the installation is replaced).
+    pub valid_for: Option<Duration>,
+    /// More server configuration, appended as is (a `tls { … }` block, say).
+    pub extra_config: String,
+}
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct SetupFiles {
+    pub server_config: PathBuf,
+    pub signing_key: PathBuf,
+    pub creds: Vec<(BusUser, PathBuf)>,
+}
+
+impl SetupFiles {
+    /// The credentials file of `role` `name`, if one was written.
+    pub fn creds_of(&self, role: Role, name: &str) -> Option<&Path> {
+        self.creds
+            .iter()
+            .find(|(u, _)| u.role == role && u.name.as_str() == name)
+            .map(|(_, p)| p.as_path())
+    }
+}
+
+/// The path of `user`'s credentials under `dir`.
+pub fn creds_path(dir: &Path, user: &BusUser) -> PathBuf {
+    dir.join("creds")
+        .join(format!("{}-{}.creds", user.role, user.name))
+}
+
+/// Makes a new installation and writes its files into `plan.dir` (created if missing).
+/// Refuses to overwrite an existing `nats-server.conf` or signing key: a new installation
+/// invalidates every credential of the old one.
+pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| AuthError::Io { path, source }
+    };
+    let server_config = plan.dir.join("nats-server.conf");
+    let signing_key = plan.dir.join("agent-signing.json");
+    for existing in [&server_config, &signing_key] {
+        if existing.exists() {
+            return Err(AuthError::File {
+                path: existing.clone(),
+                message: "exists already: a new installation would invalidate every \
+                          credential of this one (remove the directory to start over)"
+                    .into(),
+            });
+        }
+    }
+    std::fs::create_dir_all(plan.dir.join("creds")).map_err(io(&plan.dir))?;
+    let installation = Installation::generate();
+    let minter = installation.minter();
+    minter.save(&signing_key)?;
+    let mut creds = Vec::new();
+    let users = plan
+        .users
+        .iter()
+        .cloned()
+        .chain(plan.static_agents.iter().map(BusUser::agent));
+    for user in users {
+        let path = creds_path(&plan.dir, &user);
+        minter.mint(&user, plan.valid_for)?.write_private(&path)?;
+        creds.push((user, path));
+    }
+    let mut text = String::from("# slotpool's nats-server configuration (slotpool nats-setup).\n");
+    if let Some(listen) = &plan.listen {
+        text.push_str(&format!("listen: \"{listen}\"\n"));
+    }
+    if let Some(store_dir) = &plan.store_dir {
+        text.push_str(&format!(
+            "jetstream {{\n  store_dir: \"{}\"\n}}\n",
+            store_dir.display()
+        ));
+    }
+    text.push_str(&installation.server_config()?);
+    text.push_str(&plan.extra_config);
+    std::fs::write(&server_config, text).map_err(io(&server_config))?;
+    Ok(SetupFiles {
+        server_config,
+        signing_key,
+        creds,
+    })
+}
