@@ -1,0 +1,356 @@
+//! Attacks on the bus, made as a hostile CI job would, against a real nats-server with
+//! slotpool's shipped authorisation, a real launcher and real local agents. Each attack
+//! must fail and leave the pool as it was; each test also checks that the same action
+//! succeeds for the party allowed to do it, so a test cannot pass because nothing works.
+//!
+//! The attackers hold what a job could at best get: no credentials at all (a slot user
+//! cannot read any: they are 0600 files of root, see the local provider), the credential
+//! of another client, or that of another backing node's agent.
+
+use bytes::Bytes;
+use slotpool_protocol::api::{AgentCommand, ErrorCode, SlotLimits};
+use slotpool_protocol::auth::Role;
+use slotpool_protocol::client::Client;
+use slotpool_protocol::connect::{Bus, BusError, NatsOptions};
+use slotpool_protocol::layout::subjects;
+use slotpool_protocol::model::{BackingState, IdleBehaviour, NodeState, OperatorAction};
+use slotpool_tests::{label, wait_for, Pool};
+use std::time::Duration;
+
+/// How long a request to a subject the server refuses is given before it counts as
+/// unanswered.
+const REFUSED: Duration = Duration::from_secs(2);
+const SOON: Duration = Duration::from_secs(20);
+
+async fn client_as(pool: &Pool, role: Role, name: &str) -> Client {
+    Client::connect(&pool.nats.options_as(role, name))
+        .await
+        .unwrap_or_else(|err| panic!("connecting as {role} {name}: {err}"))
+}
+
+async fn bus_as(pool: &Pool, role: Role, name: &str) -> Bus {
+    Bus::connect(&pool.nats.options_as(role, name))
+        .await
+        .unwrap_or_else(|err| panic!("connecting as {role} {name}: {err}"))
+}
+
+fn raw(msg: &impl serde::Serialize) -> Bytes {
+    Bytes::from(serde_json::to_vec(msg).unwrap())
+}
+
+/// A connection without credentials is refused outright.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anonymous_connection_is_refused() {
+    let pool = Pool::start(1, 5, &label("small", 2, 60, &[]), 1).await;
+    let anonymous = NatsOptions {
+        url: pool.nats.url(),
+        name: "job".into(),
+        ..Default::default()
+    };
+    let err = Bus::connect(&anonymous).await.err().expect("refused");
+    let text = err.to_string().to_lowercase();
+    assert!(text.contains("authorization"), "{err}");
+    // A credential whose signature does not check out is refused too.
+    let forged = pool.dir().join("forged.creds");
+    let good = std::fs::read_to_string(pool.nats.creds(Role::Client, "ci")).unwrap();
+    let jwt = slotpool_protocol::auth::jwt::jwt_of_creds(&good)
+        .unwrap()
+        .to_string();
+    let mut parts: Vec<&str> = jwt.split('.').collect();
+    let other = std::fs::read_to_string(pool.nats.creds(Role::Launcher, "launcher")).unwrap();
+    let other_jwt = slotpool_protocol::auth::jwt::jwt_of_creds(&other)
+        .unwrap()
+        .to_string();
+    let other_parts: Vec<&str> = other_jwt.split('.').collect();
+    parts[1] = other_parts[1]; // a launcher's claims under a client's signature
+    std::fs::write(&forged, good.replace(&jwt, &parts.join("."))).unwrap();
+    let opts = NatsOptions {
+        creds: Some(forged),
+        ..anonymous
+    };
+    assert!(
+        Bus::connect(&opts).await.is_err(),
+        "a tampered JWT was accepted"
+    );
+}
+
+/// Another backing node's agent cannot hear a neighbour's commands (so cannot answer a
+/// prepare_slot with its own login) nor send it commands (a foreign release_slot), nor
+/// write its heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_cannot_hear_command_or_impersonate_another() {
+    let pool = Pool::start(2, 5, &label("small", 2, 600, &[]), 1).await;
+    let victim_client = client_as(&pool, Role::Client, "ci").await;
+    let mut sub = slotpool_protocol::client::submission(vec!["small".into()], "victim");
+    sub.ssh_public_key = None;
+    let id = victim_client.submit(&sub).await.unwrap();
+    let victim = victim_client.wait(&id, |_| {}).await.unwrap();
+    assert_eq!(
+        victim.state,
+        slotpool_protocol::model::RequestState::Fulfilled
+    );
+    let node = pool.node(&victim.nodes[0]).await;
+    let target = node.backing_id.clone();
+
+    let attacker = bus_as(&pool, Role::Agent, "bn-attacker").await;
+    // Listening on the victim's command subject: the server refuses the subscription,
+    // so nothing sent there reaches the attacker.
+    let mut eavesdrop = attacker
+        .serve(&subjects::agent(&target), None)
+        .await
+        .expect("the client library subscribes locally");
+    // Sending the victim's agent a release of the neighbour's slot.
+    let release = AgentCommand::ReleaseSlot {
+        slot: node.slot,
+        node_id: node.id.clone(),
+    };
+    let sent = attacker
+        .call_raw(&subjects::agent(&target), raw(&release), REFUSED)
+        .await;
+    assert!(
+        sent.is_err(),
+        "a foreign release_slot was answered: {sent:?}"
+    );
+    // A forged heartbeat for the victim's backing node.
+    let forged = serde_json::json!({"v": 1, "backing_id": target.as_str()});
+    assert!(
+        attacker
+            .agents
+            .put(target.as_str(), &forged, None)
+            .await
+            .is_err(),
+        "a forged heartbeat was written"
+    );
+    // Meanwhile the launcher's own command to the real agent works, and the attacker
+    // heard none of it.
+    let launcher = pool.nats.bus().await;
+    let prepare = AgentCommand::PrepareSlot {
+        slot: 1 - node.slot,
+        node_id: slotpool_protocol::NodeId::generate(),
+        ssh_public_key: None,
+        limits: SlotLimits::default(),
+    };
+    launcher
+        .call_raw(&subjects::agent(&target), raw(&prepare), SOON)
+        .await
+        .expect("the launcher commands the real agent");
+    use futures::StreamExt;
+    let heard = tokio::time::timeout(Duration::from_millis(500), eavesdrop.next()).await;
+    assert!(
+        heard.is_err(),
+        "the attacker heard a command of another agent"
+    );
+    // The victim's node is untouched.
+    let after = pool.node(&node.id).await;
+    assert_eq!(after.state, NodeState::Ready);
+}
+
+/// A client cannot give operators' orders, under its own name or an operator's; an
+/// operator can, and the event log names the operator the server authenticated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_cannot_order_and_orders_are_recorded_under_the_real_operator() {
+    let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
+    let ci = client_as(&pool, Role::Client, "ci").await;
+    let id = ci
+        .submit(&slotpool_protocol::client::submission(
+            vec!["small".into()],
+            "x",
+        ))
+        .await
+        .unwrap();
+    ci.wait(&id, |_| {}).await.unwrap();
+    let backing = pool.backing().await.pop().unwrap();
+
+    for operator in ["ci", "alice"] {
+        let order = slotpool_protocol::api::BackingOrder {
+            v: 1,
+            backing_id: backing.id.clone(),
+            actor: "alice@ops1".into(),
+            reason: Some("pwned".into()),
+        };
+        let subject = subjects::admin(
+            &slotpool_protocol::UserName::parse(operator).unwrap(),
+            OperatorAction::Kill,
+        );
+        let r = ci.bus().call_raw(&subject, raw(&order), REFUSED).await;
+        assert!(
+            r.is_err(),
+            "a client's kill order on {subject} was answered: {r:?}"
+        );
+    }
+    let b = pool.backing().await.pop().unwrap();
+    assert_eq!(b.state, BackingState::Ready, "a client's order took effect");
+
+    let alice = client_as(&pool, Role::Operator, "alice").await;
+    alice
+        .order(
+            OperatorAction::Hold,
+            backing.id.clone(),
+            "mallory@evil",
+            Some("maintenance".into()),
+        )
+        .await
+        .expect("an operator may hold");
+    let events = alice.list_events().await.unwrap();
+    let held = events
+        .iter()
+        .find(|e| e.message.contains("hold"))
+        .expect("the hold is in the event log");
+    assert_eq!(held.actor, "alice", "{held:?}");
+    assert!(!held.message.contains("mallory"), "{held:?}");
+    let b = pool.backing().await.pop().unwrap();
+    assert_eq!(b.idle, IdleBehaviour::Hold);
+}
+
+/// A client sees, releases and cancels only its own requests and nodes, and reads no
+/// bucket; nobody but a launcher can delete a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_touches_only_its_own_requests_and_nobody_deletes_the_log() {
+    let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
+    let ci = client_as(&pool, Role::Client, "ci").await;
+    let mut sub = slotpool_protocol::client::submission(vec!["small".into()], "victim");
+    sub.ssh_public_key = Some(
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl ci@victim"
+            .into(),
+    );
+    let id = ci.submit(&sub).await.unwrap();
+    let victim = ci.wait(&id, |_| {}).await.unwrap();
+
+    let mallory = client_as(&pool, Role::Client, "mallory").await;
+    // Its status: as if it did not exist.
+    assert!(mallory.request(&id).await.unwrap().is_none());
+    // Its record in KV: refused (no read permission on any bucket).
+    let read = tokio::time::timeout(
+        REFUSED * 2,
+        mallory.bus().requests.get::<serde_json::Value>(id.as_str()),
+    )
+    .await;
+    assert!(
+        !matches!(read, Ok(Ok(Some(_)))),
+        "a client read another's request from KV: {read:?}"
+    );
+    // Releasing and canceling it: refused with a clear error.
+    match mallory.release(victim.nodes.clone()).await {
+        Err(BusError::Api(e)) => {
+            assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}");
+            assert!(e.message.contains("another client"), "{e:?}");
+        }
+        other => panic!("a client released another's node: {other:?}"),
+    }
+    match mallory.cancel(id.clone()).await {
+        Err(BusError::Api(e)) => assert_eq!(e.code, ErrorCode::Forbidden, "{e:?}"),
+        other => panic!("a client canceled another's request: {other:?}"),
+    }
+    assert_eq!(pool.node(&victim.nodes[0]).await.state, NodeState::Ready);
+
+    // Deleting the event log's stream: refused for a client, an operator and an agent.
+    for (role, name) in [
+        (Role::Client, "mallory"),
+        (Role::Operator, "alice"),
+        (Role::Agent, "bn-attacker"),
+    ] {
+        let bus = bus_as(&pool, role, name).await;
+        let r = bus
+            .call_raw(
+                "$JS.API.STREAM.DELETE.KV_slotpool_events",
+                Bytes::new(),
+                REFUSED,
+            )
+            .await;
+        let deleted = r
+            .as_ref()
+            .is_ok_and(|b| String::from_utf8_lossy(b).contains("\"success\":true"));
+        assert!(!deleted, "{role} {name} deleted the event log");
+    }
+    pool.nats
+        .bus()
+        .await
+        .events
+        .list::<serde_json::Value>()
+        .await
+        .expect("the event log is still there");
+
+    // The owner may release its node.
+    let released = ci.release(victim.nodes.clone()).await.unwrap();
+    assert_eq!(released.released, victim.nodes);
+    tokio::time::timeout(SOON, ci.wait_released(&victim.nodes))
+        .await
+        .expect("released in time")
+        .unwrap();
+}
+
+/// A prepare reply that disagrees with the agent's heartbeat (another port or host key,
+/// as a forged reply would have) is refused: the node is not handed out and the backing
+/// node fails with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_node() {
+    let pool = Pool::start(2, 5, &label("small", 2, 600, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let node = pool.node(&first.nodes[0]).await;
+    let target = node.backing_id.clone();
+    // Stand in for the agent on its own subject with its own credential (what a forged
+    // reply could only do with the agent's credential: the protection under test is
+    // the launcher's check, not the permissions), answering with another login.
+    let impostor = bus_as(&pool, Role::Agent, target.as_str()).await;
+    let mut commands = impostor
+        .serve(&subjects::agent(&target), None)
+        .await
+        .unwrap();
+    let answering = tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(msg) = commands.next().await {
+            let Some(reply) = msg.reply_to else { continue };
+            let forged = serde_json::json!({"ok": {
+                "workspace": "/tmp/attacker", "username": "attacker", "port": 2222,
+                "host_keys": ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAttacker"]
+            }});
+            let _ = impostor
+                .respond(
+                    &reply,
+                    &serde_json::from_value::<slotpool_protocol::api::Reply<serde_json::Value>>(
+                        forged,
+                    )
+                    .unwrap(),
+                )
+                .await;
+        }
+    });
+    // The real agent answers too; whichever reply comes first, a forged one must never
+    // be handed out, and once one arrives the backing node is failed.
+    let ci = client_as(&pool, Role::Client, "ci").await;
+    let id = ci
+        .submit(&slotpool_protocol::client::submission(
+            vec!["small".into()],
+            "victim",
+        ))
+        .await
+        .unwrap();
+    wait_for(
+        "the backing node to fail for the forged reply",
+        SOON,
+        || async {
+            pool.backing().await.iter().any(|b| {
+                b.id == target
+                    && b.state == BackingState::Failed
+                    && b.failure
+                        .as_deref()
+                        .is_some_and(|f| f.contains("prepare reply refused"))
+            })
+        },
+    )
+    .await;
+    for n in pool.nodes().await {
+        assert_ne!(
+            n.login.port,
+            Some(2222),
+            "a forged login was handed out: {n:?}"
+        );
+        assert_ne!(n.workspace.as_deref(), Some("/tmp/attacker"), "{n:?}");
+    }
+    if let Some(r) = ci.request(&id).await.unwrap() {
+        for n in &r.nodes {
+            assert_ne!(pool.node(n).await.login.port, Some(2222));
+        }
+    }
+    answering.abort();
+}
