@@ -17,6 +17,7 @@ pub mod nodes;
 pub mod planner;
 pub mod provider;
 pub mod request;
+pub mod setup;
 pub mod shared;
 pub mod watch;
 pub mod world;
