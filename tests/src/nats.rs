@@ -62,6 +62,9 @@ fn find_binary() -> Result<PathBuf, String> {
     Ok(path)
 }
 
+/// The config file [`NatsServer::start_with_config`] writes, in the server's temp dir.
+const CONFIG_FILE: &str = "nats-server.conf";
+
 /// A nats-server with JetStream on 127.0.0.1, a free port and a store in its own temp dir.
 ///
 /// It is killed and reaped on drop, also when the test panics; `PR_SET_PDEATHSIG` kills it
@@ -72,40 +75,74 @@ pub struct NatsServer {
     child: Option<ChildGuard>,
     port: u16,
     dir: TempDir,
+    /// The config file given with `-c`, if any.
+    config: Option<PathBuf>,
+    /// How clients reach the server, all but the URL (see [`NatsServer::options`]).
+    client: NatsOptions,
 }
 
 impl NatsServer {
     /// Starts a server on a port it picks itself and waits until JetStream answers.
     pub async fn start() -> NatsServer {
+        NatsServer::launch(None, NatsOptions::default()).await
+    }
+
+    /// Starts a server with `config` as its config file (a `tls { }` block, say) and waits
+    /// until a client with `client`'s options gets JetStream answers. Address, port,
+    /// JetStream and store still come from the command line, which overrides the file.
+    /// `client.url` is ignored: the server's own goes in its place, `tls://` when `client`
+    /// has a CA or a certificate (see [`NatsServer::url`]). Later [`NatsServer::options`]
+    /// and [`NatsServer::bus`] use `client` too.
+    pub async fn start_with_config(config: &str, client: NatsOptions) -> NatsServer {
+        NatsServer::launch(Some(config), client).await
+    }
+
+    async fn launch(config: Option<&str>, client: NatsOptions) -> NatsServer {
         let dir = tempfile::Builder::new()
             .prefix("slotpool-nats-")
             .tempdir()
             .expect("creating a temp dir for nats-server");
-        let (child, port) = spawn(dir.path(), None).await;
+        let config = config.map(|text| {
+            let path = dir.path().join(CONFIG_FILE);
+            std::fs::write(&path, text)
+                .unwrap_or_else(|err| panic!("writing {}: {err}", path.display()));
+            path
+        });
+        let (child, port) = spawn(dir.path(), None, config.as_deref()).await;
         let server = NatsServer {
             child: Some(child),
             port,
             dir,
+            config,
+            client,
         };
         server.wait_ready().await;
         server
     }
 
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>`, or `tls://127.0.0.1:<port>` when the server was started
+    /// for TLS clients (see [`NatsServer::start_with_config`]).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        let tls = self.client.tls_ca.is_some() || self.client.tls_cert.is_some();
+        let scheme = if tls { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// Options reaching this server.
+    /// Options reaching this server (with the client's TLS files and credentials, if it
+    /// was started with [`NatsServer::start_with_config`]).
     pub fn options(&self) -> NatsOptions {
         NatsOptions {
             url: self.url(),
-            name: "slotpool-test".into(),
-            ..Default::default()
+            name: if self.client.name.is_empty() {
+                "slotpool-test".into()
+            } else {
+                self.client.name.clone()
+            },
+            ..self.client.clone()
         }
     }
 
@@ -152,7 +189,7 @@ impl NatsServer {
             self.child.is_none(),
             "resume: the nats-server is still running"
         );
-        let (child, port) = spawn(self.dir.path(), Some(self.port)).await;
+        let (child, port) = spawn(self.dir.path(), Some(self.port), self.config.as_deref()).await;
         assert_eq!(port, self.port, "restarted nats-server took another port");
         self.child = Some(child);
         self.wait_ready().await;
@@ -198,9 +235,9 @@ impl Drop for NatsServer {
     }
 }
 
-/// Spawns the server in `dir` on `port` (`None` = any free port) and waits for the ports
-/// file that tells which port it took.
-async fn spawn(dir: &Path, port: Option<u16>) -> (ChildGuard, u16) {
+/// Spawns the server in `dir` on `port` (`None` = any free port), with the config file
+/// `config` if given, and waits for the ports file that tells which port it took.
+async fn spawn(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (ChildGuard, u16) {
     let binary = nats_server_binary();
     let log = File::options()
         .create(true)
@@ -208,6 +245,9 @@ async fn spawn(dir: &Path, port: Option<u16>) -> (ChildGuard, u16) {
         .open(dir.join("nats-server.log"))
         .expect("creating the nats-server log");
     let mut cmd = Command::new(binary);
+    if let Some(config) = config {
+        cmd.arg("-c").arg(config);
+    }
     cmd.arg("-a")
         .arg("127.0.0.1")
         .arg("-p")
