@@ -152,7 +152,14 @@ pub fn write_pki(plan: &PkiPlan) -> Result<Pki, PkiError> {
     let now = OffsetDateTime::now_utc();
     let validity = Validity {
         not_before: now - CLOCK_SKEW,
-        not_after: now + Duration::from_secs(u64::from(plan.validity_days) * 24 * 60 * 60),
+        // X.509 dates end with the year 9999.
+        not_after: now
+            .checked_add(time::Duration::days(plan.validity_days.into()))
+            .filter(|end| end.year() <= 9999)
+            .ok_or_else(|| PkiError::Invalid {
+                path: pki.dir.clone(),
+                reason: format!("validity of {} days ends after 9999", plan.validity_days),
+            })?,
     };
     let cert_error = |path: &Path| {
         let path = path.to_path_buf();
@@ -603,11 +610,13 @@ mod tests {
             write_pki(&no_names),
             Err(PkiError::Invalid { .. })
         ));
-        let no_days = PkiPlan {
-            validity_days: 0,
-            ..plan(tmp.path())
-        };
-        assert!(matches!(write_pki(&no_days), Err(PkiError::Invalid { .. })));
+        for days in [0, u32::MAX] {
+            let plan = PkiPlan {
+                validity_days: days,
+                ..plan(tmp.path())
+            };
+            assert!(matches!(write_pki(&plan), Err(PkiError::Invalid { .. })));
+        }
         assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
 
