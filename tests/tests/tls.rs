@@ -189,3 +189,24 @@ fn openssl_text(cert: &Path) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
+
+#[test]
+fn nats_server_reads_the_tls_block_whatever_the_directory_is_called() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = make_pki(&dir.path().join(r#"nats "tls" \ keys"#));
+    let config = dir.path().join("nats-server.conf");
+    std::fs::write(&config, pki::tls_server_block(&pki, true)).unwrap();
+    // `-t` checks the configuration, loading the certificates and keys, and exits.
+    let out = Command::new(slotpool_tests::nats_server_binary())
+        .arg("-c")
+        .arg(&config)
+        .arg("-t")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "nats-server -t: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
