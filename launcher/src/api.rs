@@ -99,6 +99,9 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
         Op::Api(ApiOp::Status) => {
             respond(&sh, &reply_to, status::request(&sh, &caller, &msg).await).await
         }
+        Op::Api(ApiOp::Nodes) => {
+            respond(&sh, &reply_to, status::nodes(&sh, &caller, &msg).await).await
+        }
         Op::Api(ApiOp::WaitReleased) => {
             respond(&sh, &reply_to, status::released(&sh, &caller, &msg).await).await
         }

@@ -18,6 +18,7 @@ pub mod nodes;
 pub mod planner;
 pub mod provider;
 pub mod request;
+pub mod setup;
 pub mod shared;
 pub mod status;
 pub mod watch;

@@ -1,7 +1,7 @@
 //! What a client may read of its own requests and nodes, served on
-//! `slotpool.api.v2.<client>.status` and `.wait_released`. Clients have no read access
+//! `slotpool.api.v2.<client>.status`, `.wait_released` and `.nodes`. Clients have no read access
 //! to the buckets (a request holds its requestor's SSH key and its nodes' logins), so
-//! these two calls are how they follow their own work. Each answers from this
+//! these calls are how they follow their own work. Each answers from this
 //! launcher's mirror and, when asked to wait, holds the call open until the change
 //! arrives (woken by the mirror's change signals, never by polling) or the wait ends.
 
@@ -9,11 +9,11 @@ use crate::api::{check_owner, decode, internal};
 use crate::nodes;
 use crate::shared::{request_topic, wait_for_change, Shared};
 use slotpool_protocol::api::{
-    ApiError, ErrorCode, RequestStatus, StillHeld, WaitReleased, MAX_LABELS_PER_REQUEST,
-    MAX_WAIT_MS,
+    ApiError, ErrorCode, NodesQuery, RequestStatus, StillHeld, WaitReleased,
+    MAX_LABELS_PER_REQUEST, MAX_WAIT_MS,
 };
 use slotpool_protocol::connect::Incoming;
-use slotpool_protocol::model::NodeRequest;
+use slotpool_protocol::model::{Node, NodeRequest};
 use slotpool_protocol::{RequestId, UserName};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -71,6 +71,30 @@ async fn current(sh: &Shared, id: &RequestId) -> Result<Option<NodeRequest>, Api
     }
 }
 
+/// The records of the caller's nodes that hold their slots, in the order asked.
+pub async fn nodes(sh: &Shared, caller: &UserName, msg: &Incoming) -> Result<Vec<Node>, ApiError> {
+    let q: NodesQuery = decode(msg, "nodes query", |q: &NodesQuery| q.v)?;
+    too_many(q.nodes.len())?;
+    let mut out = Vec::with_capacity(q.nodes.len());
+    for id in &q.nodes {
+        if let Some(node) = nodes::record(sh, id).await.map_err(internal)? {
+            check_owner(caller, node.client.as_ref(), || format!("node {id}"))?;
+            out.push(node);
+        }
+    }
+    Ok(out)
+}
+
+fn too_many(n: usize) -> Result<(), ApiError> {
+    if n > MAX_LABELS_PER_REQUEST {
+        return Err(ApiError::new(
+            ErrorCode::TooLarge,
+            format!("{n} nodes; at most {MAX_LABELS_PER_REQUEST} per call"),
+        ));
+    }
+    Ok(())
+}
+
 /// Answers once none of the caller's `nodes` holds its slot, or when the wait is over
 /// with those that still do.
 pub async fn released(
@@ -79,15 +103,7 @@ pub async fn released(
     msg: &Incoming,
 ) -> Result<StillHeld, ApiError> {
     let q: WaitReleased = decode(msg, "wait_released request", |q: &WaitReleased| q.v)?;
-    if q.nodes.len() > MAX_LABELS_PER_REQUEST {
-        return Err(ApiError::new(
-            ErrorCode::TooLarge,
-            format!(
-                "{} nodes; at most {MAX_LABELS_PER_REQUEST} per call",
-                q.nodes.len()
-            ),
-        ));
-    }
+    too_many(q.nodes.len())?;
     let until = deadline(q.wait_ms);
     let mut held = Vec::new();
     let mut changes = Vec::new();

@@ -147,6 +147,16 @@ pub struct WaitReleased {
     pub wait_ms: u64,
 }
 
+/// `slotpool.api.v2.<client>.nodes`: the records of the caller's nodes (host, workspace,
+/// login, attributes), in the order asked; nodes that no longer hold a slot are left out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodesQuery {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub nodes: Vec<NodeId>,
+}
+
 /// Reply to [`WaitReleased`]: the nodes that still hold their slots (empty: all done).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StillHeld {

@@ -1,8 +1,9 @@
 //! The typed client: what `slotpool request`, CI systems and tests use.
 
 use crate::api::{
-    self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, OrderTaken, ReleaseNodeOrder,
-    ReleaseNodes, Released, RequestStatus, StillHeld, SubmitRequest, Submitted, WaitReleased,
+    self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, NodesQuery, OrderTaken,
+    ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, StillHeld, SubmitRequest, Submitted,
+    WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
 use crate::layout::subjects::{self, ApiOp};
@@ -157,6 +158,16 @@ impl Client {
             held = still.held;
         }
         Ok(())
+    }
+
+    /// The records of this client's `nodes` (host, workspace, login), in that order;
+    /// those that hold no slot any more are left out.
+    pub async fn nodes(&self, nodes: &[NodeId]) -> Result<Vec<Node>, BusError> {
+        let msg = NodesQuery {
+            v: crate::PROTOCOL_VERSION,
+            nodes: nodes.to_vec(),
+        };
+        self.call_read(ApiOp::Nodes, &msg).await
     }
 
     /// Returns nodes to the pool.

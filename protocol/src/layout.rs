@@ -120,15 +120,18 @@ pub mod subjects {
         Status,
         /// [`crate::api::WaitReleased`] → [`crate::api::StillHeld`].
         WaitReleased,
+        /// [`crate::api::NodesQuery`] → the caller's [`crate::model::Node`]s.
+        Nodes,
     }
 
     impl ApiOp {
-        pub const ALL: [ApiOp; 5] = [
+        pub const ALL: [ApiOp; 6] = [
             ApiOp::Submit,
             ApiOp::Release,
             ApiOp::Cancel,
             ApiOp::Status,
             ApiOp::WaitReleased,
+            ApiOp::Nodes,
         ];
 
         pub fn as_str(self) -> &'static str {
@@ -138,6 +141,7 @@ pub mod subjects {
                 ApiOp::Cancel => "cancel",
                 ApiOp::Status => "status",
                 ApiOp::WaitReleased => "wait_released",
+                ApiOp::Nodes => "nodes",
             }
         }
     }

@@ -78,11 +78,27 @@ pub struct NatsServer {
     port: u16,
     dir: TempDir,
     files: SetupFiles,
+    /// How clients reach the server besides the URL and credentials: its TLS files, when
+    /// started with [`NatsServer::start_with_config`].
+    client: NatsOptions,
 }
 
 impl NatsServer {
     /// Starts a server on a port it picks itself and waits until JetStream answers.
     pub async fn start() -> NatsServer {
+        NatsServer::launch("", NatsOptions::default()).await
+    }
+
+    /// Starts a server with `config` added to its configuration (a `tls { }` block, say)
+    /// and waits until a client with `client`'s TLS options gets JetStream answers.
+    /// Address, port, JetStream and store still come from the command line, which
+    /// overrides the file. Later [`NatsServer::options_as`] and [`NatsServer::bus`] use
+    /// `client`'s TLS files too, and [`NatsServer::url`] is `tls://` when it has any.
+    pub async fn start_with_config(config: &str, client: NatsOptions) -> NatsServer {
+        NatsServer::launch(config, client).await
+    }
+
+    async fn launch(extra_config: &str, client: NatsOptions) -> NatsServer {
         let dir = tempfile::Builder::new()
             .prefix("slotpool-nats-")
             .tempdir()
@@ -94,6 +110,7 @@ impl NatsServer {
                 BusUser::new(Role::Operator, "operator").expect("a name"),
                 BusUser::new(Role::Client, "client").expect("a name"),
             ],
+            extra_config: extra_config.to_string(),
             ..Default::default()
         })
         .expect("writing the test installation");
@@ -103,14 +120,18 @@ impl NatsServer {
             port,
             dir,
             files,
+            client,
         };
         server.wait_ready().await;
         server
     }
 
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>`, or `tls://127.0.0.1:<port>` when the server was started
+    /// for TLS clients (see [`NatsServer::start_with_config`]).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        let tls = self.client.tls_ca.is_some() || self.client.tls_cert.is_some();
+        let scheme = if tls { "tls" } else { "nats" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn port(&self) -> u16 {
@@ -128,7 +149,7 @@ impl NatsServer {
             url: self.url(),
             name: format!("slotpool-test-{role}-{name}"),
             creds: Some(self.creds(role, name)),
-            ..Default::default()
+            ..self.client.clone()
         }
     }
 

@@ -174,13 +174,18 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
     let a = backing_of(&pool, &r.nodes[0]).await;
     match pool
         .client
-        .order(OperatorAction::Hold, a.id.clone(), " ", None)
+        .order(
+            OperatorAction::Hold,
+            a.id.clone(),
+            "op",
+            Some("two\nlines".into()),
+        )
         .await
         .unwrap_err()
     {
         BusError::Api(e) => {
             assert_eq!(e.code, ErrorCode::BadRequest);
-            assert!(e.message.contains("actor"), "{}", e.message);
+            assert!(e.message.contains("reason"), "{}", e.message);
         }
         other => panic!("unexpected {other:?}"),
     }

@@ -113,17 +113,7 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
 }
 
 async fn fetch_nodes(client: &Client, ids: &[NodeId]) -> anyhow::Result<Vec<Node>> {
-    let mut out = Vec::new();
-    for id in ids {
-        let (backing, slot) = id
-            .slot()
-            .with_context(|| format!("node id {id} does not name a slot"))?;
-        let key = slotpool_protocol::layout::slot_key(&backing, slot);
-        if let Some(n) = client.bus().slots.get::<Node>(&key).await? {
-            out.push(n.value);
-        }
-    }
-    Ok(out)
+    Ok(client.nodes(ids).await?)
 }
 
 fn print_nodes(output: Output, nodes: &[Node]) {

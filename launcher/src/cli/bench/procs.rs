@@ -187,6 +187,9 @@ impl LauncherProcess {
             .arg("--nats")
             .arg(nats_url)
             .arg("serve")
+            // The benchmark's own bus on loopback, without authentication: it measures
+            // slotpool, not the server's authentication (which costs at connect only).
+            .arg("--allow-anonymous-bus")
             .arg("--config")
             .arg(config)
             .env("SLOTPOOL_LOG", "info")

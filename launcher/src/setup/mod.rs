@@ -1,0 +1,3 @@
+//! `slotpool nats-setup`: what it writes for a NATS installation.
+
+pub mod pki;
