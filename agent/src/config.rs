@@ -24,17 +24,25 @@ pub struct Args {
         default_value = "nats://127.0.0.1:4222"
     )]
     pub nats: String,
-    /// NATS credentials file (JWT + NKey).
-    #[arg(long, value_name = "FILE")]
+    /// NATS credentials file (JWT + NKey): this backing node's own, minted by the
+    /// launcher at launch or by `slotpool nats-setup --static-agent` (keep it 0600).
+    #[arg(long, env = "SLOTPOOL_NATS_CREDS", value_name = "FILE")]
     pub creds: Option<PathBuf>,
+    /// NATS user (with --password), for a server with plain user logins.
+    #[arg(long, env = "SLOTPOOL_NATS_USER")]
+    pub user: Option<String>,
+    #[arg(long, env = "SLOTPOOL_NATS_PASSWORD", hide_env_values = true)]
+    pub password: Option<String>,
+    #[arg(long, env = "SLOTPOOL_NATS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
     /// CA bundle to trust for TLS.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "SLOTPOOL_NATS_TLS_CA", value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
     /// Client certificate for mutual TLS (with --tls-key).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "SLOTPOOL_NATS_TLS_CERT", value_name = "FILE")]
     pub tls_cert: Option<PathBuf>,
     /// Client key for mutual TLS (with --tls-cert).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "SLOTPOOL_NATS_TLS_KEY", value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
     /// The backing node this agent runs on (given by the launcher at launch).
     #[arg(long, env = "SLOTPOOL_BACKING_ID", value_name = "ID")]
@@ -282,6 +290,9 @@ impl Args {
         NatsOptions {
             url: self.nats.clone(),
             creds: self.creds.clone(),
+            user: self.user.clone(),
+            password: self.password.clone(),
+            token: self.token.clone(),
             tls_ca: self.tls_ca.clone(),
             tls_cert: self.tls_cert.clone(),
             tls_key: self.tls_key.clone(),

@@ -160,6 +160,48 @@ impl Client {
         Ok(())
     }
 
+    /// Like [`Client::wait_released`], for operators (whose users may read the slots
+    /// bucket): waits on a KV watch of each slot key, for nodes of any client.
+    pub async fn watch_released(&self, nodes: &[NodeId]) -> Result<(), BusError> {
+        use crate::store::Change;
+        use futures::StreamExt;
+        let bucket = self.bus.slots.bucket();
+        for id in nodes {
+            let Some((backing, slot)) = id.slot() else {
+                continue;
+            };
+            let key = crate::layout::slot_key(&backing, slot);
+            let mut changes = Box::pin(self.bus.slots.watch_keys(&key).await?);
+            loop {
+                let holds = match changes.next().await {
+                    None => {
+                        return Err(BusError::Request {
+                            subject: key,
+                            message: "watch ended".into(),
+                        })
+                    }
+                    Some(change) => match change? {
+                        Change::Put {
+                            key,
+                            revision,
+                            value,
+                        } => {
+                            let node: Versioned<Node> =
+                                Change::decode(bucket, &key, revision, &value)?;
+                            &node.value.id == id
+                        }
+                        Change::Removed { .. } => false,
+                        Change::Synced => continue,
+                    },
+                };
+                if !holds {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The records of this client's `nodes` (host, workspace, login), in that order;
     /// those that hold no slot any more are left out.
     pub async fn nodes(&self, nodes: &[NodeId]) -> Result<Vec<Node>, BusError> {

@@ -199,6 +199,13 @@ pub mod subjects {
     pub fn agent_of(backing: &str) -> String {
         format!("slotpool.agent.v2.{backing}")
     }
+    /// Every agent's command subject (for a process that speaks for many agents: the
+    /// benchmark's simulated ones, on a bus of its own).
+    pub const AGENT_ALL: &str = "slotpool.agent.v2.*";
+    /// The backing id an agent command subject is for.
+    pub fn agent_backing(subject: &str) -> Option<BackingId> {
+        BackingId::parse(subject.strip_prefix("slotpool.agent.v2.")?).ok()
+    }
 }
 
 #[cfg(test)]

@@ -151,13 +151,13 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
         .find(|b| b.id == a)
         .expect("still there while its slot is in use");
     assert_eq!(b.idle, IdleBehaviour::Drain);
-    assert_eq!(b.order.expect("order recorded").actor, "e2e@test");
+    assert_eq!(b.order.expect("order recorded").actor, "e2e");
 
     // The Events view shows the order (Tab from Backing: Slots, Requests, Events).
     console.keys(&["Tab", "Tab", "Tab"]);
     let screen = console
         .wait_screen("the order in the Events view", |s| {
-            s.contains("TIME UTC") && s.contains("operator") && s.contains("drain by e2e@test")
+            s.contains("TIME UTC") && s.contains("operator") && s.contains("drain by e2e")
         })
         .await;
     eprintln!("Events view:\n{screen}");
@@ -182,7 +182,7 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
     console.keys(&["5"]);
     console
         .wait_screen("backing-node events", |s| {
-            s.contains("backing ") && s.contains("drain by e2e@test")
+            s.contains("backing ") && s.contains("drain by e2e")
         })
         .await;
     // q quits; the console restores the terminal and exits.

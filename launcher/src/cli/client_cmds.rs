@@ -164,6 +164,7 @@ pub async fn release(
         .map(|n| NodeId::parse(n))
         .collect::<Result<Vec<_>, _>>()?;
     let client = connect(nats).await?;
+    let operator = reason.is_some();
     let released = match reason {
         Some(reason) => {
             super::operator_cmds::release_with_reason(&client, ids, reason, actor).await?
@@ -171,7 +172,16 @@ pub async fn release(
         None => client.release(ids).await?,
     };
     if wait {
-        tokio::time::timeout(RELEASE_WAIT, client.wait_released(&released.released))
+        // An operator's release may be of any client's nodes: it waits on the slots
+        // bucket, which operators may read; a client asks the launchers about its own.
+        let done = async {
+            if operator {
+                client.watch_released(&released.released).await
+            } else {
+                client.wait_released(&released.released).await
+            }
+        };
+        tokio::time::timeout(RELEASE_WAIT, done)
             .await
             .with_context(|| {
                 format!("the released slots were not wiped and free within {RELEASE_WAIT:?}")

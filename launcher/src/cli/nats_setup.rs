@@ -2,11 +2,15 @@
 //! (see [`slotpool_protocol::auth::setup`] for the files), and `slotpool nats-setup
 //! mint` for one more credential later.
 
+use crate::setup::pki::{self, PkiPlan};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::BackingId;
+
+/// How long the certificates `--tls` makes are valid.
+const TLS_VALIDITY_DAYS: u32 = 825;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -40,6 +44,14 @@ pub struct NatsSetupArgs {
     /// A static host's agent credential (its backing id, as in the launcher's config).
     #[arg(long = "static-agent", value_name = "BACKING_ID")]
     pub static_agents: Vec<String>,
+    /// Also make a small PKI in `<dir>/tls` (a CA, the server's certificate, a client
+    /// certificate per launcher, operator, client and static agent) and require TLS
+    /// with client certificates. Without it, bring your own: add a `tls { }` block.
+    #[arg(long)]
+    pub tls: bool,
+    /// Names and addresses the server's certificate is valid for (with --tls).
+    #[arg(long = "server-name", value_name = "NAME", default_values = ["localhost", "127.0.0.1"])]
+    pub server_names: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -115,12 +127,33 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|id| BackingId::parse(id).with_context(|| format!("--static-agent {id}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut extra_config = String::new();
+    if args.tls {
+        let clients = users
+            .iter()
+            .map(|u| format!("{}-{}", u.role, u.name))
+            .chain(static_agents.iter().map(|b| format!("agent-{b}")))
+            .collect();
+        let pki = pki::write_pki(&PkiPlan {
+            dir: dir.join("tls"),
+            server_names: args.server_names.clone(),
+            clients,
+            validity_days: TLS_VALIDITY_DAYS,
+            overwrite: false,
+        })?;
+        extra_config = pki::tls_server_block(&pki, true);
+        println!(
+            "{}: CA certificate (--tls-ca); server and client certificates beside it",
+            pki.ca_cert.display()
+        );
+    }
     let files = setup::write(&SetupPlan {
         dir: dir.clone(),
         listen: Some(args.listen),
         store_dir: Some(dir.join("jetstream")),
         users,
         static_agents,
+        extra_config,
         ..Default::default()
     })?;
     println!(

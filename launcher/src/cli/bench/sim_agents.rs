@@ -2,7 +2,7 @@
 //! figures. They speak the real agent protocol, so the launcher cannot tell them from
 //! `slotpool-agent`s: each backing id has a TTL'd heartbeat in the agents bucket with
 //! the right secret hash (rewritten every `interval`, the writes spread evenly over it),
-//! and one wildcard subscription on `slotpool.agent.v1.*` answers `prepare_slot`,
+//! and one wildcard subscription on `slotpool.agent.v2.*` answers `prepare_slot`,
 //! `release_slot`, `close` and `open` with the replies the real agent gives (see the
 //! agent's `commands.rs`), keeping which slot holds which node and whether the node is
 //! closed to new slots. Nothing is written to disk: a slot's "workspace" is a name.
@@ -10,6 +10,7 @@
 use futures::StreamExt;
 use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
 use slotpool_protocol::connect::{Bus, BusError};
+use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{AgentHeartbeat, Health, SlotNames, SlotReport};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
@@ -28,7 +29,6 @@ fn slot_names(id: &BackingId) -> SlotNames {
 }
 
 /// Subject prefix of agent commands (the backing id follows).
-const AGENT_PREFIX: &str = "slotpool.agent.v1.";
 /// How often the heartbeat writer wakes to write the heartbeats that are due.
 const HEARTBEAT_TICK: Duration = Duration::from_millis(20);
 
@@ -63,7 +63,7 @@ pub async fn start(
             .map(|id| (id.clone(), SimNode::default()))
             .collect(),
     ));
-    let commands = bus.serve(&format!("{AGENT_PREFIX}*"), None).await?;
+    let commands = bus.serve(subjects::AGENT_ALL, None).await?;
     {
         let (bus, nodes, stop, slots) = (bus.clone(), nodes.clone(), stop.clone(), spec.slots);
         tracker.spawn(async move {
@@ -76,11 +76,7 @@ pub async fn start(
                 let Some(reply_to) = msg.reply_to else {
                     continue;
                 };
-                let Some(id) = msg
-                    .subject
-                    .strip_prefix(AGENT_PREFIX)
-                    .and_then(|id| BackingId::parse(id).ok())
-                else {
+                let Some(id) = subjects::agent_backing(&msg.subject) else {
                     continue;
                 };
                 let reply = {
