@@ -15,6 +15,7 @@
 //! The agent writes only its own heartbeat key and never wipes slots on its own: the
 //! launcher decides when a slot is released, even across agent restarts.
 
+pub mod bus_guard;
 pub mod cgroup;
 pub mod commands;
 pub mod config;
