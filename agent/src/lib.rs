@@ -26,6 +26,7 @@ pub mod slots;
 pub mod ssh;
 pub mod user_isolation;
 pub mod users;
+pub mod wipe;
 
 pub use config::{AgentConfig, Args};
 

@@ -51,10 +51,11 @@
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
-    is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
-    write_file, FoundSlot, IsolationError, SlotIsolation,
+    is_empty_dir, make_private_dir, remove_if_present, wipe_error, with_newline,
+    workspace_template, write_file, FoundSlot, IsolationError, SlotIsolation,
 };
 use crate::users::{self, UserInfo};
+use crate::wipe::Budget;
 use serde::{Deserialize, Serialize};
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::SlotNames;
@@ -372,18 +373,15 @@ impl SlotIsolation for UserIsolation {
         self.users().remove(&slot);
         self.cgroups.remove(&user)?;
         let ws = self.workspace(slot);
-        match fs::remove_dir_all(&ws) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(IsolationError::new("removing", &ws)(e)),
-        }
+        let mut budget = Budget::for_release();
+        crate::wipe::remove_path(&ws, &mut budget).map_err(wipe_error)?;
         if let Some(info) = &info {
             let dirs: Vec<&Path> = self
                 .user_writable_dirs
                 .iter()
                 .map(PathBuf::as_path)
                 .collect();
-            for err in users::remove_owned_in(&dirs, info.uid) {
+            for err in users::remove_owned_in(&dirs, info.uid, &mut budget) {
                 tracing::warn!(slot, %err, "cannot remove a file the slot user left");
             }
             for err in users::remove_ipc_of(&self.proc_root, info.uid) {

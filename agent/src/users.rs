@@ -337,7 +337,11 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
 
 /// Removes what `uid` left in the shared temporary directories (`/tmp`, `/var/tmp`,
 /// `/dev/shm`): each top-level entry it owns. Errors are returned for the caller to log.
-pub fn remove_owned_in(dirs: &[&Path], uid: u32) -> Vec<IsolationError> {
+pub fn remove_owned_in(
+    dirs: &[&Path],
+    uid: u32,
+    budget: &mut crate::wipe::Budget,
+) -> Vec<IsolationError> {
     use std::os::unix::fs::MetadataExt;
     let mut errors = Vec::new();
     for dir in dirs {
@@ -352,13 +356,8 @@ pub fn remove_owned_in(dirs: &[&Path], uid: u32) -> Vec<IsolationError> {
             if meta.uid() != uid {
                 continue;
             }
-            let result = if meta.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            if let Err(e) = result {
-                errors.push(IsolationError::new("removing", &path)(e));
+            if let Err(e) = crate::wipe::remove_entry(dir, &entry.file_name(), budget) {
+                errors.push(crate::isolation::wipe_error(e));
             }
         }
     }
