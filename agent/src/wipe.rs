@@ -124,6 +124,8 @@ struct Level {
     name: CString,
     dev: u64,
     ino: u64,
+    /// Subdirectories listed but not visited yet.
+    pending: Vec<CString>,
 }
 
 fn same(stat: &Stat, level: &Level) -> bool {
@@ -133,6 +135,9 @@ fn same(stat: &Stat, level: &Level) -> bool {
 fn is_dir(stat: &Stat) -> bool {
     FileType::from_raw_mode(stat.st_mode) == FileType::Directory
 }
+
+/// How many entries of a directory are listed at a time.
+const BATCH: usize = 256;
 
 const DIR_FLAGS: OFlags = OFlags::RDONLY
     .union(OFlags::DIRECTORY)
@@ -193,54 +198,49 @@ pub fn remove_entry(dir: &Path, name: &OsStr, budget: &mut Budget) -> Result<u64
         name: top,
         dev,
         ino: stat.st_ino,
+        pending: Vec::new(),
     }];
-    let mut current = open_dir(&start, &stack[0])
+    let fd = open_dir(&start, &stack[0])
         .map_err(|e| io("opening", name.as_bytes(), 0)(e))?
         .ok_or_else(|| WipeError::Moved {
             path: path.clone(),
             depth: 0,
         })?;
+    // The directory being emptied, read from its start each time the walk comes back to
+    // it (what was removed is gone from the listing).
+    let mut current = Dir::new(fd).map_err(|e| io("listing", b"", 1)(e))?;
     let mut removed = 0u64;
+    let mut batch: Vec<(CString, FileType)> = Vec::with_capacity(BATCH);
     loop {
         let depth = stack.len();
-        // The first entry still here that is a directory is descended into; everything
-        // else is removed on the way.
-        let mut child = None;
-        let mut entries = Dir::read_from(&current).map_err(|e| io("listing", b"", depth)(e))?;
-        while let Some(entry) = entries.next() {
-            let entry = entry.map_err(|e| io("listing", b"", depth)(e))?;
-            let entry_name = entry.file_name();
-            if entry_name == c"." || entry_name == c".." {
-                continue;
-            }
-            budget.spend(&path)?;
-            let kind = match entry.file_type() {
-                FileType::Unknown => {
-                    match rustix::fs::statat(&current, entry_name, AtFlags::SYMLINK_NOFOLLOW) {
-                        Ok(stat) => FileType::from_raw_mode(stat.st_mode),
-                        Err(Errno::NOENT) => continue,
-                        Err(e) => return Err(io("looking at", entry_name.to_bytes(), depth)(e)),
-                    }
+        // Directories of the last batch not visited yet come first: the listing is read
+        // again only once they are gone, so a wide directory is not listed over and over.
+        let pending = stack.last_mut().and_then(|level| level.pending.pop());
+        let child = match pending {
+            Some(child) => Some(child),
+            None => {
+                let (mut dirs, listed_all) =
+                    next_batch(&mut current, &mut batch, budget, &path, depth, &mut removed)?;
+                if dirs.is_empty() && !listed_all {
+                    continue;
                 }
-                kind => kind,
-            };
-            if kind == FileType::Directory {
-                child = Some(entry_name.to_owned());
-                break;
+                let child = dirs.pop();
+                if let Some(level) = stack.last_mut() {
+                    level.pending = dirs;
+                }
+                child
             }
-            match rustix::fs::unlinkat(&current, entry_name, AtFlags::empty()) {
-                Ok(()) => removed += 1,
-                Err(Errno::NOENT) => {}
-                Err(e) => return Err(io("removing", entry_name.to_bytes(), depth)(e)),
-            }
-        }
-        drop(entries);
+        };
+        let fd = current.fd().map_err(|e| io("listing", b"", depth)(e))?;
         if let Some(child) = child {
-            let stat = match rustix::fs::statat(&current, &child, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(stat) => stat,
-                Err(Errno::NOENT) => continue,
-                Err(e) => return Err(io("looking at", child.to_bytes(), depth)(e)),
+            let opened = match rustix::fs::openat(fd, &child, DIR_FLAGS, Mode::empty()) {
+                Ok(opened) => opened,
+                // Replaced by something else meanwhile: look again.
+                Err(Errno::NOENT) | Err(Errno::NOTDIR) | Err(Errno::LOOP) => continue,
+                Err(e) => return Err(io("opening", child.to_bytes(), depth)(e)),
             };
+            let stat = rustix::fs::fstat(&opened)
+                .map_err(|e| io("looking at", child.to_bytes(), depth)(e))?;
             if stat.st_dev != dev {
                 return Err(WipeError::OtherFileSystem {
                     path,
@@ -248,57 +248,95 @@ pub fn remove_entry(dir: &Path, name: &OsStr, budget: &mut Budget) -> Result<u64
                     depth,
                 });
             }
-            let level = Level {
+            stack.push(Level {
                 name: child,
                 dev,
                 ino: stat.st_ino,
-            };
-            match open_dir(&current, &level) {
-                Ok(Some(fd)) => current = fd,
-                // Replaced by something else meanwhile: look again.
-                Ok(None) | Err(Errno::NOENT) | Err(Errno::NOTDIR) | Err(Errno::LOOP) => continue,
-                Err(e) => return Err(io("opening", level.name.to_bytes(), depth)(e)),
-            }
-            stack.push(level);
+                pending: Vec::new(),
+            });
+            current = Dir::new(opened).map_err(|e| io("listing", b"", depth + 1)(e))?;
             continue;
         }
-        // `current` is empty: remove it from its parent.
+        // `current` is empty: remove it from its parent, reached through "..", which must
+        // be the directory the walk came down through.
         let done = stack.pop().expect("the stack holds the current directory");
-        let parent = match stack.last() {
-            None => None,
-            Some(up) => {
-                let fd = rustix::fs::openat(&current, c"..", DIR_FLAGS, Mode::empty())
-                    .map_err(|e| io("opening", b"..", depth)(e))?;
-                let stat = rustix::fs::fstat(&fd).map_err(|e| io("looking at", b"..", depth)(e))?;
-                if !same(&stat, up) {
-                    return Err(WipeError::Moved {
-                        path,
-                        depth: depth - 1,
-                    });
-                }
-                Some(fd)
-            }
+        let Some(up) = stack.last() else {
+            return match rustix::fs::unlinkat(&start, &done.name, AtFlags::REMOVEDIR) {
+                Ok(()) => Ok(removed + 1),
+                Err(e) => Err(io("removing", done.name.to_bytes(), 0)(e)),
+            };
         };
-        let parent_fd = parent.as_ref().map_or(start.as_fd(), |fd| fd.as_fd());
-        match rustix::fs::statat(parent_fd, &done.name, AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(stat) if same(&stat, &done) => {}
-            Ok(_) | Err(Errno::NOENT) => {
-                return Err(WipeError::Moved {
-                    path,
-                    depth: depth - 1,
-                })
-            }
-            Err(e) => return Err(io("looking at", done.name.to_bytes(), depth - 1)(e)),
+        let parent = rustix::fs::openat(fd, c"..", DIR_FLAGS, Mode::empty())
+            .map_err(|e| io("opening", b"..", depth)(e))?;
+        let stat = rustix::fs::fstat(&parent).map_err(|e| io("looking at", b"..", depth)(e))?;
+        if !same(&stat, up) {
+            return Err(WipeError::Moved {
+                path,
+                depth: depth - 1,
+            });
         }
-        match rustix::fs::unlinkat(parent_fd, &done.name, AtFlags::REMOVEDIR) {
+        match rustix::fs::unlinkat(&parent, &done.name, AtFlags::REMOVEDIR) {
             Ok(()) => removed += 1,
             Err(e) => return Err(io("removing", done.name.to_bytes(), depth - 1)(e)),
         }
-        match parent {
-            Some(fd) => current = fd,
-            None => return Ok(removed),
+        current = Dir::new(parent).map_err(|e| io("listing", b"", depth - 1)(e))?;
+    }
+}
+
+/// Lists up to [`BATCH`] more entries of `dir` and removes all but the directories;
+/// returns the directories and whether the listing reached its end.
+fn next_batch(
+    dir: &mut Dir,
+    batch: &mut Vec<(CString, FileType)>,
+    budget: &mut Budget,
+    path: &Path,
+    depth: usize,
+    removed: &mut u64,
+) -> Result<(Vec<CString>, bool), WipeError> {
+    let io = |action: &'static str, entry: &[u8]| {
+        let entry = String::from_utf8_lossy(entry).into_owned();
+        move |e: Errno| WipeError::Io {
+            path: path.to_path_buf(),
+            action,
+            entry,
+            depth,
+            error: e.into(),
+        }
+    };
+    batch.clear();
+    while batch.len() < BATCH {
+        let Some(entry) = dir.read() else { break };
+        let entry = entry.map_err(io("listing", b""))?;
+        if entry.file_name() != c"." && entry.file_name() != c".." {
+            batch.push((entry.file_name().to_owned(), entry.file_type()));
         }
     }
+    let listed_all = batch.len() < BATCH;
+    let fd = dir.fd().map_err(io("listing", b""))?;
+    let mut dirs = Vec::new();
+    for (name, kind) in batch.drain(..) {
+        budget.spend(path)?;
+        let kind = match kind {
+            FileType::Unknown => match rustix::fs::statat(fd, &name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(stat) => FileType::from_raw_mode(stat.st_mode),
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(io("looking at", name.to_bytes())(e)),
+            },
+            kind => kind,
+        };
+        if kind == FileType::Directory {
+            dirs.push(name);
+            continue;
+        }
+        match rustix::fs::unlinkat(fd, &name, AtFlags::empty()) {
+            Ok(()) => *removed += 1,
+            Err(Errno::NOENT) => {}
+            Err(e) => return Err(io("removing", name.to_bytes())(e)),
+        }
+    }
+    // Visited in listing order.
+    dirs.reverse();
+    Ok((dirs, listed_all))
 }
 
 /// Removes `path` (a file, a symlink or a tree) as [`remove_entry`] does.
@@ -354,7 +392,7 @@ mod tests {
     fn a_very_deep_tree_is_removed_without_recursion() {
         let tmp = tempfile::tempdir().unwrap();
         let top = tmp.path().join("deep");
-        deep_tree(&top, 30_000);
+        deep_tree(&top, 10_000);
         // On a thread with a small stack: recursion would overflow it.
         let path = top.clone();
         let removed = std::thread::Builder::new()
@@ -364,8 +402,23 @@ mod tests {
             .join()
             .unwrap()
             .unwrap();
-        assert_eq!(removed, 60_001);
+        assert_eq!(removed, 20_001);
         assert!(fs::symlink_metadata(&top).is_err());
+    }
+
+    #[test]
+    fn a_wide_tree_is_listed_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join("wide");
+        for i in 0..1000 {
+            let sub = top.join(format!("dir-{i}"));
+            fs::create_dir_all(&sub).unwrap();
+            fs::write(sub.join("file"), "").unwrap();
+        }
+        // Every entry counted once: 1000 directories, 1000 files and the top.
+        let mut budget = Budget::new(2001, Duration::from_secs(60));
+        assert_eq!(remove_path(&top, &mut budget).unwrap(), 2001);
+        assert_eq!(budget.entries(), 2001);
     }
 
     #[test]
