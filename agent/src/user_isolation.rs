@@ -54,6 +54,7 @@ use crate::isolation::{
     is_empty_dir, make_private_dir, remove_if_present, wipe_error, with_newline,
     workspace_template, write_file, FoundSlot, IsolationError, SlotIsolation,
 };
+use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
 use crate::wipe::Budget;
 use serde::{Deserialize, Serialize};
@@ -68,6 +69,8 @@ use std::sync::Mutex;
 
 /// Mode of the work dir and `slots/`: slot users may pass through, not list.
 const TRAVERSE_MODE: u32 = 0o711;
+/// How many uids a warm-up tries when `useradd` finds each one taken.
+const UID_ATTEMPTS: u32 = 16;
 /// Login shell of slot users.
 pub const SLOT_SHELL: &str = "/bin/bash";
 
@@ -123,6 +126,7 @@ pub struct UserIsolation {
     namespace: String,
     backing_id: String,
     cgroups: Box<dyn CgroupDriver>,
+    uids: UidAllocator,
     proc_root: PathBuf,
     user_writable_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
@@ -136,6 +140,7 @@ impl UserIsolation {
         namespace: String,
         backing_id: String,
         cgroups: Box<dyn CgroupDriver>,
+        uids: UidAllocator,
     ) -> Result<UserIsolation, IsolationError> {
         let slots_dir = work_dir.join("slots");
         let state_dir = work_dir.join("state");
@@ -154,6 +159,7 @@ impl UserIsolation {
             namespace,
             backing_id,
             cgroups,
+            uids,
             proc_root: PathBuf::from("/proc"),
             user_writable_dirs: USER_WRITABLE_DIRS.iter().map(PathBuf::from).collect(),
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
@@ -203,6 +209,32 @@ impl UserIsolation {
         let json = serde_json::to_string(state).expect("slot state serializes");
         write_file(&tmp, &with_newline(&json), 0o600)?;
         fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
+    }
+
+    /// Creates the slot's user with the next uid of the range (see [`crate::uid_range`]).
+    fn add_user(&self, user: &str, dir: &Path, comment: &str) -> Result<UserInfo, IsolationError> {
+        let mut attempts = 0;
+        loop {
+            let uid = self
+                .uids
+                .allocate(|uid| users::name_of(uid).is_some())
+                .map_err(|e| {
+                    IsolationError::new("allocating a uid for", Path::new(user))(
+                        std::io::Error::other(e),
+                    )
+                })?;
+            match users::add(user, uid, dir, SLOT_SHELL, comment) {
+                // Taken meanwhile (by another agent given an overlapping range): the next.
+                Err(err)
+                    if err.error.kind() == std::io::ErrorKind::AlreadyExists
+                        && attempts < UID_ATTEMPTS =>
+                {
+                    tracing::warn!(user, uid, %err, "uid taken meanwhile; trying the next");
+                    attempts += 1;
+                }
+                result => return result,
+            }
+        }
     }
 
     /// Empty workspace owned by the user, 0700.
@@ -295,7 +327,7 @@ impl SlotIsolation for UserIsolation {
         let user = self.user(slot);
         let dir = self.workspace(slot);
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
-        let info = users::add(&user, &dir, SLOT_SHELL, &comment)?;
+        let info = self.add_user(&user, &dir, &comment)?;
         self.make_workspace(&dir, &info)?;
         self.cgroups.create(&user, &SlotLimits::default())?;
         self.write_state(

@@ -37,6 +37,9 @@ pub const MIN_SLOT_UID: u32 = 1000;
 /// Longest user name `useradd` accepts.
 pub const MAX_USER_NAME: usize = 32;
 
+/// useradd's exit status when the uid asked for is taken.
+const USERADD_UID_IN_USE: i32 = 4;
+
 /// Serialises this process's `useradd`/`userdel` calls.
 static PASSWD: Mutex<()> = Mutex::new(());
 
@@ -159,9 +162,16 @@ fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), Is
             std::thread::sleep(PASSWD_LOCK_PAUSE);
             continue;
         }
-        return Err(IsolationError::new("running", &path)(
-            std::io::Error::other(format!("{} exited with {code}: {stderr}", args.join(" "))),
-        ));
+        // useradd's exit 4: the uid asked for is taken (by a user made meanwhile).
+        let kind = if tool == "useradd" && code == USERADD_UID_IN_USE {
+            std::io::ErrorKind::AlreadyExists
+        } else {
+            std::io::ErrorKind::Other
+        };
+        return Err(IsolationError::new("running", &path)(std::io::Error::new(
+            kind,
+            format!("{} exited with {code}: {stderr}", args.join(" ")),
+        )));
     }
 }
 
@@ -172,17 +182,24 @@ fn passwd_locked(code: i32, stderr: &str) -> bool {
     code == 10 || (code == 1 && stderr.contains("cannot lock"))
 }
 
-/// Creates user `name` with its own group, home `home` (not created here) and `shell`.
+/// Creates user `name` with uid `uid`, its own group, home `home` (not created here) and
+/// `shell`. A uid already taken fails with [`std::io::ErrorKind::AlreadyExists`].
 pub fn add(
     name: &str,
+    uid: u32,
     home: &Path,
     shell: &str,
     comment: &str,
 ) -> Result<UserInfo, IsolationError> {
     let home_arg = home.display().to_string();
+    let uid_arg = uid.to_string();
     run_passwd_tool(
         "useradd",
         &[
+            "--uid",
+            &uid_arg,
+            // Slot uids are high: no sparse lastlog/faillog records for them.
+            "--no-log-init",
             "--no-create-home",
             "--home-dir",
             &home_arg,
@@ -204,6 +221,11 @@ pub fn add(
             "user not found right after useradd",
         ))
     })?;
+    if info.uid != uid {
+        return Err(IsolationError::new("checking uid of", Path::new(name))(
+            std::io::Error::other(format!("uid {} instead of {uid}", info.uid)),
+        ));
+    }
     if info.uid < MIN_SLOT_UID {
         return Err(IsolationError::new("checking uid of", Path::new(name))(
             std::io::Error::other(format!("uid {} is below {MIN_SLOT_UID}", info.uid)),

@@ -37,6 +37,9 @@ pub fn require_root() {
 /// Declare it *before* the [`crate::Pool`] so the agents are gone first.
 pub struct IsolationEnv {
     pub user_prefix: String,
+    /// A `--slot-uid-range` of this test's own (1000 uids picked at random), so parallel
+    /// tests do not hand out each other's uids.
+    pub uid_range: String,
     pub cgroup_parent: String,
     pub run_dir: TempDir,
     layout: CgroupLayout,
@@ -53,6 +56,11 @@ impl IsolationEnv {
         set_mode(run_dir.path(), 0o755);
         IsolationEnv {
             user_prefix: format!("spt{}", tag(5)),
+            uid_range: {
+                use rand::Rng;
+                let first = 3_000_000 + rand::rng().random_range(0..50_000u32) * 1000;
+                format!("{first}-{}", first + 999)
+            },
             cgroup_parent: format!("slotpool-test-{}", tag(8)),
             run_dir,
             layout: cgroup::detect(Path::new("/proc")).expect("cgroup layout"),
@@ -72,6 +80,8 @@ impl IsolationEnv {
             self.user_prefix.clone(),
             "--cgroup-parent".into(),
             self.cgroup_parent.clone(),
+            "--slot-uid-range".into(),
+            self.uid_range.clone(),
             "--run-dir".into(),
             self.run_dir.path().display().to_string(),
         ]
