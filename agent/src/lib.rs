@@ -22,6 +22,7 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
 pub mod uid_range;
@@ -111,6 +112,8 @@ pub async fn run(
             let uids = uid_range::UidAllocator::open(&config.work_dir, config.slot_uids)
                 .map_err(AgentError::Uids)?;
             tracing::info!(range = %config.slot_uids, "slot uids");
+            let shared = shared_dirs::of_host();
+            tracing::info!(dirs = ?shared, "shared directories cleaned of a slot user's entries at release");
             Arc::new(
                 UserIsolation::new(
                     &config.work_dir,
@@ -118,6 +121,7 @@ pub async fn run(
                     config.backing_id.to_string(),
                     driver,
                     uids,
+                    shared,
                 )
                 .map_err(AgentError::Isolation)?,
             )

@@ -51,9 +51,10 @@
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
-    is_empty_dir, make_private_dir, remove_if_present, wipe_error, with_newline,
-    workspace_template, write_file, FoundSlot, IsolationError, SlotIsolation,
+    is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
+    write_file, FoundSlot, IsolationError, SlotIsolation,
 };
+use crate::shared_dirs;
 use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
 use crate::wipe::Budget;
@@ -74,18 +75,6 @@ const UID_ATTEMPTS: u32 = 16;
 /// Login shell of slot users.
 pub const SLOT_SHELL: &str = "/bin/bash";
 
-/// Shared directories where a slot user may leave top-level entries (files it owns are
-/// removed on release): temporary files, cron and at spools, mail.
-const USER_WRITABLE_DIRS: [&str; 8] = [
-    "/tmp",
-    "/var/tmp",
-    "/dev/shm",
-    "/var/spool/cron",
-    "/var/spool/cron/crontabs",
-    "/var/spool/cron/atjobs",
-    "/var/spool/at",
-    "/var/mail",
-];
 /// Directories holding a file named after each user (crontabs, mailboxes), removed on
 /// release whoever owns them.
 const PER_USER_FILE_DIRS: [&str; 4] = [
@@ -128,7 +117,9 @@ pub struct UserIsolation {
     cgroups: Box<dyn CgroupDriver>,
     uids: UidAllocator,
     proc_root: PathBuf,
-    user_writable_dirs: Vec<PathBuf>,
+    /// World-writable directories and spools, cleaned of the uid's entries at release
+    /// (see [`crate::shared_dirs`]).
+    shared_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
     users: Mutex<BTreeMap<u32, SlotUser>>,
 }
@@ -141,6 +132,7 @@ impl UserIsolation {
         backing_id: String,
         cgroups: Box<dyn CgroupDriver>,
         uids: UidAllocator,
+        shared_dirs: Vec<PathBuf>,
     ) -> Result<UserIsolation, IsolationError> {
         let slots_dir = work_dir.join("slots");
         let state_dir = work_dir.join("state");
@@ -161,7 +153,7 @@ impl UserIsolation {
             cgroups,
             uids,
             proc_root: PathBuf::from("/proc"),
-            user_writable_dirs: USER_WRITABLE_DIRS.iter().map(PathBuf::from).collect(),
+            shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
         })
@@ -282,6 +274,10 @@ impl UserIsolation {
             let procs = users::processes_of(&self.proc_root, uid);
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
+            }
+            let owned = shared_dirs::owned_by(&self.shared_dirs, uid);
+            if !owned.is_empty() {
+                left.push(format!("entries {owned:?} of uid {uid}"));
             }
             let ipc = users::ipc_objects_of(&self.proc_root, uid);
             if !ipc.is_empty() {
@@ -405,30 +401,31 @@ impl SlotIsolation for UserIsolation {
         self.users().remove(&slot);
         self.cgroups.remove(&user)?;
         let ws = self.workspace(slot);
+        // Whatever cannot be removed is a reason for the slot to be dirty; the user is
+        // deleted anyway, so nobody logs in to what is left.
+        let mut problems: Vec<String> = Vec::new();
         let mut budget = Budget::for_release();
-        crate::wipe::remove_path(&ws, &mut budget).map_err(wipe_error)?;
+        if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
+            problems.push(err.to_string());
+        }
         if let Some(info) = &info {
-            let dirs: Vec<&Path> = self
-                .user_writable_dirs
-                .iter()
-                .map(PathBuf::as_path)
-                .collect();
-            for err in users::remove_owned_in(&dirs, info.uid, &mut budget) {
-                tracing::warn!(slot, %err, "cannot remove a file the slot user left");
+            for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
+                problems.push(err.to_string());
             }
-            for err in users::remove_ipc_of(&self.proc_root, info.uid) {
-                tracing::warn!(slot, %err, "cannot remove an IPC object the slot user left");
-            }
+            problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
         }
         for file in self.per_user_files(&user) {
             if let Err(e) = fs::remove_file(&file) {
-                tracing::warn!(slot, file = %file.display(), %e, "cannot remove the slot user's spool file");
+                problems.push(format!("removing {}: {e}", file.display()));
             }
         }
         users::remove(&user)?;
         if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid)) {
+            problems.push(format!("still present: {left}"));
+        }
+        if !problems.is_empty() {
             return Err(IsolationError::new("verifying slot is clean", &ws)(
-                std::io::Error::other(format!("still present: {left}")),
+                std::io::Error::other(problems.join("; ")),
             ));
         }
         let state = self.state_file(slot);

@@ -357,35 +357,6 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
     }
 }
 
-/// Removes what `uid` left in the shared temporary directories (`/tmp`, `/var/tmp`,
-/// `/dev/shm`): each top-level entry it owns. Errors are returned for the caller to log.
-pub fn remove_owned_in(
-    dirs: &[&Path],
-    uid: u32,
-    budget: &mut crate::wipe::Budget,
-) -> Vec<IsolationError> {
-    use std::os::unix::fs::MetadataExt;
-    let mut errors = Vec::new();
-    for dir in dirs {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let Ok(meta) = std::fs::symlink_metadata(&path) else {
-                continue;
-            };
-            if meta.uid() != uid {
-                continue;
-            }
-            if let Err(e) = crate::wipe::remove_entry(dir, &entry.file_name(), budget) {
-                errors.push(crate::isolation::wipe_error(e));
-            }
-        }
-    }
-    errors
-}
-
 /// A System V IPC object: shared memory, semaphore set or message queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IpcKind {
