@@ -206,13 +206,18 @@ impl Sshd {
                 "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
                  UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
                  PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
-                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n\
-                 ForceCommand {agent} enter-slot --run-dir {run}\n",
+                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n{slots}",
                 key = key.display(),
                 pid = dir.path().join("sshd.pid").display(),
                 prefix = env.user_prefix,
-                agent = agent.display(),
-                run = env.run_dir.path().display(),
+                slots = slot_match_block(
+                    &env.user_prefix,
+                    &format!(
+                        "{} enter-slot --run-dir {}",
+                        agent.display(),
+                        env.run_dir.path().display()
+                    )
+                ),
             ),
         )
         .expect("writing sshd_config");
@@ -239,10 +244,35 @@ impl Sshd {
         }
     }
 
+    /// The sshd_config it runs with.
+    pub fn config(&self) -> PathBuf {
+        self.dir.path().join("sshd_config")
+    }
+
     /// sshd's log so far (for failure messages).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("sshd.log")).unwrap_or_default()
     }
+}
+
+/// The sshd drop-in slotpool ships for slot logins.
+pub fn shipped_sshd_drop_in() -> PathBuf {
+    crate::workspace_root().join("packaging/etc/sshd/slotpool-slots.conf")
+}
+
+/// The shipped drop-in's `Match` block for users starting with `prefix`, whose logins run
+/// `command` instead of `/usr/bin/slotpool-agent enter-slot`: what is tested is what
+/// ships.
+pub fn slot_match_block(prefix: &str, command: &str) -> String {
+    let shipped = std::fs::read_to_string(shipped_sshd_drop_in()).expect("reading the drop-in");
+    let block = shipped
+        .replace("Match User sp*", &format!("Match User {prefix}*"))
+        .replace("/usr/bin/slotpool-agent enter-slot", command);
+    assert!(
+        block.contains(&format!("Match User {prefix}*")) && block.contains(command),
+        "the shipped drop-in no longer has the lines the tests replace:\n{shipped}"
+    );
+    block
 }
 
 /// A port that was free a moment ago.

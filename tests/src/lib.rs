@@ -26,7 +26,10 @@ mod process;
 mod wait;
 
 pub use agent::{exists, uid_of, SlotAgent, AGENT_CALL_TIMEOUT};
-pub use isolation::{require_root, set_mode, ClientKey, IsolationEnv, Sshd, SSHD};
+pub use isolation::{
+    require_root, set_mode, shipped_sshd_drop_in, slot_match_block, ClientKey, IsolationEnv, Sshd,
+    SSHD,
+};
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
 pub use pool::{config_yaml, config_yaml_with, kill_agents, label, wait_served, Pool, AGENT_ARGS};
 pub use process::{bin_path, workspace_root, ChildGuard};

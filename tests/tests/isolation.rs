@@ -7,8 +7,8 @@ use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
 use slotpool_protocol::store::{Change, Versioned};
 use slotpool_tests::{
-    exists, label, next_within, set_mode, uid_of, wait_for, wait_for_some, ClientKey, IsolationEnv,
-    Pool, SlotAgent, Sshd, AGENT_ARGS,
+    exists, label, next_within, set_mode, shipped_sshd_drop_in, uid_of, wait_for, wait_for_some,
+    ClientKey, IsolationEnv, Pool, SlotAgent, Sshd, AGENT_ARGS,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -527,5 +527,108 @@ async fn the_agent_refuses_a_forged_key_line() {
     assert!(!exists(&keys), "a key file was written");
     agent.prepare(0, "node-a", Some(&good)).await.unwrap();
     assert_eq!(std::fs::read_to_string(&keys).unwrap(), format!("{good}\n"));
+    agent.release(0, "node-a").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_sshd_drop_in_is_what_the_tests_run_and_sshd_accepts_it() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let config = std::fs::read_to_string(sshd.config()).unwrap();
+    let shipped = std::fs::read_to_string(shipped_sshd_drop_in()).unwrap();
+    for line in shipped.lines().filter(|l| {
+        let l = l.trim();
+        !l.is_empty()
+            && !l.starts_with('#')
+            && !l.starts_with("Match")
+            && !l.starts_with("ForceCommand")
+    }) {
+        assert!(
+            config.contains(line),
+            "{line:?} missing from the test sshd's config"
+        );
+    }
+    let out = std::process::Command::new(slotpool_tests::SSHD)
+        .arg("-t")
+        .arg("-f")
+        .arg(sshd.config())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sshd -t refuses the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forwarding_from_a_slot_login_is_refused() {
+    use std::io::{Read, Write};
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    // What a job would reach through the tunnel.
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    target.set_nonblocking(true).unwrap();
+    let local = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd = std::process::Command::new("ssh");
+    cmd.args([
+        "-F",
+        "/dev/null",
+        "-N",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-i",
+    ])
+    .arg(key.dir.path().join("id"))
+    .arg("-L")
+    .arg(format!(
+        "127.0.0.1:{local}:127.0.0.1:{}",
+        target.local_addr().unwrap().port()
+    ))
+    .args(["-p", &sshd.port.to_string(), &format!("{user}@127.0.0.1")])
+    .stdin(std::process::Stdio::null())
+    .stderr(log.reopen().unwrap());
+    let _ssh = slotpool_tests::ChildGuard::spawn("ssh -L", cmd).unwrap();
+    let mut conn = slotpool_tests::wait_for_some(
+        "ssh to listen on the forwarded port",
+        Duration::from_secs(20),
+        || async { std::net::TcpStream::connect(("127.0.0.1", local)).ok() },
+    )
+    .await;
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let _ = conn.write_all(b"hello through the tunnel\n");
+    let mut buf = [0u8; 64];
+    let read = conn.read(&mut buf);
+    let stderr = std::fs::read_to_string(log.path()).unwrap_or_default();
+    assert!(
+        matches!(read, Ok(0))
+            || read
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the forwarded connection stayed open ({read:?}): {stderr}"
+    );
+    assert!(
+        target
+            .accept()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "a connection reached the target through the tunnel: {stderr}"
+    );
     agent.release(0, "node-a").await.unwrap();
 }
