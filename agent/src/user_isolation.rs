@@ -35,19 +35,16 @@
 //! **Release** kills by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
-//! cgroup, the workspace (with the key), what the uid owns in `/tmp`, `/var/tmp` and
-//! `/dev/shm`, the user's crontab, at jobs and mail, and the user, and **verifies** the
-//! slot is clean (no process with the uid, no cgroup, no workspace, no crontab, no user)
-//! before reporting success.
+//! cgroup, the workspace (with the key; see [`crate::wipe`]), what the uid owns in the
+//! host's shared directories ([`crate::shared_dirs`]), its System V IPC objects, the
+//! user's crontab, at jobs and mail, and the user, and **verifies** the slot is clean (no
+//! process, IPC object or shared-directory entry of the uid, no cgroup, no workspace, no
+//! crontab, no user) before reporting success. Any removal that failed is an error too:
+//! the slot becomes dirty with the reasons.
 //!
-//! **uid reuse.** The user deleted by a release is made again by the warm-up that
-//! follows, and `useradd` usually hands out the same uid (the next free one). That is
-//! safe because nothing of the old uid is left to inherit: no process (killed and
-//! verified), no workspace, nothing it owned at the top of the shared temporary
-//! directories or the cron/at/mail spools. Files the old job made *inside* other
-//! directories it could write to (say a world-writable directory of another program)
-//! would pass to the new user, as they would to any later user with that uid; slotpool
-//! does not scan the whole file system. SysV IPC objects are not removed either.
+//! **uids.** Each warm-up makes the user with the next uid of the agent's range
+//! ([`crate::uid_range`]), never the uid just freed, so nothing the old uid may still own
+//! somewhere passes to the next tenant of the slot.
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
