@@ -85,12 +85,24 @@ pub fn scan(roots: &[PathBuf]) -> Vec<PathBuf> {
 pub fn of_host() -> Vec<PathBuf> {
     let roots: Vec<PathBuf> = SCAN_ROOTS.iter().map(PathBuf::from).collect();
     let mut dirs = scan(&roots);
-    for spool in SPOOL_DIRS.iter().map(PathBuf::from) {
-        if spool.is_dir() && !dirs.contains(&spool) {
+    let spools: Vec<PathBuf> = SPOOL_DIRS.iter().map(PathBuf::from).collect();
+    for spool in real_dirs(&spools) {
+        if !dirs.contains(&spool) {
             dirs.push(spool);
         }
     }
     dirs
+}
+
+/// The paths that are directories themselves, not symlinks to one (`/var/spool/mail` is
+/// often a link to `/var/mail`, listed on its own): removals start from a directory
+/// opened without following its last component.
+fn real_dirs(paths: &[PathBuf]) -> Vec<PathBuf> {
+    paths
+        .iter()
+        .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+        .cloned()
+        .collect()
 }
 
 /// The top-level entries of `dirs` owned by `uid`.
@@ -154,6 +166,20 @@ mod tests {
             vec![root.clone(), root.join("a/open")],
             "depth 2 at most, once each, no symlink"
         );
+    }
+
+    #[test]
+    fn spools_reached_through_a_symlink_are_left_to_their_real_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mail = tmp.path().join("mail");
+        fs::create_dir(&mail).unwrap();
+        std::os::unix::fs::symlink(&mail, tmp.path().join("spool-mail")).unwrap();
+        let candidates = [
+            mail.clone(),
+            tmp.path().join("spool-mail"),
+            tmp.path().join("none"),
+        ];
+        assert_eq!(real_dirs(&candidates), vec![mail]);
     }
 
     #[test]

@@ -446,6 +446,36 @@ mod tests {
     }
 
     #[test]
+    fn another_file_system_inside_the_tree_is_left_alone() {
+        // Mounting needs root, as the agent's tests have (they fail loudly without it).
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join("ws");
+        let mnt = top.join("sub/mnt");
+        fs::create_dir_all(&mnt).unwrap();
+        let mount = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "slotpool-wipe-test"])
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(mount.success(), "mounting a tmpfs (run as root)");
+        fs::write(mnt.join("precious"), "x").unwrap();
+        let result = remove_path(&top, &mut budget());
+        let kept = mnt.join("precious").exists();
+        let umount = std::process::Command::new("umount")
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(umount.success());
+        let err = result.unwrap_err();
+        assert!(
+            matches!(&err, WipeError::OtherFileSystem { entry, depth: 2, .. } if entry == "mnt"),
+            "{err}"
+        );
+        assert!(kept, "the mounted file system was emptied");
+        remove_path(&top, &mut budget()).unwrap();
+    }
+
+    #[test]
     fn an_exhausted_budget_is_an_error() {
         let tmp = tempfile::tempdir().unwrap();
         let top = tmp.path().join("wide");
