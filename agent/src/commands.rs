@@ -13,7 +13,7 @@
 //! - `release_slot` → `{"ok":{}}`
 //! - `close`, `open` → `{"ok":{"prepared":[<slot>, ...]}}`
 //! - failures → `{"error":{"code":"<code>","message":"..."}}` with code `bad_request`
-//!   (malformed, slot out of range), `too_large`, `unavailable` (prepare while closed,
+//!   (malformed, slot out of range, an `ssh_public_key` that is not one plain key), `too_large`, `unavailable` (prepare while closed,
 //!   or of a dirty slot) or `internal` (slot held by another node, isolation failure,
 //!   a release that could not clean its slot, queue full)
 
@@ -23,6 +23,7 @@ use futures::{Stream, StreamExt};
 use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
 use slotpool_protocol::connect::{Bus, Incoming};
 use slotpool_protocol::model::SlotLogin;
+use slotpool_protocol::ssh_key::validate_public_key;
 use slotpool_protocol::{NodeId, MAX_MESSAGE_BYTES};
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,6 +122,15 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
             ssh_public_key,
             limits,
         } => {
+            // The key becomes a line of authorized_keys: nothing but one plain key.
+            if let Some(Err(err)) = ssh_public_key.as_deref().map(validate_public_key) {
+                tracing::warn!(%err, "refusing prepare: bad ssh_public_key");
+                return reply_with::<SlotPrepared>(Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    format!("invalid ssh_public_key: {err}"),
+                )))
+                .into();
+            }
             let result = slots.prepare(slot, &node_id, ssh_public_key, limits).await;
             match &result {
                 Ok(p) => tracing::info!(

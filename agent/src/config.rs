@@ -4,6 +4,7 @@
 //! The secret never comes from argv (it would show in `ps`): only from the environment
 //! ([`SECRET_ENV`]) or a file (`--secret-file`), and only its SHA-256 is kept.
 
+use crate::uid_range::UidRange;
 use clap::Parser;
 use slotpool_protocol::connect::NatsOptions;
 use slotpool_protocol::{model, BackingId};
@@ -75,6 +76,11 @@ pub struct Args {
     /// Start of slot user names: `<prefix><8 hex of sha256(backing id)>s<slot>`.
     #[arg(long, value_name = "PREFIX", default_value = "sp")]
     pub user_prefix: String,
+    /// uids of slot users, FIRST-LAST: handed out in order and wrapping only at the end,
+    /// so a slot's next user never gets the uid just freed. Agents sharing a host need
+    /// ranges of their own.
+    #[arg(long, value_name = "FIRST-LAST", default_value = crate::uid_range::DEFAULT_RANGE)]
+    pub slot_uid_range: String,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -149,6 +155,8 @@ pub struct AgentConfig {
     /// User-name namespace of this agent: `<prefix><8 hex of sha256(backing id)>`.
     pub namespace: String,
     pub cgroup_parent: String,
+    /// Where slot users' uids come from.
+    pub slot_uids: UidRange,
     pub run_dir: PathBuf,
     pub ssh_port: u16,
     pub ssh_host_keys_dir: PathBuf,
@@ -194,6 +202,8 @@ pub enum ConfigError {
         "invalid --cgroup-parent {0:?}: use one directory name of A-Z, a-z, 0-9, '_', '-' and '.'"
     )]
     CgroupParent(String),
+    #[error("--slot-uid-range: {0}")]
+    UidRange(crate::uid_range::UidError),
     #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
     ProbeTiming,
 }
@@ -245,6 +255,7 @@ impl Args {
         if !parent_ok {
             return Err(ConfigError::CgroupParent(self.cgroup_parent));
         }
+        let slot_uids = UidRange::parse(&self.slot_uid_range).map_err(ConfigError::UidRange)?;
         if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
             return Err(ConfigError::ProbeTiming);
         }
@@ -263,6 +274,7 @@ impl Args {
             heartbeat_ttl,
             isolation,
             cgroup_parent: self.cgroup_parent,
+            slot_uids,
             run_dir: self.run_dir,
             ssh_port: self.ssh_port,
             ssh_host_keys_dir: self.ssh_host_keys_dir,
@@ -438,6 +450,22 @@ mod tests {
             .into_config_as(env_secret(), false)
             .unwrap();
         assert_eq!(c.isolation, IsolationMode::None);
+        assert_eq!(c.slot_uids.to_string(), crate::uid_range::DEFAULT_RANGE);
+        let c = args(&["--slot-uid-range", "3000000-3000999"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(
+            (c.slot_uids.first, c.slot_uids.last),
+            (3_000_000, 3_000_999)
+        );
+        let err = args(&["--slot-uid-range", "10-20"])
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--slot-uid-range: invalid uid range 10-20"),
+            "{err}"
+        );
         for bad in [
             &["--user-prefix", "Bad"][..],
             &["--cgroup-parent", "a/b"][..],

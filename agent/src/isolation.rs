@@ -26,6 +26,7 @@
 //! only adds the key and the marker. A warm slot is one whose empty workspace exists
 //! and whose marker names no node; one with anything in it is cold and wiped before use.
 
+use crate::wipe::{Budget, WipeError};
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
@@ -393,9 +394,10 @@ fn empty_dir(dir: &Path) -> Result<(), IsolationError> {
     fs::set_permissions(dir, fs::Permissions::from_mode(WORKSPACE_MODE))
         .map_err(IsolationError::new("setting mode 0700 on", dir))?;
     let entries = fs::read_dir(dir).map_err(IsolationError::new("listing", dir))?;
+    let mut budget = Budget::for_release();
     for entry in entries {
         let entry = entry.map_err(IsolationError::new("listing", dir))?;
-        remove_if_present(&entry.path())?;
+        crate::wipe::remove_entry(dir, &entry.file_name(), &mut budget).map_err(wipe_error)?;
     }
     if is_empty_dir(dir) {
         Ok(())
@@ -412,18 +414,20 @@ pub(crate) fn is_empty_dir(dir: &Path) -> bool {
         && fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_none())
 }
 
-/// Removes a file or a directory tree; fine when there is nothing.
+/// Removes a file, a symlink or a directory tree (without recursion, following nothing:
+/// see [`crate::wipe`]) within a release's [`Budget`]; fine when there is nothing.
 pub(crate) fn remove_if_present(path: &Path) -> Result<(), IsolationError> {
-    let result = match fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => Err(e),
-        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
-        Ok(_) => fs::remove_file(path),
-    };
-    match result {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(IsolationError::new("removing", path)(e)),
+    crate::wipe::remove_path(path, &mut Budget::for_release())
+        .map(|_| ())
+        .map_err(wipe_error)
+}
+
+/// A removal that stopped, as an isolation error naming the path it was removing.
+pub(crate) fn wipe_error(err: WipeError) -> IsolationError {
+    IsolationError {
+        action: "wiping",
+        path: err.path().to_path_buf(),
+        error: std::io::Error::other(err),
     }
 }
 

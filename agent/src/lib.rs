@@ -23,10 +23,13 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
+pub mod uid_range;
 pub mod user_isolation;
 pub mod users;
+pub mod wipe;
 
 pub use config::{AgentConfig, Args};
 
@@ -74,6 +77,8 @@ pub enum AgentError {
     CommandsEnded { subject: String },
     #[error("setting up slot isolation: {0}")]
     Isolation(IsolationError),
+    #[error("setting up slot uids: {0}")]
+    Uids(uid_range::UidError),
     #[error("setting up login placement: {0}")]
     Enter(enter::EnterError),
 }
@@ -105,12 +110,19 @@ pub async fn run(
                 "cgroup layout detected"
             );
             let driver = cgroup::driver(&layout, &config.cgroup_parent);
+            let uids = uid_range::UidAllocator::open(&config.work_dir, config.slot_uids)
+                .map_err(AgentError::Uids)?;
+            tracing::info!(range = %config.slot_uids, "slot uids");
+            let shared = shared_dirs::of_host();
+            tracing::info!(dirs = ?shared, "shared directories cleaned of a slot user's entries at release");
             Arc::new(
                 UserIsolation::new(
                     &config.work_dir,
                     config.namespace.clone(),
                     config.backing_id.to_string(),
                     driver,
+                    uids,
+                    shared,
                 )
                 .map_err(AgentError::Isolation)?,
             )

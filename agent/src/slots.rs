@@ -420,7 +420,15 @@ impl Slots {
         f: impl FnOnce() -> Result<T, IsolationError> + Send + 'static,
     ) -> Result<T, SlotError> {
         if self.isolation.quick_setup() {
-            f().map_err(|error| SlotError::Isolation { slot, error })
+            // A panic is this slot's failure, never the lane's or the agent's.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(result) => result.map_err(|error| SlotError::Isolation { slot, error }),
+                Err(panic) => Err(SlotError::Task {
+                    slot,
+                    action,
+                    message: panic_message(panic.as_ref()),
+                }),
+            }
         } else {
             blocking(slot, action, f).await
         }
@@ -541,7 +549,18 @@ impl Slots {
     }
 }
 
-/// Runs an isolation call off the async runtime.
+/// What a caught panic said.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)");
+    format!("panicked: {text}")
+}
+
+/// Runs an isolation call off the async runtime. A panic in it (a `JoinError`) is this
+/// slot's failure: a release that panics leaves its slot dirty with the panic's message.
 async fn blocking<T: Send + 'static>(
     slot: u32,
     action: &'static str,
@@ -552,7 +571,10 @@ async fn blocking<T: Send + 'static>(
         .map_err(|err| SlotError::Task {
             slot,
             action,
-            message: err.to_string(),
+            message: match err.try_into_panic() {
+                Ok(panic) => panic_message(panic.as_ref()),
+                Err(err) => err.to_string(),
+            },
         })?
         .map_err(|error| SlotError::Isolation { slot, error })
 }
@@ -759,6 +781,68 @@ mod tests {
         std::fs::remove_file(work.path().join("dirty/1")).unwrap();
         assert!(slots.dirty_slots().is_empty());
         slots.prepare(1, &node("node-c"), None, L).await.unwrap();
+    }
+
+    /// An isolation whose destroy of slot 1 panics.
+    struct Panicking(WorkspaceOnly);
+
+    impl SlotIsolation for Panicking {
+        fn name(&self) -> &'static str {
+            "panicking"
+        }
+        fn workspace(&self, slot: u32) -> PathBuf {
+            self.0.workspace(slot)
+        }
+        fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
+            self.0.slot_names()
+        }
+        fn warm(&self, slot: u32) -> Result<(), IsolationError> {
+            self.0.warm(slot)
+        }
+        fn prepare_warm(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &SlotLimits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.0.prepare_warm(slot, node_id, key, limits)
+        }
+        fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
+            assert_ne!(slot, 1, "slot 1 cannot be destroyed");
+            self.0.destroy(slot)
+        }
+        fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
+            self.0.recover()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_a_release_leaves_only_that_slot_dirty() {
+        let work = tempfile::tempdir().unwrap();
+        let iso = Arc::new(Panicking(WorkspaceOnly::new(work.path()).unwrap()));
+        let slots = Slots::recover(iso, 2)
+            .await
+            .unwrap()
+            .with_dirty_dir(work.path().join("dirty"))
+            .unwrap();
+        let (a, b) = (node("node-a"), node("node-b"));
+        slots.prepare(0, &a, None, L).await.unwrap();
+        let err = slots.release(1, &a).await.unwrap_err();
+        assert!(
+            matches!(err, SlotError::Unclean { slot: 1, .. })
+                && err.to_string().contains("panicked: assertion")
+                && err.to_string().contains("slot 1 cannot be destroyed"),
+            "{err}"
+        );
+        assert_eq!(slots.dirty_slots(), vec![1]);
+        let reason = std::fs::read_to_string(work.path().join("dirty/1")).unwrap();
+        assert!(reason.contains("slot 1 cannot be destroyed"), "{reason}");
+        // The other slot goes on working.
+        slots.release(0, &a).await.unwrap();
+        slots.prepare(0, &b, None, L).await.unwrap();
+        slots.release(0, &b).await.unwrap();
+        assert_eq!(slots.dirty_slots(), vec![1]);
     }
 
     #[test]

@@ -35,26 +35,26 @@
 //! **Release** kills by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
-//! cgroup, the workspace (with the key), what the uid owns in `/tmp`, `/var/tmp` and
-//! `/dev/shm`, the user's crontab, at jobs and mail, and the user, and **verifies** the
-//! slot is clean (no process with the uid, no cgroup, no workspace, no crontab, no user)
-//! before reporting success.
+//! cgroup, the workspace (with the key; see [`crate::wipe`]), what the uid owns in the
+//! host's shared directories ([`crate::shared_dirs`]), its System V IPC objects, the
+//! user's crontab, at jobs and mail, and the user, and **verifies** the slot is clean (no
+//! process, IPC object or shared-directory entry of the uid, no cgroup, no workspace, no
+//! crontab, no user) before reporting success. Any removal that failed is an error too:
+//! the slot becomes dirty with the reasons.
 //!
-//! **uid reuse.** The user deleted by a release is made again by the warm-up that
-//! follows, and `useradd` usually hands out the same uid (the next free one). That is
-//! safe because nothing of the old uid is left to inherit: no process (killed and
-//! verified), no workspace, nothing it owned at the top of the shared temporary
-//! directories or the cron/at/mail spools. Files the old job made *inside* other
-//! directories it could write to (say a world-writable directory of another program)
-//! would pass to the new user, as they would to any later user with that uid; slotpool
-//! does not scan the whole file system. SysV IPC objects are not removed either.
+//! **uids.** Each warm-up makes the user with the next uid of the agent's range
+//! ([`crate::uid_range`]), never the uid just freed, so nothing the old uid may still own
+//! somewhere passes to the next tenant of the slot.
 
 use crate::cgroup::CgroupDriver;
 use crate::isolation::{
     is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
     write_file, FoundSlot, IsolationError, SlotIsolation,
 };
+use crate::shared_dirs;
+use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
+use crate::wipe::Budget;
 use serde::{Deserialize, Serialize};
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::model::SlotNames;
@@ -67,21 +67,11 @@ use std::sync::Mutex;
 
 /// Mode of the work dir and `slots/`: slot users may pass through, not list.
 const TRAVERSE_MODE: u32 = 0o711;
+/// How many uids a warm-up tries when `useradd` finds each one taken.
+const UID_ATTEMPTS: u32 = 16;
 /// Login shell of slot users.
 pub const SLOT_SHELL: &str = "/bin/bash";
 
-/// Shared directories where a slot user may leave top-level entries (files it owns are
-/// removed on release): temporary files, cron and at spools, mail.
-const USER_WRITABLE_DIRS: [&str; 8] = [
-    "/tmp",
-    "/var/tmp",
-    "/dev/shm",
-    "/var/spool/cron",
-    "/var/spool/cron/crontabs",
-    "/var/spool/cron/atjobs",
-    "/var/spool/at",
-    "/var/mail",
-];
 /// Directories holding a file named after each user (crontabs, mailboxes), removed on
 /// release whoever owns them.
 const PER_USER_FILE_DIRS: [&str; 4] = [
@@ -122,8 +112,11 @@ pub struct UserIsolation {
     namespace: String,
     backing_id: String,
     cgroups: Box<dyn CgroupDriver>,
+    uids: UidAllocator,
     proc_root: PathBuf,
-    user_writable_dirs: Vec<PathBuf>,
+    /// World-writable directories and spools, cleaned of the uid's entries at release
+    /// (see [`crate::shared_dirs`]).
+    shared_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
     users: Mutex<BTreeMap<u32, SlotUser>>,
 }
@@ -135,6 +128,8 @@ impl UserIsolation {
         namespace: String,
         backing_id: String,
         cgroups: Box<dyn CgroupDriver>,
+        uids: UidAllocator,
+        shared_dirs: Vec<PathBuf>,
     ) -> Result<UserIsolation, IsolationError> {
         let slots_dir = work_dir.join("slots");
         let state_dir = work_dir.join("state");
@@ -153,8 +148,9 @@ impl UserIsolation {
             namespace,
             backing_id,
             cgroups,
+            uids,
             proc_root: PathBuf::from("/proc"),
-            user_writable_dirs: USER_WRITABLE_DIRS.iter().map(PathBuf::from).collect(),
+            shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
         })
@@ -204,6 +200,32 @@ impl UserIsolation {
         fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
     }
 
+    /// Creates the slot's user with the next uid of the range (see [`crate::uid_range`]).
+    fn add_user(&self, user: &str, dir: &Path, comment: &str) -> Result<UserInfo, IsolationError> {
+        let mut attempts = 0;
+        loop {
+            let uid = self
+                .uids
+                .allocate(|uid| users::name_of(uid).is_some())
+                .map_err(|e| {
+                    IsolationError::new("allocating a uid for", Path::new(user))(
+                        std::io::Error::other(e),
+                    )
+                })?;
+            match users::add(user, uid, dir, SLOT_SHELL, comment) {
+                // Taken meanwhile (by another agent given an overlapping range): the next.
+                Err(err)
+                    if err.error.kind() == std::io::ErrorKind::AlreadyExists
+                        && attempts < UID_ATTEMPTS =>
+                {
+                    tracing::warn!(user, uid, %err, "uid taken meanwhile; trying the next");
+                    attempts += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
     /// Empty workspace owned by the user, 0700.
     fn make_workspace(&self, dir: &Path, info: &UserInfo) -> Result<(), IsolationError> {
         make_private_dir(dir)?;
@@ -250,6 +272,10 @@ impl UserIsolation {
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
             }
+            let owned = shared_dirs::owned_by(&self.shared_dirs, uid);
+            if !owned.is_empty() {
+                left.push(format!("entries {owned:?} of uid {uid}"));
+            }
             let ipc = users::ipc_objects_of(&self.proc_root, uid);
             if !ipc.is_empty() {
                 left.push(format!("System V IPC objects {ipc:?} of uid {uid}"));
@@ -294,7 +320,7 @@ impl SlotIsolation for UserIsolation {
         let user = self.user(slot);
         let dir = self.workspace(slot);
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
-        let info = users::add(&user, &dir, SLOT_SHELL, &comment)?;
+        let info = self.add_user(&user, &dir, &comment)?;
         self.make_workspace(&dir, &info)?;
         self.cgroups.create(&user, &SlotLimits::default())?;
         self.write_state(
@@ -372,33 +398,31 @@ impl SlotIsolation for UserIsolation {
         self.users().remove(&slot);
         self.cgroups.remove(&user)?;
         let ws = self.workspace(slot);
-        match fs::remove_dir_all(&ws) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(IsolationError::new("removing", &ws)(e)),
+        // Whatever cannot be removed is a reason for the slot to be dirty; the user is
+        // deleted anyway, so nobody logs in to what is left.
+        let mut problems: Vec<String> = Vec::new();
+        let mut budget = Budget::for_release();
+        if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
+            problems.push(err.to_string());
         }
         if let Some(info) = &info {
-            let dirs: Vec<&Path> = self
-                .user_writable_dirs
-                .iter()
-                .map(PathBuf::as_path)
-                .collect();
-            for err in users::remove_owned_in(&dirs, info.uid) {
-                tracing::warn!(slot, %err, "cannot remove a file the slot user left");
+            for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
+                problems.push(err.to_string());
             }
-            for err in users::remove_ipc_of(&self.proc_root, info.uid) {
-                tracing::warn!(slot, %err, "cannot remove an IPC object the slot user left");
-            }
+            problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
         }
         for file in self.per_user_files(&user) {
             if let Err(e) = fs::remove_file(&file) {
-                tracing::warn!(slot, file = %file.display(), %e, "cannot remove the slot user's spool file");
+                problems.push(format!("removing {}: {e}", file.display()));
             }
         }
         users::remove(&user)?;
         if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid)) {
+            problems.push(format!("still present: {left}"));
+        }
+        if !problems.is_empty() {
             return Err(IsolationError::new("verifying slot is clean", &ws)(
-                std::io::Error::other(format!("still present: {left}")),
+                std::io::Error::other(problems.join("; ")),
             ));
         }
         let state = self.state_file(slot);

@@ -37,6 +37,9 @@ pub const MIN_SLOT_UID: u32 = 1000;
 /// Longest user name `useradd` accepts.
 pub const MAX_USER_NAME: usize = 32;
 
+/// useradd's exit status when the uid asked for is taken.
+const USERADD_UID_IN_USE: i32 = 4;
+
 /// Serialises this process's `useradd`/`userdel` calls.
 static PASSWD: Mutex<()> = Mutex::new(());
 
@@ -159,9 +162,16 @@ fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), Is
             std::thread::sleep(PASSWD_LOCK_PAUSE);
             continue;
         }
-        return Err(IsolationError::new("running", &path)(
-            std::io::Error::other(format!("{} exited with {code}: {stderr}", args.join(" "))),
-        ));
+        // useradd's exit 4: the uid asked for is taken (by a user made meanwhile).
+        let kind = if tool == "useradd" && code == USERADD_UID_IN_USE {
+            std::io::ErrorKind::AlreadyExists
+        } else {
+            std::io::ErrorKind::Other
+        };
+        return Err(IsolationError::new("running", &path)(std::io::Error::new(
+            kind,
+            format!("{} exited with {code}: {stderr}", args.join(" ")),
+        )));
     }
 }
 
@@ -172,17 +182,24 @@ fn passwd_locked(code: i32, stderr: &str) -> bool {
     code == 10 || (code == 1 && stderr.contains("cannot lock"))
 }
 
-/// Creates user `name` with its own group, home `home` (not created here) and `shell`.
+/// Creates user `name` with uid `uid`, its own group, home `home` (not created here) and
+/// `shell`. A uid already taken fails with [`std::io::ErrorKind::AlreadyExists`].
 pub fn add(
     name: &str,
+    uid: u32,
     home: &Path,
     shell: &str,
     comment: &str,
 ) -> Result<UserInfo, IsolationError> {
     let home_arg = home.display().to_string();
+    let uid_arg = uid.to_string();
     run_passwd_tool(
         "useradd",
         &[
+            "--uid",
+            &uid_arg,
+            // Slot uids are high: no sparse lastlog/faillog records for them.
+            "--no-log-init",
             "--no-create-home",
             "--home-dir",
             &home_arg,
@@ -204,6 +221,11 @@ pub fn add(
             "user not found right after useradd",
         ))
     })?;
+    if info.uid != uid {
+        return Err(IsolationError::new("checking uid of", Path::new(name))(
+            std::io::Error::other(format!("uid {} instead of {uid}", info.uid)),
+        ));
+    }
     if info.uid < MIN_SLOT_UID {
         return Err(IsolationError::new("checking uid of", Path::new(name))(
             std::io::Error::other(format!("uid {} is below {MIN_SLOT_UID}", info.uid)),
@@ -333,36 +355,6 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-/// Removes what `uid` left in the shared temporary directories (`/tmp`, `/var/tmp`,
-/// `/dev/shm`): each top-level entry it owns. Errors are returned for the caller to log.
-pub fn remove_owned_in(dirs: &[&Path], uid: u32) -> Vec<IsolationError> {
-    use std::os::unix::fs::MetadataExt;
-    let mut errors = Vec::new();
-    for dir in dirs {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let Ok(meta) = std::fs::symlink_metadata(&path) else {
-                continue;
-            };
-            if meta.uid() != uid {
-                continue;
-            }
-            let result = if meta.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            if let Err(e) = result {
-                errors.push(IsolationError::new("removing", &path)(e));
-            }
-        }
-    }
-    errors
 }
 
 /// A System V IPC object: shared memory, semaphore set or message queue.

@@ -30,7 +30,6 @@ use std::time::Duration;
 use tracing::Instrument;
 
 const MAX_REQUESTOR_LEN: usize = 256;
-const MAX_SSH_KEY_LEN: usize = 16 * 1024;
 
 /// Serves the API until shutdown.
 pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
@@ -193,13 +192,12 @@ fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
             "requestor must be 1 to {MAX_REQUESTOR_LEN} characters"
         )));
     }
-    if s.ssh_public_key
-        .as_ref()
-        .is_some_and(|k| k.len() > MAX_SSH_KEY_LEN || k.contains('\n'))
+    if let Some(Err(err)) = s
+        .ssh_public_key
+        .as_deref()
+        .map(slotpool_protocol::ssh_key::validate_public_key)
     {
-        return Err(bad(format!(
-            "ssh_public_key must be one line of at most {MAX_SSH_KEY_LEN} characters"
-        )));
+        return Err(bad(format!("invalid ssh_public_key: {err}")));
     }
     if let Some(unknown) = s.labels.iter().find(|l| sh.config.sites(l).is_empty()) {
         let known = sh.config.label_names().join(", ");

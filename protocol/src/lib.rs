@@ -11,6 +11,7 @@ pub mod connect;
 pub mod ids;
 pub mod layout;
 pub mod model;
+pub mod ssh_key;
 pub mod store;
 pub mod time;
 

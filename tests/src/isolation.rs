@@ -37,6 +37,9 @@ pub fn require_root() {
 /// Declare it *before* the [`crate::Pool`] so the agents are gone first.
 pub struct IsolationEnv {
     pub user_prefix: String,
+    /// A `--slot-uid-range` of this test's own (1000 uids picked at random), so parallel
+    /// tests do not hand out each other's uids.
+    pub uid_range: String,
     pub cgroup_parent: String,
     pub run_dir: TempDir,
     layout: CgroupLayout,
@@ -53,6 +56,11 @@ impl IsolationEnv {
         set_mode(run_dir.path(), 0o755);
         IsolationEnv {
             user_prefix: format!("spt{}", tag(5)),
+            uid_range: {
+                use rand::Rng;
+                let first = 3_000_000 + rand::rng().random_range(0..50_000u32) * 1000;
+                format!("{first}-{}", first + 999)
+            },
             cgroup_parent: format!("slotpool-test-{}", tag(8)),
             run_dir,
             layout: cgroup::detect(Path::new("/proc")).expect("cgroup layout"),
@@ -72,6 +80,8 @@ impl IsolationEnv {
             self.user_prefix.clone(),
             "--cgroup-parent".into(),
             self.cgroup_parent.clone(),
+            "--slot-uid-range".into(),
+            self.uid_range.clone(),
             "--run-dir".into(),
             self.run_dir.path().display().to_string(),
         ]
@@ -196,13 +206,18 @@ impl Sshd {
                 "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
                  UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
                  PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
-                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n\
-                 ForceCommand {agent} enter-slot --run-dir {run}\n",
+                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n{slots}",
                 key = key.display(),
                 pid = dir.path().join("sshd.pid").display(),
                 prefix = env.user_prefix,
-                agent = agent.display(),
-                run = env.run_dir.path().display(),
+                slots = slot_match_block(
+                    &env.user_prefix,
+                    &format!(
+                        "{} enter-slot --run-dir {}",
+                        agent.display(),
+                        env.run_dir.path().display()
+                    )
+                ),
             ),
         )
         .expect("writing sshd_config");
@@ -229,10 +244,35 @@ impl Sshd {
         }
     }
 
+    /// The sshd_config it runs with.
+    pub fn config(&self) -> PathBuf {
+        self.dir.path().join("sshd_config")
+    }
+
     /// sshd's log so far (for failure messages).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("sshd.log")).unwrap_or_default()
     }
+}
+
+/// The sshd drop-in slotpool ships for slot logins.
+pub fn shipped_sshd_drop_in() -> PathBuf {
+    crate::workspace_root().join("packaging/etc/sshd/slotpool-slots.conf")
+}
+
+/// The shipped drop-in's `Match` block for users starting with `prefix`, whose logins run
+/// `command` instead of `/usr/bin/slotpool-agent enter-slot`: what is tested is what
+/// ships.
+pub fn slot_match_block(prefix: &str, command: &str) -> String {
+    let shipped = std::fs::read_to_string(shipped_sshd_drop_in()).expect("reading the drop-in");
+    let block = shipped
+        .replace("Match User sp*", &format!("Match User {prefix}*"))
+        .replace("/usr/bin/slotpool-agent enter-slot", command);
+    assert!(
+        block.contains(&format!("Match User {prefix}*")) && block.contains(command),
+        "the shipped drop-in no longer has the lines the tests replace:\n{shipped}"
+    );
+    block
 }
 
 /// A port that was free a moment ago.

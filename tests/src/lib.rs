@@ -7,6 +7,7 @@
 //! - [`bin_path`]: the workspace's binaries, built by `cargo build --workspace --bins`.
 //! - [`wait_for`], [`wait_for_some`], [`next_within`]: condition waits with a deadline, so
 //!   tests never sleep to synchronise.
+//! - [`SlotAgent`]: one agent with user isolation, driven directly over NATS.
 //! - [`IsolationEnv`], [`Sshd`], [`ClientKey`]: unique user/cgroup names per test with a
 //!   guard that removes them, a private sshd on a loopback port, an ssh client key.
 //!
@@ -17,13 +18,18 @@
 //! `scripts/nats-server.sh`, which provisions one (>= 2.11) under `.tools/`. When neither
 //! works the tests fail with the script's message; they never skip.
 
+mod agent;
 mod isolation;
 mod nats;
 mod pool;
 mod process;
 mod wait;
 
-pub use isolation::{require_root, set_mode, ClientKey, IsolationEnv, Sshd, SSHD};
+pub use agent::{exists, uid_of, SlotAgent, AGENT_CALL_TIMEOUT};
+pub use isolation::{
+    require_root, set_mode, shipped_sshd_drop_in, slot_match_block, ClientKey, IsolationEnv, Sshd,
+    SSHD,
+};
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
 pub use pool::{config_yaml, config_yaml_with, kill_agents, label, wait_served, Pool, AGENT_ARGS};
 pub use process::{bin_path, workspace_root, ChildGuard};

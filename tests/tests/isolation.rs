@@ -2,11 +2,13 @@
 //! `--isolation users`, a real sshd on a loopback port, real logins.
 
 use slotpool_agent::users;
+use slotpool_protocol::api::{ErrorCode, SlotPrepared};
+use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
 use slotpool_protocol::store::{Change, Versioned};
 use slotpool_tests::{
-    label, next_within, set_mode, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool, Sshd,
-    AGENT_ARGS,
+    exists, label, next_within, set_mode, shipped_sshd_drop_in, uid_of, wait_for, wait_for_some,
+    ClientKey, IsolationEnv, Pool, SlotAgent, Sshd, AGENT_ARGS,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -362,4 +364,271 @@ async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
         n1.backing_id, n2.backing_id,
         "the recovered node is used again"
     );
+}
+
+/// An sshd, a client key and an agent with `slots` slots whose logins go through that
+/// sshd. Slot users can reach their homes.
+async fn login_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent) {
+    let sshd = Sshd::start(env).await;
+    let key = ClientKey::new();
+    let agent = SlotAgent::start(
+        env,
+        slots,
+        &[
+            "--ssh-port".into(),
+            sshd.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            sshd.dir.path().display().to_string(),
+        ],
+    )
+    .await;
+    (sshd, key, agent)
+}
+
+/// The user and workspace of a prepared slot.
+fn login_of(prepared: &SlotPrepared) -> (String, PathBuf) {
+    (
+        prepared.login.username.clone().expect("a slot user"),
+        PathBuf::from(&prepared.workspace),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_very_deep_tree_left_by_a_job_does_not_take_the_agent_down() {
+    let env = IsolationEnv::new();
+    let (sshd, key, mut agent) = login_env(&env, 2).await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, ws) = login_of(&prepared);
+    // 30,000 levels, each made relative to the last (no long path is ever built).
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user,
+        "perl -e 'for (1..30000) { mkdir q(d) or die qq($!); chdir q(d) or die qq($!) } print qq(deep\\n)'",
+    );
+    assert!(ok && out.trim() == "deep", "{out}{err}\n{}", sshd.log());
+    assert!(ws.join("d/d/d").is_dir());
+
+    // Slot 0 is released while slot 1 is prepared and released.
+    let other = async {
+        agent.prepare(1, "node-b", None).await.unwrap();
+        agent.release(1, "node-b").await.unwrap();
+    };
+    let (released, ()) = tokio::join!(agent.release(0, "node-a"), other);
+    assert!(agent.alive(), "the agent died:\n{}", agent.log());
+    match (released, agent.dirty(0)) {
+        (Ok(()), None) => {
+            assert!(wiped(&ws), "workspace {} not wiped", ws.display());
+            assert!(!ws.join("d").exists());
+        }
+        (Err(err), Some(reason)) => {
+            assert!(
+                reason.contains("budget"),
+                "dirty without a budget reason: {reason} ({err})"
+            )
+        }
+        (result, dirty) => panic!("release said {result:?} but dirty is {dirty:?}"),
+    }
+    // Slot 1 still works after.
+    agent.prepare(1, "node-c", None).await.unwrap();
+    agent.release(1, "node-c").await.unwrap();
+    assert!(agent.alive(), "the agent died:\n{}", agent.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_gets_a_new_uid_for_every_tenancy() {
+    let env = IsolationEnv::new();
+    let agent = SlotAgent::start(&env, 1, &[]).await;
+    let (first, last) = env.uid_range.split_once('-').unwrap();
+    let range = first.parse::<u32>().unwrap()..=last.parse::<u32>().unwrap();
+    let mut uids = Vec::new();
+    for node in ["node-a", "node-b", "node-c"] {
+        wait_for("slot 0 to be warm", LONG, || async { agent.warm(0) }).await;
+        let prepared = agent.prepare(0, node, None).await.unwrap();
+        let (user, _) = login_of(&prepared);
+        let uid = uid_of(&user).expect("the slot user exists");
+        assert!(range.contains(&uid), "uid {uid} outside {range:?}");
+        uids.push(uid);
+        agent.release(0, node).await.unwrap();
+        assert_eq!(uid_of(&user), None, "the user is deleted on release");
+    }
+    assert!(
+        uids.windows(2).all(|w| w[0] < w[1]),
+        "each tenancy has a new, higher uid: {uids:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_a_job_leaves_in_shared_directories_survives_release() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let left: Vec<PathBuf> = ["/run/lock", "/run/lock", "/dev/shm"]
+        .iter()
+        .zip(["lock", "link", "shm"])
+        .map(|(d, what)| Path::new(d).join(format!("{user}-{what}")))
+        .collect();
+    // A hard link to a workspace file where protected_hardlinks allows it (own file),
+    // else a plain file.
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user,
+        &format!(
+            "echo x > {lock} && echo y > job-file && (ln job-file {link} || echo y > {link}) && echo z > {shm}",
+            lock = left[0].display(),
+            link = left[1].display(),
+            shm = left[2].display()
+        ),
+    );
+    assert!(ok, "{err}\n{}", sshd.log());
+    for path in &left {
+        assert!(exists(path), "{} not made", path.display());
+    }
+    let released = agent.release(0, "node-a").await;
+    let dirty = agent.dirty(0);
+    let survivors: Vec<_> = left.iter().filter(|p| exists(p)).collect();
+    for path in &left {
+        let _ = std::fs::remove_file(path);
+    }
+    assert!(
+        released.is_ok() && dirty.is_none(),
+        "release: {released:?}, dirty: {dirty:?}"
+    );
+    assert!(survivors.is_empty(), "left after release: {survivors:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_refuses_a_forged_key_line() {
+    let env = IsolationEnv::new();
+    let agent = SlotAgent::start(&env, 1, &[]).await;
+    let good = ClientKey::new().public();
+    let attacker = ClientKey::new().public();
+    for forged in [
+        format!("{good}\r{attacker}"),
+        format!("{good}\0{attacker}"),
+        format!("command=\"/bin/sh\" {attacker}"),
+        format!("{good}\n{attacker}"),
+    ] {
+        match agent.prepare(0, "node-a", Some(&forged)).await {
+            Err(BusError::Api(err)) => {
+                assert_eq!(err.code, ErrorCode::BadRequest, "{forged:?}: {err}");
+                assert!(err.message.contains("ssh_public_key"), "{err}");
+            }
+            other => panic!("{forged:?} was not refused: {other:?}"),
+        }
+    }
+    let keys = agent.work_dir().join("slots/0/.ssh/authorized_keys");
+    assert!(!exists(&keys), "a key file was written");
+    agent.prepare(0, "node-a", Some(&good)).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&keys).unwrap(), format!("{good}\n"));
+    agent.release(0, "node-a").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_sshd_drop_in_is_what_the_tests_run_and_sshd_accepts_it() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let config = std::fs::read_to_string(sshd.config()).unwrap();
+    let shipped = std::fs::read_to_string(shipped_sshd_drop_in()).unwrap();
+    for line in shipped.lines().filter(|l| {
+        let l = l.trim();
+        !l.is_empty()
+            && !l.starts_with('#')
+            && !l.starts_with("Match")
+            && !l.starts_with("ForceCommand")
+    }) {
+        assert!(
+            config.contains(line),
+            "{line:?} missing from the test sshd's config"
+        );
+    }
+    let out = std::process::Command::new(slotpool_tests::SSHD)
+        .arg("-t")
+        .arg("-f")
+        .arg(sshd.config())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sshd -t refuses the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forwarding_from_a_slot_login_is_refused() {
+    use std::io::{Read, Write};
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    // What a job would reach through the tunnel.
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    target.set_nonblocking(true).unwrap();
+    let local = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd = std::process::Command::new("ssh");
+    cmd.args([
+        "-F",
+        "/dev/null",
+        "-N",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-i",
+    ])
+    .arg(key.dir.path().join("id"))
+    .arg("-L")
+    .arg(format!(
+        "127.0.0.1:{local}:127.0.0.1:{}",
+        target.local_addr().unwrap().port()
+    ))
+    .args(["-p", &sshd.port.to_string(), &format!("{user}@127.0.0.1")])
+    .stdin(std::process::Stdio::null())
+    .stderr(log.reopen().unwrap());
+    let _ssh = slotpool_tests::ChildGuard::spawn("ssh -L", cmd).unwrap();
+    let mut conn = slotpool_tests::wait_for_some(
+        "ssh to listen on the forwarded port",
+        Duration::from_secs(20),
+        || async { std::net::TcpStream::connect(("127.0.0.1", local)).ok() },
+    )
+    .await;
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let _ = conn.write_all(b"hello through the tunnel\n");
+    let mut buf = [0u8; 64];
+    let read = conn.read(&mut buf);
+    let stderr = std::fs::read_to_string(log.path()).unwrap_or_default();
+    assert!(
+        matches!(read, Ok(0))
+            || read
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the forwarded connection stayed open ({read:?}): {stderr}"
+    );
+    assert!(
+        target
+            .accept()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "a connection reached the target through the tunnel: {stderr}"
+    );
+    agent.release(0, "node-a").await.unwrap();
 }

@@ -346,6 +346,7 @@ fn check_rpms(packages: &Packages) {
             "slotpool-agent",
             &[
                 ("-rw-r--r--", "/etc/slotpool/agent.env"),
+                ("-rw-r--r--", "/etc/ssh/sshd_config.d/slotpool-slots.conf"),
                 ("-rwxr-xr-x", "/usr/bin/slotpool-agent"),
                 (
                     "-rw-r--r--",

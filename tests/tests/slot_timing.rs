@@ -97,11 +97,15 @@ async fn prepare_release_times_and_idle_memory() {
         memory_bytes: Some(512 << 20),
         pids: Some(256),
     };
-    let prepare_cmd = |node_id: &NodeId| AgentCommand::PrepareSlot {
+    let prepare_cmd = |node_id: &NodeId| {
+        AgentCommand::PrepareSlot {
         slot: 0,
         node_id: node_id.clone(),
-        ssh_public_key: Some("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB bench".into()),
+        ssh_public_key: Some(
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGaKVw3eUGESvO1UcmfBj0MJKaPSCWfAXDprq+uHFDzc bench".into(),
+        ),
         limits,
+    }
     };
     let (mut warm_prepare, mut eager_prepare, mut release) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..2 * ROUNDS {

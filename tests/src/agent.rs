@@ -1,0 +1,168 @@
+//! One agent with user isolation, driven directly over NATS (no launcher): for tests that
+//! prepare and release slots themselves and look at what the agent did.
+
+use crate::isolation::{set_mode, IsolationEnv};
+use crate::nats::NatsServer;
+use crate::process::{bin_path, ChildGuard};
+use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
+use slotpool_protocol::connect::{Bus, BusError};
+use slotpool_protocol::layout::subjects;
+use slotpool_protocol::{BackingId, NodeId};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use tempfile::TempDir;
+
+/// How long a test waits for an agent's answer (a release may wipe a big tree).
+pub const AGENT_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A nats-server and one `slotpool-agent --isolation users`, killed on drop. Declare the
+/// [`IsolationEnv`] before it, so the agent is gone before its users are removed.
+pub struct SlotAgent {
+    pub nats: NatsServer,
+    pub bus: Bus,
+    pub backing: BackingId,
+    /// Holds the work dir (`work/agent`); slot users can pass through it.
+    pub dir: TempDir,
+    child: ChildGuard,
+}
+
+impl SlotAgent {
+    /// Starts an agent with `slots` slots and `extra` arguments; waits for its heartbeat.
+    pub async fn start(env: &IsolationEnv, slots: u32, extra: &[String]) -> SlotAgent {
+        let nats = NatsServer::start().await;
+        let bus = nats.bus().await;
+        let dir = tempfile::Builder::new()
+            .prefix("slotpool-agent-")
+            .tempdir()
+            .expect("agent dir");
+        set_mode(dir.path(), 0o711);
+        let backing = BackingId::parse("bn-iso").expect("backing id");
+        let mut cmd = Command::new(bin_path("slotpool-agent"));
+        cmd.args(["--nats", &nats.url(), "--backing-id", backing.as_str()])
+            .arg("--slots")
+            .arg(slots.to_string())
+            .arg("--work-dir")
+            .arg(dir.path().join("agent"))
+            .args(env.agent_args())
+            .args(extra)
+            .env("SLOTPOOL_AGENT_SECRET", "test")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("agent.log")).expect("agent log"));
+        let child = ChildGuard::spawn("agent", cmd).expect("starting the agent");
+        crate::wait_for("the agent's heartbeat", Duration::from_secs(30), || async {
+            matches!(
+                bus.agents.get::<serde_json::Value>(backing.as_str()).await,
+                Ok(Some(_))
+            )
+        })
+        .await;
+        SlotAgent {
+            nats,
+            bus,
+            backing,
+            dir,
+            child,
+        }
+    }
+
+    /// The agent's work dir.
+    pub fn work_dir(&self) -> PathBuf {
+        self.dir.path().join("agent")
+    }
+
+    /// The agent's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the agent process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().is_none()
+    }
+
+    /// Why `slot` is dirty, if it is.
+    pub fn dirty(&self, slot: u32) -> Option<String> {
+        std::fs::read_to_string(self.work_dir().join("dirty").join(slot.to_string())).ok()
+    }
+
+    /// Whether the agent's state says `slot` is warm (free, its user made).
+    pub fn warm(&self, slot: u32) -> bool {
+        std::fs::read_to_string(self.work_dir().join(format!("state/{slot}.json")))
+            .is_ok_and(|s| !s.contains("node_id"))
+    }
+
+    /// Sends `prepare_slot` for `node`.
+    pub async fn prepare(
+        &self,
+        slot: u32,
+        node: &str,
+        key: Option<&str>,
+    ) -> Result<SlotPrepared, BusError> {
+        let command = AgentCommand::PrepareSlot {
+            slot,
+            node_id: NodeId::parse(node).expect("node id"),
+            ssh_public_key: key.map(str::to_string),
+            limits: SlotLimits::default(),
+        };
+        self.bus
+            .call(
+                &subjects::agent(&self.backing),
+                &command,
+                AGENT_CALL_TIMEOUT,
+            )
+            .await
+    }
+
+    /// Sends `release_slot` for `node`; sends it again while the answer times out (a
+    /// release may take longer than a NATS request waits; it is idempotent and queued
+    /// behind the one running, as the launcher's retries are).
+    pub async fn release(&self, slot: u32, node: &str) -> Result<(), BusError> {
+        let command = AgentCommand::ReleaseSlot {
+            slot,
+            node_id: NodeId::parse(node).expect("node id"),
+        };
+        let deadline = tokio::time::Instant::now() + AGENT_CALL_TIMEOUT;
+        loop {
+            let result = self
+                .bus
+                .call::<_, serde_json::Value>(
+                    &subjects::agent(&self.backing),
+                    &command,
+                    AGENT_CALL_TIMEOUT,
+                )
+                .await;
+            match result {
+                Err(BusError::Timeout { .. }) if tokio::time::Instant::now() < deadline => {}
+                result => return result.map(|_| ()),
+            }
+        }
+    }
+}
+
+impl Drop for SlotAgent {
+    fn drop(&mut self) {
+        self.child.kill();
+        // What a test's jobs left may be too deep for the temp dir's recursive removal.
+        let mut budget = slotpool_agent::wipe::Budget::new(u64::MAX, Duration::from_secs(600));
+        if let Err(err) = slotpool_agent::wipe::remove_path(&self.work_dir(), &mut budget) {
+            eprintln!("cleanup: {err}");
+        }
+    }
+}
+
+/// The uid of a user name, if the user exists.
+pub fn uid_of(user: &str) -> Option<u32> {
+    slotpool_agent::users::lookup(user).map(|i| i.uid)
+}
+
+/// Whether `path` exists (as anything, symlinks included).
+pub fn exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
