@@ -6,7 +6,8 @@
 #   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
 #   scripts/test.sh -- --nocapture
 #
-# Needs: a Rust toolchain, tmux (installed with apt-get when missing and run as root), and
+# Needs: a Rust toolchain, tmux and nftables (installed with apt-get when missing and run
+# as root), and
 # python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
@@ -58,6 +59,19 @@ step "packaging tools"
 if ! packaging/tools.sh >/dev/null; then
     echo "==> summary: FAILED to provision the packaging tools (see the errors above)" >&2
     exit 1
+fi
+
+# Users-mode agents keep slot users off the bus with nftables (agent/src/bus_guard.rs).
+step "nftables"
+if ! command -v nft >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        step "installing nftables with apt-get"
+        apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >&2
+    else
+        echo "==> users-mode agents need nft: install it (apt-get install nftables)" >&2
+        exit 1
+    fi
 fi
 
 # The console's end-to-end test runs slotpool-console in tmux.

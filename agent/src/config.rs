@@ -81,6 +81,11 @@ pub struct Args {
     /// ranges of their own.
     #[arg(long, value_name = "FIRST-LAST", default_value = crate::uid_range::DEFAULT_RANGE)]
     pub slot_uid_range: String,
+    /// In users mode, keep slot users off the bus: an nftables table rejects TCP from the
+    /// slot uid range to the port of every --nats URL (needs `nft`). `off` leaves the
+    /// bus reachable from every slot (logged loudly).
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
+    pub bus_guard: Switch,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -157,6 +162,8 @@ pub struct AgentConfig {
     pub cgroup_parent: String,
     /// Where slot users' uids come from.
     pub slot_uids: UidRange,
+    /// The bus ports slot users are kept from (users mode with --bus-guard on).
+    pub bus_guard_ports: Option<Vec<u16>>,
     pub run_dir: PathBuf,
     pub ssh_port: u16,
     pub ssh_host_keys_dir: PathBuf,
@@ -165,8 +172,17 @@ pub struct AgentConfig {
 }
 
 /// Why the flags do not make a valid configuration.
+/// A feature switch on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error("--bus-guard: {0}")]
+    BusGuard(crate::bus_guard::GuardError),
     #[error("invalid --backing-id: {0}")]
     BackingId(slotpool_protocol::ids::InvalidId),
     #[error("no agent secret: set {SECRET_ENV} or pass --secret-file")]
@@ -256,6 +272,12 @@ impl Args {
             return Err(ConfigError::CgroupParent(self.cgroup_parent));
         }
         let slot_uids = UidRange::parse(&self.slot_uid_range).map_err(ConfigError::UidRange)?;
+        let bus_guard_ports = match (isolation, self.bus_guard) {
+            (IsolationMode::Users, Switch::On) => {
+                Some(crate::bus_guard::ports_of(&self.nats).map_err(ConfigError::BusGuard)?)
+            }
+            _ => None,
+        };
         if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
             return Err(ConfigError::ProbeTiming);
         }
@@ -275,6 +297,7 @@ impl Args {
             isolation,
             cgroup_parent: self.cgroup_parent,
             slot_uids,
+            bus_guard_ports,
             run_dir: self.run_dir,
             ssh_port: self.ssh_port,
             ssh_host_keys_dir: self.ssh_host_keys_dir,

@@ -75,6 +75,8 @@ pub enum AgentError {
     SubscribeTimeout { subject: String, timeout: Duration },
     #[error("command subscription on {subject} ended: the NATS connection was closed")]
     CommandsEnded { subject: String },
+    #[error("keeping slot users off the bus: {0}")]
+    BusGuard(bus_guard::GuardError),
     #[error("setting up slot isolation: {0}")]
     Isolation(IsolationError),
     #[error("setting up slot uids: {0}")]
@@ -211,6 +213,28 @@ pub async fn run_with(
             port: config.ssh_port,
             host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),
         });
+        let guard = match &config.bus_guard_ports {
+            Some(ports) => {
+                let (first, last) = (config.slot_uids.first, config.slot_uids.last);
+                let table = format!("slotpool_{}", config.namespace);
+                let guard = tokio::task::spawn_blocking({
+                    let ports = ports.clone();
+                    move || bus_guard::BusGuard::install(&table, first, last, &ports)
+                })
+                .await
+                .expect("the bus guard task does not panic")
+                .map_err(AgentError::BusGuard)?;
+                Some(guard)
+            }
+            None => {
+                if config.isolation == IsolationMode::Users {
+                    tracing::warn!(
+                        "BUS GUARD OFF (--bus-guard off): every slot can reach the NATS port"
+                    );
+                }
+                None
+            }
+        };
         let background = shutdown.child_token();
         let mut tasks = Vec::new();
         if config.isolation == IsolationMode::Users {
@@ -308,6 +332,14 @@ pub async fn run_with(
             Ok(Ok(())) => tracing::info!("slot processes stopped"),
             Ok(Err(err)) => tracing::error!(%err, "cannot stop every slot process"),
             Err(err) => tracing::error!(%err, "stopping slot processes failed"),
+        }
+        if let Some(guard) = guard {
+            let table = guard.table().to_string();
+            match tokio::task::spawn_blocking(move || guard.remove()).await {
+                Ok(Ok(())) => tracing::info!(table, "bus guard removed"),
+                Ok(Err(err)) => tracing::warn!(%err, "cannot remove the bus guard"),
+                Err(err) => tracing::warn!(%err, "removing the bus guard failed"),
+            }
         }
         // Without a connection nothing can leave: do not wait for one.
         if bus.is_connected() {

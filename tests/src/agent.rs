@@ -39,7 +39,8 @@ impl SlotAgent {
         set_mode(dir.path(), 0o711);
         let backing = BackingId::parse("bn-iso").expect("backing id");
         let mut cmd = Command::new(bin_path("slotpool-agent"));
-        cmd.args(["--nats", &nats.url(), "--backing-id", backing.as_str()])
+        cmd.args(nats.args_as(slotpool_protocol::auth::Role::Agent, backing.as_str()))
+            .args(["--backing-id", backing.as_str()])
             .arg("--slots")
             .arg(slots.to_string())
             .arg("--work-dir")

@@ -632,3 +632,75 @@ async fn port_forwarding_from_a_slot_login_is_refused() {
     );
     agent.release(0, "node-a").await.unwrap();
 }
+
+/// From a slot's login the bus is out of reach: its port refuses the slot uid's
+/// connections (the agent's nftables guard), and no credential can be read. With the
+/// guard switched off the same connection goes through, so the refusal is the guard's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_login_cannot_reach_the_bus() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let port = agent.nats.port();
+    let connect = format!(
+        "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port} && head -c 4 <&3' && echo CONNECTED"
+    );
+    let (_, out, err) = key.ssh(sshd.port, &user, &connect);
+    assert!(
+        !out.contains("CONNECTED") && !out.contains("INFO"),
+        "a slot user reached the bus: {out}{err}"
+    );
+    // The agent's own credential, and the launcher's, are unreadable from the slot.
+    for creds in [
+        agent
+            .nats
+            .creds(slotpool_protocol::auth::Role::Agent, agent.backing.as_str()),
+        agent
+            .nats
+            .creds(slotpool_protocol::auth::Role::Launcher, "launcher"),
+    ] {
+        let (ok, out, _) = key.ssh(sshd.port, &user, &format!("cat {}", creds.display()));
+        assert!(
+            !ok && !out.contains("NKEY"),
+            "a slot user read {}",
+            creds.display()
+        );
+    }
+    // Root (the agent) still reaches it.
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("root reaches the bus");
+    agent.release(0, "node-a").await.unwrap();
+    drop(agent);
+
+    // The same login with the guard off reaches the port: what refused it was the guard.
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let agent = SlotAgent::start(
+        &env,
+        1,
+        &[
+            "--ssh-port".into(),
+            sshd.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            sshd.dir.path().display().to_string(),
+            "--bus-guard".into(),
+            "off".into(),
+        ],
+    )
+    .await;
+    let prepared = agent
+        .prepare(0, "node-b", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let connect = connect.replace(&port.to_string(), &agent.nats.port().to_string());
+    let (_, out, err) = key.ssh(sshd.port, &user, &connect);
+    assert!(
+        out.contains("CONNECTED"),
+        "without the guard the port should answer: {out}{err}"
+    );
+    agent.release(0, "node-b").await.unwrap();
+}

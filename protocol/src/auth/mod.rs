@@ -270,7 +270,7 @@ pub fn read_user(path: &Path) -> Result<BusUser, AuthError> {
             claims.name
         )));
     }
-    Ok(BusUser::new(role, &claims.name).map_err(|e| not(e.to_string()))?)
+    BusUser::new(role, &claims.name).map_err(|e| not(e.to_string()))
 }
 
 fn unix_now() -> u64 {
