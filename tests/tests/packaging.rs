@@ -298,7 +298,7 @@ fn check_users_and_modes() {
         ("/etc/slotpool", 0o755, (0, 0)),
         ("/etc/slotpool/pool.yaml", 0o644, (0, 0)),
         ("/etc/slotpool/launcher.env", 0o600, (0, 0)),
-        ("/etc/slotpool/agent.env", 0o644, (0, 0)),
+        ("/etc/slotpool/agent.env", 0o600, (0, 0)),
         ("/var/lib/slotpool", 0o755, (0, 0)),
         ("/var/lib/slotpool/launcher", 0o750, (uid, gid)),
         ("/var/lib/slotpool/local", 0o750, (uid, gid)),
@@ -345,7 +345,7 @@ fn check_rpms(packages: &Packages) {
             &packages.rpms[1],
             "slotpool-agent",
             &[
-                ("-rw-r--r--", "/etc/slotpool/agent.env"),
+                ("-rw-------", "/etc/slotpool/agent.env"),
                 ("-rw-r--r--", "/etc/ssh/sshd_config.d/slotpool-slots.conf"),
                 ("-rwxr-xr-x", "/usr/bin/slotpool-agent"),
                 (

@@ -354,3 +354,88 @@ async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_nod
     }
     answering.abort();
 }
+
+/// `slotpool nats-setup` writes an installation nats-server accepts, with every secret
+/// readable by its owner only.
+#[test]
+fn nats_setup_writes_a_configuration_the_server_accepts() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let install = dir.path().join("nats");
+    let out = std::process::Command::new(slotpool_tests::bin_path("slotpool"))
+        .args(["nats-setup", "--dir"])
+        .arg(&install)
+        .args([
+            "--listen",
+            "127.0.0.1:4333",
+            "--operator",
+            "alice",
+            "--client",
+            "ci",
+        ])
+        .args(["--static-agent", "build-01"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let conf = install.join("nats-server.conf");
+    let checked = std::process::Command::new(slotpool_tests::nats_server_binary())
+        .arg("-c")
+        .arg(&conf)
+        .arg("-t")
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "nats-server -t refused the configuration: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    let text = std::fs::read_to_string(&conf).unwrap();
+    assert!(
+        text.contains("resolver: MEMORY") && text.contains("tls {"),
+        "{text}"
+    );
+    for secret in [
+        "agent-signing.json",
+        "creds/launcher-launcher.creds",
+        "creds/operator-alice.creds",
+        "creds/client-ci.creds",
+        "creds/agent-build-01.creds",
+        "tls/ca-key.pem",
+        "tls/server-key.pem",
+    ] {
+        let mode = std::fs::metadata(install.join(secret))
+            .unwrap_or_else(|e| panic!("{secret}: {e}"))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "{secret} is readable by others: {mode:o}");
+    }
+    // A second run must not replace the installation (and with it every credential).
+    let again = std::process::Command::new(slotpool_tests::bin_path("slotpool"))
+        .args(["nats-setup", "--dir"])
+        .arg(&install)
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+}
+
+/// A client of API v1 gets a clear error naming the subjects to use, not silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_v1_client_is_told_to_use_v2() {
+    let pool = Pool::start(1, 5, &label("small", 2, 60, &[]), 1).await;
+    let ci = client_as(&pool, Role::Client, "ci").await;
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "old");
+    let reply = ci
+        .bus()
+        .call_raw("slotpool.api.v1.submit", raw(&sub), SOON)
+        .await
+        .expect("a launcher answers v1");
+    let v: serde_json::Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(v["error"]["code"], "unsupported_version", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("slotpool.api.v2."), "{message}");
+}

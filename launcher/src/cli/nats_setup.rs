@@ -9,7 +9,7 @@ use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::BackingId;
 
-/// How long the certificates `--tls` makes are valid.
+/// How long the certificates `nats-setup` makes are valid.
 const TLS_VALIDITY_DAYS: u32 = 825;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,8 +19,11 @@ use std::process::ExitCode;
   slotpool nats-setup --dir /etc/slotpool/nats --listen 0.0.0.0:4222 \\
       --launcher launcher-1 --operator alice --client zuul --static-agent build-01
   nats-server -c /etc/slotpool/nats/nats-server.conf
-  slotpool --creds /etc/slotpool/nats/creds/launcher-launcher-1.creds serve \\
-      --config pool.yaml --agent-signing-key /etc/slotpool/nats/agent-signing.json
+  slotpool --nats tls://nats.example:4222 --tls-ca /etc/slotpool/nats/tls/ca.pem \\
+      --tls-cert /etc/slotpool/nats/tls/launcher-launcher-1-cert.pem \\
+      --tls-key /etc/slotpool/nats/tls/launcher-launcher-1-key.pem \\
+      --creds /etc/slotpool/nats/creds/launcher-launcher-1.creds \\
+      serve --config pool.yaml --agent-signing-key /etc/slotpool/nats/agent-signing.json
   slotpool nats-setup mint --signing-key /etc/slotpool/nats/agent-signing.json \\
       --role client --name jenkins --out jenkins.creds")]
 pub struct NatsSetupArgs {
@@ -44,12 +47,13 @@ pub struct NatsSetupArgs {
     /// A static host's agent credential (its backing id, as in the launcher's config).
     #[arg(long = "static-agent", value_name = "BACKING_ID")]
     pub static_agents: Vec<String>,
-    /// Also make a small PKI in `<dir>/tls` (a CA, the server's certificate, a client
-    /// certificate per launcher, operator, client and static agent) and require TLS
-    /// with client certificates. Without it, bring your own: add a `tls { }` block.
+    /// Do not make the PKI. By default `nats-setup` makes a small one in `<dir>/tls` (a
+    /// CA, the server's certificate, a client certificate per launcher, operator, client
+    /// and static agent) and the server requires TLS with client certificates. With
+    /// this, bring your own: add a `tls { }` block with your CA's certificates.
     #[arg(long)]
-    pub tls: bool,
-    /// Names and addresses the server's certificate is valid for (with --tls).
+    pub no_tls: bool,
+    /// Names and addresses the server's certificate is valid for.
     #[arg(long = "server-name", value_name = "NAME", default_values = ["localhost", "127.0.0.1"])]
     pub server_names: Vec<String>,
 }
@@ -128,7 +132,7 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         .map(|id| BackingId::parse(id).with_context(|| format!("--static-agent {id}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut extra_config = String::new();
-    if args.tls {
+    if !args.no_tls {
         let clients = users
             .iter()
             .map(|u| format!("{}-{}", u.role, u.name))
