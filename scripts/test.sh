@@ -61,31 +61,27 @@ if ! packaging/tools.sh >/dev/null; then
     exit 1
 fi
 
-# Users-mode agents keep slot users off the bus with nftables (agent/src/bus_guard.rs).
-step "nftables"
-if ! command -v nft >/dev/null 2>&1; then
+# Installs Debian package $2 (for command $1, needed by $3) with apt-get when missing.
+need_command() {
+    local command="$1" package="$2" why="$3"
+    step "$command"
+    if command -v "$command" >/dev/null 2>&1; then
+        return
+    fi
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-        step "installing nftables with apt-get"
+        step "installing $package with apt-get"
         apt-get update -qq >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >&2
     else
-        echo "==> users-mode agents need nft: install it (apt-get install nftables)" >&2
+        echo "==> $why needs $command: install it (apt-get install $package)" >&2
         exit 1
     fi
-fi
+}
 
+# Users-mode agents keep slot users off the bus with nftables (agent/src/bus_guard.rs).
+need_command nft nftables "keeping slot users off the bus"
 # The console's end-to-end test runs slotpool-console in tmux.
-step "tmux"
-if ! command -v tmux >/dev/null 2>&1; then
-    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-        step "installing tmux with apt-get"
-        apt-get update -qq >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >&2
-    else
-        echo "==> the console's end-to-end test needs tmux: install it (apt-get install tmux)" >&2
-        exit 1
-    fi
-fi
+need_command tmux tmux "the console's end-to-end test"
 
 # End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which
 # `cargo test` does not build for other packages.

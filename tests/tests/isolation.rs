@@ -369,19 +369,25 @@ async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
 /// An sshd, a client key and an agent with `slots` slots whose logins go through that
 /// sshd. Slot users can reach their homes.
 async fn login_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent) {
+    login_env_with(env, slots, &[]).await
+}
+
+/// [`login_env`] with more agent arguments.
+async fn login_env_with(
+    env: &IsolationEnv,
+    slots: u32,
+    extra: &[&str],
+) -> (Sshd, ClientKey, SlotAgent) {
     let sshd = Sshd::start(env).await;
     let key = ClientKey::new();
-    let agent = SlotAgent::start(
-        env,
-        slots,
-        &[
-            "--ssh-port".into(),
-            sshd.port.to_string(),
-            "--ssh-host-keys-dir".into(),
-            sshd.dir.path().display().to_string(),
-        ],
-    )
-    .await;
+    let mut args = vec![
+        "--ssh-port".to_string(),
+        sshd.port.to_string(),
+        "--ssh-host-keys-dir".into(),
+        sshd.dir.path().display().to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let agent = SlotAgent::start(env, slots, &args).await;
     (sshd, key, agent)
 }
 
@@ -677,20 +683,7 @@ async fn a_slot_login_cannot_reach_the_bus() {
 
     // The same login with the guard off reaches the port: what refused it was the guard.
     let env = IsolationEnv::new();
-    let sshd = Sshd::start(&env).await;
-    let agent = SlotAgent::start(
-        &env,
-        1,
-        &[
-            "--ssh-port".into(),
-            sshd.port.to_string(),
-            "--ssh-host-keys-dir".into(),
-            sshd.dir.path().display().to_string(),
-            "--bus-guard".into(),
-            "off".into(),
-        ],
-    )
-    .await;
+    let (sshd, key, agent) = login_env_with(&env, 1, &["--bus-guard", "off"]).await;
     let prepared = agent
         .prepare(0, "node-b", Some(&key.public()))
         .await
