@@ -1,6 +1,7 @@
 //! `slotpool bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
 //! rot. Its figures are not checked (timing assertions do not belong in CI); only that it
-//! completes and writes every figure.
+//! completes and writes every figure, those of `--secure-compare` (the phases again on a
+//! bus with authentication and TLS) included.
 
 use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
 use std::process::Command;
@@ -14,7 +15,7 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let mut cmd = Command::new(bin_path("slotpool"));
-    cmd.args(["bench", "--smoke", "--json"])
+    cmd.args(["bench", "--smoke", "--secure-compare", "--json"])
         .arg(&json)
         .env("SLOTPOOL_NATS_SERVER", nats_server_binary())
         .env("SLOTPOOL_LOG", "warn")
@@ -34,31 +35,40 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "cold_and_release",
         "agent",
         "scale",
+        "secure",
         "targets",
     ] {
         assert!(!report[figure].is_null(), "{figure} missing from {report}");
     }
-    assert!(report["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
+    let secure = &report["secure"];
+    for figures in [&report, secure] {
+        assert!(figures["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
+        assert!(figures["throughput"]["allocations"].as_u64().unwrap() > 0);
+        // The CPU meter found every process of the load, the local agents included.
+        let cpu = figures["throughput"]["cpu"].as_array().unwrap();
+        let roles: Vec<(&str, u64)> = cpu
+            .iter()
+            .map(|c| {
+                (
+                    c["role"].as_str().unwrap(),
+                    c["processes"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                ("launcher", 1),
+                ("nats-server", 1),
+                ("agents", 2),
+                ("benchmark clients", 1)
+            ],
+            "{report}"
+        );
+    }
+    for ratio in ["warm_p50", "warm_p99", "allocations_per_sec"] {
+        let r = secure["ratios"][ratio].as_f64().unwrap();
+        assert!(r.is_finite() && r > 0.0, "{ratio} {r}: {report}");
+    }
     assert_eq!(report["cold_and_release"]["early"], 0, "{report}");
-    // The CPU meter found every process of the load, the local agents included.
-    let cpu = report["throughput"]["cpu"].as_array().unwrap();
-    let roles: Vec<(&str, u64)> = cpu
-        .iter()
-        .map(|c| {
-            (
-                c["role"].as_str().unwrap(),
-                c["processes"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        roles,
-        [
-            ("launcher", 1),
-            ("nats-server", 1),
-            ("agents", 2),
-            ("benchmark clients", 1)
-        ],
-        "{report}"
-    );
 }

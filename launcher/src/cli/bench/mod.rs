@@ -6,6 +6,11 @@
 //! figures simulated agents ([`sim_agents`]) on a second nats-server. The figures are
 //! printed as a table and, with `--json FILE`, written as JSON. See docs/benchmarks.md.
 //!
+//! That bus is anonymous and without TLS, to measure slotpool's own path. With
+//! `--secure-compare` the warm-up, warm and throughput phases run again on another
+//! nats-server with the shipped authorisation and TLS with client certificates, and the
+//! report gives both and their ratios.
+//!
 //! Clients wait through one [`slotpool_protocol::client::RequestWatcher`] (one KV watch
 //! for all requests), the way a CI system with many requests in flight should.
 
@@ -16,10 +21,14 @@ mod stats;
 
 use crate::cli::demo::{find_nats_server, start_nats_server, stop_child};
 use crate::provider::local::LocalProvider;
+use crate::setup::pki::{self, PkiPlan};
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
-use slotpool_protocol::client::Client;
+use slotpool_protocol::auth::setup::{self, SetupPlan};
+use slotpool_protocol::auth::{BusUser, Role};
+use slotpool_protocol::client::{Client, RequestWatcher};
+use slotpool_protocol::connect::NatsOptions;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -77,6 +86,11 @@ pub struct BenchArgs {
     /// per-slot Unix users and cgroups of a production backing node (needs root).
     #[arg(long, default_value = "none", value_parser = ["none", "users"])]
     pub isolation: String,
+    /// After the warm and throughput phases, run warm-up, warm and throughput again on
+    /// a nats-server with the shipped authorisation and TLS with client certificates,
+    /// and report both and their ratios.
+    #[arg(long)]
+    pub secure_compare: bool,
 }
 
 /// The counts a run uses.
@@ -95,6 +109,7 @@ struct Settings {
     scale_warm: usize,
     idle_secs: u64,
     isolation: String,
+    secure_compare: bool,
 }
 
 impl Settings {
@@ -116,6 +131,7 @@ impl Settings {
             scale_warm: pick(a.scale_warm, 1000, 5),
             idle_secs: pick(a.idle_secs.map(|s| s as usize), 20, 1) as u64,
             isolation: a.isolation.clone(),
+            secure_compare: a.secure_compare,
         }
     }
 }
@@ -147,7 +163,52 @@ struct Report {
     cold_and_release: phases::ColdAndRelease,
     agent: phases::Agent,
     scale: Option<phases::Scale>,
+    /// With `--secure-compare`: the same phases with authentication and TLS on.
+    secure: Option<Secure>,
     targets: Vec<Target>,
+}
+
+/// Warm allocations and throughput on one bus.
+#[derive(Debug, Serialize)]
+struct Allocations {
+    warm: phases::Warm,
+    throughput: phases::Throughput,
+}
+
+#[derive(Debug, Serialize)]
+struct Secure {
+    /// What this bus has on that the plain one has not.
+    bus: &'static str,
+    warm: phases::Warm,
+    throughput: phases::Throughput,
+    /// Secure over plain.
+    ratios: Ratios,
+}
+
+#[derive(Debug, Serialize)]
+struct Ratios {
+    warm_p50: f64,
+    warm_p99: f64,
+    allocations_per_sec: f64,
+}
+
+const SECURE_BUS: &str = "per-role credentials (decentralised JWT), TLS with client certificates";
+
+impl Secure {
+    fn new(secure: Allocations, plain: &Allocations) -> Secure {
+        let (w, pw) = (&secure.warm.allocation, &plain.warm.allocation);
+        Secure {
+            bus: SECURE_BUS,
+            ratios: Ratios {
+                warm_p50: w.p50_ms / pw.p50_ms,
+                warm_p99: w.p99_ms / pw.p99_ms,
+                allocations_per_sec: secure.throughput.allocations_per_sec
+                    / plain.throughput.allocations_per_sec,
+            },
+            warm: secure.warm,
+            throughput: secure.throughput,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -174,10 +235,13 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let result = run_all(&settings, &binary, &agent_binary, &dir).await;
     // Normally none are left (run_all stops them); this catches the ones a failed run left.
     remove_local_agents(&agent_binary, &dir).await;
+    if settings.secure_compare {
+        remove_local_agents(&agent_binary, &dir.join(SECURE_DIR)).await;
+    }
     if !args.keep {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let (floor, warm, throughput, launcher_idle, cold_and_release, agent, scale) = result?;
+    let (floor, plain, launcher_idle, cold_and_release, agent, scale, secure) = result?;
     let machine = Machine {
         cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
         cpu_model: cpu_model(),
@@ -196,8 +260,9 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
         settings,
         machine,
         floor,
-        warm,
-        throughput,
+        secure: secure.map(|secure| Secure::new(secure, &plain)),
+        warm: plain.warm,
+        throughput: plain.throughput,
         launcher_idle,
         cold_and_release,
         agent,
@@ -216,17 +281,19 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
 
 type Figures = (
     phases::Floor,
-    phases::Warm,
-    phases::Throughput,
+    Allocations,
     procs::Usage,
     phases::ColdAndRelease,
     phases::Agent,
     Option<phases::Scale>,
+    Option<Allocations>,
 );
 
 const WARM_LABEL: &str = "warm";
 const COLD_LABEL: &str = "cold";
 const SLOTS_PER_WARM_NODE: usize = 8;
+/// The secure bus's directory (its server, PKI, credentials, launcher and agents).
+const SECURE_DIR: &str = "secure";
 
 async fn run_all(
     s: &Settings,
@@ -239,7 +306,7 @@ async fn run_all(
     let (mut server, url) = start_nats_server(nats_binary, &nats_dir, None).await?;
     let server_pid = server.id();
     let result = async {
-        let bus = phases::connect(&url, "slotpool-bench").await?;
+        let bus = phases::connect(&phases::anonymous(&url, "slotpool-bench")).await?;
         step(format!("floor: {} KV get+create+update chains", s.floor));
         let floor = phases::floor(&bus, s.floor).await?;
 
@@ -253,98 +320,56 @@ async fn run_all(
         )
         .await?;
 
-        let warm_nodes = s.clients.div_ceil(SLOTS_PER_WARM_NODE) + 1;
-        let config = dir.join("launcher.yaml");
-        std::fs::write(
-            &config,
-            launcher_config(
-                &dir.join("agents"),
-                agent_binary,
-                warm_nodes,
-                s.grace_time_secs,
-                &s.isolation,
-            ),
-        )?;
-        let mut launcher = procs::LauncherProcess::spawn(&config, &url, &dir.join("launcher.log"))?;
+        let plain = BusSetup {
+            client: phases::anonymous(&url, "slotpool-bench"),
+            serve_args: procs::ANONYMOUS_BUS.iter().map(|a| a.to_string()).collect(),
+            agent_args: Vec::new(),
+        };
         let client = Client::from_bus(bus.clone());
-        let watcher = Arc::new(client.watcher().await?);
-        let figures = async {
-            step(format!(
-                "warm-up: {warm_nodes} backing nodes of {SLOTS_PER_WARM_NODE} slots"
-            ));
-            let start = std::time::Instant::now();
-            phases::first_served(&client, &watcher, WARM_LABEL, start).await?;
-            phases::prewarm(
-                &client,
-                &watcher,
-                WARM_LABEL,
-                warm_nodes * SLOTS_PER_WARM_NODE,
-            )
-            .await?;
-            step(format!("warm: {} sequential allocations", s.warm));
-            let warm = phases::warm(&client, &watcher, WARM_LABEL, s.warm).await?;
-            step(format!(
-                "throughput: {} clients for {}s",
-                s.clients, s.throughput_secs
-            ));
-            let cpu = procs::CpuMeter::start(vec![
-                procs::Role {
-                    name: "launcher",
-                    pids: vec![launcher.pid],
-                },
-                procs::Role {
-                    name: "nats-server",
-                    pids: server_pid.into_iter().collect(),
-                },
-                procs::Role {
-                    name: "agents",
-                    pids: procs::pids_of(agent_binary, dir),
-                },
-                procs::Role {
-                    name: "benchmark clients",
-                    pids: vec![std::process::id()],
-                },
-            ]);
-            let mut throughput = phases::throughput(
-                &client,
-                &watcher,
-                WARM_LABEL,
-                s.clients,
-                Duration::from_secs(s.throughput_secs),
-            )
-            .await?;
-            throughput.cpu = cpu.per_allocation(throughput.allocations);
-            throughput.stolen_percent = cpu.stolen_percent();
-            launcher.check_alive()?;
-            step(format!("launcher idle for {}s", s.idle_secs));
-            let idle = procs::usage_over(launcher.pid, Duration::from_secs(s.idle_secs)).await?;
-            step(format!(
-                "cold + release: {} allocations, grace-time {}s",
-                s.cold, s.grace_time_secs
-            ));
-            let cold = phases::cold_and_release(
-                &bus,
-                &client,
-                &watcher,
-                COLD_LABEL,
-                &slotpool_protocol::layout::seat_key("local", COLD_LABEL, 0),
-                Duration::from_secs(s.grace_time_secs),
-                s.cold,
-            )
-            .await?;
-            launcher.check_alive()?;
-            anyhow::Ok((warm, throughput, idle, cold))
-        }
-        .await;
-        launcher.stop().await;
-        // While nats-server still runs, so each agent writes its last heartbeat and exits.
-        remove_local_agents(agent_binary, dir).await;
-        let (warm, throughput, idle, cold) = figures?;
-        anyhow::Ok((floor, warm, throughput, idle, cold, agent))
+        let (plain, (idle, cold)) = on_bus(
+            s,
+            &plain,
+            client,
+            server_pid,
+            agent_binary,
+            dir,
+            async |launcher: &mut procs::LauncherProcess,
+                   client: &Client,
+                   watcher: &Arc<RequestWatcher>| {
+                step(format!("launcher idle for {}s", s.idle_secs));
+                let idle =
+                    procs::usage_over(launcher.pid, Duration::from_secs(s.idle_secs)).await?;
+                step(format!(
+                    "cold + release: {} allocations, grace-time {}s",
+                    s.cold, s.grace_time_secs
+                ));
+                let cold = phases::cold_and_release(
+                    &bus,
+                    client,
+                    watcher,
+                    COLD_LABEL,
+                    &slotpool_protocol::layout::seat_key("local", COLD_LABEL, 0),
+                    Duration::from_secs(s.grace_time_secs),
+                    s.cold,
+                )
+                .await?;
+                launcher.check_alive()?;
+                anyhow::Ok((idle, cold))
+            },
+        )
+        .await?;
+        anyhow::Ok((floor, plain, idle, cold, agent))
     }
     .await;
     stop_child(&mut server).await;
-    let (floor, warm, throughput, idle, cold, agent) = result?;
+    let (floor, plain, idle, cold, agent) = result?;
+
+    let secure = if s.secure_compare {
+        step(format!("secure bus: {SECURE_BUS}"));
+        Some(run_secure(s, nats_binary, agent_binary, &dir.join(SECURE_DIR)).await?)
+    } else {
+        None
+    };
 
     let scale = if s.scale_backing > 0 {
         step(format!(
@@ -368,7 +393,212 @@ async fn run_all(
     } else {
         None
     };
-    Ok((floor, warm, throughput, idle, cold, agent, scale))
+    Ok((floor, plain, idle, cold, agent, scale, secure))
+}
+
+/// The command-line options (`--creds`, `--tls-ca`, `--tls-cert`, `--tls-key`) that
+/// log in and reach the bus the way `opts` do; the URL is given apart.
+fn nats_args(opts: &NatsOptions) -> Vec<String> {
+    [
+        ("--creds", &opts.creds),
+        ("--tls-ca", &opts.tls_ca),
+        ("--tls-cert", &opts.tls_cert),
+        ("--tls-key", &opts.tls_key),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| Some([flag.to_string(), path_arg(path.as_ref()?)]))
+    .flatten()
+    .collect()
+}
+
+fn path_arg(path: &Path) -> String {
+    path.display().to_string()
+}
+
+/// How the benchmark's clients, the launcher and its local agents reach one bus.
+struct BusSetup {
+    /// The benchmark's clients.
+    client: NatsOptions,
+    /// `slotpool serve` arguments besides --nats and --config.
+    serve_args: Vec<String>,
+    /// More arguments of the local agents (`agent-args`).
+    agent_args: Vec<String>,
+}
+
+/// Warm-up, warm allocations and throughput on one bus, with a launcher and local agents
+/// (under `run_dir/agents`) of their own; then `more` while they still run. The launcher
+/// and its agents are stopped before this returns, also on failure.
+async fn on_bus<T>(
+    s: &Settings,
+    setup: &BusSetup,
+    client: Client,
+    server_pid: Option<u32>,
+    agent_binary: &Path,
+    run_dir: &Path,
+    more: impl AsyncFnOnce(
+        &mut procs::LauncherProcess,
+        &Client,
+        &Arc<RequestWatcher>,
+    ) -> anyhow::Result<T>,
+) -> anyhow::Result<(Allocations, T)> {
+    let warm_nodes = s.clients.div_ceil(SLOTS_PER_WARM_NODE) + 1;
+    let config = run_dir.join("launcher.yaml");
+    std::fs::write(
+        &config,
+        launcher_config(
+            &run_dir.join("agents"),
+            agent_binary,
+            &setup.agent_args,
+            warm_nodes,
+            s.grace_time_secs,
+            &s.isolation,
+        ),
+    )?;
+    let mut launcher = procs::LauncherProcess::spawn(
+        &config,
+        &setup.client.url,
+        &setup.serve_args,
+        &run_dir.join("launcher.log"),
+    )?;
+    let figures = async {
+        let watcher = Arc::new(client.watcher().await?);
+        step(format!(
+            "warm-up: {warm_nodes} backing nodes of {SLOTS_PER_WARM_NODE} slots"
+        ));
+        let start = std::time::Instant::now();
+        phases::first_served(&client, &watcher, WARM_LABEL, start).await?;
+        phases::prewarm(
+            &client,
+            &watcher,
+            WARM_LABEL,
+            warm_nodes * SLOTS_PER_WARM_NODE,
+        )
+        .await?;
+        step(format!("warm: {} sequential allocations", s.warm));
+        let warm = phases::warm(&client, &watcher, WARM_LABEL, s.warm).await?;
+        step(format!(
+            "throughput: {} clients for {}s",
+            s.clients, s.throughput_secs
+        ));
+        let cpu = procs::CpuMeter::start(vec![
+            procs::Role {
+                name: "launcher",
+                pids: vec![launcher.pid],
+            },
+            procs::Role {
+                name: "nats-server",
+                pids: server_pid.into_iter().collect(),
+            },
+            procs::Role {
+                name: "agents",
+                pids: procs::pids_of(agent_binary, run_dir),
+            },
+            procs::Role {
+                name: "benchmark clients",
+                pids: vec![std::process::id()],
+            },
+        ]);
+        let mut throughput = phases::throughput(
+            &client,
+            &watcher,
+            WARM_LABEL,
+            s.clients,
+            Duration::from_secs(s.throughput_secs),
+        )
+        .await?;
+        throughput.cpu = cpu.per_allocation(throughput.allocations);
+        throughput.stolen_percent = cpu.stolen_percent();
+        launcher.check_alive()?;
+        let more = more(&mut launcher, &client, &watcher).await?;
+        anyhow::Ok((Allocations { warm, throughput }, more))
+    }
+    .await;
+    launcher.stop().await;
+    // While nats-server still runs, so each agent writes its last heartbeat and exits.
+    remove_local_agents(agent_binary, run_dir).await;
+    figures
+}
+
+/// [`on_bus`] on a nats-server of its own with the shipped authorisation and TLS with
+/// client certificates, as `slotpool nats-setup --tls` makes it: the benchmark's clients
+/// log in as a client, the launcher as a launcher that mints each local agent its own
+/// credential, and every one shows a certificate from the installation's CA.
+async fn run_secure(
+    s: &Settings,
+    nats_binary: &Path,
+    agent_binary: &Path,
+    dir: &Path,
+) -> anyhow::Result<Allocations> {
+    let launcher = BusUser::new(Role::Launcher, "bench-launcher")?;
+    let clients = BusUser::new(Role::Client, "bench-clients")?;
+    let pki = pki::write_pki(&PkiPlan {
+        dir: dir.join("tls"),
+        server_names: vec!["127.0.0.1".into(), "localhost".into()],
+        clients: vec!["launcher".into(), "client".into(), "agent".into()],
+        validity_days: 1,
+        overwrite: false,
+    })?;
+    let files = setup::write(&SetupPlan {
+        dir: dir.join("auth"),
+        users: vec![launcher.clone(), clients.clone()],
+        extra_config: pki::tls_server_block(&pki, true),
+        ..Default::default()
+    })?;
+    let nats_dir = dir.join("nats");
+    std::fs::create_dir_all(&nats_dir)?;
+    let (mut server, url) =
+        start_nats_server(nats_binary, &nats_dir, Some(&files.server_config)).await?;
+    let url = url.replacen("nats://", "tls://", 1);
+    let server_pid = server.id();
+    // How `user` (none: a local agent, whose credential the launcher mints) reaches the
+    // bus with the certificate of the PKI's client `cert`.
+    let options = |user: Option<&BusUser>, cert: &str| {
+        let cert = pki.client(cert).expect("made above");
+        NatsOptions {
+            url: url.clone(),
+            name: "slotpool-bench".into(),
+            creds: user.map(|u| {
+                files
+                    .creds_of(u.role, u.name.as_str())
+                    .expect("written above")
+                    .to_path_buf()
+            }),
+            tls_ca: Some(pki.ca_cert.clone()),
+            tls_cert: Some(cert.cert.clone()),
+            tls_key: Some(cert.key.clone()),
+            ..Default::default()
+        }
+    };
+    let launcher = options(Some(&launcher), "launcher");
+    let bus = BusSetup {
+        client: options(Some(&clients), "client"),
+        serve_args: ["--agent-signing-key".into(), path_arg(&files.signing_key)]
+            .into_iter()
+            .chain(nats_args(&launcher))
+            .collect(),
+        agent_args: nats_args(&options(None, "agent")),
+    };
+    let result = async {
+        // A client may not create slotpool's buckets: a launcher makes them, as the one
+        // about to start would.
+        drop(phases::connect(&launcher).await?);
+        let client = Client::from_bus(phases::connect(&bus.client).await?);
+        on_bus(
+            s,
+            &bus,
+            client,
+            server_pid,
+            agent_binary,
+            dir,
+            async |_: &mut procs::LauncherProcess, _: &Client, _: &Arc<RequestWatcher>| {
+                anyhow::Ok(())
+            },
+        )
+        .await
+    }
+    .await;
+    stop_child(&mut server).await;
+    Ok(result?.0)
 }
 
 fn step(what: String) {
@@ -392,10 +622,19 @@ async fn remove_local_agents(agent_binary: &Path, dir: &Path) {
 fn launcher_config(
     work_dir: &Path,
     agent: &Path,
+    agent_args: &[String],
     warm_nodes: usize,
     grace: u64,
     isolation: &str,
 ) -> String {
+    // A JSON list is a YAML flow sequence, with every path quoted.
+    let agent_args = serde_json::to_string(
+        &["--isolation", isolation]
+            .into_iter()
+            .chain(agent_args.iter().map(String::as_str))
+            .collect::<Vec<_>>(),
+    )
+    .expect("strings serialize");
     format!(
         "\
 launcher:
@@ -406,7 +645,7 @@ providers:
     local:
       work-dir: {work}
       agent-command: {agent}
-      agent-args: [--isolation, {isolation}]
+      agent-args: {agent_args}
     pools:
       - name: {WARM_LABEL}
         max-servers: {warm_nodes}
@@ -570,9 +809,38 @@ fn print_table(r: &Report) {
             &s.allocation,
         );
     }
+    if let Some(s) = &r.secure {
+        row("auth+TLS: warm allocation", &s.warm.allocation);
+        row("  auth+TLS: release round trip", &s.warm.release);
+        row(
+            &format!(
+                "auth+TLS: allocation under load ({} clients)",
+                s.throughput.clients
+            ),
+            &s.throughput.allocation,
+        );
+        row("  auth+TLS: release under load", &s.throughput.release);
+    }
     println!();
+    print_throughput("throughput", t);
+    if let Some(s) = &r.secure {
+        print_throughput("auth + TLS: throughput", &s.throughput);
+        println!(
+            "auth + TLS against plain: warm p50 {:.2}x, warm p99 {:.2}x, allocations/s {:.2}x ({})",
+            s.ratios.warm_p50, s.ratios.warm_p99, s.ratios.allocations_per_sec, s.bus
+        );
+    }
     println!(
-        "throughput: {:.0} allocations/s ({} in {:.1} s, {} clients)",
+        "release after grace-time: {} early; {} distinct backing nodes launched",
+        c.early, c.distinct_backing_nodes
+    );
+    print_usage_and_targets(r);
+}
+
+/// The throughput figure, the CPU each role spent per allocation, and the steal.
+fn print_throughput(name: &str, t: &phases::Throughput) {
+    println!(
+        "{name}: {:.0} allocations/s ({} in {:.1} s, {} clients)",
         t.allocations_per_sec, t.allocations, t.seconds, t.clients
     );
     let cpu: Vec<String> = t
@@ -601,10 +869,9 @@ fn print_table(r: &Report) {
             "CPU time the host took from this machine during that load (steal): {stolen:.1} %"
         );
     }
-    println!(
-        "release after grace-time: {} early; {} distinct backing nodes launched",
-        c.early, c.distinct_backing_nodes
-    );
+}
+
+fn print_usage_and_targets(r: &Report) {
     println!(
         "launcher after load, idle: RSS {:.1} MB, CPU {:.2} %",
         r.launcher_idle.rss_mb, r.launcher_idle.cpu_percent

@@ -37,15 +37,19 @@ const FLOOR_BUCKET: BucketSpec = BucketSpec {
     max_bytes: -1,
 };
 
-pub async fn connect(url: &str, name: &str) -> anyhow::Result<Bus> {
-    let opts = NatsOptions {
+/// Options for an anonymous bus without TLS at `url`.
+pub fn anonymous(url: &str, name: &str) -> NatsOptions {
+    NatsOptions {
         url: url.to_string(),
         name: name.to_string(),
         ..Default::default()
-    };
-    Bus::connect(&opts)
+    }
+}
+
+pub async fn connect(opts: &NatsOptions) -> anyhow::Result<Bus> {
+    Bus::connect(opts)
         .await
-        .with_context(|| format!("connecting to {url}"))
+        .with_context(|| format!("connecting to {} as {}", opts.url, opts.name))
 }
 
 // ---- floor ---------------------------------------------------------------------------
@@ -415,8 +419,8 @@ const SCALE_LABEL: &str = "scale";
 
 /// The launcher over `s.backing` simulated backing nodes on its own nats-server.
 pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<Scale> {
-    let bus = connect(url, "slotpool-bench").await?;
-    let agents_bus = connect(url, "slotpool-bench-agents").await?;
+    let bus = connect(&anonymous(url, "slotpool-bench")).await?;
+    let agents_bus = connect(&anonymous(url, "slotpool-bench-agents")).await?;
     let client = Client::from_bus(bus.clone());
     let watcher = client.watcher().await?;
 
@@ -444,7 +448,7 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
     let result = async {
         let log = dir.join("scale-launcher.log");
         let started = Instant::now();
-        let mut launcher = LauncherProcess::spawn(&config, url, &log)?;
+        let mut launcher = LauncherProcess::spawn(&config, url, procs::ANONYMOUS_BUS, &log)?;
         let first = first_served(&client, &watcher, SCALE_LABEL, started).await?;
         tokio::time::sleep(s.settle).await;
         launcher.check_alive()?;
@@ -480,7 +484,7 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
 
         let log = dir.join("scale-launcher-restarted.log");
         let restarted = Instant::now();
-        let launcher = LauncherProcess::spawn(&config, url, &log)?;
+        let launcher = LauncherProcess::spawn(&config, url, procs::ANONYMOUS_BUS, &log)?;
         let again = first_served(&client, &watcher, SCALE_LABEL, restarted).await?;
         launcher.crash().await;
         anyhow::Ok(Scale {

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context};
 use serde::Serialize;
+use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -170,6 +171,10 @@ pub fn pids_of(binary: &Path, dir: &Path) -> Vec<u32> {
     .collect()
 }
 
+/// `slotpool serve` arguments for the benchmark's own bus on loopback, without
+/// authentication or TLS: slotpool's own path (`--secure-compare` measures them too).
+pub const ANONYMOUS_BUS: &[&str] = &["--allow-anonymous-bus"];
+
 /// A `slotpool serve` child process, killed on drop.
 pub struct LauncherProcess {
     child: Child,
@@ -178,8 +183,15 @@ pub struct LauncherProcess {
 }
 
 impl LauncherProcess {
-    /// Starts this very binary as `slotpool serve --config <config>`.
-    pub fn spawn(config: &Path, nats_url: &str, log: &Path) -> anyhow::Result<LauncherProcess> {
+    /// Starts this very binary as `slotpool --nats <nats_url> serve <args> --config
+    /// <config>`: `args` say how it logs in ([`ANONYMOUS_BUS`], or credentials, TLS files
+    /// and the agents' signing key).
+    pub fn spawn<S: AsRef<OsStr>>(
+        config: &Path,
+        nats_url: &str,
+        args: &[S],
+        log: &Path,
+    ) -> anyhow::Result<LauncherProcess> {
         let exe = std::env::current_exe().context("finding the slotpool binary")?;
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
@@ -187,9 +199,7 @@ impl LauncherProcess {
             .arg("--nats")
             .arg(nats_url)
             .arg("serve")
-            // The benchmark's own bus on loopback, without authentication: it measures
-            // slotpool, not the server's authentication (which costs at connect only).
-            .arg("--allow-anonymous-bus")
+            .args(args)
             .arg("--config")
             .arg(config)
             .env("SLOTPOOL_LOG", "info")
