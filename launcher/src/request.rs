@@ -472,6 +472,9 @@ impl Worker {
             revision,
             value: done,
         });
+        // A client waiting on this launcher's status call hears of the end now, from the
+        // acknowledged write, not once the watch brings it back.
+        self.sh.signals.bump(&request_topic(&req.value.id));
         Ok(())
     }
 
