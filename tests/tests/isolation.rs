@@ -695,5 +695,27 @@ async fn a_slot_login_cannot_reach_the_bus() {
         out.contains("CONNECTED"),
         "without the guard the port should answer: {out}{err}"
     );
+    // Even then, what a job can send gets nowhere: it has no credential, and the bus
+    // refuses anonymous logins (a read of every request, an operator's kill).
+    // A copy anyone may run, as /usr/bin/slotpool would be (the build's may not be).
+    let slotpool = sshd.dir.path().join("slotpool");
+    std::fs::copy(slotpool_tests::bin_path("slotpool"), &slotpool).unwrap();
+    set_mode(&slotpool, 0o755);
+    let url = agent.nats.url();
+    for attack in [
+        format!("{} --nats {url} list requests", slotpool.display()),
+        format!(
+            "{} --nats {url} --act-as alice kill {} --yes",
+            slotpool.display(),
+            agent.backing
+        ),
+    ] {
+        let (ok, out, err) = key.ssh(sshd.port, &user, &attack);
+        assert!(!ok, "from a slot login `{attack}` succeeded: {out}");
+        assert!(
+            err.to_lowercase().contains("authorization"),
+            "`{attack}` failed for another reason: {err}"
+        );
+    }
     agent.release(0, "node-b").await.unwrap();
 }
