@@ -315,8 +315,16 @@ async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_nod
                 .await;
         }
     });
-    // The real agent answers too; whichever reply comes first, a forged one must never
-    // be handed out, and once one arrives the backing node is failed.
+    // The real agent is paused, so the forged reply is the one the launcher gets (its
+    // heartbeat, with the real login, stays in KV for its TTL); a forged reply must
+    // never be handed out, and the backing node is failed.
+    let pid: i32 = std::fs::read_to_string(pool.agent_dir(target.as_str()).join("agent.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: signalling the test's own child agent by its recorded pid.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
     let ci = client_as(&pool, Role::Client, "ci").await;
     let id = ci
         .submit(&slotpool_protocol::client::submission(
@@ -352,6 +360,8 @@ async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_nod
             assert_ne!(pool.node(n).await.login.port, Some(2222));
         }
     }
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
     answering.abort();
 }
 
