@@ -704,3 +704,104 @@ async fn a_slot_login_cannot_reach_the_bus() {
     );
     agent.release(0, "node-b").await.unwrap();
 }
+
+/// The first of `file` in the slot's cgroup directories (v1 has one per hierarchy).
+fn control(env: &IsolationEnv, user: &str, file: &str) -> Option<String> {
+    env.cgroups()
+        .paths(user)
+        .iter()
+        .find_map(|dir| std::fs::read_to_string(dir.join(file)).ok())
+        .map(|s| s.trim().to_string())
+}
+
+/// The agent's heartbeat as it is now.
+async fn heartbeat(agent: &SlotAgent) -> AgentHeartbeat {
+    agent
+        .bus
+        .agents
+        .get::<AgentHeartbeat>(agent.backing.as_str())
+        .await
+        .unwrap()
+        .expect("a heartbeat")
+        .value
+}
+
+/// A slot whose label sets no limits still gets a pids and a memory limit (the agent's
+/// defaults): a fork loop from its login stops at the pids limit, while the agent and the
+/// other slot go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let key = ClientKey::new();
+    let agent = SlotAgent::start(
+        &env,
+        2,
+        &[
+            "--ssh-port".into(),
+            sshd.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            sshd.dir.path().display().to_string(),
+            "--default-pids-max".into(),
+            "30".into(),
+            "--default-memory-max-mb".into(),
+            "256".into(),
+        ],
+    )
+    .await;
+    // SlotAgent::prepare sends no limits, as for a label without `limits`.
+    let (user_a, _) = login_of(
+        &agent
+            .prepare(0, "node-a", Some(&key.public()))
+            .await
+            .unwrap(),
+    );
+    let (user_b, _) = login_of(
+        &agent
+            .prepare(1, "node-b", Some(&key.public()))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(control(&env, &user_a, "pids.max").as_deref(), Some("30"));
+    let memory = control(&env, &user_a, "memory.max")
+        .or_else(|| control(&env, &user_a, "memory.limit_in_bytes"));
+    assert_eq!(
+        memory.as_deref(),
+        Some("268435456"),
+        "memory limit of {user_a}"
+    );
+
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "timeout 20 sh -c 'for i in $(seq 1 60); do sleep 60 >/dev/null 2>&1 & done; echo tried' 2>&1",
+    );
+    let text = format!("{out}{err}");
+    assert!(
+        text.contains("fork") || text.contains("Resource temporarily unavailable"),
+        "60 processes started under a default pids limit of 30: {text}"
+    );
+    let cgroups = env.cgroups();
+    let in_a = cgroups.procs(&user_a).unwrap();
+    assert!(in_a.len() <= 30, "{} processes in a's cgroup", in_a.len());
+
+    // The agent and slot 1 are unaffected.
+    let beat = heartbeat(&agent).await;
+    assert!(beat.health.healthy, "{beat:?}");
+    assert_eq!(
+        beat.slots.iter().map(|s| s.slot).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_b,
+        "for i in 1 2 3 4 5; do sleep 0.1 & done; wait; echo fine",
+    );
+    assert!(ok && out.trim() == "fine", "slot 1: {out}{err}");
+
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+    let uid = users::lookup(&user_a).map(|i| i.uid);
+    assert!(uid.is_none_or(|uid| users::processes_of(Path::new("/proc"), uid).is_empty()));
+    assert!(cgroups.procs(&user_a).unwrap().is_empty());
+}
