@@ -805,3 +805,130 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
     assert!(uid.is_none_or(|uid| users::processes_of(Path::new("/proc"), uid).is_empty()));
     assert!(cgroups.procs(&user_a).unwrap().is_empty());
 }
+
+/// A group of this test's own in the host's cgroup2 hierarchy, driven by the agent's v2
+/// driver, and the processes the test started in it; on drop (a failed test too) the
+/// group is killed through `cgroup.kill` and removed with its parent.
+struct V2Group {
+    driver: Box<dyn slotpool_agent::cgroup::CgroupDriver>,
+    parent: PathBuf,
+    name: String,
+    children: Vec<std::process::Child>,
+}
+
+impl V2Group {
+    /// Creates `<cgroup2 mount>/slotpool-v2test-<unique>/slot`, found from
+    /// `/proc/self/mountinfo` as `cgroup::detect` finds mounts. Panics when there is no
+    /// cgroup2 mount: the test never skips.
+    fn new() -> V2Group {
+        use slotpool_agent::cgroup::{self, CgroupLayout};
+        slotpool_tests::require_root();
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mount = cgroup::parse_mountinfo(&text)
+            .into_iter()
+            .find(|m| m.fs_type == "cgroup2")
+            .expect("a cgroup2 mount")
+            .mount_point;
+        let unique = format!(
+            "slotpool-v2test-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let parent = mount.join(&unique);
+        let name = "slot".to_string();
+        // `create` also enables and writes controllers, which this hierarchy may not
+        // have; kill and remove need none, so the group is made by hand.
+        std::fs::create_dir_all(parent.join(&name)).unwrap();
+        V2Group {
+            driver: cgroup::driver(&CgroupLayout::V2 { mount }, &unique),
+            parent,
+            name,
+            children: Vec::new(),
+        }
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.parent.join(&self.name)
+    }
+}
+
+impl Drop for V2Group {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir().join("cgroup.kill"), "1");
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::remove_dir(self.dir())
+            .is_err_and(|e| e.kind() != std::io::ErrorKind::NotFound)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_dir(&self.parent);
+    }
+}
+
+/// The v2 kill path, for real: a `sleep` and a double-forked `setsid` daemon in a group of
+/// the host's cgroup2 hierarchy are killed by the driver's `kill_all` (`cgroup.kill`),
+/// and the group is removed.
+#[test]
+fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut group = V2Group::new();
+    let pidfile = tempfile::NamedTempFile::new().unwrap();
+    let sleeper = Command::new("sleep").arg("1000").spawn().unwrap();
+    group.driver.add(&group.name, sleeper.id() as i32).unwrap();
+    // A shell placed in the group first, then told to start a daemon: setsid, fork,
+    // and the middle process exits, so the daemon is nobody's child here.
+    let mut shell = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "read go; setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > {}'; exec sleep 1000",
+            pidfile.path().display()
+        ))
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let shell_pid = shell.id() as i32;
+    let mut go = shell.stdin.take().unwrap();
+    group.children.extend([sleeper, shell]);
+    group.driver.add(&group.name, shell_pid).unwrap();
+    writeln!(go, "go").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let daemon: i32 = loop {
+        if let Ok(pid) = std::fs::read_to_string(pidfile.path())
+            .unwrap()
+            .trim()
+            .parse()
+        {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let pids = [group.children[0].id() as i32, shell_pid, daemon];
+    let inside = group.driver.procs(&group.name).unwrap();
+    for pid in pids {
+        assert!(alive(pid), "{pid} not running");
+        assert!(inside.contains(&pid), "{pid} not in the group: {inside:?}");
+    }
+
+    group.driver.kill_all(&group.name).unwrap();
+    for child in &mut group.children {
+        child.wait().unwrap();
+    }
+    for pid in pids {
+        assert!(!alive(pid), "{pid} survived the kill");
+    }
+    group.driver.remove(&group.name).unwrap();
+    assert!(!group.dir().exists(), "the group is still there");
+}
