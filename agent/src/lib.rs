@@ -12,8 +12,11 @@
 //! - [`commands`]: serving `slotpool.agent.v1.<backing id>`;
 //! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
-//! The agent writes only its own heartbeat key and never wipes slots on its own: the
-//! launcher decides when a slot is released, even across agent restarts.
+//! - [`reconcile`]: at start, releasing the prepared slots whose node is gone from KV.
+//!
+//! The agent writes only its own heartbeat key. It wipes a slot on its own only at start,
+//! when the slots bucket no longer holds the node it prepared the slot for; otherwise the
+//! launcher decides when a slot is released.
 
 pub mod bus_guard;
 pub mod cgroup;
@@ -24,6 +27,7 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod reconcile;
 pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
@@ -232,6 +236,10 @@ pub async fn run_with(
             .and_then(|s| s.with_dirty_dir(config.work_dir.join("dirty")))
             .map_err(AgentError::Slots)?
             .with_default_limits(default_limits);
+        let released = reconcile::reconcile(&slots, &bus.slots, &config.backing_id).await;
+        if !released.is_empty() {
+            tracing::info!(?released, "released the slots of nodes gone while the agent was down");
+        }
         let ssh = Arc::new(ssh::SshInfo {
             port: config.ssh_port,
             host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),

@@ -932,3 +932,111 @@ fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
     group.driver.remove(&group.name).unwrap();
     assert!(!group.dir().exists(), "the group is still there");
 }
+
+/// What the launcher's claim writes under the slot's key before it has the agent
+/// prepare the slot.
+async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
+    use slotpool_protocol::model::NodeState;
+    use slotpool_protocol::{NodeId, RequestId};
+    let record = Node {
+        v: slotpool_protocol::PROTOCOL_VERSION,
+        id: NodeId::parse(node).unwrap(),
+        request_id: RequestId::parse("req-reconcile").unwrap(),
+        index: 0,
+        label: "iso".into(),
+        backing_id: agent.backing.clone(),
+        slot,
+        state: NodeState::Ready,
+        requestor: "test".into(),
+        client: None,
+        host: "127.0.0.1".into(),
+        workspace: None,
+        attributes: Default::default(),
+        allocated_at: 0,
+        released_at: None,
+        failure: None,
+        login: Default::default(),
+    };
+    agent
+        .bus
+        .slots
+        .create(
+            &slotpool_protocol::layout::slot_key(&agent.backing, slot),
+            &record,
+            None,
+        )
+        .await
+        .unwrap()
+}
+
+/// A restarted agent releases, by itself, a prepared slot whose node is gone from the
+/// slots bucket (the launcher released it while the agent was down), and keeps the slot
+/// whose node is still there. Its credential reads its own slot keys, no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 2, &[]).await;
+    let gone = claim(&agent, 0, "node-gone").await;
+    claim(&agent, 1, "node-kept").await;
+    let (user_0, ws_0) = login_of(&agent.prepare(0, "node-gone", None).await.unwrap());
+    let (_, ws_1) = login_of(&agent.prepare(1, "node-kept", None).await.unwrap());
+    std::fs::write(ws_0.join("job-output"), "left by the job").unwrap();
+    std::fs::write(ws_1.join("job-output"), "still in use").unwrap();
+    let uid_0 = uid_of(&user_0).unwrap();
+
+    // The launcher releases node-gone while the agent is down: it deletes the key.
+    let key_0 = slotpool_protocol::layout::slot_key(&agent.backing, 0);
+    agent.bus.slots.delete(&key_0, gone).await.unwrap();
+    agent.restart().await;
+
+    let beat = heartbeat(&agent).await;
+    assert_eq!(
+        beat.slots.iter().map(|s| s.slot).collect::<Vec<_>>(),
+        vec![1],
+        "slot 0 still prepared after restart:\n{}",
+        agent.log()
+    );
+    assert!(agent.dirty(0).is_none(), "{:?}", agent.dirty(0));
+    wait_for("slot 0 to be warm again", LONG, || async { agent.warm(0) }).await;
+    assert!(wiped(&ws_0), "slot 0's workspace was not wiped");
+    let new_uid = uid_of(&user_0).expect("slot 0's user made anew");
+    assert_ne!(new_uid, uid_0, "slot 0 was not released");
+    assert_eq!(
+        std::fs::read_to_string(ws_1.join("job-output")).unwrap(),
+        "still in use"
+    );
+    assert!(!agent.warm(1), "slot 1 is no longer prepared");
+
+    // The agent's credential reads its own slot keys, and no other backing node's.
+    let as_agent = slotpool_protocol::connect::Bus::connect(
+        &agent
+            .nats
+            .options_as(slotpool_protocol::auth::Role::Agent, agent.backing.as_str()),
+    )
+    .await
+    .unwrap();
+    let own = slotpool_protocol::layout::slot_key(&agent.backing, 1);
+    let read = as_agent.slots.get::<Node>(&own).await.unwrap().unwrap();
+    assert_eq!(read.value.id.as_str(), "node-kept");
+    let other = slotpool_protocol::BackingId::parse("bn-other").unwrap();
+    agent
+        .bus
+        .slots
+        .create(
+            &slotpool_protocol::layout::slot_key(&other, 0),
+            &read.value,
+            None,
+        )
+        .await
+        .unwrap();
+    let denied = as_agent
+        .slots
+        .get::<Node>(&slotpool_protocol::layout::slot_key(&other, 0))
+        .await;
+    assert!(
+        denied.is_err(),
+        "the agent read another backing node's key: {denied:?}"
+    );
+
+    agent.release(1, "node-kept").await.unwrap();
+}
