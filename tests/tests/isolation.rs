@@ -745,7 +745,7 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
             "--default-pids-max".into(),
             "30".into(),
             "--default-memory-max-mb".into(),
-            "256".into(),
+            "64".into(),
         ],
     )
     .await;
@@ -767,8 +767,18 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
         .or_else(|| control(&env, &user_a, "memory.limit_in_bytes"));
     assert_eq!(
         memory.as_deref(),
-        Some("268435456"),
+        Some("67108864"),
         "memory limit of {user_a}"
+    );
+    // `tail` keeps a line without newline whole in memory: 200 MiB cannot fit in 64.
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "head -c 200M /dev/zero | tail >/dev/null; echo status=$?",
+    );
+    assert!(
+        out.contains("status=137"),
+        "a 200 MiB process under a default memory limit of 64 MiB: {out}{err}"
     );
 
     let (_, out, err) = key.ssh(
