@@ -820,7 +820,10 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
 /// driver, and the processes the test started in it; on drop (a failed test too) the
 /// group is killed through `cgroup.kill` and removed with its parent.
 struct V2Group {
+    /// What the agent builds for a v2 layout.
     driver: Box<dyn slotpool_agent::cgroup::CgroupDriver>,
+    /// The same group through the concrete v2 driver, to pick the kill method.
+    v2: slotpool_agent::cgroup::CgroupV2,
     parent: PathBuf,
     name: String,
     children: Vec<std::process::Child>,
@@ -853,7 +856,16 @@ impl V2Group {
         // have; kill and remove need none, so the group is made by hand.
         std::fs::create_dir_all(parent.join(&name)).unwrap();
         V2Group {
-            driver: cgroup::driver(&CgroupLayout::V2 { mount }, &unique),
+            driver: cgroup::driver(
+                &CgroupLayout::V2 {
+                    mount: mount.clone(),
+                },
+                &unique,
+            ),
+            v2: cgroup::CgroupV2 {
+                mount,
+                parent: unique.clone(),
+            },
             parent,
             name,
             children: Vec::new(),
@@ -884,10 +896,22 @@ impl Drop for V2Group {
 }
 
 /// The v2 kill path, for real: a `sleep` and a double-forked `setsid` daemon in a group of
-/// the host's cgroup2 hierarchy are killed by the driver's `kill_all` (`cgroup.kill`),
-/// and the group is removed.
+/// the host's cgroup2 hierarchy are killed by the driver's `kill_all` (`cgroup.kill` on
+/// this kernel), and the group is removed.
 #[test]
 fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
+    kill_in_a_real_v2_group(None);
+}
+
+/// The same with the freezer, the v2 path of kernels without `cgroup.kill`.
+#[test]
+fn the_v2_driver_kills_everything_in_a_real_cgroup2_group_by_freezing() {
+    kill_in_a_real_v2_group(Some(slotpool_agent::cgroup::V2Kill::Freeze));
+}
+
+/// Starts the processes in a [`V2Group`], kills them with the driver's `kill_all` (or
+/// `how`), checks none is left and removes the group.
+fn kill_in_a_real_v2_group(how: Option<slotpool_agent::cgroup::V2Kill>) {
     use std::io::Write;
     use std::process::{Command, Stdio};
     let mut group = V2Group::new();
@@ -932,7 +956,10 @@ fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
         assert!(inside.contains(&pid), "{pid} not in the group: {inside:?}");
     }
 
-    group.driver.kill_all(&group.name).unwrap();
+    match how {
+        None => group.driver.kill_all(&group.name).unwrap(),
+        Some(how) => group.v2.kill_all_by(&group.name, how).unwrap(),
+    }
     for child in &mut group.children {
         child.wait().unwrap();
     }
