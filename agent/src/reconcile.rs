@@ -13,6 +13,7 @@
 //! prepared: only a node the bucket says is gone is released.
 
 use crate::slots::Slots;
+use futures::future::join_all;
 use slotpool_protocol::layout;
 use slotpool_protocol::model::Node;
 use slotpool_protocol::store::Store;
@@ -33,8 +34,8 @@ pub fn stale(held: &NodeId, in_bucket: &Result<Option<NodeId>, String>) -> bool 
 }
 
 /// The node under `key`, read within [`READ_TIMEOUT`].
-async fn node_in(bucket: &Store, key: &str) -> Result<Option<NodeId>, String> {
-    match tokio::time::timeout(READ_TIMEOUT, bucket.get::<Node>(key)).await {
+async fn node_in(bucket: &Store, key: String) -> Result<Option<NodeId>, String> {
+    match tokio::time::timeout(READ_TIMEOUT, bucket.get::<Node>(&key)).await {
         Ok(Ok(node)) => Ok(node.map(|n| n.value.id)),
         Ok(Err(err)) => Err(err.to_string()),
         Err(_) => Err(format!("no answer within {READ_TIMEOUT:?}")),
@@ -42,28 +43,45 @@ async fn node_in(bucket: &Store, key: &str) -> Result<Option<NodeId>, String> {
 }
 
 /// Releases every prepared slot whose node the slots bucket no longer holds; returns the
-/// slots released.
+/// slots released. Keys are read, and stale slots released, concurrently.
 pub async fn reconcile(slots: &Slots, bucket: &Store, backing: &BackingId) -> Vec<u32> {
-    let mut released = Vec::new();
-    for report in slots.reports() {
+    let reports = slots.reports();
+    let reads = join_all(
+        reports
+            .iter()
+            .map(|r| node_in(bucket, layout::slot_key(backing, r.slot))),
+    )
+    .await;
+    let mut stale_slots = Vec::new();
+    for (report, in_bucket) in reports.into_iter().zip(reads) {
         let (slot, held) = (report.slot, report.node_id);
-        let in_bucket = node_in(bucket, &layout::slot_key(backing, slot)).await;
-        if let Err(err) = &in_bucket {
-            tracing::warn!(slot, node_id = %held, %err, "cannot read the slot's key; keeping the slot prepared");
-        }
-        if !stale(&held, &in_bucket) {
-            continue;
-        }
-        let now = in_bucket.ok().flatten();
-        tracing::info!(slot, node_id = %held, in_bucket = ?now, "the slot's node is gone: releasing the slot");
-        match slots.release(slot, &held).await {
-            Ok(_) => released.push(slot),
+        match &in_bucket {
             Err(err) => {
-                tracing::error!(slot, %err, "cannot release the slot of a node that is gone")
+                tracing::warn!(slot, node_id = %held, %err, "cannot read the slot's key; keeping the slot prepared")
             }
+            Ok(now) if stale(&held, &in_bucket) => {
+                tracing::info!(slot, node_id = %held, in_bucket = ?now, "the slot's node is gone: releasing the slot");
+                stale_slots.push((slot, held));
+            }
+            Ok(_) => {}
         }
     }
-    released
+    let releases = join_all(
+        stale_slots
+            .into_iter()
+            .map(|(slot, held)| async move { (slot, slots.release(slot, &held).await) }),
+    )
+    .await;
+    releases
+        .into_iter()
+        .filter_map(|(slot, result)| match result {
+            Ok(_) => Some(slot),
+            Err(err) => {
+                tracing::error!(slot, %err, "cannot release the slot of a node that is gone");
+                None
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
