@@ -273,6 +273,50 @@ impl CgroupV2 {
     }
 }
 
+/// How [`CgroupV2::kill_all_by`] gets every process of a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum V2Kill {
+    /// Write `1` to `cgroup.kill` (Linux 5.14+): the kernel kills them all.
+    KillFile,
+    /// Freeze the group (`cgroup.freeze`), SIGKILL every pid, thaw.
+    Freeze,
+}
+
+impl CgroupV2 {
+    /// Kills every process in the group `how` says, round after round until it is empty
+    /// (at most [`KILL_TIMEOUT`]). [`CgroupDriver::kill_all`] uses the kill file when the
+    /// kernel has one, else the freezer; both work without any controller enabled.
+    pub fn kill_all_by(&self, name: &str, how: V2Kill) -> Result<(), IsolationError> {
+        let dir = self.dir(name);
+        if !dir.exists() {
+            return Ok(());
+        }
+        let kill_file = dir.join("cgroup.kill");
+        let freeze = dir.join("cgroup.freeze");
+        let deadline = Instant::now() + KILL_TIMEOUT;
+        loop {
+            let pids = self.procs(name)?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(IsolationError::new("killing processes of", &dir)(io_other(
+                    format!("still running after {KILL_TIMEOUT:?}: {pids:?}"),
+                )));
+            }
+            match how {
+                V2Kill::KillFile => write_control(&kill_file, "1")?,
+                V2Kill::Freeze => {
+                    write_control(&freeze, "1")?;
+                    sigkill_all(&self.procs(name)?);
+                    write_control(&freeze, "0")?;
+                }
+            }
+            std::thread::sleep(KILL_ROUND_PAUSE);
+        }
+    }
+}
+
 impl CgroupDriver for CgroupV2 {
     fn version(&self) -> &'static str {
         "v2"
@@ -307,32 +351,12 @@ impl CgroupDriver for CgroupV2 {
     }
 
     fn kill_all(&self, name: &str) -> Result<(), IsolationError> {
-        let dir = self.dir(name);
-        if !dir.exists() {
-            return Ok(());
-        }
-        let kill_file = dir.join("cgroup.kill");
-        let freeze = dir.join("cgroup.freeze");
-        let deadline = Instant::now() + KILL_TIMEOUT;
-        loop {
-            let pids = self.procs(name)?;
-            if pids.is_empty() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(IsolationError::new("killing processes of", &dir)(io_other(
-                    format!("still running after {KILL_TIMEOUT:?}: {pids:?}"),
-                )));
-            }
-            if kill_file.exists() {
-                write_control(&kill_file, "1")?;
-            } else {
-                write_control(&freeze, "1")?;
-                sigkill_all(&self.procs(name)?);
-                write_control(&freeze, "0")?;
-            }
-            std::thread::sleep(KILL_ROUND_PAUSE);
-        }
+        let how = if self.dir(name).join("cgroup.kill").exists() {
+            V2Kill::KillFile
+        } else {
+            V2Kill::Freeze
+        };
+        self.kill_all_by(name, how)
     }
 
     fn remove(&self, name: &str) -> Result<(), IsolationError> {

@@ -86,6 +86,13 @@ pub struct Args {
     /// bus reachable from every slot (logged loudly).
     #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
     pub bus_guard: Switch,
+    /// Most processes and threads of a slot whose label sets no `limits.pids`.
+    #[arg(long, value_name = "N", default_value_t = crate::default_limits::DEFAULT_PIDS_MAX)]
+    pub default_pids_max: u32,
+    /// Memory of a slot whose label sets no `limits.memory-mb`, in MiB; `auto`: 90% of
+    /// the host's memory divided by --slots.
+    #[arg(long, value_name = "MIB|auto", default_value = "auto")]
+    pub default_memory_max_mb: String,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -169,6 +176,8 @@ pub struct AgentConfig {
     pub ssh_host_keys_dir: PathBuf,
     pub probe: Option<ProbeConfig>,
     pub thresholds: crate::health::Thresholds,
+    /// Limits of a slot whose label sets none (see [`crate::default_limits`]).
+    pub default_limits: crate::default_limits::DefaultLimits,
 }
 
 /// Why the flags do not make a valid configuration.
@@ -220,6 +229,10 @@ pub enum ConfigError {
     CgroupParent(String),
     #[error("--slot-uid-range: {0}")]
     UidRange(crate::uid_range::UidError),
+    #[error("--default-pids-max must be at least 1, got 0")]
+    DefaultPids,
+    #[error("--default-memory-max-mb: {0}")]
+    DefaultMemory(String),
     #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
     ProbeTiming,
 }
@@ -278,6 +291,16 @@ impl Args {
             }
             _ => None,
         };
+        if self.default_pids_max == 0 {
+            return Err(ConfigError::DefaultPids);
+        }
+        let default_limits = crate::default_limits::DefaultLimits {
+            pids: self.default_pids_max,
+            memory: self
+                .default_memory_max_mb
+                .parse()
+                .map_err(ConfigError::DefaultMemory)?,
+        };
         if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
             return Err(ConfigError::ProbeTiming);
         }
@@ -306,6 +329,7 @@ impl Args {
                 min_memory_available_kb: self.min_memory_available_mb.saturating_mul(1024),
                 min_disk_available_kb: self.min_disk_available_mb.saturating_mul(1024),
             },
+            default_limits,
         })
     }
 
@@ -393,6 +417,35 @@ mod tests {
         assert_eq!(c.heartbeat_interval, Duration::from_millis(2000));
         assert_eq!(c.heartbeat_ttl, Duration::from_secs(6));
         assert_eq!(c.secret_sha256, model::secret_digest("s3cret"));
+        assert_eq!(
+            c.default_limits,
+            crate::default_limits::DefaultLimits {
+                pids: 4096,
+                memory: crate::default_limits::MemoryDefault::Auto,
+            }
+        );
+    }
+
+    #[test]
+    fn default_limits_cannot_be_switched_off() {
+        for bad in [
+            &["--default-pids-max", "0"][..],
+            &["--default-memory-max-mb", "0"],
+            &["--default-memory-max-mb", "none"],
+        ] {
+            assert!(
+                args(bad).into_config_as(env_secret(), true).is_err(),
+                "{bad:?}"
+            );
+        }
+        let c = args(&["--default-pids-max", "64", "--default-memory-max-mb", "512"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(c.default_limits.pids, 64);
+        assert_eq!(
+            c.default_limits.memory,
+            crate::default_limits::MemoryDefault::Mib(512)
+        );
     }
 
     #[test]

@@ -12,17 +12,22 @@
 //! - [`commands`]: serving `slotpool.agent.v1.<backing id>`;
 //! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
-//! The agent writes only its own heartbeat key and never wipes slots on its own: the
-//! launcher decides when a slot is released, even across agent restarts.
+//! - [`reconcile`]: at start, releasing the prepared slots whose node is gone from KV.
+//!
+//! The agent writes only its own heartbeat key. It wipes a slot on its own only at start,
+//! when the slots bucket no longer holds the node it prepared the slot for; otherwise the
+//! launcher decides when a slot is released.
 
 pub mod bus_guard;
 pub mod cgroup;
 pub mod commands;
 pub mod config;
+pub mod default_limits;
 pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod reconcile;
 pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
@@ -81,6 +86,8 @@ pub enum AgentError {
     Isolation(IsolationError),
     #[error("setting up slot uids: {0}")]
     Uids(uid_range::UidError),
+    #[error("default slot limits: cannot read the host's memory from {path}: {message}")]
+    DefaultLimits { path: PathBuf, message: String },
     #[error("setting up login placement: {0}")]
     Enter(enter::EnterError),
 }
@@ -193,6 +200,23 @@ async fn sweep_loop(slots: Slots, shutdown: CancellationToken) {
     }
 }
 
+/// The default slot limits for this host (its memory read once, from `/proc/meminfo`).
+fn resolve_default_limits(
+    config: &AgentConfig,
+) -> Result<slotpool_protocol::api::SlotLimits, AgentError> {
+    let path = std::path::Path::new(PROC_ROOT).join("meminfo");
+    let memory = std::fs::read_to_string(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|text| {
+            health::parse_meminfo(&text).ok_or_else(|| "no MemTotal or MemAvailable".into())
+        })
+        .map_err(|message| AgentError::DefaultLimits {
+            path: path.clone(),
+            message,
+        })?;
+    Ok(config.default_limits.resolve(memory.total_kb, config.slots))
+}
+
 /// Runs the agent with the given isolation until `shutdown` is cancelled: recovers the
 /// slots prepared before a restart, subscribes to commands, heartbeats at once and then
 /// every interval, and on shutdown writes a last heartbeat with `draining: true`.
@@ -205,10 +229,17 @@ pub async fn run_with(
     let span = tracing::info_span!("agent", backing_id = %config.backing_id);
     async move {
         let started_at = now_ms();
+        let default_limits = resolve_default_limits(&config)?;
+        tracing::info!(?default_limits, "limits of slots whose label sets none");
         let slots = Slots::recover(isolation.clone(), config.slots)
             .await
             .and_then(|s| s.with_dirty_dir(config.work_dir.join("dirty")))
-            .map_err(AgentError::Slots)?;
+            .map_err(AgentError::Slots)?
+            .with_default_limits(default_limits);
+        let released = reconcile::reconcile(&slots, &bus.slots, &config.backing_id).await;
+        if !released.is_empty() {
+            tracing::info!(?released, "released the slots of nodes gone while the agent was down");
+        }
         let ssh = Arc::new(ssh::SshInfo {
             port: config.ssh_port,
             host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),

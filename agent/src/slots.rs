@@ -252,6 +252,9 @@ pub struct Slots {
     locks: Arc<[Arc<tokio::sync::Mutex<()>>]>,
     /// The warm-ups running in the background.
     warming: TaskTracker,
+    /// Limits a prepare gets for what its label leaves unset (see
+    /// [`crate::default_limits`]).
+    default_limits: SlotLimits,
 }
 
 impl Slots {
@@ -281,7 +284,14 @@ impl Slots {
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                 .collect(),
             warming: TaskTracker::new(),
+            default_limits: SlotLimits::default(),
         })
+    }
+
+    /// Gives every prepare `defaults` for the limits its label leaves unset.
+    pub fn with_default_limits(mut self, defaults: SlotLimits) -> Slots {
+        self.default_limits = defaults;
+        self
     }
 
     /// Keeps dirty-slot markers in `dir` (created if missing).
@@ -447,7 +457,8 @@ impl Slots {
     }
 
     /// Makes `slot` ready for `node_id` and returns its workspace and user. Waits for a
-    /// warm-up of the slot that is running.
+    /// warm-up of the slot that is running. Limits `limits` leaves unset are the
+    /// defaults'.
     pub async fn prepare(
         &self,
         slot: u32,
@@ -455,6 +466,7 @@ impl Slots {
         ssh_public_key: Option<String>,
         limits: SlotLimits,
     ) -> Result<PreparedSlot, SlotError> {
+        let limits = crate::default_limits::with_defaults(limits, &self.default_limits);
         let _running = self.gate.read().await;
         let _slot = self.lock(slot).await?;
         let plan = self.table().plan_prepare(slot, node_id)?;

@@ -7,6 +7,7 @@ use crate::process::{bin_path, ChildGuard};
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
+use slotpool_protocol::model::AgentHeartbeat;
 use slotpool_protocol::{BackingId, NodeId};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -24,7 +25,29 @@ pub struct SlotAgent {
     pub backing: BackingId,
     /// Holds the work dir (`work/agent`); slot users can pass through it.
     pub dir: TempDir,
+    /// The agent's arguments but for the bus and the backing id.
+    args: Vec<String>,
     child: ChildGuard,
+}
+
+/// Starts `slotpool-agent` for `backing` with `args`, logging (appending) to
+/// `<dir>/agent.log`.
+fn spawn(nats: &NatsServer, backing: &BackingId, dir: &Path, args: &[String]) -> ChildGuard {
+    let mut cmd = Command::new(bin_path("slotpool-agent"));
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("agent.log"))
+        .expect("agent log");
+    cmd.args(nats.args_as(slotpool_protocol::auth::Role::Agent, backing.as_str()))
+        .args(["--backing-id", backing.as_str()])
+        .args(args)
+        .env("SLOTPOOL_AGENT_SECRET", "test")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    ChildGuard::spawn("agent", cmd).expect("starting the agent")
 }
 
 impl SlotAgent {
@@ -38,35 +61,53 @@ impl SlotAgent {
             .expect("agent dir");
         set_mode(dir.path(), 0o711);
         let backing = BackingId::parse("bn-iso").expect("backing id");
-        let mut cmd = Command::new(bin_path("slotpool-agent"));
-        cmd.args(nats.args_as(slotpool_protocol::auth::Role::Agent, backing.as_str()))
-            .args(["--backing-id", backing.as_str()])
-            .arg("--slots")
-            .arg(slots.to_string())
-            .arg("--work-dir")
-            .arg(dir.path().join("agent"))
-            .args(env.agent_args())
-            .args(extra)
-            .env("SLOTPOOL_AGENT_SECRET", "test")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("agent.log")).expect("agent log"));
-        let child = ChildGuard::spawn("agent", cmd).expect("starting the agent");
-        crate::wait_for("the agent's heartbeat", Duration::from_secs(30), || async {
-            matches!(
-                bus.agents.get::<serde_json::Value>(backing.as_str()).await,
-                Ok(Some(_))
-            )
-        })
-        .await;
-        SlotAgent {
+        let mut args = vec![
+            "--slots".to_string(),
+            slots.to_string(),
+            "--work-dir".into(),
+            dir.path().join("agent").display().to_string(),
+        ];
+        args.extend(env.agent_args());
+        args.extend_from_slice(extra);
+        let child = spawn(&nats, &backing, dir.path(), &args);
+        let mut agent = SlotAgent {
             nats,
             bus,
             backing,
             dir,
+            args,
             child,
-        }
+        };
+        agent.wait_for_heartbeat().await;
+        agent
+    }
+
+    /// Waits for a heartbeat of the running agent process (not a previous one's).
+    async fn wait_for_heartbeat(&mut self) {
+        let pid = self.child.id();
+        crate::wait_for("the agent's heartbeat", Duration::from_secs(30), || async {
+            self.bus
+                .agents
+                .get::<AgentHeartbeat>(self.backing.as_str())
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|beat| beat.value.pid == pid && !beat.value.draining)
+        })
+        .await;
+    }
+
+    /// Stops the agent with SIGTERM (as a service manager does) and starts it again with
+    /// the same arguments; waits for the new process's heartbeat.
+    pub async fn restart(&mut self) {
+        let status = self.child.terminate(Duration::from_secs(30)).await;
+        assert!(
+            status.success(),
+            "the agent stopped with {status}:\n{}",
+            self.log()
+        );
+        self.child = spawn(&self.nats, &self.backing, self.dir.path(), &self.args);
+        self.wait_for_heartbeat().await;
     }
 
     /// The agent's work dir.

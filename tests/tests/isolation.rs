@@ -719,3 +719,376 @@ async fn a_slot_login_cannot_reach_the_bus() {
     }
     agent.release(0, "node-b").await.unwrap();
 }
+
+/// The first of `file` in the slot's cgroup directories (v1 has one per hierarchy).
+fn control(env: &IsolationEnv, user: &str, file: &str) -> Option<String> {
+    env.cgroups()
+        .paths(user)
+        .iter()
+        .find_map(|dir| std::fs::read_to_string(dir.join(file)).ok())
+        .map(|s| s.trim().to_string())
+}
+
+/// The agent's heartbeat as it is now.
+async fn heartbeat(agent: &SlotAgent) -> AgentHeartbeat {
+    agent
+        .bus
+        .agents
+        .get::<AgentHeartbeat>(agent.backing.as_str())
+        .await
+        .unwrap()
+        .expect("a heartbeat")
+        .value
+}
+
+/// A slot whose label sets no limits still gets a pids and a memory limit (the agent's
+/// defaults): a fork loop from its login stops at the pids limit, while the agent and the
+/// other slot go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let key = ClientKey::new();
+    let agent = SlotAgent::start(
+        &env,
+        2,
+        &[
+            "--ssh-port".into(),
+            sshd.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            sshd.dir.path().display().to_string(),
+            "--default-pids-max".into(),
+            "30".into(),
+            "--default-memory-max-mb".into(),
+            "64".into(),
+        ],
+    )
+    .await;
+    // SlotAgent::prepare sends no limits, as for a label without `limits`.
+    let (user_a, _) = login_of(
+        &agent
+            .prepare(0, "node-a", Some(&key.public()))
+            .await
+            .unwrap(),
+    );
+    let (user_b, _) = login_of(
+        &agent
+            .prepare(1, "node-b", Some(&key.public()))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(control(&env, &user_a, "pids.max").as_deref(), Some("30"));
+    let memory = control(&env, &user_a, "memory.max")
+        .or_else(|| control(&env, &user_a, "memory.limit_in_bytes"));
+    assert_eq!(
+        memory.as_deref(),
+        Some("67108864"),
+        "memory limit of {user_a}"
+    );
+    // `tail` keeps a line without newline whole in memory: 200 MiB cannot fit in 64.
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "head -c 200M /dev/zero | tail >/dev/null; echo status=$?",
+    );
+    assert!(
+        out.contains("status=137"),
+        "a 200 MiB process under a default memory limit of 64 MiB: {out}{err}"
+    );
+
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "timeout 20 sh -c 'for i in $(seq 1 60); do sleep 60 >/dev/null 2>&1 & done; echo tried' 2>&1",
+    );
+    let text = format!("{out}{err}");
+    assert!(
+        text.contains("fork") || text.contains("Resource temporarily unavailable"),
+        "60 processes started under a default pids limit of 30: {text}"
+    );
+    let cgroups = env.cgroups();
+    let in_a = cgroups.procs(&user_a).unwrap();
+    assert!(in_a.len() <= 30, "{} processes in a's cgroup", in_a.len());
+
+    // The agent and slot 1 are unaffected.
+    let beat = heartbeat(&agent).await;
+    assert!(beat.health.healthy, "{beat:?}");
+    assert_eq!(
+        beat.slots.iter().map(|s| s.slot).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_b,
+        "for i in 1 2 3 4 5; do sleep 0.1 & done; wait; echo fine",
+    );
+    assert!(ok && out.trim() == "fine", "slot 1: {out}{err}");
+
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+    let uid = users::lookup(&user_a).map(|i| i.uid);
+    assert!(uid.is_none_or(|uid| users::processes_of(Path::new("/proc"), uid).is_empty()));
+    assert!(cgroups.procs(&user_a).unwrap().is_empty());
+}
+
+/// A group of this test's own in the host's cgroup2 hierarchy, driven by the agent's v2
+/// driver, and the processes the test started in it; on drop (a failed test too) the
+/// group is killed through `cgroup.kill` and removed with its parent.
+struct V2Group {
+    /// What the agent builds for a v2 layout.
+    driver: Box<dyn slotpool_agent::cgroup::CgroupDriver>,
+    /// The same group through the concrete v2 driver, to pick the kill method.
+    v2: slotpool_agent::cgroup::CgroupV2,
+    parent: PathBuf,
+    name: String,
+    children: Vec<std::process::Child>,
+}
+
+impl V2Group {
+    /// Creates `<cgroup2 mount>/slotpool-v2test-<unique>/slot`, found from
+    /// `/proc/self/mountinfo` as `cgroup::detect` finds mounts. Panics when there is no
+    /// cgroup2 mount: the test never skips.
+    fn new() -> V2Group {
+        use slotpool_agent::cgroup::{self, CgroupLayout};
+        slotpool_tests::require_root();
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mount = cgroup::parse_mountinfo(&text)
+            .into_iter()
+            .find(|m| m.fs_type == "cgroup2")
+            .expect("a cgroup2 mount")
+            .mount_point;
+        let unique = format!(
+            "slotpool-v2test-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let parent = mount.join(&unique);
+        let name = "slot".to_string();
+        // `create` also enables and writes controllers, which this hierarchy may not
+        // have; kill and remove need none, so the group is made by hand.
+        std::fs::create_dir_all(parent.join(&name)).unwrap();
+        V2Group {
+            driver: cgroup::driver(
+                &CgroupLayout::V2 {
+                    mount: mount.clone(),
+                },
+                &unique,
+            ),
+            v2: cgroup::CgroupV2 {
+                mount,
+                parent: unique.clone(),
+            },
+            parent,
+            name,
+            children: Vec::new(),
+        }
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.parent.join(&self.name)
+    }
+}
+
+impl Drop for V2Group {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir().join("cgroup.kill"), "1");
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::remove_dir(self.dir())
+            .is_err_and(|e| e.kind() != std::io::ErrorKind::NotFound)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_dir(&self.parent);
+    }
+}
+
+/// The v2 kill path, for real: a `sleep` and a double-forked `setsid` daemon in a group of
+/// the host's cgroup2 hierarchy are killed by the driver's `kill_all` (`cgroup.kill` on
+/// this kernel), and the group is removed.
+#[test]
+fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
+    kill_in_a_real_v2_group(None);
+}
+
+/// The same with the freezer, the v2 path of kernels without `cgroup.kill`.
+#[test]
+fn the_v2_driver_kills_everything_in_a_real_cgroup2_group_by_freezing() {
+    kill_in_a_real_v2_group(Some(slotpool_agent::cgroup::V2Kill::Freeze));
+}
+
+/// Starts the processes in a [`V2Group`], kills them with the driver's `kill_all` (or
+/// `how`), checks none is left and removes the group.
+fn kill_in_a_real_v2_group(how: Option<slotpool_agent::cgroup::V2Kill>) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut group = V2Group::new();
+    let pidfile = tempfile::NamedTempFile::new().unwrap();
+    let sleeper = Command::new("sleep").arg("1000").spawn().unwrap();
+    group.driver.add(&group.name, sleeper.id() as i32).unwrap();
+    // A shell placed in the group first, then told to start a daemon: setsid, fork,
+    // and the middle process exits, so the daemon is nobody's child here.
+    let mut shell = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "read go; setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > {}'; exec sleep 1000",
+            pidfile.path().display()
+        ))
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let shell_pid = shell.id() as i32;
+    let mut go = shell.stdin.take().unwrap();
+    group.children.extend([sleeper, shell]);
+    group.driver.add(&group.name, shell_pid).unwrap();
+    writeln!(go, "go").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let daemon: i32 = loop {
+        if let Ok(pid) = std::fs::read_to_string(pidfile.path())
+            .unwrap()
+            .trim()
+            .parse()
+        {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let pids = [group.children[0].id() as i32, shell_pid, daemon];
+    let inside = group.driver.procs(&group.name).unwrap();
+    for pid in pids {
+        assert!(alive(pid), "{pid} not running");
+        assert!(inside.contains(&pid), "{pid} not in the group: {inside:?}");
+    }
+
+    match how {
+        None => group.driver.kill_all(&group.name).unwrap(),
+        Some(how) => group.v2.kill_all_by(&group.name, how).unwrap(),
+    }
+    for child in &mut group.children {
+        child.wait().unwrap();
+    }
+    for pid in pids {
+        assert!(!alive(pid), "{pid} survived the kill");
+    }
+    group.driver.remove(&group.name).unwrap();
+    assert!(!group.dir().exists(), "the group is still there");
+}
+
+/// What the launcher's claim writes under the slot's key before it has the agent
+/// prepare the slot.
+async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
+    use slotpool_protocol::model::NodeState;
+    use slotpool_protocol::{NodeId, RequestId};
+    let record = Node {
+        v: slotpool_protocol::PROTOCOL_VERSION,
+        id: NodeId::parse(node).unwrap(),
+        request_id: RequestId::parse("req-reconcile").unwrap(),
+        index: 0,
+        label: "iso".into(),
+        backing_id: agent.backing.clone(),
+        slot,
+        state: NodeState::Ready,
+        requestor: "test".into(),
+        client: None,
+        host: "127.0.0.1".into(),
+        workspace: None,
+        attributes: Default::default(),
+        allocated_at: 0,
+        released_at: None,
+        failure: None,
+        login: Default::default(),
+    };
+    agent
+        .bus
+        .slots
+        .create(
+            &slotpool_protocol::layout::slot_key(&agent.backing, slot),
+            &record,
+            None,
+        )
+        .await
+        .unwrap()
+}
+
+/// A restarted agent releases, by itself, a prepared slot whose node is gone from the
+/// slots bucket (the launcher released it while the agent was down), and keeps the slot
+/// whose node is still there. Its credential reads its own slot keys, no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 2, &[]).await;
+    let gone = claim(&agent, 0, "node-gone").await;
+    claim(&agent, 1, "node-kept").await;
+    let (user_0, ws_0) = login_of(&agent.prepare(0, "node-gone", None).await.unwrap());
+    let (_, ws_1) = login_of(&agent.prepare(1, "node-kept", None).await.unwrap());
+    std::fs::write(ws_0.join("job-output"), "left by the job").unwrap();
+    std::fs::write(ws_1.join("job-output"), "still in use").unwrap();
+    let uid_0 = uid_of(&user_0).unwrap();
+
+    // The launcher releases node-gone while the agent is down: it deletes the key.
+    let key_0 = slotpool_protocol::layout::slot_key(&agent.backing, 0);
+    agent.bus.slots.delete(&key_0, gone).await.unwrap();
+    agent.restart().await;
+
+    let beat = heartbeat(&agent).await;
+    assert_eq!(
+        beat.slots.iter().map(|s| s.slot).collect::<Vec<_>>(),
+        vec![1],
+        "slot 0 still prepared after restart:\n{}",
+        agent.log()
+    );
+    assert!(agent.dirty(0).is_none(), "{:?}", agent.dirty(0));
+    wait_for("slot 0 to be warm again", LONG, || async { agent.warm(0) }).await;
+    assert!(wiped(&ws_0), "slot 0's workspace was not wiped");
+    let new_uid = uid_of(&user_0).expect("slot 0's user made anew");
+    assert_ne!(new_uid, uid_0, "slot 0 was not released");
+    assert_eq!(
+        std::fs::read_to_string(ws_1.join("job-output")).unwrap(),
+        "still in use"
+    );
+    assert!(!agent.warm(1), "slot 1 is no longer prepared");
+
+    // The agent's credential reads its own slot keys, and no other backing node's.
+    let as_agent = slotpool_protocol::connect::Bus::connect(
+        &agent
+            .nats
+            .options_as(slotpool_protocol::auth::Role::Agent, agent.backing.as_str()),
+    )
+    .await
+    .unwrap();
+    let own = slotpool_protocol::layout::slot_key(&agent.backing, 1);
+    let read = as_agent.slots.get::<Node>(&own).await.unwrap().unwrap();
+    assert_eq!(read.value.id.as_str(), "node-kept");
+    let other = slotpool_protocol::BackingId::parse("bn-other").unwrap();
+    agent
+        .bus
+        .slots
+        .create(
+            &slotpool_protocol::layout::slot_key(&other, 0),
+            &read.value,
+            None,
+        )
+        .await
+        .unwrap();
+    let denied = as_agent
+        .slots
+        .get::<Node>(&slotpool_protocol::layout::slot_key(&other, 0))
+        .await;
+    assert!(
+        denied.is_err(),
+        "the agent read another backing node's key: {denied:?}"
+    );
+
+    agent.release(1, "node-kept").await.unwrap();
+}

@@ -76,7 +76,7 @@ async fn an_anonymous_connection_is_refused() {
 
 /// Another backing node's agent cannot hear a neighbour's commands (so cannot answer a
 /// prepare_slot with its own login) nor send it commands (a foreign release_slot), nor
-/// write its heartbeat.
+/// read its slot keys, nor write its heartbeat.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_cannot_hear_command_or_impersonate_another() {
     let pool = Pool::start(2, 5, &label("small", 2, 600, &[]), 1).await;
@@ -111,6 +111,11 @@ async fn an_agent_cannot_hear_command_or_impersonate_another() {
         sent.is_err(),
         "a foreign release_slot was answered: {sent:?}"
     );
+    // Reading the victim's slot key (the node's login): refused; an agent reads only
+    // its own backing node's slot keys.
+    let key = slotpool_protocol::layout::slot_key(&target, node.slot);
+    let read = attacker.slots.get::<serde_json::Value>(&key).await;
+    assert!(read.is_err(), "an agent read another's slot key: {read:?}");
     // A forged heartbeat for the victim's backing node.
     let forged = serde_json::json!({"v": 1, "backing_id": target.as_str()});
     assert!(

@@ -52,7 +52,8 @@ pub enum Role {
     Operator,
     /// Submits, releases and cancels its own requests; reads nothing else.
     Client,
-    /// One backing node's agent: its own command subject and heartbeat key only.
+    /// One backing node's agent: its own command subject, heartbeat key and slot keys
+    /// (read only) only.
     Agent,
 }
 
@@ -184,6 +185,14 @@ pub fn permissions(user: &BusUser) -> Permissions {
         Role::Agent => {
             let mut publish = vec![format!("$KV.{}.{name}", layout::AGENTS.name)];
             publish.extend(open_buckets);
+            // Reads the slots bucket's keys of its own backing node, and no others: a
+            // restarted agent releases the slots whose node is gone. A KV get is a
+            // direct get of the key's last message, the key in the subject (async-nats
+            // does so on every bucket slotpool makes: they allow direct gets).
+            publish.push(format!(
+                "$JS.API.DIRECT.GET.KV_{slots}.$KV.{slots}.{name}.>",
+                slots = layout::SLOTS.name
+            ));
             Permissions {
                 publish,
                 subscribe: vec![subjects::agent_of(name), inbox],
@@ -493,6 +502,47 @@ mod tests {
             .collect();
         assert_eq!(writes, vec!["$KV.slotpool_agents.bn-abc"]);
         assert!(p.responses);
+    }
+
+    #[test]
+    fn an_agent_reads_its_own_slot_keys_and_no_other_key() {
+        let p = permissions(&BusUser::agent(&BackingId::parse("bn-abc").unwrap()));
+        let reads: Vec<_> = p
+            .publish
+            .iter()
+            .filter(|s| s.contains("DIRECT.GET") || s.contains("MSG.GET"))
+            .collect();
+        assert_eq!(
+            reads,
+            vec!["$JS.API.DIRECT.GET.KV_slotpool_slots.$KV.slotpool_slots.bn-abc.>"]
+        );
+        // What the server matches a read of another backing node's key, or of any other
+        // bucket, against: none of the agent's subjects covers it.
+        let matches = |pattern: &str, subject: &str| {
+            let (p, s): (Vec<_>, Vec<_>) =
+                (pattern.split('.').collect(), subject.split('.').collect());
+            p.iter().enumerate().all(|(i, t)| match *t {
+                ">" => s.len() > i,
+                "*" => i < s.len(),
+                t => s.get(i) == Some(&t),
+            }) && (p.last() == Some(&">") || p.len() == s.len())
+        };
+        let own = "$JS.API.DIRECT.GET.KV_slotpool_slots.$KV.slotpool_slots.bn-abc.3";
+        assert!(p.publish.iter().any(|pat| matches(pat, own)));
+        for other in [
+            "$JS.API.DIRECT.GET.KV_slotpool_slots.$KV.slotpool_slots.bn-abcd.3",
+            "$JS.API.DIRECT.GET.KV_slotpool_slots.$KV.slotpool_slots.bn-other.0",
+            "$JS.API.DIRECT.GET.KV_slotpool_slots",
+            "$JS.API.STREAM.MSG.GET.KV_slotpool_slots",
+            "$JS.API.DIRECT.GET.KV_slotpool_requests.$KV.slotpool_requests.bn-abc.>",
+            "$JS.API.CONSUMER.CREATE.KV_slotpool_slots",
+            "$KV.slotpool_slots.bn-abc.3",
+        ] {
+            assert!(
+                !p.publish.iter().any(|pat| matches(pat, other)),
+                "the agent may publish on {other}"
+            );
+        }
     }
 
     #[test]
