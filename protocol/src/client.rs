@@ -16,6 +16,11 @@ use std::time::Duration;
 pub const API_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a read is sent again while no launcher answers.
 const RETRY_INTERVAL: Duration = Duration::from_millis(100);
+/// How long one status or wait_released call is held open: a launcher killed while it
+/// holds the call costs a waiting client at most this plus [`REPLY_MARGIN`].
+const WAIT_SLICE: Duration = Duration::from_secs(3);
+/// How much longer than the wait it asked for a client gives a launcher to answer.
+const REPLY_MARGIN: Duration = Duration::from_secs(2);
 
 /// A slotpool client on one NATS connection.
 #[derive(Clone)]
@@ -59,18 +64,23 @@ impl Client {
             .await
     }
 
-    /// Like `call`, for reads that are safe to repeat: while no launcher answers (all of
-    /// them restarting, say), asks again every [`RETRY_INTERVAL`] for up to
-    /// [`API_TIMEOUT`].
+    /// Like `call`, for reads that are safe to repeat, held open by the launcher for up
+    /// to `wait`: each attempt gets `wait` + [`REPLY_MARGIN`] for its answer, and while no
+    /// launcher answers (one died holding the call, or all are restarting) the read is
+    /// sent again, for up to `wait` + [`API_TIMEOUT`] in all.
     async fn call_read<Q: serde::Serialize, R: serde::de::DeserializeOwned>(
         &self,
         op: ApiOp,
         msg: &Q,
+        wait: Duration,
     ) -> Result<R, BusError> {
-        let deadline = tokio::time::Instant::now() + API_TIMEOUT;
+        let subject = subjects::api(self.name(), op);
+        let deadline = tokio::time::Instant::now() + wait + API_TIMEOUT;
         loop {
-            match self.call(op, msg).await {
-                Err(BusError::NoResponders { .. }) if tokio::time::Instant::now() < deadline => {
+            match self.bus.call(&subject, msg, wait + REPLY_MARGIN).await {
+                Err(BusError::NoResponders { .. } | BusError::Timeout { .. })
+                    if tokio::time::Instant::now() < deadline =>
+                {
                     tokio::time::sleep(RETRY_INTERVAL).await;
                 }
                 other => return other,
@@ -86,12 +96,13 @@ impl Client {
         id: &RequestId,
         wait: Duration,
     ) -> Result<Option<NodeRequest>, BusError> {
+        let wait = wait.min(Duration::from_millis(api::MAX_WAIT_MS));
         let msg = RequestStatus {
             v: crate::PROTOCOL_VERSION,
             request_id: id.clone(),
-            wait_ms: (wait.as_millis() as u64).min(api::MAX_WAIT_MS),
+            wait_ms: wait.as_millis() as u64,
         };
-        match self.call_read(ApiOp::Status, &msg).await {
+        match self.call_read(ApiOp::Status, &msg, wait).await {
             Ok(r) => Ok(Some(r)),
             Err(BusError::Api(ApiError {
                 code: ErrorCode::NotFound,
@@ -117,10 +128,13 @@ impl Client {
     ) -> Result<NodeRequest, BusError> {
         let mut last = None;
         loop {
-            let Some(req) = self
-                .status(id, Duration::from_millis(api::MAX_WAIT_MS))
-                .await?
-            else {
+            let req = match self.status(id, WAIT_SLICE).await {
+                Ok(req) => req,
+                // No launcher answered for a while: the request lives on in KV; ask again.
+                Err(BusError::NoResponders { .. } | BusError::Timeout { .. }) => continue,
+                Err(err) => return Err(err),
+            };
+            let Some(req) = req else {
                 return Err(BusError::Api(ApiError::new(
                     ErrorCode::NotFound,
                     format!("no request {id} of {}", self.name()),
@@ -151,11 +165,14 @@ impl Client {
         while !held.is_empty() {
             let msg = WaitReleased {
                 v: crate::PROTOCOL_VERSION,
-                nodes: held,
-                wait_ms: api::MAX_WAIT_MS,
+                nodes: held.clone(),
+                wait_ms: WAIT_SLICE.as_millis() as u64,
             };
-            let still: StillHeld = self.call_read(ApiOp::WaitReleased, &msg).await?;
-            held = still.held;
+            match self.call_read(ApiOp::WaitReleased, &msg, WAIT_SLICE).await {
+                Ok(StillHeld { held: still }) => held = still,
+                Err(BusError::NoResponders { .. } | BusError::Timeout { .. }) => continue,
+                Err(err) => return Err(err),
+            }
         }
         Ok(())
     }
@@ -209,7 +226,7 @@ impl Client {
             v: crate::PROTOCOL_VERSION,
             nodes: nodes.to_vec(),
         };
-        self.call_read(ApiOp::Nodes, &msg).await
+        self.call_read(ApiOp::Nodes, &msg, Duration::ZERO).await
     }
 
     /// Returns nodes to the pool.
