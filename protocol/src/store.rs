@@ -454,8 +454,8 @@ impl Store {
 
     /// Every change to the keys matching `filter` from now on, without the current
     /// values: [`Change::Synced`] first, then each change as it happens. For a watcher
-    /// that only cares about what happens after it started (a client's
-    /// [`crate::client::RequestWatcher`]).
+    /// that only cares about what happens after it started (the benchmark's waits on
+    /// seats and leases).
     pub async fn watch_new(
         &self,
         filter: &str,

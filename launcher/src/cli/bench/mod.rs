@@ -11,8 +11,9 @@
 //! nats-server with the shipped authorisation and TLS with client certificates, and the
 //! report gives both and their ratios.
 //!
-//! Clients wait through one [`slotpool_protocol::client::RequestWatcher`] (one KV watch
-//! for all requests), the way a CI system with many requests in flight should.
+//! Clients submit and wait through [`slotpool_protocol::client::RequestWatcher`]: a
+//! `status` call per request that a launcher answers when the request ends (clients
+//! read no bucket).
 
 mod phases;
 mod procs;
