@@ -144,6 +144,32 @@ impl Drop for IsolationEnv {
             }
             let _ = std::fs::remove_dir(&parent);
         }
+        remove_bus_guards(&self.user_prefix);
+    }
+}
+
+/// Removes the agents' nftables bus guards (`slotpool_<namespace>`) of this test's
+/// namespaces: an agent killed with SIGKILL leaves its table behind.
+fn remove_bus_guards(user_prefix: &str) {
+    let Ok(out) = std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+    else {
+        return;
+    };
+    let ours = format!("slotpool_{user_prefix}");
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Some(table) = line
+            .strip_prefix("table inet ")
+            .filter(|t| t.starts_with(&ours))
+        {
+            let deleted = std::process::Command::new("nft")
+                .args(["delete", "table", "inet", table])
+                .status();
+            if !deleted.is_ok_and(|s| s.success()) {
+                eprintln!("cleanup: cannot delete nftables table {table}");
+            }
+        }
     }
 }
 
