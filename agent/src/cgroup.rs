@@ -282,6 +282,30 @@ pub enum V2Kill {
     Freeze,
 }
 
+/// Runs `round` (given the pids `procs` lists) until `procs` lists none, pausing
+/// [`KILL_ROUND_PAUSE`] between rounds, for at most [`KILL_TIMEOUT`]; `dir` names the group
+/// in the error.
+fn kill_rounds(
+    dir: &Path,
+    mut procs: impl FnMut() -> Result<Vec<i32>, IsolationError>,
+    mut round: impl FnMut(&[i32]) -> Result<(), IsolationError>,
+) -> Result<(), IsolationError> {
+    let deadline = Instant::now() + KILL_TIMEOUT;
+    loop {
+        let pids = procs()?;
+        if pids.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(IsolationError::new("killing processes of", dir)(io_other(
+                format!("still running after {KILL_TIMEOUT:?}: {pids:?}"),
+            )));
+        }
+        round(&pids)?;
+        std::thread::sleep(KILL_ROUND_PAUSE);
+    }
+}
+
 impl CgroupV2 {
     /// Kills every process in the group `how` says, round after round until it is empty
     /// (at most [`KILL_TIMEOUT`]). [`CgroupDriver::kill_all`] uses the kill file when the
@@ -293,27 +317,18 @@ impl CgroupV2 {
         }
         let kill_file = dir.join("cgroup.kill");
         let freeze = dir.join("cgroup.freeze");
-        let deadline = Instant::now() + KILL_TIMEOUT;
-        loop {
-            let pids = self.procs(name)?;
-            if pids.is_empty() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(IsolationError::new("killing processes of", &dir)(io_other(
-                    format!("still running after {KILL_TIMEOUT:?}: {pids:?}"),
-                )));
-            }
-            match how {
-                V2Kill::KillFile => write_control(&kill_file, "1")?,
+        kill_rounds(
+            &dir,
+            || self.procs(name),
+            |_| match how {
+                V2Kill::KillFile => write_control(&kill_file, "1"),
                 V2Kill::Freeze => {
                     write_control(&freeze, "1")?;
                     sigkill_all(&self.procs(name)?);
-                    write_control(&freeze, "0")?;
+                    write_control(&freeze, "0")
                 }
-            }
-            std::thread::sleep(KILL_ROUND_PAUSE);
-        }
+            },
+        )
     }
 }
 
@@ -462,26 +477,20 @@ impl CgroupDriver for CgroupV1 {
                 "no freezer hierarchy",
             )));
         };
-        let deadline = Instant::now() + KILL_TIMEOUT;
-        loop {
-            let pids = self.procs(name)?;
-            if pids.is_empty() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(IsolationError::new("killing processes of", &freezer)(
-                    io_other(format!("still running after {KILL_TIMEOUT:?}: {pids:?}")),
-                ));
-            }
-            if freezer.exists() {
-                self.freezer_state(&freezer, "FROZEN")?;
-                sigkill_all(&self.procs(name)?);
-                self.freezer_state(&freezer, "THAWED")?;
-            } else {
-                sigkill_all(&pids);
-            }
-            std::thread::sleep(KILL_ROUND_PAUSE);
-        }
+        kill_rounds(
+            &freezer,
+            || self.procs(name),
+            |pids| {
+                if freezer.exists() {
+                    self.freezer_state(&freezer, "FROZEN")?;
+                    sigkill_all(&self.procs(name)?);
+                    self.freezer_state(&freezer, "THAWED")
+                } else {
+                    sigkill_all(pids);
+                    Ok(())
+                }
+            },
+        )
     }
 
     fn remove(&self, name: &str) -> Result<(), IsolationError> {

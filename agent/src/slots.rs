@@ -710,18 +710,45 @@ mod tests {
         slots.prepare(1, &node("node-c"), None, L).await.unwrap();
     }
 
-    /// An isolation whose destroy always fails, to see a slot marked dirty.
-    struct Unwipeable(WorkspaceOnly);
+    /// Mode `none` with a destroy of its own (failing, panicking), to see what a slot
+    /// that cannot be wiped becomes.
+    struct BadDestroy {
+        inner: WorkspaceOnly,
+        destroy: fn(&WorkspaceOnly, u32) -> Result<(), IsolationError>,
+    }
 
-    impl SlotIsolation for Unwipeable {
+    /// Destroy always fails: a process survived.
+    fn unwipeable(work: &std::path::Path) -> BadDestroy {
+        BadDestroy {
+            inner: WorkspaceOnly::new(work).unwrap(),
+            destroy: |iso, slot| {
+                Err(IsolationError::new("killing", &iso.workspace(slot))(
+                    std::io::Error::other("a process survived"),
+                ))
+            },
+        }
+    }
+
+    /// Destroy of slot 1 panics.
+    fn panicking(work: &std::path::Path) -> BadDestroy {
+        BadDestroy {
+            inner: WorkspaceOnly::new(work).unwrap(),
+            destroy: |iso, slot| {
+                assert_ne!(slot, 1, "slot 1 cannot be destroyed");
+                iso.destroy(slot)
+            },
+        }
+    }
+
+    impl SlotIsolation for BadDestroy {
         fn name(&self) -> &'static str {
-            "unwipeable"
+            "bad-destroy"
         }
         fn workspace(&self, slot: u32) -> PathBuf {
-            self.0.workspace(slot)
+            self.inner.workspace(slot)
         }
         fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
-            self.0.slot_names()
+            self.inner.slot_names()
         }
         fn create(
             &self,
@@ -730,10 +757,10 @@ mod tests {
             key: Option<&str>,
             limits: &SlotLimits,
         ) -> Result<PathBuf, IsolationError> {
-            self.0.create(slot, node_id, key, limits)
+            self.inner.create(slot, node_id, key, limits)
         }
         fn warm(&self, slot: u32) -> Result<(), IsolationError> {
-            self.0.warm(slot)
+            self.inner.warm(slot)
         }
         fn prepare_warm(
             &self,
@@ -742,22 +769,20 @@ mod tests {
             key: Option<&str>,
             limits: &SlotLimits,
         ) -> Result<PathBuf, IsolationError> {
-            self.0.prepare_warm(slot, node_id, key, limits)
+            self.inner.prepare_warm(slot, node_id, key, limits)
         }
         fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
-            Err(IsolationError::new("killing", &self.0.workspace(slot))(
-                std::io::Error::other("a process survived"),
-            ))
+            (self.destroy)(&self.inner, slot)
         }
         fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
-            self.0.recover()
+            self.inner.recover()
         }
     }
 
     #[tokio::test]
     async fn a_slot_that_cannot_be_cleaned_is_dirty_until_an_operator_acts() {
         let work = tempfile::tempdir().unwrap();
-        let iso = Arc::new(Unwipeable(WorkspaceOnly::new(work.path()).unwrap()));
+        let iso = Arc::new(unwipeable(work.path()));
         let slots = Slots::recover(iso, 2)
             .await
             .unwrap()
@@ -795,44 +820,10 @@ mod tests {
         slots.prepare(1, &node("node-c"), None, L).await.unwrap();
     }
 
-    /// An isolation whose destroy of slot 1 panics.
-    struct Panicking(WorkspaceOnly);
-
-    impl SlotIsolation for Panicking {
-        fn name(&self) -> &'static str {
-            "panicking"
-        }
-        fn workspace(&self, slot: u32) -> PathBuf {
-            self.0.workspace(slot)
-        }
-        fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
-            self.0.slot_names()
-        }
-        fn warm(&self, slot: u32) -> Result<(), IsolationError> {
-            self.0.warm(slot)
-        }
-        fn prepare_warm(
-            &self,
-            slot: u32,
-            node_id: &NodeId,
-            key: Option<&str>,
-            limits: &SlotLimits,
-        ) -> Result<PathBuf, IsolationError> {
-            self.0.prepare_warm(slot, node_id, key, limits)
-        }
-        fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
-            assert_ne!(slot, 1, "slot 1 cannot be destroyed");
-            self.0.destroy(slot)
-        }
-        fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
-            self.0.recover()
-        }
-    }
-
     #[tokio::test]
     async fn a_panic_in_a_release_leaves_only_that_slot_dirty() {
         let work = tempfile::tempdir().unwrap();
-        let iso = Arc::new(Panicking(WorkspaceOnly::new(work.path()).unwrap()));
+        let iso = Arc::new(panicking(work.path()));
         let slots = Slots::recover(iso, 2)
             .await
             .unwrap()

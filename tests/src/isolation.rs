@@ -330,34 +330,38 @@ impl ClientKey {
             .to_string()
     }
 
+    /// `ssh` with this key to `user` on 127.0.0.1:`port`, non-interactive, trusting any
+    /// host key; the caller adds what to do (a command, `-N -L …`).
+    pub fn command(&self, port: u16, user: &str) -> Command {
+        let mut cmd = Command::new("ssh");
+        cmd.args([
+            "-F",
+            "/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "ConnectTimeout=10",
+            "-i",
+        ])
+        .arg(self.dir.path().join("id"))
+        .args(["-p", &port.to_string(), &format!("{user}@127.0.0.1")])
+        .stdin(Stdio::null());
+        cmd
+    }
+
     /// Runs `command` as `user` over ssh; returns (success, stdout, stderr).
     pub fn ssh(&self, port: u16, user: &str, command: &str) -> (bool, String, String) {
-        let out = Command::new("ssh")
-            .args([
-                "-F",
-                "/dev/null",
-                "-o",
-                "BatchMode=yes",
-                "-o",
-                "IdentitiesOnly=yes",
-                "-o",
-                "StrictHostKeyChecking=no",
-                "-o",
-                "UserKnownHostsFile=/dev/null",
-                "-o",
-                "LogLevel=ERROR",
-                "-o",
-                "ConnectTimeout=10",
-                "-i",
-            ])
-            .arg(self.dir.path().join("id"))
-            .args([
-                "-p",
-                &port.to_string(),
-                &format!("{user}@127.0.0.1"),
-                command,
-            ])
-            .stdin(Stdio::null())
+        let out = self
+            .command(port, user)
+            .arg(command)
             .output()
             .expect("running ssh");
         (

@@ -586,30 +586,14 @@ async fn port_forwarding_from_a_slot_login_is_refused() {
         .unwrap()
         .port();
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut cmd = std::process::Command::new("ssh");
-    cmd.args([
-        "-F",
-        "/dev/null",
-        "-N",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "IdentitiesOnly=yes",
-        "-o",
-        "StrictHostKeyChecking=no",
-        "-o",
-        "UserKnownHostsFile=/dev/null",
-        "-i",
-    ])
-    .arg(key.dir.path().join("id"))
-    .arg("-L")
-    .arg(format!(
-        "127.0.0.1:{local}:127.0.0.1:{}",
-        target.local_addr().unwrap().port()
-    ))
-    .args(["-p", &sshd.port.to_string(), &format!("{user}@127.0.0.1")])
-    .stdin(std::process::Stdio::null())
-    .stderr(log.reopen().unwrap());
+    let mut cmd = key.command(sshd.port, &user);
+    cmd.arg("-N")
+        .arg("-L")
+        .arg(format!(
+            "127.0.0.1:{local}:127.0.0.1:{}",
+            target.local_addr().unwrap().port()
+        ))
+        .stderr(log.reopen().unwrap());
     let _ssh = slotpool_tests::ChildGuard::spawn("ssh -L", cmd).unwrap();
     let mut conn = slotpool_tests::wait_for_some(
         "ssh to listen on the forwarded port",
