@@ -232,6 +232,7 @@ async fn submit(
         failure: None,
         updated_at: now,
         owner: Some(sh.id.clone()),
+        nodes_released_at: None,
         client: Some(caller.clone()),
     };
     let key = req.id.to_string();

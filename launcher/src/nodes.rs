@@ -17,7 +17,8 @@ use slotpool_protocol::model::{
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
+use slotpool_protocol::{BackingId, NodeId, RequestId, PROTOCOL_VERSION};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -420,15 +421,76 @@ pub async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Resul
     }
     loop {
         match shared.bus.slots.delete(&node.key, node.revision).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => break,
             Err(KvError::Conflict { .. }) => match shared.bus.slots.get::<Node>(&node.key).await? {
                 // Marked again by a second releaser: still ours to delete.
                 Some(again) if again.value.id == node.value.id => node = again,
-                _ => return Ok(()),
+                _ => break,
             },
             Err(err) => return Err(err.into()),
         }
     }
+    expire_when_released(shared, &node.value.request_id, Some(&node.value.id)).await?;
+    Ok(())
+}
+
+/// Once no node of a fulfilled request holds a slot any more, marks the request
+/// released and lets its record expire ([`FINISHED_REQUEST_TTL_SECS`]). Until then the
+/// record stays, so that a claimed node without a request is always a stray
+/// ([`left_behind`]), whatever its age. `released` is a node just deleted (not read
+/// again). Revision-checked and idempotent: run after every release, and by the sweep
+/// for a launcher that died in between. Costs one write for a one-node request.
+pub async fn expire_when_released(
+    shared: &Shared,
+    id: &RequestId,
+    released: Option<&NodeId>,
+) -> Result<(), SlotError> {
+    let mut read = shared.world().requests.get(id).cloned();
+    loop {
+        let current = match read.take() {
+            Some(current) => current,
+            None => match shared.bus.requests.get::<NodeRequest>(id.as_str()).await? {
+                Some(current) => current,
+                None => return Ok(()),
+            },
+        };
+        let r = &current.value;
+        if r.state != RequestState::Fulfilled || r.nodes_released_at.is_some() {
+            return Ok(());
+        }
+        for node in r.nodes.iter().filter(|n| Some(*n) != released) {
+            if holds_slot(shared, node).await? {
+                return Ok(());
+            }
+        }
+        let mut done = r.clone();
+        done.nodes_released_at = Some(now_ms());
+        let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+        match shared
+            .bus
+            .requests
+            .update(&current.key, &done, current.revision, ttl)
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Whether node `id` holds its slot, read from KV (the mirror may lag a release).
+async fn holds_slot(shared: &Shared, id: &NodeId) -> Result<bool, KvError> {
+    let Some((backing, slot)) = id.slot() else {
+        return Ok(false);
+    };
+    let key = layout::slot_key(&backing, slot);
+    Ok(shared
+        .bus
+        .slots
+        .get::<Node>(&key)
+        .await?
+        .is_some_and(|n| &n.value.id == id))
 }
 
 /// Releases node `id` if its slot still holds it: marks it releasing, and finishes the
@@ -522,11 +584,10 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
             .filter(|n| match n.value.state {
                 NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
                 NodeState::Preparing | NodeState::Ready => {
-                    n.value.allocated_at <= cutoff
+                    claimed_long_ago(n.value.allocated_at, now)
                         && left_behind(
                             &n.value,
                             world.requests.get(&n.value.request_id).map(|r| &r.value),
-                            now,
                         )
                 }
                 NodeState::Failed => false,
@@ -537,6 +598,14 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
     for node in stale {
         tracing::info!(node_id = %node.value.id, "finishing a release left behind");
         spawn_finish_release(shared, node);
+    }
+    for id in released_unmarked(shared, cutoff) {
+        let sh = shared.clone();
+        shared.tracker.spawn(async move {
+            if let Err(err) = expire_when_released(&sh, &id, None).await {
+                tracing::warn!(request_id = %id, %err, "cannot mark a request's nodes released");
+            }
+        });
     }
     for node in orphans {
         let sh = shared.clone();
@@ -557,28 +626,57 @@ async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(
         .requests
         .get::<NodeRequest>(node.value.request_id.as_str())
         .await?;
-    if !left_behind(&node.value, request.as_ref().map(|r| &r.value), now_ms()) {
+    if !left_behind(&node.value, request.as_ref().map(|r| &r.value)) {
         return Ok(());
     }
     tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
     release_node(shared, &node.value.id).await.map(|_| ())
 }
 
+/// Fulfilled requests that no mirrored slot holds a node of any more, not yet marked
+/// released, and last written before `cutoff`: their launcher died between the last
+/// release and [`expire_when_released`].
+fn released_unmarked(shared: &Shared, cutoff: u64) -> Vec<RequestId> {
+    let world = shared.world();
+    let held: HashSet<&RequestId> = world.slots.values().map(|n| &n.value.request_id).collect();
+    world
+        .requests
+        .values()
+        .map(|r| &r.value)
+        .filter(|r| {
+            r.state == RequestState::Fulfilled
+                && r.nodes_released_at.is_none()
+                && r.updated_at <= cutoff
+                && !held.contains(&r.id)
+        })
+        .map(|r| r.id.clone())
+        .collect()
+}
+
+/// How far ahead of this launcher's clock a claim time may be before the sweep treats
+/// it as forged (launchers' clocks agree to far better than this).
+const FUTURE_CLAIM_SKEW: Duration = Duration::from_secs(600);
+
+/// Whether a node claimed at `allocated_at` is old enough for the sweep to judge it
+/// ([`STALE_RELEASE`]). A claim time further ahead than any clock skew is a forged or
+/// broken record: it counts as old, so it cannot shield its slot from the sweep.
+fn claimed_long_ago(allocated_at: u64, now: u64) -> bool {
+    allocated_at <= now.saturating_sub(STALE_RELEASE.as_millis() as u64)
+        || allocated_at > now + FUTURE_CLAIM_SKEW.as_millis() as u64
+}
+
 /// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
-/// ended without it, or was never created. A `ready` node whose request is gone may be
-/// the node of a fulfilled request whose record expired
-/// ([`FINISHED_REQUEST_TTL_SECS`] after it was fulfilled): it is left behind only when it
-/// was claimed too recently for that.
-fn left_behind(node: &Node, request: Option<&NodeRequest>, now: u64) -> bool {
+/// ended without it, or does not exist. A fulfilled request is kept while its nodes are
+/// held ([`expire_when_released`]), so a node without a request record is a stray
+/// whatever its age: a claim written by a launcher that died before creating the
+/// request, or a forged one.
+fn left_behind(node: &Node, request: Option<&NodeRequest>) -> bool {
     match request {
         Some(r) => {
             r.state.is_final()
                 && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id))
         }
-        None => {
-            node.state == NodeState::Preparing
-                || now.saturating_sub(node.allocated_at) < FINISHED_REQUEST_TTL_SECS * 1000
-        }
+        None => true,
     }
 }
 
@@ -650,6 +748,7 @@ mod tests {
             failure: None,
             updated_at: 0,
             owner: None,
+            nodes_released_at: None,
         }
     }
 
@@ -657,35 +756,45 @@ mod tests {
     fn a_claimed_node_is_left_behind_when_its_request_ended_without_it_or_never_was() {
         let hour = FINISHED_REQUEST_TTL_SECS * 1000;
         let now = 10 * hour;
-        let minute_ago = now - 60_000;
-        for state in [NodeState::Preparing, NodeState::Ready] {
-            let n = node(state, minute_ago);
-            let mine = request(RequestState::Fulfilled, vec![n.id.clone()]);
-            let other = request(
-                RequestState::Fulfilled,
-                vec![NodeId::parse("node-x").unwrap()],
-            );
-            assert!(!left_behind(&n, Some(&mine), now), "{state:?}: its own");
-            assert!(left_behind(&n, Some(&other), now), "{state:?}: a stray");
-            let waiting = request(RequestState::Requested, vec![]);
-            assert!(
-                !left_behind(&n, Some(&waiting), now),
-                "{state:?}: its worker's"
-            );
-            for ended in [RequestState::Failed, RequestState::Canceled] {
-                let r = request(ended, vec![]);
-                assert!(left_behind(&n, Some(&r), now), "{state:?}: {ended:?}");
+        for age in [60_000, hour + 1, 5 * hour] {
+            for state in [NodeState::Preparing, NodeState::Ready] {
+                let n = node(state, now - age);
+                let mine = request(RequestState::Fulfilled, vec![n.id.clone()]);
+                let other = request(
+                    RequestState::Fulfilled,
+                    vec![NodeId::parse("node-x").unwrap()],
+                );
+                assert!(!left_behind(&n, Some(&mine)), "{state:?}: its own");
+                assert!(left_behind(&n, Some(&other)), "{state:?}: a stray");
+                let waiting = request(RequestState::Requested, vec![]);
+                assert!(!left_behind(&n, Some(&waiting)), "{state:?}: its worker's");
+                for ended in [RequestState::Failed, RequestState::Canceled] {
+                    let r = request(ended, vec![]);
+                    assert!(left_behind(&n, Some(&r)), "{state:?}: {ended:?}");
+                }
+                // A fulfilled request is kept while its nodes are held: a node without
+                // one is a stray however long ago it was claimed (a forged claim too).
+                assert!(left_behind(&n, None), "{state:?} {age} ms old: no request");
             }
-            assert!(left_behind(&n, None, now), "{state:?}: never created");
         }
-        // A ready node older than a finished request is kept: its request may have expired.
-        let old = node(NodeState::Ready, now - hour - 1);
-        assert!(!left_behind(&old, None, now));
-        assert!(left_behind(
-            &node(NodeState::Preparing, now - hour - 1),
-            None,
-            now
-        ));
+    }
+
+    #[test]
+    fn a_claim_is_judged_once_old_or_when_dated_in_the_future() {
+        let now = 100 * 3_600_000;
+        let stale = STALE_RELEASE.as_millis() as u64;
+        assert!(!claimed_long_ago(now, now), "just claimed");
+        assert!(!claimed_long_ago(now - stale + 1, now));
+        assert!(claimed_long_ago(now - stale, now));
+        assert!(
+            !claimed_long_ago(now + 5_000, now),
+            "a clock a little ahead"
+        );
+        assert!(
+            claimed_long_ago(now + 3_600_000, now),
+            "dated an hour ahead: forged"
+        );
+        assert!(claimed_long_ago(u64::MAX, now), "dated at the end of time");
     }
 
     #[test]

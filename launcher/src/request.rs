@@ -453,14 +453,17 @@ impl Worker {
         Ok(Pass::Done)
     }
 
-    /// Writes a final state (kept for [`FINISHED_REQUEST_TTL_SECS`]).
+    /// Writes a final state: a failed or canceled request is kept for
+    /// [`FINISHED_REQUEST_TTL_SECS`], a fulfilled one while its nodes are held (see
+    /// [`crate::nodes::expire_when_released`]).
     async fn finish(
         &self,
         req: &Versioned<NodeRequest>,
         mut done: NodeRequest,
     ) -> Result<(), SlotError> {
         done.updated_at = now_ms();
-        let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+        let ttl = (done.state != RequestState::Fulfilled)
+            .then(|| Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
         let revision = self
             .sh
             .bus

@@ -659,6 +659,7 @@ mod tests {
             failure: None,
             updated_at: 0,
             owner: None,
+            nodes_released_at: None,
         };
         w.put_request(Versioned {
             key: "req-1".into(),

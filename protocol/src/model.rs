@@ -65,6 +65,12 @@ pub struct NodeRequest {
     /// cancel the request and its nodes). `None` for a request of an anonymous bus.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client: Option<crate::UserName>,
+    /// When the last node of a fulfilled request was released. A fulfilled request is
+    /// kept while any of its nodes is held (so a claimed node without a request record
+    /// is always a stray); once this is set, the record expires
+    /// [`crate::layout::FINISHED_REQUEST_TTL_SECS`] later, like a failed or canceled one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_released_at: Option<UnixMillis>,
 }
 
 impl NodeRequest {
@@ -545,6 +551,7 @@ mod tests {
             failure: None,
             updated_at: 5,
             owner: None,
+            nodes_released_at: None,
             client: None,
         };
         let json = serde_json::to_string(&r).unwrap();

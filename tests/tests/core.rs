@@ -271,6 +271,59 @@ async fn releases_and_claims_left_behind_by_a_killed_launcher_are_finished() {
     assert_eq!(again.nodes.len(), 3, "the slots are handed out again");
 }
 
+/// A claim of a `ready` slot with no request behind it is freed whatever date it
+/// carries: one dated two hours ago (older than a finished request's record lives) and
+/// one dated an hour in the future, written while the launcher runs. A fulfilled
+/// request's record stays while its nodes are held and is marked released (then
+/// expires) once they are not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_claims_are_freed_whatever_their_date_and_requests_live_as_long_as_their_nodes() {
+    let pool = Pool::start(1, 1, &label("small", 3, 30, &[]), 1).await;
+    let r = pool
+        .fulfilled(&pool.submit(&["small", "small", "small"]).await)
+        .await;
+    let held = &r.nodes[0];
+    let two_hours_ago = now_ms() - 2 * 3_600_000;
+    let in_an_hour = now_ms() + 3_600_000;
+    for (id, at) in r.nodes[1..].iter().zip([two_hours_ago, in_an_hour]) {
+        rewrite_node(&pool, id, |n| {
+            n.request_id = RequestId::parse("req-forged").unwrap();
+            n.allocated_at = at;
+        })
+        .await;
+    }
+    tokio::time::timeout(LONG, pool.client.wait_released(&r.nodes[1..]))
+        .await
+        .expect("the forged claims freed")
+        .unwrap();
+    let record = |pool: &Pool| {
+        let bus = pool.client.bus().clone();
+        let id = r.id.clone();
+        async move {
+            bus.requests
+                .get::<NodeRequest>(id.as_str())
+                .await
+                .unwrap()
+                .expect("the fulfilled request's record is kept")
+                .value
+        }
+    };
+    assert_eq!(
+        record(&pool).await.nodes_released_at,
+        None,
+        "a node is held"
+    );
+    assert!(
+        pool.nodes().await.iter().any(|n| &n.id == held),
+        "the real claim is kept"
+    );
+    pool.client.release(vec![held.clone()]).await.unwrap();
+    wait_for("the request marked released", LONG, || async {
+        record(&pool).await.nodes_released_at.is_some()
+    })
+    .await;
+}
+
 /// A node is claimed `ready`, with the workspace and login its agent's heartbeat names,
 /// before the agent prepares it. One claimed so by a launcher that died before the
 /// prepare is prepared by the launcher that takes the request over, before the request

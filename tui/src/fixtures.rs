@@ -117,6 +117,7 @@ pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) 
         failure: None,
         updated_at: created_at,
         owner: None,
+        nodes_released_at: None,
     }
 }
 
