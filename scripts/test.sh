@@ -83,6 +83,23 @@ need_command nft nftables "keeping slot users off the bus"
 # The console's end-to-end test runs slotpool-console in tmux.
 need_command tmux tmux "the console's end-to-end test"
 
+# House rules (Cargo.toml's [workspace.lints]): formatting and clippy with warnings as
+# errors, on a whole-suite run (no arguments). A lint failure fails the run, after the
+# tests have run too.
+lint_status=0
+if [ "$#" -eq 0 ]; then
+    for component in rustfmt clippy; do
+        if ! cargo "${component/rustfmt/fmt}" --version >/dev/null 2>&1; then
+            step "rustup component add $component"
+            rustup component add "$component" >&2
+        fi
+    done
+    step "cargo fmt --all --check"
+    cargo fmt --all --check || lint_status=1
+    step "cargo clippy --workspace --all-targets -- -D warnings"
+    cargo clippy --workspace --all-targets -- -D warnings || lint_status=1
+fi
+
 # End-to-end tests run the workspace's binaries (see slotpool_tests::bin_path), which
 # `cargo test` does not build for other packages.
 step "cargo build --workspace --bins"
@@ -109,8 +126,14 @@ echo "==> summary" >&2
 echo "    ${nats_version/: / }" >&2
 echo "    build:       $((built - started)) s" >&2
 echo "    tests:       $((SECONDS - built)) s" >&2
-if [ "$status" -eq 0 ]; then
+if [ "$lint_status" -ne 0 ]; then
+    echo "    lints:       FAILED (cargo fmt --check or clippy; see above)" >&2
+fi
+if [ "$status" -eq 0 ] && [ "$lint_status" -eq 0 ]; then
     echo "    result:      PASSED" >&2
+elif [ "$status" -eq 0 ]; then
+    echo "    result:      FAILED (the tests passed; the lints did not)" >&2
+    status=1
 else
     echo "    result:      FAILED (cargo test exited with $status; see the failures above)" >&2
 fi

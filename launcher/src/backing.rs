@@ -19,6 +19,14 @@ use tracing::Instrument;
 
 /// Pause before retrying a step whose I/O failed (provider or KV trouble).
 const STEP_RETRY_PAUSE: Duration = Duration::from_secs(2);
+/// How long a step that needs a provider missing from the configuration waits before
+/// looking again (the configuration may bring it back).
+const PROVIDER_GONE_PAUSE: Duration = Duration::from_secs(60);
+
+/// Why a step of a node whose provider is no longer configured cannot be taken.
+fn provider_gone(provider: &str) -> String {
+    format!("provider {provider} is no longer in the configuration")
+}
 /// How long an agent may take to answer a close/open command.
 const AGENT_COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -280,13 +288,8 @@ impl Worker {
             Step::FinishRelease => self.finish_release(b).await,
             Step::Fail(reason) => self.fail(b, reason).await,
             Step::CleanUp => {
-                if let Some(instance) = &b.value.instance {
-                    if let Err(err) = self.sh.providers[&b.value.provider].delete(instance).await {
-                        tracing::warn!(%err, "cannot delete the failed instance; will retry");
-                        return Ok(Outcome::Wait(Some(
-                            now + STEP_RETRY_PAUSE.as_millis() as u64,
-                        )));
-                    }
+                if let Err(retry_at) = self.delete_instance(&b.value, "the failed instance").await {
+                    return Ok(Outcome::Wait(Some(retry_at)));
                 }
                 let outcome = self
                     .write(b, BackingState::Failed, |n| n.instance = None)
@@ -344,7 +347,9 @@ impl Worker {
         retry_reason: Option<String>,
     ) -> Result<Outcome, KvError> {
         let v = &b.value;
-        let provider = self.sh.providers[&v.provider].clone();
+        let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
+            return self.fail(b, provider_gone(&v.provider)).await;
+        };
         if let Some(reason) = &retry_reason {
             tracing::warn!(%reason, attempt = v.attempts + 1, "launching again");
         }
@@ -479,18 +484,39 @@ impl Worker {
                 Err(err) => tracing::warn!(%err, "agent did not confirm close; releasing anyway"),
             }
         }
-        if let Some(instance) = &v.instance {
-            if let Err(err) = self.sh.providers[&v.provider].delete(instance).await {
-                tracing::warn!(%err, "cannot delete the instance; will retry");
-                return Ok(Outcome::Wait(Some(
-                    now_ms() + STEP_RETRY_PAUSE.as_millis() as u64,
-                )));
-            }
+        if let Err(retry_at) = self.delete_instance(v, "the instance").await {
+            return Ok(Outcome::Wait(Some(retry_at)));
         }
         self.sh.bus.backing.delete(&b.key, b.revision).await?;
         tracing::info!("released");
         self.note(b, "released: instance deleted, seat free");
         Ok(Outcome::Gone)
+    }
+
+    /// Deletes the node's instance, if it has one, through the provider that launched
+    /// it. On failure, when to try again: soon after a provider error, a minute later when
+    /// the provider is no longer in the configuration (the instance cannot be deleted
+    /// until it is back; the warning names it for an operator).
+    async fn delete_instance(
+        &self,
+        v: &BackingNode,
+        what: &str,
+    ) -> Result<(), slotpool_protocol::time::UnixMillis> {
+        let Some(instance) = &v.instance else {
+            return Ok(());
+        };
+        let Some(provider) = self.sh.providers.get(&v.provider) else {
+            tracing::warn!(
+                ?instance,
+                reason = provider_gone(&v.provider),
+                "cannot delete {what}"
+            );
+            return Err(now_ms() + PROVIDER_GONE_PAUSE.as_millis() as u64);
+        };
+        provider.delete(instance).await.map_err(|err| {
+            tracing::warn!(%err, "cannot delete {what}; will retry");
+            now_ms() + STEP_RETRY_PAUSE.as_millis() as u64
+        })
     }
 
     async fn fail(&self, b: &Versioned<BackingNode>, reason: String) -> Result<Outcome, KvError> {

@@ -65,7 +65,7 @@ pub async fn run(
     deps: LauncherDeps,
     shutdown: CancellationToken,
 ) -> Result<(), LauncherError> {
-    let mut providers = std::collections::HashMap::new();
+    let mut providers = HashMap::new();
     for p in &config.providers {
         let built =
             provider::build(p, &deps.agent_binary).map_err(|source| LauncherError::Provider {

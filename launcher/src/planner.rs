@@ -71,7 +71,10 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
             if deficit <= 0 {
                 return;
             }
-            let identity = shared.providers[provider].fixed_identity(pool, free.seat);
+            let identity = shared
+                .providers
+                .get(provider)
+                .and_then(|p| p.fixed_identity(pool, free.seat));
             let record = BackingNode {
                 v: PROTOCOL_VERSION,
                 id: identity

@@ -230,7 +230,7 @@ impl Client {
     }
 
     /// Returns nodes to the pool.
-    pub async fn release(&self, nodes: Vec<crate::NodeId>) -> Result<Released, BusError> {
+    pub async fn release(&self, nodes: Vec<NodeId>) -> Result<Released, BusError> {
         let msg = ReleaseNodes {
             v: crate::PROTOCOL_VERSION,
             nodes,

@@ -4,6 +4,8 @@
 //! see typed records (`NodeRequest`, `Node`, `BackingNode`, `AgentHeartbeat`), typed keys
 //! and a [`store::Store`] whose errors are our own ([`store::KvError`]), never async-nats types.
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod auth;
 pub mod client;

@@ -151,10 +151,7 @@ impl Drop for IsolationEnv {
 /// Removes the agents' nftables bus guards (`slotpool_<namespace>`) of this test's
 /// namespaces: an agent killed with SIGKILL leaves its table behind.
 fn remove_bus_guards(user_prefix: &str) {
-    let Ok(out) = std::process::Command::new("nft")
-        .args(["list", "tables"])
-        .output()
-    else {
+    let Ok(out) = Command::new("nft").args(["list", "tables"]).output() else {
         return;
     };
     let ours = format!("slotpool_{user_prefix}");
@@ -163,7 +160,7 @@ fn remove_bus_guards(user_prefix: &str) {
             .strip_prefix("table inet ")
             .filter(|t| t.starts_with(&ours))
         {
-            let deleted = std::process::Command::new("nft")
+            let deleted = Command::new("nft")
                 .args(["delete", "table", "inet", table])
                 .status();
             if !deleted.is_ok_and(|s| s.success()) {

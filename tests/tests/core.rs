@@ -337,7 +337,7 @@ async fn a_node_claimed_before_its_launcher_died_is_prepared_by_the_next_one() {
     let held = pool.nodes().await.pop().unwrap();
     let slot = 1 - held.slot;
     // Straight from KV (the test's bus user is a launcher's): no launcher runs now.
-    let mut request: slotpool_protocol::model::NodeRequest = pool
+    let mut request: NodeRequest = pool
         .client
         .bus()
         .requests
@@ -630,4 +630,29 @@ fn config_errors_name_file_line_and_column() {
         err.contains(&format!("{}:7:9: unknown field `labls`", path.display())),
         "{err}"
     );
+}
+
+/// A provider removed from the configuration while a backing node of it is up: the
+/// restarted launcher still serves the label, and retires and releases that node
+/// without panicking, saying why it cannot delete the instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_removed_from_the_config_fails_its_steps_with_a_reason() {
+    let mut pool = Pool::start(2, 2, &label("small", 2, 1, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    pool.release_and_wait(&first.nodes).await;
+    pool.kill_launcher(0);
+    let config = std::fs::read_to_string(pool.config_path()).unwrap();
+    let renamed = config.replacen("- name: local\n", "- name: replacement\n", 1);
+    assert_ne!(config, renamed, "the provider is renamed");
+    std::fs::write(pool.config_path(), renamed).unwrap();
+    pool.spawn_launcher();
+    pool.wait_served().await;
+    let again = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    pool.release_and_wait(&again.nodes).await;
+    wait_for("the launcher to say why it cannot delete", LONG, || async {
+        pool.logs()
+            .contains("provider local is no longer in the configuration")
+    })
+    .await;
+    assert!(!pool.logs().contains("panicked"), "{}", pool.logs());
 }

@@ -595,7 +595,7 @@ async fn port_forwarding_from_a_slot_login_is_refused() {
         ))
         .stderr(log.reopen().unwrap());
     let _ssh = slotpool_tests::ChildGuard::spawn("ssh -L", cmd).unwrap();
-    let mut conn = slotpool_tests::wait_for_some(
+    let mut conn = wait_for_some(
         "ssh to listen on the forwarded port",
         Duration::from_secs(20),
         || async { std::net::TcpStream::connect(("127.0.0.1", local)).ok() },

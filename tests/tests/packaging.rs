@@ -26,6 +26,7 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 #[test]
 fn deb_installs_runs_and_purges_cleanly_and_rpm_is_well_formed() {
     assert_eq!(
+        // SAFETY: geteuid has no preconditions and cannot fail.
         unsafe { libc::geteuid() },
         0,
         "the packaging test installs packages with dpkg and must run as root"
@@ -476,6 +477,7 @@ impl MachineLock {
     fn acquire() -> MachineLock {
         let file = File::create(std::env::temp_dir().join("slotpool-packaging-test.lock"))
             .expect("creating the packaging test lock file");
+        // SAFETY: the descriptor is open (owned by `file`) for the whole call.
         let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
         assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
         MachineLock(file)

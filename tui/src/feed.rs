@@ -65,10 +65,10 @@ pub fn decode(bucket: Bucket, change: store::Change) -> Change {
 }
 
 fn serde_json_decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<Box<T>, String> {
-    slotpool_protocol::store::Change::decode::<T>("", "", 0, bytes)
+    store::Change::decode::<T>("", "", 0, bytes)
         .map(|v| Box::new(v.value))
         .map_err(|err| match err {
-            slotpool_protocol::store::KvError::Decode { source, .. } => source.to_string(),
+            store::KvError::Decode { source, .. } => source.to_string(),
             other => other.to_string(),
         })
 }

@@ -11,6 +11,8 @@
 //! The console never writes state: it reads the buckets and sends operator orders
 //! (`slotpool.admin.v1.*`) through the client.
 
+#![forbid(unsafe_code)]
+
 pub mod console;
 pub mod feed;
 #[cfg(test)]

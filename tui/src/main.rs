@@ -1,5 +1,7 @@
 //! `slotpool-console`: the operator's terminal UI for slotpool pools.
 
+#![forbid(unsafe_code)]
+
 use anyhow::Context;
 use clap::Parser;
 use slotpool_launcher::cli::NatsArgs;

@@ -524,6 +524,7 @@ mod tests {
             .split(|b| *b == 0)
             .any(|v| v == b"SLOTPOOL_AGENT_SECRET=s3cret-value"));
         // Its own session, so the launcher's terminal and process group do not reach it.
+        // SAFETY: getsid only reads the session of a pid; a wrong pid is an error return.
         let (sid, ours) = unsafe { (libc::getsid(pid), libc::getsid(0)) };
         assert_eq!(sid, pid);
         assert_ne!(sid, ours);
