@@ -7,10 +7,11 @@
 
 pub mod admin;
 pub mod agent_bus;
+/// The pool configuration (its own crate, shared with the console).
+pub use slotpool_config as config;
 pub mod api;
 pub mod backing;
 pub mod cli;
-pub mod config;
 pub mod events;
 pub mod lease;
 pub mod lifecycle;

@@ -2,6 +2,7 @@
 //! what was last written) and what is observed now, [`next`] says the one step to take.
 //! Unit tested without NATS; the backing worker carries the steps out.
 
+use slotpool_config::timing::{self, IdleRules};
 use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::time::{after, UnixMillis};
 use std::time::Duration;
@@ -33,6 +34,16 @@ pub struct Rules {
     pub max_age: Duration,
     pub boot_timeout: Duration,
     pub launch_retries: u32,
+}
+
+impl Rules {
+    fn idle(&self) -> IdleRules {
+        IdleRules {
+            grace_time: self.grace_time,
+            min_retention_time: self.min_retention_time,
+            max_age: self.max_age,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -78,28 +89,15 @@ fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
     }
 }
 
-/// When the node reaches max-age, if it has one.
+/// When the node reaches max-age, if it has one ([`timing::max_age_at`]).
 pub fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
-    (!rules.max_age.is_zero()).then(|| {
-        after(
-            b.ready_at.or(b.launched_at).unwrap_or(b.created_at),
-            rules.max_age,
-        )
-    })
+    timing::max_age_at(b, &rules.idle())
 }
 
-/// When an empty node may be released: grace-time after its last slot came back, and
-/// never before min-retention-time after launch.
+/// When an empty node may be released ([`timing::release_at`], the rule the console
+/// counts down to).
 pub fn release_at(b: &BackingNode, obs: &Observed, rules: &Rules) -> UnixMillis {
-    let emptied = b
-        .idle_since
-        .unwrap_or(obs.now)
-        .max(obs.last_release.unwrap_or(0));
-    let retained = after(
-        b.launched_at.unwrap_or(b.created_at),
-        rules.min_retention_time,
-    );
-    after(emptied, rules.grace_time).max(retained)
+    timing::release_at(b, obs.last_release, obs.now, &rules.idle())
 }
 
 pub fn next(b: &BackingNode, obs: &Observed) -> Step {

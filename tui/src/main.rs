@@ -4,8 +4,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use slotpool_launcher::cli::NatsArgs;
-use slotpool_launcher::config::Config;
+use slotpool_config::bus::NatsArgs;
+use slotpool_config::Config;
 use slotpool_tui::{default_actor, run_console, Rules, Settings, Theme};
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -3,8 +3,10 @@
 //! are known only when the console is given that file (`--config`); without it the
 //! console shows how long a node has been idle instead of when it will be released.
 
-use slotpool_launcher::config::Config;
+use slotpool_config::timing::IdleRules;
+use slotpool_config::Config;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// The timers of one label in one pool, in milliseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -13,6 +15,17 @@ pub struct LabelRules {
     pub min_retention_ms: u64,
     /// Zero: no maximum age.
     pub max_age_ms: u64,
+}
+
+impl LabelRules {
+    /// These timers as the rule both the launcher and the console apply takes them.
+    pub fn idle(&self) -> IdleRules {
+        IdleRules {
+            grace_time: Duration::from_millis(self.grace_time_ms),
+            min_retention_time: Duration::from_millis(self.min_retention_ms),
+            max_age: Duration::from_millis(self.max_age_ms),
+        }
+    }
 }
 
 type Site = (String, String, String);

@@ -7,6 +7,7 @@
 
 use crate::rules::Rules;
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use slotpool_config::timing;
 use slotpool_protocol::model::{
     AgentHeartbeat, BackingNode, BackingState, Event, IdleBehaviour, Node, NodeRequest, NodeState,
     OperatorAction, RequestState,
@@ -371,6 +372,9 @@ pub struct State {
     pools: Vec<PoolRow>,
     used_by_backing: HashMap<String, u32>,
     backing_by_id: HashMap<String, String>,
+    /// When a slot of each backing node (by id) was last seen coming back: a term of the
+    /// release rule ([`slotpool_config::timing::release_at`]).
+    last_release: HashMap<String, UnixMillis>,
 }
 
 impl State {
@@ -397,6 +401,7 @@ impl State {
             pools: Vec::new(),
             used_by_backing: HashMap::new(),
             backing_by_id: HashMap::new(),
+            last_release: HashMap::new(),
         }
     }
 
@@ -465,7 +470,12 @@ impl State {
             }
             Change::Removed { bucket, key } => match bucket {
                 Bucket::Backing => drop(self.backing.remove(&key)),
-                Bucket::Slots => drop(self.slots.remove(&key)),
+                Bucket::Slots => {
+                    if let Some(gone) = self.slots.remove(&key) {
+                        self.last_release
+                            .insert(gone.value.backing_id.to_string(), self.now);
+                    }
+                }
                 Bucket::Requests => drop(self.requests.remove(&key)),
                 Bucket::Agents => drop(self.agents.remove(&key)),
                 Bucket::Events => drop(self.events.remove(&key)),
@@ -867,8 +877,9 @@ impl State {
             .unwrap_or(0)
     }
 
-    /// The idle timer of `b`: grace-time counts from `idle_since`, and an empty node is
-    /// never released before `launched_at + min-retention-time` (as the launcher does).
+    /// The idle timer of `b`, by the launcher's own rule ([`timing::release_at`]):
+    /// grace-time counts from `idle_since` or the last slot seen coming back, and an
+    /// empty node is never released before `launched_at + min-retention-time`.
     pub fn idle_timer(&self, b: &BackingNode) -> IdleTimer {
         if self.used(b) > 0 {
             return IdleTimer::None;
@@ -884,9 +895,9 @@ impl State {
                 };
                 match self.rules.label(&b.provider, &b.pool, &b.label) {
                     Some(r) => {
-                        let release_at = (idle_since + r.grace_time_ms)
-                            .max(b.launched_at.unwrap_or(b.created_at) + r.min_retention_ms);
-                        IdleTimer::ReleaseIn(release_at.saturating_sub(self.now))
+                        let last_release = self.last_release.get(b.id.as_str()).copied();
+                        let at = timing::release_at(b, last_release, self.now, &r.idle());
+                        IdleTimer::ReleaseIn(at.saturating_sub(self.now))
                     }
                     None => IdleTimer::IdleFor(self.now.saturating_sub(idle_since)),
                 }

@@ -9,8 +9,7 @@ mod operator_cmds;
 mod output;
 mod serve;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use slotpool_protocol::connect::NatsOptions;
+use clap::{Parser, Subcommand, ValueEnum};
 use slotpool_protocol::model::OperatorAction;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -36,72 +35,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// How to reach NATS (the usual NATS client options).
-#[derive(Debug, Clone, Args)]
-pub struct NatsArgs {
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long = "nats",
-        global = true,
-        env = "SLOTPOOL_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub url: String,
-    /// NATS credentials file (JWT + NKey).
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_CREDS")]
-    pub creds: Option<PathBuf>,
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_USER")]
-    pub user: Option<String>,
-    #[arg(
-        long,
-        global = true,
-        env = "SLOTPOOL_NATS_PASSWORD",
-        hide_env_values = true
-    )]
-    pub password: Option<String>,
-    #[arg(
-        long,
-        global = true,
-        env = "SLOTPOOL_NATS_TOKEN",
-        hide_env_values = true
-    )]
-    pub token: Option<String>,
-    /// CA certificate(s) to trust for TLS.
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
-    /// Client certificate for mutual TLS (with --tls-key).
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
-    #[arg(long, global = true, env = "SLOTPOOL_NATS_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
-    /// The bus user name to act as on a bus without slotpool credentials (a development
-    /// bus, or user/password logins); credentials from `slotpool nats-setup` carry their
-    /// own name and this is ignored.
-    #[arg(long, global = true, env = "SLOTPOOL_ACT_AS", value_name = "NAME")]
-    pub act_as: Option<slotpool_protocol::UserName>,
-}
-
-impl NatsArgs {
-    pub fn options(&self, name: &str) -> NatsOptions {
-        NatsOptions {
-            url: self.url.clone(),
-            creds: self.creds.clone(),
-            user: self.user.clone(),
-            password: self.password.clone(),
-            token: self.token.clone(),
-            tls_ca: self.tls_ca.clone(),
-            tls_cert: self.tls_cert.clone(),
-            tls_key: self.tls_key.clone(),
-            name: name.to_string(),
-            act_as: self.act_as.clone(),
-        }
-    }
-
-    /// Whether these options log in at all (credentials, user/password or a token).
-    pub fn authenticates(&self) -> bool {
-        self.creds.is_some() || self.user.is_some() || self.token.is_some()
-    }
-}
+pub use slotpool_config::bus::NatsArgs;
 
 #[derive(Debug, Clone, Copy, Default, ValueEnum)]
 pub enum Output {

@@ -1,0 +1,56 @@
+//! When an idle backing node is released and when it reaches max-age: the one rule the
+//! launcher acts on (`lifecycle`) and the console counts down to.
+
+use crate::LabelConfig;
+use slotpool_protocol::model::BackingNode;
+use slotpool_protocol::time::{after, UnixMillis};
+use std::time::Duration;
+
+/// A label's idle timers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdleRules {
+    pub grace_time: Duration,
+    pub min_retention_time: Duration,
+    /// Zero: no maximum age.
+    pub max_age: Duration,
+}
+
+impl LabelConfig {
+    /// This label's idle timers.
+    pub fn idle_rules(&self) -> IdleRules {
+        IdleRules {
+            grace_time: self.grace_time,
+            min_retention_time: self.min_retention_time,
+            max_age: self.max_age,
+        }
+    }
+}
+
+/// When the node reaches max-age, if it has one: counted from when it became ready (or
+/// was launched, or created).
+pub fn max_age_at(b: &BackingNode, rules: &IdleRules) -> Option<UnixMillis> {
+    (!rules.max_age.is_zero()).then(|| {
+        after(
+            b.ready_at.or(b.launched_at).unwrap_or(b.created_at),
+            rules.max_age,
+        )
+    })
+}
+
+/// When an empty node may be released: grace-time after it became empty (`idle_since`,
+/// or now when not recorded yet) or after its last slot came back (`last_release`, as
+/// seen by the caller), whichever is later; and never before min-retention-time after
+/// launch.
+pub fn release_at(
+    b: &BackingNode,
+    last_release: Option<UnixMillis>,
+    now: UnixMillis,
+    rules: &IdleRules,
+) -> UnixMillis {
+    let emptied = b.idle_since.unwrap_or(now).max(last_release.unwrap_or(0));
+    let retained = after(
+        b.launched_at.unwrap_or(b.created_at),
+        rules.min_retention_time,
+    );
+    after(emptied, rules.grace_time).max(retained)
+}
