@@ -1,7 +1,9 @@
 //! `slotpool`: the launcher daemon and the command-line client.
 
 use clap::Parser;
-use slotpool_launcher::cli::{self, Cli};
+mod cli;
+
+use cli::Cli;
 
 /// mimalloc instead of glibc's malloc: under load the launcher allocates and frees many
 /// short-lived buffers (messages, records, task states), and glibc's malloc and free

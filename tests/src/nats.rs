@@ -1,10 +1,10 @@
 //! A real nats-server with JetStream, one per test.
 
 use crate::process::{workspace_root, ChildGuard};
+use slotpool_launcher::local_run;
 use slotpool_protocol::auth::setup::{self, SetupFiles, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::connect::{Bus, NatsOptions};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -290,34 +290,16 @@ impl Drop for NatsServer {
 /// file that tells which port it took.
 async fn spawn(dir: &Path, config: &Path, port: Option<u16>) -> (ChildGuard, u16) {
     let binary = nats_server_binary();
-    let log = File::options()
-        .create(true)
-        .append(true)
-        .open(dir.join("nats-server.log"))
-        .expect("creating the nats-server log");
-    let mut cmd = Command::new(binary);
-    cmd.arg("-c")
-        .arg(config)
-        .arg("-a")
-        .arg("127.0.0.1")
-        .arg("-p")
-        .arg(port.map_or("-1".to_string(), |p| p.to_string()))
-        .arg("-js")
-        .arg("-sd")
-        .arg(dir.join("js"))
-        .arg("--ports_file_dir")
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("cloning the log file handle"))
-        .stderr(log);
+    let cmd = local_run::server_command(binary, dir, Some(config), port)
+        .unwrap_or_else(|err| panic!("preparing {}: {err}", binary.display()));
     let mut child = ChildGuard::spawn("nats-server", cmd)
         .unwrap_or_else(|err| panic!("starting {}: {err}", binary.display()));
 
-    // The server writes nats-server_<pid>.ports once it listens.
-    let ports_file = dir.join(format!("nats-server_{}.ports", child.id()));
+    // The server writes its ports file once it listens.
+    let pid = child.id();
     let deadline = Instant::now() + NATS_START_TIMEOUT;
     loop {
-        if let Some(port) = read_client_port(&ports_file) {
+        if let Some(port) = local_run::listening_port(dir, pid) {
             return (child, port);
         }
         if let Some(status) = child.try_wait() {
@@ -328,8 +310,7 @@ async fn spawn(dir: &Path, config: &Path, port: Option<u16>) -> (ChildGuard, u16
         }
         if Instant::now() >= deadline {
             panic!(
-                "nats-server wrote no ports file {} within {NATS_START_TIMEOUT:?}\n{}",
-                ports_file.display(),
+                "nats-server wrote no ports file within {NATS_START_TIMEOUT:?}\n{}",
                 log_tail(dir)
             );
         }
@@ -339,17 +320,10 @@ async fn spawn(dir: &Path, config: &Path, port: Option<u16>) -> (ChildGuard, u16
 
 /// The client port from a ports file such as `{"nats":["nats://127.0.0.1:40123"]}`;
 /// `None` until the file is complete.
-fn read_client_port(path: &Path) -> Option<u16> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let ports: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let url = ports.get("nats")?.get(0)?.as_str()?;
-    url.rsplit(':').next()?.parse().ok()
-}
-
 /// The last lines of the server's log, for failure messages.
 fn log_tail(dir: &Path) -> String {
     const LINES: usize = 40;
-    let path = dir.join("nats-server.log");
+    let path = local_run::log_path(dir);
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().collect();
@@ -361,25 +335,5 @@ fn log_tail(dir: &Path) -> String {
             )
         }
         Err(err) => format!("(no nats-server log at {}: {err})", path.display()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_the_client_port() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x.ports");
-        assert_eq!(read_client_port(&path), None);
-        std::fs::write(&path, r#"{"nats":["nats://127.0.0.1:40"#).unwrap();
-        assert_eq!(read_client_port(&path), None);
-        std::fs::write(
-            &path,
-            r#"{"nats":["nats://127.0.0.1:40123"],"monitoring":["http://127.0.0.1:8222"]}"#,
-        )
-        .unwrap();
-        assert_eq!(read_client_port(&path), Some(40123));
     }
 }

@@ -1,4 +1,4 @@
-//! `slotpool bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
+//! `slotpool-bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
 //! rot. Its figures are not checked (timing assertions do not belong in CI); only that it
 //! completes and writes every figure, those of `--secure-compare` (the phases again on a
 //! bus with authentication and TLS) included.
@@ -14,18 +14,18 @@ const SMOKE_TIMEOUT: Duration = Duration::from_secs(600);
 async fn bench_smoke_run_completes_and_writes_every_figure() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
-    let mut cmd = Command::new(bin_path("slotpool"));
-    cmd.args(["bench", "--smoke", "--secure-compare", "--json"])
+    let mut cmd = Command::new(bin_path("slotpool-bench"));
+    cmd.args(["--smoke", "--secure-compare", "--json"])
         .arg(&json)
         .env("SLOTPOOL_NATS_SERVER", nats_server_binary())
         .env("SLOTPOOL_LOG", "warn")
         .env("TMPDIR", dir.path());
-    let mut bench = ChildGuard::spawn("slotpool bench", cmd).unwrap();
+    let mut bench = ChildGuard::spawn("slotpool-bench", cmd).unwrap();
     let status = bench
         .wait_timeout(SMOKE_TIMEOUT)
         .await
-        .expect("slotpool bench --smoke did not finish in time");
-    assert!(status.success(), "slotpool bench --smoke failed: {status}");
+        .expect("slotpool-bench --smoke did not finish in time");
+    assert!(status.success(), "slotpool-bench --smoke failed: {status}");
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     for figure in [
         "floor",

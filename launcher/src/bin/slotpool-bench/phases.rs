@@ -346,7 +346,7 @@ pub async fn agent(
     isolation: &str,
     window: Duration,
 ) -> anyhow::Result<Agent> {
-    let binary = crate::cli::sibling_agent_binary();
+    let binary = slotpool_launcher::local_run::sibling_binary("slotpool-agent");
     let id = BackingId::parse("bn-bench-agent").expect("valid id");
     let work_dir = dir.join("idle-agent");
     std::fs::create_dir_all(&work_dir)?;
@@ -385,7 +385,7 @@ pub async fn agent(
     // Let start-up work settle before measuring.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = procs::usage_over(pid, window).await;
-    crate::cli::demo::stop_child(&mut child).await;
+    slotpool_launcher::local_run::stop_child(&mut child).await;
     Ok(Agent { slots, idle: idle? })
 }
 

@@ -163,7 +163,7 @@ fn total_cpu_time(pids: &[u32]) -> Duration {
 pub fn pids_of(binary: &Path, dir: &Path) -> Vec<u32> {
     let (binary, dir) = (binary.as_os_str().as_bytes(), dir.as_os_str().as_bytes());
     let inside = |a: &&[u8]| a.starts_with(dir) && a.get(dir.len()) == Some(&b'/');
-    crate::provider::local::processes_where(|args| {
+    slotpool_launcher::provider::local::processes_where(|args| {
         args.first() == Some(&binary) && args[1..].iter().any(inside)
     })
     .into_iter()
@@ -192,7 +192,7 @@ impl LauncherProcess {
         args: &[S],
         log: &Path,
     ) -> anyhow::Result<LauncherProcess> {
-        let exe = std::env::current_exe().context("finding the slotpool binary")?;
+        let exe = slotpool_launcher::local_run::sibling_binary("slotpool");
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let child = Command::new(exe)
