@@ -1076,3 +1076,289 @@ async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
 
     agent.release(1, "node-kept").await.unwrap();
 }
+
+/// A /24 of 10.0.0.0/8 picked at random: one test's `--slot-netns-range`.
+fn netns_range() -> String {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    format!(
+        "10.{}.{}.0/24",
+        rng.random_range(100..250u8),
+        rng.random_range(0..=255u8)
+    )
+}
+
+/// The host's first global IPv4 address (not loopback).
+fn host_address() -> std::net::Ipv4Addr {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .expect("running ip");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|a| a.split('/').next()?.parse().ok())
+        .expect("the host has a global IPv4 address")
+}
+
+/// What the agent of `namespace` in `env` may have left of slot network namespaces: its
+/// veths (`ip -o link`), its slot tables (`nft list tables`) and namespace mounts.
+fn network_leftovers(env: &IsolationEnv, namespace: &str) -> Vec<String> {
+    let veth = slotpool_agent::netns::veth_name(namespace, 0);
+    let veth_prefix = &veth[..veth.len() - 1];
+    let run = |cmd: &[&str]| {
+        let out = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .output()
+            .expect("running ip/nft");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut left: Vec<String> = run(&["ip", "-o", "link"])
+        .lines()
+        .filter(|l| l.contains(veth_prefix))
+        .chain(
+            run(&["nft", "list", "tables"])
+                .lines()
+                .filter(|l| l.contains(&format!("slotpool_{namespace}_n"))),
+        )
+        .map(str::to_string)
+        .collect();
+    let dir = env.run_dir.path().join("netns").join(namespace);
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        left.push(entry.path().display().to_string());
+    }
+    left
+}
+
+/// Slot `a` listens on 127.0.0.1:`port`; returns what slot `b` connecting there prints
+/// (`CONNECTED` or `NOT-CONNECTED`, with bash's error).
+fn loopback_probe(key: &ClientKey, ssh_port: u16, a: &str, b: &str, port: u16) -> String {
+    let listen = format!(
+        "setsid python3 -c 'import socket, time; s = socket.socket(); \
+         s.bind((\"127.0.0.1\", {port})); s.listen(); time.sleep(300)' \
+         </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 100); do \
+         (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo LISTENING && exit 0; \
+         sleep 0.1; done; echo NOT-LISTENING"
+    );
+    let (_, out, err) = key.ssh(ssh_port, a, &listen);
+    assert!(
+        out.contains("LISTENING") && !out.contains("NOT-"),
+        "slot a's listener: {out}{err}"
+    );
+    let (_, out, err) = key.ssh(
+        ssh_port,
+        b,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>&1 \
+             && echo CONNECTED || echo NOT-CONNECTED"
+        ),
+    );
+    format!("{}{}", out.trim(), err.trim())
+}
+
+/// A port free on the host's loopback now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits for one connection on `listener` and reads what it sends; `None` if none came.
+fn accept_within(listener: &std::net::TcpListener, within: Duration) -> Option<String> {
+    use std::io::Read;
+    listener.set_nonblocking(true).unwrap();
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                stream.set_nonblocking(false).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(5)))
+                    .unwrap();
+                let mut text = String::new();
+                let _ = stream.read_to_string(&mut text);
+                return Some(format!("{peer}: {}", text.trim()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= deadline {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    }
+}
+
+/// With `--slot-netns on` a slot's loopback is its own: slot b cannot reach what slot a
+/// serves on 127.0.0.1. The login still lands in the slot's cgroup, as the slot's uid; the
+/// slot reaches the host's address through its veth but not the bus port there; release
+/// leaves no veth, nftables table or namespace mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        2,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let a = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let b = agent
+        .prepare(1, "node-b", Some(&key.public()))
+        .await
+        .unwrap();
+    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+
+    let port = free_port();
+    let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b to slot a's 127.0.0.1:{port} with --slot-netns on: {probe}");
+    assert!(
+        probe.contains("NOT-CONNECTED"),
+        "slot b reached slot a's loopback: {probe}\n{}",
+        agent.log()
+    );
+
+    // The login is the slot's uid, in the slot's cgroup, in a network namespace that is
+    // not the host's, with the slot's address.
+    let host_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "id -u; readlink /proc/self/ns/net; cat /proc/self/cgroup; ip -4 -o addr show dev eth0",
+    );
+    assert!(ok, "login: {err}\n{}", agent.log());
+    let uid = uid_of(&user_a).unwrap();
+    assert_eq!(out.lines().next(), Some(uid.to_string().as_str()), "{out}");
+    assert_ne!(
+        out.lines().nth(1),
+        Some(host_net.to_str().unwrap()),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .filter(|l| !l.starts_with("0::") && l.contains(':'))
+            .any(|l| l.ends_with(&user_a)),
+        "the login is not in the slot's cgroup: {out}"
+    );
+    let range_prefix = range.trim_end_matches("0/24");
+    assert!(out.contains(&format!("inet {range_prefix}2/30")), "{out}");
+
+    // Out through the host: a listener on the host's own address answers.
+    let host = host_address();
+    let listener = std::net::TcpListener::bind((host, 0)).unwrap();
+    let egress_port = listener.local_addr().unwrap().port();
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{egress_port} && echo from-slot >&3' \
+             && echo SENT"
+        ),
+    );
+    let got = accept_within(&listener, Duration::from_secs(10));
+    eprintln!("egress to {host}:{egress_port}: {out}{err} -> {got:?}");
+    assert!(out.contains("SENT"), "{out}{err}");
+    assert!(
+        got.as_deref().is_some_and(|g| g.ends_with("from-slot")),
+        "{got:?}"
+    );
+
+    // The bus port stays closed on the host's address too (traffic from the namespace
+    // does not pass the host's output hook, where the uid guard is): a listener there on
+    // the bus's port number is not reached.
+    let bus_port = agent.nats.port();
+    let bus_listener = std::net::TcpListener::bind((host, bus_port)).unwrap();
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{bus_port}' 2>&1 \
+             && echo CONNECTED || echo NOT-CONNECTED"
+        ),
+    );
+    eprintln!("slot to {host}:{bus_port} (the bus port): {out}{err}");
+    assert!(out.contains("NOT-CONNECTED"), "{out}{err}");
+    assert_eq!(
+        accept_within(&bus_listener, Duration::from_millis(200)),
+        None
+    );
+
+    // Release removes the tenancy's namespace, veth and table; the warm-up after it makes
+    // new ones for the slot's next user: one veth and one table per slot, never more.
+    // (Namespace inode numbers are reused at once; interface indexes are not.)
+    let veth_index = |slot: u32| {
+        let veth = slotpool_agent::netns::veth_name(&namespace, slot);
+        std::fs::read_to_string(format!("/sys/class/net/{veth}/ifindex"))
+    };
+    let before = veth_index(0).unwrap();
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+    assert_eq!(agent.dirty(1), None, "{}", agent.log());
+    wait_for("slot 0 warm again", LONG, || async { agent.warm(0) }).await;
+    wait_for("slot 1 warm again", LONG, || async { agent.warm(1) }).await;
+    assert_ne!(veth_index(0).unwrap(), before, "slot 0 kept its veth");
+    let left = network_leftovers(&env, &namespace);
+    assert_eq!(
+        left.iter().filter(|l| l.contains("link")).count()
+            + left.iter().filter(|l| l.contains("table")).count(),
+        4,
+        "{left:?}"
+    );
+    let run_dir = env.run_dir.path().to_path_buf();
+    drop(agent);
+    drop(env);
+    // Nothing of the test is left on the host (the kernel deletes a namespace's veth
+    // pair shortly after its last reference goes).
+    wait_for("no veth or table of the test", LONG, || async {
+        let veth = slotpool_agent::netns::veth_name(&namespace, 0);
+        let links = std::process::Command::new("ip")
+            .args(["-o", "link"])
+            .output()
+            .unwrap();
+        let tables = std::process::Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+            .unwrap();
+        !String::from_utf8_lossy(&links.stdout).contains(&veth[..veth.len() - 1])
+            && !String::from_utf8_lossy(&tables.stdout).contains(&namespace)
+    })
+    .await;
+    assert!(!run_dir.exists());
+}
+
+/// The same probe with `--slot-netns off` (the default): slots share the host's
+/// network namespace, so slot b reaches what slot a serves on 127.0.0.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 2).await;
+    let a = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let b = agent
+        .prepare(1, "node-b", Some(&key.public()))
+        .await
+        .unwrap();
+    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+    let port = free_port();
+    let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b to slot a's 127.0.0.1:{port} with --slot-netns off: {probe}");
+    assert!(
+        probe.contains("CONNECTED") && !probe.contains("NOT-"),
+        "{probe}"
+    );
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+}
