@@ -10,6 +10,11 @@
 //! shell (or `$SSH_ORIGINAL_COMMAND` through it), so the shell and everything it starts,
 //! daemons included, are in the cgroup. When the agent does not answer, the login is
 //! refused: a login never runs outside its slot's limits.
+//!
+//! When slots have network namespaces ([`crate::netns`]) the answer is `ok netns` with
+//! the slot's user and network namespaces attached (`SCM_RIGHTS`): the helper joins the
+//! user namespace, then the network namespace, then execs; a helper that cannot join
+//! refuses the login rather than run it in the host's network.
 
 use crate::isolation::SlotIsolation;
 use crate::users;

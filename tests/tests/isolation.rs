@@ -1362,3 +1362,156 @@ async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
     agent.release(0, "node-a").await.unwrap();
     agent.release(1, "node-b").await.unwrap();
 }
+
+/// A network namespace standing for the world beyond the host: a holder process in a
+/// fresh network namespace, joined to the host by a veth pair with `host`/`outside` as
+/// addresses. Killing the holder deletes the namespace and the pair with it.
+struct Outside {
+    holder: std::process::Child,
+    veth: String,
+    outside: std::net::Ipv4Addr,
+}
+
+impl Outside {
+    fn new() -> Outside {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        let (b, c) = (rng.random_range(0..=255u8), rng.random_range(0..64u8) * 4);
+        let host = format!("172.29.{b}.{}", c + 1);
+        let outside: std::net::Ipv4Addr = format!("172.29.{b}.{}", c + 2).parse().unwrap();
+        let veth = format!("spto{}", rng.random_range(0..1_000_000u32));
+        let holder = std::process::Command::new("unshare")
+            .args(["--net", "sleep", "600"])
+            .spawn()
+            .expect("unshare");
+        let me = Outside {
+            holder,
+            veth,
+            outside,
+        };
+        let pid = me.holder.id().to_string();
+        let ns = format!("/proc/{pid}/ns/net");
+        let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+        let runs = |args: &[&str]| {
+            std::process::Command::new(args[0])
+                .args(&args[1..])
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        // The holder has unshared once its namespace differs from ours.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_link(&ns).ok().as_ref() == Some(&host_ns) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare did not happen"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let v = me.veth.clone();
+        let in_ns = format!("--net={ns}");
+        for step in [
+            vec![
+                "ip", "link", "add", &v, "type", "veth", "peer", "name", "eth0", "netns", &pid,
+            ],
+            vec!["ip", "addr", "add", &format!("{host}/30"), "dev", &v],
+            vec!["ip", "link", "set", &v, "up"],
+            vec!["nsenter", &in_ns, "ip", "link", "set", "lo", "up"],
+            vec![
+                "nsenter",
+                &in_ns,
+                "ip",
+                "addr",
+                "add",
+                &format!("{outside}/30"),
+                "dev",
+                "eth0",
+            ],
+            vec!["nsenter", &in_ns, "ip", "link", "set", "eth0", "up"],
+        ] {
+            assert!(runs(&step), "{step:?} failed");
+        }
+        me
+    }
+
+    /// Runs a one-connection listener on `port` in the outside namespace; it prints the
+    /// peer and what it read.
+    fn listen(&self, port: u16) -> std::process::Child {
+        let script = format!(
+            "import socket; s = socket.socket(); \
+             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); \
+             s.bind(('{}', {port})); s.listen(); print('listening', flush=True); \
+             s.settimeout(20); c, peer = s.accept(); c.settimeout(5); \
+             print(peer[0], c.recv(100).decode().strip(), flush=True)",
+            self.outside
+        );
+        std::process::Command::new("nsenter")
+            .arg(format!("--net=/proc/{}/ns/net", self.holder.id()))
+            .args(["python3", "-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("listener")
+    }
+}
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.veth])
+            .status();
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+/// With `--slot-netns on` a slot reaches beyond the host: a connection to an address
+/// only the host routes to is forwarded and masqueraded (the far end sees the host's
+/// address, not the slot's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
+    use std::io::{BufRead, BufReader};
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let outside = Outside::new();
+    let port = free_port();
+    let mut listener = outside.listen(port);
+    let mut lines = BufReader::new(listener.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{}/{port} && echo from-slot >&3' && echo SENT",
+            outside.outside
+        ),
+    );
+    let seen = lines.next().and_then(Result::ok).unwrap_or_default();
+    let _ = listener.kill();
+    let _ = listener.wait();
+    eprintln!(
+        "slot to {}:{port}: {out}{err} -> far end saw: {seen}",
+        outside.outside
+    );
+    assert!(out.contains("SENT"), "{out}{err}\n{}", agent.log());
+    let host_end = outside.outside.octets();
+    let expected = format!(
+        "{}.{}.{}.{} from-slot",
+        host_end[0],
+        host_end[1],
+        host_end[2],
+        host_end[3] - 1
+    );
+    assert_eq!(seen, expected, "not masqueraded to the host's address");
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+}
