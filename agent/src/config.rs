@@ -545,6 +545,35 @@ mod tests {
     }
 
     #[test]
+    fn slot_netns_is_off_by_default_and_needs_users_mode_and_room() {
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+        assert_eq!(c.slot_netns, None);
+        let c = args(&["--slot-netns", "on"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(
+            c.slot_netns.map(|r| r.to_string()).as_deref(),
+            Some(crate::netns::DEFAULT_RANGE)
+        );
+        let on_none = ["--slot-netns", "on", "--isolation", "none"];
+        assert!(matches!(
+            args(&on_none).into_config_as(env_secret(), false),
+            Err(ConfigError::NetnsNeedsUsers)
+        ));
+        let small = ["--slot-netns", "on", "--slots", "3"];
+        let err = args(&[&small[..], &["--slot-netns-range", "10.1.2.0/29"]].concat())
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds 2 slots"), "{err}");
+        let err = args(&["--slot-netns", "on", "--slot-netns-range", "10.1.2.3/24"])
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--slot-netns-range"), "{err}");
+    }
+
+    #[test]
     fn isolation_defaults_to_users_for_root_only() {
         let c = args(&[]).into_config_as(env_secret(), true).unwrap();
         assert_eq!(c.isolation, IsolationMode::Users);

@@ -149,8 +149,12 @@ impl SlotNetworks {
             .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
         let forward = fs::read_to_string(IP_FORWARD).unwrap_or_default();
         if forward.trim() != "1" {
-            fs::write(IP_FORWARD, "1\n")
-                .map_err(|e| fail(format!("writing 1 to {IP_FORWARD}"))(e.to_string()))?;
+            fs::write(IP_FORWARD, "1\n").map_err(|e| {
+                fail(format!("writing 1 to {IP_FORWARD}"))(format!(
+                    "{e}; slots reach out through the host only if it forwards: set \
+                     net.ipv4.ip_forward = 1 (sysctl) before starting the agent"
+                ))
+            })?;
             tracing::warn!(
                 "turned net.ipv4.ip_forward on: slot namespaces reach out through the host"
             );
