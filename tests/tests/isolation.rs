@@ -1245,9 +1245,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
         "{out}"
     );
     assert!(
-        out.lines()
-            .filter(|l| !l.starts_with("0::") && l.contains(':'))
-            .any(|l| l.ends_with(&user_a)),
+        out.lines().any(|l| l.ends_with(&format!("/{user_a}"))),
         "the login is not in the slot's cgroup: {out}"
     );
     let range_prefix = range.trim_end_matches("0/24");
@@ -1514,4 +1512,33 @@ async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
     assert_eq!(seen, expected, "not masqueraded to the host's address");
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
+}
+
+/// A release that cannot remove a slot's namespace mount leaves the slot dirty, with the
+/// reason. (The test stacks a second mount on the slot's `.net` file, so the agent's
+/// unmount leaves a mount point it cannot delete.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (_sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let net = env.run_dir.path().join(format!("netns/{namespace}/0.net"));
+    rustix::mount::mount_bind("/proc/self/ns/net", &net).expect("stacking a mount");
+    let err = agent.release(0, "node-a").await.unwrap_err().to_string();
+    let dirty = agent.dirty(0).unwrap_or_default();
+    eprintln!("release: {err}\ndirty marker: {dirty}");
+    assert!(
+        dirty.contains(&format!("removing {}", net.display())),
+        "{err}\n{dirty}"
+    );
 }
