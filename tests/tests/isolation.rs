@@ -1542,3 +1542,39 @@ async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
         "{err}\n{dirty}"
     );
 }
+
+/// A restarted agent keeps its slots' namespaces (the mounts outlive it): a login of a
+/// slot prepared before the restart still lands in the slot's namespace, and a warm slot
+/// stays warm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_netns_survive_an_agent_restart() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, mut agent) = login_env_with(
+        &env,
+        2,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let login_ns = || {
+        let (ok, out, err) = key.ssh(sshd.port, &user, "readlink /proc/self/ns/net");
+        assert!(ok, "login: {err}\n{}", sshd.log());
+        out.trim().to_string()
+    };
+    let before = login_ns();
+    let host_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    assert_ne!(before, host_net.to_str().unwrap());
+    wait_for("slot 1 warm", LONG, || async { agent.warm(1) }).await;
+    // The slots bucket holds the node, so the restarted agent keeps the slot prepared.
+    claim(&agent, 0, "node-a").await;
+    agent.restart().await;
+    assert_eq!(login_ns(), before, "{}", agent.log());
+    assert!(agent.warm(1), "{}", agent.log());
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+}
