@@ -86,6 +86,15 @@ pub struct Args {
     /// bus reachable from every slot (logged loudly).
     #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
     pub bus_guard: Switch,
+    /// In users mode, give every slot a network namespace of its own (its own loopback;
+    /// out through the host by a veth pair and masquerading). Off by default: slots then
+    /// share the host's network, loopback included. See docs/slot-network.md.
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "off")]
+    pub slot_netns: Switch,
+    /// IPv4 block the slots' veth pairs are numbered from (a /30 per slot); agents
+    /// sharing a host need blocks of their own.
+    #[arg(long, value_name = "CIDR", default_value = crate::netns::DEFAULT_RANGE)]
+    pub slot_netns_range: String,
     /// Most processes and threads of a slot whose label sets no `limits.pids`.
     #[arg(long, value_name = "N", default_value_t = crate::default_limits::DEFAULT_PIDS_MAX)]
     pub default_pids_max: u32,
@@ -171,6 +180,9 @@ pub struct AgentConfig {
     pub slot_uids: UidRange,
     /// The bus ports slot users are kept from (users mode with --bus-guard on).
     pub bus_guard_ports: Option<Vec<u16>>,
+    /// The block of the slots' veth addresses, when every slot has a network namespace
+    /// of its own (users mode with --slot-netns on).
+    pub slot_netns: Option<crate::netns::AddressRange>,
     pub run_dir: PathBuf,
     pub ssh_port: u16,
     pub ssh_host_keys_dir: PathBuf,
@@ -229,6 +241,10 @@ pub enum ConfigError {
     CgroupParent(String),
     #[error("--slot-uid-range: {0}")]
     UidRange(crate::uid_range::UidError),
+    #[error("--slot-netns-range: {0}")]
+    NetnsRange(String),
+    #[error("--slot-netns on needs --isolation users")]
+    NetnsNeedsUsers,
     #[error("--default-pids-max must be at least 1, got 0")]
     DefaultPids,
     #[error("--default-memory-max-mb: {0}")]
@@ -291,6 +307,22 @@ impl Args {
             }
             _ => None,
         };
+        let slot_netns = match (isolation, self.slot_netns) {
+            (_, Switch::Off) => None,
+            (IsolationMode::None, Switch::On) => return Err(ConfigError::NetnsNeedsUsers),
+            (IsolationMode::Users, Switch::On) => {
+                let range = crate::netns::AddressRange::parse(&self.slot_netns_range)
+                    .map_err(ConfigError::NetnsRange)?;
+                if range.capacity() < self.slots {
+                    return Err(ConfigError::NetnsRange(format!(
+                        "{range} holds {} slots (a /30 each), not {}",
+                        range.capacity(),
+                        self.slots
+                    )));
+                }
+                Some(range)
+            }
+        };
         if self.default_pids_max == 0 {
             return Err(ConfigError::DefaultPids);
         }
@@ -321,6 +353,7 @@ impl Args {
             cgroup_parent: self.cgroup_parent,
             slot_uids,
             bus_guard_ports,
+            slot_netns,
             run_dir: self.run_dir,
             ssh_port: self.ssh_port,
             ssh_host_keys_dir: self.ssh_host_keys_dir,
@@ -509,6 +542,35 @@ mod tests {
                 .to_string();
             assert!(err.contains(wanted), "{flags:?}: {err}");
         }
+    }
+
+    #[test]
+    fn slot_netns_is_off_by_default_and_needs_users_mode_and_room() {
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+        assert_eq!(c.slot_netns, None);
+        let c = args(&["--slot-netns", "on"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(
+            c.slot_netns.map(|r| r.to_string()).as_deref(),
+            Some(crate::netns::DEFAULT_RANGE)
+        );
+        let on_none = ["--slot-netns", "on", "--isolation", "none"];
+        assert!(matches!(
+            args(&on_none).into_config_as(env_secret(), false),
+            Err(ConfigError::NetnsNeedsUsers)
+        ));
+        let small = ["--slot-netns", "on", "--slots", "3"];
+        let err = args(&[&small[..], &["--slot-netns-range", "10.1.2.0/29"]].concat())
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("holds 2 slots"), "{err}");
+        let err = args(&["--slot-netns", "on", "--slot-netns-range", "10.1.2.3/24"])
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--slot-netns-range"), "{err}");
     }
 
     #[test]

@@ -10,18 +10,31 @@
 //! shell (or `$SSH_ORIGINAL_COMMAND` through it), so the shell and everything it starts,
 //! daemons included, are in the cgroup. When the agent does not answer, the login is
 //! refused: a login never runs outside its slot's limits.
+//!
+//! When slots have network namespaces ([`crate::netns`]) the answer is `ok netns` with
+//! the slot's user and network namespaces attached (`SCM_RIGHTS`): the helper joins the
+//! user namespace, then the network namespace, then execs; a helper that cannot join
+//! refuses the login rather than run it in the host's network.
 
 use crate::isolation::SlotIsolation;
 use crate::users;
 use std::ffi::CString;
-use std::io::{Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
+
+/// The agent's answer when the login was placed.
+const OK: &str = "ok\n";
+/// The agent's answer when the login was placed and must join the two namespaces sent
+/// with it (user, then network: see [`crate::netns`]).
+const OK_NETNS: &str = "ok netns\n";
 
 /// Longest the helper waits for the agent's answer.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -84,33 +97,142 @@ pub async fn serve(
         };
         let isolation = isolation.clone();
         tokio::spawn(async move {
-            let answer = match stream.peer_cred() {
+            let (answer, namespaces) = match stream.peer_cred() {
                 Ok(cred) => match cred.pid() {
                     Some(pid) => {
                         let uid = cred.uid();
-                        let result =
-                            tokio::task::spawn_blocking(move || isolation.place(uid, pid)).await;
+                        let result = tokio::task::spawn_blocking(move || {
+                            let slot = isolation.place(uid, pid)?;
+                            let namespaces = match slot {
+                                Some(slot) => isolation.network_namespaces(slot)?,
+                                None => None,
+                            };
+                            Ok::<_, crate::isolation::IsolationError>((slot, namespaces))
+                        })
+                        .await;
                         match result {
-                            Ok(Ok(Some(slot))) => {
-                                tracing::info!(slot, uid, pid, "login placed in its slot cgroup");
-                                "ok\n".to_string()
+                            Ok(Ok((Some(slot), namespaces))) => {
+                                tracing::info!(
+                                    slot,
+                                    uid,
+                                    pid,
+                                    netns = namespaces.is_some(),
+                                    "login placed in its slot cgroup"
+                                );
+                                match namespaces {
+                                    Some(ns) => (OK_NETNS.to_string(), Some(ns)),
+                                    None => (OK.to_string(), None),
+                                }
                             }
-                            Ok(Ok(None)) => format!("error: uid {uid} is not a slot user\n"),
-                            Ok(Err(err)) => format!("error: {err}\n"),
-                            Err(err) => format!("error: {err}\n"),
+                            Ok(Ok((None, _))) => {
+                                (format!("error: uid {uid} is not a slot user\n"), None)
+                            }
+                            Ok(Err(err)) => (format!("error: {err}\n"), None),
+                            Err(err) => (format!("error: {err}\n"), None),
                         }
                     }
-                    None => "error: no peer pid\n".to_string(),
+                    None => ("error: no peer pid\n".to_string(), None),
                 },
-                Err(err) => format!("error: peer credentials: {err}\n"),
+                Err(err) => (format!("error: peer credentials: {err}\n"), None),
             };
-            if answer != "ok\n" {
+            if answer != OK && answer != OK_NETNS {
                 tracing::warn!(answer = answer.trim(), "login not placed");
             }
-            let _ = stream.write_all(answer.as_bytes()).await;
+            let sent = match &namespaces {
+                None => stream.write_all(answer.as_bytes()).await,
+                Some(fds) => send_with_fds(&stream, answer.as_bytes(), fds).await,
+            };
+            if let Err(err) = sent {
+                tracing::warn!(%err, "cannot answer a login");
+            }
         });
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// Sends `bytes` with `fds` attached (`SCM_RIGHTS`) in one message.
+async fn send_with_fds(
+    stream: &tokio::net::UnixStream,
+    bytes: &[u8],
+    fds: &[OwnedFd; 2],
+) -> std::io::Result<()> {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let borrowed = [fds[0].as_fd(), fds[1].as_fd()];
+    let sent = stream
+        .async_io(tokio::io::Interest::WRITABLE, || {
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            control.push(SendAncillaryMessage::ScmRights(&borrowed));
+            sendmsg(
+                stream,
+                &[std::io::IoSlice::new(bytes)],
+                &mut control,
+                SendFlags::NOSIGNAL,
+            )
+            .map_err(std::io::Error::from)
+        })
+        .await?;
+    if sent != bytes.len() {
+        return Err(std::io::Error::other("short write of the answer"));
+    }
+    Ok(())
+}
+
+/// Reads the agent's answer to the end, with the namespaces sent along with it.
+fn read_answer(stream: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut answer = Vec::new();
+    let mut fds = Vec::new();
+    loop {
+        let mut buf = [0u8; 512];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let msg = recvmsg(
+            stream,
+            &mut [std::io::IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )?;
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                fds.extend(received);
+            }
+        }
+        if msg.bytes == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..msg.bytes]);
+        if answer.len() > MAX_ANSWER {
+            return Err(std::io::Error::other("the answer is too long"));
+        }
+    }
+    Ok((String::from_utf8_lossy(&answer).into_owned(), fds))
+}
+
+/// Longest answer the helper reads.
+const MAX_ANSWER: usize = 4096;
+
+/// Joins the slot's user namespace, then its network namespace.
+fn join_namespaces(fds: &[OwnedFd]) -> Result<(), EnterSlotError> {
+    use rustix::thread::{move_into_link_name_space, LinkNameSpaceType};
+    let [user, net] = fds else {
+        return Err(EnterSlotError::Refused(format!(
+            "the agent sent {} namespaces, not 2 (user, network)",
+            fds.len()
+        )));
+    };
+    for (fd, kind, name) in [
+        (user, LinkNameSpaceType::User, "user"),
+        (net, LinkNameSpaceType::Network, "network"),
+    ] {
+        move_into_link_name_space(fd.as_fd(), Some(kind)).map_err(|e| {
+            EnterSlotError::Namespace {
+                kind: name,
+                error: e.into(),
+            }
+        })?;
+    }
+    Ok(())
 }
 
 /// Why `enter-slot` refuses the login.
@@ -127,6 +249,11 @@ pub enum EnterSlotError {
     },
     #[error("the slotpool agent refused: {0}")]
     Refused(String),
+    #[error("joining the slot's {kind} namespace: {error}")]
+    Namespace {
+        kind: &'static str,
+        error: std::io::Error,
+    },
     #[error("running {shell}: {error}")]
     Exec {
         shell: PathBuf,
@@ -147,24 +274,29 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
     };
     let path = socket_path(run_dir, namespace);
     let answer = (|| {
-        let mut stream = std::os::unix::net::UnixStream::connect(&path)?;
+        let stream = UnixStream::connect(&path)?;
         stream.set_read_timeout(Some(ENTER_TIMEOUT))?;
-        stream.flush()?;
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer)?;
-        Ok::<_, std::io::Error>(answer)
+        read_answer(&stream)
     })();
-    let answer = match answer {
+    let (answer, namespaces) = match answer {
         Ok(a) => a,
         Err(error) => return EnterSlotError::Agent { path, error },
     };
-    if answer.trim() != "ok" {
-        return EnterSlotError::Refused(answer.trim().to_string());
-    }
     let shell = users::lookup(&name)
         .map(|u| u.shell)
         .filter(|s| !s.as_os_str().is_empty())
         .unwrap_or_else(|| PathBuf::from("/bin/sh"));
+    match answer.as_str() {
+        OK if namespaces.is_empty() => {}
+        // The slot has a network namespace: the login runs in it or not at all.
+        OK_NETNS => {
+            if let Err(err) = join_namespaces(&namespaces) {
+                return err;
+            }
+            drop(namespaces);
+        }
+        _ => return EnterSlotError::Refused(answer.trim().to_string()),
+    }
     exec_shell(&shell, command)
 }
 

@@ -169,6 +169,15 @@ pub trait SlotIsolation: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The user and network namespaces a login of `slot` joins (in that order), when
+    /// slots have network namespaces of their own (see [`crate::netns`]).
+    fn network_namespaces(
+        &self,
+        _slot: u32,
+    ) -> Result<Option<[std::os::fd::OwnedFd; 2]>, IsolationError> {
+        Ok(None)
+    }
+
     /// Moves every process of a slot user that is not in its slot's cgroup into it
     /// (the placement backstop); returns how many were moved.
     fn sweep(&self) -> usize {

@@ -27,6 +27,7 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod netns;
 pub mod reconcile;
 pub mod shared_dirs;
 pub mod slots;
@@ -82,6 +83,8 @@ pub enum AgentError {
     CommandsEnded { subject: String },
     #[error("keeping slot users off the bus: {0}")]
     BusGuard(bus_guard::GuardError),
+    #[error("slot network namespaces: {0}")]
+    Netns(netns::NetnsError),
     #[error("setting up slot isolation: {0}")]
     Isolation(IsolationError),
     #[error("setting up slot uids: {0}")]
@@ -124,17 +127,33 @@ pub async fn run(
             tracing::info!(range = %config.slot_uids, "slot uids");
             let shared = shared_dirs::of_host();
             tracing::info!(dirs = ?shared, "shared directories cleaned of a slot user's entries at release");
-            Arc::new(
-                UserIsolation::new(
-                    &config.work_dir,
-                    config.namespace.clone(),
-                    config.backing_id.to_string(),
-                    driver,
-                    uids,
-                    shared,
-                )
-                .map_err(AgentError::Isolation)?,
+            let mut isolation = UserIsolation::new(
+                &config.work_dir,
+                config.namespace.clone(),
+                config.backing_id.to_string(),
+                driver,
+                uids,
+                shared,
             )
+            .map_err(AgentError::Isolation)?;
+            match config.slot_netns {
+                Some(range) => {
+                    let networks = netns::SlotNetworks::new(
+                        config.run_dir.join("netns").join(&config.namespace),
+                        config.namespace.clone(),
+                        range,
+                        config.bus_guard_ports.clone().unwrap_or_default(),
+                    )
+                    .map_err(AgentError::Netns)?;
+                    tracing::info!(%range, "every slot gets a network namespace of its own");
+                    isolation = isolation.with_network(networks);
+                }
+                None => tracing::info!(
+                    "slots share the host's network namespace (--slot-netns off): a service \
+                     on loopback in one slot is reachable from the others"
+                ),
+            }
+            Arc::new(isolation)
         }
     };
     run_with(config, bus, isolation, shutdown).await

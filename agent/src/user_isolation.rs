@@ -51,6 +51,7 @@ use crate::isolation::{
     is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
     write_file, FoundSlot, IsolationError, SlotIsolation,
 };
+use crate::netns::{NetnsError, SlotNetworks};
 use crate::shared_dirs;
 use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
@@ -61,6 +62,7 @@ use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::collections::BTreeMap;
 use std::fs;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -119,6 +121,8 @@ pub struct UserIsolation {
     shared_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
     users: Mutex<BTreeMap<u32, SlotUser>>,
+    /// A network namespace per slot (`--slot-netns on`), see [`crate::netns`].
+    network: Option<SlotNetworks>,
 }
 
 impl UserIsolation {
@@ -153,7 +157,21 @@ impl UserIsolation {
             shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
+            network: None,
         })
+    }
+
+    /// Gives every slot a network namespace of its own (made at warm-up, removed at
+    /// release).
+    pub fn with_network(mut self, network: SlotNetworks) -> UserIsolation {
+        self.network = Some(network);
+        self
+    }
+
+    fn network_error(&self, slot: u32, err: NetnsError) -> IsolationError {
+        IsolationError::new("the network namespace of slot", &self.workspace(slot))(
+            std::io::Error::other(err.to_string()),
+        )
     }
 
     /// The cgroup version in use (`v1` or `v2`).
@@ -260,6 +278,11 @@ impl UserIsolation {
         if !procs.is_empty() {
             return Err(format!("processes {procs:?} of uid {}", info.uid));
         }
+        if let Some(net) = &self.network {
+            if let Err(err) = net.open(slot) {
+                return Err(format!("no network namespace: {err}"));
+            }
+        }
         Ok(())
     }
 
@@ -293,6 +316,9 @@ impl UserIsolation {
         for file in self.per_user_files(&user) {
             left.push(format!("file {}", file.display()));
         }
+        if let Some(net) = &self.network {
+            left.extend(net.leftovers(slot));
+        }
         if users::lookup(&user).is_some() {
             left.push(format!("user {user}"));
         }
@@ -323,6 +349,10 @@ impl SlotIsolation for UserIsolation {
         let info = self.add_user(&user, &dir, &comment)?;
         self.make_workspace(&dir, &info)?;
         self.cgroups.create(&user, &SlotLimits::default())?;
+        if let Some(net) = &self.network {
+            net.create(slot, info.uid, info.gid)
+                .map_err(|e| self.network_error(slot, e))?;
+        }
         self.write_state(
             slot,
             &SlotState {
@@ -405,6 +435,9 @@ impl SlotIsolation for UserIsolation {
         if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
             problems.push(err.to_string());
         }
+        if let Some(net) = &self.network {
+            problems.extend(net.remove(slot));
+        }
         if let Some(info) = &info {
             for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
                 problems.push(err.to_string());
@@ -474,6 +507,16 @@ impl SlotIsolation for UserIsolation {
             }
             // Re-apply the limits (the group may be gone after a reboot).
             self.cgroups.create(&state.user, &state.limits)?;
+            // Likewise the network namespace of a prepared slot (a warm one without it
+            // was made cold above).
+            if let Some(net) = &self.network {
+                if !net.exists(slot) {
+                    let _ = net.remove(slot);
+                    if let Err(err) = net.create(slot, info.uid, info.gid) {
+                        tracing::warn!(slot, %err, "cannot make the slot's network namespace again; its logins are refused");
+                    }
+                }
+            }
             self.users().insert(
                 slot,
                 SlotUser {
@@ -510,6 +553,16 @@ impl SlotIsolation for UserIsolation {
         };
         self.cgroups.add(&user, pid)?;
         Ok(Some(slot))
+    }
+
+    fn network_namespaces(&self, slot: u32) -> Result<Option<[OwnedFd; 2]>, IsolationError> {
+        match &self.network {
+            None => Ok(None),
+            Some(net) => net
+                .open(slot)
+                .map(Some)
+                .map_err(|e| self.network_error(slot, e)),
+        }
     }
 
     fn sweep(&self) -> usize {

@@ -145,6 +145,26 @@ impl Drop for IsolationEnv {
             let _ = std::fs::remove_dir(&parent);
         }
         remove_bus_guards(&self.user_prefix);
+        remove_slot_namespaces(&self.run_dir.path().join("netns"));
+    }
+}
+
+/// Unmounts the slot namespaces agents left under `<run-dir>/netns` (an agent killed
+/// with SIGKILL leaves them): the last reference gone, the kernel deletes each
+/// namespace, and its veth pair with it.
+fn remove_slot_namespaces(dir: &Path) {
+    let Ok(agents) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for agent in agents.flatten() {
+        for file in std::fs::read_dir(agent.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = rustix::mount::unmount(file.path(), rustix::mount::UnmountFlags::DETACH);
+            let _ = std::fs::remove_file(file.path());
+        }
     }
 }
 

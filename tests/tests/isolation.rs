@@ -1076,3 +1076,505 @@ async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
 
     agent.release(1, "node-kept").await.unwrap();
 }
+
+/// A /24 of 10.0.0.0/8 picked at random: one test's `--slot-netns-range`.
+fn netns_range() -> String {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    format!(
+        "10.{}.{}.0/24",
+        rng.random_range(100..250u8),
+        rng.random_range(0..=255u8)
+    )
+}
+
+/// The host's first global IPv4 address (not loopback).
+fn host_address() -> std::net::Ipv4Addr {
+    let out = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .expect("running ip");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|a| a.split('/').next()?.parse().ok())
+        .expect("the host has a global IPv4 address")
+}
+
+/// What the agent of `namespace` in `env` may have left of slot network namespaces: its
+/// veths (`ip -o link`), its slot tables (`nft list tables`) and namespace mounts.
+fn network_leftovers(env: &IsolationEnv, namespace: &str) -> Vec<String> {
+    let veth = slotpool_agent::netns::veth_name(namespace, 0);
+    let veth_prefix = &veth[..veth.len() - 1];
+    let run = |cmd: &[&str]| {
+        let out = std::process::Command::new(cmd[0])
+            .args(&cmd[1..])
+            .output()
+            .expect("running ip/nft");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut left: Vec<String> = run(&["ip", "-o", "link"])
+        .lines()
+        .filter(|l| l.contains(veth_prefix))
+        .chain(
+            run(&["nft", "list", "tables"])
+                .lines()
+                .filter(|l| l.contains(&format!("slotpool_{namespace}_n"))),
+        )
+        .map(str::to_string)
+        .collect();
+    let dir = env.run_dir.path().join("netns").join(namespace);
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        left.push(entry.path().display().to_string());
+    }
+    left
+}
+
+/// Slot `a` listens on 127.0.0.1:`port`; returns what slot `b` connecting there prints
+/// (`CONNECTED` or `NOT-CONNECTED`, with bash's error).
+fn loopback_probe(key: &ClientKey, ssh_port: u16, a: &str, b: &str, port: u16) -> String {
+    let listen = format!(
+        "setsid python3 -c 'import socket, time; s = socket.socket(); \
+         s.bind((\"127.0.0.1\", {port})); s.listen(); time.sleep(300)' \
+         </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 100); do \
+         (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo LISTENING && exit 0; \
+         sleep 0.1; done; echo NOT-LISTENING"
+    );
+    let (_, out, err) = key.ssh(ssh_port, a, &listen);
+    assert!(
+        out.contains("LISTENING") && !out.contains("NOT-"),
+        "slot a's listener: {out}{err}"
+    );
+    let (_, out, err) = key.ssh(
+        ssh_port,
+        b,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>&1 \
+             && echo CONNECTED || echo NOT-CONNECTED"
+        ),
+    );
+    format!("{}{}", out.trim(), err.trim())
+}
+
+/// A port free on the host's loopback now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits for one connection on `listener` and reads what it sends; `None` if none came.
+fn accept_within(listener: &std::net::TcpListener, within: Duration) -> Option<String> {
+    use std::io::Read;
+    listener.set_nonblocking(true).unwrap();
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                stream.set_nonblocking(false).unwrap();
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(5)))
+                    .unwrap();
+                let mut text = String::new();
+                let _ = stream.read_to_string(&mut text);
+                return Some(format!("{peer}: {}", text.trim()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= deadline {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    }
+}
+
+/// With `--slot-netns on` a slot's loopback is its own: slot b cannot reach what slot a
+/// serves on 127.0.0.1. The login still lands in the slot's cgroup, as the slot's uid; the
+/// slot reaches the host's address through its veth but not the bus port there; release
+/// leaves no veth, nftables table or namespace mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        2,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let a = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let b = agent
+        .prepare(1, "node-b", Some(&key.public()))
+        .await
+        .unwrap();
+    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+
+    let port = free_port();
+    let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b to slot a's 127.0.0.1:{port} with --slot-netns on: {probe}");
+    assert!(
+        probe.contains("NOT-CONNECTED"),
+        "slot b reached slot a's loopback: {probe}\n{}",
+        agent.log()
+    );
+
+    // The login is the slot's uid, in the slot's cgroup, in a network namespace that is
+    // not the host's, with the slot's address.
+    let host_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        "id -u; readlink /proc/self/ns/net; cat /proc/self/cgroup; ip -4 -o addr show dev eth0",
+    );
+    assert!(ok, "login: {err}\n{}", agent.log());
+    let uid = uid_of(&user_a).unwrap();
+    assert_eq!(out.lines().next(), Some(uid.to_string().as_str()), "{out}");
+    assert_ne!(
+        out.lines().nth(1),
+        Some(host_net.to_str().unwrap()),
+        "{out}"
+    );
+    assert!(
+        out.lines().any(|l| l.ends_with(&format!("/{user_a}"))),
+        "the login is not in the slot's cgroup: {out}"
+    );
+    let range_prefix = range.trim_end_matches("0/24");
+    assert!(out.contains(&format!("inet {range_prefix}2/30")), "{out}");
+
+    // Out through the host: a listener on the host's own address answers.
+    let host = host_address();
+    let listener = std::net::TcpListener::bind((host, 0)).unwrap();
+    let egress_port = listener.local_addr().unwrap().port();
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{egress_port} && echo from-slot >&3' \
+             && echo SENT"
+        ),
+    );
+    let got = accept_within(&listener, Duration::from_secs(10));
+    eprintln!("egress to {host}:{egress_port}: {out}{err} -> {got:?}");
+    assert!(out.contains("SENT"), "{out}{err}");
+    assert!(
+        got.as_deref().is_some_and(|g| g.ends_with("from-slot")),
+        "{got:?}"
+    );
+
+    // The bus port stays closed on the host's address too (traffic from the namespace
+    // does not pass the host's output hook, where the uid guard is): a listener there on
+    // the bus's port number is not reached.
+    let bus_port = agent.nats.port();
+    let bus_listener = std::net::TcpListener::bind((host, bus_port)).unwrap();
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{bus_port}' 2>&1 \
+             && echo CONNECTED || echo NOT-CONNECTED"
+        ),
+    );
+    eprintln!("slot to {host}:{bus_port} (the bus port): {out}{err}");
+    assert!(out.contains("NOT-CONNECTED"), "{out}{err}");
+    assert_eq!(
+        accept_within(&bus_listener, Duration::from_millis(200)),
+        None
+    );
+
+    // Release removes the tenancy's namespace, veth and table; the warm-up after it makes
+    // new ones for the slot's next user: one veth and one table per slot, never more.
+    // (Namespace inode numbers are reused at once; interface indexes are not.)
+    let veth_index = |slot: u32| {
+        let veth = slotpool_agent::netns::veth_name(&namespace, slot);
+        std::fs::read_to_string(format!("/sys/class/net/{veth}/ifindex"))
+    };
+    let before = veth_index(0).unwrap();
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+    assert_eq!(agent.dirty(1), None, "{}", agent.log());
+    wait_for("slot 0 warm again", LONG, || async { agent.warm(0) }).await;
+    wait_for("slot 1 warm again", LONG, || async { agent.warm(1) }).await;
+    assert_ne!(veth_index(0).unwrap(), before, "slot 0 kept its veth");
+    let left = network_leftovers(&env, &namespace);
+    assert_eq!(
+        left.iter().filter(|l| l.contains("link")).count()
+            + left.iter().filter(|l| l.contains("table")).count(),
+        4,
+        "{left:?}"
+    );
+    let run_dir = env.run_dir.path().to_path_buf();
+    drop(agent);
+    drop(env);
+    // Nothing of the test is left on the host (the kernel deletes a namespace's veth
+    // pair shortly after its last reference goes).
+    wait_for("no veth or table of the test", LONG, || async {
+        let veth = slotpool_agent::netns::veth_name(&namespace, 0);
+        let links = std::process::Command::new("ip")
+            .args(["-o", "link"])
+            .output()
+            .unwrap();
+        let tables = std::process::Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+            .unwrap();
+        !String::from_utf8_lossy(&links.stdout).contains(&veth[..veth.len() - 1])
+            && !String::from_utf8_lossy(&tables.stdout).contains(&namespace)
+    })
+    .await;
+    assert!(!run_dir.exists());
+}
+
+/// The same probe with `--slot-netns off` (the default): slots share the host's
+/// network namespace, so slot b reaches what slot a serves on 127.0.0.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 2).await;
+    let a = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let b = agent
+        .prepare(1, "node-b", Some(&key.public()))
+        .await
+        .unwrap();
+    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+    let port = free_port();
+    let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b to slot a's 127.0.0.1:{port} with --slot-netns off: {probe}");
+    assert!(
+        probe.contains("CONNECTED") && !probe.contains("NOT-"),
+        "{probe}"
+    );
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+}
+
+/// A network namespace standing for the world beyond the host: a holder process in a
+/// fresh network namespace, joined to the host by a veth pair with `host`/`outside` as
+/// addresses. Killing the holder deletes the namespace and the pair with it.
+struct Outside {
+    holder: std::process::Child,
+    veth: String,
+    outside: std::net::Ipv4Addr,
+}
+
+impl Outside {
+    fn new() -> Outside {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        let (b, c) = (rng.random_range(0..=255u8), rng.random_range(0..64u8) * 4);
+        let host = format!("172.29.{b}.{}", c + 1);
+        let outside: std::net::Ipv4Addr = format!("172.29.{b}.{}", c + 2).parse().unwrap();
+        let veth = format!("spto{}", rng.random_range(0..1_000_000u32));
+        let holder = std::process::Command::new("unshare")
+            .args(["--net", "sleep", "600"])
+            .spawn()
+            .expect("unshare");
+        let me = Outside {
+            holder,
+            veth,
+            outside,
+        };
+        let pid = me.holder.id().to_string();
+        let ns = format!("/proc/{pid}/ns/net");
+        let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+        let runs = |args: &[&str]| {
+            std::process::Command::new(args[0])
+                .args(&args[1..])
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        // The holder has unshared once its namespace differs from ours.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_link(&ns).ok().as_ref() == Some(&host_ns) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare did not happen"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let v = me.veth.clone();
+        let in_ns = format!("--net={ns}");
+        for step in [
+            vec![
+                "ip", "link", "add", &v, "type", "veth", "peer", "name", "eth0", "netns", &pid,
+            ],
+            vec!["ip", "addr", "add", &format!("{host}/30"), "dev", &v],
+            vec!["ip", "link", "set", &v, "up"],
+            vec!["nsenter", &in_ns, "ip", "link", "set", "lo", "up"],
+            vec![
+                "nsenter",
+                &in_ns,
+                "ip",
+                "addr",
+                "add",
+                &format!("{outside}/30"),
+                "dev",
+                "eth0",
+            ],
+            vec!["nsenter", &in_ns, "ip", "link", "set", "eth0", "up"],
+        ] {
+            assert!(runs(&step), "{step:?} failed");
+        }
+        me
+    }
+
+    /// Runs a one-connection listener on `port` in the outside namespace; it prints the
+    /// peer and what it read.
+    fn listen(&self, port: u16) -> std::process::Child {
+        let script = format!(
+            "import socket; s = socket.socket(); \
+             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); \
+             s.bind(('{}', {port})); s.listen(); print('listening', flush=True); \
+             s.settimeout(20); c, peer = s.accept(); c.settimeout(5); \
+             print(peer[0], c.recv(100).decode().strip(), flush=True)",
+            self.outside
+        );
+        std::process::Command::new("nsenter")
+            .arg(format!("--net=/proc/{}/ns/net", self.holder.id()))
+            .args(["python3", "-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("listener")
+    }
+}
+
+impl Drop for Outside {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.veth])
+            .status();
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+/// With `--slot-netns on` a slot reaches beyond the host: a connection to an address
+/// only the host routes to is forwarded and masqueraded (the far end sees the host's
+/// address, not the slot's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
+    use std::io::{BufRead, BufReader};
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let outside = Outside::new();
+    let port = free_port();
+    let mut listener = outside.listen(port);
+    let mut lines = BufReader::new(listener.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{}/{port} && echo from-slot >&3' && echo SENT",
+            outside.outside
+        ),
+    );
+    let seen = lines.next().and_then(Result::ok).unwrap_or_default();
+    let _ = listener.kill();
+    let _ = listener.wait();
+    eprintln!(
+        "slot to {}:{port}: {out}{err} -> far end saw: {seen}",
+        outside.outside
+    );
+    assert!(out.contains("SENT"), "{out}{err}\n{}", agent.log());
+    let host_end = outside.outside.octets();
+    let expected = format!(
+        "{}.{}.{}.{} from-slot",
+        host_end[0],
+        host_end[1],
+        host_end[2],
+        host_end[3] - 1
+    );
+    assert_eq!(seen, expected, "not masqueraded to the host's address");
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+}
+
+/// A release that cannot remove a slot's namespace mount leaves the slot dirty, with the
+/// reason. (The test stacks a second mount on the slot's `.net` file, so the agent's
+/// unmount leaves a mount point it cannot delete.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (_sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let net = env.run_dir.path().join(format!("netns/{namespace}/0.net"));
+    rustix::mount::mount_bind("/proc/self/ns/net", &net).expect("stacking a mount");
+    let err = agent.release(0, "node-a").await.unwrap_err().to_string();
+    let dirty = agent.dirty(0).unwrap_or_default();
+    eprintln!("release: {err}\ndirty marker: {dirty}");
+    assert!(
+        dirty.contains(&format!("removing {}", net.display())),
+        "{err}\n{dirty}"
+    );
+}
+
+/// A restarted agent keeps its slots' namespaces (the mounts outlive it): a login of a
+/// slot prepared before the restart still lands in the slot's namespace, and a warm slot
+/// stays warm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_netns_survive_an_agent_restart() {
+    let env = IsolationEnv::new();
+    let range = netns_range();
+    let (sshd, key, mut agent) = login_env_with(
+        &env,
+        2,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let prepared = agent
+        .prepare(0, "node-a", Some(&key.public()))
+        .await
+        .unwrap();
+    let (user, _) = login_of(&prepared);
+    let login_ns = || {
+        let (ok, out, err) = key.ssh(sshd.port, &user, "readlink /proc/self/ns/net");
+        assert!(ok, "login: {err}\n{}", sshd.log());
+        out.trim().to_string()
+    };
+    let before = login_ns();
+    let host_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    assert_ne!(before, host_net.to_str().unwrap());
+    wait_for("slot 1 warm", LONG, || async { agent.warm(1) }).await;
+    // The slots bucket holds the node, so the restarted agent keeps the slot prepared.
+    claim(&agent, 0, "node-a").await;
+    agent.restart().await;
+    assert_eq!(login_ns(), before, "{}", agent.log());
+    assert!(agent.warm(1), "{}", agent.log());
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+}

@@ -10,7 +10,14 @@
 //! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
 //!
-//! or with `--release` on both commands for release-build figures.
+//! or with `--release` on both commands for release-build figures. More agent arguments
+//! come from `SLOTPOOL_BENCH_AGENT_ARGS` (split on whitespace), e.g. for the per-slot
+//! network namespace (docs/slot-network.md):
+//!
+//! ```text
+//! SLOTPOOL_BENCH_AGENT_ARGS="--slot-netns on --slot-netns-range 10.199.7.0/24" \
+//!     cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
+//! ```
 
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
 use slotpool_protocol::layout::subjects;
@@ -79,6 +86,11 @@ async fn prepare_release_times_and_idle_memory() {
         .arg("--work-dir")
         .arg(work.path())
         .args(env.agent_args())
+        .args(
+            std::env::var("SLOTPOOL_BENCH_AGENT_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .env("SLOTPOOL_AGENT_SECRET", "bench")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
@@ -185,4 +197,53 @@ async fn prepare_release_times_and_idle_memory() {
         "agent CPU idle with {SLOTS} slots prepared: {idle_cpu:.3} % ({idle_ticks} ticks in {:?})",
         t.elapsed()
     );
+}
+
+/// Figures, not assertions: the per-slot network namespace's own work (`--slot-netns
+/// on`), without the agent around it: what a warm-up adds (make the namespaces, veth and
+/// table) and what a release adds (remove them). Run as root with
+///
+/// ```text
+/// cargo test -p slotpool-tests --test slot_timing netns -- --ignored --nocapture
+/// ```
+#[test]
+#[ignore = "a benchmark: run by hand as root"]
+fn slot_netns_create_and_remove_times() {
+    use rand::Rng;
+    use slotpool_agent::netns::{AddressRange, SlotNetworks};
+    slotpool_tests::require_root();
+    let run = tempfile::tempdir().unwrap();
+    let namespace = format!("sptb{:08x}", rand::rng().random::<u32>());
+    let range = AddressRange::parse(&format!(
+        "10.{}.{}.0/24",
+        rand::rng().random_range(100..250u8),
+        rand::rng().random_range(0..=255u8)
+    ))
+    .unwrap();
+    let nets = SlotNetworks::new(run.path().join("netns"), namespace, range, vec![4222]).unwrap();
+    /// Removes the slot's namespace, veth and table also when the benchmark panics.
+    struct RemoveOnDrop(SlotNetworks);
+    impl Drop for RemoveOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.remove(0);
+        }
+    }
+    let guard = RemoveOnDrop(nets);
+    let nets = &guard.0;
+    // Any unprivileged uid owns the namespaces; no user needs to exist.
+    let uid = 3_999_000 + rand::rng().random_range(0..999u32);
+    let (mut create, mut remove) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        nets.create(0, uid, uid).unwrap();
+        create.push(t.elapsed());
+        nets.open(0).expect("the namespaces are there");
+        let t = Instant::now();
+        let problems = nets.remove(0);
+        remove.push(t.elapsed());
+        assert!(problems.is_empty(), "{problems:?}");
+        assert!(nets.leftovers(0).is_empty(), "{:?}", nets.leftovers(0));
+    }
+    summary("slot network namespace: create", &mut create);
+    summary("slot network namespace: remove", &mut remove);
 }
