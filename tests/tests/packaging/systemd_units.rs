@@ -14,7 +14,7 @@
 //!   workspace, `/tmp`, `/var/tmp` and `/dev/shm`, leaving the slot clean (not dirty);
 //! - `systemctl restart` kills the processes of a prepared slot (the agent does, at
 //!   SIGTERM) and keeps the slot prepared;
-//! - `systemctl stop` stops it cleanly and removes its bus guard table.
+//! - `systemctl stop` removes the runtime directory and the bus guard table.
 //!
 //! The root file system is made once with debootstrap (about a minute, from Debian's
 //! mirror) and kept under `.tools/systemd-rootfs/<ROOTFS_KEY>`; every run boots it with
@@ -177,6 +177,17 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         container.ok(&["systemctl", "show", "-p", "ProtectSystem", "--value", UNIT]),
         "strict"
     );
+    assert_eq!(
+        container.ok(&[
+            "systemctl",
+            "show",
+            "-p",
+            "RuntimeDirectory",
+            "--value",
+            UNIT
+        ]),
+        "slotpool"
+    );
 
     // Its runtime directory, with the placement socket, and its bus guard table.
     assert_eq!(
@@ -291,11 +302,15 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     release(&bus, &backing, 1, "node-sd-1").await;
     assert_eq!(container.dirty(1), None, "{}", container.journal());
 
-    // Stop: the bus guard table goes.
+    // Stop: the runtime directory and the bus guard table go.
     container.ok(&["systemctl", "stop", UNIT]);
     assert_eq!(
         container.run(&["systemctl", "is-active", UNIT]).0,
         "inactive"
+    );
+    assert!(
+        !container.path("/run/slotpool").exists(),
+        "/run/slotpool left after stop"
     );
     let tables = container.ok(&["nft", "list", "tables"]);
     assert!(
