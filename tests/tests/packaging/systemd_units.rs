@@ -13,7 +13,9 @@
 //!   moved into them, and release kills it and removes what the job left in its
 //!   workspace, `/tmp`, `/var/tmp` and `/dev/shm`, leaving the slot clean (not dirty);
 //! - `systemctl restart` kills the processes of a prepared slot (the agent does, at
-//!   SIGTERM) and keeps the slot prepared;
+//!   SIGTERM) and keeps the slot prepared; an agent killed with SIGKILL leaves them
+//!   running (they are not in the unit's cgroup), systemd restarts it, the new agent
+//!   keeps the slot and its release kills them;
 //! - `systemctl stop` removes the runtime directory and the bus guard table.
 //!
 //! The root file system is made once with debootstrap (about a minute, from Debian's
@@ -299,7 +301,39 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "slot 1 not kept prepared across the restart\n{}",
         container.journal()
     );
+
+    // An agent killed without its SIGTERM (a crash) does not take the slot's processes
+    // with it: they are not in the unit's cgroup. systemd restarts it (Restart=on-failure)
+    // and the new agent keeps the slot, processes included; release then kills them.
+    let job = container.start_job(&user, "job-2");
+    wait_for("the job in its slot cgroup", AGENT_TIMEOUT, || async {
+        container.cgroup_pids(&cgroups[0]).contains(&job)
+    })
+    .await;
+    container.ok(&["systemctl", "kill", "--signal=SIGKILL", UNIT]);
+    let crashed_pid = new_pid;
+    wait_for_some("the agent restarted by systemd", AGENT_TIMEOUT, || async {
+        let pid = wait_for_heartbeat(&container, &bus, &backing).await;
+        (pid != crashed_pid).then_some(pid)
+    })
+    .await;
+    assert!(
+        container.alive(job),
+        "the job's process died with the agent\n{}",
+        container.journal()
+    );
+    let beat = heartbeat(&bus, &backing).await.expect("a heartbeat");
+    assert_eq!(
+        beat.slots.iter().map(|s| s.slot).collect::<Vec<_>>(),
+        vec![1],
+        "slot 1 not kept prepared across the crash\n{}",
+        container.journal()
+    );
     release(&bus, &backing, 1, "node-sd-1").await;
+    assert!(
+        !container.alive(job),
+        "the job's process survived the release"
+    );
     assert_eq!(container.dirty(1), None, "{}", container.journal());
 
     // Stop: the runtime directory and the bus guard table go.
