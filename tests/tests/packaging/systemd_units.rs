@@ -11,7 +11,8 @@
 //! - a slot is prepared, its cgroups are at `<mount>/slotpool/<user>` (where the unit's
 //!   comments say, outside the unit's own cgroup), a job process run as the slot user is
 //!   moved into them, and release kills it and removes what the job left in its
-//!   workspace, `/tmp`, `/var/tmp` and `/dev/shm`, leaving the slot clean (not dirty);
+//!   workspace, `/tmp`, `/var/tmp`, `/dev/shm` and `/run/lock`, leaving the slot clean
+//!   (not dirty);
 //! - `systemctl restart` kills the processes of a prepared slot (the agent does, at
 //!   SIGTERM) and keeps the slot prepared; an agent killed with SIGKILL leaves them
 //!   running (they are not in the unit's cgroup), systemd restarts it, the new agent
@@ -152,6 +153,7 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "/usr/lib/slotpool-probe",
         "/var/lib/slotpool-probe",
         "/boot-probe",
+        "/run/slotpool-probe",
     ] {
         let (_, out) = touch(path);
         assert!(
@@ -167,6 +169,7 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "/tmp/probe",
         "/var/tmp/probe",
         "/dev/shm/probe",
+        "/run/lock/probe",
     ] {
         let (_, out) = touch(path);
         assert!(
@@ -250,13 +253,14 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "sh",
         "-c",
         "echo x >\"$HOME/out\"; echo x >/tmp/sd-job; mkdir /var/tmp/sd-job; \
-         echo x >/var/tmp/sd-job/f; echo x >/dev/shm/sd-job",
+         echo x >/var/tmp/sd-job/f; echo x >/dev/shm/sd-job; echo x >/run/lock/sd-job",
     ]);
     let leftovers = [
         format!("{}/out", prepared.workspace),
         "/tmp/sd-job".to_string(),
         "/var/tmp/sd-job".to_string(),
         "/dev/shm/sd-job".to_string(),
+        "/run/lock/sd-job".to_string(),
     ];
     for path in &leftovers {
         assert!(container.path(path).exists(), "{path} was not made");
@@ -616,7 +620,12 @@ impl Container {
                 Ok(())
             });
         }
-        let nspawn = cmd.spawn().expect("starting systemd-nspawn");
+        let nspawn = cmd.spawn().unwrap_or_else(|err| {
+            panic!(
+                "starting systemd-nspawn: {err} (apt-get install systemd-container; \
+                 scripts/test.sh installs it)"
+            )
+        });
         let mut container = Container {
             name: name.to_string(),
             leader: 0,
