@@ -626,6 +626,7 @@ impl Container {
             });
         }
         let nspawn = cmd.spawn().unwrap_or_else(|err| {
+            let _ = fs::remove_file(&log);
             panic!(
                 "starting systemd-nspawn: {err} (apt-get install systemd-container; \
                  scripts/test.sh installs it)"
