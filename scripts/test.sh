@@ -6,8 +6,8 @@
 #   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
 #   scripts/test.sh -- --nocapture
 #
-# Needs: a Rust toolchain, tmux and nftables (installed with apt-get when missing and run
-# as root), and
+# Needs: a Rust toolchain, tmux, nftables, systemd-container and debootstrap (installed
+# with apt-get when missing and run as root), and
 # python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
@@ -82,6 +82,11 @@ need_command() {
 need_command nft nftables "keeping slot users off the bus"
 # The console's end-to-end test runs slotpool-console in tmux.
 need_command tmux tmux "the console's end-to-end test"
+# The packaging test boots a minimal Debian with systemd-nspawn to run the agent's unit
+# under a real systemd; its root file system is made once with debootstrap (cached under
+# .tools/systemd-rootfs).
+need_command systemd-nspawn systemd-container "the agent unit's test under systemd"
+need_command debootstrap debootstrap "the agent unit's test under systemd"
 
 # House rules (Cargo.toml's [workspace.lints]): formatting and clippy with warnings as
 # errors, on a whole-suite run (no arguments). A lint failure fails the run, after the

@@ -15,7 +15,11 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+#[path = "packaging/systemd_units.rs"]
+mod systemd_units;
 
 const DEB_PACKAGES: [&str; 2] = ["slotpool", "slotpool-agent"];
 /// How long dpkg may wait for another dpkg or apt on the machine to let go of its lock.
@@ -33,19 +37,28 @@ fn deb_installs_runs_and_purges_cleanly_and_rpm_is_well_formed() {
     );
     let _lock = MachineLock::acquire();
     let tmp = tempfile::tempdir().unwrap();
-    let packages = build_packages(tmp.path());
+    let packages = packages();
 
-    check_rpms(&packages);
+    check_rpms(packages);
 
     let _purge = PurgeOnDrop;
     purge();
-    check_deb_lifecycle(&packages, tmp.path());
+    check_deb_lifecycle(packages, tmp.path());
 }
 
 /// The .deb and .rpm files of one build.
 struct Packages {
+    /// The directory holding them.
+    dir: PathBuf,
     debs: Vec<PathBuf>,
     rpms: Vec<PathBuf>,
+}
+
+/// The packages of this test binary's one build (both tests use it), in the target
+/// dir's scratch space.
+fn packages() -> &'static Packages {
+    static PACKAGES: OnceLock<Packages> = OnceLock::new();
+    PACKAGES.get_or_init(|| build_packages(Path::new(env!("CARGO_TARGET_TMPDIR"))))
 }
 
 fn build_packages(dir: &Path) -> Packages {
@@ -73,6 +86,7 @@ fn build_packages(dir: &Path) -> Packages {
             .collect()
     };
     let packages = Packages {
+        dir: out.clone(),
         debs: with_ext("deb"),
         rpms: with_ext("rpm"),
     };
@@ -357,6 +371,7 @@ fn check_rpms(packages: &Packages) {
             &[
                 "try-restart slotpool-agent.service",
                 "disable --now slotpool-agent.service",
+                "nft delete table inet",
             ][..],
         ),
     ] {
