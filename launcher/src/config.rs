@@ -18,7 +18,7 @@
 
 use serde::Deserialize;
 use serde_saphyr::Spanned;
-use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::api::{SlotLimits, MIN_DISK_MB};
 use slotpool_protocol::ids::is_key_token;
 use slotpool_protocol::model::Attributes;
 use std::collections::BTreeMap;
@@ -156,6 +156,7 @@ struct RawLimits {
     cpu: Option<f64>,
     memory_mb: Option<u64>,
     pids: Option<u32>,
+    disk_mb: Option<u64>,
 }
 
 fn default_priority() -> i32 {
@@ -568,10 +569,17 @@ impl Validator<'_> {
         if l.pids == Some(0) {
             return Err(self.at(raw, "limits.pids must be at least 1"));
         }
+        if l.disk_mb.is_some_and(|mb| mb < MIN_DISK_MB) {
+            return Err(self.at(
+                raw,
+                format!("limits.disk-mb must be at least {MIN_DISK_MB}"),
+            ));
+        }
         Ok(SlotLimits {
             cpu_millis,
             memory_bytes: l.memory_mb.map(|mb| mb.saturating_mul(1024 * 1024)),
             pids: l.pids,
+            disk_bytes: l.disk_mb.map(|mb| mb.saturating_mul(1024 * 1024)),
         })
     }
 
@@ -728,7 +736,8 @@ providers:
             SlotLimits {
                 cpu_millis: Some(1500),
                 memory_bytes: Some(512 << 20),
-                pids: Some(64)
+                pids: Some(64),
+                disk_bytes: None,
             }
         );
         assert!(label.host_key_checking);

@@ -2,13 +2,14 @@
 //! `--isolation users`, a real sshd on a loopback port, real logins.
 
 use slotpool_agent::users;
-use slotpool_protocol::api::{ErrorCode, SlotPrepared};
+use slotpool_protocol::api::ErrorCode;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
 use slotpool_protocol::store::{Change, Versioned};
 use slotpool_tests::{
-    exists, label, next_within, set_mode, shipped_sshd_drop_in, uid_of, wait_for, wait_for_some,
-    ClientKey, IsolationEnv, Pool, SlotAgent, Sshd, AGENT_ARGS,
+    exists, label, login_env, login_env_with, login_of, next_within, set_mode,
+    shipped_sshd_drop_in, uid_of, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool,
+    SlotAgent, Sshd, AGENT_ARGS,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -364,39 +365,6 @@ async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
         n1.backing_id, n2.backing_id,
         "the recovered node is used again"
     );
-}
-
-/// An sshd, a client key and an agent with `slots` slots whose logins go through that
-/// sshd. Slot users can reach their homes.
-async fn login_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent) {
-    login_env_with(env, slots, &[]).await
-}
-
-/// [`login_env`] with more agent arguments.
-async fn login_env_with(
-    env: &IsolationEnv,
-    slots: u32,
-    extra: &[&str],
-) -> (Sshd, ClientKey, SlotAgent) {
-    let sshd = Sshd::start(env).await;
-    let key = ClientKey::new();
-    let mut args = vec![
-        "--ssh-port".to_string(),
-        sshd.port.to_string(),
-        "--ssh-host-keys-dir".into(),
-        sshd.dir.path().display().to_string(),
-    ];
-    args.extend(extra.iter().map(|a| a.to_string()));
-    let agent = SlotAgent::start(env, slots, &args).await;
-    (sshd, key, agent)
-}
-
-/// The user and workspace of a prepared slot.
-fn login_of(prepared: &SlotPrepared) -> (String, PathBuf) {
-    (
-        prepared.login.username.clone().expect("a slot user"),
-        PathBuf::from(&prepared.workspace),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -96,6 +96,7 @@ async fn prepare_release_times_and_idle_memory() {
         cpu_millis: Some(1000),
         memory_bytes: Some(512 << 20),
         pids: Some(256),
+        disk_bytes: None,
     };
     let prepare_cmd = |node_id: &NodeId| {
         AgentCommand::PrepareSlot {
