@@ -10,7 +10,9 @@
 //! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
 //!
-//! or with `--release` on both commands for release-build figures.
+//! or with `--release` on both commands for release-build figures. More agent flags
+//! (space-separated) come from `SLOTPOOL_BENCH_AGENT_ARGS`, e.g.
+//! `SLOTPOOL_BENCH_AGENT_ARGS="--slot-disk-quota-mb 1024"` to time quota'd workspaces.
 
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
 use slotpool_protocol::layout::subjects;
@@ -79,6 +81,11 @@ async fn prepare_release_times_and_idle_memory() {
         .arg("--work-dir")
         .arg(work.path())
         .args(env.agent_args())
+        .args(
+            std::env::var("SLOTPOOL_BENCH_AGENT_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .env("SLOTPOOL_AGENT_SECRET", "bench")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
