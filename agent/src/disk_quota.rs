@@ -73,9 +73,11 @@ impl WorkspaceImages {
         self.dir.join(format!("{slot}.img"))
     }
 
-    /// Whether `workspace` has a file system mounted on it.
+    /// Whether `workspace` has a file system mounted on it (mountinfo names mount
+    /// points by their real path: a work dir behind a symlink is resolved first).
     pub fn mounted(&self, workspace: &Path) -> bool {
-        is_mount_point(&self.proc_root, workspace)
+        let real = fs::canonicalize(workspace).unwrap_or_else(|_| workspace.to_path_buf());
+        is_mount_point(&self.proc_root, &real)
     }
 
     /// Makes `workspace` (which must not exist) a fresh file system of `bytes` owned by
