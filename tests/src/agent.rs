@@ -158,6 +158,41 @@ impl SlotAgent {
             .is_ok_and(|s| !s.contains("node_id"))
     }
 
+    /// What the launcher's claim writes under the slot's key before it has the agent
+    /// prepare the slot.
+    pub async fn claim(&self, slot: u32, node: &str) -> u64 {
+        use slotpool_protocol::model::{Node, NodeState};
+        use slotpool_protocol::{NodeId, RequestId};
+        let record = Node {
+            v: slotpool_protocol::PROTOCOL_VERSION,
+            id: NodeId::parse(node).unwrap(),
+            request_id: RequestId::parse("req-reconcile").unwrap(),
+            index: 0,
+            label: "iso".into(),
+            backing_id: self.backing.clone(),
+            slot,
+            state: NodeState::Ready,
+            requestor: "test".into(),
+            client: None,
+            host: "127.0.0.1".into(),
+            workspace: None,
+            attributes: Default::default(),
+            allocated_at: 0,
+            released_at: None,
+            failure: None,
+            login: Default::default(),
+        };
+        self.bus
+            .slots
+            .create(
+                &slotpool_protocol::layout::slot_key(&self.backing, slot),
+                &record,
+                None,
+            )
+            .await
+            .unwrap()
+    }
+
     /// Sends `prepare_slot` for `node`.
     pub async fn prepare(
         &self,

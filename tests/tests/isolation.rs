@@ -937,42 +937,6 @@ fn kill_in_a_real_v2_group(how: Option<slotpool_agent::cgroup::V2Kill>) {
     assert!(!group.dir().exists(), "the group is still there");
 }
 
-/// What the launcher's claim writes under the slot's key before it has the agent
-/// prepare the slot.
-async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
-    use slotpool_protocol::model::NodeState;
-    use slotpool_protocol::{NodeId, RequestId};
-    let record = Node {
-        v: slotpool_protocol::PROTOCOL_VERSION,
-        id: NodeId::parse(node).unwrap(),
-        request_id: RequestId::parse("req-reconcile").unwrap(),
-        index: 0,
-        label: "iso".into(),
-        backing_id: agent.backing.clone(),
-        slot,
-        state: NodeState::Ready,
-        requestor: "test".into(),
-        client: None,
-        host: "127.0.0.1".into(),
-        workspace: None,
-        attributes: Default::default(),
-        allocated_at: 0,
-        released_at: None,
-        failure: None,
-        login: Default::default(),
-    };
-    agent
-        .bus
-        .slots
-        .create(
-            &slotpool_protocol::layout::slot_key(&agent.backing, slot),
-            &record,
-            None,
-        )
-        .await
-        .unwrap()
-}
-
 /// A restarted agent releases, by itself, a prepared slot whose node is gone from the
 /// slots bucket (the launcher released it while the agent was down), and keeps the slot
 /// whose node is still there. Its credential reads its own slot keys, no other.
@@ -980,8 +944,8 @@ async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
 async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
     let env = IsolationEnv::new();
     let mut agent = SlotAgent::start(&env, 2, &[]).await;
-    let gone = claim(&agent, 0, "node-gone").await;
-    claim(&agent, 1, "node-kept").await;
+    let gone = agent.claim(0, "node-gone").await;
+    agent.claim(1, "node-kept").await;
     let (user_0, ws_0) = login_of(&agent.prepare(0, "node-gone", None).await.unwrap());
     let (_, ws_1) = login_of(&agent.prepare(1, "node-kept", None).await.unwrap());
     std::fs::write(ws_0.join("job-output"), "left by the job").unwrap();

@@ -297,3 +297,64 @@ async fn a_restarted_agent_does_not_stack_another_proc() {
         "the namespace's /proc and one hiding one:\n{mounts}"
     );
 }
+
+/// Whether `dir` is a mount point in the test's (the host's) namespace.
+fn mounted(dir: &Path) -> bool {
+    mounts_under(dir).iter().any(|m| Path::new(m) == dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_image_is_detached_at_release_and_its_loop_device_goes_with_its_last_user() {
+    let env = IsolationEnv::new();
+    let agent = SlotAgent::start(&env, 1, &["--slot-disk-quota-mb".into(), "32".into()]).await;
+    let (_, ws) = login_of(&agent.prepare(0, "node-a", None).await.unwrap());
+    assert!(mounted(&ws));
+    // Something outside the slot (root, so release does not kill it) holds the image.
+    let mut holder = Command::new("sleep")
+        .arg("600")
+        .current_dir(&ws)
+        .spawn()
+        .unwrap();
+    let released = agent.release(0, "node-a").await;
+    let images = agent.work_dir().join("images");
+    let held = loops_under(&images);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    assert!(
+        released.is_ok() && agent.dirty(0).is_none(),
+        "{released:?} {:?}\n{}",
+        agent.dirty(0),
+        agent.log()
+    );
+    assert!(
+        held.iter().any(|l| l.contains("(deleted)")),
+        "the busy image stays attached while held: {held:?}"
+    );
+    wait_for("the released image's loop device to go", SOON, || async {
+        loops_under(&images)
+            .iter()
+            .all(|l| !l.contains("(deleted)"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_slots_image_is_mounted_again_after_a_reboot() {
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 1, &["--slot-disk-quota-mb".into(), "32".into()]).await;
+    agent.claim(0, "node-a").await;
+    let (_, ws) = login_of(&agent.prepare(0, "node-a", None).await.unwrap());
+    std::fs::write(ws.join("job-file"), "kept").unwrap();
+    // A reboot: the mount is gone, the image stays.
+    let umount = Command::new("umount").arg(&ws).status().unwrap();
+    assert!(umount.success());
+    assert!(!ws.join("job-file").exists());
+    agent.restart().await;
+    assert!(mounted(&ws), "{}", agent.log());
+    assert_eq!(
+        std::fs::read_to_string(ws.join("job-file")).unwrap(),
+        "kept"
+    );
+    agent.release(0, "node-a").await.unwrap();
+    assert!(agent.dirty(0).is_none());
+}
