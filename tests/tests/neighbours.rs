@@ -10,7 +10,8 @@
 
 use slotpool_protocol::api::SlotLimits;
 use slotpool_tests::{
-    login_env_with, login_of, wait_for, ClientKey, IsolationEnv, SlotAgent, Sshd,
+    bin_path, login_env_with, login_of, wait_for, ClientKey, IsolationEnv, NatsServer, SlotAgent,
+    Sshd,
 };
 use std::path::Path;
 use std::process::Command;
@@ -357,4 +358,34 @@ async fn a_prepared_slots_image_is_mounted_again_after_a_reboot() {
     );
     agent.release(0, "node-a").await.unwrap();
     assert!(agent.dirty(0).is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_asked_for_quotas_it_cannot_make_says_why_and_stops() {
+    let env = IsolationEnv::new();
+    let nats = NatsServer::start().await;
+    let work = tempfile::tempdir().unwrap();
+    // No losetup or mkfs.ext4 to be found: as on a host without them.
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(bin_path("slotpool-agent"))
+            .args(nats.args_as(slotpool_protocol::auth::Role::Agent, "bn-iso"))
+            .args(["--backing-id", "bn-iso", "--slots", "1", "--work-dir"])
+            .arg(work.path())
+            .args(env.agent_args())
+            .args(["--slot-disk-quota-mb", "64"])
+            .env("PATH", "/nonexistent")
+            .env("SLOTPOOL_AGENT_SECRET", "test")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stderr}");
+    assert!(!out.status.success());
+    assert!(
+        stderr
+            .contains("--slot-disk-quota-mb: per-slot disk quotas need loop devices and mkfs.ext4"),
+        "{stderr}"
+    );
 }
