@@ -19,7 +19,7 @@
 //! slots × quota may exceed the host's free space: size the quotas to fit.
 
 use crate::isolation::{make_private_dir, IsolationError};
-use crate::mounts::{is_mount_point, MountNamespace, Unmounted};
+use crate::mounts::{MountNamespace, Unmounted};
 use std::fs;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -39,7 +39,6 @@ pub struct QuotaUnavailable(pub String);
 pub struct WorkspaceImages {
     dir: PathBuf,
     mounts: MountNamespace,
-    proc_root: PathBuf,
     /// Why images cannot be made here (checked once at start), if they cannot.
     unavailable: Option<String>,
 }
@@ -55,7 +54,6 @@ impl WorkspaceImages {
         Ok(WorkspaceImages {
             dir,
             mounts,
-            proc_root: PathBuf::from("/proc"),
             unavailable: check_available().err().map(|e| e.0),
         })
     }
@@ -77,7 +75,7 @@ impl WorkspaceImages {
     /// points by their real path: a work dir behind a symlink is resolved first).
     pub fn mounted(&self, workspace: &Path) -> bool {
         let real = fs::canonicalize(workspace).unwrap_or_else(|_| workspace.to_path_buf());
-        is_mount_point(&self.proc_root, &real)
+        self.mounts.is_mount_point(&real)
     }
 
     /// Makes `workspace` (which must not exist) a fresh file system of `bytes` owned by

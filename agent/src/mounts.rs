@@ -124,10 +124,32 @@ impl MountNamespace {
         }
     }
 
-    /// The mounts of this namespace (as its `/proc/self/mountinfo` lists them).
+    /// The mounts of this namespace (as its `/proc/self/mountinfo` lists them; the
+    /// agent's own is read directly).
     pub fn mounts(&self) -> Result<Vec<MountEntry>, MountError> {
-        let text = self.run("cat", &[OsStr::new("/proc/self/mountinfo")])?;
+        let text = match &self.enter {
+            Some(_) => self.run("cat", &[OsStr::new("/proc/self/mountinfo")])?,
+            None => std::fs::read_to_string("/proc/self/mountinfo").map_err(|error| {
+                MountError::Spawn {
+                    command: "reading /proc/self/mountinfo".into(),
+                    error,
+                }
+            })?,
+        };
         Ok(parse_mountinfo(&text))
+    }
+
+    /// Whether `dir` is a mount point in this namespace (where slot logins see it, not
+    /// only where the agent does). `true` when the mounts cannot be read, so a release
+    /// tries to unmount and fails (the slot goes dirty) rather than believing it clean.
+    pub fn is_mount_point(&self, dir: &Path) -> bool {
+        match self.mounts() {
+            Ok(mounts) => mounts.iter().any(|m| m.mount_point == dir),
+            Err(err) => {
+                tracing::warn!(dir = %dir.display(), %err, "cannot read the mounts; assuming a mount point");
+                true
+            }
+        }
     }
 
     /// Makes `/proc` of this namespace show each user only their own processes
@@ -184,13 +206,6 @@ fn proc_hides(mounts: &[MountEntry], gid: Option<u32>) -> Result<(), Vec<String>
     } else {
         Err(top.super_options.clone())
     }
-}
-
-/// Whether `dir` is a mount point in the agent's own namespace (`proc_root/self/mountinfo`).
-pub fn is_mount_point(proc_root: &Path, dir: &Path) -> bool {
-    std::fs::read_to_string(proc_root.join("self/mountinfo"))
-        .map(|text| parse_mountinfo(&text).iter().any(|m| m.mount_point == dir))
-        .unwrap_or(false)
 }
 
 #[cfg(test)]

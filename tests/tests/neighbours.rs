@@ -200,11 +200,17 @@ fn host_proc() -> Vec<String> {
 }
 
 /// Slot A starts a process with a secret in its argv; returns what slot B and slot A
-/// see of the processes, with `--hide-processes` `on` or `off`.
-async fn neighbour_processes(hide: &str) -> (String, String, String) {
+/// see of the processes, with `--hide-processes` `on` or `off`; `nsenter`: the agent
+/// mounts through `--mount-namespace` (as under the shipped unit).
+async fn neighbour_processes(hide: &str, nsenter: bool) -> (String, String, String) {
     let host_before = host_proc();
     let env = IsolationEnv::with_private_mounts();
-    let (sshd, key, agent) = login_env_with(&env, 2, &["--hide-processes", hide]).await;
+    let ns = env.mounts.as_ref().unwrap().ns_file().display().to_string();
+    let mut extra = vec!["--hide-processes", hide];
+    if nsenter {
+        extra.extend(["--mount-namespace", &ns]);
+    }
+    let (sshd, key, agent) = login_env_with(&env, 2, &extra).await;
     let (user_a, _) = login_of(
         &agent
             .prepare(0, "node-a", Some(&key.public()))
@@ -267,17 +273,19 @@ async fn neighbour_processes(hide: &str) -> (String, String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_cannot_see_its_neighbours_processes() {
-    let (seen_by_b, ns_proc, secret) = neighbour_processes("on").await;
-    assert!(
-        !seen_by_b.contains(&secret),
-        "slot B sees slot A's argv:\n{seen_by_b}"
-    );
-    assert!(ns_proc.contains("hidepid=invisible"), "{ns_proc}");
+    for nsenter in [false, true] {
+        let (seen_by_b, ns_proc, secret) = neighbour_processes("on", nsenter).await;
+        assert!(
+            !seen_by_b.contains(&secret),
+            "slot B sees slot A's argv:\n{seen_by_b}"
+        );
+        assert!(ns_proc.contains("hidepid=invisible"), "{ns_proc}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_hidden_processes_a_slot_reads_its_neighbours_argv() {
-    let (seen_by_b, ns_proc, secret) = neighbour_processes("off").await;
+    let (seen_by_b, ns_proc, secret) = neighbour_processes("off", false).await;
     assert!(
         seen_by_b.contains(&secret),
         "slot B should see slot A's argv with --hide-processes off:\n{seen_by_b}"
