@@ -580,6 +580,7 @@ mod tests {
             cpu_millis: Some(1500),
             memory_bytes: Some(1 << 20),
             pids: Some(64),
+            disk_bytes: None,
         };
         v2.create("u1", &limits).unwrap();
         let dir = root.path().join("sp/u1");

@@ -102,6 +102,25 @@ pub struct Args {
     /// the host's memory divided by --slots.
     #[arg(long, value_name = "MIB|auto", default_value = "auto")]
     pub default_memory_max_mb: String,
+    /// Disk quota of a slot whose label sets no `limits.disk-mb`, in MiB: its workspace
+    /// is a loop-mounted ext4 image of that size (users mode; needs loop devices and
+    /// mkfs.ext4). Unset: such slots write to the work dir's file system, unbounded.
+    #[arg(long, value_name = "MIB")]
+    pub slot_disk_quota_mb: Option<u64>,
+    /// In users mode, make /proc show each slot user only its own processes
+    /// (`hidepid=invisible`, for every user but root and --hide-processes-gid), in the
+    /// mount namespace of --mount-namespace. `off` lets every slot see the command lines
+    /// of its neighbours' processes.
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
+    pub hide_processes: Switch,
+    /// A group whose members still see every process (operators' monitoring).
+    #[arg(long, value_name = "GID")]
+    pub hide_processes_gid: Option<u32>,
+    /// Mount namespace file where slot logins live (sshd's), for the agent's mounts
+    /// (workspace images, /proc): `/proc/1/ns/mnt` when the agent runs in a namespace of
+    /// its own (systemd's ProtectSystem=). Unset: the agent's own namespace.
+    #[arg(long, value_name = "FILE")]
+    pub mount_namespace: Option<PathBuf>,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -190,6 +209,17 @@ pub struct AgentConfig {
     pub thresholds: crate::health::Thresholds,
     /// Limits of a slot whose label sets none (see [`crate::default_limits`]).
     pub default_limits: crate::default_limits::DefaultLimits,
+    /// Hide other users' processes in /proc (users mode with --hide-processes on).
+    pub hide_processes: Option<HideProcesses>,
+    /// Where the agent's mounts go (see [`crate::mounts`]).
+    pub mount_namespace: Option<PathBuf>,
+}
+
+/// How /proc hides processes from slot users.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HideProcesses {
+    /// Members of this group still see every process.
+    pub exempt_gid: Option<u32>,
 }
 
 /// Why the flags do not make a valid configuration.
@@ -249,6 +279,10 @@ pub enum ConfigError {
     DefaultPids,
     #[error("--default-memory-max-mb: {0}")]
     DefaultMemory(String),
+    #[error("--slot-disk-quota-mb must be at least {min} MiB, got {0}", min = slotpool_protocol::api::MIN_DISK_MB)]
+    DiskQuota(u64),
+    #[error("--slot-disk-quota-mb needs --isolation users")]
+    DiskQuotaNeedsUsers,
     #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
     ProbeTiming,
 }
@@ -326,13 +360,27 @@ impl Args {
         if self.default_pids_max == 0 {
             return Err(ConfigError::DefaultPids);
         }
+        if let Some(mb) = self.slot_disk_quota_mb {
+            if mb < slotpool_protocol::api::MIN_DISK_MB {
+                return Err(ConfigError::DiskQuota(mb));
+            }
+            if isolation != IsolationMode::Users {
+                return Err(ConfigError::DiskQuotaNeedsUsers);
+            }
+        }
         let default_limits = crate::default_limits::DefaultLimits {
             pids: self.default_pids_max,
             memory: self
                 .default_memory_max_mb
                 .parse()
                 .map_err(ConfigError::DefaultMemory)?,
+            disk_mb: self.slot_disk_quota_mb,
         };
+        let hide_processes = (isolation == IsolationMode::Users
+            && self.hide_processes == Switch::On)
+            .then_some(HideProcesses {
+                exempt_gid: self.hide_processes_gid,
+            });
         if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
             return Err(ConfigError::ProbeTiming);
         }
@@ -363,6 +411,8 @@ impl Args {
                 min_disk_available_kb: self.min_disk_available_mb.saturating_mul(1024),
             },
             default_limits,
+            hide_processes,
+            mount_namespace: self.mount_namespace,
         })
     }
 
@@ -455,8 +505,43 @@ mod tests {
             crate::default_limits::DefaultLimits {
                 pids: 4096,
                 memory: crate::default_limits::MemoryDefault::Auto,
+                disk_mb: None,
             }
         );
+        assert_eq!(
+            c.hide_processes,
+            Some(HideProcesses { exempt_gid: None }),
+            "users mode hides processes by default"
+        );
+        assert_eq!(c.mount_namespace, None);
+    }
+
+    #[test]
+    fn disk_quota_and_process_hiding_are_checked() {
+        let c = args(&["--slot-disk-quota-mb", "64", "--hide-processes-gid", "4"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(c.default_limits.disk_mb, Some(64));
+        assert_eq!(
+            c.hide_processes,
+            Some(HideProcesses {
+                exempt_gid: Some(4)
+            })
+        );
+        assert!(args(&["--slot-disk-quota-mb", "1"])
+            .into_config_as(env_secret(), true)
+            .is_err());
+        assert!(args(&["--isolation", "none", "--slot-disk-quota-mb", "64"])
+            .into_config_as(env_secret(), false)
+            .is_err());
+        let none = args(&["--isolation", "none"])
+            .into_config_as(env_secret(), false)
+            .unwrap();
+        assert_eq!(none.hide_processes, None, "only users mode hides processes");
+        let off = args(&["--hide-processes", "off"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(off.hide_processes, None);
     }
 
     #[test]

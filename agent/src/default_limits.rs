@@ -6,6 +6,10 @@
 //! [`crate::config`]), resolved once at start-up ([`DefaultLimits::resolve`]) and applied
 //! once, to every prepare ([`crate::slots::Slots::prepare`]). A label's own value wins.
 //!
+//! The disk quota default (`--slot-disk-quota-mb`) is off unless configured: a slot
+//! whose label sets no `limits.disk-mb` then writes its workspace on the host's file
+//! system, as before (see [`crate::disk_quota`]).
+//!
 //! The memory default `auto` is [`AUTO_MEMORY_PERCENT`] of the host's `MemTotal` shared
 //! evenly among the slots: full slots together stay below the host's memory, leaving the
 //! rest to the agent, sshd and the system, and no slot can take another's share.
@@ -49,6 +53,8 @@ pub struct DefaultLimits {
     /// At least 1.
     pub pids: u32,
     pub memory: MemoryDefault,
+    /// Workspace file-system size in MiB (at least [`slotpool_protocol::api::MIN_DISK_MB`]); `None`: no quota.
+    pub disk_mb: Option<u64>,
 }
 
 impl DefaultLimits {
@@ -66,7 +72,13 @@ impl DefaultLimits {
             cpu_millis: None,
             memory_bytes: Some(memory_bytes.max(1024 * 1024)),
             pids: Some(self.pids),
+            disk_bytes: self.disk_bytes(),
         }
+    }
+
+    /// The default workspace size in bytes, if there is one.
+    pub fn disk_bytes(&self) -> Option<u64> {
+        self.disk_mb.map(|mb| mb.saturating_mul(1024 * 1024))
     }
 }
 
@@ -76,6 +88,7 @@ pub fn with_defaults(limits: SlotLimits, defaults: &SlotLimits) -> SlotLimits {
         cpu_millis: limits.cpu_millis.or(defaults.cpu_millis),
         memory_bytes: limits.memory_bytes.or(defaults.memory_bytes),
         pids: limits.pids.or(defaults.pids),
+        disk_bytes: limits.disk_bytes.or(defaults.disk_bytes),
     }
 }
 
@@ -96,6 +109,7 @@ mod tests {
         let d = DefaultLimits {
             pids: 4096,
             memory: MemoryDefault::Auto,
+            disk_mb: None,
         };
         // 16 GiB, 8 slots: 1.8 GiB each.
         let l = d.resolve(16 * 1024 * 1024, 8);
@@ -107,8 +121,11 @@ mod tests {
         let fixed = DefaultLimits {
             pids: 7,
             memory: MemoryDefault::Mib(256),
+            disk_mb: Some(64),
         };
         assert_eq!(fixed.resolve(1, 1).memory_bytes, Some(256 << 20));
+        assert_eq!(fixed.resolve(1, 1).disk_bytes, Some(64 << 20));
+        assert_eq!(l.disk_bytes, None, "no disk quota unless configured");
     }
 
     #[test]
@@ -117,12 +134,14 @@ mod tests {
             cpu_millis: None,
             memory_bytes: Some(1 << 30),
             pids: Some(4096),
+            disk_bytes: Some(1 << 30),
         };
         assert_eq!(with_defaults(SlotLimits::default(), &defaults), defaults);
         let label = SlotLimits {
             cpu_millis: Some(1500),
             memory_bytes: None,
             pids: Some(64),
+            disk_bytes: Some(64 << 20),
         };
         assert_eq!(
             with_defaults(label, &defaults),
@@ -130,6 +149,7 @@ mod tests {
                 cpu_millis: Some(1500),
                 memory_bytes: Some(1 << 30),
                 pids: Some(64),
+                disk_bytes: Some(64 << 20),
             }
         );
     }

@@ -23,10 +23,12 @@ pub mod cgroup;
 pub mod commands;
 pub mod config;
 pub mod default_limits;
+pub mod disk_quota;
 pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod mounts;
 pub mod netns;
 pub mod reconcile;
 pub mod shared_dirs;
@@ -93,6 +95,10 @@ pub enum AgentError {
     DefaultLimits { path: PathBuf, message: String },
     #[error("setting up login placement: {0}")]
     Enter(enter::EnterError),
+    #[error("--slot-disk-quota-mb: {0}")]
+    DiskQuota(disk_quota::QuotaUnavailable),
+    #[error("hiding processes (--hide-processes): {0}")]
+    HideProcesses(mounts::MountError),
 }
 
 /// Runs the agent with the isolation `config` asks for until `shutdown` is cancelled.
@@ -127,6 +133,34 @@ pub async fn run(
             tracing::info!(range = %config.slot_uids, "slot uids");
             let shared = shared_dirs::of_host();
             tracing::info!(dirs = ?shared, "shared directories cleaned of a slot user's entries at release");
+            let mounts = mounts::MountNamespace::new(config.mount_namespace.clone());
+            if let Some(hide) = config.hide_processes {
+                let mounted = mounts
+                    .hide_processes(hide.exempt_gid)
+                    .map_err(AgentError::HideProcesses)?;
+                tracing::info!(
+                    exempt_gid = hide.exempt_gid,
+                    mounted,
+                    "slot users see only their own processes in /proc"
+                );
+            } else {
+                tracing::warn!(
+                    "PROCESSES NOT HIDDEN (--hide-processes off): every slot sees the command lines of the others' processes"
+                );
+            }
+            let images = disk_quota::WorkspaceImages::new(&config.work_dir, mounts)
+                .map_err(AgentError::Isolation)?;
+            let default_disk = config.default_limits.disk_bytes();
+            match (images.available(), default_disk) {
+                (Err(why), Some(_)) => return Err(AgentError::DiskQuota(why)),
+                (Err(why), None) => {
+                    tracing::info!(%why, "labels asking for a disk quota will fail to prepare")
+                }
+                (Ok(()), _) => tracing::info!(
+                    default_mb = config.default_limits.disk_mb,
+                    "per-slot disk quotas available"
+                ),
+            }
             let mut isolation = UserIsolation::new(
                 &config.work_dir,
                 config.namespace.clone(),
@@ -135,7 +169,8 @@ pub async fn run(
                 uids,
                 shared,
             )
-            .map_err(AgentError::Isolation)?;
+            .map_err(AgentError::Isolation)?
+            .with_disk_quotas(images, default_disk);
             match config.slot_netns {
                 Some(range) => {
                     let networks = netns::SlotNetworks::new(

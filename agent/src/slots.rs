@@ -600,6 +600,7 @@ mod tests {
         cpu_millis: None,
         memory_bytes: None,
         pids: None,
+        disk_bytes: None,
     };
 
     fn node(s: &str) -> NodeId {

@@ -42,11 +42,17 @@
 //! crontab, no user) before reporting success. Any removal that failed is an error too:
 //! the slot becomes dirty with the reasons.
 //!
+//! **Disk quota.** A slot with a disk limit (its label's, or the agent's default) has a
+//! file-system image of that size mounted as its workspace ([`crate::disk_quota`]); the
+//! warm-up makes it at the default size, and a prepare asking for another size makes it
+//! again (the workspace is empty then). Release unmounts and deletes it before the wipe.
+//!
 //! **uids.** Each warm-up makes the user with the next uid of the agent's range
 //! ([`crate::uid_range`]), never the uid just freed, so nothing the old uid may still own
 //! somewhere passes to the next tenant of the slot.
 
 use crate::cgroup::CgroupDriver;
+use crate::disk_quota::WorkspaceImages;
 use crate::isolation::{
     is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
     write_file, FoundSlot, IsolationError, SlotIsolation,
@@ -95,6 +101,9 @@ struct SlotState {
     uid: Option<u32>,
     #[serde(default)]
     limits: SlotLimits,
+    /// Size of the workspace's image; none when the workspace is a plain directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    disk_bytes: Option<u64>,
 }
 
 /// The user of a warm or prepared slot.
@@ -105,6 +114,8 @@ struct SlotUser {
     gid: u32,
     /// Held by a node (logins placed, processes swept), not just warm.
     prepared: bool,
+    /// Size of the workspace's image, if it has one.
+    disk_bytes: Option<u64>,
 }
 
 /// One user and one cgroup per slot.
@@ -123,6 +134,10 @@ pub struct UserIsolation {
     users: Mutex<BTreeMap<u32, SlotUser>>,
     /// A network namespace per slot (`--slot-netns on`), see [`crate::netns`].
     network: Option<SlotNetworks>,
+    /// Quota'd workspaces (see [`crate::disk_quota`]); `None`: none can be made.
+    images: Option<WorkspaceImages>,
+    /// The disk limit warm slots are made with (the default limit).
+    warm_disk_bytes: Option<u64>,
 }
 
 impl UserIsolation {
@@ -158,6 +173,8 @@ impl UserIsolation {
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
             network: None,
+            images: None,
+            warm_disk_bytes: None,
         })
     }
 
@@ -172,6 +189,18 @@ impl UserIsolation {
         IsolationError::new("the network namespace of slot", &self.workspace(slot))(
             std::io::Error::other(err.to_string()),
         )
+    }
+
+    /// Gives slots with a disk limit an image of that size as workspace; warm slots get
+    /// `default_bytes` (none: a plain directory).
+    pub fn with_disk_quotas(
+        mut self,
+        images: WorkspaceImages,
+        default_bytes: Option<u64>,
+    ) -> UserIsolation {
+        self.images = Some(images);
+        self.warm_disk_bytes = default_bytes;
+        self
     }
 
     /// The cgroup version in use (`v1` or `v2`).
@@ -244,11 +273,40 @@ impl UserIsolation {
         }
     }
 
-    /// Empty workspace owned by the user, 0700.
-    fn make_workspace(&self, dir: &Path, info: &UserInfo) -> Result<(), IsolationError> {
+    /// Empty workspace owned by the user, 0700: a file system of `disk_bytes` of its
+    /// own, or a plain directory.
+    fn make_workspace(
+        &self,
+        slot: u32,
+        dir: &Path,
+        uid: u32,
+        gid: u32,
+        disk_bytes: Option<u64>,
+    ) -> Result<(), IsolationError> {
+        if let Some(bytes) = disk_bytes {
+            let Some(images) = &self.images else {
+                return Err(IsolationError::new("making a quota'd workspace", dir)(
+                    std::io::Error::other("this agent makes no workspace images"),
+                ));
+            };
+            return images.create(slot, bytes, dir, uid, gid);
+        }
         make_private_dir(dir)?;
-        std::os::unix::fs::chown(dir, Some(info.uid), Some(info.gid))
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
             .map_err(IsolationError::new("changing owner of", dir))
+    }
+
+    /// Removes the workspace image of `slot` (unmounting it), if any; the problems met.
+    fn remove_image(&self, slot: u32, dir: &Path) -> Vec<String> {
+        self.images
+            .as_ref()
+            .map(|images| images.remove(slot, dir))
+            .unwrap_or_default()
+    }
+
+    /// Whether the workspace of `slot` has its image mounted.
+    fn image_mounted(&self, dir: &Path) -> bool {
+        self.images.as_ref().is_some_and(|i| i.mounted(dir))
     }
 
     /// The key as the only line of a root-owned `.ssh/authorized_keys` (replacing any).
@@ -268,6 +326,13 @@ impl UserIsolation {
             return Err(format!("user {} has a new uid {}", state.user, info.uid));
         }
         let ws = self.workspace(slot);
+        if state.disk_bytes.is_some() != self.image_mounted(&ws) {
+            return Err(format!(
+                "workspace image of {} bytes expected, mounted: {}",
+                state.disk_bytes.unwrap_or(0),
+                self.image_mounted(&ws)
+            ));
+        }
         if !is_empty_dir(&ws) {
             return Err(format!(
                 "workspace {} is not an empty directory",
@@ -310,6 +375,9 @@ impl UserIsolation {
             }
         }
         let ws = self.workspace(slot);
+        if let Some(images) = &self.images {
+            left.extend(images.leftovers(slot, &ws));
+        }
         if fs::symlink_metadata(&ws).is_ok() {
             left.push(format!("workspace {}", ws.display()));
         }
@@ -347,7 +415,8 @@ impl SlotIsolation for UserIsolation {
         let dir = self.workspace(slot);
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
         let info = self.add_user(&user, &dir, &comment)?;
-        self.make_workspace(&dir, &info)?;
+        let disk_bytes = self.warm_disk_bytes;
+        self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         self.cgroups.create(&user, &SlotLimits::default())?;
         if let Some(net) = &self.network {
             net.create(slot, info.uid, info.gid)
@@ -360,6 +429,7 @@ impl SlotIsolation for UserIsolation {
                 user: user.clone(),
                 uid: Some(info.uid),
                 limits: SlotLimits::default(),
+                disk_bytes,
             },
         )?;
         self.users().insert(
@@ -369,6 +439,7 @@ impl SlotIsolation for UserIsolation {
                 uid: info.uid,
                 gid: info.gid,
                 prepared: false,
+                disk_bytes,
             },
         );
         Ok(())
@@ -398,6 +469,15 @@ impl SlotIsolation for UserIsolation {
             }
             None => return Err(not_warm(format!("user {} is gone", warm.user))),
         }
+        if limits.disk_bytes != warm.disk_bytes {
+            // Another size than the warm-up made: the empty workspace is made again.
+            let problems = self.remove_image(slot, &dir);
+            if !problems.is_empty() {
+                return Err(not_warm(problems.join("; ")));
+            }
+            remove_if_present(&dir)?;
+            self.make_workspace(slot, &dir, warm.uid, warm.gid, limits.disk_bytes)?;
+        }
         if let Some(key) = ssh_public_key {
             self.write_key(&dir, key)?;
         }
@@ -409,10 +489,12 @@ impl SlotIsolation for UserIsolation {
                 user: warm.user.clone(),
                 uid: Some(warm.uid),
                 limits: *limits,
+                disk_bytes: limits.disk_bytes,
             },
         )?;
         if let Some(u) = self.users().get_mut(&slot) {
             u.prepared = true;
+            u.disk_bytes = limits.disk_bytes;
         }
         Ok(dir)
     }
@@ -430,10 +512,13 @@ impl SlotIsolation for UserIsolation {
         let ws = self.workspace(slot);
         // Whatever cannot be removed is a reason for the slot to be dirty; the user is
         // deleted anyway, so nobody logs in to what is left.
-        let mut problems: Vec<String> = Vec::new();
+        let mut problems: Vec<String> = self.remove_image(slot, &ws);
         let mut budget = Budget::for_release();
-        if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
-            problems.push(err.to_string());
+        // A workspace image still mounted is not wiped through (the mount stays a reason).
+        if !self.image_mounted(&ws) {
+            if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
+                problems.push(err.to_string());
+            }
         }
         if let Some(net) = &self.network {
             problems.extend(net.remove(slot));
@@ -505,6 +590,20 @@ impl SlotIsolation for UserIsolation {
                     continue;
                 }
             }
+            let ws = self.workspace(slot);
+            if state.disk_bytes.is_some() && !self.image_mounted(&ws) {
+                // After a reboot: the job's workspace is its image.
+                let remounted = match &self.images {
+                    Some(images) => images.remount(slot, &ws),
+                    None => Err(IsolationError::new("mounting", &ws)(std::io::Error::other(
+                        "this agent makes no workspace images",
+                    ))),
+                };
+                if let Err(err) = remounted {
+                    tracing::warn!(slot, %err, "cannot mount the slot's workspace image again; treating the slot as free and cold");
+                    continue;
+                }
+            }
             // Re-apply the limits (the group may be gone after a reboot).
             self.cgroups.create(&state.user, &state.limits)?;
             // Likewise the network namespace of a prepared slot (a warm one without it
@@ -524,6 +623,7 @@ impl SlotIsolation for UserIsolation {
                     uid: info.uid,
                     gid: info.gid,
                     prepared: state.node_id.is_some(),
+                    disk_bytes: state.disk_bytes,
                 },
             );
             found.push(FoundSlot {

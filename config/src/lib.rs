@@ -284,7 +284,7 @@ providers:
     fn limits_and_host_key_checking() {
         let text = GOOD.replace(
             "node-attributes: {zone: a}",
-            "node-attributes: {zone: a}\n            limits: {cpu: 1.5, memory-mb: 512, pids: 64}\n            host-key-checking: true",
+            "node-attributes: {zone: a}\n            limits: {cpu: 1.5, memory-mb: 512, pids: 64, disk-mb: 2048}\n            host-key-checking: true",
         );
         let c = parse(&text).unwrap();
         let label = c.sites("small")[0].label;
@@ -293,7 +293,8 @@ providers:
             SlotLimits {
                 cpu_millis: Some(1500),
                 memory_bytes: Some(512 << 20),
-                pids: Some(64)
+                pids: Some(64),
+                disk_bytes: Some(2048 << 20),
             }
         );
         assert!(label.host_key_checking);
@@ -306,6 +307,12 @@ providers:
         );
         let err = parse(&bad).unwrap_err().to_string();
         assert!(err.starts_with("pool.yaml:15:21: limits.pids"), "{err}");
+        let tiny = GOOD.replace(
+            "node-attributes: {zone: a}",
+            "node-attributes: {zone: a}\n            limits: {disk-mb: 8}",
+        );
+        let err = parse(&tiny).unwrap_err().to_string();
+        assert!(err.contains("limits.disk-mb must be at least 16"), "{err}");
         let typo = GOOD.replace(
             "node-attributes: {zone: a}",
             "node-attributes: {zone: a}\n            limits: {memory: 5}",

@@ -109,6 +109,7 @@ pub(crate) struct RawLimits {
     pub(crate) cpu: Option<f64>,
     pub(crate) memory_mb: Option<u64>,
     pub(crate) pids: Option<u32>,
+    pub(crate) disk_mb: Option<u64>,
 }
 
 pub(crate) fn default_priority() -> i32 {

@@ -4,6 +4,7 @@
 use crate::raw::*;
 use crate::*;
 use serde_saphyr::Spanned;
+use slotpool_protocol::api::MIN_DISK_MB;
 use slotpool_protocol::ids::is_key_token;
 
 /// Parses and validates `text`; errors name `path`, line and column.
@@ -259,10 +260,17 @@ impl Validator<'_> {
         if l.pids == Some(0) {
             return Err(self.at(raw, "limits.pids must be at least 1"));
         }
+        if l.disk_mb.is_some_and(|mb| mb < MIN_DISK_MB) {
+            return Err(self.at(
+                raw,
+                format!("limits.disk-mb must be at least {MIN_DISK_MB}"),
+            ));
+        }
         Ok(SlotLimits {
             cpu_millis,
             memory_bytes: l.memory_mb.map(|mb| mb.saturating_mul(1024 * 1024)),
             pids: l.pids,
+            disk_bytes: l.disk_mb.map(|mb| mb.saturating_mul(1024 * 1024)),
         })
     }
 

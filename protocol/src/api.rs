@@ -257,6 +257,10 @@ pub struct SlotsClosed {
     pub prepared: Vec<u32>,
 }
 
+/// Smallest workspace file system a slot may ask for ([`SlotLimits::disk_bytes`]), in MiB:
+/// below it the file system's own structures take most of it.
+pub const MIN_DISK_MB: u64 = 16;
+
 /// Resource limits of one slot; a missing field means no limit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -270,6 +274,10 @@ pub struct SlotLimits {
     /// Most processes and threads at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pids: Option<u32>,
+    /// Size of the workspace's own file system in bytes (a disk quota); agents in
+    /// `users` mode give such a slot a file-system image of that size as its workspace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
 }
 
 impl SlotLimits {

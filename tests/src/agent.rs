@@ -1,7 +1,7 @@
 //! One agent with user isolation, driven directly over NATS (no launcher): for tests that
 //! prepare and release slots themselves and look at what the agent did.
 
-use crate::isolation::{set_mode, IsolationEnv};
+use crate::isolation::{in_namespace, set_mode, unmount_all_under, ClientKey, IsolationEnv, Sshd};
 use crate::nats::NatsServer;
 use crate::process::{bin_path, ChildGuard};
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
@@ -10,7 +10,7 @@ use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::AgentHeartbeat;
 use slotpool_protocol::{BackingId, NodeId};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 use tempfile::TempDir;
 
@@ -27,13 +27,21 @@ pub struct SlotAgent {
     pub dir: TempDir,
     /// The agent's arguments but for the bus and the backing id.
     args: Vec<String>,
+    /// The mount namespace it runs in (the environment's), if not the test's.
+    ns: Option<PathBuf>,
     child: ChildGuard,
 }
 
 /// Starts `slotpool-agent` for `backing` with `args`, logging (appending) to
 /// `<dir>/agent.log`.
-fn spawn(nats: &NatsServer, backing: &BackingId, dir: &Path, args: &[String]) -> ChildGuard {
-    let mut cmd = Command::new(bin_path("slotpool-agent"));
+fn spawn(
+    nats: &NatsServer,
+    backing: &BackingId,
+    dir: &Path,
+    args: &[String],
+    ns: Option<&Path>,
+) -> ChildGuard {
+    let mut cmd = in_namespace(ns, bin_path("slotpool-agent"));
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -69,13 +77,15 @@ impl SlotAgent {
         ];
         args.extend(env.agent_args());
         args.extend_from_slice(extra);
-        let child = spawn(&nats, &backing, dir.path(), &args);
+        let ns = env.mounts.as_ref().map(|m| m.ns_file());
+        let child = spawn(&nats, &backing, dir.path(), &args, ns.as_deref());
         let mut agent = SlotAgent {
             nats,
             bus,
             backing,
             dir,
             args,
+            ns,
             child,
         };
         agent.wait_for_heartbeat().await;
@@ -85,7 +95,9 @@ impl SlotAgent {
     /// Waits for a heartbeat of the running agent process (not a previous one's).
     async fn wait_for_heartbeat(&mut self) {
         let pid = self.child.id();
-        crate::wait_for("the agent's heartbeat", Duration::from_secs(30), || async {
+        let log = self.dir.path().join("agent.log");
+        let what = format!("the agent's heartbeat (log: {})", log.display());
+        crate::wait_for(what, Duration::from_secs(30), || async {
             self.bus
                 .agents
                 .get::<AgentHeartbeat>(self.backing.as_str())
@@ -106,7 +118,13 @@ impl SlotAgent {
             "the agent stopped with {status}:\n{}",
             self.log()
         );
-        self.child = spawn(&self.nats, &self.backing, self.dir.path(), &self.args);
+        self.child = spawn(
+            &self.nats,
+            &self.backing,
+            self.dir.path(),
+            &self.args,
+            self.ns.as_deref(),
+        );
         self.wait_for_heartbeat().await;
     }
 
@@ -140,6 +158,41 @@ impl SlotAgent {
             .is_ok_and(|s| !s.contains("node_id"))
     }
 
+    /// What the launcher's claim writes under the slot's key before it has the agent
+    /// prepare the slot.
+    pub async fn claim(&self, slot: u32, node: &str) -> u64 {
+        use slotpool_protocol::model::{Node, NodeState};
+        use slotpool_protocol::{NodeId, RequestId};
+        let record = Node {
+            v: slotpool_protocol::PROTOCOL_VERSION,
+            id: NodeId::parse(node).unwrap(),
+            request_id: RequestId::parse("req-reconcile").unwrap(),
+            index: 0,
+            label: "iso".into(),
+            backing_id: self.backing.clone(),
+            slot,
+            state: NodeState::Ready,
+            requestor: "test".into(),
+            client: None,
+            host: "127.0.0.1".into(),
+            workspace: None,
+            attributes: Default::default(),
+            allocated_at: 0,
+            released_at: None,
+            failure: None,
+            login: Default::default(),
+        };
+        self.bus
+            .slots
+            .create(
+                &slotpool_protocol::layout::slot_key(&self.backing, slot),
+                &record,
+                None,
+            )
+            .await
+            .unwrap()
+    }
+
     /// Sends `prepare_slot` for `node`.
     pub async fn prepare(
         &self,
@@ -147,11 +200,23 @@ impl SlotAgent {
         node: &str,
         key: Option<&str>,
     ) -> Result<SlotPrepared, BusError> {
+        self.prepare_with(slot, node, key, SlotLimits::default())
+            .await
+    }
+
+    /// Sends `prepare_slot` for `node` with a label's `limits`.
+    pub async fn prepare_with(
+        &self,
+        slot: u32,
+        node: &str,
+        key: Option<&str>,
+        limits: SlotLimits,
+    ) -> Result<SlotPrepared, BusError> {
         let command = AgentCommand::PrepareSlot {
             slot,
             node_id: NodeId::parse(node).expect("node id"),
             ssh_public_key: key.map(str::to_string),
-            limits: SlotLimits::default(),
+            limits,
         };
         self.bus
             .call(
@@ -191,6 +256,8 @@ impl SlotAgent {
 impl Drop for SlotAgent {
     fn drop(&mut self) {
         self.child.kill();
+        // Workspace images a failed test or a killed agent left mounted.
+        unmount_all_under(&self.work_dir());
         // What a test's jobs left may be too deep for the temp dir's recursive removal.
         let mut budget = slotpool_agent::wipe::Budget::new(u64::MAX, Duration::from_secs(600));
         if let Err(err) = slotpool_agent::wipe::remove_path(&self.work_dir(), &mut budget) {
@@ -207,4 +274,37 @@ pub fn uid_of(user: &str) -> Option<u32> {
 /// Whether `path` exists (as anything, symlinks included).
 pub fn exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
+}
+
+/// An sshd, a client key and an agent with `slots` slots whose logins go through that
+/// sshd. Slot users can reach their homes.
+pub async fn login_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent) {
+    login_env_with(env, slots, &[]).await
+}
+
+/// [`login_env`] with more agent arguments.
+pub async fn login_env_with(
+    env: &IsolationEnv,
+    slots: u32,
+    extra: &[&str],
+) -> (Sshd, ClientKey, SlotAgent) {
+    let sshd = Sshd::start(env).await;
+    let key = ClientKey::new();
+    let mut args = vec![
+        "--ssh-port".to_string(),
+        sshd.port.to_string(),
+        "--ssh-host-keys-dir".into(),
+        sshd.dir.path().display().to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let agent = SlotAgent::start(env, slots, &args).await;
+    (sshd, key, agent)
+}
+
+/// The user and workspace of a prepared slot.
+pub fn login_of(prepared: &SlotPrepared) -> (String, PathBuf) {
+    (
+        prepared.login.username.clone().expect("a slot user"),
+        PathBuf::from(&prepared.workspace),
+    )
 }

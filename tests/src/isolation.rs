@@ -43,6 +43,9 @@ pub struct IsolationEnv {
     pub cgroup_parent: String,
     pub run_dir: TempDir,
     layout: CgroupLayout,
+    /// The private mount namespace the agent and sshd run in, for tests that let the
+    /// agent mount where the host must not see it ([`IsolationEnv::with_private_mounts`]).
+    pub mounts: Option<PrivateMounts>,
 }
 
 impl IsolationEnv {
@@ -64,12 +67,29 @@ impl IsolationEnv {
             cgroup_parent: format!("slotpool-test-{}", tag(8)),
             run_dir,
             layout: cgroup::detect(Path::new("/proc")).expect("cgroup layout"),
+            mounts: None,
         }
+    }
+
+    /// An environment whose agents and sshd run in a private mount namespace of their
+    /// own: what the agent mounts there (a /proc hiding processes) never reaches the host.
+    pub fn with_private_mounts() -> IsolationEnv {
+        let mut env = IsolationEnv::new();
+        env.mounts = Some(PrivateMounts::new());
+        env
+    }
+
+    /// A command running `program` in this environment's mount namespace.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        in_namespace(
+            self.mounts.as_ref().map(|m| m.ns_file()).as_deref(),
+            program,
+        )
     }
 
     /// Agent arguments for user isolation with this environment's names.
     pub fn agent_args(&self) -> Vec<String> {
-        vec![
+        let mut args = vec![
             "--heartbeat-interval-ms".into(),
             "300".into(),
             "--heartbeat-ttl-secs".into(),
@@ -84,7 +104,13 @@ impl IsolationEnv {
             self.uid_range.clone(),
             "--run-dir".into(),
             self.run_dir.path().display().to_string(),
-        ]
+        ];
+        // Hiding processes mounts /proc: only agents in a private mount namespace may
+        // (with the default, on, or as the test says).
+        if self.mounts.is_none() {
+            args.extend(["--hide-processes".into(), "off".into()]);
+        }
+        args
     }
 
     /// The cgroup driver the agents use.
@@ -190,6 +216,92 @@ fn remove_bus_guards(user_prefix: &str) {
     }
 }
 
+/// A command running `program` in the mount namespace `ns` (a `/proc/<pid>/ns/mnt`
+/// file), or in the test's own when `None`. `nsenter` execs `program`, so the child's
+/// pid is the program's.
+pub fn in_namespace(ns: Option<&Path>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut cmd = Command::new("nsenter");
+            cmd.arg(format!("--mount={}", ns.display()))
+                .arg("--")
+                .arg(program);
+            cmd
+        }
+        None => Command::new(program),
+    }
+}
+
+/// A private mount namespace (`unshare -m --propagation private`) held open by a
+/// sleeping process, killed on drop: once the agent and sshd in it are gone too, the
+/// namespace and everything mounted in it are.
+pub struct PrivateMounts {
+    holder: ChildGuard,
+}
+
+impl PrivateMounts {
+    pub fn new() -> PrivateMounts {
+        let mut cmd = Command::new("unshare");
+        cmd.args(["-m", "--propagation", "private", "sleep", "infinity"])
+            .stdin(Stdio::null());
+        let holder = ChildGuard::spawn("mount namespace holder", cmd).expect("running unshare");
+        let mounts = PrivateMounts { holder };
+        // unshare has made the namespace once the holder's differs from ours.
+        let ours = std::fs::read_link("/proc/self/ns/mnt").expect("our mount namespace");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_link(mounts.ns_file()).ok().as_ref() == Some(&ours) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare made no mount namespace within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        mounts
+    }
+
+    /// The namespace's file, for `nsenter --mount=`.
+    pub fn ns_file(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/ns/mnt", self.holder.id()))
+    }
+
+    /// The mounts of the namespace (`mountinfo` of its holder).
+    pub fn mountinfo(&self) -> String {
+        std::fs::read_to_string(format!("/proc/{}/mountinfo", self.holder.id()))
+            .expect("reading the namespace's mountinfo")
+    }
+}
+
+impl Default for PrivateMounts {
+    fn default() -> Self {
+        PrivateMounts::new()
+    }
+}
+
+/// Lazily unmounts whatever is mounted under `dir` in the test's namespace (deepest
+/// first): the workspace images of an agent that died or a test that failed. Their loop
+/// devices go with them (`mount -o loop` sets autoclear).
+pub fn unmount_all_under(dir: &Path) {
+    let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = cgroup::parse_mountinfo(&text)
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for point in points {
+        let ok = Command::new("umount")
+            .arg("-l")
+            .arg(&point)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("cleanup: cannot unmount {}", point.display());
+        }
+    }
+}
+
 pub fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -265,7 +377,7 @@ impl Sshd {
         )
         .expect("writing sshd_config");
         let log = std::fs::File::create(dir.path().join("sshd.log")).expect("sshd log");
-        let mut cmd = Command::new(SSHD);
+        let mut cmd = env.command(SSHD);
         cmd.arg("-D")
             .arg("-e")
             .arg("-f")

@@ -25,10 +25,12 @@ mod pool;
 mod process;
 mod wait;
 
-pub use agent::{exists, uid_of, SlotAgent, AGENT_CALL_TIMEOUT};
+pub use agent::{
+    exists, login_env, login_env_with, login_of, uid_of, SlotAgent, AGENT_CALL_TIMEOUT,
+};
 pub use isolation::{
-    require_root, set_mode, shipped_sshd_drop_in, slot_match_block, ClientKey, IsolationEnv, Sshd,
-    SSHD,
+    in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,
+    unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd, SSHD,
 };
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
 pub use pool::{config_yaml, config_yaml_with, kill_agents, label, wait_served, Pool, AGENT_ARGS};

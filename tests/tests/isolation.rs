@@ -2,13 +2,14 @@
 //! `--isolation users`, a real sshd on a loopback port, real logins.
 
 use slotpool_agent::users;
-use slotpool_protocol::api::{ErrorCode, SlotPrepared};
+use slotpool_protocol::api::ErrorCode;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
 use slotpool_protocol::store::{Change, Versioned};
 use slotpool_tests::{
-    exists, label, next_within, set_mode, shipped_sshd_drop_in, uid_of, wait_for, wait_for_some,
-    ClientKey, IsolationEnv, Pool, SlotAgent, Sshd, AGENT_ARGS,
+    exists, label, login_env, login_env_with, login_of, next_within, set_mode,
+    shipped_sshd_drop_in, uid_of, wait_for, wait_for_some, ClientKey, IsolationEnv, Pool,
+    SlotAgent, Sshd, AGENT_ARGS,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -364,39 +365,6 @@ async fn a_failing_probe_keeps_new_slots_away_until_it_recovers() {
         n1.backing_id, n2.backing_id,
         "the recovered node is used again"
     );
-}
-
-/// An sshd, a client key and an agent with `slots` slots whose logins go through that
-/// sshd. Slot users can reach their homes.
-async fn login_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent) {
-    login_env_with(env, slots, &[]).await
-}
-
-/// [`login_env`] with more agent arguments.
-async fn login_env_with(
-    env: &IsolationEnv,
-    slots: u32,
-    extra: &[&str],
-) -> (Sshd, ClientKey, SlotAgent) {
-    let sshd = Sshd::start(env).await;
-    let key = ClientKey::new();
-    let mut args = vec![
-        "--ssh-port".to_string(),
-        sshd.port.to_string(),
-        "--ssh-host-keys-dir".into(),
-        sshd.dir.path().display().to_string(),
-    ];
-    args.extend(extra.iter().map(|a| a.to_string()));
-    let agent = SlotAgent::start(env, slots, &args).await;
-    (sshd, key, agent)
-}
-
-/// The user and workspace of a prepared slot.
-fn login_of(prepared: &SlotPrepared) -> (String, PathBuf) {
-    (
-        prepared.login.username.clone().expect("a slot user"),
-        PathBuf::from(&prepared.workspace),
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -969,42 +937,6 @@ fn kill_in_a_real_v2_group(how: Option<slotpool_agent::cgroup::V2Kill>) {
     assert!(!group.dir().exists(), "the group is still there");
 }
 
-/// What the launcher's claim writes under the slot's key before it has the agent
-/// prepare the slot.
-async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
-    use slotpool_protocol::model::NodeState;
-    use slotpool_protocol::{NodeId, RequestId};
-    let record = Node {
-        v: slotpool_protocol::PROTOCOL_VERSION,
-        id: NodeId::parse(node).unwrap(),
-        request_id: RequestId::parse("req-reconcile").unwrap(),
-        index: 0,
-        label: "iso".into(),
-        backing_id: agent.backing.clone(),
-        slot,
-        state: NodeState::Ready,
-        requestor: "test".into(),
-        client: None,
-        host: "127.0.0.1".into(),
-        workspace: None,
-        attributes: Default::default(),
-        allocated_at: 0,
-        released_at: None,
-        failure: None,
-        login: Default::default(),
-    };
-    agent
-        .bus
-        .slots
-        .create(
-            &slotpool_protocol::layout::slot_key(&agent.backing, slot),
-            &record,
-            None,
-        )
-        .await
-        .unwrap()
-}
-
 /// A restarted agent releases, by itself, a prepared slot whose node is gone from the
 /// slots bucket (the launcher released it while the agent was down), and keeps the slot
 /// whose node is still there. Its credential reads its own slot keys, no other.
@@ -1012,8 +944,8 @@ async fn claim(agent: &SlotAgent, slot: u32, node: &str) -> u64 {
 async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
     let env = IsolationEnv::new();
     let mut agent = SlotAgent::start(&env, 2, &[]).await;
-    let gone = claim(&agent, 0, "node-gone").await;
-    claim(&agent, 1, "node-kept").await;
+    let gone = agent.claim(0, "node-gone").await;
+    agent.claim(1, "node-kept").await;
     let (user_0, ws_0) = login_of(&agent.prepare(0, "node-gone", None).await.unwrap());
     let (_, ws_1) = login_of(&agent.prepare(1, "node-kept", None).await.unwrap());
     std::fs::write(ws_0.join("job-output"), "left by the job").unwrap();
@@ -1571,7 +1503,7 @@ async fn slot_netns_survive_an_agent_restart() {
     assert_ne!(before, host_net.to_str().unwrap());
     wait_for("slot 1 warm", LONG, || async { agent.warm(1) }).await;
     // The slots bucket holds the node, so the restarted agent keeps the slot prepared.
-    claim(&agent, 0, "node-a").await;
+    agent.claim(0, "node-a").await;
     agent.restart().await;
     assert_eq!(login_ns(), before, "{}", agent.log());
     assert!(agent.warm(1), "{}", agent.log());

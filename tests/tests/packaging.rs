@@ -221,7 +221,8 @@ fn check_agent_env_file(tmp: &Path) {
         .envs(env.iter().map(|(k, v)| (k, v)))
         .env("SLOTPOOL_BACKING_ID", "node-1")
         .arg("--secret-file")
-        .arg(&missing_secret);
+        .arg(&missing_secret)
+        .args(["--mount-namespace", "/proc/1/ns/mnt"]);
     let args = env
         .iter()
         .find(|(k, _)| k == "SLOTPOOL_AGENT_ARGS")

@@ -10,11 +10,13 @@
 //! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
 //!
-//! or with `--release` on both commands for release-build figures. More agent arguments
-//! come from `SLOTPOOL_BENCH_AGENT_ARGS` (split on whitespace), e.g. for the per-slot
-//! network namespace (docs/slot-network.md):
+//! or with `--release` on both commands for release-build figures. More agent flags
+//! (space-separated) come from `SLOTPOOL_BENCH_AGENT_ARGS`, e.g. for quota'd
+//! workspaces or the per-slot network namespace (docs/slot-network.md):
 //!
 //! ```text
+//! SLOTPOOL_BENCH_AGENT_ARGS="--slot-disk-quota-mb 1024" \
+//!     cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! SLOTPOOL_BENCH_AGENT_ARGS="--slot-netns on --slot-netns-range 10.199.7.0/24" \
 //!     cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
 //! ```
@@ -108,6 +110,7 @@ async fn prepare_release_times_and_idle_memory() {
         cpu_millis: Some(1000),
         memory_bytes: Some(512 << 20),
         pids: Some(256),
+        disk_bytes: None,
     };
     let prepare_cmd = |node_id: &NodeId| {
         AgentCommand::PrepareSlot {
