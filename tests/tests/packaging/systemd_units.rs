@@ -70,6 +70,7 @@ const UNIT: &str = "slotpool-agent.service";
 async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     let started = Instant::now();
     assert_eq!(
+        // SAFETY: geteuid has no preconditions and cannot fail.
         unsafe { libc::geteuid() },
         0,
         "booting a container with systemd-nspawn needs root"
