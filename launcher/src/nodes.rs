@@ -11,16 +11,14 @@ use crate::world::SlotRef;
 use slotpool_protocol::api::SlotLimits;
 use slotpool_protocol::api::{AgentCommand, SlotPrepared};
 use slotpool_protocol::connect::BusError;
-use slotpool_protocol::layout::{self, subjects, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::layout::{self, subjects};
 use slotpool_protocol::model::{
-    BackingNode, BackingState, Node, NodeRequest, NodeState, RequestState, SlotLogin,
+    BackingNode, BackingState, Node, NodeRequest, NodeState, SlotLogin,
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
-use std::sync::Arc;
 use std::time::Duration;
-use tracing::Instrument;
 
 /// How long an agent may take to prepare or release a slot.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -231,7 +229,7 @@ fn check_reply(shared: &Shared, node: &Node, prepared: &SlotPrepared) -> Result<
 
 /// Sends `cmd` to the agent of `backing_id` and decodes its reply (waiting at most
 /// [`AGENT_TIMEOUT`]).
-async fn call_agent<R: serde::de::DeserializeOwned>(
+pub(crate) async fn call_agent<R: serde::de::DeserializeOwned>(
     shared: &Shared,
     backing_id: &BackingId,
     cmd: &AgentCommand,
@@ -349,91 +347,6 @@ async fn fail_backing(shared: &Shared, seat_key: &str, reason: &str) {
     }
 }
 
-/// Returns a slot to its backing node and waits until it is done: marks the node
-/// releasing, then [`finish_release`]. Idempotent; tolerates a slot that was never
-/// prepared. Returns false when the slot was already free.
-pub async fn release(shared: &Arc<Shared>, key: &str) -> Result<bool, SlotError> {
-    match begin_release(shared, key, None, None).await? {
-        Some(node) => finish_release(shared, node).await.map(|()| true),
-        None => Ok(false),
-    }
-}
-
-/// Marks the node in slot `key` releasing (revision-checked), starting from `read` when
-/// the caller has a recent record (a stale one costs a conflict and a re-read). With
-/// `expect`, only that node is released: `None` when the slot is free or holds another
-/// node. Once this returns the record, the release is durable: whoever finishes it.
-pub async fn begin_release(
-    shared: &Shared,
-    key: &str,
-    expect: Option<&NodeId>,
-    mut read: Option<Versioned<Node>>,
-) -> Result<Option<Versioned<Node>>, SlotError> {
-    loop {
-        let current = match read.take() {
-            Some(current) => current,
-            None => match shared.bus.slots.get::<Node>(key).await? {
-                Some(current) => current,
-                None => return Ok(None),
-            },
-        };
-        if expect.is_some_and(|id| *id != current.value.id) {
-            return Ok(None);
-        }
-        if current.value.state == NodeState::Releasing {
-            return Ok(Some(current));
-        }
-        let mut node = current.value.clone();
-        node.state = NodeState::Releasing;
-        node.released_at = Some(now_ms());
-        match shared
-            .bus
-            .slots
-            .update(key, &node, current.revision, None)
-            .await
-        {
-            Ok(revision) => {
-                return Ok(Some(Versioned {
-                    key: key.to_string(),
-                    revision,
-                    value: node,
-                }))
-            }
-            Err(KvError::Conflict { .. }) => continue,
-            Err(err) => return Err(err.into()),
-        }
-    }
-}
-
-/// Finishes the release of a node marked releasing: has the agent clean the slot
-/// (skipped when the agent is gone: there is nothing left to clean) and deletes the slot
-/// key. Safe to run twice: the agent wipes only the node named, and the key is deleted
-/// only while it still holds that node.
-pub async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<(), SlotError> {
-    let agent_alive = shared.world().agents.contains_key(&node.value.backing_id);
-    if agent_alive {
-        let cmd = AgentCommand::ReleaseSlot {
-            slot: node.value.slot,
-            node_id: node.value.id.clone(),
-        };
-        call_agent::<serde_json::Value>(shared, &node.value.backing_id, &cmd).await?;
-    }
-    loop {
-        match shared.bus.slots.delete(&node.key, node.revision).await {
-            Ok(_) => return Ok(()),
-            Err(KvError::Conflict { .. }) => match shared.bus.slots.get::<Node>(&node.key).await? {
-                // Marked again by a second releaser: still ours to delete.
-                Some(again) if again.value.id == node.value.id => node = again,
-                _ => return Ok(()),
-            },
-            Err(err) => return Err(err.into()),
-        }
-    }
-}
-
-/// Releases node `id` if its slot still holds it: marks it releasing, and finishes the
-/// release in the background. False when the id names no slot, or its slot is free or
-/// holds another node.
 /// The node `id` as the mirror has it, while it holds its slot.
 pub fn mirrored(shared: &Shared, id: &NodeId) -> Option<Node> {
     let (backing, slot) = id.slot()?;
@@ -463,125 +376,6 @@ pub async fn record(shared: &Shared, id: &NodeId) -> Result<Option<Node>, KvErro
         .filter(|n| &n.id == id))
 }
 
-pub async fn release_node(shared: &Arc<Shared>, id: &NodeId) -> Result<bool, SlotError> {
-    let Some((backing, slot)) = id.slot() else {
-        return Ok(false);
-    };
-    let key = layout::slot_key(&backing, slot);
-    let mirrored = shared
-        .world()
-        .slots
-        .get(&key)
-        .filter(|n| &n.value.id == id)
-        .cloned();
-    match begin_release(shared, &key, Some(id), mirrored).await? {
-        Some(node) => {
-            spawn_finish_release(shared, node);
-            Ok(true)
-        }
-        None => Ok(false),
-    }
-}
-
-/// Finishes a release in the background (the API replies once the node is marked).
-pub fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
-    let work = format!("release.{}", node.value.id);
-    if !shared.start_work(&work) {
-        return;
-    }
-    let sh = shared.clone();
-    let span = tracing::info_span!("release", node_id = %node.value.id);
-    shared.spawn_task(
-        async move {
-            if let Err(err) = finish_release(&sh, node).await {
-                tracing::warn!(%err, "cannot finish the release; it is retried later");
-            }
-            sh.end_work(&work);
-        }
-        .instrument(span),
-    );
-}
-
-/// How long a node may stay releasing before any launcher finishes its release (the
-/// one that began it died, or its agent did not answer), and how long a node may be
-/// claimed for a request that does not exist (its launcher died between claiming the
-/// slot and creating the request: see [`crate::api`]) or that ended without it, before
-/// it is released.
-pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
-
-/// Finishes releases left behind, and releases slots claimed for requests that were
-/// never created or ended without them: all older than [`STALE_RELEASE`].
-pub fn sweep_left_behind(shared: &Arc<Shared>) {
-    let now = now_ms();
-    let cutoff = now.saturating_sub(STALE_RELEASE.as_millis() as u64);
-    let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
-        let world = shared.world();
-        world
-            .slots
-            .values()
-            .filter(|n| match n.value.state {
-                NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
-                NodeState::Preparing | NodeState::Ready => {
-                    n.value.allocated_at <= cutoff
-                        && left_behind(
-                            &n.value,
-                            world.requests.get(&n.value.request_id).map(|r| &r.value),
-                            now,
-                        )
-                }
-                NodeState::Failed => false,
-            })
-            .cloned()
-            .partition(|n| n.value.state == NodeState::Releasing)
-    };
-    for node in stale {
-        tracing::info!(node_id = %node.value.id, "finishing a release left behind");
-        spawn_finish_release(shared, node);
-    }
-    for node in orphans {
-        let sh = shared.clone();
-        shared.tracker.spawn(async move {
-            let id = node.value.id.clone();
-            if let Err(err) = release_orphan(&sh, node).await {
-                tracing::warn!(node_id = %id, %err, "cannot release an orphaned slot");
-            }
-        });
-    }
-}
-
-/// Releases a node the mirror says is [`left_behind`], once the request's record in KV
-/// says so too (the mirror may not have the request yet).
-async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(), SlotError> {
-    let request = shared
-        .bus
-        .requests
-        .get::<NodeRequest>(node.value.request_id.as_str())
-        .await?;
-    if !left_behind(&node.value, request.as_ref().map(|r| &r.value), now_ms()) {
-        return Ok(());
-    }
-    tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
-    release_node(shared, &node.value.id).await.map(|_| ())
-}
-
-/// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
-/// ended without it, or was never created. A `ready` node whose request is gone may be
-/// the node of a fulfilled request whose record expired
-/// ([`FINISHED_REQUEST_TTL_SECS`] after it was fulfilled): it is left behind only when it
-/// was claimed too recently for that.
-fn left_behind(node: &Node, request: Option<&NodeRequest>, now: u64) -> bool {
-    match request {
-        Some(r) => {
-            r.state.is_final()
-                && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id))
-        }
-        None => {
-            node.state == NodeState::Preparing
-                || now.saturating_sub(node.allocated_at) < FINISHED_REQUEST_TTL_SECS * 1000
-        }
-    }
-}
-
 /// Marks a node failed (its backing node died), keeping it until its requestor releases it.
 pub async fn mark_failed(
     shared: &Shared,
@@ -608,85 +402,6 @@ pub async fn mark_failed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use slotpool_protocol::{BackingId, RequestId};
-
-    fn node(state: NodeState, allocated_at: u64) -> Node {
-        let backing = BackingId::parse("bn-1").unwrap();
-        Node {
-            v: PROTOCOL_VERSION,
-            id: NodeId::for_slot(&backing, 0),
-            request_id: RequestId::parse("req-1").unwrap(),
-            index: 0,
-            label: "small".into(),
-            backing_id: backing,
-            slot: 0,
-            state,
-            requestor: "t".into(),
-            client: None,
-            host: String::new(),
-            workspace: None,
-            attributes: Default::default(),
-            allocated_at,
-            released_at: None,
-            failure: None,
-            login: Default::default(),
-        }
-    }
-
-    fn request(state: RequestState, nodes: Vec<NodeId>) -> NodeRequest {
-        NodeRequest {
-            v: PROTOCOL_VERSION,
-            id: RequestId::parse("req-1").unwrap(),
-            labels: vec!["small".into()],
-            requestor: "t".into(),
-            client: None,
-            priority: 100,
-            timeout_secs: None,
-            ssh_public_key: None,
-            created_at: 0,
-            state,
-            status: String::new(),
-            nodes,
-            failure: None,
-            updated_at: 0,
-            owner: None,
-        }
-    }
-
-    #[test]
-    fn a_claimed_node_is_left_behind_when_its_request_ended_without_it_or_never_was() {
-        let hour = FINISHED_REQUEST_TTL_SECS * 1000;
-        let now = 10 * hour;
-        let minute_ago = now - 60_000;
-        for state in [NodeState::Preparing, NodeState::Ready] {
-            let n = node(state, minute_ago);
-            let mine = request(RequestState::Fulfilled, vec![n.id.clone()]);
-            let other = request(
-                RequestState::Fulfilled,
-                vec![NodeId::parse("node-x").unwrap()],
-            );
-            assert!(!left_behind(&n, Some(&mine), now), "{state:?}: its own");
-            assert!(left_behind(&n, Some(&other), now), "{state:?}: a stray");
-            let waiting = request(RequestState::Requested, vec![]);
-            assert!(
-                !left_behind(&n, Some(&waiting), now),
-                "{state:?}: its worker's"
-            );
-            for ended in [RequestState::Failed, RequestState::Canceled] {
-                let r = request(ended, vec![]);
-                assert!(left_behind(&n, Some(&r), now), "{state:?}: {ended:?}");
-            }
-            assert!(left_behind(&n, None, now), "{state:?}: never created");
-        }
-        // A ready node older than a finished request is kept: its request may have expired.
-        let old = node(NodeState::Ready, now - hour - 1);
-        assert!(!left_behind(&old, None, now));
-        assert!(left_behind(
-            &node(NodeState::Preparing, now - hour - 1),
-            None,
-            now
-        ));
-    }
 
     #[test]
     fn keyscan_output_is_compared_with_reported_keys() {
