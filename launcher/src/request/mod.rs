@@ -31,14 +31,14 @@ fn work_key(id: &RequestId) -> String {
 /// Whether request `id` needs a worker of this launcher: it is open, nobody here drives
 /// it, and it is this launcher's, or nobody's, or its owner's liveness lease is gone.
 pub fn wants_driver(shared: &Shared, id: &RequestId) -> bool {
-    let Some(req) = shared.world().requests.get(id).map(|r| r.value.clone()) else {
+    let world = shared.world();
+    let Some(req) = world.requests.get(id) else {
         return false;
     };
-    !shared.is_working_on(&work_key(id))
-        && matches!(
-            observe::ownership(shared, &req),
-            Ownership::Mine | Ownership::TakeOver
-        )
+    matches!(
+        observe::ownership(&world, &shared.id, &req.value),
+        Ownership::Mine | Ownership::TakeOver
+    ) && !shared.is_working_on(&work_key(id))
 }
 
 /// Marks request `id` as driven by this process (before it exists, for a request being
@@ -87,7 +87,8 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
         let Some(req) = sh.world().requests.get(id).cloned() else {
             return Ok(false);
         };
-        match observe::ownership(sh, &req.value) {
+        let ownership = observe::ownership(&sh.world(), &sh.id, &req.value);
+        match ownership {
             Ownership::Mine => return Ok(true),
             Ownership::Ended | Ownership::Theirs => return Ok(false),
             Ownership::TakeOver => {}

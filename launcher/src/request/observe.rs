@@ -6,9 +6,10 @@
 use super::plan::{self, NodeSeen, Observed, UnknownLabel, WaitCause};
 use crate::shared::Shared;
 use crate::world::{QueuePosition, World};
+use slotpool_protocol::layout;
 use slotpool_protocol::model::{BackingState, NodeRequest};
 use slotpool_protocol::time::UnixMillis;
-use slotpool_protocol::NodeId;
+use slotpool_protocol::{LauncherId, NodeId};
 use std::collections::{BTreeMap, HashSet};
 
 /// What a request worker remembers between looks.
@@ -156,13 +157,12 @@ fn launch_failure(world: &World, r: &NodeRequest, label: &str) -> Option<String>
         })
 }
 
-/// Who should drive request `r`, as this launcher sees its owner's liveness lease.
-pub fn ownership(sh: &Shared, r: &NodeRequest) -> plan::Ownership {
-    let world = sh.world();
-    let owner_alive = r.owner.as_ref().is_some_and(|owner| {
-        world
-            .lease(&slotpool_protocol::layout::launcher_lease_key(owner))
-            .is_some()
-    });
-    plan::ownership(r, &sh.id, owner_alive)
+/// Who should drive request `r`, as the mirror `world` shows its owner's liveness lease
+/// to launcher `me`.
+pub fn ownership(world: &World, me: &LauncherId, r: &NodeRequest) -> plan::Ownership {
+    let owner_alive = r
+        .owner
+        .as_ref()
+        .is_some_and(|owner| world.lease(&layout::launcher_lease_key(owner)).is_some());
+    plan::ownership(r, me, owner_alive)
 }
