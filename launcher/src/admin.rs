@@ -7,7 +7,7 @@
 
 use crate::api::{bad, decode, internal};
 use crate::events::{self, Subject};
-use crate::nodes;
+use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, seat_topic, Shared};
 use slotpool_protocol::api::{
     ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
@@ -192,7 +192,7 @@ pub async fn release_node(
         reason: o.reason.clone(),
         at: now_ms(),
     };
-    if nodes::release_node(sh, &o.node_id)
+    if release::release(sh, Give::Node(&o.node_id), Finish::Background)
         .await
         .map_err(internal)?
     {

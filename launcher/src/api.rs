@@ -8,10 +8,12 @@
 
 use crate::admin;
 use crate::nodes;
-use crate::request;
+use crate::release::{self, Finish, Give};
+use crate::request::observe::{self, Memory};
+use crate::request::plan::{self, RequestStep};
+use crate::request::{self, exec};
 use crate::shared::Shared;
 use crate::status;
-use crate::world::{QueuePosition, SlotRef};
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 use slotpool_protocol::api::{
@@ -240,31 +242,32 @@ async fn submit(
     // writes in flight at once): the worker starts with its slots claimed, ready to have
     // them prepared. A slot claimed for a request whose creation fails is given back;
     // one left behind by a launcher that died in between is swept
-    // ([`nodes::sweep_left_behind`]). The request names this launcher its owner, so no
+    // ([`release::sweep_left_behind`]). The request names this launcher its owner, so no
     // other launcher drives it while this one is alive. It is marked as driven here
     // before it exists: its watch delivery must not start a second worker, which would
     // not know of the slots claimed here.
     let mine = request::begin(sh, &req.id);
-    let reserved = reserve_slots(sh, &req);
-    let claims = futures::future::join_all(
-        reserved
-            .iter()
-            .map(|(index, slot)| nodes::claim(sh, slot, &req, *index)),
-    );
-    let (created, claimed) = tokio::join!(sh.bus.requests.create(&key, &req, None), claims);
-    let claimed: Vec<Versioned<Node>> = {
-        let mut world = sh.world();
-        for (_, slot) in &reserved {
-            world.unreserve(slot);
+    // The plan is asked as the worker would ask it: for a new request with free slots,
+    // it says claim them.
+    let look = observe::look(sh, &req, &Memory::default());
+    let slots = match plan::next(&req, &look, now) {
+        RequestStep::Claim { slots, .. } => slots,
+        _ => {
+            observe::unreserve(sh, &look);
+            Vec::new()
         }
-        claimed.into_iter().filter_map(Result::ok).collect()
     };
+    let (created, claimed) = tokio::join!(
+        sh.bus.requests.create(&key, &req, None),
+        exec::claim(sh, &req, &slots)
+    );
+    let claimed: Vec<Versioned<Node>> = claimed.into_iter().filter_map(Result::ok).collect();
     if created.is_err() {
         if mine {
             request::abandon(sh, &req.id);
         }
         for node in &claimed {
-            if let Err(err) = nodes::release(sh, &node.key).await {
+            if let Err(err) = release::release(sh, Give::Slot(&node.key), Finish::Wait).await {
                 tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
             }
         }
@@ -308,18 +311,6 @@ async fn submit(
     }
 }
 
-/// Reserves a free slot for every label of a new request that can have one now (in the
-/// queue's order: none when a request ahead waits for the label).
-fn reserve_slots(sh: &Shared, req: &NodeRequest) -> Vec<(u32, SlotRef)> {
-    let pos: QueuePosition = (req.priority, req.created_at, req.id.clone());
-    let mut world = sh.world();
-    req.labels
-        .iter()
-        .enumerate()
-        .filter_map(|(index, label)| Some((index as u32, world.reserve_slot(&pos, label)?)))
-        .collect()
-}
-
 async fn release(
     sh: &Arc<Shared>,
     caller: &UserName,
@@ -341,11 +332,10 @@ async fn release(
         }
     }
     let mut out = Released::default();
-    let results = futures::future::join_all(
-        r.nodes
-            .iter()
-            .map(|id| async move { (id, nodes::release_node(sh, id).await.map_err(internal)) }),
-    )
+    let results = futures::future::join_all(r.nodes.iter().map(|id| async move {
+        let released = release::release(sh, Give::Node(id), Finish::Background).await;
+        (id, released.map_err(internal))
+    }))
     .await;
     for (id, result) in results {
         match result? {

@@ -18,6 +18,7 @@ pub mod local_run;
 pub mod nodes;
 pub mod planner;
 pub mod provider;
+pub mod release;
 pub mod request;
 pub mod setup;
 pub mod shared;
@@ -149,7 +150,7 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
             _ = shared.shutdown.cancelled() => return,
             _ = resync.tick() => {
                 batch.extend(everything(shared));
-                nodes::sweep_left_behind(shared);
+                release::sweep_left_behind(shared);
             }
             d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
             _ = sleep_until(next_timer) => {

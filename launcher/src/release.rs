@@ -1,0 +1,441 @@
+//! Giving a slot back: [`release`] is the one entry point, used by the API (a client's
+//! release), operators' `release_node`, the request worker (slots of a request that
+//! failed or ended without them, a refused prepare, a node whose backing node died) and
+//! the sweep of releases and claims left behind ([`sweep_left_behind`]).
+//!
+//! A release is two writes around an agent call: the node is marked `releasing`
+//! (revision-checked; from then on the release is durable, whoever finishes it), the agent
+//! cleans the slot, and the slot key is deleted. Every part is safe to run twice.
+
+use crate::nodes::{call_agent, SlotError, AGENT_TIMEOUT};
+use crate::shared::Shared;
+use slotpool_protocol::api::AgentCommand;
+use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
+use slotpool_protocol::model::{Node, NodeRequest, NodeState, RequestState};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::{NodeId, RequestId};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+/// What to give back.
+#[derive(Clone, Copy, Debug)]
+pub enum Give<'a> {
+    /// Whatever node holds slot `key` (a request worker's own claim).
+    Slot(&'a str),
+    /// Node `id`, only while its slot still holds it.
+    Node(&'a NodeId),
+}
+
+/// When the caller hears back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Finish {
+    /// Once the agent cleaned the slot and its key is deleted.
+    Wait,
+    /// Once the node is marked releasing; the rest runs in the background (an API
+    /// reply need not wait for the agent).
+    Background,
+}
+
+/// Gives a slot back. Idempotent; tolerates a slot that was never prepared. False when
+/// there was nothing to release: the slot is free, or (for [`Give::Node`]) the id names
+/// no slot or its slot holds another node.
+pub async fn release(
+    shared: &Arc<Shared>,
+    what: Give<'_>,
+    finish: Finish,
+) -> Result<bool, SlotError> {
+    let (key, expect, read) = match what {
+        Give::Slot(key) => (key.to_string(), None, None),
+        Give::Node(id) => {
+            let Some((backing, slot)) = id.slot() else {
+                return Ok(false);
+            };
+            let key = layout::slot_key(&backing, slot);
+            // The mirror's record, when it has one, saves a read (a stale one costs a
+            // conflict and a re-read).
+            let mirrored = shared
+                .world()
+                .slots
+                .get(&key)
+                .filter(|n| &n.value.id == id)
+                .cloned();
+            (key, Some(id), mirrored)
+        }
+    };
+    let Some(node) = begin_release(shared, &key, expect, read).await? else {
+        return Ok(false);
+    };
+    match finish {
+        Finish::Wait => finish_release(shared, node).await?,
+        Finish::Background => spawn_finish_release(shared, node),
+    }
+    Ok(true)
+}
+
+/// Marks the node in slot `key` releasing (revision-checked), starting from `read` when
+/// the caller has a recent record (a stale one costs a conflict and a re-read). With
+/// `expect`, only that node is released: `None` when the slot is free or holds another
+/// node. Once this returns the record, the release is durable: whoever finishes it.
+async fn begin_release(
+    shared: &Shared,
+    key: &str,
+    expect: Option<&NodeId>,
+    mut read: Option<Versioned<Node>>,
+) -> Result<Option<Versioned<Node>>, SlotError> {
+    loop {
+        let current = match read.take() {
+            Some(current) => current,
+            None => match shared.bus.slots.get::<Node>(key).await? {
+                Some(current) => current,
+                None => return Ok(None),
+            },
+        };
+        if expect.is_some_and(|id| *id != current.value.id) {
+            return Ok(None);
+        }
+        if current.value.state == NodeState::Releasing {
+            return Ok(Some(current));
+        }
+        let mut node = current.value.clone();
+        node.state = NodeState::Releasing;
+        node.released_at = Some(now_ms());
+        match shared
+            .bus
+            .slots
+            .update(key, &node, current.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                return Ok(Some(Versioned {
+                    key: key.to_string(),
+                    revision,
+                    value: node,
+                }))
+            }
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Finishes the release of a node marked releasing: has the agent clean the slot
+/// (skipped when the agent is gone: there is nothing left to clean) and deletes the slot
+/// key. Safe to run twice: the agent wipes only the node named, and the key is deleted
+/// only while it still holds that node.
+async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<(), SlotError> {
+    let agent_alive = shared.world().agents.contains_key(&node.value.backing_id);
+    if agent_alive {
+        let cmd = AgentCommand::ReleaseSlot {
+            slot: node.value.slot,
+            node_id: node.value.id.clone(),
+        };
+        call_agent::<serde_json::Value>(shared, &node.value.backing_id, &cmd).await?;
+    }
+    loop {
+        match shared.bus.slots.delete(&node.key, node.revision).await {
+            Ok(_) => break,
+            Err(KvError::Conflict { .. }) => match shared.bus.slots.get::<Node>(&node.key).await? {
+                // Marked again by a second releaser: still ours to delete.
+                Some(again) if again.value.id == node.value.id => node = again,
+                _ => break,
+            },
+            Err(err) => return Err(err.into()),
+        }
+    }
+    expire_when_released(shared, &node.value.request_id, Some(&node.value.id)).await?;
+    Ok(())
+}
+
+/// Once no node of a fulfilled request holds a slot any more, marks the request
+/// released and lets its record expire ([`FINISHED_REQUEST_TTL_SECS`]). Until then the
+/// record stays, so that a claimed node without a request is always a stray
+/// ([`left_behind`]), whatever its age. `released` is a node just deleted (not read
+/// again). Revision-checked and idempotent: run after every release, and by the sweep
+/// for a launcher that died in between. Costs one write for a one-node request.
+pub async fn expire_when_released(
+    shared: &Shared,
+    id: &RequestId,
+    released: Option<&NodeId>,
+) -> Result<(), SlotError> {
+    let mut read = shared.world().requests.get(id).cloned();
+    loop {
+        let current = match read.take() {
+            Some(current) => current,
+            None => match shared.bus.requests.get::<NodeRequest>(id.as_str()).await? {
+                Some(current) => current,
+                None => return Ok(()),
+            },
+        };
+        let r = &current.value;
+        if r.state != RequestState::Fulfilled || r.nodes_released_at.is_some() {
+            return Ok(());
+        }
+        for node in r.nodes.iter().filter(|n| Some(*n) != released) {
+            if holds_slot(shared, node).await? {
+                return Ok(());
+            }
+        }
+        let mut done = r.clone();
+        done.nodes_released_at = Some(now_ms());
+        let ttl = Some(Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+        match shared
+            .bus
+            .requests
+            .update(&current.key, &done, current.revision, ttl)
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Whether node `id` holds its slot, read from KV (the mirror may lag a release).
+async fn holds_slot(shared: &Shared, id: &NodeId) -> Result<bool, KvError> {
+    let Some((backing, slot)) = id.slot() else {
+        return Ok(false);
+    };
+    let key = layout::slot_key(&backing, slot);
+    Ok(shared
+        .bus
+        .slots
+        .get::<Node>(&key)
+        .await?
+        .is_some_and(|n| &n.value.id == id))
+}
+
+/// Finishes a release in the background (the API replies once the node is marked).
+fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
+    let work = format!("release.{}", node.value.id);
+    if !shared.start_work(&work) {
+        return;
+    }
+    let sh = shared.clone();
+    let span = tracing::info_span!("release", node_id = %node.value.id);
+    shared.spawn_task(
+        async move {
+            if let Err(err) = finish_release(&sh, node).await {
+                tracing::warn!(%err, "cannot finish the release; it is retried later");
+            }
+            sh.end_work(&work);
+        }
+        .instrument(span),
+    );
+}
+
+/// How long a node may stay releasing before any launcher finishes its release (the
+/// one that began it died, or its agent did not answer), and how long a node may be
+/// claimed for a request that does not exist (its launcher died between claiming the
+/// slot and creating the request: see [`crate::api`]) or that ended without it, before
+/// it is released.
+pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
+
+/// Finishes releases left behind, and releases slots claimed for requests that were
+/// never created or ended without them: all older than [`STALE_RELEASE`].
+pub fn sweep_left_behind(shared: &Arc<Shared>) {
+    let now = now_ms();
+    let cutoff = now.saturating_sub(STALE_RELEASE.as_millis() as u64);
+    let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
+        let world = shared.world();
+        world
+            .slots
+            .values()
+            .filter(|n| match n.value.state {
+                NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
+                NodeState::Preparing | NodeState::Ready => {
+                    claimed_long_ago(n.value.allocated_at, now)
+                        && left_behind(
+                            &n.value,
+                            world.requests.get(&n.value.request_id).map(|r| &r.value),
+                        )
+                }
+                NodeState::Failed => false,
+            })
+            .cloned()
+            .partition(|n| n.value.state == NodeState::Releasing)
+    };
+    for node in stale {
+        tracing::info!(node_id = %node.value.id, "finishing a release left behind");
+        spawn_finish_release(shared, node);
+    }
+    for id in released_unmarked(shared, cutoff) {
+        let sh = shared.clone();
+        shared.tracker.spawn(async move {
+            if let Err(err) = expire_when_released(&sh, &id, None).await {
+                tracing::warn!(request_id = %id, %err, "cannot mark a request's nodes released");
+            }
+        });
+    }
+    for node in orphans {
+        let sh = shared.clone();
+        shared.tracker.spawn(async move {
+            let id = node.value.id.clone();
+            if let Err(err) = release_orphan(&sh, node).await {
+                tracing::warn!(node_id = %id, %err, "cannot release an orphaned slot");
+            }
+        });
+    }
+}
+
+/// Releases a node the mirror says is [`left_behind`], once the request's record in KV
+/// says so too (the mirror may not have the request yet).
+async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(), SlotError> {
+    let request = shared
+        .bus
+        .requests
+        .get::<NodeRequest>(node.value.request_id.as_str())
+        .await?;
+    if !left_behind(&node.value, request.as_ref().map(|r| &r.value)) {
+        return Ok(());
+    }
+    tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
+    release(shared, Give::Node(&node.value.id), Finish::Background)
+        .await
+        .map(|_| ())
+}
+
+/// Fulfilled requests that no mirrored slot holds a node of any more, not yet marked
+/// released, and last written before `cutoff`: their launcher died between the last
+/// release and [`expire_when_released`].
+fn released_unmarked(shared: &Shared, cutoff: u64) -> Vec<RequestId> {
+    let world = shared.world();
+    let held: HashSet<&RequestId> = world.slots.values().map(|n| &n.value.request_id).collect();
+    world
+        .requests
+        .values()
+        .map(|r| &r.value)
+        .filter(|r| {
+            r.state == RequestState::Fulfilled
+                && r.nodes_released_at.is_none()
+                && r.updated_at <= cutoff
+                && !held.contains(&r.id)
+        })
+        .map(|r| r.id.clone())
+        .collect()
+}
+
+/// How far ahead of this launcher's clock a claim time may be before the sweep treats
+/// it as forged (launchers' clocks agree to far better than this).
+const FUTURE_CLAIM_SKEW: Duration = Duration::from_secs(600);
+
+/// Whether a node claimed at `allocated_at` is old enough for the sweep to judge it
+/// ([`STALE_RELEASE`]). A claim time further ahead than any clock skew is a forged or
+/// broken record: it counts as old, so it cannot shield its slot from the sweep.
+fn claimed_long_ago(allocated_at: u64, now: u64) -> bool {
+    allocated_at <= now.saturating_sub(STALE_RELEASE.as_millis() as u64)
+        || allocated_at > now + FUTURE_CLAIM_SKEW.as_millis() as u64
+}
+
+/// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
+/// ended without it, or does not exist. A fulfilled request is kept while its nodes are
+/// held ([`expire_when_released`]), so a node without a request record is a stray
+/// whatever its age: a claim written by a launcher that died before creating the
+/// request, or a forged one.
+fn left_behind(node: &Node, request: Option<&NodeRequest>) -> bool {
+    match request {
+        Some(r) => {
+            r.state.is_final()
+                && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id))
+        }
+        None => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
+
+    fn node(state: NodeState, allocated_at: u64) -> Node {
+        let backing = BackingId::parse("bn-1").unwrap();
+        Node {
+            v: PROTOCOL_VERSION,
+            id: NodeId::for_slot(&backing, 0),
+            request_id: RequestId::parse("req-1").unwrap(),
+            index: 0,
+            label: "small".into(),
+            backing_id: backing,
+            slot: 0,
+            state,
+            requestor: "t".into(),
+            client: None,
+            host: String::new(),
+            workspace: None,
+            attributes: Default::default(),
+            allocated_at,
+            released_at: None,
+            failure: None,
+            login: Default::default(),
+        }
+    }
+
+    fn request(state: RequestState, nodes: Vec<NodeId>) -> NodeRequest {
+        NodeRequest {
+            v: PROTOCOL_VERSION,
+            id: RequestId::parse("req-1").unwrap(),
+            labels: vec!["small".into()],
+            requestor: "t".into(),
+            client: None,
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 0,
+            state,
+            status: String::new(),
+            nodes,
+            failure: None,
+            updated_at: 0,
+            owner: None,
+            nodes_released_at: None,
+        }
+    }
+
+    #[test]
+    fn a_claimed_node_is_left_behind_when_its_request_ended_without_it_or_never_was() {
+        let hour = FINISHED_REQUEST_TTL_SECS * 1000;
+        let now = 10 * hour;
+        for age in [60_000, hour + 1, 5 * hour] {
+            for state in [NodeState::Preparing, NodeState::Ready] {
+                let n = node(state, now - age);
+                let mine = request(RequestState::Fulfilled, vec![n.id.clone()]);
+                let other = request(
+                    RequestState::Fulfilled,
+                    vec![NodeId::parse("node-x").unwrap()],
+                );
+                assert!(!left_behind(&n, Some(&mine)), "{state:?}: its own");
+                assert!(left_behind(&n, Some(&other)), "{state:?}: a stray");
+                let waiting = request(RequestState::Requested, vec![]);
+                assert!(!left_behind(&n, Some(&waiting)), "{state:?}: its worker's");
+                for ended in [RequestState::Failed, RequestState::Canceled] {
+                    let r = request(ended, vec![]);
+                    assert!(left_behind(&n, Some(&r)), "{state:?}: {ended:?}");
+                }
+                // A fulfilled request is kept while its nodes are held: a node without
+                // one is a stray however long ago it was claimed (a forged claim too).
+                assert!(left_behind(&n, None), "{state:?} {age} ms old: no request");
+            }
+        }
+    }
+
+    #[test]
+    fn a_claim_is_judged_once_old_or_when_dated_in_the_future() {
+        let now = 100 * 3_600_000;
+        let stale = STALE_RELEASE.as_millis() as u64;
+        assert!(!claimed_long_ago(now, now), "just claimed");
+        assert!(!claimed_long_ago(now - stale + 1, now));
+        assert!(claimed_long_ago(now - stale, now));
+        assert!(
+            !claimed_long_ago(now + 5_000, now),
+            "a clock a little ahead"
+        );
+        assert!(
+            claimed_long_ago(now + 3_600_000, now),
+            "dated an hour ahead: forged"
+        );
+        assert!(claimed_long_ago(u64::MAX, now), "dated at the end of time");
+    }
+}

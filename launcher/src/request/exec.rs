@@ -1,0 +1,249 @@
+//! Carries out the steps [`plan::next`](super::plan::next) decides: the KV writes, the
+//! agent calls and the releases. Each step is one idempotent piece of work; a conflict
+//! (someone wrote first) comes back as an error the worker answers by looking again.
+
+use super::observe::{position, Memory};
+use super::plan::RequestStep;
+use crate::nodes::{self, SlotError};
+use crate::release::{self, Finish, Give};
+use crate::shared::{label_topic, request_topic, Shared};
+use crate::world::{QueuePosition, SlotRef};
+use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
+use slotpool_protocol::model::{Node, NodeRequest, RequestState};
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::{now_ms, UnixMillis};
+use slotpool_protocol::NodeId;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What the worker does once a step is carried out.
+#[derive(Debug, PartialEq)]
+pub enum After {
+    /// Look again at once.
+    Again,
+    /// The request needs this worker no more.
+    Stop,
+    /// Look again at this time (or when this launcher loses its lease).
+    Pause(UnixMillis),
+    /// Wait for a slot of `missing`, a change of the request, or `until`.
+    Wait {
+        missing: Vec<String>,
+        until: Option<UnixMillis>,
+    },
+}
+
+/// Carries out `step` for `req`, remembering what the plan needs to know next time.
+pub async fn carry_out(
+    sh: &Arc<Shared>,
+    req: &Versioned<NodeRequest>,
+    step: RequestStep,
+    memory: &mut Memory,
+) -> Result<After, SlotError> {
+    let r = &req.value;
+    match step {
+        RequestStep::Leave => {
+            tracing::info!(owner = ?r.owner, "taken over by another launcher");
+            Ok(After::Stop)
+        }
+        RequestStep::Stop { strays } => {
+            give_back_all(sh, &strays).await;
+            Ok(After::Stop)
+        }
+        RequestStep::Fail { reason, release } => {
+            tracing::info!(%reason, "request failed");
+            let mut failed = r.clone();
+            failed.state = RequestState::Failed;
+            failed.status = format!("failed: {reason}");
+            failed.failure = Some(reason);
+            finish(sh, req, failed).await?;
+            give_back_all(sh, &release).await;
+            Ok(After::Stop)
+        }
+        RequestStep::Release(keys) => {
+            for key in keys {
+                release::release(sh, Give::Slot(&key), Finish::Wait).await?;
+            }
+            Ok(After::Again)
+        }
+        RequestStep::Claim { slots, missing } => {
+            // Leave the queue for the labels claimed now: the requests behind this one
+            // need not wait for its claims and prepares.
+            set_waiting(sh, &position(r), missing);
+            let claims = claim(sh, r, &slots).await;
+            let mut result = Ok(After::Again);
+            let mut world = sh.world();
+            for claim in claims {
+                match claim {
+                    Ok(node) => world.put_slot(node),
+                    // Lost to another launcher: the next look finds another slot.
+                    Err(SlotError::Kv(KvError::Conflict { .. })) => {}
+                    Err(err) => result = Err(err),
+                }
+            }
+            result
+        }
+        RequestStep::Prepare { nodes, .. } => {
+            let claimed: Vec<Versioned<Node>> = {
+                let world = sh.world();
+                nodes
+                    .iter()
+                    .filter_map(|k| world.slots.get(k).cloned())
+                    .collect()
+            };
+            let prepared = futures::future::join_all(
+                claimed
+                    .into_iter()
+                    .map(|n| prepare(sh, n, r.ssh_public_key.clone())),
+            )
+            .await;
+            let mut result = Ok(After::Again);
+            for outcome in prepared {
+                match outcome {
+                    Ok(Some(id)) => {
+                        memory.prepared.insert(id);
+                    }
+                    Ok(None) => memory.refused_at = Some(now_ms()),
+                    Err(err) => result = Err(err),
+                }
+            }
+            result
+        }
+        RequestStep::Pause { until } => Ok(After::Pause(until)),
+        RequestStep::Wait {
+            missing,
+            until,
+            status,
+        } => {
+            memory.waiting_since.get_or_insert_with(now_ms);
+            if let Some(status) = status {
+                set_status(sh, req, status).await?;
+            }
+            Ok(After::Wait { missing, until })
+        }
+        RequestStep::Fulfil { nodes } => {
+            let mut done = r.clone();
+            done.status = format!("fulfilled: {} node(s) ready", nodes.len());
+            done.nodes = nodes;
+            done.state = RequestState::Fulfilled;
+            let (requestor, nodes) = (done.requestor.clone(), done.nodes.clone());
+            finish(sh, req, done).await?;
+            tracing::info!(%requestor, ?nodes, "fulfilled");
+            Ok(After::Stop)
+        }
+    }
+}
+
+/// Claims reserved slots for request `r`, all at once, then gives up their
+/// reservations. The claimed nodes are not yet in the mirror: the caller puts them
+/// there (the submit fast path only once the request exists).
+pub async fn claim(
+    sh: &Shared,
+    r: &NodeRequest,
+    slots: &[(u32, SlotRef)],
+) -> Vec<Result<Versioned<Node>, SlotError>> {
+    let claims = futures::future::join_all(
+        slots
+            .iter()
+            .map(|(index, slot)| nodes::claim(sh, slot, r, *index)),
+    )
+    .await;
+    let mut world = sh.world();
+    for (_, slot) in slots {
+        world.unreserve(slot);
+    }
+    claims
+}
+
+/// Has the agent prepare a claimed node: the node's id when it did, None when it
+/// refused (the slot is given back then).
+async fn prepare(
+    sh: &Arc<Shared>,
+    node: Versioned<Node>,
+    ssh_public_key: Option<String>,
+) -> Result<Option<NodeId>, SlotError> {
+    let key = node.key.clone();
+    match nodes::prepare(sh, node, ssh_public_key).await {
+        Ok(ready) => {
+            let id = ready.value.id.clone();
+            sh.world().put_slot(ready);
+            Ok(Some(id))
+        }
+        Err(SlotError::Agent { backing_id, source }) => {
+            tracing::warn!(%backing_id, err = %source, "prepare failed; giving the slot back");
+            release::release(sh, Give::Slot(&key), Finish::Wait).await?;
+            Ok(None)
+        }
+        Err(err @ (SlotError::HostKey { .. } | SlotError::ForgedReply { .. })) => {
+            tracing::warn!(%err, "giving the slot back");
+            release::release(sh, Give::Slot(&key), Finish::Wait).await?;
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// Gives back slots of a request that ended without them.
+async fn give_back_all(sh: &Arc<Shared>, keys: &[String]) {
+    for key in keys {
+        if let Err(err) = release::release(sh, Give::Slot(key), Finish::Wait).await {
+            tracing::warn!(slot = %key, %err, "cannot release a slot of an ended request");
+        }
+    }
+}
+
+/// Records the labels the request still waits for, and wakes the requests queued behind
+/// it for every label it no longer blocks.
+pub fn set_waiting(sh: &Shared, pos: &QueuePosition, missing: Vec<String>) {
+    let freed = sh.world().set_waiting(pos, missing);
+    for label in freed {
+        sh.signals.bump(&label_topic(&label));
+    }
+}
+
+/// Writes a final state: a failed or canceled request is kept for
+/// [`FINISHED_REQUEST_TTL_SECS`], a fulfilled one while its nodes are held (see
+/// [`crate::release::expire_when_released`]).
+async fn finish(
+    sh: &Shared,
+    req: &Versioned<NodeRequest>,
+    mut done: NodeRequest,
+) -> Result<(), SlotError> {
+    done.updated_at = now_ms();
+    let ttl = (done.state != RequestState::Fulfilled)
+        .then(|| Duration::from_secs(FINISHED_REQUEST_TTL_SECS));
+    let revision = sh
+        .bus
+        .requests
+        .update(&req.key, &done, req.revision, ttl)
+        .await?;
+    sh.world().put_request(Versioned {
+        key: req.key.clone(),
+        revision,
+        value: done,
+    });
+    // A client waiting on this launcher's status call hears of the end now, from the
+    // acknowledged write, not once the watch brings it back.
+    sh.signals.bump(&request_topic(&req.value.id));
+    Ok(())
+}
+
+async fn set_status(
+    sh: &Shared,
+    req: &Versioned<NodeRequest>,
+    status: String,
+) -> Result<(), SlotError> {
+    let mut r = req.value.clone();
+    r.status = status;
+    r.updated_at = now_ms();
+    let revision = sh
+        .bus
+        .requests
+        .update(&req.key, &r, req.revision, None)
+        .await?;
+    sh.world().put_request(Versioned {
+        key: req.key.clone(),
+        revision,
+        value: r,
+    });
+    Ok(())
+}

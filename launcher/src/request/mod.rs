@@ -1,0 +1,128 @@
+//! The request worker: one task per node request this launcher owns (`owner` in the
+//! request; see [`crate::lease::Liveness`] for how ownership passes on). It claims a
+//! slot for every label of the node set, has the agents prepare them, and marks the
+//! request fulfilled — or failed, with a reason a human can act on.
+//!
+//! Every decision is made in one place, the pure [`plan::next`]; [`observe`] gathers
+//! what it needs, [`exec`] carries its steps out, and the worker loops over the three.
+//! The submit fast path in [`crate::api`] asks the same plan for a request it creates.
+//!
+//! Resumable: everything it has done is in KV (slots name their request), so a worker
+//! that takes a request over from a dead launcher adopts the slots already claimed.
+
+pub mod exec;
+pub mod observe;
+pub mod plan;
+mod worker;
+
+use crate::shared::Shared;
+use plan::Ownership;
+use slotpool_protocol::store::{KvError, Versioned};
+use slotpool_protocol::time::now_ms;
+use slotpool_protocol::RequestId;
+use std::sync::Arc;
+use tracing::Instrument;
+
+/// The work key of a request's worker ([`Shared::start_work`]).
+fn work_key(id: &RequestId) -> String {
+    format!("request.{id}")
+}
+
+/// Whether request `id` needs a worker of this launcher: it is open, nobody here drives
+/// it, and it is this launcher's, or nobody's, or its owner's liveness lease is gone.
+pub fn wants_driver(shared: &Shared, id: &RequestId) -> bool {
+    let world = shared.world();
+    let Some(req) = world.requests.get(id) else {
+        return false;
+    };
+    matches!(
+        observe::ownership(&world, &shared.id, &req.value),
+        Ownership::Mine | Ownership::TakeOver
+    ) && !shared.is_working_on(&work_key(id))
+}
+
+/// Marks request `id` as driven by this process (before it exists, for a request being
+/// created, so that no other worker starts on it meanwhile); false if it already is.
+/// Follow with [`spawn_started`], or [`abandon`].
+pub fn begin(shared: &Shared, id: &RequestId) -> bool {
+    shared.start_work(&work_key(id))
+}
+
+/// Gives up a [`begin`] without starting a worker.
+pub fn abandon(shared: &Shared, id: &RequestId) {
+    shared.end_work(&work_key(id));
+}
+
+/// Starts a worker for `id` unless this process already has one. A request owned by
+/// no live launcher is taken over first.
+pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
+    if begin(shared, &id) {
+        spawn_started(shared, id);
+    }
+}
+
+/// Starts the worker of a request marked with [`begin`].
+pub fn spawn_started(shared: &Arc<Shared>, id: RequestId) {
+    let key = work_key(&id);
+    let sh = shared.clone();
+    let span = tracing::info_span!("request", request_id = %id);
+    shared.spawn_task(
+        async move {
+            match take(&sh, &id).await {
+                Ok(true) => drive(&sh, id).await,
+                Ok(false) => tracing::debug!("another launcher drives this request"),
+                Err(err) => tracing::warn!(%err, "cannot take the request over"),
+            }
+            sh.end_work(&key);
+        }
+        .instrument(span),
+    );
+}
+
+/// Makes this launcher the request's owner unless a live launcher owns it (a
+/// revision-checked write: of two launchers taking it over, one wins). True when it is
+/// this launcher's to drive.
+async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
+    loop {
+        let Some(req) = sh.world().requests.get(id).cloned() else {
+            return Ok(false);
+        };
+        let ownership = observe::ownership(&sh.world(), &sh.id, &req.value);
+        match ownership {
+            Ownership::Mine => return Ok(true),
+            Ownership::Ended | Ownership::Theirs => return Ok(false),
+            Ownership::TakeOver => {}
+        }
+        let mut mine = req.value.clone();
+        let previous = mine.owner.replace(sh.id.clone());
+        mine.updated_at = now_ms();
+        match sh
+            .bus
+            .requests
+            .update(&req.key, &mine, req.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                tracing::info!(previous_owner = ?previous, "took the request over");
+                sh.world().put_request(Versioned {
+                    key: req.key,
+                    revision,
+                    value: mine,
+                });
+                return Ok(true);
+            }
+            Err(KvError::Conflict { .. }) => match sh.bus.requests.get(&req.key).await? {
+                Some(fresh) => sh.world().put_request(fresh),
+                None => return Ok(false),
+            },
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+async fn drive(sh: &Arc<Shared>, id: RequestId) {
+    let lost = sh.liveness.token();
+    if let Err(err) = worker::run(sh, &id, &lost).await {
+        tracing::warn!(%err, "request worker stopped; another pass will resume it");
+    }
+}

@@ -1,0 +1,168 @@
+//! What a request worker (or the submit fast path) sees before it asks [`plan::next`]:
+//! one look at the mirror under its lock, reserving the free slots the request could
+//! claim now. Reservations are in-memory only; every look is followed by a claim of
+//! them or by [`unreserve`].
+
+use super::plan::{self, NodeSeen, Observed, UnknownLabel, WaitCause};
+use crate::shared::Shared;
+use crate::world::{QueuePosition, World};
+use slotpool_protocol::layout;
+use slotpool_protocol::model::{BackingState, NodeRequest};
+use slotpool_protocol::time::UnixMillis;
+use slotpool_protocol::{LauncherId, NodeId};
+use std::collections::{BTreeMap, HashSet};
+
+/// What a request worker remembers between looks.
+#[derive(Debug, Default)]
+pub struct Memory {
+    /// The nodes it had their agents prepare.
+    pub prepared: HashSet<NodeId>,
+    /// When a prepare was last refused.
+    pub refused_at: Option<UnixMillis>,
+    /// Since when it waits for slots.
+    pub waiting_since: Option<UnixMillis>,
+}
+
+/// The request's place in the queue for free slots.
+pub fn position(r: &NodeRequest) -> QueuePosition {
+    (r.priority, r.created_at, r.id.clone())
+}
+
+/// Looks at the mirror for request `r`, reserving a free slot for every label without
+/// a node that can have one now (in the queue's order).
+pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
+    let unknown = r
+        .labels
+        .iter()
+        .find(|l| sh.config.sites(l).is_empty())
+        .map(|label| UnknownLabel {
+            label: label.clone(),
+            served: sh
+                .config
+                .label_names()
+                .into_iter()
+                .map(String::from)
+                .collect(),
+        });
+    let mut world = sh.world();
+    let nodes: Vec<NodeSeen> = world
+        .nodes_of(&r.id)
+        .into_iter()
+        .map(|n| NodeSeen {
+            index: n.value.index,
+            id: n.value.id.clone(),
+            key: n.key.clone(),
+            state: n.value.state,
+            prepared_here: memory.prepared.contains(&n.value.id),
+        })
+        .collect();
+    let mut reserved = BTreeMap::new();
+    let mut causes = BTreeMap::new();
+    let mut launch_failures = BTreeMap::new();
+    if !r.state.is_final() && unknown.is_none() {
+        let pos = position(r);
+        for (index, label) in r.labels.iter().enumerate() {
+            let index = index as u32;
+            if nodes.iter().any(|n| n.index == index) {
+                continue;
+            }
+            match world.reserve_slot(&pos, label) {
+                Some(slot) => {
+                    reserved.insert(index, slot);
+                }
+                None if !causes.contains_key(label) => {
+                    causes.insert(label.clone(), wait_cause(sh, &world, label));
+                    if let Some(why) = launch_failure(&world, r, label) {
+                        launch_failures.insert(label.clone(), why);
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+    Observed {
+        me: sh.id.clone(),
+        nodes,
+        reserved,
+        unknown,
+        causes,
+        launch_failures,
+        refused_at: memory.refused_at,
+        waiting_since: memory.waiting_since,
+    }
+}
+
+/// Gives up the reservations of a look that is not followed by their claim.
+pub fn unreserve(sh: &Shared, obs: &Observed) {
+    if obs.reserved.is_empty() {
+        return;
+    }
+    let mut world = sh.world();
+    for slot in obs.reserved.values() {
+        world.unreserve(slot);
+    }
+}
+
+fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
+    let booting = world.backing.values().map(|b| &b.value).find(|b| {
+        b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
+    });
+    if let Some(b) = booting {
+        if b.out_of_capacity {
+            return WaitCause::OutOfCapacity {
+                provider: b.provider.clone(),
+                backing_label: b.backing_label.clone(),
+                failure: b.failure.clone(),
+                backoff: crate::lifecycle::CAPACITY_BACKOFF,
+            };
+        }
+        return WaitCause::Booting {
+            backing_label: b.backing_label.clone(),
+        };
+    }
+    let full =
+        sh.config.sites(label).iter().all(|s| {
+            world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers
+        });
+    if full {
+        WaitCause::PoolsFull
+    } else {
+        WaitCause::Taken
+    }
+}
+
+/// Why `label` cannot be served: a backing node launched for it failed for good after
+/// this request was made, and nothing else is coming for it.
+fn launch_failure(world: &World, r: &NodeRequest, label: &str) -> Option<String> {
+    if world.coming_capacity(label) > 0 {
+        return None;
+    }
+    world
+        .backing
+        .values()
+        .map(|b| &b.value)
+        .filter(|b| {
+            b.label == label
+                && b.state == BackingState::Failed
+                && b.ready_at.is_none()
+                && b.updated_at >= r.created_at
+        })
+        .find_map(|b| {
+            b.failure.as_ref().map(|f| {
+                format!(
+                    "could not launch a backing node of {} for label {label:?}: {f}",
+                    b.backing_label
+                )
+            })
+        })
+}
+
+/// Who should drive request `r`, as the mirror `world` shows its owner's liveness lease
+/// to launcher `me`.
+pub fn ownership(world: &World, me: &LauncherId, r: &NodeRequest) -> plan::Ownership {
+    let owner_alive = r
+        .owner
+        .as_ref()
+        .is_some_and(|owner| world.lease(&layout::launcher_lease_key(owner)).is_some());
+    plan::ownership(r, me, owner_alive)
+}

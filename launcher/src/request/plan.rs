@@ -1,0 +1,923 @@
+//! A node request's decisions as a pure function: given the request (what is wanted and
+//! what was last written) and what is observed now, [`next`] says the one step to take.
+//! Pure: no NATS, no world lock, no clock. The worker (`worker.rs`) observes
+//! (`observe.rs`), asks, has the step carried out (`exec.rs`), and looks again; the
+//! submit fast path asks the same question of a request it is creating.
+
+use crate::world::SlotRef;
+use slotpool_protocol::model::{NodeRequest, NodeState, RequestState};
+use slotpool_protocol::time::{after, UnixMillis};
+use slotpool_protocol::{LauncherId, NodeId};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Pause after a refused prepare before trying again, so a broken agent cannot make a
+/// worker spin (the backing worker fails the node if its agent is really gone).
+pub const PREPARE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// How long a request waits before its status says what it waits for: a short wait (a
+/// slot being wiped, a burst) is not worth a write.
+pub const STATUS_DELAY: Duration = Duration::from_millis(250);
+
+/// Who should drive a request, given its owner and whether that owner's liveness lease
+/// is there.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Ownership {
+    /// Final: nobody drives it.
+    Ended,
+    Mine,
+    /// Owned by nobody, or by a launcher whose liveness lease is gone: take it over
+    /// (a revision-checked write; of two launchers taking it over, one wins).
+    TakeOver,
+    /// A live launcher drives it.
+    Theirs,
+}
+
+pub fn ownership(r: &NodeRequest, me: &LauncherId, owner_alive: bool) -> Ownership {
+    match &r.owner {
+        _ if r.state.is_final() => Ownership::Ended,
+        Some(owner) if owner == me => Ownership::Mine,
+        Some(_) if owner_alive => Ownership::Theirs,
+        _ => Ownership::TakeOver,
+    }
+}
+
+/// A node claimed for the request, as the mirror has it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeSeen {
+    pub index: u32,
+    pub id: NodeId,
+    /// Its slot key.
+    pub key: String,
+    pub state: NodeState,
+    /// Whether this worker had its agent prepare it. A node is claimed `ready` when its
+    /// agent says ahead what the prepare will answer, so the record alone does not say
+    /// whether the agent prepared it: a worker prepares every node it has not prepared
+    /// itself (again, after a takeover: a prepare for the node already holding the slot
+    /// changes nothing) before it fulfils the request.
+    pub prepared_here: bool,
+}
+
+/// Why a label has no free slot for the request, for its status line.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WaitCause {
+    /// A backing node for the label is being launched, but its provider is out of
+    /// capacity and is asked again every `backoff`.
+    OutOfCapacity {
+        provider: String,
+        backing_label: String,
+        failure: Option<String>,
+        backoff: Duration,
+    },
+    /// A backing node of `backing_label` is booting for it.
+    Booting { backing_label: String },
+    /// Every pool serving the label is at max-servers.
+    PoolsFull,
+    /// None of the above: slots are taken.
+    Taken,
+}
+
+/// A label of the request no configured pool serves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnknownLabel {
+    pub label: String,
+    /// The labels this pool serves.
+    pub served: Vec<String>,
+}
+
+/// What is known of the request's world now, and what this worker remembers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observed {
+    /// The launcher asking.
+    pub me: LauncherId,
+    /// The nodes claimed for the request.
+    pub nodes: Vec<NodeSeen>,
+    /// Free slots reserved for this look, by the index of the label they are for (none
+    /// for a label a request ahead in the queue waits for).
+    pub reserved: BTreeMap<u32, SlotRef>,
+    pub unknown: Option<UnknownLabel>,
+    /// Why each label without a free slot waits.
+    pub causes: BTreeMap<String, WaitCause>,
+    /// Labels without a free slot for which a backing node launched after the request
+    /// was made failed for good, and nothing else is coming: why it failed.
+    pub launch_failures: BTreeMap<String, String>,
+    /// When this worker's last prepare was refused (its slot was given back).
+    pub refused_at: Option<UnixMillis>,
+    /// Since when this worker waits for slots (None: it has not waited yet).
+    pub waiting_since: Option<UnixMillis>,
+}
+
+/// The one step to take next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestStep {
+    /// Another launcher drives the request now: stop driving it.
+    Leave,
+    /// The request is final: give back the slots (keys) it ended without, and stop.
+    Stop { strays: Vec<String> },
+    /// Write the request failed with this reason, give back every slot it holds
+    /// (`release`), and stop.
+    Fail {
+        reason: String,
+        release: Vec<String>,
+    },
+    /// Give back these slots (their backing node failed before the request was
+    /// fulfilled) and start over for their labels.
+    Release(Vec<String>),
+    /// Claim the reserved slots, by label index; the labels in `missing` still wait.
+    Claim {
+        slots: Vec<(u32, SlotRef)>,
+        missing: Vec<String>,
+    },
+    /// Have the agents prepare these claimed nodes (slot keys); a refused prepare gives
+    /// its slot back. The labels in `missing` still wait.
+    Prepare {
+        nodes: Vec<String>,
+        missing: Vec<String>,
+    },
+    /// A prepare was refused: look again at `until`.
+    Pause { until: UnixMillis },
+    /// Wait for slots of `missing` until something changes or `until` comes; write
+    /// `status` first when it says something new.
+    Wait {
+        missing: Vec<String>,
+        until: Option<UnixMillis>,
+        status: Option<String>,
+    },
+    /// Every label has a prepared node: write the request fulfilled with these nodes.
+    Fulfil { nodes: Vec<NodeId> },
+}
+
+impl RequestStep {
+    /// The labels the request still queues for while this step is carried out.
+    pub fn missing(&self) -> &[String] {
+        match self {
+            RequestStep::Claim { missing, .. }
+            | RequestStep::Prepare { missing, .. }
+            | RequestStep::Wait { missing, .. } => missing,
+            _ => &[],
+        }
+    }
+}
+
+fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
+    if r.owner.as_ref() != Some(&obs.me) {
+        return RequestStep::Leave;
+    }
+    if r.state.is_final() {
+        let strays = obs
+            .nodes
+            .iter()
+            .filter(|n| r.state != RequestState::Fulfilled || !r.nodes.contains(&n.id))
+            .map(|n| n.key.clone())
+            .collect();
+        return RequestStep::Stop { strays };
+    }
+    let fail = |reason: String| RequestStep::Fail {
+        reason,
+        release: obs.nodes.iter().map(|n| n.key.clone()).collect(),
+    };
+    if let Some(u) = &obs.unknown {
+        return fail(format!(
+            "unknown label {:?}; this pool serves: {}",
+            u.label,
+            u.served.join(", ")
+        ));
+    }
+    let deadline = r.deadline();
+    if deadline.is_some_and(|d| now >= d) {
+        return fail(format!(
+            "timed out after {}s: {}",
+            r.timeout_secs.unwrap_or(0),
+            r.status
+        ));
+    }
+    if let Some(until) = obs.refused_at.map(|at| after(at, PREPARE_RETRY_PAUSE)) {
+        if now < until {
+            return RequestStep::Pause { until };
+        }
+    }
+    let mut to_prepare = Vec::new();
+    let mut broken = Vec::new();
+    let mut claims = Vec::new();
+    let mut missing = Vec::new();
+    for (index, label) in r.labels.iter().enumerate() {
+        let index = index as u32;
+        match node_for(obs, index) {
+            Some(n) if n.state == NodeState::Ready && n.prepared_here => {}
+            Some(n) if matches!(n.state, NodeState::Ready | NodeState::Preparing) => {
+                to_prepare.push(n.key.clone())
+            }
+            // Its backing node failed (or it is being given back) before the request
+            // was fulfilled: start over for its label.
+            Some(n) => broken.push(n.key.clone()),
+            None => match obs.reserved.get(&index) {
+                Some(slot) => claims.push((index, slot.clone())),
+                None => missing.push(label.clone()),
+            },
+        }
+    }
+    if !broken.is_empty() {
+        return RequestStep::Release(broken);
+    }
+    if !claims.is_empty() {
+        return RequestStep::Claim {
+            slots: claims,
+            missing,
+        };
+    }
+    if !to_prepare.is_empty() {
+        return RequestStep::Prepare {
+            nodes: to_prepare,
+            missing,
+        };
+    }
+    if missing.is_empty() {
+        let nodes = (0..r.labels.len() as u32)
+            .filter_map(|i| node_for(obs, i).map(|n| n.id.clone()))
+            .collect();
+        return RequestStep::Fulfil { nodes };
+    }
+    if let Some(why) = missing
+        .iter()
+        .find_map(|label| obs.launch_failures.get(label))
+    {
+        return fail(why.clone());
+    }
+    let status_at = after(obs.waiting_since.unwrap_or(now), STATUS_DELAY);
+    if now < status_at {
+        return RequestStep::Wait {
+            missing,
+            until: min_opt(Some(status_at), deadline),
+            status: None,
+        };
+    }
+    let status = waiting_status(r, &missing, &obs.causes);
+    RequestStep::Wait {
+        missing,
+        until: deadline,
+        status: (status != r.status).then_some(status),
+    }
+}
+
+/// The node that stands for label `index`: one this worker prepared (the lowest id, if
+/// several), else the last one seen. Another node claimed for the same index is a stray,
+/// released by the sweep of claims left behind.
+fn node_for(obs: &Observed, index: u32) -> Option<&NodeSeen> {
+    let mut of_index = obs.nodes.iter().filter(|n| n.index == index);
+    let prepared = of_index
+        .clone()
+        .filter(|n| n.state == NodeState::Ready && n.prepared_here)
+        .min_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
+    prepared.or_else(|| of_index.next_back())
+}
+
+/// One line a human understands, saying what the request waits for.
+pub fn waiting_status(
+    r: &NodeRequest,
+    missing: &[String],
+    causes: &BTreeMap<String, WaitCause>,
+) -> String {
+    let assigned = r.labels.len() - missing.len();
+    let progress = format!("({assigned} of {} slots assigned)", r.labels.len());
+    let label = &missing[0];
+    match causes.get(label).unwrap_or(&WaitCause::Taken) {
+        WaitCause::OutOfCapacity {
+            provider,
+            backing_label,
+            failure,
+            backoff,
+        } => format!(
+            "waiting for capacity: provider {provider} is out of capacity for {backing_label} ({}); asking again every {}s {progress}",
+            failure.as_deref().unwrap_or("no reason given"),
+            backoff.as_secs()
+        ),
+        WaitCause::Booting { backing_label } => {
+            format!("waiting for a backing node of {backing_label} to boot {progress}")
+        }
+        WaitCause::PoolsFull => format!(
+            "waiting for a free slot of {label}: every pool serving it is at max-servers {progress}"
+        ),
+        WaitCause::Taken => format!("waiting for a free slot of {label} {progress}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slotpool_protocol::{BackingId, RequestId, PROTOCOL_VERSION};
+
+    const NOW: UnixMillis = 10_000;
+
+    fn me() -> LauncherId {
+        LauncherId::parse("launcher-me").unwrap()
+    }
+
+    fn request(labels: &[&str]) -> NodeRequest {
+        NodeRequest {
+            v: PROTOCOL_VERSION,
+            id: RequestId::parse("req-1").unwrap(),
+            labels: labels.iter().map(|l| l.to_string()).collect(),
+            requestor: "t".into(),
+            client: None,
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 1_000,
+            state: RequestState::Requested,
+            status: "queued".into(),
+            nodes: vec![],
+            failure: None,
+            updated_at: 1_000,
+            owner: Some(me()),
+            nodes_released_at: None,
+        }
+    }
+
+    fn observed() -> Observed {
+        Observed {
+            me: me(),
+            nodes: vec![],
+            reserved: BTreeMap::new(),
+            unknown: None,
+            causes: BTreeMap::new(),
+            launch_failures: BTreeMap::new(),
+            refused_at: None,
+            waiting_since: None,
+        }
+    }
+
+    fn slot(n: u32) -> SlotRef {
+        SlotRef {
+            backing_id: BackingId::parse("bn-1").unwrap(),
+            seat_key: "p.main.0".into(),
+            slot: n,
+        }
+    }
+
+    /// Node `n` (in slot `n` of bn-1) for label `index`.
+    fn node(index: u32, n: u32, state: NodeState, prepared_here: bool) -> NodeSeen {
+        NodeSeen {
+            index,
+            id: id(n),
+            key: format!("bn-1.{n}"),
+            state,
+            prepared_here,
+        }
+    }
+
+    fn id(n: u32) -> NodeId {
+        NodeId::parse(&format!("node-{n}")).unwrap()
+    }
+
+    fn reserve(o: &mut Observed, index: u32, n: u32) {
+        o.reserved.insert(index, slot(n));
+    }
+
+    fn keys(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    // ---- ownership ---------------------------------------------------------------------
+
+    #[test]
+    fn ownership_follows_the_owner_and_its_lease() {
+        let mut r = request(&["a"]);
+        assert_eq!(ownership(&r, &me(), true), Ownership::Mine);
+        r.owner = Some(LauncherId::parse("launcher-other").unwrap());
+        assert_eq!(ownership(&r, &me(), true), Ownership::Theirs);
+        assert_eq!(
+            ownership(&r, &me(), false),
+            Ownership::TakeOver,
+            "adopted after its launcher died"
+        );
+        r.owner = None;
+        assert_eq!(ownership(&r, &me(), false), Ownership::TakeOver);
+    }
+
+    #[test]
+    fn a_final_request_has_no_driver_whoever_owns_it() {
+        for state in [
+            RequestState::Fulfilled,
+            RequestState::Failed,
+            RequestState::Canceled,
+        ] {
+            let mut r = request(&["a"]);
+            r.state = state;
+            assert_eq!(ownership(&r, &me(), true), Ownership::Ended, "{state:?}");
+            r.owner = None;
+            assert_eq!(ownership(&r, &me(), false), Ownership::Ended, "{state:?}");
+        }
+    }
+
+    #[test]
+    fn a_request_taken_over_by_another_launcher_is_left() {
+        let mut r = request(&["a"]);
+        r.owner = Some(LauncherId::parse("launcher-other").unwrap());
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
+        assert_eq!(next(&r, &o, NOW), RequestStep::Leave);
+        r.owner = None;
+        assert_eq!(next(&r, &o, NOW), RequestStep::Leave);
+    }
+
+    // ---- final states ------------------------------------------------------------------
+
+    #[test]
+    fn a_fulfilled_request_stops_giving_back_only_the_nodes_it_was_fulfilled_without() {
+        let mut r = request(&["a"]);
+        r.state = RequestState::Fulfilled;
+        r.nodes = vec![id(0)];
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Ready, true),
+            node(0, 1, NodeState::Ready, false),
+        ];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Stop {
+                strays: keys(&["bn-1.1"])
+            }
+        );
+    }
+
+    #[test]
+    fn a_failed_request_stops_giving_back_every_node() {
+        let mut r = request(&["a", "b"]);
+        r.state = RequestState::Failed;
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Ready, true),
+            node(1, 1, NodeState::Failed, false),
+        ];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Stop {
+                strays: keys(&["bn-1.0", "bn-1.1"])
+            }
+        );
+    }
+
+    #[test]
+    fn a_request_canceled_during_prepare_gives_back_what_it_claimed() {
+        let mut r = request(&["a", "b"]);
+        r.state = RequestState::Canceled;
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Preparing, false),
+            node(1, 1, NodeState::Ready, true),
+        ];
+        reserve(&mut o, 1, 5);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Stop {
+                strays: keys(&["bn-1.0", "bn-1.1"])
+            },
+            "nothing more is claimed or prepared"
+        );
+    }
+
+    #[test]
+    fn a_final_request_without_nodes_just_stops() {
+        let mut r = request(&["a"]);
+        r.state = RequestState::Canceled;
+        assert_eq!(
+            next(&r, &observed(), NOW),
+            RequestStep::Stop { strays: vec![] }
+        );
+    }
+
+    // ---- failing -----------------------------------------------------------------------
+
+    #[test]
+    fn a_label_no_pool_serves_fails_the_request_naming_what_is_served() {
+        let r = request(&["a", "gpu"]);
+        let mut o = observed();
+        o.unknown = Some(UnknownLabel {
+            label: "gpu".into(),
+            served: keys(&["a", "b"]),
+        });
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fail {
+                reason: "unknown label \"gpu\"; this pool serves: a, b".into(),
+                release: keys(&["bn-1.0"]),
+            }
+        );
+    }
+
+    #[test]
+    fn a_timed_out_request_fails_with_its_last_status_and_gives_back_a_partial_set() {
+        let mut r = request(&["a", "b"]);
+        r.timeout_secs = Some(5);
+        r.status = "waiting for a free slot of b (1 of 2 slots assigned)".into();
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert_eq!(
+            next(&r, &o, 6_000),
+            RequestStep::Fail {
+                reason: "timed out after 5s: waiting for a free slot of b (1 of 2 slots assigned)"
+                    .into(),
+                release: keys(&["bn-1.0"]),
+            }
+        );
+    }
+
+    #[test]
+    fn a_request_times_out_even_while_its_nodes_are_being_prepared() {
+        let mut r = request(&["a"]);
+        r.timeout_secs = Some(1);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
+        o.refused_at = Some(1_900);
+        assert!(matches!(
+            next(&r, &o, 2_000),
+            RequestStep::Fail { reason, .. } if reason.starts_with("timed out after 1s")
+        ));
+    }
+
+    #[test]
+    fn a_waiting_request_wakes_at_its_deadline() {
+        let mut r = request(&["a"]);
+        r.timeout_secs = Some(5);
+        let mut o = observed();
+        o.waiting_since = Some(1_000);
+        let status = "waiting for a free slot of a (0 of 1 slots assigned)";
+        r.status = status.into();
+        assert_eq!(
+            next(&r, &o, 5_999),
+            RequestStep::Wait {
+                missing: keys(&["a"]),
+                until: Some(6_000),
+                status: None,
+            }
+        );
+    }
+
+    #[test]
+    fn a_failed_launch_for_a_missing_label_fails_the_request() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 0);
+        o.launch_failures
+            .insert("b".into(), "could not launch: quota".into());
+        // Claims come first; once nothing is left to claim or prepare, it fails.
+        assert!(matches!(next(&r, &o, NOW), RequestStep::Claim { .. }));
+        o.reserved.clear();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fail {
+                reason: "could not launch: quota".into(),
+                release: keys(&["bn-1.0"]),
+            }
+        );
+    }
+
+    #[test]
+    fn a_failed_launch_for_a_label_already_served_is_ignored() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.launch_failures
+            .insert("a".into(), "could not launch: quota".into());
+        assert!(
+            matches!(next(&r, &o, NOW), RequestStep::Wait { missing, .. } if missing == keys(&["b"]))
+        );
+    }
+
+    // ---- claiming ----------------------------------------------------------------------
+
+    #[test]
+    fn free_slots_are_claimed_for_every_label() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 0);
+        reserve(&mut o, 1, 1);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(0, slot(0)), (1, slot(1))],
+                missing: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn a_partial_set_claims_what_is_free_and_queues_for_the_rest() {
+        let r = request(&["a", "b", "a"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 0);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(0, slot(0))],
+                missing: keys(&["b", "a"]),
+            }
+        );
+    }
+
+    #[test]
+    fn claims_come_before_prepares() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
+        reserve(&mut o, 1, 1);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(1, slot(1))],
+                missing: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn a_claim_lost_to_another_launcher_is_tried_again_or_waited_for() {
+        // The lost claim left no node; the next look reserved another slot, or none.
+        let r = request(&["a"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 3);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(0, slot(3))],
+                missing: vec![],
+            }
+        );
+        o.reserved.clear();
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["a"]),
+                until: Some(NOW + STATUS_DELAY.as_millis() as u64),
+                status: None,
+            }
+        );
+    }
+
+    // ---- preparing ---------------------------------------------------------------------
+
+    #[test]
+    fn claimed_nodes_are_prepared_while_missing_labels_stay_queued() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Prepare {
+                nodes: keys(&["bn-1.0"]),
+                missing: keys(&["b"]),
+            }
+        );
+    }
+
+    #[test]
+    fn a_node_claimed_ready_is_still_prepared_before_the_request_is_fulfilled() {
+        // Claimed `ready` from the agent's heartbeat plan: the agent has not prepared it.
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, false)];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Prepare {
+                nodes: keys(&["bn-1.0"]),
+                missing: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn an_adopted_request_prepares_the_nodes_its_dead_owner_claimed_again() {
+        // A new worker after a takeover: nothing is prepared by it, whatever the records
+        // say; the slot left unclaimed is claimed.
+        let r = request(&["a", "b", "c"]);
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Ready, false),
+            node(1, 1, NodeState::Preparing, false),
+        ];
+        reserve(&mut o, 2, 2);
+        assert!(
+            matches!(next(&r, &o, NOW), RequestStep::Claim { slots, .. } if slots == vec![(2, slot(2))])
+        );
+        o.reserved.clear();
+        o.nodes.push(node(2, 2, NodeState::Preparing, false));
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Prepare {
+                nodes: keys(&["bn-1.0", "bn-1.1", "bn-1.2"]),
+                missing: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn an_agent_refusing_a_prepare_pauses_the_request_then_it_claims_again() {
+        // The refused slot was given back: the label has no node any more.
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.refused_at = Some(NOW);
+        reserve(&mut o, 0, 1);
+        let until = NOW + PREPARE_RETRY_PAUSE.as_millis() as u64;
+        assert_eq!(next(&r, &o, NOW + 1), RequestStep::Pause { until });
+        assert_eq!(
+            next(&r, &o, until),
+            RequestStep::Claim {
+                slots: vec![(0, slot(1))],
+                missing: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn a_node_whose_backing_node_failed_before_fulfilment_is_given_back() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Ready, true),
+            node(1, 1, NodeState::Failed, false),
+        ];
+        reserve(&mut o, 1, 2);
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.1"])));
+    }
+
+    #[test]
+    fn a_node_being_released_is_given_back_before_its_label_is_served_again() {
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Releasing, true)];
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.0"])));
+    }
+
+    // ---- fulfilling --------------------------------------------------------------------
+
+    #[test]
+    fn a_request_whose_every_node_is_prepared_here_is_fulfilled_in_label_order() {
+        let r = request(&["a", "b", "a"]);
+        let mut o = observed();
+        o.nodes = vec![
+            node(2, 5, NodeState::Ready, true),
+            node(0, 7, NodeState::Ready, true),
+            node(1, 1, NodeState::Ready, true),
+        ];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fulfil {
+                nodes: vec![id(7), id(1), id(5)]
+            }
+        );
+    }
+
+    #[test]
+    fn of_two_nodes_for_one_label_the_prepared_one_is_handed_out() {
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 4, NodeState::Ready, true),
+            node(0, 2, NodeState::Preparing, false),
+            node(0, 3, NodeState::Ready, true),
+        ];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fulfil { nodes: vec![id(3)] }
+        );
+    }
+
+    #[test]
+    fn a_single_node_request_with_a_refusal_long_past_is_fulfilled() {
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.refused_at = Some(1_000);
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fulfil { nodes: vec![id(0)] }
+        );
+    }
+
+    // ---- waiting and its status --------------------------------------------------------
+
+    #[test]
+    fn a_short_wait_writes_no_status() {
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.waiting_since = Some(NOW - 100);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["a"]),
+                until: Some(NOW - 100 + STATUS_DELAY.as_millis() as u64),
+                status: None,
+            }
+        );
+    }
+
+    #[test]
+    fn a_longer_wait_says_a_backing_node_is_booting() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.waiting_since = Some(1_000);
+        o.causes.insert(
+            "b".into(),
+            WaitCause::Booting {
+                backing_label: "large".into(),
+            },
+        );
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["b"]),
+                until: None,
+                status: Some(
+                    "waiting for a backing node of large to boot (1 of 2 slots assigned)".into()
+                ),
+            }
+        );
+    }
+
+    #[test]
+    fn a_status_already_written_is_not_written_again() {
+        let mut r = request(&["a"]);
+        r.status = "waiting for a free slot of a (0 of 1 slots assigned)".into();
+        let mut o = observed();
+        o.waiting_since = Some(1_000);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["a"]),
+                until: None,
+                status: None,
+            }
+        );
+    }
+
+    #[test]
+    fn waiting_statuses_say_why() {
+        let r = request(&["a"]);
+        let missing = keys(&["a"]);
+        let mut causes = BTreeMap::new();
+        causes.insert(
+            "a".to_string(),
+            WaitCause::OutOfCapacity {
+                provider: "cloud".into(),
+                backing_label: "large".into(),
+                failure: Some("quota exceeded".into()),
+                backoff: Duration::from_secs(10),
+            },
+        );
+        assert_eq!(
+            waiting_status(&r, &missing, &causes),
+            "waiting for capacity: provider cloud is out of capacity for large (quota exceeded); asking again every 10s (0 of 1 slots assigned)"
+        );
+        causes.insert("a".to_string(), WaitCause::PoolsFull);
+        assert_eq!(
+            waiting_status(&r, &missing, &causes),
+            "waiting for a free slot of a: every pool serving it is at max-servers (0 of 1 slots assigned)"
+        );
+        causes.clear();
+        assert_eq!(
+            waiting_status(&r, &missing, &causes),
+            "waiting for a free slot of a (0 of 1 slots assigned)"
+        );
+    }
+
+    #[test]
+    fn only_claims_prepares_and_waits_keep_the_request_queued() {
+        let missing = keys(&["a"]);
+        let queued = [
+            RequestStep::Claim {
+                slots: vec![],
+                missing: missing.clone(),
+            },
+            RequestStep::Prepare {
+                nodes: vec![],
+                missing: missing.clone(),
+            },
+            RequestStep::Wait {
+                missing: missing.clone(),
+                until: None,
+                status: None,
+            },
+        ];
+        for step in queued {
+            assert_eq!(step.missing(), missing.as_slice(), "{step:?}");
+        }
+        for step in [
+            RequestStep::Leave,
+            RequestStep::Pause { until: 1 },
+            RequestStep::Release(vec![]),
+            RequestStep::Fulfil { nodes: vec![] },
+        ] {
+            assert!(step.missing().is_empty(), "{step:?}");
+        }
+    }
+}
