@@ -8,8 +8,10 @@ use slotpool_launcher::lifecycle::{self, AgentSeen, Observed};
 use slotpool_protocol::layout::{seat_key, slot_key};
 use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
+use slotpool_tui::mirror::{Bucket, Change, Record};
+use slotpool_tui::rows::IdleTimer;
 use slotpool_tui::rules::{LabelRules, Rules};
-use slotpool_tui::state::{apply_all, Bucket, Change, IdleTimer, Msg, Record, State};
+use slotpool_tui::state::{apply_all, Msg, State};
 use std::time::Duration;
 
 const SEC: u64 = 1000;

@@ -5,7 +5,7 @@
 use crate::rules::Rules;
 use crate::state::{update, Command, Msg, State};
 use crate::theme::Theme;
-use crate::{feed, view};
+use crate::{feed, keys, view};
 use anyhow::Context;
 use crossterm::event::{Event as TermEvent, EventStream, KeyEventKind};
 use futures::{Stream, StreamExt};
@@ -123,7 +123,10 @@ where
                 None => break Ok(()),
                 Some(Err(err)) => break Err(anyhow::Error::from(err).context("reading terminal input")),
                 Some(Ok(TermEvent::Key(key))) if key.kind != KeyEventKind::Release => {
-                    commands.extend(update(&mut state, Msg::Key(key)));
+                    // What the key means depends on the prompt open now.
+                    if let Some(action) = keys::action(&key, &state.input) {
+                        commands.extend(update(&mut state, Msg::Action(action)));
+                    }
                 }
                 Some(Ok(TermEvent::Resize(w, h))) => {
                     update(&mut state, Msg::Resize(w, h));

@@ -6,7 +6,8 @@
 //! whatever the new watch does not deliver again. A watch is restarted when it ends or
 //! fails, and when the NATS connection comes back after a loss.
 
-use crate::state::{Bucket, Change, Msg, Record, EVENT_HISTORY};
+use crate::mirror::{Bucket, Change, Record, EVENT_HISTORY};
+use crate::state::Msg;
 use futures::StreamExt;
 use slotpool_protocol::connect::{Bus, Link};
 use slotpool_protocol::store::{self, Store};

@@ -1,7 +1,10 @@
 //! Records for the unit and snapshot tests: a small pool at a fixed time.
 
+use crate::keys;
+use crate::mirror::{Bucket, Change, Record};
 use crate::rules::{LabelRules, Rules};
-use crate::state::{apply_all, Bucket, Change, Msg, Record, State};
+use crate::state::{apply_all, update, Command, Msg, State};
+use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use slotpool_protocol::model::{
     AgentHeartbeat, BackingNode, BackingState, Event, EventKind, Health, IdleBehaviour, Instance,
     Node, NodeRequest, NodeState, RequestState,
@@ -189,6 +192,29 @@ pub fn loaded(rules: Rules, changes: Vec<Change>, w: u16, h: u16) -> State {
         [Msg::Resize(w, h), Msg::Tick(NOW), Msg::Feed(all)],
     );
     state
+}
+
+/// The key of character `c`, no modifiers.
+pub fn key(c: char) -> KeyEvent {
+    KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE)
+}
+
+/// The key `code`, no modifiers.
+pub fn code(code: KeyCode) -> KeyEvent {
+    KeyEvent::new(code, KeyModifiers::NONE)
+}
+
+/// Presses `keys` one after the other, each meaning what it means in the prompt open at
+/// the time (as the event loop does), then settles.
+pub fn press(state: &mut State, keys: impl IntoIterator<Item = KeyEvent>) -> Vec<Command> {
+    let mut out = Vec::new();
+    for key in keys {
+        if let Some(action) = keys::action(&key, &state.input) {
+            out.extend(update(state, Msg::Action(action)));
+        }
+    }
+    state.settle();
+    out
 }
 
 /// A small pool: a busy node, an idle one, a failed one; requests and events.

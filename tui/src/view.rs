@@ -6,10 +6,10 @@
 //! table with its column header, two detail lines about the selected row, the status
 //! line and the key hints. Help and confirmation dialogs are drawn over it.
 
-use crate::state::{
-    fmt_duration, idle_name, node_state_name, request_state_name, state_name, BackingRow,
-    Heartbeat, IdleTimer, Input, PoolRow, State, View,
-};
+use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
+use crate::input::Input;
+use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View};
+use crate::state::State;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style};
@@ -18,16 +18,8 @@ use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Table, Wrap};
 use ratatui::Frame;
 use slotpool_protocol::model::{BackingState, EventKind, RequestState};
 
-/// Lines that are not table rows: header, tabs, column header, 2 detail lines, status,
-/// key hints.
-const CHROME_LINES: u16 = 7;
 /// At least this wide to show full ids and more columns.
 const WIDE: u16 = 120;
-
-/// How many table rows fit on a terminal of `size` (columns, lines).
-pub fn table_rows(size: (u16, u16), _view: View) -> u16 {
-    size.1.saturating_sub(CHROME_LINES)
-}
 
 /// Draws the whole console.
 pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
@@ -909,9 +901,10 @@ fn draw_confirm(frame: &mut Frame, area: Rect, question: &str, reason: &str, the
 mod tests {
     use super::*;
     use crate::fixtures::*;
+    use crate::mirror::{Change, Record};
     use crate::rules::Rules;
-    use crate::state::{apply_all, Change, Msg, Record};
-    use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    use crate::state::{apply_all, Msg};
+    use crossterm::event::KeyCode;
     use ratatui::backend::TestBackend;
     use ratatui::style::Color;
     use ratatui::Terminal;
@@ -925,10 +918,6 @@ mod tests {
 
     fn screen(state: &State) -> String {
         render(state, &Theme::plain()).backend().to_string()
-    }
-
-    fn key(c: char) -> Msg {
-        Msg::Key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE))
     }
 
     fn sample_state(w: u16, h: u16) -> State {
@@ -964,14 +953,14 @@ mod tests {
     fn backing_view_without_config_shows_idle_times() {
         let state = loaded(Rules::unknown(), sample(), 80, 24);
         let mut state = state;
-        apply_all(&mut state, [key('j')]);
+        press(&mut state, [key('j')]);
         insta::assert_snapshot!(screen(&state));
     }
 
     #[test]
     fn failed_node_selected() {
         let mut state = sample_state(80, 24);
-        apply_all(&mut state, [key('j'), key('j')]);
+        press(&mut state, [key('j'), key('j')]);
         let text = screen(&state);
         assert!(text.contains("agent heartbeat expired"), "{text}");
         insta::assert_snapshot!(text);
@@ -980,35 +969,28 @@ mod tests {
     #[test]
     fn pools_view() {
         let mut state = sample_state(80, 24);
-        apply_all(&mut state, [key('1')]);
+        press(&mut state, [key('1')]);
         insta::assert_snapshot!(screen(&state));
     }
 
     #[test]
     fn slots_view() {
         let mut state = sample_state(80, 24);
-        apply_all(
-            &mut state,
-            [
-                Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)),
-                key('j'),
-                key('j'),
-            ],
-        );
+        press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
         insta::assert_snapshot!(screen(&state));
     }
 
     #[test]
     fn requests_view() {
         let mut state = sample_state(80, 24);
-        apply_all(&mut state, [key('4')]);
+        press(&mut state, [key('4')]);
         insta::assert_snapshot!(screen(&state));
     }
 
     #[test]
     fn events_view() {
         let mut state = sample_state(80, 24);
-        apply_all(&mut state, [key('5')]);
+        press(&mut state, [key('5')]);
         insta::assert_snapshot!(screen(&state));
     }
 
@@ -1036,7 +1018,7 @@ mod tests {
         for (w, h) in [(1, 1), (10, 3), (20, 7), (79, 8)] {
             let mut state = sample_state(w, h);
             for v in ['1', '2', '3', '4', '5', '?'] {
-                apply_all(&mut state, [key(v)]);
+                press(&mut state, [key(v)]);
                 screen(&state);
             }
         }
@@ -1045,7 +1027,7 @@ mod tests {
     #[test]
     fn help_lists_every_key() {
         let mut state = sample_state(80, 24);
-        apply_all(&mut state, [key('?')]);
+        press(&mut state, [key('?')]);
         let text = screen(&state);
         for (k, _) in HELP {
             assert!(text.contains(k), "help misses {k}:\n{text}");
@@ -1058,7 +1040,7 @@ mod tests {
         let mut state = sample_state(80, 24);
         let mut msgs = vec![key('K')];
         msgs.extend("bad disk".chars().map(key));
-        apply_all(&mut state, msgs);
+        press(&mut state, msgs);
         insta::assert_snapshot!(screen(&state));
     }
 
@@ -1098,7 +1080,7 @@ mod tests {
     fn ten_thousand_nodes_render_only_the_visible_rows() {
         let changes = ready_backing(10_000, 4);
         let mut state = loaded(rules(), changes, 80, 24);
-        apply_all(&mut state, [key('G')]);
+        press(&mut state, [key('G')]);
         let started = std::time::Instant::now();
         for _ in 0..100 {
             screen(&state);

@@ -1,0 +1,79 @@
+//! Names and durations as the console shows them: state names (also what filters match),
+//! durations for humans, and the backing id a node id names. Used by the derived rows
+//! (filters) and by the view; depends on nothing else in the console.
+
+use slotpool_protocol::model::{BackingState, IdleBehaviour, NodeState, RequestState};
+use slotpool_protocol::NodeId;
+
+pub fn state_name(s: BackingState) -> &'static str {
+    match s {
+        BackingState::Requested => "requested",
+        BackingState::Launching => "launching",
+        BackingState::Ready => "ready",
+        BackingState::Retiring => "retiring",
+        BackingState::Releasing => "releasing",
+        BackingState::Gone => "gone",
+        BackingState::Failed => "failed",
+    }
+}
+
+pub fn idle_name(i: IdleBehaviour) -> &'static str {
+    match i {
+        IdleBehaviour::Run => "run",
+        IdleBehaviour::Hold => "hold",
+        IdleBehaviour::Drain => "drain",
+    }
+}
+
+pub fn node_state_name(s: NodeState) -> &'static str {
+    match s {
+        NodeState::Preparing => "preparing",
+        NodeState::Ready => "ready",
+        NodeState::Releasing => "releasing",
+        NodeState::Failed => "failed",
+    }
+}
+
+pub fn request_state_name(s: RequestState) -> &'static str {
+    match s {
+        RequestState::Requested => "waiting",
+        RequestState::Fulfilled => "fulfilled",
+        RequestState::Failed => "failed",
+        RequestState::Canceled => "canceled",
+    }
+}
+
+/// A duration for humans: `42s`, `5m03s`, `2h05m`, `3d04h`.
+pub fn fmt_duration(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..86400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{:02}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// The backing id a node id names (`node-<ulid>_<slot>_<backing id>`).
+pub fn backing_of_node(node: &NodeId) -> Option<String> {
+    let rest = node.as_str().strip_prefix("node-")?;
+    let mut parts = rest.splitn(3, '_');
+    parts.next()?;
+    parts.next()?;
+    parts.next().map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_node_ids() {
+        assert_eq!(fmt_duration(42_000), "42s");
+        assert_eq!(fmt_duration(303_000), "5m03s");
+        assert_eq!(fmt_duration(7_500_000), "2h05m");
+        assert_eq!(fmt_duration(3 * 86_400_000 + 4 * 3_600_000), "3d04h");
+        let n = NodeId::parse("node-01abc_3_bn-x_y").unwrap();
+        assert_eq!(backing_of_node(&n).as_deref(), Some("bn-x_y"));
+    }
+}

@@ -1,0 +1,676 @@
+//! Derived rows: what the views show, computed from the mirror, the config's rules and
+//! the time — pool aggregates, backing, slot, request and event rows, idle timers,
+//! heartbeat health, and each view's filtered and sorted keys with its selection kept on
+//! its row. `State::settle` rebuilds the [`Index`] and the views' keys through here.
+//!
+//! Pure: no NATS, no terminal, no clock.
+
+use crate::format::{idle_name, node_state_name, request_state_name, state_name};
+use crate::mirror::Mirror;
+use crate::rules::Rules;
+use slotpool_config::timing;
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Event, IdleBehaviour, Node, NodeRequest, RequestState,
+};
+use slotpool_protocol::time::UnixMillis;
+use std::collections::{BTreeMap, HashMap};
+
+/// The views, in Tab order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum View {
+    Pools,
+    Backing,
+    Slots,
+    Requests,
+    Events,
+}
+
+impl View {
+    pub const ALL: [View; 5] = [
+        View::Pools,
+        View::Backing,
+        View::Slots,
+        View::Requests,
+        View::Events,
+    ];
+
+    pub fn title(self) -> &'static str {
+        match self {
+            View::Pools => "Pools",
+            View::Backing => "Backing nodes",
+            View::Slots => "Slots",
+            View::Requests => "Requests",
+            View::Events => "Events",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The columns `s` cycles through.
+    pub fn sorts(self) -> &'static [&'static str] {
+        match self {
+            View::Pools => &["pool", "waiting", "used"],
+            View::Backing => &["seat", "state", "age", "used", "label", "timer"],
+            View::Slots => &["slot", "state", "held"],
+            View::Requests => &["age", "state", "requestor"],
+            View::Events => &["time", "kind"],
+        }
+    }
+}
+
+/// Selection, scroll, filter and sort of one view.
+#[derive(Clone, Debug, Default)]
+pub struct ViewState {
+    /// Index into the view's rows.
+    pub selected: usize,
+    /// The selected row's key, so the selection follows its row when rows move.
+    pub selected_key: Option<String>,
+    /// First row shown.
+    pub offset: usize,
+    pub filter: String,
+    /// Index into [`View::sorts`].
+    pub sort: usize,
+    pub reverse: bool,
+    /// The rows' keys after filter and sort.
+    pub rows: Vec<String>,
+}
+
+/// Per (provider, pool, label): what the Pools view shows.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct PoolRow {
+    pub provider: String,
+    pub pool: String,
+    pub label: String,
+    /// Backing nodes per state: requested, launching, ready, retiring, releasing, failed.
+    pub by_state: [usize; 6],
+    pub used: u32,
+    pub total: u32,
+    pub max_servers: Option<u32>,
+    pub waiting: usize,
+    /// Age of the oldest waiting request for the label.
+    pub oldest_wait_ms: Option<u64>,
+}
+
+impl PoolRow {
+    pub fn key(&self) -> String {
+        format!("{}/{}/{}", self.provider, self.pool, self.label)
+    }
+    pub fn nodes(&self) -> usize {
+        self.by_state.iter().sum()
+    }
+}
+
+fn state_slot(s: BackingState) -> Option<usize> {
+    match s {
+        BackingState::Requested => Some(0),
+        BackingState::Launching => Some(1),
+        BackingState::Ready => Some(2),
+        BackingState::Retiring => Some(3),
+        BackingState::Releasing => Some(4),
+        BackingState::Failed => Some(5),
+        BackingState::Gone => None,
+    }
+}
+
+/// When an empty backing node goes away, as far as the console can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleTimer {
+    /// In use, or not in a state where idleness matters.
+    None,
+    /// Released this many ms from now (grace-time and min-retention from the config).
+    ReleaseIn(u64),
+    /// Empty for this many ms (no config: the grace-time is unknown).
+    IdleFor(u64),
+    /// `hold`: never released automatically.
+    Held,
+    /// `drain`: released as soon as it is empty.
+    Draining,
+}
+
+/// The agent's heartbeat as the console judges it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Heartbeat {
+    /// No heartbeat record (never, or it expired).
+    Missing,
+    /// A heartbeat with another secret than the backing node's: not the launched instance.
+    Impostor {
+        age_ms: u64,
+    },
+    Healthy {
+        age_ms: u64,
+    },
+    Unhealthy {
+        age_ms: u64,
+        reason: String,
+    },
+    /// The agent is shutting down.
+    Draining {
+        age_ms: u64,
+    },
+}
+
+impl Heartbeat {
+    pub fn is_bad(&self) -> bool {
+        !matches!(self, Heartbeat::Healthy { .. })
+    }
+}
+
+/// The Backing nodes view's model of one row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackingRow {
+    pub key: String,
+    pub id: String,
+    pub provider: String,
+    pub pool: String,
+    pub seat: u32,
+    pub label: String,
+    pub state: BackingState,
+    pub idle: IdleBehaviour,
+    pub used: u32,
+    pub slots: u32,
+    pub age_ms: u64,
+    pub timer: IdleTimer,
+    /// Until min-retention-time is over, if it still applies.
+    pub retained_ms: Option<u64>,
+    /// Until max-age is reached (negative: past it).
+    pub max_age_ms: Option<i64>,
+    pub heartbeat: Heartbeat,
+    /// Why it failed, or why its agent is unhealthy.
+    pub reason: Option<String>,
+    /// The last operator order, as "drain by alice: reason".
+    pub order: Option<String>,
+}
+
+/// One slot of the selected backing node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotRow {
+    pub slot: u32,
+    pub node: Option<Node>,
+    pub held_ms: Option<u64>,
+}
+
+fn state_order(s: BackingState) -> u8 {
+    match s {
+        BackingState::Failed => 0,
+        BackingState::Releasing => 1,
+        BackingState::Retiring => 2,
+        BackingState::Launching => 3,
+        BackingState::Requested => 4,
+        BackingState::Ready => 5,
+        BackingState::Gone => 6,
+    }
+}
+
+/// Indexes rebuilt by each settle: slots in use per backing node, the seat key of each
+/// backing id, and the pool aggregates.
+#[derive(Debug, Default)]
+pub struct Index {
+    pools: Vec<PoolRow>,
+    used_by_backing: HashMap<String, u32>,
+    backing_by_id: HashMap<String, String>,
+}
+
+impl Index {
+    pub fn build(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Index {
+        let mut used_by_backing: HashMap<String, u32> = HashMap::new();
+        for s in mirror.slots() {
+            *used_by_backing.entry(s.backing_id.to_string()).or_default() += 1;
+        }
+        let backing_by_id = mirror
+            .backing_nodes()
+            .map(|(k, b)| (b.id.to_string(), k.clone()))
+            .collect();
+        let mut index = Index {
+            pools: Vec::new(),
+            used_by_backing,
+            backing_by_id,
+        };
+        index.pools = Facts {
+            mirror,
+            rules,
+            now,
+            index: &index,
+        }
+        .aggregate_pools();
+        index
+    }
+}
+
+/// What every row is derived from: the records, the rules, the time and the index.
+#[derive(Clone, Copy)]
+pub struct Facts<'a> {
+    pub mirror: &'a Mirror,
+    pub rules: &'a Rules,
+    pub now: UnixMillis,
+    pub index: &'a Index,
+}
+
+impl<'a> Facts<'a> {
+    pub fn pools(&self) -> &'a [PoolRow] {
+        &self.index.pools
+    }
+
+    fn aggregate_pools(&self) -> Vec<PoolRow> {
+        let mut rows: BTreeMap<(String, String, String), PoolRow> = BTreeMap::new();
+        for site in self.rules.sites() {
+            rows.insert(
+                (site.0.clone(), site.1.clone(), site.2.clone()),
+                PoolRow {
+                    provider: site.0.clone(),
+                    pool: site.1.clone(),
+                    label: site.2.clone(),
+                    ..Default::default()
+                },
+            );
+        }
+        for (_, b) in self.mirror.backing_nodes() {
+            let row = rows
+                .entry((b.provider.clone(), b.pool.clone(), b.label.clone()))
+                .or_insert_with(|| PoolRow {
+                    provider: b.provider.clone(),
+                    pool: b.pool.clone(),
+                    label: b.label.clone(),
+                    ..Default::default()
+                });
+            if let Some(i) = state_slot(b.state) {
+                row.by_state[i] += 1;
+            }
+            row.total += b.slots;
+            row.used += self.used(b);
+        }
+        let mut waiting: HashMap<&str, (usize, u64)> = HashMap::new();
+        for (_, r) in self.mirror.requests() {
+            if r.state != RequestState::Requested {
+                continue;
+            }
+            let mut labels: Vec<&str> = r.labels.iter().map(String::as_str).collect();
+            labels.sort();
+            labels.dedup();
+            for l in labels {
+                let w = waiting.entry(l).or_insert((0, u64::MAX));
+                w.0 += 1;
+                w.1 = w.1.min(r.created_at);
+            }
+        }
+        for label in waiting.keys() {
+            if !rows.keys().any(|k| k.2 == *label) {
+                rows.insert(
+                    ("-".into(), "-".into(), label.to_string()),
+                    PoolRow {
+                        provider: "-".into(),
+                        pool: "-".into(),
+                        label: label.to_string(),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        rows.into_values()
+            .map(|mut row| {
+                row.max_servers = self.rules.max_servers(&row.provider, &row.pool);
+                if let Some((n, oldest)) = waiting.get(row.label.as_str()) {
+                    row.waiting = *n;
+                    row.oldest_wait_ms = Some(self.now.saturating_sub(*oldest));
+                }
+                row
+            })
+            .collect()
+    }
+
+    /// The keys of `view`'s rows, filtered and sorted as `vs` says; the Slots view
+    /// shows the slots of the backing node `focus` (a backing id).
+    pub fn keys(&self, view: View, vs: &ViewState, focus: Option<&str>) -> Vec<String> {
+        let filter = vs.filter.as_str();
+        let sort = view.sorts()[vs.sort.min(view.sorts().len() - 1)];
+        let mut rows: Vec<String> = match view {
+            View::Pools => {
+                let mut pools: Vec<&PoolRow> = self
+                    .pools()
+                    .iter()
+                    .filter(|p| matches(filter, &[&p.provider, &p.pool, &p.label]))
+                    .collect();
+                match sort {
+                    "waiting" => pools.sort_by_key(|p| std::cmp::Reverse(p.waiting)),
+                    "used" => pools.sort_by_key(|p| std::cmp::Reverse(p.used)),
+                    _ => {}
+                }
+                pools.into_iter().map(PoolRow::key).collect()
+            }
+            View::Backing => {
+                let mut nodes: Vec<(&String, &BackingNode)> = self
+                    .mirror
+                    .backing_nodes()
+                    .filter(|(k, b)| {
+                        matches(
+                            filter,
+                            &[
+                                k,
+                                b.id.as_str(),
+                                &b.label,
+                                state_name(b.state),
+                                idle_name(b.idle),
+                                b.failure.as_deref().unwrap_or(""),
+                            ],
+                        )
+                    })
+                    .collect();
+                // Keys borrow from the records: no allocation per comparison.
+                let seat = |&(k, b): &(&'a String, &'a BackingNode)| {
+                    (b.provider.as_str(), b.pool.as_str(), b.seat, k.as_str())
+                };
+                match sort {
+                    "state" => nodes.sort_by_key(|n| (state_order(n.1.state), seat(n))),
+                    "age" => nodes.sort_by_key(|n| (n.1.created_at, seat(n))),
+                    "used" => nodes.sort_by_key(|n| {
+                        (
+                            std::cmp::Reverse(
+                                self.index.used_by_backing.get(n.1.id.as_str()).copied(),
+                            ),
+                            seat(n),
+                        )
+                    }),
+                    "label" => nodes.sort_by_key(|n| (n.1.label.as_str(), seat(n))),
+                    "timer" => nodes.sort_by_cached_key(|n| {
+                        let t = match self.idle_timer(n.1) {
+                            IdleTimer::ReleaseIn(ms) => ms,
+                            IdleTimer::Draining => 0,
+                            IdleTimer::IdleFor(ms) => u64::MAX / 2 - ms,
+                            _ => u64::MAX,
+                        };
+                        (t, seat(n))
+                    }),
+                    _ => nodes.sort_by_key(seat),
+                }
+                nodes.into_iter().map(|(k, _)| k.clone()).collect()
+            }
+            View::Slots => {
+                let Some(b) = self.focused(focus) else {
+                    return Vec::new();
+                };
+                let mut slots: Vec<SlotRow> = self.slot_rows(b);
+                slots.retain(|s| match &s.node {
+                    Some(n) => matches(
+                        filter,
+                        &[n.id.as_str(), &n.requestor, node_state_name(n.state)],
+                    ),
+                    None => matches(filter, &["free"]),
+                });
+                match sort {
+                    "state" => {
+                        slots.sort_by_key(|s| (s.node.as_ref().map(|n| n.state as u8), s.slot))
+                    }
+                    "held" => slots.sort_by_key(|s| (std::cmp::Reverse(s.held_ms), s.slot)),
+                    _ => {}
+                }
+                slots
+                    .into_iter()
+                    .map(|s| slotpool_protocol::layout::slot_key(&b.id, s.slot))
+                    .collect()
+            }
+            View::Requests => {
+                let mut reqs: Vec<(&String, &NodeRequest)> = self
+                    .mirror
+                    .requests()
+                    .filter(|(_, r)| {
+                        matches(
+                            filter,
+                            &[
+                                r.id.as_str(),
+                                &r.requestor,
+                                &r.labels.join(","),
+                                request_state_name(r.state),
+                                r.failure.as_deref().unwrap_or(""),
+                            ],
+                        )
+                    })
+                    .collect();
+                match sort {
+                    "state" => reqs.sort_by_key(|&(k, r)| {
+                        (
+                            r.state != RequestState::Requested,
+                            r.state as u8,
+                            std::cmp::Reverse(r.created_at),
+                            k.as_str(),
+                        )
+                    }),
+                    "requestor" => reqs.sort_by_key(|&(k, r)| (r.requestor.as_str(), k.as_str())),
+                    // Waiting first, then newest first.
+                    _ => reqs.sort_by_key(|&(k, r)| {
+                        (
+                            r.state != RequestState::Requested,
+                            std::cmp::Reverse(r.created_at),
+                            k.as_str(),
+                        )
+                    }),
+                }
+                reqs.into_iter().map(|(k, _)| k.clone()).collect()
+            }
+            View::Events => {
+                let mut events: Vec<(&String, &Event)> = self
+                    .mirror
+                    .events_newest_first()
+                    .filter(|(_, e)| {
+                        matches(
+                            filter,
+                            &[
+                                &e.message,
+                                &e.actor,
+                                e.backing_id.as_ref().map(|b| b.as_str()).unwrap_or(""),
+                                e.node_id.as_ref().map(|b| b.as_str()).unwrap_or(""),
+                            ],
+                        )
+                    })
+                    .collect();
+                if sort == "kind" {
+                    events.sort_by_key(|(_, e)| e.kind as u8);
+                }
+                events.into_iter().map(|(k, _)| k.clone()).collect()
+            }
+        };
+        if vs.reverse {
+            rows.reverse();
+        }
+        rows
+    }
+
+    /// The backing node `focus` (a backing id) names, if it exists.
+    pub fn focused(&self, focus: Option<&str>) -> Option<&'a BackingNode> {
+        let key = self.index.backing_by_id.get(focus?)?;
+        self.mirror.backing(key)
+    }
+
+    pub fn slot_rows(&self, b: &BackingNode) -> Vec<SlotRow> {
+        let mut out: Vec<SlotRow> = (0..b.slots)
+            .map(|slot| {
+                let node = self
+                    .mirror
+                    .slot(&slotpool_protocol::layout::slot_key(&b.id, slot))
+                    .cloned();
+                SlotRow {
+                    slot,
+                    held_ms: node
+                        .as_ref()
+                        .map(|n| self.now.saturating_sub(n.allocated_at)),
+                    node,
+                }
+            })
+            .collect();
+        // Slot records beyond the node's slot count should not exist; show them anyway.
+        for s in self.mirror.slots() {
+            if s.backing_id == b.id && s.slot >= b.slots {
+                out.push(SlotRow {
+                    slot: s.slot,
+                    held_ms: Some(self.now.saturating_sub(s.allocated_at)),
+                    node: Some(s.clone()),
+                });
+            }
+        }
+        out
+    }
+
+    /// The Slots view row of `key` (a slot key).
+    pub fn slot_row(&self, key: &str) -> Option<SlotRow> {
+        let (backing, slot) = slotpool_protocol::layout::parse_slot_key(key)?;
+        let node = self.mirror.slot(key).cloned();
+        if node.is_none() && !self.index.backing_by_id.contains_key(backing.as_str()) {
+            return None;
+        }
+        Some(SlotRow {
+            slot,
+            held_ms: node
+                .as_ref()
+                .map(|n| self.now.saturating_sub(n.allocated_at)),
+            node,
+        })
+    }
+
+    pub fn pool_row(&self, key: &str) -> Option<&'a PoolRow> {
+        self.pools().iter().find(|p| p.key() == key)
+    }
+
+    fn used(&self, b: &BackingNode) -> u32 {
+        self.index
+            .used_by_backing
+            .get(b.id.as_str())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The idle timer of `b`, by the launcher's own rule ([`timing::release_at`]):
+    /// grace-time counts from `idle_since` or the last slot seen coming back, and an
+    /// empty node is never released before `launched_at + min-retention-time`.
+    pub fn idle_timer(&self, b: &BackingNode) -> IdleTimer {
+        if self.used(b) > 0 {
+            return IdleTimer::None;
+        }
+        match (b.state, b.idle) {
+            (BackingState::Ready | BackingState::Retiring, IdleBehaviour::Hold) => IdleTimer::Held,
+            (BackingState::Ready | BackingState::Retiring, IdleBehaviour::Drain) => {
+                IdleTimer::Draining
+            }
+            (BackingState::Ready, IdleBehaviour::Run) => {
+                let Some(idle_since) = b.idle_since else {
+                    return IdleTimer::None;
+                };
+                match self.rules.label(&b.provider, &b.pool, &b.label) {
+                    Some(r) => {
+                        let last_release = self.mirror.last_release(b.id.as_str());
+                        let at = timing::release_at(b, last_release, self.now, &r.idle());
+                        IdleTimer::ReleaseIn(at.saturating_sub(self.now))
+                    }
+                    None => IdleTimer::IdleFor(self.now.saturating_sub(idle_since)),
+                }
+            }
+            _ => IdleTimer::None,
+        }
+    }
+
+    /// The view model of one Backing nodes row.
+    pub fn backing_row(&self, key: &str) -> Option<BackingRow> {
+        let b = self.mirror.backing(key)?;
+        let rules = self.rules.label(&b.provider, &b.pool, &b.label);
+        let launched = b.launched_at.unwrap_or(b.created_at);
+        let retained_ms = rules
+            .filter(|r| r.min_retention_ms > 0)
+            .map(|r| (launched + r.min_retention_ms).saturating_sub(self.now))
+            .filter(|ms| *ms > 0 && b.state == BackingState::Ready);
+        let ages = b.state == BackingState::Ready;
+        let max_age_ms = rules.filter(|r| ages && r.max_age_ms > 0).map(|r| {
+            let at = b.ready_at.or(b.launched_at).unwrap_or(b.created_at) + r.max_age_ms;
+            at as i64 - self.now as i64
+        });
+        let heartbeat = match self.mirror.agent(b.id.as_str()) {
+            None => Heartbeat::Missing,
+            Some(a) => {
+                let age_ms = self.now.saturating_sub(a.sent_at);
+                if !b.secret_sha256.is_empty() && a.secret_sha256 != b.secret_sha256 {
+                    Heartbeat::Impostor { age_ms }
+                } else if a.draining {
+                    Heartbeat::Draining { age_ms }
+                } else if !a.health.healthy {
+                    Heartbeat::Unhealthy {
+                        age_ms,
+                        reason: a
+                            .health
+                            .reason
+                            .clone()
+                            .unwrap_or_else(|| "unhealthy".into()),
+                    }
+                } else {
+                    Heartbeat::Healthy { age_ms }
+                }
+            }
+        };
+        let reason = match (&b.failure, &heartbeat) {
+            (Some(f), _) if b.state == BackingState::Failed => Some(f.clone()),
+            (_, Heartbeat::Unhealthy { reason, .. }) => Some(reason.clone()),
+            (_, Heartbeat::Impostor { .. }) => Some("heartbeat has another secret".into()),
+            (Some(f), _) => Some(f.clone()),
+            _ => None,
+        };
+        Some(BackingRow {
+            key: key.to_string(),
+            id: b.id.to_string(),
+            provider: b.provider.clone(),
+            pool: b.pool.clone(),
+            seat: b.seat,
+            label: b.label.clone(),
+            state: b.state,
+            idle: b.idle,
+            used: self.used(b),
+            slots: b.slots,
+            age_ms: self.now.saturating_sub(b.created_at),
+            timer: self.idle_timer(b),
+            retained_ms,
+            max_age_ms,
+            heartbeat,
+            reason,
+            order: b.order.as_ref().map(|o| {
+                let mut s = format!("{} by {}", o.action.as_str(), o.actor);
+                if let Some(r) = &o.reason {
+                    s.push_str(": ");
+                    s.push_str(r);
+                }
+                s
+            }),
+        })
+    }
+}
+
+/// Whether any of `haystack` contains `filter`, ignoring case.
+fn matches(filter: &str, haystack: &[&str]) -> bool {
+    if filter.is_empty() {
+        return true;
+    }
+    let needle = filter.to_lowercase();
+    haystack.iter().any(|h| h.to_lowercase().contains(&needle))
+}
+
+/// Puts a view's freshly derived keys in place and keeps its selection on its row.
+pub fn set_rows(view: View, vs: &mut ViewState, rows: Vec<String>) {
+    // The event log follows the newest entry while the selection is on top.
+    let follow = view == View::Events && vs.selected == 0;
+    vs.rows = rows;
+    if follow {
+        vs.selected_key = None;
+    }
+    if let Some(key) = &vs.selected_key {
+        if let Some(i) = vs.rows.iter().position(|k| k == key) {
+            vs.selected = i;
+        }
+    }
+    vs.selected = vs.selected.min(vs.rows.len().saturating_sub(1));
+    vs.selected_key = vs.rows.get(vs.selected).cloned();
+}
+
+/// Scrolls `vs` so that its selection is on a page of `page` rows.
+pub fn scroll_into_view(vs: &mut ViewState, page: usize) {
+    if vs.selected < vs.offset {
+        vs.offset = vs.selected;
+    } else if vs.selected >= vs.offset + page {
+        vs.offset = vs.selected + 1 - page;
+    }
+    vs.offset = vs.offset.min(vs.rows.len().saturating_sub(page));
+}

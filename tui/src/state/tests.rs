@@ -1,0 +1,438 @@
+//! The reducer's unit tests, fed with the fixtures' records and keys.
+
+use super::*;
+use crate::fixtures::*;
+use crate::mirror::{Bucket, Record, EVENT_HISTORY};
+use crate::rows::Heartbeat;
+use crossterm::event::KeyCode;
+use slotpool_protocol::model::{BackingState, EventKind, IdleBehaviour};
+
+fn selected_backing(state: &State) -> String {
+    state.views[View::Backing.index()]
+        .selected_key
+        .clone()
+        .unwrap()
+}
+
+#[test]
+fn pools_aggregate_nodes_slots_and_waiting_requests() {
+    let state = loaded(rules(), sample(), 80, 24);
+    let pools = state.pools();
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    let p = &pools[0];
+    assert_eq!(
+        (p.provider.as_str(), p.pool.as_str(), p.label.as_str()),
+        ("cloud", "main", "small")
+    );
+    // requested, launching, ready, retiring, releasing, failed
+    assert_eq!(p.by_state, [0, 1, 2, 0, 0, 1]);
+    assert_eq!((p.used, p.total), (2, 16));
+    assert_eq!(p.max_servers, Some(4));
+    assert_eq!(p.waiting, 1);
+    assert_eq!(p.oldest_wait_ms, Some(75 * SEC));
+}
+
+#[test]
+fn waiting_labels_no_pool_serves_get_a_row() {
+    let changes = vec![put(Record::Request(Box::new(request(
+        "req-9",
+        &["gpu"],
+        RequestState::Requested,
+        NOW - 5 * SEC,
+    ))))];
+    let state = loaded(Rules::unknown(), changes, 80, 24);
+    assert_eq!(state.pools().len(), 1);
+    assert_eq!(state.pools()[0].label, "gpu");
+    assert_eq!(state.pools()[0].provider, "-");
+    assert_eq!(state.pools()[0].waiting, 1);
+}
+
+#[test]
+fn idle_timer_counts_down_grace_time_and_respects_min_retention() {
+    let mut b = backing(1, BackingState::Ready, 2);
+    b.idle_since = Some(NOW - 42 * SEC);
+    let key = "cloud.main.1";
+    let state = loaded(
+        rules(),
+        vec![put(Record::Backing(Box::new(b.clone())))],
+        80,
+        24,
+    );
+    assert_eq!(
+        state.backing_row(key).unwrap().timer,
+        IdleTimer::ReleaseIn((300 - 42) * SEC)
+    );
+
+    // min-retention later than grace-time: it wins.
+    let mut r = rules();
+    r.insert(
+        "cloud",
+        "main",
+        "small",
+        crate::rules::LabelRules {
+            grace_time_ms: 300 * SEC,
+            min_retention_ms: 7200 * SEC,
+            max_age_ms: 0,
+        },
+    );
+    let state = loaded(r, vec![put(Record::Backing(Box::new(b.clone())))], 80, 24);
+    let row = state.backing_row(key).unwrap();
+    assert_eq!(row.timer, IdleTimer::ReleaseIn(3600 * SEC));
+    assert_eq!(row.retained_ms, Some(3600 * SEC));
+    assert_eq!(row.max_age_ms, None);
+
+    // No config: how long it has been idle.
+    let state = loaded(
+        Rules::unknown(),
+        vec![put(Record::Backing(Box::new(b.clone())))],
+        80,
+        24,
+    );
+    assert_eq!(
+        state.backing_row(key).unwrap().timer,
+        IdleTimer::IdleFor(42 * SEC)
+    );
+
+    // Hold and drain override grace-time.
+    b.idle = IdleBehaviour::Hold;
+    let state = loaded(
+        rules(),
+        vec![put(Record::Backing(Box::new(b.clone())))],
+        80,
+        24,
+    );
+    assert_eq!(state.backing_row(key).unwrap().timer, IdleTimer::Held);
+    b.idle = IdleBehaviour::Drain;
+    let state = loaded(
+        rules(),
+        vec![put(Record::Backing(Box::new(b.clone())))],
+        80,
+        24,
+    );
+    assert_eq!(state.backing_row(key).unwrap().timer, IdleTimer::Draining);
+}
+
+#[test]
+fn timers_follow_the_tick_without_reading_the_clock() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let before = state.backing_row("cloud.main.1").unwrap();
+    apply_all(&mut state, [Msg::Tick(NOW + 10 * SEC)]);
+    let after = state.backing_row("cloud.main.1").unwrap();
+    assert_eq!(before.timer, IdleTimer::ReleaseIn(258 * SEC));
+    assert_eq!(after.timer, IdleTimer::ReleaseIn(248 * SEC));
+    assert_eq!(
+        after.max_age_ms,
+        Some((24 * 3600 - 3500 - 10) as i64 * SEC as i64)
+    );
+}
+
+#[test]
+fn a_used_node_has_no_idle_timer_and_shows_its_slots() {
+    let state = loaded(rules(), sample(), 80, 24);
+    let row = state.backing_row("cloud.main.0").unwrap();
+    assert_eq!(row.timer, IdleTimer::None);
+    assert_eq!((row.used, row.slots), (2, 4));
+    assert_eq!(row.heartbeat, Heartbeat::Healthy { age_ms: SEC });
+    let b = state.backing("cloud.main.0").unwrap().clone();
+    let slots = state.slot_rows(&b);
+    assert_eq!(slots.len(), 4);
+    assert_eq!(slots[2].held_ms, Some(95 * SEC));
+    assert!(slots[1].node.is_none());
+}
+
+#[test]
+fn heartbeat_health_and_failure_reasons() {
+    let b = backing(0, BackingState::Ready, 2);
+    let mut hb = agent(&b, NOW - 3 * SEC);
+    hb.health.healthy = false;
+    hb.health.reason = Some("disk 98% full".into());
+    let state = loaded(
+        rules(),
+        vec![
+            put(Record::Backing(Box::new(b.clone()))),
+            put(Record::Agent(Box::new(hb.clone()))),
+        ],
+        80,
+        24,
+    );
+    let row = state.backing_row("cloud.main.0").unwrap();
+    assert!(row.heartbeat.is_bad());
+    assert_eq!(row.reason.as_deref(), Some("disk 98% full"));
+
+    hb.secret_sha256 = "other".into();
+    let state = loaded(
+        rules(),
+        vec![
+            put(Record::Backing(Box::new(b))),
+            put(Record::Agent(Box::new(hb))),
+        ],
+        80,
+        24,
+    );
+    let row = state.backing_row("cloud.main.0").unwrap();
+    assert_eq!(row.heartbeat, Heartbeat::Impostor { age_ms: 3 * SEC });
+
+    let state = loaded(rules(), sample(), 80, 24);
+    let failed = state.backing_row("cloud.main.2").unwrap();
+    assert_eq!(failed.reason.as_deref(), Some("agent heartbeat expired"));
+    assert_eq!(failed.heartbeat, Heartbeat::Missing);
+}
+
+#[test]
+fn a_restarted_watch_reconciles_on_synced() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    assert_eq!(state.backing_count(), 4);
+    // The watch restarts (connection came back); only seats 0 and 3 still exist.
+    let again: Vec<Change> = sample()
+        .into_iter()
+        .filter(|c| matches!(c, Change::Put { key, .. } if key == "cloud.main.0" || key == "cloud.main.3"))
+        .collect();
+    let mut batch = vec![Change::Restarted(Bucket::Backing)];
+    batch.extend(again);
+    apply_all(&mut state, [Msg::Feed(batch)]);
+    assert!(!state.loaded());
+    assert_eq!(state.backing_count(), 4, "nothing dropped before Synced");
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Synced(Bucket::Backing)])],
+    );
+    assert!(state.loaded());
+    assert_eq!(state.backing_count(), 2);
+    assert_eq!(
+        state.view_state().rows,
+        vec!["cloud.main.0", "cloud.main.3"]
+    );
+}
+
+#[test]
+fn removals_and_puts_update_rows_and_selection_follows_its_row() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    assert_eq!(state.view, View::Backing);
+    press(&mut state, [key('j'), key('j')]);
+    assert_eq!(selected_backing(&state), "cloud.main.2");
+    // Sort by state: failed first; the selection stays on the failed node.
+    press(&mut state, [key('s')]);
+    assert_eq!(state.view_state().rows[0], "cloud.main.2");
+    assert_eq!(selected_backing(&state), "cloud.main.2");
+    assert_eq!(state.view_state().selected, 0);
+    // It goes away: the selection stays at its index.
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Backing,
+            key: "cloud.main.2".into(),
+        }])],
+    );
+    assert_eq!(state.backing_count(), 3);
+    assert_eq!(state.view_state().rows.len(), 3);
+    assert_eq!(state.view_state().selected, 0);
+}
+
+#[test]
+fn filter_and_reverse_sort() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let mut msgs = vec![key('/')];
+    msgs.extend("fail".chars().map(key));
+    msgs.push(code(KeyCode::Enter));
+    press(&mut state, msgs);
+    assert_eq!(state.view_state().filter, "fail");
+    assert_eq!(state.view_state().rows, vec!["cloud.main.2"]);
+    press(&mut state, [code(KeyCode::Esc)]);
+    assert_eq!(state.view_state().rows.len(), 4);
+    press(&mut state, [key('S')]);
+    assert_eq!(state.view_state().rows[0], "cloud.main.3");
+}
+
+#[test]
+fn drain_hold_and_run_order_the_selected_node() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let cmds = press(&mut state, [key('j'), key('D')]);
+    assert_eq!(
+        cmds,
+        vec![Command::Order {
+            action: OperatorAction::Drain,
+            backing_id: bid(1),
+            reason: None
+        }]
+    );
+    let cmds = press(&mut state, [key('H'), key('R')]);
+    assert_eq!(cmds.len(), 2);
+    assert!(matches!(
+        cmds[0],
+        Command::Order {
+            action: OperatorAction::Hold,
+            ..
+        }
+    ));
+    assert!(matches!(
+        cmds[1],
+        Command::Order {
+            action: OperatorAction::Run,
+            ..
+        }
+    ));
+    // Not in the Events view.
+    let cmds = press(&mut state, [key('5'), key('D')]);
+    assert!(cmds.is_empty());
+    assert!(state.status.as_ref().unwrap().error);
+}
+
+#[test]
+fn kill_asks_for_confirmation_and_a_reason() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let cmds = press(&mut state, [key('K')]);
+    assert!(cmds.is_empty());
+    assert!(matches!(state.input, Input::Confirm { .. }));
+    // Esc cancels.
+    let cmds = press(&mut state, [code(KeyCode::Esc)]);
+    assert!(cmds.is_empty());
+    assert_eq!(state.input, Input::None);
+    let mut msgs = vec![key('K')];
+    msgs.extend("bad disk".chars().map(key));
+    msgs.push(code(KeyCode::Enter));
+    let cmds = press(&mut state, msgs);
+    assert_eq!(
+        cmds,
+        vec![Command::Order {
+            action: OperatorAction::Kill,
+            backing_id: bid(0),
+            reason: Some("bad disk".into())
+        }]
+    );
+    // 'q' typed into the reason is text, not quit.
+    let cmds = press(&mut state, [key('K'), key('q')]);
+    assert!(cmds.is_empty());
+}
+
+#[test]
+fn enter_drills_into_slots_and_x_releases_one() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [code(KeyCode::Enter)]);
+    assert_eq!(state.view, View::Slots);
+    assert_eq!(state.focused().unwrap().id, bid(0));
+    assert_eq!(state.view_state().rows.len(), 4);
+    // Slot 1 is free: nothing to release.
+    let cmds = press(&mut state, [key('j'), key('X')]);
+    assert!(cmds.is_empty());
+    let mut msgs = vec![key('j'), key('X')];
+    msgs.extend("stuck".chars().map(key));
+    msgs.push(code(KeyCode::Enter));
+    let cmds = press(&mut state, msgs);
+    match &cmds[..] {
+        [Command::ReleaseNode { node_id, reason }] => {
+            assert!(node_id.as_str().ends_with(&format!("_2_{}", bid(0))));
+            assert_eq!(reason.as_deref(), Some("stuck"));
+        }
+        other => panic!("{other:?}"),
+    }
+    press(&mut state, [code(KeyCode::Esc)]);
+    assert_eq!(state.view, View::Backing);
+}
+
+#[test]
+fn tab_and_number_keys_switch_views_and_q_quits() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [code(KeyCode::Tab)]);
+    assert_eq!(state.view, View::Slots);
+    press(&mut state, [code(KeyCode::BackTab), code(KeyCode::BackTab)]);
+    assert_eq!(state.view, View::Pools);
+    press(&mut state, [key('5')]);
+    assert_eq!(state.view, View::Events);
+    // Newest event first.
+    assert!(state.view_state().rows[0].ends_with("3"));
+    press(&mut state, [key('?')]);
+    assert_eq!(state.input, Input::Help);
+    assert!(
+        press(&mut state, [key('q')]).is_empty(),
+        "q closes the help first"
+    );
+    assert_eq!(press(&mut state, [key('q')]), vec![Command::Quit]);
+}
+
+#[test]
+fn paging_scrolls_and_keeps_the_selection_visible() {
+    let changes = ready_backing(100, 2);
+    let mut state = loaded(rules(), changes, 80, 24);
+    let page = state.page_rows();
+    assert_eq!(page, 17);
+    press(&mut state, [code(KeyCode::PageDown)]);
+    assert_eq!(state.view_state().selected, 17);
+    assert_eq!(state.view_state().offset, 1);
+    press(&mut state, [key('G')]);
+    assert_eq!(state.view_state().selected, 99);
+    assert_eq!(state.view_state().offset, 100 - page);
+    press(&mut state, [key('g')]);
+    assert_eq!(state.view_state().offset, 0);
+    // A smaller terminal keeps the selection on screen.
+    press(&mut state, [key('G')]);
+    apply_all(&mut state, [Msg::Resize(80, 12)]);
+    assert_eq!(state.view_state().offset, 100 - 5);
+}
+
+#[test]
+fn the_event_log_follows_new_entries_while_on_top() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [key('5')]);
+    let newest = put(Record::Event(Box::new(event(
+        9,
+        NOW,
+        EventKind::Operator,
+        &bid(0),
+        "drain by bob",
+    ))));
+    apply_all(&mut state, [Msg::Feed(vec![newest])]);
+    assert!(state
+        .view_state()
+        .selected_key
+        .as_ref()
+        .unwrap()
+        .ends_with('9'));
+    // Scrolled down: the selection stays on its entry.
+    press(&mut state, [key('j')]);
+    let kept = state.view_state().selected_key.clone();
+    let newer = put(Record::Event(Box::new(event(
+        10,
+        NOW,
+        EventKind::Operator,
+        &bid(0),
+        "run by bob",
+    ))));
+    apply_all(&mut state, [Msg::Feed(vec![newer])]);
+    assert_eq!(state.view_state().selected_key, kept);
+}
+
+#[test]
+fn the_event_log_keeps_the_latest_entries() {
+    let b = bid(0);
+    let changes: Vec<Change> = (0..(EVENT_HISTORY as u32 + 20))
+        .map(|i| {
+            put(Record::Event(Box::new(event(
+                i,
+                NOW,
+                EventKind::Backing,
+                &b,
+                "x",
+            ))))
+        })
+        .collect();
+    let state = loaded(rules(), changes, 80, 24);
+    assert_eq!(state.views[View::Events.index()].rows.len(), EVENT_HISTORY);
+}
+
+#[test]
+fn order_results_and_connection_show_in_the_state() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    apply_all(
+        &mut state,
+        [Msg::OrderDone {
+            what: "drain bn-1".into(),
+            result: Err("no launcher answers".into()),
+        }],
+    );
+    let s = state.status.clone().unwrap();
+    assert!(s.error && s.text.contains("drain bn-1 failed"), "{s:?}");
+    apply_all(&mut state, [Msg::Link(false)]);
+    assert!(!state.link_up);
+    apply_all(&mut state, [Msg::Link(true)]);
+    assert!(state.link_up);
+}
