@@ -302,6 +302,17 @@ pub fn unmount_all_under(dir: &Path) {
     }
 }
 
+/// Runs [`unmount_all_under`] on its directory when dropped: declared after the temp
+/// dir of an agent and before the agent's process guard, it runs once the agent is dead
+/// and before the dir is removed, also when the test fails.
+pub struct UnmountOnDrop(pub PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        unmount_all_under(&self.0);
+    }
+}
+
 pub fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))

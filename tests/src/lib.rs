@@ -30,7 +30,7 @@ pub use agent::{
 };
 pub use isolation::{
     in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,
-    unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd, SSHD,
+    unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd, UnmountOnDrop, SSHD,
 };
 pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
 pub use pool::{config_yaml, config_yaml_with, kill_agents, label, wait_served, Pool, AGENT_ARGS};

@@ -80,6 +80,8 @@ async fn prepare_release_times_and_idle_memory() {
     let nats = NatsServer::start().await;
     let bus = nats.bus().await;
     let work = tempfile::tempdir().unwrap();
+    // Quota'd workspaces (SLOTPOOL_BENCH_AGENT_ARGS) are mounts: gone with the agent.
+    let _unmount = slotpool_tests::UnmountOnDrop(work.path().to_path_buf());
     let backing = BackingId::parse("bn-bench").unwrap();
     let mut cmd = Command::new(bin_path("slotpool-agent"));
     cmd.args(nats.args_as(slotpool_protocol::auth::Role::Agent, backing.as_str()))
