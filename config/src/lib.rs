@@ -23,6 +23,8 @@
 //!             grace-time: 60
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod bus;
 mod raw;
 pub mod timing;

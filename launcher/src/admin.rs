@@ -5,8 +5,8 @@
 //! a launcher restart. Every order is recorded in the event log with who (the operator's bus user name, from the subject: never what the message
 //! says), when and why.
 
-use crate::api::{bad, decode, internal};
 use crate::events::{self, Subject};
+use crate::inbound::{bad, decode, internal};
 use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, seat_topic, Shared};
 use slotpool_protocol::api::{

@@ -7,6 +7,7 @@
 //! specific error; nothing about it disturbs other requests.
 
 use crate::admin;
+use crate::inbound::{bad, check_owner, decode, internal};
 use crate::nodes;
 use crate::release::{self, Finish, Give};
 use crate::request::observe::{self, Memory};
@@ -15,7 +16,6 @@ use crate::request::{self, exec};
 use crate::shared::Shared;
 use crate::status;
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
 use slotpool_protocol::api::{
     ApiError, CancelRequest, Canceled, ErrorCode, ReleaseNodes, Released, Reply, SubmitRequest,
     Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST,
@@ -26,7 +26,7 @@ use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
 use slotpool_protocol::model::{Node, NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::{RequestId, UserName, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use slotpool_protocol::{RequestId, UserName, PROTOCOL_VERSION};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -138,41 +138,6 @@ async fn respond<T: serde::Serialize>(
         tracing::info!(code = ?err.code, message = %err.message, "refused");
     }
     sh.bus.respond(reply_to, &Reply::from(result)).await
-}
-
-pub(crate) fn bad(message: impl Into<String>) -> ApiError {
-    ApiError::new(ErrorCode::BadRequest, message)
-}
-
-pub(crate) fn internal(err: impl std::fmt::Display) -> ApiError {
-    ApiError::new(ErrorCode::Internal, err.to_string())
-}
-
-/// Decodes a message, refusing oversized ones and other protocol versions.
-pub(crate) fn decode<T: DeserializeOwned>(
-    msg: &Incoming,
-    what: &str,
-    version: impl Fn(&T) -> u32,
-) -> Result<T, ApiError> {
-    if msg.payload.len() > MAX_MESSAGE_BYTES {
-        return Err(ApiError::new(
-            ErrorCode::TooLarge,
-            format!(
-                "{what} is {} bytes; the limit is {MAX_MESSAGE_BYTES}",
-                msg.payload.len()
-            ),
-        ));
-    }
-    let value: T = serde_json::from_slice(&msg.payload)
-        .map_err(|err| bad(format!("malformed {what}: {err}")))?;
-    let v = version(&value);
-    if v != PROTOCOL_VERSION {
-        return Err(ApiError::new(
-            ErrorCode::UnsupportedVersion,
-            format!("{what} has v={v}; this launcher speaks v={PROTOCOL_VERSION}"),
-        ));
-    }
-    Ok(value)
 }
 
 /// Checks a submission against the limits and the configured labels.
@@ -395,22 +360,4 @@ async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<C
             Err(err) => return Err(internal(err)),
         }
     }
-}
-
-/// Refuses a caller that is not the client a request or node belongs to.
-pub(crate) fn check_owner(
-    caller: &UserName,
-    owner: Option<&UserName>,
-    what: impl FnOnce() -> String,
-) -> Result<(), ApiError> {
-    if owner == Some(caller) {
-        return Ok(());
-    }
-    Err(ApiError::new(
-        ErrorCode::Forbidden,
-        format!(
-            "{} belongs to another client; {caller} may release or cancel only its own",
-            what()
-        ),
-    ))
 }

@@ -7,7 +7,7 @@ use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
 use crate::provider::{LaunchSpec, ProviderError};
-use crate::shared::{label_topic, seat_topic, wait_for_change, Shared};
+use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, HeartbeatGist};
@@ -33,7 +33,8 @@ const AGENT_COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Starts a worker for the seat `seat_key` unless this process already has one.
 pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
     let key = layout::backing_lease_key(&seat_key);
-    if !shared.start_work(&key) {
+    let work = Work::Seat(seat_key.clone());
+    if !shared.start_work(&work) {
         return;
     }
     let sh = shared.clone();
@@ -60,7 +61,7 @@ pub fn spawn(shared: &Arc<Shared>, seat_key: String) {
                 Ok(None) => tracing::debug!("another launcher drives this backing node"),
                 Err(err) => tracing::warn!(%err, "cannot take the backing node's lease"),
             }
-            sh.end_work(&key);
+            sh.end_work(&work);
             // A change that came while this worker was letting go found it still
             // registered and was dropped: look once more now that it is gone.
             if let_go && !sh.shutdown.is_cancelled() && due(&sh, &seat_key) == Due::Now {

@@ -11,7 +11,7 @@ use slotpool_protocol::model::Lease;
 use slotpool_protocol::store::KvError;
 use slotpool_protocol::time::now_ms;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -124,36 +124,8 @@ impl Drop for LeaseGuard {
     }
 }
 
-/// This launcher's liveness lease (`launcher.<id>`): while it stands, no other launcher
-/// takes over the requests this one owns. [`Liveness::token`] is cancelled when the lease
-/// is lost (the bus was out of reach for longer than the lease TTL): the request workers
-/// stop, as others may take their requests over, and the lease is taken again.
-pub struct Liveness {
-    current: Mutex<CancellationToken>,
-}
-
 /// Pause between attempts to take the liveness lease again.
 const LIVENESS_RETRY: Duration = Duration::from_secs(1);
-
-impl Liveness {
-    pub fn new(shutdown: &CancellationToken) -> Liveness {
-        Liveness {
-            current: Mutex::new(shutdown.child_token()),
-        }
-    }
-
-    /// Cancelled when the liveness lease held now is lost (or at shutdown).
-    pub fn token(&self) -> CancellationToken {
-        self.current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn set(&self, token: CancellationToken) {
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = token;
-    }
-}
 
 /// Takes this launcher's liveness lease; an error when the bus cannot be written.
 pub async fn take_liveness(shared: &Arc<Shared>) -> Result<LeaseGuard, KvError> {

@@ -8,7 +8,7 @@
 //! cleans the slot, and the slot key is deleted. Every part is safe to run twice.
 
 use crate::nodes::{call_agent, SlotError, AGENT_TIMEOUT};
-use crate::shared::Shared;
+use crate::shared::{Shared, Work};
 use slotpool_protocol::api::AgentCommand;
 use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{Node, NodeRequest, NodeState, RequestState};
@@ -210,7 +210,7 @@ async fn holds_slot(shared: &Shared, id: &NodeId) -> Result<bool, KvError> {
 
 /// Finishes a release in the background (the API replies once the node is marked).
 fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
-    let work = format!("release.{}", node.value.id);
+    let work = Work::Release(node.value.id.clone());
     if !shared.start_work(&work) {
         return;
     }

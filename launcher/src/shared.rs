@@ -3,11 +3,11 @@
 
 use crate::agent_bus::AgentBus;
 use crate::config::Config;
-use crate::lease::Liveness;
+use crate::liveness::Liveness;
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
-use slotpool_protocol::LauncherId;
+use slotpool_protocol::{LauncherId, NodeId, RequestId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::watch;
@@ -24,8 +24,8 @@ pub struct Shared {
     pub agent_bus: AgentBus,
     world: Mutex<World>,
     pub signals: Signals,
-    /// Work items (lease keys) this process has a worker for.
-    active: Mutex<HashSet<String>>,
+    /// Work items this process has a worker for.
+    active: Mutex<HashSet<Work>>,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
     /// This launcher's liveness lease, which stands for every request it owns.
@@ -71,46 +71,66 @@ impl Shared {
         self.world.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Marks `key` as driven by this process; false if a worker already drives it.
-    pub fn start_work(&self, key: &str) -> bool {
+    /// Marks `work` as driven by this process; false if a worker already drives it.
+    pub fn start_work(&self, work: &Work) -> bool {
         self.active
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(key.to_string())
+            .insert(work.clone())
     }
 
-    pub fn end_work(&self, key: &str) {
+    pub fn end_work(&self, work: &Work) {
         self.active
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(key);
+            .remove(work);
     }
 
-    pub fn is_working_on(&self, key: &str) -> bool {
+    pub fn is_working_on(&self, work: &Work) -> bool {
         self.active
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .contains(key)
+            .contains(work)
     }
 }
 
-/// Change signals by topic (`request:<id>`, `seat:<key>`, `label:<name>`): a worker
-/// subscribes to what it waits for and is woken when the watch applies a change to it.
+/// A work item one worker of this process drives at a time.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Work {
+    /// A request's worker.
+    Request(RequestId),
+    /// The worker of the backing node in a seat (by the seat's key).
+    Seat(String),
+    /// Finishing the release of a node.
+    Release(NodeId),
+}
+
+/// What changed in the mirror, as workers wait for it and the supervisor looks at it:
+/// a request, a seat (its backing node or its agent), or the capacity of a label.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Topic {
+    Request(RequestId),
+    Seat(String),
+    Label(String),
+}
+
+/// Change signals by [`Topic`]: a worker subscribes to what it waits for and is woken
+/// when the watch applies a change to it.
 #[derive(Default)]
 pub struct Signals {
-    topics: Mutex<HashMap<String, watch::Sender<u64>>>,
+    topics: Mutex<HashMap<Topic, watch::Sender<u64>>>,
 }
 
 impl Signals {
-    pub fn subscribe(&self, topic: &str) -> watch::Receiver<u64> {
+    pub fn subscribe(&self, topic: &Topic) -> watch::Receiver<u64> {
         let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
         topics
-            .entry(topic.to_string())
+            .entry(topic.clone())
             .or_insert_with(|| watch::channel(0).0)
             .subscribe()
     }
 
-    pub fn bump(&self, topic: &str) {
+    pub fn bump(&self, topic: &Topic) {
         let topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tx) = topics.get(topic) {
             tx.send_modify(|n| *n = n.wrapping_add(1));
@@ -126,14 +146,14 @@ impl Signals {
     }
 }
 
-pub fn request_topic(id: &slotpool_protocol::RequestId) -> String {
-    format!("request:{id}")
+pub fn request_topic(id: &RequestId) -> Topic {
+    Topic::Request(id.clone())
 }
-pub fn seat_topic(seat_key: &str) -> String {
-    format!("seat:{seat_key}")
+pub fn seat_topic(seat_key: &str) -> Topic {
+    Topic::Seat(seat_key.to_string())
 }
-pub fn label_topic(label: &str) -> String {
-    format!("label:{label}")
+pub fn label_topic(label: &str) -> Topic {
+    Topic::Label(label.to_string())
 }
 
 /// Waits until any of `rxs` changes, `deadline` passes, or `stop` is cancelled.

@@ -5,7 +5,7 @@
 //! launcher's mirror and, when asked to wait, holds the call open until the change
 //! arrives (woken by the mirror's change signals, never by polling) or the wait ends.
 
-use crate::api::{check_owner, decode, internal};
+use crate::inbound::{check_owner, decode, internal};
 use crate::nodes;
 use crate::shared::{request_topic, wait_for_change, Shared};
 use slotpool_protocol::api::{

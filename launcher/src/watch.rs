@@ -4,7 +4,7 @@
 //! After a dropped watch it watches again from the current values, and forgets keys that
 //! disappeared while it was away.
 
-use crate::shared::{label_topic, request_topic, seat_topic, Shared};
+use crate::shared::{label_topic, request_topic, seat_topic, Shared, Topic};
 use crate::world::World;
 use futures::StreamExt;
 use slotpool_protocol::model::{
@@ -17,13 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// A work item the supervisor should look at.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Dirty {
-    Request(RequestId),
-    Seat(String),
-    Label(String),
-}
+/// A work item the supervisor should look at: what changed ([`Topic`]).
+pub type Dirty = Topic;
 
 /// Which bucket a watcher mirrors.
 #[derive(Clone, Copy, Debug)]
@@ -192,7 +187,7 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
 /// What a change asks for: topics to wake, and work items for the supervisor.
 #[derive(Default)]
 struct Effects {
-    wake: Vec<String>,
+    wake: Vec<Topic>,
     todo: Vec<Dirty>,
 }
 

@@ -1,5 +1,5 @@
 //! The request worker: one task per node request this launcher owns (`owner` in the
-//! request; see [`crate::lease::Liveness`] for how ownership passes on). It claims a
+//! request; see [`crate::liveness::Liveness`] for how ownership passes on). It claims a
 //! slot for every label of the node set, has the agents prepare them, and marks the
 //! request fulfilled — or failed, with a reason a human can act on.
 //!
@@ -15,7 +15,7 @@ pub mod observe;
 pub mod plan;
 mod worker;
 
-use crate::shared::Shared;
+use crate::shared::{Shared, Work};
 use plan::Ownership;
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -23,9 +23,9 @@ use slotpool_protocol::RequestId;
 use std::sync::Arc;
 use tracing::Instrument;
 
-/// The work key of a request's worker ([`Shared::start_work`]).
-fn work_key(id: &RequestId) -> String {
-    format!("request.{id}")
+/// The work item of a request's worker ([`Shared::start_work`]).
+fn work_key(id: &RequestId) -> Work {
+    Work::Request(id.clone())
 }
 
 /// Whether request `id` needs a worker of this launcher: it is open, nobody here drives
