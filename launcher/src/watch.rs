@@ -7,6 +7,7 @@
 use crate::shared::{label_topic, request_topic, seat_topic, Shared, Topic};
 use crate::world::World;
 use futures::StreamExt;
+use slotpool_protocol::layout::{self, LeaseOf};
 use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
 };
@@ -336,15 +337,13 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
             }
             Mirror::Leases => {
                 world.leases.remove(key);
-                if let Some(launcher) = key
-                    .strip_prefix("launcher.")
-                    .and_then(|id| LauncherId::parse(id).ok())
-                {
+                match layout::parse_lease_key(key) {
                     // A launcher is gone: its open requests are free to take over.
-                    fx.todo
-                        .extend(owned_by(world, &launcher).map(Dirty::Request));
-                } else if let Some(seat) = key.strip_prefix("backing.") {
-                    fx.todo.push(Dirty::Seat(seat.to_string()));
+                    Some(LeaseOf::Launcher(launcher)) => fx
+                        .todo
+                        .extend(owned_by(world, &launcher).map(Dirty::Request)),
+                    Some(LeaseOf::Seat(seat)) => fx.todo.push(Dirty::Seat(seat)),
+                    None => {}
                 }
             }
         },

@@ -98,6 +98,25 @@ pub fn backing_lease_key(seat_key: &str) -> String {
     format!("backing.{seat_key}")
 }
 
+/// What a lease key names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseOf {
+    /// A launcher's liveness ([`launcher_lease_key`]).
+    Launcher(LauncherId),
+    /// The worker of a seat, by the seat's key ([`backing_lease_key`]).
+    Seat(String),
+}
+
+/// The inverse of [`launcher_lease_key`] and [`backing_lease_key`]; `None` for any
+/// other key.
+pub fn parse_lease_key(key: &str) -> Option<LeaseOf> {
+    if let Some(id) = key.strip_prefix("launcher.") {
+        return LauncherId::parse(id).ok().map(LeaseOf::Launcher);
+    }
+    key.strip_prefix("backing.")
+        .map(|seat| LeaseOf::Seat(seat.to_string()))
+}
+
 /// Subjects of the launcher's API and the agents' commands (API v2).
 ///
 /// The sender's bus user name is a token of every API and admin subject, and the
@@ -210,6 +229,22 @@ pub mod subjects {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn lease_keys_parse_back_to_what_they_name() {
+        let launcher = LauncherId::parse("launcher-a1").unwrap();
+        assert_eq!(
+            parse_lease_key(&launcher_lease_key(&launcher)),
+            Some(LeaseOf::Launcher(launcher))
+        );
+        assert_eq!(
+            parse_lease_key(&backing_lease_key("local.main.3")),
+            Some(LeaseOf::Seat("local.main.3".into()))
+        );
+        assert_eq!(parse_lease_key("launcher.not a valid id"), None);
+        assert_eq!(parse_lease_key("other.key"), None);
+    }
+
     use super::*;
 
     #[test]
