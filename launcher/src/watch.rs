@@ -305,9 +305,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                 }
             }
         }
-        Record::Lease(l) => {
-            world.leases.insert(l.key.clone(), l);
-        }
+        Record::Lease(l) => world.put_lease(l),
         Record::Removed { key, revision } => match mirror {
             Mirror::Requests => world.remove_request(key, revision),
             Mirror::Slots => {
@@ -336,7 +334,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                 world.remove_agent(key);
             }
             Mirror::Leases => {
-                world.leases.remove(key);
+                world.remove_lease(key);
                 match layout::parse_lease_key(key) {
                     // A launcher is gone: its open requests are free to take over.
                     Some(LeaseOf::Launcher(launcher)) => fx

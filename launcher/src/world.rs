@@ -233,6 +233,14 @@ impl World {
         true
     }
 
+    pub fn put_lease(&mut self, lease: Versioned<Lease>) {
+        self.leases.insert(lease.key.clone(), lease);
+    }
+
+    pub fn remove_lease(&mut self, key: &str) {
+        self.leases.remove(key);
+    }
+
     pub fn remove_agent(&mut self, key: &str) {
         if let Ok(id) = BackingId::parse(key) {
             if self.agents.remove(&id).is_some() {
