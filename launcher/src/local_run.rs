@@ -4,6 +4,7 @@
 //! `slotpool serve` never calls this module: a production launcher connects to a bus it
 //! is given.
 
+use rustix::process::{kill_process, Pid, Signal};
 use slotpool_protocol::connect::check_server_version;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -165,9 +166,9 @@ pub async fn start_nats_server(
 
 /// Stops a child politely (SIGTERM, 5 s), then kills it.
 pub async fn stop_child(child: &mut tokio::process::Child) {
-    if let Some(pid) = child.id() {
-        // SAFETY: kill(2) only signals; the pid is our own child's, not yet reaped.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    if let Some(pid) = child.id().and_then(|p| Pid::from_raw(p as i32)) {
+        // The child is ours and not yet reaped, so the pid is still its.
+        let _ = kill_process(pid, Signal::TERM);
     }
     if tokio::time::timeout(Duration::from_secs(5), child.wait())
         .await

@@ -55,6 +55,7 @@
 //! stdout or stderr open: the launcher reads them to the end.
 
 use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
+use rustix::process::{kill_process_group, Pid, Signal};
 use serde::{Deserialize, Serialize};
 use slotpool_protocol::model::{Attributes, Instance};
 use slotpool_protocol::BackingId;
@@ -329,11 +330,8 @@ struct GroupGuard(Option<i32>);
 
 impl GroupGuard {
     fn kill(&mut self) {
-        if let Some(pgid) = self.0.take().filter(|p| *p > 1) {
-            // SAFETY: kill has no memory-safety preconditions; pgid > 1.
-            unsafe {
-                libc::kill(-pgid, libc::SIGKILL);
-            }
+        if let Some(pgid) = self.0.take().filter(|p| *p > 1).and_then(Pid::from_raw) {
+            let _ = kill_process_group(pgid, Signal::KILL);
         }
     }
 

@@ -19,6 +19,7 @@
 //! while nats-server still runs, so each agent writes its last heartbeat and exits).
 
 use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
+use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 use slotpool_protocol::model::Instance;
 use slotpool_protocol::BackingId;
 use std::io;
@@ -114,15 +115,15 @@ impl LocalProvider {
             return Ok(());
         }
         tracing::debug!(backing_id, pid, "stopping local agent");
-        signal(pid, libc::SIGTERM);
+        signal(pid, Signal::TERM);
         if wait_exit(pid, STOP_GRACE).await {
             // Whatever the agent left behind in its group goes too.
-            signal(-pid, libc::SIGKILL);
+            signal(-pid, Signal::KILL);
             return Ok(());
         }
         tracing::warn!(backing_id, pid, grace = ?STOP_GRACE, "local agent ignored SIGTERM, killing it");
-        signal(-pid, libc::SIGKILL);
-        signal(pid, libc::SIGKILL);
+        signal(-pid, Signal::KILL);
+        signal(pid, Signal::KILL);
         if wait_exit(pid, KILL_GRACE).await {
             Ok(())
         } else {
@@ -212,7 +213,7 @@ impl Provider for LocalProvider {
         });
 
         if let Err(err) = write_pid(&dir, pid) {
-            signal(-pid, libc::SIGKILL);
+            signal(-pid, Signal::KILL);
             return Err(self.failed(err));
         }
         tracing::debug!(backing_id, pid, "started local agent");
@@ -392,12 +393,14 @@ async fn wait_exit(pid: i32, limit: Duration) -> bool {
 
 /// Sends `sig` to `pid` (a negative pid: its process group). Errors (it is gone) are
 /// ignored: callers check liveness themselves.
-fn signal(pid: i32, sig: libc::c_int) {
+fn signal(pid: i32, sig: Signal) {
     debug_assert!(pid.abs() > 1);
-    // SAFETY: kill has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid, sig);
-    }
+    // A negative pid names a process group, as for kill(2).
+    let _ = match Pid::from_raw(pid.abs()) {
+        Some(p) if pid < 0 => kill_process_group(p, sig),
+        Some(p) => kill_process(p, sig),
+        None => Ok(()),
+    };
 }
 
 #[cfg(test)]
@@ -436,7 +439,7 @@ mod tests {
                     .iter()
                     .any(|id| runs_as(*pid, id))
                 {
-                    signal(-*pid, libc::SIGKILL);
+                    signal(-*pid, Signal::KILL);
                 }
             }
         }
@@ -524,8 +527,14 @@ mod tests {
             .split(|b| *b == 0)
             .any(|v| v == b"SLOTPOOL_AGENT_SECRET=s3cret-value"));
         // Its own session, so the launcher's terminal and process group do not reach it.
-        // SAFETY: getsid only reads the session of a pid; a wrong pid is an error return.
-        let (sid, ours) = unsafe { (libc::getsid(pid), libc::getsid(0)) };
+        let sid = rustix::process::getsid(Pid::from_raw(pid))
+            .unwrap()
+            .as_raw_nonzero()
+            .get();
+        let ours = rustix::process::getsid(None)
+            .unwrap()
+            .as_raw_nonzero()
+            .get();
         assert_eq!(sid, pid);
         assert_ne!(sid, ours);
 
