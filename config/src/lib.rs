@@ -188,6 +188,15 @@ impl Config {
         })
     }
 
+    /// The most nodes of `label` the configured pools could ever hold at once: each pool
+    /// serving it at `max-servers` backing nodes of `max-parallel-jobs` slots.
+    pub fn max_nodes(&self, label: &str) -> u64 {
+        self.sites(label)
+            .iter()
+            .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.max_parallel_jobs))
+            .sum()
+    }
+
     /// Every label name served, sorted.
     pub fn label_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self
@@ -246,6 +255,17 @@ providers:
         assert_eq!(site.label.grace_time, Duration::from_secs(2));
         assert_eq!(site.label.node_attributes["zone"], serde_json::json!("a"));
         assert_eq!(c.label_names(), vec!["small"]);
+    }
+
+    #[test]
+    fn max_nodes_adds_up_every_pool_serving_a_label() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.max_nodes("small"), 8, "2 servers x 4 slots");
+        assert_eq!(c.max_nodes("gpu"), 0, "no pool serves it");
+        let second_pool = format!(
+            "{GOOD}      - name: spare\n        max-servers: 3\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 2\n"
+        );
+        assert_eq!(parse(&second_pool).unwrap().max_nodes("small"), 8 + 6);
     }
 
     #[test]

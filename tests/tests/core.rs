@@ -576,6 +576,20 @@ async fn bad_input_gets_clear_errors_and_the_launcher_keeps_serving() {
         other => panic!("unknown label accepted: {other:?}"),
     }
 
+    // 2 servers x 2 slots: a set of 5 could never be served, and would wait for ever.
+    let sub = slotpool_protocol::client::submission(vec!["small".into(); 5], "t");
+    match pool.client.submit(&sub).await {
+        Err(BusError::Api(e)) => {
+            assert_eq!(e.code, ErrorCode::BadRequest);
+            assert!(
+                e.message.contains("5 nodes of label \"small\"") && e.message.contains("at most 4"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("an unservable node set accepted: {other:?}"),
+    }
+
     let released = pool
         .client
         .release(vec![NodeId::parse("node-nosuch").unwrap()])
