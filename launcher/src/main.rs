@@ -13,6 +13,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
     let args = Cli::parse();
+    if !matches!(args.command, cli::Command::Demo(_)) {
+        // Like every Unix tool: `slotpool list requests | head` ends quietly when `head`
+        // has read enough, instead of panicking on the closed pipe (Rust ignores SIGPIPE
+        // by default). The demo keeps ignoring it: it must stop its agents first.
+        // SAFETY: called before any other thread exists; SIG_DFL is a valid disposition.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     cli::init_tracing(&args);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.worker_threads {

@@ -230,3 +230,44 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
         "{events:#?}"
     );
 }
+
+/// The CLI behaves like a Unix tool: a reader that stops early (`| head`) ends it
+/// quietly, not with a panic, and a command that prints a result keeps stderr free of
+/// connection chatter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    pool.fulfilled(&pool.submit(&["small"]).await).await;
+
+    let listed = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["list", "requests"])
+        .output()
+        .expect("running slotpool");
+    assert!(listed.status.success());
+    assert!(
+        listed.stderr.is_empty(),
+        "stderr of a successful list: {}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+
+    // The pipe's read end is closed before the command has connected and printed.
+    let mut child = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["list", "requests"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running slotpool");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("waiting for slotpool");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+        "slotpool list | (closed): {:?}\n{stderr}",
+        out.status
+    );
+}

@@ -24,8 +24,10 @@ pub struct Cli {
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `slotpool_launcher=debug`.
-    #[arg(long, global = true, env = "SLOTPOOL_LOG", default_value = "info")]
-    pub log: String,
+    /// Default: `info` for `serve` and `demo`, `warn` for the commands that print results
+    /// (their stderr stays quiet unless something is wrong).
+    #[arg(long, global = true, env = "SLOTPOOL_LOG")]
+    pub log: Option<String>,
     /// Threads of the async runtime (default: one per CPU). On a small machine shared
     /// with nats-server, 1 can serve more requests per CPU second.
     #[arg(long, global = true, env = "SLOTPOOL_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -106,9 +108,16 @@ pub enum ConfigCommand {
     Validate { file: PathBuf },
 }
 
+/// Whether the command is a long-running one whose log is its output (`serve`, `demo`),
+/// rather than one that prints a result and exits.
+pub fn is_daemon(cli: &Cli) -> bool {
+    matches!(cli.command, Command::Serve(_) | Command::Demo(_))
+}
+
 pub fn init_tracing(cli: &Cli) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let default = if is_daemon(cli) { "info" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_new(cli.log.as_deref().unwrap_or(default))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
