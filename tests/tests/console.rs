@@ -131,8 +131,15 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
         .await;
     assert!(row_of(&screen, &a).unwrap().contains(" run "), "{screen}");
 
-    // Drain it: D on the selected (only) backing node.
+    // Drain it: D on the selected (only) backing node, confirmed with Enter in the
+    // dialog that names it.
     console.keys(&["D"]);
+    console
+        .wait_screen("the drain confirmation", |s| {
+            s.contains("Drain backing node") && s.contains("Enter confirm")
+        })
+        .await;
+    console.keys(&["Enter"]);
     let screen = console
         .wait_screen("the node draining", |s| {
             row_of(s, &a).is_some_and(|row| row.contains("drain"))

@@ -7,6 +7,7 @@
 //! No terminal types here: the reducer never sees a key.
 
 use crate::rows::View;
+use slotpool_protocol::model::OperatorAction;
 use slotpool_protocol::{BackingId, NodeId};
 
 /// Longest reason an operator can type.
@@ -72,6 +73,14 @@ pub enum Input {
 #[derive(Clone, Debug, PartialEq)]
 pub enum PendingOrder {
     Kill(BackingId),
+    /// Hold, drain or run a backing node; `state` is how it stands when the order was
+    /// asked for (its slots in use, what the order does to it now), so the dialog names
+    /// the node it will hit.
+    Idle {
+        action: OperatorAction,
+        id: BackingId,
+        state: String,
+    },
     Release(NodeId),
 }
 
@@ -81,9 +90,28 @@ impl PendingOrder {
             PendingOrder::Kill(id) => {
                 format!("Kill backing node {id} now? Its slots fail and their requestors see why.")
             }
+            PendingOrder::Idle { action, id, state } => {
+                let does = match action {
+                    OperatorAction::Hold => "It is kept while idle, until Run.",
+                    OperatorAction::Drain => "It takes no new slots and is released once empty.",
+                    _ => "It takes slots again and is released after its grace-time idle.",
+                };
+                format!(
+                    "{} backing node {id} ({state})? {does}",
+                    capitalised(action.as_str())
+                )
+            }
             PendingOrder::Release(id) => format!("Release node {id}? Its requestor loses it."),
         }
     }
+}
+
+fn capitalised(word: &str) -> String {
+    let mut chars = word.chars();
+    chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
 /// What the open prompt did with an action.

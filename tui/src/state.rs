@@ -17,7 +17,9 @@ use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
 use crate::rows::{self, BackingRow, Facts, IdleTimer, Index, PoolRow, SlotRow, View, ViewState};
 use crate::rules::Rules;
-use slotpool_protocol::model::{BackingNode, Event, NodeRequest, OperatorAction, RequestState};
+use slotpool_protocol::model::{
+    BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
+};
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
 
@@ -219,6 +221,27 @@ impl State {
     }
 
     /// The selected backing node (Backing view), or the focused one (Slots view).
+    /// How `b` stands, for the confirmation of `action` on it.
+    fn order_context(&self, b: &BackingNode, action: OperatorAction) -> String {
+        let key = slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat);
+        let used = self.backing_row(&key).map_or(0, |r| r.used);
+        let mut state = format!("{used} of {} slots in use", b.slots);
+        let released_now = used == 0
+            && b.idle == IdleBehaviour::Hold
+            && b.idle_since.is_some()
+            && self
+                .rules
+                .label(&b.provider, &b.pool, &b.label)
+                .is_some_and(|r| {
+                    let last = self.mirror.last_release(b.id.as_str());
+                    slotpool_config::timing::release_at(b, last, self.now, &r.idle()) <= self.now
+                });
+        if action == OperatorAction::Run && released_now {
+            state.push_str(", idle past its grace-time: released at once");
+        }
+        state
+    }
+
     fn target_backing(&self) -> Option<&BackingNode> {
         match self.view {
             View::Backing => self
@@ -282,6 +305,14 @@ impl State {
                     Command::Order {
                         action: OperatorAction::Kill,
                         backing_id,
+                        reason,
+                    }
+                }
+                PendingOrder::Idle { action, id, .. } => {
+                    self.set_status(format!("{} {id}: sent", action.as_str()), false);
+                    Command::Order {
+                        action,
+                        backing_id: id,
                         reason,
                     }
                 }
@@ -405,16 +436,18 @@ impl State {
         }
     }
 
+    /// Asks to confirm a hold, drain or run of the selected backing node: the dialog names
+    /// the node and how it stands, so an order never hits a row that moved under it.
     fn backing_order(&mut self, action: OperatorAction) -> Option<Command> {
         match self.target_backing() {
             Some(b) => {
-                let backing_id = b.id.clone();
-                self.set_status(format!("{} {backing_id}: sent", action.as_str()), false);
-                Some(Command::Order {
-                    action,
-                    backing_id,
-                    reason: None,
-                })
+                let id = b.id.clone();
+                let state = self.order_context(b, action);
+                self.input = Input::Confirm {
+                    order: PendingOrder::Idle { action, id, state },
+                    reason: String::new(),
+                };
+                None
             }
             None => {
                 self.set_status(

@@ -869,7 +869,11 @@ fn draw_help(frame: &mut Frame, area: Rect, theme: &Theme) {
 }
 
 fn draw_confirm(frame: &mut Frame, area: Rect, question: &str, reason: &str, theme: &Theme) {
-    let popup = centered(area, 70, 8);
+    // Tall enough for the question as it wraps (words move whole, so allow a spare line),
+    // the reason and the keys: the "Enter confirm" line is never cut off.
+    let inner_width = usize::from(70.min(area.width).saturating_sub(2)).max(1);
+    let question_lines = question.chars().count().div_ceil(inner_width) + 1;
+    let popup = centered(area, 70, (question_lines + 6) as u16);
     let lines = vec![
         Line::from(Span::styled(question.to_string(), theme.error())),
         Line::from(""),
@@ -1042,6 +1046,20 @@ mod tests {
         msgs.extend("bad disk".chars().map(key));
         press(&mut state, msgs);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn a_long_confirmation_keeps_its_keys_on_screen() {
+        for width in [80, 60, 44] {
+            let mut state = sample_state(width, 24);
+            press(&mut state, [key('D')]);
+            let shown = screen(&state);
+            assert!(shown.contains("Drain backing node"), "{shown}");
+            assert!(
+                shown.contains("Enter confirm"),
+                "at {width} columns:\n{shown}"
+            );
+        }
     }
 
     #[test]

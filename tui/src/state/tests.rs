@@ -244,18 +244,46 @@ fn filter_and_reverse_sort() {
 }
 
 #[test]
-fn drain_hold_and_run_order_the_selected_node() {
+fn drain_hold_and_run_ask_for_confirmation_naming_the_node() {
     let mut state = loaded(rules(), sample(), 80, 24);
+    // D asks first; the dialog names the node the order would hit and how it stands.
     let cmds = press(&mut state, [key('j'), key('D')]);
+    assert!(cmds.is_empty(), "nothing is sent before Enter");
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("D opens a confirmation: {:?}", state.input)
+    };
+    let said = order.describe();
+    assert!(
+        said.starts_with(&format!(
+            "Drain backing node {} (0 of 4 slots in use)?",
+            bid(1)
+        )),
+        "{said}"
+    );
+    // Esc cancels: nothing is sent.
+    assert!(press(&mut state, [code(KeyCode::Esc)]).is_empty());
+    assert_eq!(state.input, Input::None);
+    // Enter sends it, with the reason typed.
+    let mut keys = vec![key('D')];
+    keys.extend("disk swap".chars().map(key));
+    keys.push(code(KeyCode::Enter));
     assert_eq!(
-        cmds,
+        press(&mut state, keys),
         vec![Command::Order {
             action: OperatorAction::Drain,
             backing_id: bid(1),
-            reason: None
+            reason: Some("disk swap".into())
         }]
     );
-    let cmds = press(&mut state, [key('H'), key('R')]);
+    let cmds = press(
+        &mut state,
+        [
+            key('H'),
+            code(KeyCode::Enter),
+            key('R'),
+            code(KeyCode::Enter),
+        ],
+    );
     assert_eq!(cmds.len(), 2);
     assert!(matches!(
         cmds[0],
@@ -271,10 +299,55 @@ fn drain_hold_and_run_order_the_selected_node() {
             ..
         }
     ));
+    // The busy node: its slots in use are named.
+    press(&mut state, [key('k'), key('D')]);
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("D opens a confirmation")
+    };
+    assert!(
+        order.describe().contains("(2 of 4 slots in use)"),
+        "{}",
+        order.describe()
+    );
+    press(&mut state, [code(KeyCode::Esc)]);
     // Not in the Events view.
     let cmds = press(&mut state, [key('5'), key('D')]);
     assert!(cmds.is_empty());
+    assert_eq!(state.input, Input::None);
     assert!(state.status.as_ref().unwrap().error);
+}
+
+#[test]
+fn run_on_a_held_node_idle_past_its_grace_time_says_it_is_released_at_once() {
+    let mut held = backing(1, BackingState::Ready, 4);
+    held.idle = IdleBehaviour::Hold;
+    held.idle_since = Some(NOW - 3600 * SEC);
+    let mut state = loaded(rules(), vec![put(Record::Backing(Box::new(held)))], 80, 24);
+    press(&mut state, [key('R')]);
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("R opens a confirmation")
+    };
+    assert!(
+        order
+            .describe()
+            .contains("idle past its grace-time: released at once"),
+        "{}",
+        order.describe()
+    );
+    // Held a moment ago: no such warning.
+    let mut fresh = backing(1, BackingState::Ready, 4);
+    fresh.idle = IdleBehaviour::Hold;
+    fresh.idle_since = Some(NOW - 10 * SEC);
+    let mut state = loaded(rules(), vec![put(Record::Backing(Box::new(fresh)))], 80, 24);
+    press(&mut state, [key('R')]);
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("R opens a confirmation")
+    };
+    assert!(
+        !order.describe().contains("released at once"),
+        "{}",
+        order.describe()
+    );
 }
 
 #[test]
