@@ -161,36 +161,7 @@ impl SlotAgent {
     /// What the launcher's claim writes under the slot's key before it has the agent
     /// prepare the slot.
     pub async fn claim(&self, slot: u32, node: &str) -> u64 {
-        use slotpool_protocol::model::{Node, NodeState};
-        use slotpool_protocol::{NodeId, RequestId};
-        let record = Node {
-            v: slotpool_protocol::PROTOCOL_VERSION,
-            id: NodeId::parse(node).unwrap(),
-            request_id: RequestId::parse("req-reconcile").unwrap(),
-            index: 0,
-            label: "iso".into(),
-            backing_id: self.backing.clone(),
-            slot,
-            state: NodeState::Ready,
-            requestor: "test".into(),
-            client: None,
-            host: "127.0.0.1".into(),
-            workspace: None,
-            attributes: Default::default(),
-            allocated_at: 0,
-            released_at: None,
-            failure: None,
-            login: Default::default(),
-        };
-        self.bus
-            .slots
-            .create(
-                &slotpool_protocol::layout::slot_key(&self.backing, slot),
-                &record,
-                None,
-            )
-            .await
-            .unwrap()
+        claim_slot(&self.bus, &self.backing, slot, node).await
     }
 
     /// Sends `prepare_slot` for `node`.
@@ -307,4 +278,39 @@ pub fn login_of(prepared: &SlotPrepared) -> (String, PathBuf) {
         prepared.login.username.clone().expect("a slot user"),
         PathBuf::from(&prepared.workspace),
     )
+}
+
+/// Writes slot `slot` of `backing` in the slots bucket as a launcher's claim does (a
+/// `ready` node named `node`), before the agent is asked to prepare it; returns the
+/// revision.
+pub async fn claim_slot(bus: &Bus, backing: &BackingId, slot: u32, node: &str) -> u64 {
+    use slotpool_protocol::model::{Node, NodeState};
+    use slotpool_protocol::{NodeId, RequestId};
+    let record = Node {
+        v: slotpool_protocol::PROTOCOL_VERSION,
+        id: NodeId::parse(node).unwrap(),
+        request_id: RequestId::parse("req-test").unwrap(),
+        index: 0,
+        label: "test".into(),
+        backing_id: backing.clone(),
+        slot,
+        state: NodeState::Ready,
+        requestor: "test".into(),
+        client: None,
+        host: "127.0.0.1".into(),
+        workspace: None,
+        attributes: Default::default(),
+        allocated_at: 0,
+        released_at: None,
+        failure: None,
+        login: Default::default(),
+    };
+    bus.slots
+        .create(
+            &slotpool_protocol::layout::slot_key(backing, slot),
+            &record,
+            None,
+        )
+        .await
+        .unwrap()
 }

@@ -26,7 +26,7 @@ mod process;
 mod wait;
 
 pub use agent::{
-    exists, login_env, login_env_with, login_of, uid_of, SlotAgent, AGENT_CALL_TIMEOUT,
+    claim_slot, exists, login_env, login_env_with, login_of, uid_of, SlotAgent, AGENT_CALL_TIMEOUT,
 };
 pub use isolation::{
     in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,

@@ -37,8 +37,8 @@ use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
-use slotpool_protocol::model::{AgentHeartbeat, Node, NodeState};
-use slotpool_protocol::{BackingId, NodeId, RequestId};
+use slotpool_protocol::model::AgentHeartbeat;
+use slotpool_protocol::{BackingId, NodeId};
 use slotpool_tests::{wait_for, wait_for_some, workspace_root, NatsServer, AGENT_CALL_TIMEOUT};
 use std::ffi::CString;
 use std::fs;
@@ -288,7 +288,7 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
 
     // A restart kills the processes of a prepared slot and keeps the slot prepared (its
     // node is in the slots bucket, so the restarted agent keeps it).
-    claim(&bus, &backing, 1, "node-sd-1").await;
+    slotpool_tests::claim_slot(&bus, &backing, 1, "node-sd-1").await;
     let prepared = prepare(&bus, &backing, 1, "node-sd-1").await;
     let user = prepared.login.username.clone().expect("a slot user");
     let job = container.start_job(&user, "job-1");
@@ -484,37 +484,6 @@ async fn release(bus: &Bus, backing: &BackingId, slot: u32, node: &str) {
             Err(err) => panic!("release_slot {slot}: {err}"),
         }
     }
-}
-
-/// Writes the slot's key in the slots bucket, as a launcher does when it claims the slot.
-async fn claim(bus: &Bus, backing: &BackingId, slot: u32, node: &str) {
-    let record = Node {
-        v: slotpool_protocol::PROTOCOL_VERSION,
-        id: NodeId::parse(node).unwrap(),
-        request_id: RequestId::parse("req-systemd").unwrap(),
-        index: 0,
-        label: "systemd".into(),
-        backing_id: backing.clone(),
-        slot,
-        state: NodeState::Ready,
-        requestor: "test".into(),
-        client: None,
-        host: "127.0.0.1".into(),
-        workspace: None,
-        attributes: Default::default(),
-        allocated_at: 0,
-        released_at: None,
-        failure: None,
-        login: Default::default(),
-    };
-    bus.slots
-        .create(
-            &slotpool_protocol::layout::slot_key(backing, slot),
-            &record,
-            None,
-        )
-        .await
-        .unwrap();
 }
 
 /// The cached root file system, made with debootstrap when missing.
