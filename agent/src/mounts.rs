@@ -52,6 +52,22 @@ pub struct MountNamespace {
     enter: Option<PathBuf>,
 }
 
+/// A command running `program` in the mount namespace `ns` (a `/proc/<pid>/ns/mnt`
+/// file, entered with `nsenter`), or in this process's own when `None`. `nsenter` execs
+/// `program`, so the child's pid is the program's.
+pub fn in_namespace(ns: Option<&Path>, program: impl AsRef<OsStr>) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut cmd = Command::new("nsenter");
+            cmd.arg(format!("--mount={}", ns.display()))
+                .arg("--")
+                .arg(program);
+            cmd
+        }
+        None => Command::new(program),
+    }
+}
+
 impl MountNamespace {
     pub fn new(enter: Option<PathBuf>) -> MountNamespace {
         MountNamespace { enter }
@@ -59,16 +75,7 @@ impl MountNamespace {
 
     /// `program` with `args`, run in this namespace.
     fn command(&self, program: &str, args: &[&OsStr]) -> Command {
-        let mut cmd = match &self.enter {
-            Some(ns) => {
-                let mut cmd = Command::new("nsenter");
-                cmd.arg(format!("--mount={}", ns.display()))
-                    .arg("--")
-                    .arg(program);
-                cmd
-            }
-            None => Command::new(program),
-        };
+        let mut cmd = in_namespace(self.enter.as_deref(), program);
         cmd.args(args).env("LC_ALL", "C");
         cmd
     }

@@ -175,6 +175,16 @@ impl SlotAgent {
             .await
     }
 
+    /// Prepares `slot` for `node` with the public key `key` installed, and returns its
+    /// login (see [`login_of`]). Panics when the agent refuses.
+    pub async fn prepare_login(&self, slot: u32, node: &str, key: &str) -> (String, PathBuf) {
+        let prepared = self
+            .prepare(slot, node, Some(key))
+            .await
+            .unwrap_or_else(|err| panic!("preparing slot {slot} for {node}: {err}"));
+        login_of(&prepared)
+    }
+
     /// Sends `prepare_slot` for `node` with a label's `limits`.
     pub async fn prepare_with(
         &self,

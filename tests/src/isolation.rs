@@ -216,21 +216,7 @@ fn remove_bus_guards(user_prefix: &str) {
     }
 }
 
-/// A command running `program` in the mount namespace `ns` (a `/proc/<pid>/ns/mnt`
-/// file), or in the test's own when `None`. `nsenter` execs `program`, so the child's
-/// pid is the program's.
-pub fn in_namespace(ns: Option<&Path>, program: impl AsRef<std::ffi::OsStr>) -> Command {
-    match ns {
-        Some(ns) => {
-            let mut cmd = Command::new("nsenter");
-            cmd.arg(format!("--mount={}", ns.display()))
-                .arg("--")
-                .arg(program);
-            cmd
-        }
-        None => Command::new(program),
-    }
-}
+pub use slotpool_agent::mounts::in_namespace;
 
 /// A private mount namespace (`unshare -m --propagation private`) held open by a
 /// sleeping process, killed on drop: once the agent and sshd in it are gone too, the

@@ -717,18 +717,8 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
     )
     .await;
     // SlotAgent::prepare sends no limits, as for a label without `limits`.
-    let (user_a, _) = login_of(
-        &agent
-            .prepare(0, "node-a", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
-    let (user_b, _) = login_of(
-        &agent
-            .prepare(1, "node-b", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
     assert_eq!(control(&env, &user_a, "pids.max").as_deref(), Some("30"));
     let memory = control(&env, &user_a, "memory.max")
         .or_else(|| control(&env, &user_a, "memory.limit_in_bytes"));
@@ -1009,6 +999,19 @@ async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
     agent.release(1, "node-kept").await.unwrap();
 }
 
+/// A login environment whose agent gives each of its `slots` a network namespace, in a
+/// range of its own (returned, for checks of the slots' addresses).
+async fn netns_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent, String) {
+    let range = netns_range();
+    let (sshd, key, agent) = login_env_with(
+        env,
+        slots,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    (sshd, key, agent, range)
+}
+
 /// A /24 of 10.0.0.0/8 picked at random: one test's `--slot-netns-range`.
 fn netns_range() -> String {
     use rand::Rng;
@@ -1133,23 +1136,10 @@ fn accept_within(listener: &std::net::TcpListener, within: Duration) -> Option<S
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     let env = IsolationEnv::new();
-    let range = netns_range();
-    let (sshd, key, agent) = login_env_with(
-        &env,
-        2,
-        &["--slot-netns", "on", "--slot-netns-range", &range],
-    )
-    .await;
+    let (sshd, key, agent, range) = netns_env(&env, 2).await;
     let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
-    let a = agent
-        .prepare(0, "node-a", Some(&key.public()))
-        .await
-        .unwrap();
-    let b = agent
-        .prepare(1, "node-b", Some(&key.public()))
-        .await
-        .unwrap();
-    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
 
     let port = free_port();
     let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
@@ -1273,15 +1263,8 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
 async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
     let env = IsolationEnv::new();
     let (sshd, key, agent) = login_env(&env, 2).await;
-    let a = agent
-        .prepare(0, "node-a", Some(&key.public()))
-        .await
-        .unwrap();
-    let b = agent
-        .prepare(1, "node-b", Some(&key.public()))
-        .await
-        .unwrap();
-    let ((user_a, _), (user_b, _)) = (login_of(&a), login_of(&b));
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
     let port = free_port();
     let probe = loopback_probe(&key, sshd.port, &user_a, &user_b, port);
     eprintln!("slot b to slot a's 127.0.0.1:{port} with --slot-netns off: {probe}");
@@ -1400,13 +1383,7 @@ impl Drop for Outside {
 async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
     use std::io::{BufRead, BufReader};
     let env = IsolationEnv::new();
-    let range = netns_range();
-    let (sshd, key, agent) = login_env_with(
-        &env,
-        1,
-        &["--slot-netns", "on", "--slot-netns-range", &range],
-    )
-    .await;
+    let (sshd, key, agent, _) = netns_env(&env, 1).await;
     let prepared = agent
         .prepare(0, "node-a", Some(&key.public()))
         .await
@@ -1452,13 +1429,7 @@ async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
     let env = IsolationEnv::new();
-    let range = netns_range();
-    let (_sshd, key, agent) = login_env_with(
-        &env,
-        1,
-        &["--slot-netns", "on", "--slot-netns-range", &range],
-    )
-    .await;
+    let (_sshd, key, agent, _) = netns_env(&env, 1).await;
     agent
         .prepare(0, "node-a", Some(&key.public()))
         .await
@@ -1481,13 +1452,7 @@ async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_netns_survive_an_agent_restart() {
     let env = IsolationEnv::new();
-    let range = netns_range();
-    let (sshd, key, mut agent) = login_env_with(
-        &env,
-        2,
-        &["--slot-netns", "on", "--slot-netns-range", &range],
-    )
-    .await;
+    let (sshd, key, mut agent, _) = netns_env(&env, 2).await;
     let prepared = agent
         .prepare(0, "node-a", Some(&key.public()))
         .await

@@ -65,18 +65,8 @@ async fn fill_the_disk(quota: bool) -> String {
         &[]
     };
     let (sshd, key, agent) = login_env_with(&env, 2, extra).await;
-    let (user_a, ws_a) = login_of(
-        &agent
-            .prepare(0, "node-a", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
-    let (user_b, ws_b) = login_of(
-        &agent
-            .prepare(1, "node-b", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
+    let (user_a, ws_a) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, ws_b) = agent.prepare_login(1, "node-b", &key.public()).await;
     let attack = run_in_slot(
         &sshd,
         &key,
@@ -211,18 +201,8 @@ async fn neighbour_processes(hide: &str, nsenter: bool) -> (String, String, Stri
         extra.extend(["--mount-namespace", &ns]);
     }
     let (sshd, key, agent) = login_env_with(&env, 2, &extra).await;
-    let (user_a, _) = login_of(
-        &agent
-            .prepare(0, "node-a", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
-    let (user_b, _) = login_of(
-        &agent
-            .prepare(1, "node-b", Some(&key.public()))
-            .await
-            .unwrap(),
-    );
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
     let secret = format!("slot-secret-{}", std::process::id());
     run_in_slot(
         &sshd,
