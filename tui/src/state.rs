@@ -160,12 +160,20 @@ impl State {
         }
         self.dirty = false;
         self.index = Index::build(&self.mirror, &self.rules, self.now);
+        // Out of `self` while the facts borrow it.
+        let mut views = std::mem::take(&mut self.views);
+        let mut went_away = false;
         for view in View::ALL {
-            let i = view.index();
-            let keys = self
-                .facts()
-                .keys(view, &self.views[i], self.focus.as_deref());
-            rows::set_rows(view, &mut self.views[i], keys);
+            let vs = &mut views[view.index()];
+            let facts = self.facts();
+            let keys = facts.keys(view, vs, self.focus.as_deref());
+            let had_gone = vs.gone.is_some();
+            rows::set_rows(view, vs, keys, |k| facts.identity(view, k));
+            went_away |= view == View::Backing && !had_gone && vs.gone.is_some();
+        }
+        self.views = views;
+        if went_away {
+            self.set_status("the selected backing node went away: select another", false);
         }
         if self.focus.is_none() {
             self.focus = self.views[View::Backing.index()]
@@ -255,13 +263,13 @@ impl State {
     }
 
     fn move_selection(&mut self, delta: isize) {
-        let vs = self.view_state_mut();
-        if vs.rows.is_empty() {
+        if self.view_state().rows.is_empty() {
             return;
         }
-        let last = vs.rows.len() as isize - 1;
-        vs.selected = (vs.selected as isize + delta).clamp(0, last) as usize;
-        vs.selected_key = vs.rows.get(vs.selected).cloned();
+        let (view, to) = (self.view, self.view_state().moved(delta));
+        let mut vs = std::mem::take(&mut self.views[view.index()]);
+        vs.select(to, |k| self.facts().identity(view, k));
+        self.views[view.index()] = vs;
         if self.view == View::Backing {
             self.focus = self.target_backing().map(|b| b.id.to_string());
             self.dirty = true;
@@ -414,8 +422,7 @@ impl State {
             View::Backing => {
                 if let Some(b) = self.target_backing() {
                     self.focus = Some(b.id.to_string());
-                    self.views[View::Slots.index()].selected = 0;
-                    self.views[View::Slots.index()].selected_key = None;
+                    self.views[View::Slots.index()].reset_selection();
                     self.switch(View::Slots);
                 }
             }

@@ -334,7 +334,7 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 Cell::from(timer_text(&r)),
                 Cell::from(Span::styled(health, heartbeat_style(&r, theme))),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
@@ -414,7 +414,7 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                     if failed { theme.error() } else { Style::new() },
                 )),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
@@ -482,7 +482,7 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                     cells
                 }
             };
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     frame.render_widget(
@@ -526,7 +526,7 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 )),
                 Cell::from(detail),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
@@ -570,7 +570,7 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 ),
                 Cell::from(e.message.clone()),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
@@ -581,7 +581,17 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
 }
 
 fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
-    let key = state.view_state().selected_key.clone().unwrap_or_default();
+    let vs = state.view_state();
+    if let (None, Some(gone)) = (&vs.selected_key, &vs.gone) {
+        return vec![Line::from(Span::styled(
+            format!(
+                " {} went away: nothing is selected (↑ ↓ select a row)",
+                gone.id
+            ),
+            theme.warn(),
+        ))];
+    }
+    let key = vs.selected_key.clone().unwrap_or_default();
     match state.view {
         View::Pools => match state.pool_row(&key) {
             Some(p) => vec![
@@ -967,6 +977,22 @@ mod tests {
         press(&mut state, [key('j'), key('j')]);
         let text = screen(&state);
         assert!(text.contains("agent heartbeat expired"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn selected_node_gone() {
+        let mut state = sample_state(80, 24);
+        press(&mut state, [key('j')]);
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: crate::mirror::Bucket::Backing,
+                key: "cloud.main.1".into(),
+            }])],
+        );
+        let text = screen(&state);
+        assert!(text.contains("went away: nothing is selected"), "{text}");
         insta::assert_snapshot!(text);
     }
 

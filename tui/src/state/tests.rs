@@ -215,7 +215,7 @@ fn removals_and_puts_update_rows_and_selection_follows_its_row() {
     assert_eq!(state.view_state().rows[0], "cloud.main.2");
     assert_eq!(selected_backing(&state), "cloud.main.2");
     assert_eq!(state.view_state().selected, 0);
-    // It goes away: the selection stays at its index.
+    // It goes away: nothing is selected, not the row that took its place.
     apply_all(
         &mut state,
         [Msg::Feed(vec![Change::Removed {
@@ -225,7 +225,61 @@ fn removals_and_puts_update_rows_and_selection_follows_its_row() {
     );
     assert_eq!(state.backing_count(), 3);
     assert_eq!(state.view_state().rows.len(), 3);
-    assert_eq!(state.view_state().selected, 0);
+    assert_eq!(state.view_state().selected_key, None);
+}
+
+#[test]
+fn a_selected_node_that_goes_away_leaves_nothing_selected_so_no_order_hits_another() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // Drain the idle node on seat 1; below it the failed node, above it the busy one.
+    press(&mut state, [key('j'), key('D'), code(KeyCode::Enter)]);
+    assert_eq!(selected_backing(&state), "cloud.main.1");
+    // It is released: its row disappears.
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Backing,
+            key: "cloud.main.1".into(),
+        }])],
+    );
+    let vs = state.view_state();
+    assert_eq!(
+        vs.selected_key, None,
+        "selection moved to {:?}",
+        vs.selected_key
+    );
+    assert_eq!(
+        vs.gone.as_ref().map(|g| g.id.clone()),
+        Some(bid(1).to_string())
+    );
+    let status = state.status.clone().unwrap().text;
+    assert!(status.contains("went away"), "{status}");
+    // A second D has no target: it says so and sends nothing.
+    assert!(press(&mut state, [key('D'), code(KeyCode::Enter)]).is_empty());
+    assert_eq!(state.input, Input::None);
+    assert!(state.status.as_ref().unwrap().error);
+    // The next node launched into the same seat is another node: still nothing selected.
+    let mut next = backing(1, BackingState::Launching, 4);
+    next.id = bid(9);
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![put(Record::Backing(Box::new(next)))])],
+    );
+    assert_eq!(state.view_state().rows[1], "cloud.main.1");
+    assert_eq!(state.view_state().selected_key, None);
+    // Moving down selects the row in its place; up, the one above.
+    press(&mut state, [key('j')]);
+    assert_eq!(selected_backing(&state), "cloud.main.1");
+    assert_eq!(state.view_state().gone, None);
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Backing,
+            key: "cloud.main.1".into(),
+        }])],
+    );
+    press(&mut state, [key('k')]);
+    assert_eq!(selected_backing(&state), "cloud.main.0");
 }
 
 #[test]
