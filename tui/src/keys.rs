@@ -14,7 +14,7 @@ pub fn action(key: &KeyEvent, input: &Input) -> Option<Action> {
     match input {
         // Any key closes the help.
         Input::Help => Some(Action::Cancel),
-        Input::Filter(_) | Input::Confirm { .. } => match key.code {
+        Input::Filter { .. } | Input::Confirm { .. } => match key.code {
             KeyCode::Esc => Some(Action::Cancel),
             KeyCode::Enter => Some(Action::Confirm),
             KeyCode::Backspace => Some(Action::DeleteChar),
@@ -97,7 +97,10 @@ mod tests {
     #[test]
     fn a_prompt_takes_keys_as_text() {
         let prompts = [
-            Input::Filter("x".into()),
+            Input::Filter {
+                text: "x".into(),
+                before: String::new(),
+            },
             Input::Confirm {
                 order: PendingOrder::Kill(BackingId::parse("bn-x").unwrap()),
                 reason: String::new(),

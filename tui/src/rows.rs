@@ -80,11 +80,47 @@ pub struct ViewState {
     /// First row shown.
     pub offset: usize,
     pub filter: String,
+    /// Requests view: the finished requests are shown, not folded into one row.
+    pub unfolded: bool,
+    /// Only the backing nodes of this pool (Backing view; Enter on a pool sets it).
+    pub pool: Option<PoolScope>,
     /// Index into [`View::sorts`].
     pub sort: usize,
     pub reverse: bool,
     /// The rows' keys after filter and sort.
     pub rows: Vec<String>,
+}
+
+/// The key of the Requests view's row that the finished requests fold into.
+pub const FOLD_KEY: &str = "~finished";
+
+/// Whether a request is over: failed, canceled, or fulfilled and every node given back.
+pub fn is_finished(r: &NodeRequest) -> bool {
+    match r.state {
+        RequestState::Requested => false,
+        RequestState::Fulfilled => r.nodes_released_at.is_some(),
+        RequestState::Failed | RequestState::Canceled => true,
+    }
+}
+
+/// One pool's label: what Enter on a Pools row narrows the Backing view to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolScope {
+    pub provider: String,
+    pub pool: String,
+    pub label: String,
+}
+
+impl PoolScope {
+    pub fn holds(&self, b: &BackingNode) -> bool {
+        b.provider == self.provider && b.pool == self.pool && b.label == self.label
+    }
+}
+
+impl std::fmt::Display for PoolScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.provider, self.pool, self.label)
+    }
 }
 
 /// A selected row that went away: its key and its identity.
@@ -305,6 +341,19 @@ impl<'a> Facts<'a> {
         &self.index.pools
     }
 
+    /// Whether the row `gone` still exists (hidden by the filter, then), rather than
+    /// having gone away.
+    pub fn exists(&self, view: View, gone: &Gone) -> bool {
+        let key = gone.key.as_str();
+        match view {
+            View::Pools => self.pool_row(key).is_some(),
+            View::Backing => self.identity(view, key).as_deref() == Some(gone.id.as_str()),
+            View::Slots => self.slot_row(key).is_some(),
+            View::Requests => self.mirror.request(key).is_some(),
+            View::Events => self.mirror.event(key).is_some(),
+        }
+    }
+
     /// What a row of `view` is, as the selection follows it: in the Backing view the
     /// backing node's id (its key, the seat, outlives it), elsewhere the key.
     pub fn identity(&self, view: View, key: &str) -> Option<String> {
@@ -404,6 +453,7 @@ impl<'a> Facts<'a> {
                 let mut nodes: Vec<(&String, &BackingNode)> = self
                     .mirror
                     .backing_nodes()
+                    .filter(|(_, b)| vs.pool.as_ref().is_none_or(|p| p.holds(b)))
                     .filter(|(k, b)| {
                         matches(
                             filter,
@@ -507,7 +557,20 @@ impl<'a> Facts<'a> {
                         )
                     }),
                 }
-                reqs.into_iter().map(|(k, _)| k.clone()).collect()
+                if vs.reverse {
+                    reqs.reverse();
+                }
+                // Finished requests fold into one row after the live ones.
+                let (finished, live): (Vec<_>, Vec<_>) =
+                    reqs.into_iter().partition(|(_, r)| is_finished(r));
+                let mut keys: Vec<String> = live.into_iter().map(|(k, _)| k.clone()).collect();
+                if !finished.is_empty() {
+                    keys.push(FOLD_KEY.to_string());
+                    if vs.unfolded {
+                        keys.extend(finished.into_iter().map(|(k, _)| k.clone()));
+                    }
+                }
+                return keys;
             }
             View::Events => {
                 let mut events: Vec<(&String, &Event)> = self
@@ -719,8 +782,9 @@ pub fn set_rows(
     rows: Vec<String>,
     id: impl Fn(&str) -> Option<String>,
 ) {
-    // The event log follows the newest entry while the selection is on top.
-    let follow = view == View::Events && vs.selected == 0;
+    // The event log and the requests follow the newest entry while the selection is
+    // on top.
+    let follow = matches!(view, View::Events | View::Requests) && vs.selected == 0;
     vs.rows = rows;
     if follow {
         vs.reset_selection();

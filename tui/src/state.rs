@@ -15,7 +15,9 @@ use crate::format::backing_of_node;
 use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
-use crate::rows::{self, BackingRow, Facts, IdleTimer, Index, PoolRow, SlotRow, View, ViewState};
+use crate::rows::{
+    self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, View, ViewState,
+};
 use crate::rules::Rules;
 use slotpool_protocol::model::{
     BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
@@ -58,11 +60,29 @@ pub enum Command {
     },
 }
 
+/// How long the status line shows a message, and an error.
+pub const STATUS_MS: UnixMillis = 5_000;
+pub const STATUS_ERROR_MS: UnixMillis = 15_000;
+
 /// One line of the status bar.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Status {
     pub text: String,
     pub error: bool,
+    /// When it was set (the `now` of the last tick then); a tick clears it once it is
+    /// [`STATUS_MS`] old ([`STATUS_ERROR_MS`] for an error).
+    pub at: UnixMillis,
+}
+
+impl Status {
+    fn expired(&self, now: UnixMillis) -> bool {
+        let ttl = if self.error {
+            STATUS_ERROR_MS
+        } else {
+            STATUS_MS
+        };
+        now >= self.at.saturating_add(ttl)
+    }
 }
 
 /// The whole console state.
@@ -169,7 +189,9 @@ impl State {
             let keys = facts.keys(view, vs, self.focus.as_deref());
             let had_gone = vs.gone.is_some();
             rows::set_rows(view, vs, keys, |k| facts.identity(view, k));
-            went_away |= view == View::Backing && !had_gone && vs.gone.is_some();
+            went_away |= view == View::Backing
+                && !had_gone
+                && vs.gone.as_ref().is_some_and(|g| !facts.exists(view, g));
         }
         self.views = views;
         if went_away {
@@ -188,6 +210,14 @@ impl State {
         }
     }
 
+    /// The current view's selected row that is no longer shown, and whether it still
+    /// exists (hidden by the filter) rather than having gone away.
+    pub fn unshown(&self) -> Option<(&Gone, bool)> {
+        let vs = self.view_state();
+        let gone = vs.gone.as_ref().filter(|_| vs.selected_key.is_none())?;
+        Some((gone, self.facts().exists(self.view, gone)))
+    }
+
     /// The backing node the Slots view is about.
     pub fn focused(&self) -> Option<&BackingNode> {
         self.facts().focused(self.focus.as_deref())
@@ -204,6 +234,20 @@ impl State {
 
     pub fn pool_row(&self, key: &str) -> Option<&PoolRow> {
         self.facts().pool_row(key)
+    }
+
+    /// The finished requests (see [`rows::is_finished`]), by state: released, failed and
+    /// canceled.
+    pub fn finished_requests(&self) -> (usize, usize, usize) {
+        let mut n = (0, 0, 0);
+        for (_, r) in self.mirror.requests().filter(|(_, r)| rows::is_finished(r)) {
+            match r.state {
+                RequestState::Failed => n.1 += 1,
+                RequestState::Canceled => n.2 += 1,
+                _ => n.0 += 1,
+            }
+        }
+        n
     }
 
     pub fn request(&self, key: &str) -> Option<&NodeRequest> {
@@ -287,6 +331,7 @@ impl State {
         self.status = Some(Status {
             text: text.into(),
             error,
+            at: self.now,
         });
     }
 
@@ -349,10 +394,19 @@ impl State {
                 self.switch(View::ALL[(self.view.index() + View::ALL.len() - 1) % View::ALL.len()])
             }
             Action::SwitchView(view) => self.switch(view),
-            Action::StartFilter => self.input = Input::Filter(self.view_state().filter.clone()),
+            Action::StartFilter => {
+                let filter = self.view_state().filter.clone();
+                self.input = Input::Filter {
+                    text: filter.clone(),
+                    before: filter,
+                }
+            }
             Action::Back => {
                 if !self.view_state().filter.is_empty() {
                     self.view_state_mut().filter.clear();
+                    self.dirty = true;
+                } else if self.view_state().pool.is_some() {
+                    self.view_state_mut().pool = None;
                     self.dirty = true;
                 } else if self.view == View::Slots {
                     self.switch(View::Backing);
@@ -415,8 +469,14 @@ impl State {
                 else {
                     return;
                 };
-                let filter = row.label.clone();
-                self.views[View::Backing.index()].filter = filter;
+                let scope = PoolScope {
+                    provider: row.provider.clone(),
+                    pool: row.pool.clone(),
+                    label: row.label.clone(),
+                };
+                let backing = &mut self.views[View::Backing.index()];
+                backing.pool = Some(scope);
+                backing.filter.clear();
                 self.switch(View::Backing);
             }
             View::Backing => {
@@ -425,6 +485,11 @@ impl State {
                     self.views[View::Slots.index()].reset_selection();
                     self.switch(View::Slots);
                 }
+            }
+            View::Requests if self.view_state().selected_key.as_deref() == Some(rows::FOLD_KEY) => {
+                let vs = self.view_state_mut();
+                vs.unfolded = !vs.unfolded;
+                self.dirty = true;
             }
             View::Requests => {
                 // Show the backing node of the request's first node.
@@ -499,6 +564,9 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
         Msg::Tick(now) => {
             // Pool ages and timers are derived from `now`; rows only move for a timer sort.
             state.now = now;
+            if state.status.as_ref().is_some_and(|s| s.expired(now)) {
+                state.status = None;
+            }
             if state.view == View::Pools || state.view_state().sort != 0 {
                 state.dirty = true;
             }

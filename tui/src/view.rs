@@ -8,7 +8,7 @@
 
 use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
 use crate::input::Input;
-use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View};
+use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -53,7 +53,7 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
         Input::Confirm { order, reason } => {
             draw_confirm(frame, area, &order.describe(), reason, theme)
         }
-        Input::None | Input::Filter(_) => {}
+        Input::None | Input::Filter { .. } => {}
     }
 }
 
@@ -94,6 +94,9 @@ fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let vs = state.view_state();
     let sort = state.view.sorts()[vs.sort.min(state.view.sorts().len() - 1)];
     let mut right = format!("  sort:{sort}{}", if vs.reverse { "↓" } else { "" });
+    if let Some(pool) = &vs.pool {
+        right.push_str(&format!(" pool:{pool}"));
+    }
     if !vs.filter.is_empty() {
         right.push_str(&format!(" /{}", vs.filter));
     }
@@ -163,14 +166,41 @@ fn fit(cols: &[Col], width: u16) -> Vec<bool> {
     }
 }
 
-/// A table of the columns that fit in `area`, with `rows` of (cells, selected).
+/// The column header the current view's sort is by, and the mark it carries: `▾` in
+/// the sort's own order, `▴` reversed.
+fn sort_mark(state: &State) -> (&'static str, &'static str) {
+    let vs = state.view_state();
+    let sorts = state.view.sorts();
+    let header = match sorts[vs.sort.min(sorts.len() - 1)] {
+        "used" => "SLOTS",
+        "timer" => "IDLE",
+        "time" => "TIME UTC",
+        "seat" => "SEAT",
+        "pool" => "POOL",
+        "waiting" => "WAITING",
+        "state" => "STATE",
+        "age" => "AGE",
+        "label" => "LABEL",
+        "slot" => "SLOT",
+        "held" => "HELD",
+        "requestor" => "REQUESTOR",
+        "kind" => "KIND",
+        _ => "",
+    };
+    (header, if vs.reverse { "▴" } else { "▾" })
+}
+
+/// A table of the columns that fit in `area`, with `rows` of (cells, selected); the
+/// column the view is sorted by carries the sort mark.
 fn render_table<'a>(
     frame: &mut Frame,
     area: Rect,
     cols: &[Col],
     rows: Vec<(Vec<Cell<'a>>, bool)>,
+    state: &State,
     theme: &Theme,
 ) {
+    let (sorted, mark) = sort_mark(state);
     let keep = fit(cols, area.width);
     let pick = |cells: Vec<Cell<'a>>| -> Vec<Cell<'a>> {
         cells
@@ -184,7 +214,13 @@ fn render_table<'a>(
         .iter()
         .zip(&keep)
         .filter(|(_, k)| **k)
-        .map(|(c, _)| Cell::from(c.header))
+        .map(|(c, _)| {
+            if c.header == sorted {
+                Cell::from(format!("{}{mark}", c.header))
+            } else {
+                Cell::from(c.header)
+            }
+        })
         .collect();
     let widths: Vec<Constraint> = cols
         .iter()
@@ -244,11 +280,18 @@ pub fn short_id(id: &str, max: usize) -> String {
 }
 
 /// `used` of `total` as a bar of `width` cells and the figures.
+/// Only a full node draws a full bar, and any use at least one cell, however narrow.
 pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
-    let filled = if total == 0 {
+    let filled = if total == 0 || used == 0 {
         0
+    } else if used >= total {
+        width
     } else {
-        (used as usize * width).div_ceil(total as usize)
+        // One cell short of full at most, and at least one cell if there is room.
+        let most = width.saturating_sub(1);
+        (used as usize * width)
+            .div_ceil(total as usize)
+            .clamp(most.min(1), most)
     }
     .min(width);
     format!(
@@ -258,18 +301,23 @@ pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
     )
 }
 
-fn timer_text(row: &BackingRow) -> String {
+/// The IDLE column: when an empty node is released, and nothing else.
+fn idle_text(row: &BackingRow) -> String {
     match row.timer {
-        IdleTimer::ReleaseIn(0) => "release due".into(),
+        IdleTimer::ReleaseIn(0) => "due".into(),
         IdleTimer::ReleaseIn(ms) => format!("rel {}", fmt_duration(ms)),
         IdleTimer::IdleFor(ms) => format!("idle {}", fmt_duration(ms)),
-        IdleTimer::Held => "held".into(),
-        IdleTimer::Draining => "drain now".into(),
-        IdleTimer::None => match row.max_age_ms {
-            Some(ms) if ms <= 0 => "max-age".into(),
-            Some(ms) => format!("max {}", fmt_duration(ms as u64)),
-            None => "-".into(),
-        },
+        IdleTimer::Held => "never".into(),
+        IdleTimer::Draining => "at once".into(),
+        IdleTimer::None => "-".into(),
+    }
+}
+
+fn max_age_text(row: &BackingRow) -> String {
+    match row.max_age_ms {
+        Some(ms) if ms <= 0 => "reached".into(),
+        Some(ms) => fmt_duration(ms as u64),
+        None => "-".into(),
     }
 }
 
@@ -307,17 +355,23 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         col("SEAT", 16, if wide { 6 } else { 9 }),
         col("LABEL", if wide { 12 } else { 7 }, 4),
         col("STATE", 9, 0),
-        col("IDLE", 5, 1),
+        col("MODE", 5, 1),
         col("SLOTS", bar as u16 + 6, 2),
         col("AGE", 6, 5),
-        col("TIMER", 10, 3),
+        col("IDLE", 10, 3),
+        col("MAX AGE", 8, 8),
         fill("HEALTH", 12, 2),
     ];
     let rows = visible(state, area.height)
         .filter_map(|(i, key)| {
             let r = state.backing_row(key)?;
-            let mut health = heartbeat_text(&r.heartbeat);
-            if let Some(reason) = &r.reason {
+            // While the link is down the heartbeats seen are old news: say so.
+            let mut health = if state.link_up {
+                heartbeat_text(&r.heartbeat)
+            } else {
+                "? link down".into()
+            };
+            if let Some(reason) = r.reason.as_ref().filter(|_| state.link_up) {
                 health = format!("{health}: {reason}");
             }
             let cells = vec![
@@ -331,14 +385,22 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 Cell::from(Span::styled(idle_name(r.idle), theme.idle(r.idle))),
                 Cell::from(slot_bar(r.used, r.slots, bar)),
                 Cell::from(fmt_duration(r.age_ms)),
-                Cell::from(timer_text(&r)),
-                Cell::from(Span::styled(health, heartbeat_style(&r, theme))),
+                Cell::from(idle_text(&r)),
+                Cell::from(max_age_text(&r)),
+                Cell::from(Span::styled(
+                    health,
+                    if state.link_up {
+                        heartbeat_style(&r, theme)
+                    } else {
+                        theme.warn()
+                    },
+                )),
             ];
             Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         let text = if state.backing_count() == 0 {
             if state.loaded() {
@@ -347,7 +409,7 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 "Loading…"
             }
         } else {
-            "No backing node matches the filter (Esc clears it)."
+            "No backing node matches the filter or pool (Esc clears it)."
         };
         empty_hint(frame, area, text, theme);
     }
@@ -382,7 +444,7 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         col("LABEL", if wide { 14 } else { 8 }, 0),
         col("NODES", 5, 1),
         col("SLOTS", if wide { 18 } else { 11 }, 2),
-        col("WAITING", 7, 1),
+        col("WAITING", 8, 1),
         col("OLDEST", 6, 3),
         fill("BACKING NODES BY STATE", 10, 4),
     ];
@@ -418,7 +480,7 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(
             frame,
@@ -437,7 +499,7 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
     let node_width = if wide { 31 } else { 13 };
     let cols = [
-        col("SLOT", 4, 0),
+        col("SLOT", 5, 0),
         col("NODE", node_width as u16, 0),
         col("STATE", 9, 0),
         col("REQUESTOR", if wide { 30 } else { 18 }, 2),
@@ -446,7 +508,7 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     ];
     let [title, rest] = Layout::vertical([Constraint::Length(1), Constraint::Min(0)]).areas(area);
     let Some(b) = state.focused() else {
-        render_table(frame, rest, &cols, vec![], theme);
+        render_table(frame, rest, &cols, vec![], state, theme);
         empty_hint(
             frame,
             rest,
@@ -489,12 +551,12 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         Paragraph::new(Line::from(vec![
             Span::styled(format!(" {} ", b.id), theme.title()),
             Span::styled(state_name(b.state), theme.backing_state(b.state)),
-            Span::raw(format!(" · {} · idle: ", b.label)),
+            Span::raw(format!(" · {} · mode: ", b.label)),
             Span::styled(idle_name(b.idle), theme.idle(b.idle)),
         ])),
         title,
     );
-    render_table(frame, rest, &cols, rows, theme);
+    render_table(frame, rest, &cols, rows, state, theme);
 }
 
 fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
@@ -510,6 +572,9 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     ];
     let rows = visible(state, area.height)
         .filter_map(|(i, key)| {
+            if key == FOLD_KEY {
+                return Some((fold_row(state, theme), state.view_state().is_selected(i)));
+            }
             let r = state.request(key)?;
             let detail = match r.state {
                 RequestState::Failed => r.failure.clone().unwrap_or_else(|| r.status.clone()),
@@ -521,7 +586,11 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 Cell::from(r.requestor.clone()),
                 Cell::from(fmt_duration(state.now.saturating_sub(r.created_at))),
                 Cell::from(Span::styled(
-                    request_state_name(r.state),
+                    if crate::rows::is_finished(r) && r.state == RequestState::Fulfilled {
+                        "released"
+                    } else {
+                        request_state_name(r.state)
+                    },
                     theme.request_state(r.state),
                 )),
                 Cell::from(detail),
@@ -530,10 +599,31 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(frame, area, "No requests.", theme);
     }
+}
+
+/// The Requests view's row the finished requests fold into (their counts are on the
+/// detail lines when it is selected).
+fn fold_row<'a>(state: &State, theme: &Theme) -> Vec<Cell<'a>> {
+    let (released, failed, canceled) = state.finished_requests();
+    let (mark, verb) = if state.view_state().unfolded {
+        ("▾", "folds")
+    } else {
+        ("▸", "shows")
+    };
+    let mut cells = vec![Cell::from(Span::styled(
+        format!("{mark} {} finished", released + failed + canceled),
+        theme.dim(),
+    ))];
+    cells.extend((0..4).map(|_| Cell::from("")));
+    cells.push(Cell::from(Span::styled(
+        format!("Enter {verb} them"),
+        theme.dim(),
+    )));
+    cells
 }
 
 /// `HH:MM:SS` (UTC) of a timestamp.
@@ -546,7 +636,7 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
     let id_width = if wide { 29 } else { 12 };
     let cols = [
-        col("TIME UTC", 8, 0),
+        col("TIME UTC", 9, 0),
         col("KIND", 8, 2),
         col("ACTOR", if wide { 24 } else { 12 }, 3),
         col("BACKING", id_width as u16, 1),
@@ -574,24 +664,25 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(frame, area, "No events yet.", theme);
     }
 }
 
 fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
-    let vs = state.view_state();
-    if let (None, Some(gone)) = (&vs.selected_key, &vs.gone) {
+    if let Some((gone, hidden)) = state.unshown() {
+        let why = if hidden {
+            "is hidden by the filter"
+        } else {
+            "went away"
+        };
         return vec![Line::from(Span::styled(
-            format!(
-                " {} went away: nothing is selected (↑ ↓ select a row)",
-                gone.id
-            ),
+            format!(" {} {why}: nothing is selected (↑ ↓ select a row)", gone.id),
             theme.warn(),
         ))];
     }
-    let key = vs.selected_key.clone().unwrap_or_default();
+    let key = state.view_state().selected_key.clone().unwrap_or_default();
     match state.view {
         View::Pools => match state.pool_row(&key) {
             Some(p) => vec![
@@ -642,6 +733,21 @@ fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
                     None => vec![],
                 },
             }
+        }
+        View::Requests if key == FOLD_KEY => {
+            let (released, failed, canceled) = state.finished_requests();
+            vec![
+                Line::from(format!(
+                    " finished requests: {released} released, {failed} failed, {canceled} canceled"
+                )),
+                Line::from(Span::styled(
+                    format!(
+                        " each leaves KV {} after it ends",
+                        fmt_duration(slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS * 1000)
+                    ),
+                    theme.dim(),
+                )),
+            ]
         }
         View::Requests => match state.request(&key) {
             Some(r) => vec![
@@ -753,10 +859,10 @@ fn backing_detail<'a>(state: &State, r: &BackingRow, theme: &Theme) -> Vec<Line<
 
 fn draw_status(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let line = match &state.input {
-        Input::Filter(text) => Line::from(vec![
+        Input::Filter { text, .. } => Line::from(vec![
             Span::styled(" filter /", theme.key()),
             Span::raw(format!("{text}▏")),
-            Span::styled("  Enter apply · Esc cancel", theme.dim()),
+            Span::styled("  Enter keep · Esc undo", theme.dim()),
         ]),
         _ => match &state.status {
             Some(s) => Line::from(Span::styled(
@@ -832,9 +938,12 @@ pub const HELP: &[(&str, &str)] = &[
     ("Home End  g G", "first or last row"),
     ("Tab Shift-Tab  ← →  h l", "next or previous view"),
     ("1 2 3 4 5", "Pools, Backing, Slots, Requests, Events"),
-    ("Enter", "drill in: pool → its nodes, node → its slots"),
-    ("Esc", "clear the filter, or back from Slots"),
-    ("/", "filter the current view (Enter applies)"),
+    (
+        "Enter",
+        "drill in: pool → its backing nodes, node → its slots",
+    ),
+    ("Esc", "clear the filter, then the pool, or back from Slots"),
+    ("/", "filter the view as you type (Enter keeps, Esc undoes)"),
     ("s  S", "next sort column; reverse the order"),
     ("H", "hold: no new slots, never released"),
     ("D", "drain: no new slots, released once empty"),
@@ -1018,6 +1127,18 @@ mod tests {
     }
 
     #[test]
+    fn requests_view_folds_finished_requests() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [Msg::Feed(finished_requests())]);
+        press(&mut state, [key('4')]);
+        let folded = screen(&state);
+        assert!(folded.contains("▸ 3 finished"), "{folded}");
+        insta::assert_snapshot!("requests_folded", folded);
+        press(&mut state, [key('G'), code(KeyCode::Enter)]);
+        insta::assert_snapshot!("requests_unfolded", screen(&state));
+    }
+
+    #[test]
     fn events_view() {
         let mut state = sample_state(80, 24);
         press(&mut state, [key('5')]);
@@ -1150,5 +1271,21 @@ mod tests {
         assert_eq!(slot_bar(1, 4, 4), "█░░░ 1/4");
         assert_eq!(slot_bar(0, 0, 4), "░░░░ 0/0");
         assert_eq!(clock(NOW + 61_000), "12:01:01");
+    }
+
+    #[test]
+    fn only_a_full_node_draws_a_full_bar() {
+        for width in 1..=10 {
+            let full = "█".repeat(width);
+            assert!(slot_bar(4, 4, width).starts_with(&full), "width {width}");
+            assert!(
+                !slot_bar(3, 4, width).starts_with(&full),
+                "3/4 at width {width}: {}",
+                slot_bar(3, 4, width)
+            );
+            assert!(!slot_bar(99, 100, width).starts_with(&full));
+        }
+        assert_eq!(slot_bar(3, 4, 3), "██░ 3/4");
+        assert_eq!(slot_bar(1, 100, 3), "█░░ 1/100", "any use shows");
     }
 }
