@@ -19,6 +19,8 @@ pub enum Action {
     Quit,
     /// Open the help.
     Help,
+    /// Open or close the detail pane of the selected row.
+    Details,
     MoveUp,
     MoveDown,
     PageUp,

@@ -30,6 +30,7 @@ fn table_action(code: KeyCode, ctrl: bool) -> Option<Action> {
     Some(match code {
         KeyCode::Char('q') => Action::Quit,
         KeyCode::Char('?') => Action::Help,
+        KeyCode::Char('i') => Action::Details,
         KeyCode::Down | KeyCode::Char('j') => Action::MoveDown,
         KeyCode::Up | KeyCode::Char('k') => Action::MoveUp,
         KeyCode::PageDown => Action::PageDown,

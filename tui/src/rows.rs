@@ -302,6 +302,11 @@ pub struct Index {
 }
 
 impl Index {
+    /// The pool aggregates, as of the last build.
+    pub fn pools(&self) -> &[PoolRow] {
+        &self.pools
+    }
+
     pub fn build(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Index {
         let mut used_by_backing: HashMap<String, u32> = HashMap::new();
         for s in mirror.slots() {

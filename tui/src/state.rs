@@ -12,6 +12,7 @@
 //! so every timer here is computed from the records and that `now`.
 
 use crate::format::backing_of_node;
+use crate::history::History;
 use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
@@ -20,7 +21,7 @@ use crate::rows::{
 };
 use crate::rules::Rules;
 use slotpool_protocol::model::{
-    BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -100,6 +101,10 @@ pub struct State {
     pub size: (u16, u16),
     /// The backing node (by id) whose slots the Slots view shows.
     pub focus: Option<String>,
+    /// Whether the detail pane of the selected row is open (`i`).
+    pub details: bool,
+    /// Slots used and requests waiting per pool over the last minutes, for sparklines.
+    pub history: History,
     mirror: Mirror,
     /// Derived by [`State::settle`].
     index: Index,
@@ -119,6 +124,8 @@ impl State {
             status: None,
             size: (80, 24),
             focus: None,
+            details: false,
+            history: History::default(),
             mirror: Mirror::default(),
             index: Index::default(),
             dirty: true,
@@ -148,7 +155,7 @@ impl State {
 
     /// Rows of the table body that fit on screen.
     pub fn page_rows(&self) -> usize {
-        table_rows(self.size) as usize
+        table_rows(self.size, self.details) as usize
     }
 
     /// Totals for the header: backing nodes, slots used, slots total, waiting requests.
@@ -248,6 +255,21 @@ impl State {
             }
         }
         n
+    }
+
+    /// The agent heartbeat of backing node `id`.
+    pub fn agent(&self, id: &str) -> Option<&AgentHeartbeat> {
+        self.mirror.agent(id)
+    }
+
+    /// The backing node records, by seat key.
+    pub fn backing_nodes(&self) -> impl Iterator<Item = &BackingNode> {
+        self.mirror.backing_nodes().map(|(_, b)| b)
+    }
+
+    /// The events kept, newest first.
+    pub fn events(&self) -> impl Iterator<Item = &Event> {
+        self.mirror.events_newest_first().map(|(_, e)| e)
     }
 
     pub fn request(&self, key: &str) -> Option<&NodeRequest> {
@@ -383,6 +405,10 @@ impl State {
         match action {
             Action::Quit => return Some(Command::Quit),
             Action::Help => self.input = Input::Help,
+            Action::Details => {
+                self.details = !self.details;
+                self.dirty = true;
+            }
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
             Action::PageDown => self.move_selection(page),
@@ -566,6 +592,9 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             state.now = now;
             if state.status.as_ref().is_some_and(|s| s.expired(now)) {
                 state.status = None;
+            }
+            if state.loaded() {
+                state.history.sample(now, state.index.pools());
             }
             if state.view == View::Pools || state.view_state().sort != 0 {
                 state.dirty = true;

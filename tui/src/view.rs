@@ -8,13 +8,15 @@
 
 use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
 use crate::input::Input;
+use crate::layout::pane_lines;
+use crate::pane::{Pane, Tone};
 use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Table, Wrap};
+use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 use slotpool_protocol::model::{BackingState, EventKind, RequestState};
 
@@ -35,6 +37,14 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
     .areas(area);
     draw_header(frame, header, state, theme);
     draw_tabs(frame, tabs, state, theme);
+    let [body, pane] = Layout::vertical([
+        Constraint::Min(1),
+        Constraint::Length(pane_lines((area.width, area.height), state.details)),
+    ])
+    .areas(body);
+    if state.details {
+        draw_pane(frame, pane, &crate::pane::build(state), theme);
+    }
     match state.view {
         View::Pools => draw_pools(frame, body, state, theme),
         View::Backing => draw_backing(frame, body, state, theme),
@@ -415,6 +425,55 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     }
 }
 
+/// The detail pane: a box titled with the row, its sparklines (one line each, the label
+/// on the left) and its lines, cut at the box's edges.
+fn draw_pane(frame: &mut Frame, area: Rect, pane: &Pane, theme: &Theme) {
+    let block = Block::bordered()
+        .title(pane.title.clone())
+        .title_bottom(" i closes ")
+        .border_style(theme.dim());
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let sparks = (pane.sparks.len() as u16).min(inner.height);
+    let [top, rest] =
+        Layout::vertical([Constraint::Length(sparks), Constraint::Min(0)]).areas(inner);
+    for (i, spark) in pane.sparks.iter().enumerate().take(sparks as usize) {
+        let row = Rect {
+            y: top.y + i as u16,
+            height: 1,
+            ..top
+        };
+        let [label, line] =
+            Layout::horizontal([Constraint::Length(10), Constraint::Min(0)]).areas(row);
+        frame.render_widget(
+            Paragraph::new(spark.label.clone()).style(theme.dim()),
+            label,
+        );
+        // The newest samples, as many as fit.
+        let shown = &spark.samples[spark.samples.len().saturating_sub(line.width as usize)..];
+        let mut widget = Sparkline::default().data(shown).style(theme.ok());
+        if let Some(max) = spark.max {
+            widget = widget.max(max);
+        }
+        frame.render_widget(widget, line);
+    }
+    let lines: Vec<Line> = pane
+        .lines
+        .iter()
+        .map(|l| {
+            let style = match l.tone {
+                Tone::Plain => Style::new(),
+                Tone::Heading => theme.title(),
+                Tone::Dim => theme.dim(),
+                Tone::Warn => theme.warn(),
+                Tone::Error => theme.error(),
+            };
+            Line::from(Span::styled(format!(" {}", l.text), style))
+        })
+        .collect();
+    frame.render_widget(Paragraph::new(lines), rest);
+}
+
 fn pool_states(p: &PoolRow) -> String {
     let names = [
         "requested",
@@ -626,11 +685,7 @@ fn fold_row<'a>(state: &State, theme: &Theme) -> Vec<Cell<'a>> {
     cells
 }
 
-/// `HH:MM:SS` (UTC) of a timestamp.
-pub fn clock(ms: u64) -> String {
-    let s = ms / 1000 % 86400;
-    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
-}
+pub use crate::format::clock;
 
 fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
@@ -901,6 +956,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
         ],
         View::Pools => &[
             ("Enter", "its nodes"),
+            ("i", "why waiting"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -909,6 +965,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
         ],
         View::Requests => &[
             ("Enter", "its slots"),
+            ("i", "details"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -916,6 +973,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
             ("q", "quit"),
         ],
         View::Events => &[
+            ("i", "details"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -950,6 +1008,10 @@ pub const HELP: &[(&str, &str)] = &[
     ("R", "run: back to normal"),
     ("K", "kill the backing node now (confirms)"),
     ("X", "release the selected slot (confirms)"),
+    (
+        "i",
+        "details of the selected row: record, slots, events; a pool's why-waiting",
+    ),
     ("?", "this help"),
     ("q  Ctrl-c", "quit"),
 ];
@@ -1102,6 +1164,63 @@ mod tests {
         );
         let text = screen(&state);
         assert!(text.contains("went away: nothing is selected"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn detail_pane_of_a_busy_node() {
+        let mut state = sample_state(80, 24);
+        // Its agent reports slot 3 dirty.
+        let b = backing(0, BackingState::Ready, 4);
+        let mut hb = agent(&b, NOW - SEC);
+        hb.dirty_slots = vec![3];
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![put(Record::Agent(Box::new(hb)))])],
+        );
+        press(&mut state, [key('i')]);
+        let text = screen(&state);
+        assert!(text.contains("req-ci-job-1 by ci-job-1"), "{text}");
+        assert!(text.contains("3 dirty"), "{text}");
+        insta::assert_snapshot!(text);
+        // Taller: the recent events and the record.
+        state.size = (100, 40);
+        apply_all(&mut state, [Msg::Resize(100, 40)]);
+        let text = screen(&state);
+        assert!(
+            text.contains("created_at: 11:00:00 UTC (1h00m ago)"),
+            "{text}"
+        );
+        assert!(text.contains("ready (by"), "{text}");
+        insta::assert_snapshot!("detail_pane_of_a_busy_node_100x40", text);
+    }
+
+    #[test]
+    fn detail_pane_of_a_pool_says_why_it_waits_with_sparklines() {
+        let mut state = sample_state(80, 24);
+        // Five minutes of samples: more slots used, then requests waiting.
+        for i in 0..60u64 {
+            let waiting: Vec<Change> = (0..i / 20)
+                .map(|n| {
+                    put(Record::Request(Box::new(request(
+                        &format!("req-w{n}"),
+                        &["small"],
+                        RequestState::Requested,
+                        NOW,
+                    ))))
+                })
+                .collect();
+            apply_all(
+                &mut state,
+                [
+                    Msg::Feed(waiting),
+                    Msg::Tick(NOW + i * crate::history::SAMPLE_MS),
+                ],
+            );
+        }
+        press(&mut state, [key('1'), key('i')]);
+        let text = screen(&state);
+        assert!(text.contains("why") || text.contains("waiting"), "{text}");
         insta::assert_snapshot!(text);
     }
 

@@ -660,3 +660,15 @@ fn enter_on_a_pool_shows_that_pools_backing_nodes_not_every_label_alike() {
     press(&mut state, [code(KeyCode::Esc)]);
     assert_eq!(state.view_state().rows.len(), 5);
 }
+
+#[test]
+fn i_opens_the_detail_pane_which_takes_rows_from_the_table() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let rows = state.page_rows();
+    press(&mut state, [key('i')]);
+    assert!(state.details);
+    assert!(state.page_rows() < rows, "{} of {rows}", state.page_rows());
+    assert!(state.page_rows() > 0);
+    press(&mut state, [key('i')]);
+    assert_eq!(state.page_rows(), rows);
+}
