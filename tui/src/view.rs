@@ -85,22 +85,9 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
 }
 
+/// The view tabs, then the view's sort, pool and filter. When they do not all fit, the
+/// other views' tabs shrink to their numbers: the pool and filter in force stay in sight.
 fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
-    let mut spans = Vec::new();
-    for (i, v) in View::ALL.iter().enumerate() {
-        if i > 0 {
-            spans.push(Span::styled(" │ ", theme.dim()));
-        }
-        let title = if *v == View::Backing && area.width < WIDE {
-            "Backing"
-        } else {
-            v.title()
-        };
-        spans.push(Span::styled(
-            format!("{} {title}", i + 1),
-            theme.tab(*v == state.view),
-        ));
-    }
     let vs = state.view_state();
     let sort = state.view.sorts()[vs.sort.min(state.view.sorts().len() - 1)];
     let mut right = format!("  sort:{sort}{}", if vs.reverse { "↓" } else { "" });
@@ -109,6 +96,32 @@ fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     }
     if !vs.filter.is_empty() {
         right.push_str(&format!(" /{}", vs.filter));
+    }
+    let tabs = |short: bool| -> Vec<Span<'static>> {
+        let mut spans = Vec::new();
+        for (i, v) in View::ALL.iter().enumerate() {
+            if i > 0 {
+                spans.push(Span::styled(" │ ", theme.dim()));
+            }
+            let current = *v == state.view;
+            let title = if short && !current {
+                String::new()
+            } else if *v == View::Backing && area.width < WIDE {
+                " Backing".into()
+            } else {
+                format!(" {}", v.title())
+            };
+            spans.push(Span::styled(
+                format!("{}{title}", i + 1),
+                theme.tab(current),
+            ));
+        }
+        spans
+    };
+    let mut spans = tabs(false);
+    let width: usize = spans.iter().map(|s| s.content.chars().count()).sum();
+    if width + right.chars().count() > usize::from(area.width) {
+        spans = tabs(true);
     }
     spans.push(Span::styled(right, theme.dim()));
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
@@ -1215,6 +1228,19 @@ mod tests {
         press(&mut state, [key('1'), key('i')]);
         let text = screen(&state);
         assert!(text.contains("why") || text.contains("waiting"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn a_pools_nodes_filtered_while_typing() {
+        let mut state = sample_state(80, 24);
+        press(
+            &mut state,
+            [key('1'), code(KeyCode::Enter), key('/'), key('r'), key('e')],
+        );
+        let text = screen(&state);
+        assert!(text.contains("pool:cloud/main/small /re"), "{text}");
+        assert!(text.contains("filter /re"), "{text}");
         insta::assert_snapshot!(text);
     }
 
