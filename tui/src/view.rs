@@ -1335,6 +1335,17 @@ mod tests {
     }
 
     #[test]
+    fn drain_confirmation_names_the_node_at_80x24() {
+        let mut state = sample_state(80, 24);
+        let mut msgs = vec![key('D')];
+        msgs.extend("disk swap".chars().map(key));
+        press(&mut state, msgs);
+        let text = screen(&state);
+        assert!(text.contains("Enter confirm"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
     fn a_long_confirmation_keeps_its_keys_on_screen() {
         for width in [80, 60, 44] {
             let mut state = sample_state(width, 24);
