@@ -231,10 +231,10 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
                 .then(|| l.starts_with(a.as_str()))
         })
         .unwrap();
-    let (drained, other, request) = if a_first {
-        (a.clone(), b.clone(), first)
+    let (drained, other, request, kept) = if a_first {
+        (a.clone(), b.clone(), first, second)
     } else {
-        (b.clone(), a.clone(), second)
+        (b.clone(), a.clone(), second, first)
     };
     console.keys(&["D"]);
     console
@@ -283,6 +283,17 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
         .expect("the other node is still there");
     assert_eq!(b.idle, IdleBehaviour::Run, "the other node was not ordered");
     assert!(b.order.is_none(), "{:?}", b.order);
+
+    // Selecting the other node on purpose, its detail pane shows who holds its slot.
+    console.keys(&["j", "i"]);
+    let screen = console
+        .wait_screen("the detail pane of the other node", |s| {
+            s.contains(&format!(" {other} "))
+                && s.contains(&format!("{} by ", kept.id))
+                && s.contains("record")
+        })
+        .await;
+    eprintln!("detail pane:\n{screen}");
     console.keys(&["q"]);
 }
 
