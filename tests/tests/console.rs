@@ -110,19 +110,7 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
     let (a, _) = request.nodes[0].slot().expect("node id names its slot");
 
     let log = tempfile::NamedTempFile::new().unwrap();
-    let console = Tmux::start(
-        &format!(
-            "NO_COLOR=1 {} {} --config {} --actor e2e@test --log-file {} --log debug",
-            bin_path("slotpool-console").display(),
-            pool.nats
-                .args_as(slotpool_protocol::auth::Role::Operator, "e2e")
-                .join(" "),
-            pool.config_path().display(),
-            log.path().display(),
-        ),
-        120,
-        40,
-    );
+    let console = Tmux::start(&console_command(&pool, log.path()), 120, 40);
     // The existing pool is on screen at start: the backing node, ready, one slot in use.
     let screen = console
         .wait_screen("the ready backing node", |s| {
@@ -199,6 +187,114 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
         (!String::from_utf8_lossy(&out.stdout).contains(&console.session)).then_some(())
     })
     .await;
+}
+
+/// The console's command line against `pool`, as operator `e2e`.
+fn console_command(pool: &Pool, log: &std::path::Path) -> String {
+    format!(
+        "NO_COLOR=1 {} {} --config {} --actor e2e@test --log-file {} --log debug",
+        bin_path("slotpool-console").display(),
+        pool.nats
+            .args_as(slotpool_protocol::auth::Role::Operator, "e2e")
+            .join(" "),
+        pool.config_path().display(),
+        log.display(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
+    // One slot per backing node: two requests, two backing nodes, both busy.
+    let pool = Pool::start(2, 5, &label("small", 1, 600, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing_of = |r: &slotpool_protocol::model::NodeRequest| {
+        r.nodes[0].slot().expect("node id names its slot").0
+    };
+    let (a, b) = (backing_of(&first), backing_of(&second));
+    assert_ne!(a, b);
+
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let console = Tmux::start(&console_command(&pool, log.path()), 120, 40);
+    let screen = console
+        .wait_screen("both backing nodes ready", |s| {
+            [&a, &b].iter().all(|id| {
+                row_of(s, id).is_some_and(|row| row.contains("ready") && row.contains("1/1"))
+            })
+        })
+        .await;
+    // The first row is selected at start: that is the node to drain; the other stays.
+    let a_first = screen
+        .lines()
+        .find_map(|l| {
+            (l.starts_with(a.as_str()) || l.starts_with(b.as_str()))
+                .then(|| l.starts_with(a.as_str()))
+        })
+        .unwrap();
+    let (drained, other, request, kept) = if a_first {
+        (a.clone(), b.clone(), first, second)
+    } else {
+        (b.clone(), a.clone(), second, first)
+    };
+    console.keys(&["D"]);
+    console
+        .wait_screen("the drain confirmation naming the first node", |s| {
+            s.contains(&format!("Drain backing node {drained}")) && s.contains("Enter confirm")
+        })
+        .await;
+    console.keys(&["Enter"]);
+    console
+        .wait_screen("the node draining", |s| {
+            row_of(s, &drained).is_some_and(|row| row.contains("drain"))
+        })
+        .await;
+
+    // Its node comes back: the drained node is released and its row disappears; the
+    // selection does not fall on the other node, which now has the first row.
+    pool.client
+        .release(request.nodes.clone())
+        .await
+        .expect("release");
+    let screen = console
+        .wait_screen("the drained node gone and nothing selected", |s| {
+            row_of(s, &drained).is_none()
+                && row_of(s, &other).is_some()
+                && s.contains("went away: nothing is selected")
+        })
+        .await;
+    eprintln!("after the drained node went away:\n{screen}");
+    assert!(
+        screen.contains(&format!("{drained} went away")),
+        "the detail line names the node that went away:\n{screen}"
+    );
+    // A second D has no target: no dialog naming the other node.
+    console.keys(&["D"]);
+    let screen = console
+        .wait_screen("D refused for want of a selection", |s| {
+            s.contains("drain: select a backing node")
+        })
+        .await;
+    assert!(!screen.contains("Drain backing node"), "{screen}");
+    let b: BackingNode = pool
+        .backing()
+        .await
+        .into_iter()
+        .find(|b| b.id == other)
+        .expect("the other node is still there");
+    assert_eq!(b.idle, IdleBehaviour::Run, "the other node was not ordered");
+    assert!(b.order.is_none(), "{:?}", b.order);
+
+    // Selecting the other node on purpose, its detail pane shows who holds its slot.
+    console.keys(&["j", "i"]);
+    let screen = console
+        .wait_screen("the detail pane of the other node", |s| {
+            s.contains(&format!(" {other} "))
+                && s.contains(&format!("{} by ", kept.id))
+                && s.contains("record")
+        })
+        .await;
+    eprintln!("detail pane:\n{screen}");
+    console.keys(&["q"]);
 }
 
 fn backing_record(seat: u32) -> BackingNode {

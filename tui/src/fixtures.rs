@@ -217,6 +217,29 @@ pub fn press(state: &mut State, keys: impl IntoIterator<Item = KeyEvent>) -> Vec
     out
 }
 
+/// A failed, a canceled and a released request, all older than the sample's.
+pub fn finished_requests() -> Vec<Change> {
+    let mut failed = request("req-f1", &["small"], RequestState::Failed, NOW - 900 * SEC);
+    failed.failure = Some("timed out after 300s".into());
+    let canceled = request(
+        "req-c1",
+        &["small"],
+        RequestState::Canceled,
+        NOW - 800 * SEC,
+    );
+    let mut released = request(
+        "req-r1",
+        &["small"],
+        RequestState::Fulfilled,
+        NOW - 700 * SEC,
+    );
+    released.nodes_released_at = Some(NOW - 650 * SEC);
+    [failed, canceled, released]
+        .into_iter()
+        .map(|r| put(Record::Request(Box::new(r))))
+        .collect()
+}
+
 /// A small pool: a busy node, an idle one, a failed one; requests and events.
 pub fn sample() -> Vec<Change> {
     let busy = backing(0, BackingState::Ready, 4);

@@ -63,6 +63,12 @@ pub fn backing_of_node(node: &NodeId) -> Option<String> {
     parts.next().map(str::to_string)
 }
 
+/// `HH:MM:SS` (UTC) of a timestamp.
+pub fn clock(ms: u64) -> String {
+    let s = ms / 1000 % 86400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

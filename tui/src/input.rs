@@ -19,6 +19,8 @@ pub enum Action {
     Quit,
     /// Open the help.
     Help,
+    /// Open or close the detail pane of the selected row.
+    Details,
     MoveUp,
     MoveDown,
     PageUp,
@@ -60,8 +62,12 @@ pub enum Action {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
     None,
-    /// Typing a filter for the current view.
-    Filter(String),
+    /// Typing a filter for the current view (applied as typed); `before` is the filter
+    /// the prompt opened with, put back by Esc.
+    Filter {
+        text: String,
+        before: String,
+    },
     Help,
     /// A destructive order waiting for confirmation, with the reason typed so far.
     Confirm {
@@ -121,7 +127,7 @@ pub enum Taken {
     Table(Action),
     /// The prompt took it (typed, ignored, or closed without effect).
     Done,
-    /// The filter was entered.
+    /// The view's filter is now this.
     Filter(String),
     /// The order was confirmed, with the reason given, if any.
     Confirmed {
@@ -139,21 +145,24 @@ impl Input {
             Input::None => Taken::Table(action),
             // Any action closes the help.
             Input::Help => Taken::Done,
-            Input::Filter(mut text) => match action {
-                Action::Cancel => Taken::Done,
-                Action::Confirm => Taken::Filter(text),
-                Action::DeleteChar => {
-                    text.pop();
-                    *self = Input::Filter(text);
-                    Taken::Done
-                }
-                Action::TypeChar(c) => {
-                    text.push(c);
-                    *self = Input::Filter(text);
-                    Taken::Done
+            // The filter applies as it is typed; Enter keeps it, Esc puts back the one
+            // the prompt opened with.
+            Input::Filter { mut text, before } => match action {
+                Action::Cancel => Taken::Filter(before),
+                Action::Confirm => Taken::Done,
+                Action::DeleteChar | Action::TypeChar(_) => {
+                    match action {
+                        Action::TypeChar(c) => text.push(c),
+                        _ => _ = text.pop(),
+                    }
+                    *self = Input::Filter {
+                        text: text.clone(),
+                        before,
+                    };
+                    Taken::Filter(text)
                 }
                 _ => {
-                    *self = Input::Filter(text);
+                    *self = Input::Filter { text, before };
                     Taken::Done
                 }
             },
@@ -189,21 +198,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_filter_takes_text_until_entered_or_cancelled() {
-        let mut input = Input::Filter(String::new());
-        for a in [
-            Action::TypeChar('a'),
-            Action::TypeChar('b'),
-            Action::DeleteChar,
-        ] {
-            assert_eq!(input.take(a), Taken::Done);
-        }
+    fn a_filter_applies_as_typed_and_esc_puts_back_the_old_one() {
+        let mut input = Input::Filter {
+            text: "o".into(),
+            before: "o".into(),
+        };
+        assert_eq!(
+            input.take(Action::TypeChar('a')),
+            Taken::Filter("oa".into())
+        );
+        assert_eq!(
+            input.take(Action::TypeChar('b')),
+            Taken::Filter("oab".into())
+        );
+        assert_eq!(input.take(Action::DeleteChar), Taken::Filter("oa".into()));
         assert_eq!(input.take(Action::MoveDown), Taken::Done, "ignored");
-        assert_eq!(input, Input::Filter("a".into()));
-        assert_eq!(input.take(Action::Confirm), Taken::Filter("a".into()));
+        assert_eq!(
+            input,
+            Input::Filter {
+                text: "oa".into(),
+                before: "o".into()
+            }
+        );
+        // Enter closes the prompt: the filter is already applied.
+        assert_eq!(input.take(Action::Confirm), Taken::Done);
         assert_eq!(input, Input::None);
-        input = Input::Filter("x".into());
-        assert_eq!(input.take(Action::Cancel), Taken::Done);
+        input = Input::Filter {
+            text: "xy".into(),
+            before: "x".into(),
+        };
+        assert_eq!(input.take(Action::Cancel), Taken::Filter("x".into()));
         assert_eq!(input, Input::None);
     }
 

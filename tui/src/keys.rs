@@ -14,7 +14,7 @@ pub fn action(key: &KeyEvent, input: &Input) -> Option<Action> {
     match input {
         // Any key closes the help.
         Input::Help => Some(Action::Cancel),
-        Input::Filter(_) | Input::Confirm { .. } => match key.code {
+        Input::Filter { .. } | Input::Confirm { .. } => match key.code {
             KeyCode::Esc => Some(Action::Cancel),
             KeyCode::Enter => Some(Action::Confirm),
             KeyCode::Backspace => Some(Action::DeleteChar),
@@ -30,6 +30,7 @@ fn table_action(code: KeyCode, ctrl: bool) -> Option<Action> {
     Some(match code {
         KeyCode::Char('q') => Action::Quit,
         KeyCode::Char('?') => Action::Help,
+        KeyCode::Char('i') => Action::Details,
         KeyCode::Down | KeyCode::Char('j') => Action::MoveDown,
         KeyCode::Up | KeyCode::Char('k') => Action::MoveUp,
         KeyCode::PageDown => Action::PageDown,
@@ -97,7 +98,10 @@ mod tests {
     #[test]
     fn a_prompt_takes_keys_as_text() {
         let prompts = [
-            Input::Filter("x".into()),
+            Input::Filter {
+                text: "x".into(),
+                before: String::new(),
+            },
             Input::Confirm {
                 order: PendingOrder::Kill(BackingId::parse("bn-x").unwrap()),
                 reason: String::new(),

@@ -9,6 +9,8 @@
 //! - [`keys`]: what a terminal key means (the only crossterm key handling outside the loop);
 //! - [`state`]: the pure `State` and its reducer `update(state, msg)`;
 //! - [`format`]: names and durations for display; [`layout`]: table rows per screen;
+//! - [`history`]: slots used and requests waiting per pool over the last minutes;
+//! - [`pane`]: what the detail pane says about the selected row;
 //! - [`view`]: draws a `State` with ratatui widgets (only the rows on screen);
 //! - [`console`]: the event loop ([`run_console`]), generic over the ratatui backend;
 //! - [`rules`]: the label timers and pool sizes taken from the launcher's config;
@@ -24,10 +26,12 @@ pub mod feed;
 #[cfg(test)]
 mod fixtures;
 pub mod format;
+pub mod history;
 pub mod input;
 pub mod keys;
 pub mod layout;
 pub mod mirror;
+pub mod pane;
 pub mod rows;
 pub mod rules;
 pub mod state;

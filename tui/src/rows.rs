@@ -61,20 +61,109 @@ impl View {
 }
 
 /// Selection, scroll, filter and sort of one view.
+///
+/// The selection follows what the operator selected, never an index: its row is found
+/// again by key and checked by identity (in the Backing view the backing node's id, as a
+/// seat is taken again by the next node launched into it). When that row goes away
+/// nothing is selected (an order then has no target) until the operator moves; [`Gone`]
+/// remembers what it was, to say so and to select it again should it come back.
 #[derive(Clone, Debug, Default)]
 pub struct ViewState {
-    /// Index into the view's rows.
+    /// Index into the view's rows of the selected row, or of where the gone one was.
     pub selected: usize,
-    /// The selected row's key, so the selection follows its row when rows move.
+    /// The selected row's key; `None` when nothing is selected.
     pub selected_key: Option<String>,
+    /// What the selected row is (see [`ViewState`]); `None` when nothing is selected.
+    pub selected_id: Option<String>,
+    /// The row that was selected and went away, while nothing else is selected.
+    pub gone: Option<Gone>,
     /// First row shown.
     pub offset: usize,
     pub filter: String,
+    /// Requests view: the finished requests are shown, not folded into one row.
+    pub unfolded: bool,
+    /// Only the backing nodes of this pool (Backing view; Enter on a pool sets it).
+    pub pool: Option<PoolScope>,
     /// Index into [`View::sorts`].
     pub sort: usize,
     pub reverse: bool,
     /// The rows' keys after filter and sort.
     pub rows: Vec<String>,
+}
+
+/// The key of the Requests view's row that the finished requests fold into.
+pub const FOLD_KEY: &str = "~finished";
+
+/// Whether a request is over: failed, canceled, or fulfilled and every node given back.
+pub fn is_finished(r: &NodeRequest) -> bool {
+    match r.state {
+        RequestState::Requested => false,
+        RequestState::Fulfilled => r.nodes_released_at.is_some(),
+        RequestState::Failed | RequestState::Canceled => true,
+    }
+}
+
+/// One pool's label: what Enter on a Pools row narrows the Backing view to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolScope {
+    pub provider: String,
+    pub pool: String,
+    pub label: String,
+}
+
+impl PoolScope {
+    pub fn holds(&self, b: &BackingNode) -> bool {
+        b.provider == self.provider && b.pool == self.pool && b.label == self.label
+    }
+}
+
+impl std::fmt::Display for PoolScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.provider, self.pool, self.label)
+    }
+}
+
+/// A selected row that went away: its key and its identity.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gone {
+    pub key: String,
+    pub id: String,
+}
+
+impl ViewState {
+    /// Whether row `i` is the selected one.
+    pub fn is_selected(&self, i: usize) -> bool {
+        self.selected_key.is_some() && i == self.selected
+    }
+
+    /// Selects row `i` (clamped), whose identity is `id`.
+    pub fn select(&mut self, i: usize, id: impl Fn(&str) -> Option<String>) {
+        self.selected = i.min(self.rows.len().saturating_sub(1));
+        self.selected_key = self.rows.get(self.selected).cloned();
+        self.selected_id = self.selected_key.as_deref().and_then(id);
+        self.gone = None;
+    }
+
+    /// Selects nothing in particular: the first row, at the next [`set_rows`].
+    pub fn reset_selection(&mut self) {
+        self.selected = 0;
+        self.selected_key = None;
+        self.selected_id = None;
+        self.gone = None;
+    }
+
+    /// The row `delta` rows away from the selection; from a gone row, the gap it left
+    /// counts as the first step (down: the row that took its place; up: the one above).
+    pub fn moved(&self, delta: isize) -> usize {
+        let last = self.rows.len() as isize - 1;
+        let from = self.selected as isize;
+        let to = if self.selected_key.is_none() && self.gone.is_some() && delta > 0 {
+            from + delta - 1
+        } else {
+            from + delta
+        };
+        to.clamp(0, last.max(0)) as usize
+    }
 }
 
 /// Per (provider, pool, label): what the Pools view shows.
@@ -213,6 +302,11 @@ pub struct Index {
 }
 
 impl Index {
+    /// The pool aggregates, as of the last build.
+    pub fn pools(&self) -> &[PoolRow] {
+        &self.pools
+    }
+
     pub fn build(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Index {
         let mut used_by_backing: HashMap<String, u32> = HashMap::new();
         for s in mirror.slots() {
@@ -250,6 +344,28 @@ pub struct Facts<'a> {
 impl<'a> Facts<'a> {
     pub fn pools(&self) -> &'a [PoolRow] {
         &self.index.pools
+    }
+
+    /// Whether the row `gone` still exists (hidden by the filter, then), rather than
+    /// having gone away.
+    pub fn exists(&self, view: View, gone: &Gone) -> bool {
+        let key = gone.key.as_str();
+        match view {
+            View::Pools => self.pool_row(key).is_some(),
+            View::Backing => self.identity(view, key).as_deref() == Some(gone.id.as_str()),
+            View::Slots => self.slot_row(key).is_some(),
+            View::Requests => self.mirror.request(key).is_some(),
+            View::Events => self.mirror.event(key).is_some(),
+        }
+    }
+
+    /// What a row of `view` is, as the selection follows it: in the Backing view the
+    /// backing node's id (its key, the seat, outlives it), elsewhere the key.
+    pub fn identity(&self, view: View, key: &str) -> Option<String> {
+        match view {
+            View::Backing => self.mirror.backing(key).map(|b| b.id.to_string()),
+            _ => Some(key.to_string()),
+        }
     }
 
     fn aggregate_pools(&self) -> Vec<PoolRow> {
@@ -342,6 +458,7 @@ impl<'a> Facts<'a> {
                 let mut nodes: Vec<(&String, &BackingNode)> = self
                     .mirror
                     .backing_nodes()
+                    .filter(|(_, b)| vs.pool.as_ref().is_none_or(|p| p.holds(b)))
                     .filter(|(k, b)| {
                         matches(
                             filter,
@@ -445,7 +562,20 @@ impl<'a> Facts<'a> {
                         )
                     }),
                 }
-                reqs.into_iter().map(|(k, _)| k.clone()).collect()
+                if vs.reverse {
+                    reqs.reverse();
+                }
+                // Finished requests fold into one row after the live ones.
+                let (finished, live): (Vec<_>, Vec<_>) =
+                    reqs.into_iter().partition(|(_, r)| is_finished(r));
+                let mut keys: Vec<String> = live.into_iter().map(|(k, _)| k.clone()).collect();
+                if !finished.is_empty() {
+                    keys.push(FOLD_KEY.to_string());
+                    if vs.unfolded {
+                        keys.extend(finished.into_iter().map(|(k, _)| k.clone()));
+                    }
+                }
+                return keys;
             }
             View::Events => {
                 let mut events: Vec<(&String, &Event)> = self
@@ -648,21 +778,52 @@ fn matches(filter: &str, haystack: &[&str]) -> bool {
     haystack.iter().any(|h| h.to_lowercase().contains(&needle))
 }
 
-/// Puts a view's freshly derived keys in place and keeps its selection on its row.
-pub fn set_rows(view: View, vs: &mut ViewState, rows: Vec<String>) {
-    // The event log follows the newest entry while the selection is on top.
-    let follow = view == View::Events && vs.selected == 0;
+/// Puts a view's freshly derived keys in place and keeps its selection on its row, as
+/// told apart by `id` (a row's identity from its key). If the selected row went away,
+/// nothing is selected: never the row that took its index or its key.
+pub fn set_rows(
+    view: View,
+    vs: &mut ViewState,
+    rows: Vec<String>,
+    id: impl Fn(&str) -> Option<String>,
+) {
+    // The event log and the requests follow the newest entry while the selection is
+    // on top.
+    let follow = matches!(view, View::Events | View::Requests) && vs.selected == 0;
     vs.rows = rows;
     if follow {
-        vs.selected_key = None;
+        vs.reset_selection();
     }
-    if let Some(key) = &vs.selected_key {
-        if let Some(i) = vs.rows.iter().position(|k| k == key) {
-            vs.selected = i;
+    let wanted = match (&vs.selected_key, &vs.gone) {
+        (Some(key), _) => Some((key.clone(), vs.selected_id.clone())),
+        (None, Some(g)) => Some((g.key.clone(), Some(g.id.clone()))),
+        (None, None) => None,
+    };
+    let Some((key, want)) = wanted else {
+        // Nothing chosen yet: the row at the cursor (the first one at start).
+        vs.select(vs.selected, id);
+        return;
+    };
+    let at = vs
+        .rows
+        .iter()
+        .position(|k| *k == key)
+        .filter(|&i| match &want {
+            Some(w) => id(&vs.rows[i]).as_deref() == Some(w.as_str()),
+            None => true,
+        });
+    match (at, want) {
+        (Some(i), _) => vs.select(i, id),
+        (None, want) => {
+            vs.gone = Some(Gone {
+                id: want.unwrap_or_else(|| key.clone()),
+                key,
+            });
+            vs.selected_key = None;
+            vs.selected_id = None;
+            vs.selected = vs.selected.min(vs.rows.len());
         }
     }
-    vs.selected = vs.selected.min(vs.rows.len().saturating_sub(1));
-    vs.selected_key = vs.rows.get(vs.selected).cloned();
 }
 
 /// Scrolls `vs` so that its selection is on a page of `page` rows.
@@ -673,4 +834,72 @@ pub fn scroll_into_view(vs: &mut ViewState, page: usize) {
         vs.offset = vs.selected + 1 - page;
     }
     vs.offset = vs.offset.min(vs.rows.len().saturating_sub(page));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(ks: &[&str]) -> Vec<String> {
+        ks.iter().map(|k| k.to_string()).collect()
+    }
+
+    /// Identities of rows "a".."d": the key with a suffix the test changes.
+    fn ids(suffix: &'static str) -> impl Fn(&str) -> Option<String> {
+        move |k| Some(format!("{k}{suffix}"))
+    }
+
+    #[test]
+    fn the_selection_follows_its_rows_identity_never_its_index() {
+        let mut vs = ViewState::default();
+        set_rows(View::Backing, &mut vs, keys(&["a", "b", "c"]), ids("1"));
+        assert_eq!(
+            vs.selected_key.as_deref(),
+            Some("a"),
+            "the first row at start"
+        );
+        vs.select(1, ids("1"));
+        // Rows move: the selection moves with its row.
+        set_rows(View::Backing, &mut vs, keys(&["c", "a", "b"]), ids("1"));
+        assert_eq!((vs.selected, vs.selected_key.as_deref()), (2, Some("b")));
+        // Its row goes away: nothing is selected, the gap is remembered.
+        set_rows(View::Backing, &mut vs, keys(&["c", "a"]), ids("1"));
+        assert_eq!(vs.selected_key, None);
+        assert_eq!(vs.selected_id, None);
+        assert!(!vs.is_selected(vs.selected));
+        assert_eq!(
+            vs.gone,
+            Some(Gone {
+                key: "b".into(),
+                id: "b1".into()
+            })
+        );
+        // Its key comes back as something else (a seat taken again): still nothing.
+        set_rows(View::Backing, &mut vs, keys(&["c", "a", "b"]), ids("2"));
+        assert_eq!(vs.selected_key, None);
+        // It comes back itself: selected again.
+        set_rows(View::Backing, &mut vs, keys(&["c", "a", "b"]), |k| {
+            Some(format!("{k}{}", if k == "b" { "1" } else { "2" }))
+        });
+        assert_eq!((vs.selected, vs.selected_key.as_deref()), (2, Some("b")));
+    }
+
+    #[test]
+    fn moving_from_a_gone_row_steps_into_its_gap() {
+        let mut vs = ViewState::default();
+        set_rows(View::Pools, &mut vs, keys(&["a", "b", "c"]), ids(""));
+        vs.select(1, ids(""));
+        set_rows(View::Pools, &mut vs, keys(&["a", "c"]), ids(""));
+        assert_eq!(vs.selected_key, None);
+        assert_eq!(
+            vs.rows[vs.moved(1)],
+            "c",
+            "down: the row that took its place"
+        );
+        assert_eq!(vs.rows[vs.moved(-1)], "a", "up: the row above it");
+        // The last row goes: down stays on the new last row.
+        vs.select(1, ids(""));
+        set_rows(View::Pools, &mut vs, keys(&["a"]), ids(""));
+        assert_eq!(vs.rows[vs.moved(1)], "a");
+    }
 }

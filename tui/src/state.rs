@@ -12,13 +12,16 @@
 //! so every timer here is computed from the records and that `now`.
 
 use crate::format::backing_of_node;
+use crate::history::History;
 use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
-use crate::rows::{self, BackingRow, Facts, IdleTimer, Index, PoolRow, SlotRow, View, ViewState};
+use crate::rows::{
+    self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, View, ViewState,
+};
 use crate::rules::Rules;
 use slotpool_protocol::model::{
-    BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -58,11 +61,29 @@ pub enum Command {
     },
 }
 
+/// How long the status line shows a message, and an error.
+pub const STATUS_MS: UnixMillis = 5_000;
+pub const STATUS_ERROR_MS: UnixMillis = 15_000;
+
 /// One line of the status bar.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Status {
     pub text: String,
     pub error: bool,
+    /// When it was set (the `now` of the last tick then); a tick clears it once it is
+    /// [`STATUS_MS`] old ([`STATUS_ERROR_MS`] for an error).
+    pub at: UnixMillis,
+}
+
+impl Status {
+    fn expired(&self, now: UnixMillis) -> bool {
+        let ttl = if self.error {
+            STATUS_ERROR_MS
+        } else {
+            STATUS_MS
+        };
+        now >= self.at.saturating_add(ttl)
+    }
 }
 
 /// The whole console state.
@@ -80,6 +101,10 @@ pub struct State {
     pub size: (u16, u16),
     /// The backing node (by id) whose slots the Slots view shows.
     pub focus: Option<String>,
+    /// Whether the detail pane of the selected row is open (`i`).
+    pub details: bool,
+    /// Slots used and requests waiting per pool over the last minutes, for sparklines.
+    pub history: History,
     mirror: Mirror,
     /// Derived by [`State::settle`].
     index: Index,
@@ -99,6 +124,8 @@ impl State {
             status: None,
             size: (80, 24),
             focus: None,
+            details: false,
+            history: History::default(),
             mirror: Mirror::default(),
             index: Index::default(),
             dirty: true,
@@ -128,7 +155,7 @@ impl State {
 
     /// Rows of the table body that fit on screen.
     pub fn page_rows(&self) -> usize {
-        table_rows(self.size) as usize
+        table_rows(self.size, self.details) as usize
     }
 
     /// Totals for the header: backing nodes, slots used, slots total, waiting requests.
@@ -160,12 +187,22 @@ impl State {
         }
         self.dirty = false;
         self.index = Index::build(&self.mirror, &self.rules, self.now);
+        // Out of `self` while the facts borrow it.
+        let mut views = std::mem::take(&mut self.views);
+        let mut went_away = false;
         for view in View::ALL {
-            let i = view.index();
-            let keys = self
-                .facts()
-                .keys(view, &self.views[i], self.focus.as_deref());
-            rows::set_rows(view, &mut self.views[i], keys);
+            let vs = &mut views[view.index()];
+            let facts = self.facts();
+            let keys = facts.keys(view, vs, self.focus.as_deref());
+            let had_gone = vs.gone.is_some();
+            rows::set_rows(view, vs, keys, |k| facts.identity(view, k));
+            went_away |= view == View::Backing
+                && !had_gone
+                && vs.gone.as_ref().is_some_and(|g| !facts.exists(view, g));
+        }
+        self.views = views;
+        if went_away {
+            self.set_status("the selected backing node went away: select another", false);
         }
         if self.focus.is_none() {
             self.focus = self.views[View::Backing.index()]
@@ -178,6 +215,14 @@ impl State {
         for vs in &mut self.views {
             rows::scroll_into_view(vs, page);
         }
+    }
+
+    /// The current view's selected row that is no longer shown, and whether it still
+    /// exists (hidden by the filter) rather than having gone away.
+    pub fn unshown(&self) -> Option<(&Gone, bool)> {
+        let vs = self.view_state();
+        let gone = vs.gone.as_ref().filter(|_| vs.selected_key.is_none())?;
+        Some((gone, self.facts().exists(self.view, gone)))
     }
 
     /// The backing node the Slots view is about.
@@ -196,6 +241,35 @@ impl State {
 
     pub fn pool_row(&self, key: &str) -> Option<&PoolRow> {
         self.facts().pool_row(key)
+    }
+
+    /// The finished requests (see [`rows::is_finished`]), by state: released, failed and
+    /// canceled.
+    pub fn finished_requests(&self) -> (usize, usize, usize) {
+        let mut n = (0, 0, 0);
+        for (_, r) in self.mirror.requests().filter(|(_, r)| rows::is_finished(r)) {
+            match r.state {
+                RequestState::Failed => n.1 += 1,
+                RequestState::Canceled => n.2 += 1,
+                _ => n.0 += 1,
+            }
+        }
+        n
+    }
+
+    /// The agent heartbeat of backing node `id`.
+    pub fn agent(&self, id: &str) -> Option<&AgentHeartbeat> {
+        self.mirror.agent(id)
+    }
+
+    /// The backing node records, by seat key.
+    pub fn backing_nodes(&self) -> impl Iterator<Item = &BackingNode> {
+        self.mirror.backing_nodes().map(|(_, b)| b)
+    }
+
+    /// The events kept, newest first.
+    pub fn events(&self) -> impl Iterator<Item = &Event> {
+        self.mirror.events_newest_first().map(|(_, e)| e)
     }
 
     pub fn request(&self, key: &str) -> Option<&NodeRequest> {
@@ -255,13 +329,13 @@ impl State {
     }
 
     fn move_selection(&mut self, delta: isize) {
-        let vs = self.view_state_mut();
-        if vs.rows.is_empty() {
+        if self.view_state().rows.is_empty() {
             return;
         }
-        let last = vs.rows.len() as isize - 1;
-        vs.selected = (vs.selected as isize + delta).clamp(0, last) as usize;
-        vs.selected_key = vs.rows.get(vs.selected).cloned();
+        let (view, to) = (self.view, self.view_state().moved(delta));
+        let mut vs = std::mem::take(&mut self.views[view.index()]);
+        vs.select(to, |k| self.facts().identity(view, k));
+        self.views[view.index()] = vs;
         if self.view == View::Backing {
             self.focus = self.target_backing().map(|b| b.id.to_string());
             self.dirty = true;
@@ -279,6 +353,7 @@ impl State {
         self.status = Some(Status {
             text: text.into(),
             error,
+            at: self.now,
         });
     }
 
@@ -330,6 +405,10 @@ impl State {
         match action {
             Action::Quit => return Some(Command::Quit),
             Action::Help => self.input = Input::Help,
+            Action::Details => {
+                self.details = !self.details;
+                self.dirty = true;
+            }
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
             Action::PageDown => self.move_selection(page),
@@ -341,10 +420,19 @@ impl State {
                 self.switch(View::ALL[(self.view.index() + View::ALL.len() - 1) % View::ALL.len()])
             }
             Action::SwitchView(view) => self.switch(view),
-            Action::StartFilter => self.input = Input::Filter(self.view_state().filter.clone()),
+            Action::StartFilter => {
+                let filter = self.view_state().filter.clone();
+                self.input = Input::Filter {
+                    text: filter.clone(),
+                    before: filter,
+                }
+            }
             Action::Back => {
                 if !self.view_state().filter.is_empty() {
                     self.view_state_mut().filter.clear();
+                    self.dirty = true;
+                } else if self.view_state().pool.is_some() {
+                    self.view_state_mut().pool = None;
                     self.dirty = true;
                 } else if self.view == View::Slots {
                     self.switch(View::Backing);
@@ -407,17 +495,27 @@ impl State {
                 else {
                     return;
                 };
-                let filter = row.label.clone();
-                self.views[View::Backing.index()].filter = filter;
+                let scope = PoolScope {
+                    provider: row.provider.clone(),
+                    pool: row.pool.clone(),
+                    label: row.label.clone(),
+                };
+                let backing = &mut self.views[View::Backing.index()];
+                backing.pool = Some(scope);
+                backing.filter.clear();
                 self.switch(View::Backing);
             }
             View::Backing => {
                 if let Some(b) = self.target_backing() {
                     self.focus = Some(b.id.to_string());
-                    self.views[View::Slots.index()].selected = 0;
-                    self.views[View::Slots.index()].selected_key = None;
+                    self.views[View::Slots.index()].reset_selection();
                     self.switch(View::Slots);
                 }
+            }
+            View::Requests if self.view_state().selected_key.as_deref() == Some(rows::FOLD_KEY) => {
+                let vs = self.view_state_mut();
+                vs.unfolded = !vs.unfolded;
+                self.dirty = true;
             }
             View::Requests => {
                 // Show the backing node of the request's first node.
@@ -492,6 +590,12 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
         Msg::Tick(now) => {
             // Pool ages and timers are derived from `now`; rows only move for a timer sort.
             state.now = now;
+            if state.status.as_ref().is_some_and(|s| s.expired(now)) {
+                state.status = None;
+            }
+            if state.loaded() {
+                state.history.sample(now, state.index.pools());
+            }
             if state.view == View::Pools || state.view_state().sort != 0 {
                 state.dirty = true;
             }

@@ -8,13 +8,15 @@
 
 use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
 use crate::input::Input;
-use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View};
+use crate::layout::pane_lines;
+use crate::pane::{Pane, Tone};
+use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Table, Wrap};
+use ratatui::widgets::{Block, Cell, Clear, Paragraph, Row, Sparkline, Table, Wrap};
 use ratatui::Frame;
 use slotpool_protocol::model::{BackingState, EventKind, RequestState};
 
@@ -35,6 +37,14 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
     .areas(area);
     draw_header(frame, header, state, theme);
     draw_tabs(frame, tabs, state, theme);
+    let [body, pane] = Layout::vertical([
+        Constraint::Min(1),
+        Constraint::Length(pane_lines((area.width, area.height), state.details)),
+    ])
+    .areas(body);
+    if state.details {
+        draw_pane(frame, pane, &crate::pane::build(state), theme);
+    }
     match state.view {
         View::Pools => draw_pools(frame, body, state, theme),
         View::Backing => draw_backing(frame, body, state, theme),
@@ -53,7 +63,7 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
         Input::Confirm { order, reason } => {
             draw_confirm(frame, area, &order.describe(), reason, theme)
         }
-        Input::None | Input::Filter(_) => {}
+        Input::None | Input::Filter { .. } => {}
     }
 }
 
@@ -75,27 +85,43 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
 }
 
+/// The view tabs, then the view's sort, pool and filter. When they do not all fit, the
+/// other views' tabs shrink to their numbers: the pool and filter in force stay in sight.
 fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
-    let mut spans = Vec::new();
-    for (i, v) in View::ALL.iter().enumerate() {
-        if i > 0 {
-            spans.push(Span::styled(" │ ", theme.dim()));
-        }
-        let title = if *v == View::Backing && area.width < WIDE {
-            "Backing"
-        } else {
-            v.title()
-        };
-        spans.push(Span::styled(
-            format!("{} {title}", i + 1),
-            theme.tab(*v == state.view),
-        ));
-    }
     let vs = state.view_state();
     let sort = state.view.sorts()[vs.sort.min(state.view.sorts().len() - 1)];
     let mut right = format!("  sort:{sort}{}", if vs.reverse { "↓" } else { "" });
+    if let Some(pool) = &vs.pool {
+        right.push_str(&format!(" pool:{pool}"));
+    }
     if !vs.filter.is_empty() {
         right.push_str(&format!(" /{}", vs.filter));
+    }
+    let tabs = |short: bool| -> Vec<Span<'static>> {
+        let mut spans = Vec::new();
+        for (i, v) in View::ALL.iter().enumerate() {
+            if i > 0 {
+                spans.push(Span::styled(" │ ", theme.dim()));
+            }
+            let current = *v == state.view;
+            let title = if short && !current {
+                String::new()
+            } else if *v == View::Backing && area.width < WIDE {
+                " Backing".into()
+            } else {
+                format!(" {}", v.title())
+            };
+            spans.push(Span::styled(
+                format!("{}{title}", i + 1),
+                theme.tab(current),
+            ));
+        }
+        spans
+    };
+    let mut spans = tabs(false);
+    let width: usize = spans.iter().map(|s| s.content.chars().count()).sum();
+    if width + right.chars().count() > usize::from(area.width) {
+        spans = tabs(true);
     }
     spans.push(Span::styled(right, theme.dim()));
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
@@ -163,14 +189,41 @@ fn fit(cols: &[Col], width: u16) -> Vec<bool> {
     }
 }
 
-/// A table of the columns that fit in `area`, with `rows` of (cells, selected).
+/// The column header the current view's sort is by, and the mark it carries: `▾` in
+/// the sort's own order, `▴` reversed.
+fn sort_mark(state: &State) -> (&'static str, &'static str) {
+    let vs = state.view_state();
+    let sorts = state.view.sorts();
+    let header = match sorts[vs.sort.min(sorts.len() - 1)] {
+        "used" => "SLOTS",
+        "timer" => "IDLE",
+        "time" => "TIME UTC",
+        "seat" => "SEAT",
+        "pool" => "POOL",
+        "waiting" => "WAITING",
+        "state" => "STATE",
+        "age" => "AGE",
+        "label" => "LABEL",
+        "slot" => "SLOT",
+        "held" => "HELD",
+        "requestor" => "REQUESTOR",
+        "kind" => "KIND",
+        _ => "",
+    };
+    (header, if vs.reverse { "▴" } else { "▾" })
+}
+
+/// A table of the columns that fit in `area`, with `rows` of (cells, selected); the
+/// column the view is sorted by carries the sort mark.
 fn render_table<'a>(
     frame: &mut Frame,
     area: Rect,
     cols: &[Col],
     rows: Vec<(Vec<Cell<'a>>, bool)>,
+    state: &State,
     theme: &Theme,
 ) {
+    let (sorted, mark) = sort_mark(state);
     let keep = fit(cols, area.width);
     let pick = |cells: Vec<Cell<'a>>| -> Vec<Cell<'a>> {
         cells
@@ -184,7 +237,13 @@ fn render_table<'a>(
         .iter()
         .zip(&keep)
         .filter(|(_, k)| **k)
-        .map(|(c, _)| Cell::from(c.header))
+        .map(|(c, _)| {
+            if c.header == sorted {
+                Cell::from(format!("{}{mark}", c.header))
+            } else {
+                Cell::from(c.header)
+            }
+        })
         .collect();
     let widths: Vec<Constraint> = cols
         .iter()
@@ -244,11 +303,18 @@ pub fn short_id(id: &str, max: usize) -> String {
 }
 
 /// `used` of `total` as a bar of `width` cells and the figures.
+/// Only a full node draws a full bar, and any use at least one cell, however narrow.
 pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
-    let filled = if total == 0 {
+    let filled = if total == 0 || used == 0 {
         0
+    } else if used >= total {
+        width
     } else {
-        (used as usize * width).div_ceil(total as usize)
+        // One cell short of full at most, and at least one cell if there is room.
+        let most = width.saturating_sub(1);
+        (used as usize * width)
+            .div_ceil(total as usize)
+            .clamp(most.min(1), most)
     }
     .min(width);
     format!(
@@ -258,18 +324,23 @@ pub fn slot_bar(used: u32, total: u32, width: usize) -> String {
     )
 }
 
-fn timer_text(row: &BackingRow) -> String {
+/// The IDLE column: when an empty node is released, and nothing else.
+fn idle_text(row: &BackingRow) -> String {
     match row.timer {
-        IdleTimer::ReleaseIn(0) => "release due".into(),
+        IdleTimer::ReleaseIn(0) => "due".into(),
         IdleTimer::ReleaseIn(ms) => format!("rel {}", fmt_duration(ms)),
         IdleTimer::IdleFor(ms) => format!("idle {}", fmt_duration(ms)),
-        IdleTimer::Held => "held".into(),
-        IdleTimer::Draining => "drain now".into(),
-        IdleTimer::None => match row.max_age_ms {
-            Some(ms) if ms <= 0 => "max-age".into(),
-            Some(ms) => format!("max {}", fmt_duration(ms as u64)),
-            None => "-".into(),
-        },
+        IdleTimer::Held => "never".into(),
+        IdleTimer::Draining => "at once".into(),
+        IdleTimer::None => "-".into(),
+    }
+}
+
+fn max_age_text(row: &BackingRow) -> String {
+    match row.max_age_ms {
+        Some(ms) if ms <= 0 => "reached".into(),
+        Some(ms) => fmt_duration(ms as u64),
+        None => "-".into(),
     }
 }
 
@@ -307,17 +378,23 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         col("SEAT", 16, if wide { 6 } else { 9 }),
         col("LABEL", if wide { 12 } else { 7 }, 4),
         col("STATE", 9, 0),
-        col("IDLE", 5, 1),
+        col("MODE", 5, 1),
         col("SLOTS", bar as u16 + 6, 2),
         col("AGE", 6, 5),
-        col("TIMER", 10, 3),
+        col("IDLE", 10, 3),
+        col("MAX AGE", 8, 8),
         fill("HEALTH", 12, 2),
     ];
     let rows = visible(state, area.height)
         .filter_map(|(i, key)| {
             let r = state.backing_row(key)?;
-            let mut health = heartbeat_text(&r.heartbeat);
-            if let Some(reason) = &r.reason {
+            // While the link is down the heartbeats seen are old news: say so.
+            let mut health = if state.link_up {
+                heartbeat_text(&r.heartbeat)
+            } else {
+                "? link down".into()
+            };
+            if let Some(reason) = r.reason.as_ref().filter(|_| state.link_up) {
                 health = format!("{health}: {reason}");
             }
             let cells = vec![
@@ -331,14 +408,22 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 Cell::from(Span::styled(idle_name(r.idle), theme.idle(r.idle))),
                 Cell::from(slot_bar(r.used, r.slots, bar)),
                 Cell::from(fmt_duration(r.age_ms)),
-                Cell::from(timer_text(&r)),
-                Cell::from(Span::styled(health, heartbeat_style(&r, theme))),
+                Cell::from(idle_text(&r)),
+                Cell::from(max_age_text(&r)),
+                Cell::from(Span::styled(
+                    health,
+                    if state.link_up {
+                        heartbeat_style(&r, theme)
+                    } else {
+                        theme.warn()
+                    },
+                )),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         let text = if state.backing_count() == 0 {
             if state.loaded() {
@@ -347,10 +432,59 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 "Loading…"
             }
         } else {
-            "No backing node matches the filter (Esc clears it)."
+            "No backing node matches the filter or pool (Esc clears it)."
         };
         empty_hint(frame, area, text, theme);
     }
+}
+
+/// The detail pane: a box titled with the row, its sparklines (one line each, the label
+/// on the left) and its lines, cut at the box's edges.
+fn draw_pane(frame: &mut Frame, area: Rect, pane: &Pane, theme: &Theme) {
+    let block = Block::bordered()
+        .title(pane.title.clone())
+        .title_bottom(" i closes ")
+        .border_style(theme.dim());
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let sparks = (pane.sparks.len() as u16).min(inner.height);
+    let [top, rest] =
+        Layout::vertical([Constraint::Length(sparks), Constraint::Min(0)]).areas(inner);
+    for (i, spark) in pane.sparks.iter().enumerate().take(sparks as usize) {
+        let row = Rect {
+            y: top.y + i as u16,
+            height: 1,
+            ..top
+        };
+        let [label, line] =
+            Layout::horizontal([Constraint::Length(10), Constraint::Min(0)]).areas(row);
+        frame.render_widget(
+            Paragraph::new(spark.label.clone()).style(theme.dim()),
+            label,
+        );
+        // The newest samples, as many as fit.
+        let shown = &spark.samples[spark.samples.len().saturating_sub(line.width as usize)..];
+        let mut widget = Sparkline::default().data(shown).style(theme.ok());
+        if let Some(max) = spark.max {
+            widget = widget.max(max);
+        }
+        frame.render_widget(widget, line);
+    }
+    let lines: Vec<Line> = pane
+        .lines
+        .iter()
+        .map(|l| {
+            let style = match l.tone {
+                Tone::Plain => Style::new(),
+                Tone::Heading => theme.title(),
+                Tone::Dim => theme.dim(),
+                Tone::Warn => theme.warn(),
+                Tone::Error => theme.error(),
+            };
+            Line::from(Span::styled(format!(" {}", l.text), style))
+        })
+        .collect();
+    frame.render_widget(Paragraph::new(lines), rest);
 }
 
 fn pool_states(p: &PoolRow) -> String {
@@ -382,7 +516,7 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         col("LABEL", if wide { 14 } else { 8 }, 0),
         col("NODES", 5, 1),
         col("SLOTS", if wide { 18 } else { 11 }, 2),
-        col("WAITING", 7, 1),
+        col("WAITING", 8, 1),
         col("OLDEST", 6, 3),
         fill("BACKING NODES BY STATE", 10, 4),
     ];
@@ -414,11 +548,11 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                     if failed { theme.error() } else { Style::new() },
                 )),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(
             frame,
@@ -437,7 +571,7 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
     let node_width = if wide { 31 } else { 13 };
     let cols = [
-        col("SLOT", 4, 0),
+        col("SLOT", 5, 0),
         col("NODE", node_width as u16, 0),
         col("STATE", 9, 0),
         col("REQUESTOR", if wide { 30 } else { 18 }, 2),
@@ -446,7 +580,7 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     ];
     let [title, rest] = Layout::vertical([Constraint::Length(1), Constraint::Min(0)]).areas(area);
     let Some(b) = state.focused() else {
-        render_table(frame, rest, &cols, vec![], theme);
+        render_table(frame, rest, &cols, vec![], state, theme);
         empty_hint(
             frame,
             rest,
@@ -482,19 +616,19 @@ fn draw_slots(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                     cells
                 }
             };
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     frame.render_widget(
         Paragraph::new(Line::from(vec![
             Span::styled(format!(" {} ", b.id), theme.title()),
             Span::styled(state_name(b.state), theme.backing_state(b.state)),
-            Span::raw(format!(" · {} · idle: ", b.label)),
+            Span::raw(format!(" · {} · mode: ", b.label)),
             Span::styled(idle_name(b.idle), theme.idle(b.idle)),
         ])),
         title,
     );
-    render_table(frame, rest, &cols, rows, theme);
+    render_table(frame, rest, &cols, rows, state, theme);
 }
 
 fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
@@ -510,6 +644,9 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     ];
     let rows = visible(state, area.height)
         .filter_map(|(i, key)| {
+            if key == FOLD_KEY {
+                return Some((fold_row(state, theme), state.view_state().is_selected(i)));
+            }
             let r = state.request(key)?;
             let detail = match r.state {
                 RequestState::Failed => r.failure.clone().unwrap_or_else(|| r.status.clone()),
@@ -521,32 +658,53 @@ fn draw_requests(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 Cell::from(r.requestor.clone()),
                 Cell::from(fmt_duration(state.now.saturating_sub(r.created_at))),
                 Cell::from(Span::styled(
-                    request_state_name(r.state),
+                    if crate::rows::is_finished(r) && r.state == RequestState::Fulfilled {
+                        "released"
+                    } else {
+                        request_state_name(r.state)
+                    },
                     theme.request_state(r.state),
                 )),
                 Cell::from(detail),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(frame, area, "No requests.", theme);
     }
 }
 
-/// `HH:MM:SS` (UTC) of a timestamp.
-pub fn clock(ms: u64) -> String {
-    let s = ms / 1000 % 86400;
-    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
+/// The Requests view's row the finished requests fold into (their counts are on the
+/// detail lines when it is selected).
+fn fold_row<'a>(state: &State, theme: &Theme) -> Vec<Cell<'a>> {
+    let (released, failed, canceled) = state.finished_requests();
+    let (mark, verb) = if state.view_state().unfolded {
+        ("▾", "folds")
+    } else {
+        ("▸", "shows")
+    };
+    let mut cells = vec![Cell::from(Span::styled(
+        format!("{mark} {} finished", released + failed + canceled),
+        theme.dim(),
+    ))];
+    cells.extend((0..4).map(|_| Cell::from("")));
+    cells.push(Cell::from(Span::styled(
+        format!("Enter {verb} them"),
+        theme.dim(),
+    )));
+    cells
 }
+
+pub use crate::format::clock;
 
 fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
     let id_width = if wide { 29 } else { 12 };
     let cols = [
-        col("TIME UTC", 8, 0),
+        col("TIME UTC", 9, 0),
         col("KIND", 8, 2),
         col("ACTOR", if wide { 24 } else { 12 }, 3),
         col("BACKING", id_width as u16, 1),
@@ -570,17 +728,28 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
                 ),
                 Cell::from(e.message.clone()),
             ];
-            Some((cells, i == state.view_state().selected))
+            Some((cells, state.view_state().is_selected(i)))
         })
         .collect::<Vec<_>>();
     let empty = rows.is_empty();
-    render_table(frame, area, &cols, rows, theme);
+    render_table(frame, area, &cols, rows, state, theme);
     if empty {
         empty_hint(frame, area, "No events yet.", theme);
     }
 }
 
 fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
+    if let Some((gone, hidden)) = state.unshown() {
+        let why = if hidden {
+            "is hidden by the filter"
+        } else {
+            "went away"
+        };
+        return vec![Line::from(Span::styled(
+            format!(" {} {why}: nothing is selected (↑ ↓ select a row)", gone.id),
+            theme.warn(),
+        ))];
+    }
     let key = state.view_state().selected_key.clone().unwrap_or_default();
     match state.view {
         View::Pools => match state.pool_row(&key) {
@@ -632,6 +801,21 @@ fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
                     None => vec![],
                 },
             }
+        }
+        View::Requests if key == FOLD_KEY => {
+            let (released, failed, canceled) = state.finished_requests();
+            vec![
+                Line::from(format!(
+                    " finished requests: {released} released, {failed} failed, {canceled} canceled"
+                )),
+                Line::from(Span::styled(
+                    format!(
+                        " each leaves KV {} after it ends",
+                        fmt_duration(slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS * 1000)
+                    ),
+                    theme.dim(),
+                )),
+            ]
         }
         View::Requests => match state.request(&key) {
             Some(r) => vec![
@@ -743,10 +927,10 @@ fn backing_detail<'a>(state: &State, r: &BackingRow, theme: &Theme) -> Vec<Line<
 
 fn draw_status(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let line = match &state.input {
-        Input::Filter(text) => Line::from(vec![
+        Input::Filter { text, .. } => Line::from(vec![
             Span::styled(" filter /", theme.key()),
             Span::raw(format!("{text}▏")),
-            Span::styled("  Enter apply · Esc cancel", theme.dim()),
+            Span::styled("  Enter keep · Esc undo", theme.dim()),
         ]),
         _ => match &state.status {
             Some(s) => Line::from(Span::styled(
@@ -785,6 +969,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
         ],
         View::Pools => &[
             ("Enter", "its nodes"),
+            ("i", "why waiting"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -793,6 +978,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
         ],
         View::Requests => &[
             ("Enter", "its slots"),
+            ("i", "details"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -800,6 +986,7 @@ fn key_hints<'a>(state: &State, theme: &Theme) -> Line<'a> {
             ("q", "quit"),
         ],
         View::Events => &[
+            ("i", "details"),
             ("/", "filter"),
             ("s", "sort"),
             ("Tab", "view"),
@@ -822,15 +1009,16 @@ pub const HELP: &[(&str, &str)] = &[
     ("Home End  g G", "first or last row"),
     ("Tab Shift-Tab  ← →  h l", "next or previous view"),
     ("1 2 3 4 5", "Pools, Backing, Slots, Requests, Events"),
-    ("Enter", "drill in: pool → its nodes, node → its slots"),
-    ("Esc", "clear the filter, or back from Slots"),
-    ("/", "filter the current view (Enter applies)"),
+    ("Enter", "pool → its nodes, node → its slots; unfold"),
+    ("Esc", "clear filter, then pool; back from Slots"),
+    ("/", "filter as you type (Esc undoes)"),
     ("s  S", "next sort column; reverse the order"),
     ("H", "hold: no new slots, never released"),
     ("D", "drain: no new slots, released once empty"),
     ("R", "run: back to normal"),
     ("K", "kill the backing node now (confirms)"),
     ("X", "release the selected slot (confirms)"),
+    ("i", "details: record, slots, events, why waiting"),
     ("?", "this help"),
     ("q  Ctrl-c", "quit"),
 ];
@@ -971,6 +1159,92 @@ mod tests {
     }
 
     #[test]
+    fn selected_node_gone() {
+        let mut state = sample_state(80, 24);
+        press(&mut state, [key('j')]);
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: crate::mirror::Bucket::Backing,
+                key: "cloud.main.1".into(),
+            }])],
+        );
+        let text = screen(&state);
+        assert!(text.contains("went away: nothing is selected"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn detail_pane_of_a_busy_node() {
+        let mut state = sample_state(80, 24);
+        // Its agent reports slot 3 dirty.
+        let b = backing(0, BackingState::Ready, 4);
+        let mut hb = agent(&b, NOW - SEC);
+        hb.dirty_slots = vec![3];
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![put(Record::Agent(Box::new(hb)))])],
+        );
+        press(&mut state, [key('i')]);
+        let text = screen(&state);
+        assert!(text.contains("req-ci-job-1 by ci-job-1"), "{text}");
+        assert!(text.contains("3 dirty"), "{text}");
+        insta::assert_snapshot!(text);
+        // Taller: the recent events and the record.
+        state.size = (100, 40);
+        apply_all(&mut state, [Msg::Resize(100, 40)]);
+        let text = screen(&state);
+        assert!(
+            text.contains("created_at: 11:00:00 UTC (1h00m ago)"),
+            "{text}"
+        );
+        assert!(text.contains("ready (by"), "{text}");
+        insta::assert_snapshot!("detail_pane_of_a_busy_node_100x40", text);
+    }
+
+    #[test]
+    fn detail_pane_of_a_pool_says_why_it_waits_with_sparklines() {
+        let mut state = sample_state(80, 24);
+        // Five minutes of samples: more slots used, then requests waiting.
+        for i in 0..60u64 {
+            let waiting: Vec<Change> = (0..i / 20)
+                .map(|n| {
+                    put(Record::Request(Box::new(request(
+                        &format!("req-w{n}"),
+                        &["small"],
+                        RequestState::Requested,
+                        NOW,
+                    ))))
+                })
+                .collect();
+            apply_all(
+                &mut state,
+                [
+                    Msg::Feed(waiting),
+                    Msg::Tick(NOW + i * crate::history::SAMPLE_MS),
+                ],
+            );
+        }
+        press(&mut state, [key('1'), key('i')]);
+        let text = screen(&state);
+        assert!(text.contains("why") || text.contains("waiting"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn a_pools_nodes_filtered_while_typing() {
+        let mut state = sample_state(80, 24);
+        press(
+            &mut state,
+            [key('1'), code(KeyCode::Enter), key('/'), key('r'), key('e')],
+        );
+        let text = screen(&state);
+        assert!(text.contains("pool:cloud/main/small /re"), "{text}");
+        assert!(text.contains("filter /re"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
     fn pools_view() {
         let mut state = sample_state(80, 24);
         press(&mut state, [key('1')]);
@@ -989,6 +1263,18 @@ mod tests {
         let mut state = sample_state(80, 24);
         press(&mut state, [key('4')]);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn requests_view_folds_finished_requests() {
+        let mut state = sample_state(80, 24);
+        apply_all(&mut state, [Msg::Feed(finished_requests())]);
+        press(&mut state, [key('4')]);
+        let folded = screen(&state);
+        assert!(folded.contains("▸ 3 finished"), "{folded}");
+        insta::assert_snapshot!("requests_folded", folded);
+        press(&mut state, [key('G'), code(KeyCode::Enter)]);
+        insta::assert_snapshot!("requests_unfolded", screen(&state));
     }
 
     #[test]
@@ -1046,6 +1332,17 @@ mod tests {
         msgs.extend("bad disk".chars().map(key));
         press(&mut state, msgs);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn drain_confirmation_names_the_node_at_80x24() {
+        let mut state = sample_state(80, 24);
+        let mut msgs = vec![key('D')];
+        msgs.extend("disk swap".chars().map(key));
+        press(&mut state, msgs);
+        let text = screen(&state);
+        assert!(text.contains("Enter confirm"), "{text}");
+        insta::assert_snapshot!(text);
     }
 
     #[test]
@@ -1124,5 +1421,21 @@ mod tests {
         assert_eq!(slot_bar(1, 4, 4), "█░░░ 1/4");
         assert_eq!(slot_bar(0, 0, 4), "░░░░ 0/0");
         assert_eq!(clock(NOW + 61_000), "12:01:01");
+    }
+
+    #[test]
+    fn only_a_full_node_draws_a_full_bar() {
+        for width in 1..=10 {
+            let full = "█".repeat(width);
+            assert!(slot_bar(4, 4, width).starts_with(&full), "width {width}");
+            assert!(
+                !slot_bar(3, 4, width).starts_with(&full),
+                "3/4 at width {width}: {}",
+                slot_bar(3, 4, width)
+            );
+            assert!(!slot_bar(99, 100, width).starts_with(&full));
+        }
+        assert_eq!(slot_bar(3, 4, 3), "██░ 3/4");
+        assert_eq!(slot_bar(1, 100, 3), "█░░ 1/100", "any use shows");
     }
 }

@@ -215,7 +215,7 @@ fn removals_and_puts_update_rows_and_selection_follows_its_row() {
     assert_eq!(state.view_state().rows[0], "cloud.main.2");
     assert_eq!(selected_backing(&state), "cloud.main.2");
     assert_eq!(state.view_state().selected, 0);
-    // It goes away: the selection stays at its index.
+    // It goes away: nothing is selected, not the row that took its place.
     apply_all(
         &mut state,
         [Msg::Feed(vec![Change::Removed {
@@ -225,17 +225,96 @@ fn removals_and_puts_update_rows_and_selection_follows_its_row() {
     );
     assert_eq!(state.backing_count(), 3);
     assert_eq!(state.view_state().rows.len(), 3);
-    assert_eq!(state.view_state().selected, 0);
+    assert_eq!(state.view_state().selected_key, None);
 }
 
 #[test]
-fn filter_and_reverse_sort() {
+fn a_selected_node_that_goes_away_leaves_nothing_selected_so_no_order_hits_another() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // Drain the idle node on seat 1; below it the failed node, above it the busy one.
+    press(&mut state, [key('j'), key('D'), code(KeyCode::Enter)]);
+    assert_eq!(selected_backing(&state), "cloud.main.1");
+    // It is released: its row disappears.
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Backing,
+            key: "cloud.main.1".into(),
+        }])],
+    );
+    let vs = state.view_state();
+    assert_eq!(
+        vs.selected_key, None,
+        "selection moved to {:?}",
+        vs.selected_key
+    );
+    assert_eq!(
+        vs.gone.as_ref().map(|g| g.id.clone()),
+        Some(bid(1).to_string())
+    );
+    let status = state.status.clone().unwrap().text;
+    assert!(status.contains("went away"), "{status}");
+    // A second D has no target: it says so and sends nothing.
+    assert!(press(&mut state, [key('D'), code(KeyCode::Enter)]).is_empty());
+    assert_eq!(state.input, Input::None);
+    assert!(state.status.as_ref().unwrap().error);
+    // The next node launched into the same seat is another node: still nothing selected.
+    let mut next = backing(1, BackingState::Launching, 4);
+    next.id = bid(9);
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![put(Record::Backing(Box::new(next)))])],
+    );
+    assert_eq!(state.view_state().rows[1], "cloud.main.1");
+    assert_eq!(state.view_state().selected_key, None);
+    // Moving down selects the row in its place; up, the one above.
+    press(&mut state, [key('j')]);
+    assert_eq!(selected_backing(&state), "cloud.main.1");
+    assert_eq!(state.view_state().gone, None);
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Backing,
+            key: "cloud.main.1".into(),
+        }])],
+    );
+    press(&mut state, [key('k')]);
+    assert_eq!(selected_backing(&state), "cloud.main.0");
+}
+
+#[test]
+fn the_status_line_clears_itself_on_a_later_tick() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [key('D'), code(KeyCode::Esc)]);
+    assert_eq!(state.status.as_ref().unwrap().text, "canceled");
+    apply_all(&mut state, [Msg::Tick(NOW + STATUS_MS - 1)]);
+    assert!(state.status.is_some(), "still fresh");
+    apply_all(&mut state, [Msg::Tick(NOW + STATUS_MS)]);
+    assert_eq!(state.status, None);
+    // An error stays longer.
+    press(&mut state, [key('5'), key('D')]);
+    assert!(state.status.as_ref().unwrap().error);
+    apply_all(&mut state, [Msg::Tick(NOW + 2 * STATUS_MS)]);
+    assert!(state.status.is_some());
+    apply_all(&mut state, [Msg::Tick(NOW + STATUS_MS + STATUS_ERROR_MS)]);
+    assert_eq!(state.status, None);
+}
+
+#[test]
+fn filter_as_you_type_and_reverse_sort() {
     let mut state = loaded(rules(), sample(), 80, 24);
     let mut msgs = vec![key('/')];
     msgs.extend("fail".chars().map(key));
-    msgs.push(code(KeyCode::Enter));
     press(&mut state, msgs);
+    // Applied as typed, before Enter.
     assert_eq!(state.view_state().filter, "fail");
+    assert_eq!(state.view_state().rows, vec!["cloud.main.2"]);
+    press(&mut state, [code(KeyCode::Backspace), code(KeyCode::Enter)]);
+    assert_eq!(state.view_state().filter, "fai");
+    assert_eq!(state.input, Input::None);
+    // Esc in the prompt puts back the filter it opened with.
+    press(&mut state, [key('/'), key('x'), code(KeyCode::Esc)]);
+    assert_eq!(state.view_state().filter, "fai");
     assert_eq!(state.view_state().rows, vec!["cloud.main.2"]);
     press(&mut state, [code(KeyCode::Esc)]);
     assert_eq!(state.view_state().rows.len(), 4);
@@ -508,4 +587,88 @@ fn order_results_and_connection_show_in_the_state() {
     assert!(!state.link_up);
     apply_all(&mut state, [Msg::Link(true)]);
     assert!(state.link_up);
+}
+
+#[test]
+fn requests_show_waiting_then_live_then_the_finished_folded() {
+    let mut changes = sample();
+    changes.extend(finished_requests());
+    let mut state = loaded(rules(), changes, 80, 24);
+    press(&mut state, [key('4')]);
+    assert_eq!(
+        state.view_state().rows,
+        vec!["req-02", "req-01", rows::FOLD_KEY]
+    );
+    // Enter on the fold shows them, newest first; again folds them.
+    press(&mut state, [key('G'), code(KeyCode::Enter)]);
+    assert_eq!(
+        state.view_state().rows,
+        vec![
+            "req-02",
+            "req-01",
+            rows::FOLD_KEY,
+            "req-r1",
+            "req-c1",
+            "req-f1"
+        ]
+    );
+    press(&mut state, [code(KeyCode::Enter)]);
+    assert_eq!(state.view_state().rows.len(), 3);
+    // On top, the view follows the newest request as it arrives.
+    press(&mut state, [key('g')]);
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![put(Record::Request(Box::new(request(
+            "req-03",
+            &["small"],
+            RequestState::Requested,
+            NOW - SEC,
+        ))))])],
+    );
+    assert_eq!(state.view_state().selected_key.as_deref(), Some("req-03"));
+}
+
+#[test]
+fn enter_on_a_pool_shows_that_pools_backing_nodes_not_every_label_alike() {
+    let mut other = backing(7, BackingState::Ready, 2);
+    other.pool = "spare".into();
+    let mut changes = sample();
+    changes.push(put(Record::Backing(Box::new(other))));
+    let mut state = loaded(rules(), changes, 80, 24);
+    press(&mut state, [key('1')]);
+    assert_eq!(
+        state.view_state().rows.len(),
+        2,
+        "{:?}",
+        state.view_state().rows
+    );
+    let spare = state
+        .view_state()
+        .rows
+        .iter()
+        .position(|k| k.starts_with("cloud/spare/"))
+        .unwrap();
+    press(&mut state, [key('g')]);
+    for _ in 0..spare {
+        press(&mut state, [key('j')]);
+    }
+    press(&mut state, [code(KeyCode::Enter)]);
+    assert_eq!(state.view, View::Backing);
+    assert_eq!(state.view_state().rows, vec!["cloud.spare.7"]);
+    assert_eq!(state.view_state().filter, "", "not a text filter");
+    // Esc shows every pool again.
+    press(&mut state, [code(KeyCode::Esc)]);
+    assert_eq!(state.view_state().rows.len(), 5);
+}
+
+#[test]
+fn i_opens_the_detail_pane_which_takes_rows_from_the_table() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let rows = state.page_rows();
+    press(&mut state, [key('i')]);
+    assert!(state.details);
+    assert!(state.page_rows() < rows, "{} of {rows}", state.page_rows());
+    assert!(state.page_rows() > 0);
+    press(&mut state, [key('i')]);
+    assert_eq!(state.page_rows(), rows);
 }
