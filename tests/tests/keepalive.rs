@@ -3,11 +3,12 @@
 //! label's `max-hold-time` reclaims a node whatever the client does.
 
 use slotpool_protocol::api::{ErrorCode, MIN_KEEP_ALIVE_SECS};
+use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::submission;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{NodeRequest, RequestState};
 use slotpool_protocol::RequestId;
-use slotpool_tests::{label, wait_for, wait_for_some, Pool};
+use slotpool_tests::{bin_path, label, wait_for, wait_for_some, ChildGuard, Pool};
 use std::time::Duration;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -115,6 +116,52 @@ async fn a_labels_max_hold_time_reclaims_a_held_node() {
         r.failure.as_deref(),
         Some("max-hold-time reached: held 2s since fulfilled"),
         "{r:?}"
+    );
+    assert_slot_free_again(&pool).await;
+}
+
+/// The state of the one request of client `ci`, read from KV.
+async fn state_of_ci_request(pool: &Pool) -> Option<NodeRequest> {
+    pool.client
+        .list_requests()
+        .await
+        .ok()?
+        .into_iter()
+        .find(|r| r.client.as_ref().is_some_and(|c| c.as_str() == "ci"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_keeps_its_nodes_while_it_runs_and_they_are_reclaimed_once_it_is_killed() {
+    let pool = Pool::start(1, 5, &label("small", 1, 30, &[]), 1).await;
+    let mut cmd = std::process::Command::new(bin_path("slotpool"));
+    cmd.args(pool.nats.args_as(Role::Client, "ci"))
+        .args(["request", "--label", "small", "--keep-alive", "2"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut cli = ChildGuard::spawn("slotpool request --keep-alive", cmd).unwrap();
+    let held = wait_for_some("the CLI's request fulfilled", LONG, || async {
+        state_of_ci_request(&pool)
+            .await
+            .filter(|r| r.state == RequestState::Fulfilled)
+    })
+    .await;
+    // Three periods later it still holds its node.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let r = state_of_ci_request(&pool).await.unwrap();
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}\n{}", pool.logs());
+    assert!(cli.try_wait().is_none(), "the CLI exited");
+    assert_eq!(pool.node(&held.nodes[0]).await.id, held.nodes[0]);
+
+    cli.kill();
+    let r = wait_for_some("the killed CLI's request reclaimed", LONG, || async {
+        state_of_ci_request(&pool)
+            .await
+            .filter(|r| r.state == RequestState::Reclaimed)
+    })
+    .await;
+    assert_eq!(
+        r.failure.as_deref(),
+        Some("keep-alive lapsed: not renewed within 2s")
     );
     assert_slot_free_again(&pool).await;
 }
