@@ -165,3 +165,23 @@ async fn the_cli_keeps_its_nodes_while_it_runs_and_they_are_reclaimed_once_it_is
     );
     assert_slot_free_again(&pool).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_whose_launcher_died_is_reclaimed_by_another() {
+    let mut pool = Pool::start(1, 2, &label("small", 1, 30, &[]), 1).await;
+    let id = submit_kept_alive(&pool, &["small"], 2).await;
+    let held = pool.fulfilled(&id).await;
+    pool.kill_launcher(0);
+    pool.spawn_launcher();
+    let r = reclaimed(&pool, &id).await;
+    assert_eq!(
+        r.failure.as_deref(),
+        Some("keep-alive lapsed: not renewed within 2s"),
+        "{r:?}"
+    );
+    assert_ne!(
+        r.owner, held.owner,
+        "reclaimed by the launcher that took it over"
+    );
+    assert_slot_free_again(&pool).await;
+}
