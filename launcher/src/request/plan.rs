@@ -265,11 +265,18 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
     if !broken.is_empty() {
         return RequestStep::Release(broken);
     }
-    // All or nothing: the slots of a node set are claimed only when every label without
-    // a node can have one now. A set that cannot complete holds no slot a smaller request
-    // could use, and queues only for the labels that have no free slot (its reservations
-    // are given back).
-    if !missing.is_empty() {
+    // A node set that cannot complete holds no slot a smaller request could use: unless
+    // a backing node is booting for every label it still misses, it claims nothing (its
+    // reservations are given back), gives back what it holds, and queues only for the
+    // labels that have no free slot. A single-node request never gets here.
+    if !missing.is_empty() && !all_coming(&missing, &obs.causes) {
+        if let Some(why) = launch_failure(&missing, obs) {
+            return fail(why);
+        }
+        let held: Vec<String> = obs.nodes.iter().map(|n| n.key.clone()).collect();
+        if !held.is_empty() {
+            return RequestStep::Release(held);
+        }
         claims.clear();
     }
     if !claims.is_empty() {
@@ -293,11 +300,8 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
             hold_until: obs.max_hold.map(|d| after(now, d)),
         };
     }
-    if let Some(why) = missing
-        .iter()
-        .find_map(|label| obs.launch_failures.get(label))
-    {
-        return fail(why.clone());
+    if let Some(why) = launch_failure(&missing, obs) {
+        return fail(why);
     }
     let status_at = after(obs.waiting_since.unwrap_or(now), STATUS_DELAY);
     if now < status_at {
@@ -313,6 +317,22 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
         until: deadline,
         status: (status != r.status).then_some(status),
     }
+}
+
+/// Why a label of `missing` cannot be served: a backing node launched for it failed.
+fn launch_failure(missing: &[String], obs: &Observed) -> Option<String> {
+    missing
+        .iter()
+        .find_map(|label| obs.launch_failures.get(label))
+        .cloned()
+}
+
+/// Whether a backing node is booting for every label of `missing`: a set waiting for
+/// those completes soon, so it may claim (and hold) the rest meanwhile.
+fn all_coming(missing: &[String], causes: &BTreeMap<String, WaitCause>) -> bool {
+    missing
+        .iter()
+        .all(|l| matches!(causes.get(l), Some(WaitCause::Booting { .. })))
 }
 
 /// Why a hold that ended at `until` ended: the keep-alive lapsed, or the label's
@@ -447,6 +467,12 @@ mod tests {
 
     fn id(n: u32) -> NodeId {
         NodeId::parse(&format!("node-{n}")).unwrap()
+    }
+
+    fn booting() -> WaitCause {
+        WaitCause::Booting {
+            backing_label: "vm".into(),
+        }
     }
 
     fn reserve(o: &mut Observed, index: u32, n: u32) {
@@ -666,6 +692,7 @@ mod tests {
         let r = request(&["a", "b"]);
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.causes.insert("b".into(), booting());
         o.launch_failures
             .insert("a".into(), "could not launch: quota".into());
         assert!(
@@ -717,21 +744,64 @@ mod tests {
     }
 
     #[test]
-    fn a_set_holding_some_nodes_after_a_failure_claims_the_rest_only_all_together() {
+    fn a_set_that_cannot_complete_gives_back_what_it_holds() {
         let r = request(&["a", "b", "c"]);
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
         reserve(&mut o, 1, 1);
-        assert!(
-            matches!(next(&r, &o, NOW), RequestStep::Wait { missing, .. } if missing == keys(&["c"]))
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Release(keys(&["bn-1.0"])),
+            "c is taken and nothing is coming for it"
         );
+        o.causes.insert(
+            "c".into(),
+            WaitCause::OutOfCapacity {
+                provider: "cloud".into(),
+                backing_label: "vm".into(),
+                failure: None,
+                backoff: Duration::from_secs(10),
+            },
+        );
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.0"])));
         reserve(&mut o, 2, 2);
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Claim {
                 slots: vec![(1, slot(1)), (2, slot(2))],
                 missing: vec![],
-            }
+            },
+            "the rest claimed all together"
+        );
+    }
+
+    #[test]
+    fn a_set_whose_missing_labels_are_booting_claims_what_is_free_meanwhile() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 0);
+        o.causes.insert(
+            "b".into(),
+            WaitCause::Booting {
+                backing_label: "vm".into(),
+            },
+        );
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(0, slot(0))],
+                missing: keys(&["b"]),
+            },
+            "its ready node is not left idle (and released) while the other boots"
+        );
+        o.reserved.clear();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert!(matches!(next(&r, &o, NOW), RequestStep::Wait { .. }));
+        o.causes.insert("b".into(), WaitCause::Taken);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Release(keys(&["bn-1.0"])),
+            "the booting node went to another request"
         );
     }
 
@@ -780,6 +850,7 @@ mod tests {
     fn claimed_nodes_are_prepared_while_missing_labels_stay_queued() {
         let r = request(&["a", "b"]);
         let mut o = observed();
+        o.causes.insert("b".into(), booting());
         o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
         assert_eq!(
             next(&r, &o, NOW),
@@ -1058,9 +1129,10 @@ mod tests {
         let mut r = request(&["a", "b"]);
         r.keep_alive_secs = Some(10);
         r.alive_until = Some(NOW + 500);
-        r.status = "waiting for a free slot of b (1 of 2 slots assigned)".into();
+        r.status = "waiting for a backing node of vm to boot (1 of 2 slots assigned)".into();
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.causes.insert("b".into(), booting());
         o.waiting_since = Some(1_000);
         assert_eq!(
             next(&r, &o, NOW),
@@ -1075,7 +1147,7 @@ mod tests {
             next(&r, &o, NOW + 500),
             RequestStep::Fail {
                 reason: "keep-alive lapsed: not renewed within 10s while waiting: \
-                         waiting for a free slot of b (1 of 2 slots assigned)"
+                         waiting for a backing node of vm to boot (1 of 2 slots assigned)"
                     .into(),
                 release: keys(&["bn-1.0"]),
             }
