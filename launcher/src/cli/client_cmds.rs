@@ -4,6 +4,7 @@ use super::output::{age, print, state};
 use super::{NatsArgs, Output};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use slotpool_protocol::api::{ApiError, ErrorCode};
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{Node, NodeRequest, RequestState};
@@ -151,7 +152,8 @@ async fn keep_renewing(client: &Client, id: &RequestId, secs: u64) -> anyhow::Er
         tokio::time::sleep(period / 3).await;
         match client.keep_alive(id).await {
             Ok(_) => last_ok = Instant::now(),
-            Err(err @ BusError::Api(_)) => {
+            // The request is over, or not this client's: renewing again changes nothing.
+            Err(err @ BusError::Api(ApiError { code, .. })) if code != ErrorCode::Internal => {
                 return anyhow::Error::new(err).context(format!("keeping request {id} alive"))
             }
             Err(err) if last_ok.elapsed() >= period => {
