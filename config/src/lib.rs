@@ -128,6 +128,9 @@ pub struct LabelConfig {
     pub limits: SlotLimits,
     /// Check the backing node's SSH host keys with a key scan before handing out a slot.
     pub host_key_checking: bool,
+    /// Longest a fulfilled request may hold a node of this label before it is
+    /// reclaimed; `None`: no limit.
+    pub max_hold_time: Option<Duration>,
 }
 
 /// Where a label is served: a provider's pool.
@@ -195,6 +198,13 @@ impl Config {
             .iter()
             .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.max_parallel_jobs))
             .sum()
+    }
+
+    /// Whether some pool serving `label` sets a `max-hold-time`.
+    pub fn hold_limited(&self, label: &str) -> bool {
+        self.sites(label)
+            .iter()
+            .any(|s| s.label.max_hold_time.is_some())
     }
 
     /// Every label name served, sorted.
@@ -266,6 +276,32 @@ providers:
             "{GOOD}      - name: spare\n        max-servers: 3\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 2\n"
         );
         assert_eq!(parse(&second_pool).unwrap().max_nodes("small"), 8 + 6);
+    }
+
+    #[test]
+    fn max_hold_time_is_optional_and_checked_where_written() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.sites("small")[0].label.max_hold_time, None);
+        assert!(!c.hold_limited("small"));
+        let text = GOOD.replace(
+            "grace-time: 2",
+            "grace-time: 2\n            max-hold-time: 3600",
+        );
+        let c = parse(&text).unwrap();
+        assert_eq!(
+            c.sites("small")[0].label.max_hold_time,
+            Some(Duration::from_secs(3600))
+        );
+        assert!(c.hold_limited("small"));
+        let text = GOOD.replace(
+            "grace-time: 2",
+            "grace-time: 2\n            max-hold-time: 0",
+        );
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("pool.yaml:14:28: max-hold-time must be 1 to 31536000 seconds"),
+            "{err}"
+        );
     }
 
     #[test]

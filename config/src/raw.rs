@@ -101,6 +101,7 @@ pub(crate) struct RawLabel {
     pub(crate) limits: Option<Spanned<RawLimits>>,
     #[serde(default)]
     pub(crate) host_key_checking: bool,
+    pub(crate) max_hold_time: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]

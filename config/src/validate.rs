@@ -7,6 +7,9 @@ use serde_saphyr::Spanned;
 use slotpool_protocol::api::MIN_DISK_MB;
 use slotpool_protocol::ids::is_key_token;
 
+/// Longest `max-hold-time` a label may set: a year.
+const MAX_HOLD_TIME_SECS: u64 = 365 * 24 * 3600;
+
 /// Parses and validates `text`; errors name `path`, line and column.
 pub(crate) fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
     let raw: RawConfig = serde_saphyr::from_str(text).map_err(|err| {
@@ -320,6 +323,20 @@ impl Validator<'_> {
                 None => SlotLimits::default(),
                 Some(raw) => self.limits(raw)?,
             };
+            let max_hold_time = match &l.max_hold_time {
+                Some(s) if s.value == 0 || s.value > MAX_HOLD_TIME_SECS => {
+                    return Err(self.at(
+                        s,
+                        format!(
+                            "max-hold-time must be 1 to {MAX_HOLD_TIME_SECS} seconds (leave it \
+                             out for no limit), got {}",
+                            s.value
+                        ),
+                    ))
+                }
+                Some(s) => Some(Duration::from_secs(s.value)),
+                None => None,
+            };
             labels.push(LabelConfig {
                 name: label_name,
                 backing_label: l.backing_label,
@@ -330,6 +347,7 @@ impl Validator<'_> {
                 node_attributes: l.node_attributes,
                 limits,
                 host_key_checking: l.host_key_checking,
+                max_hold_time,
             });
         }
         Ok(PoolConfig {

@@ -1,4 +1,4 @@
-//! The launcher's request-reply API: submit, release, cancel, status and wait_released
+//! The launcher's request-reply API: submit, release, cancel, keepalive, status and wait_released
 //! (see [`crate::status`]), and operators' orders (see [`crate::admin`]). The caller is the
 //! bus user named in the subject, which the server let only that user publish on; a
 //! client may see, release and cancel only its own requests and nodes. Every launcher
@@ -17,8 +17,9 @@ use crate::shared::Shared;
 use crate::status;
 use futures::StreamExt;
 use slotpool_protocol::api::{
-    ApiError, CancelRequest, Canceled, ErrorCode, ReleaseNodes, Released, Reply, SubmitRequest,
-    Submitted, DEFAULT_PRIORITY, MAX_LABELS_PER_REQUEST,
+    ApiError, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive, ReleaseNodes, Released,
+    Reply, SubmitRequest, Submitted, DEFAULT_PRIORITY, MAX_KEEP_ALIVE_SECS, MAX_LABELS_PER_REQUEST,
+    MIN_KEEP_ALIVE_SECS,
 };
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::subjects::{self, ApiOp};
@@ -97,6 +98,9 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
         Op::Api(ApiOp::Submit) => respond(&sh, &reply_to, submit(&sh, &caller, &msg).await).await,
         Op::Api(ApiOp::Release) => respond(&sh, &reply_to, release(&sh, &caller, &msg).await).await,
         Op::Api(ApiOp::Cancel) => respond(&sh, &reply_to, cancel(&sh, &caller, &msg).await).await,
+        Op::Api(ApiOp::KeepAlive) => {
+            respond(&sh, &reply_to, keep_alive(&sh, &caller, &msg).await).await
+        }
         Op::Api(ApiOp::Status) => {
             respond(&sh, &reply_to, status::request(&sh, &caller, &msg).await).await
         }
@@ -166,6 +170,13 @@ fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
     {
         return Err(bad(format!("invalid ssh_public_key: {err}")));
     }
+    if let Some(secs) = s.keep_alive_secs {
+        if !(MIN_KEEP_ALIVE_SECS..=MAX_KEEP_ALIVE_SECS).contains(&secs) {
+            return Err(bad(format!(
+                "keep_alive_secs must be {MIN_KEEP_ALIVE_SECS} to {MAX_KEEP_ALIVE_SECS}, got {secs}"
+            )));
+        }
+    }
     if let Some(unknown) = s.labels.iter().find(|l| sh.config.sites(l).is_empty()) {
         let known = sh.config.label_names().join(", ");
         return Err(ApiError::new(
@@ -216,6 +227,10 @@ async fn submit(
         owner: Some(sh.id.clone()),
         nodes_released_at: None,
         client: Some(caller.clone()),
+        keep_alive_secs: s.keep_alive_secs,
+        alive_until: s.keep_alive_secs.map(|secs| keep_alive_from(now, secs)),
+        fulfilled_at: None,
+        hold_until: None,
     };
     let key = req.id.to_string();
     // Free slots are claimed in the same round trip as the request is created (both
@@ -370,6 +385,103 @@ async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<C
                     request_id: c.request_id,
                     state: RequestState::Canceled,
                 })
+            }
+            Err(KvError::Conflict { .. }) => continue,
+            Err(err) => return Err(internal(err)),
+        }
+    }
+}
+
+fn keep_alive_from(now: u64, secs: u64) -> u64 {
+    now.saturating_add(secs.saturating_mul(1000))
+}
+
+/// Renews a request's keep-alive: one revision-checked write of `alive_until`, starting
+/// from this launcher's mirror (a stale record costs a conflict and a read). The worker
+/// of the request's owner sees the change and moves its timer.
+async fn keep_alive(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    msg: &Incoming,
+) -> Result<KeptAlive, ApiError> {
+    let k: KeepAlive = decode(msg, "keepalive", |k: &KeepAlive| k.v)?;
+    let key = k.request_id.to_string();
+    let mut read = sh.world().requests.get(&k.request_id).cloned();
+    loop {
+        let current = match read.take() {
+            Some(current) => current,
+            None => match sh
+                .bus
+                .requests
+                .get::<NodeRequest>(&key)
+                .await
+                .map_err(internal)?
+            {
+                Some(current) => current,
+                None => {
+                    return Err(ApiError::new(
+                        ErrorCode::NotFound,
+                        format!("no request {key}"),
+                    ))
+                }
+            },
+        };
+        check_owner(caller, current.value.client.as_ref(), || {
+            format!("request {key}")
+        })?;
+        let r = &current.value;
+        let Some(secs) = r.keep_alive_secs else {
+            return Err(bad(format!(
+                "request {key} was submitted without keep_alive_secs: it has no keep-alive to renew"
+            )));
+        };
+        let now = now_ms();
+        let ended = match r.state {
+            RequestState::Requested => None,
+            RequestState::Fulfilled if r.nodes_released_at.is_none() => None,
+            RequestState::Fulfilled => Some("its nodes were released".to_string()),
+            _ => Some(format!(
+                "it is {}: {}",
+                format!("{:?}", r.state).to_lowercase(),
+                r.failure.as_deref().unwrap_or(&r.status)
+            )),
+        };
+        if let Some(why) = ended {
+            return Err(ApiError::new(
+                ErrorCode::Ended,
+                format!("request {key} has ended: {why}"),
+            ));
+        }
+        if let Some(at) = r.alive_until.filter(|at| now >= *at) {
+            return Err(ApiError::new(
+                ErrorCode::Ended,
+                format!(
+                    "request {key}: keep-alive lapsed {} ms ago (not renewed within {secs}s); its nodes are being reclaimed",
+                    now - at
+                ),
+            ));
+        }
+        let mut renewed = r.clone();
+        let alive_until = keep_alive_from(now, secs);
+        renewed.alive_until = Some(alive_until);
+        match sh
+            .bus
+            .requests
+            .update(&key, &renewed, current.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                let state = renewed.state;
+                sh.world().put_request(Versioned {
+                    key,
+                    revision,
+                    value: renewed,
+                });
+                return Ok(KeptAlive {
+                    request_id: k.request_id,
+                    state,
+                    alive_until,
+                });
             }
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(internal(err)),

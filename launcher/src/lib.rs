@@ -248,6 +248,7 @@ fn everything(shared: &Shared) -> Vec<Dirty> {
     let mut all: Vec<Dirty> = world
         .open_requests
         .iter()
+        .chain(world.held_requests.iter())
         .cloned()
         .map(Dirty::Request)
         .collect();

@@ -391,6 +391,10 @@ mod tests {
             updated_at: 0,
             owner: None,
             nodes_released_at: None,
+            keep_alive_secs: None,
+            alive_until: None,
+            fulfilled_at: None,
+            hold_until: None,
         }
     }
 

@@ -193,15 +193,19 @@ struct Effects {
 }
 
 impl Effects {
-    fn request(&mut self, r: &NodeRequest) {
+    /// A request changed; `ended_before`: it was already final (a keep-alive renewal
+    /// of a held request, say), so the queues and the planner have nothing new to see.
+    fn request(&mut self, r: &NodeRequest, ended_before: bool) {
         self.wake.push(request_topic(&r.id));
-        for label in &r.labels {
-            self.todo.push(Dirty::Label(label.clone()));
-            if r.state.is_final() {
-                self.wake.push(label_topic(label));
+        if !ended_before {
+            for label in &r.labels {
+                self.todo.push(Dirty::Label(label.clone()));
+                if r.state.is_final() {
+                    self.wake.push(label_topic(label));
+                }
             }
         }
-        if r.state == RequestState::Requested {
+        if r.state == RequestState::Requested || r.hold_deadline().is_some() {
             self.todo.push(Dirty::Request(r.id.clone()));
         }
     }
@@ -266,7 +270,7 @@ fn echo(shared: &Shared, mirror: Mirror, change: &Change, fx: &mut Effects) -> b
     let world = shared.world();
     match mirror {
         Mirror::Requests => match world.requests.get(key.as_str()) {
-            Some(r) if r.revision >= *revision => fx.request(&r.value),
+            Some(r) if r.revision >= *revision => fx.request(&r.value, false),
             _ => return false,
         },
         Mirror::Slots => match world.slots.get(key) {
@@ -286,7 +290,11 @@ fn echo(shared: &Shared, mirror: Mirror, change: &Change, fx: &mut Effects) -> b
 fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects) {
     match record {
         Record::Request(r) => {
-            fx.request(&r.value);
+            let ended_before = world
+                .requests
+                .get(&r.value.id)
+                .is_some_and(|old| old.value.state.is_final() && r.value.state.is_final());
+            fx.request(&r.value, ended_before);
             world.put_request(r);
         }
         Record::Slot(n) => {
@@ -348,7 +356,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
     }
 }
 
-/// The open requests `launcher` owns.
+/// The open and held requests `launcher` owns.
 fn owned_by<'a>(
     world: &'a World,
     launcher: &'a LauncherId,
@@ -356,6 +364,7 @@ fn owned_by<'a>(
     world
         .open_requests
         .iter()
+        .chain(world.held_requests.iter())
         .filter(move |id| {
             world
                 .requests

@@ -75,6 +75,9 @@ pub struct World {
     /// Requests not yet fulfilled, failed or canceled: finished ones stay in `requests`
     /// for an hour, and demand must not be counted by walking all of them.
     pub open_requests: HashSet<RequestId>,
+    /// Fulfilled requests holding their nodes until a deadline (a keep-alive or a
+    /// label's max-hold-time): each needs a driver, its timer.
+    pub held_requests: HashSet<RequestId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
 }
@@ -98,6 +101,11 @@ impl World {
         } else {
             self.open_requests.remove(&r.value.id);
         }
+        if r.value.hold_deadline().is_some() {
+            self.held_requests.insert(r.value.id.clone());
+        } else {
+            self.held_requests.remove(&r.value.id);
+        }
         self.requests.insert(r.value.id.clone(), r);
     }
 
@@ -110,6 +118,7 @@ impl World {
             {
                 self.requests.remove(&id);
                 self.open_requests.remove(&id);
+                self.held_requests.remove(&id);
             }
         }
     }
@@ -668,6 +677,10 @@ mod tests {
             updated_at: 0,
             owner: None,
             nodes_released_at: None,
+            keep_alive_secs: None,
+            alive_until: None,
+            fulfilled_at: None,
+            hold_until: None,
         };
         w.put_request(Versioned {
             key: "req-1".into(),

@@ -52,6 +52,9 @@ pub enum ErrorCode {
     Internal,
     /// The caller may not do this: the request or node belongs to another client.
     Forbidden,
+    /// The request has ended: a `keepalive` came after its keep-alive lapsed, or for a
+    /// request that failed, was canceled, was reclaimed or whose nodes were all released.
+    Ended,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -95,6 +98,36 @@ pub struct SubmitRequest {
     pub timeout_secs: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssh_public_key: Option<String>,
+    /// Ask for a keep-alive of this many seconds ([`MIN_KEEP_ALIVE_SECS`] to
+    /// [`MAX_KEEP_ALIVE_SECS`]): unless renewed with [`KeepAlive`] within each period,
+    /// the request fails (while waiting) or its nodes are reclaimed (once fulfilled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_alive_secs: Option<u64>,
+}
+
+/// Shortest keep-alive period a request may ask for.
+pub const MIN_KEEP_ALIVE_SECS: u64 = 2;
+/// Longest keep-alive period a request may ask for.
+pub const MAX_KEEP_ALIVE_SECS: u64 = 3_600;
+
+/// `slotpool.api.v2.<client>.keepalive`: renew the keep-alive of the caller's request,
+/// for another `keep_alive_secs` from now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeepAlive {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub request_id: RequestId,
+}
+
+/// Reply to [`KeepAlive`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KeptAlive {
+    pub request_id: RequestId,
+    /// Its state (requested or fulfilled).
+    pub state: crate::model::RequestState,
+    /// When the keep-alive now lapses (Unix milliseconds, the launcher's clock).
+    pub alive_until: crate::time::UnixMillis,
 }
 
 /// Default priority of a request that names none.

@@ -1,9 +1,9 @@
 //! The typed client: what `slotpool request`, CI systems and tests use.
 
 use crate::api::{
-    self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, NodesQuery, OrderTaken,
-    ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, StillHeld, SubmitRequest, Submitted,
-    WaitReleased,
+    self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive,
+    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, StillHeld,
+    SubmitRequest, Submitted, WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
 use crate::layout::subjects::{self, ApiOp};
@@ -47,6 +47,18 @@ impl Client {
     pub async fn submit(&self, req: &SubmitRequest) -> Result<RequestId, BusError> {
         let s: Submitted = self.call(ApiOp::Submit, req).await?;
         Ok(s.request_id)
+    }
+
+    /// Renews the keep-alive of request `id` (submitted with `keep_alive_secs`) for
+    /// another period from now. An [`ErrorCode::Ended`] error says the request is over
+    /// (its keep-alive lapsed, or it failed, was canceled or its nodes were released):
+    /// stop renewing.
+    pub async fn keep_alive(&self, id: &RequestId) -> Result<KeptAlive, BusError> {
+        let msg = KeepAlive {
+            v: crate::PROTOCOL_VERSION,
+            request_id: id.clone(),
+        };
+        self.call(ApiOp::KeepAlive, &msg).await
     }
 
     /// The name this client acts under (its bus user's).
@@ -352,6 +364,7 @@ pub fn submission(labels: Vec<String>, requestor: impl Into<String>) -> SubmitRe
         priority: None,
         timeout_secs: None,
         ssh_public_key: None,
+        keep_alive_secs: None,
     }
 }
 

@@ -141,16 +141,19 @@ pub mod subjects {
         WaitReleased,
         /// [`crate::api::NodesQuery`] → the caller's [`crate::model::Node`]s.
         Nodes,
+        /// [`crate::api::KeepAlive`] → [`crate::api::KeptAlive`].
+        KeepAlive,
     }
 
     impl ApiOp {
-        pub const ALL: [ApiOp; 6] = [
+        pub const ALL: [ApiOp; 7] = [
             ApiOp::Submit,
             ApiOp::Release,
             ApiOp::Cancel,
             ApiOp::Status,
             ApiOp::WaitReleased,
             ApiOp::Nodes,
+            ApiOp::KeepAlive,
         ];
 
         pub fn as_str(self) -> &'static str {
@@ -161,6 +164,7 @@ pub mod subjects {
                 ApiOp::Status => "status",
                 ApiOp::WaitReleased => "wait_released",
                 ApiOp::Nodes => "nodes",
+                ApiOp::KeepAlive => "keepalive",
             }
         }
     }

@@ -22,6 +22,9 @@ pub enum RequestState {
     Failed,
     /// Canceled by the requestor before it was fulfilled.
     Canceled,
+    /// Was fulfilled; its nodes were taken back because its keep-alive lapsed or a
+    /// label's `max-hold-time` passed. `failure` says which.
+    Reclaimed,
 }
 
 impl RequestState {
@@ -71,6 +74,20 @@ pub struct NodeRequest {
     /// [`crate::layout::FINISHED_REQUEST_TTL_SECS`] later, like a failed or canceled one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nodes_released_at: Option<UnixMillis>,
+    /// The keep-alive period asked for at submit: unless the client renews the request
+    /// (`keepalive`) before `alive_until`, its nodes are reclaimed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_alive_secs: Option<u64>,
+    /// When the keep-alive lapses: `keep_alive_secs` after the submit or the last renewal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alive_until: Option<UnixMillis>,
+    /// When the request was fulfilled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fulfilled_at: Option<UnixMillis>,
+    /// When its nodes are reclaimed whatever the client does: `fulfilled_at` plus the
+    /// shortest `max-hold-time` of the labels (as configured in the pools of its nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_until: Option<UnixMillis>,
 }
 
 impl NodeRequest {
@@ -78,6 +95,24 @@ impl NodeRequest {
     pub fn deadline(&self) -> Option<UnixMillis> {
         self.timeout_secs
             .map(|s| self.created_at.saturating_add(s.saturating_mul(1000)))
+    }
+
+    /// Whether the request's nodes are held: it is fulfilled and not all of them were
+    /// released.
+    pub fn holds_nodes(&self) -> bool {
+        self.state == RequestState::Fulfilled && self.nodes_released_at.is_none()
+    }
+
+    /// When the nodes of a request holding them are reclaimed (its keep-alive lapses, or
+    /// its `hold_until` comes), if ever.
+    pub fn hold_deadline(&self) -> Option<UnixMillis> {
+        if !self.holds_nodes() {
+            return None;
+        }
+        match (self.alive_until, self.hold_until) {
+            (Some(a), Some(h)) => Some(a.min(h)),
+            (a, h) => a.or(h),
+        }
     }
 }
 
@@ -552,6 +587,10 @@ mod tests {
             updated_at: 5,
             owner: None,
             nodes_released_at: None,
+            keep_alive_secs: None,
+            alive_until: None,
+            fulfilled_at: None,
+            hold_until: None,
             client: None,
         };
         let json = serde_json::to_string(&r).unwrap();

@@ -121,6 +121,10 @@ pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) 
         updated_at: created_at,
         owner: None,
         nodes_released_at: None,
+        keep_alive_secs: None,
+        alive_until: None,
+        fulfilled_at: None,
+        hold_until: None,
     }
 }
 

@@ -40,6 +40,7 @@ pub fn request_state_name(s: RequestState) -> &'static str {
         RequestState::Fulfilled => "fulfilled",
         RequestState::Failed => "failed",
         RequestState::Canceled => "canceled",
+        RequestState::Reclaimed => "reclaimed",
     }
 }
 

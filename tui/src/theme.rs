@@ -122,6 +122,7 @@ impl Theme {
             RequestState::Fulfilled => self.ok(),
             RequestState::Failed => self.error(),
             RequestState::Canceled => self.dim(),
+            RequestState::Reclaimed => self.error(),
         }
     }
 }

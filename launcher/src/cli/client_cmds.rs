@@ -4,7 +4,9 @@ use super::output::{age, print, state};
 use super::{NatsArgs, Output};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use slotpool_protocol::api::{ApiError, ErrorCode};
 use slotpool_protocol::client::{submission, Client};
+use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{Node, NodeRequest, RequestState};
 use slotpool_protocol::{NodeId, RequestId};
 use std::io::Write;
@@ -38,6 +40,13 @@ pub struct RequestArgs {
     /// An SSH public key file to install for the nodes' users.
     #[arg(long)]
     pub ssh_key: Option<PathBuf>,
+    /// Hold the nodes only while this command runs: ask for a keep-alive of SECS
+    /// seconds, wait for the nodes (implies --wait), print them, then stay in the
+    /// foreground renewing the keep-alive every SECS/3 seconds. Ctrl-C or SIGTERM
+    /// releases the nodes; if the command is killed, they are reclaimed SECS seconds
+    /// after its last renewal.
+    #[arg(long, value_name = "SECS")]
+    pub keep_alive: Option<u64>,
     #[arg(long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -66,6 +75,7 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
     let mut sub = submission(labels, args.requestor);
     sub.priority = args.priority;
     sub.timeout_secs = args.timeout;
+    sub.keep_alive_secs = args.keep_alive;
     if let Some(path) = &args.ssh_key {
         let key = std::fs::read_to_string(path)
             .with_context(|| format!("reading SSH public key {}", path.display()))?;
@@ -73,7 +83,14 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
     }
     let started = Instant::now();
     let id = client.submit(&sub).await?;
-    if !args.wait {
+    let renewing = async {
+        match args.keep_alive {
+            Some(secs) => keep_renewing(&client, &id, secs).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(renewing);
+    if !args.wait && args.keep_alive.is_none() {
         match args.output {
             Output::Json => println!("{}", serde_json::json!({ "request_id": id })),
             Output::Table => println!("{id}"),
@@ -82,21 +99,35 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
     }
     eprintln!("request {id} submitted");
     let mut last = String::new();
-    let done = client
-        .wait(&id, |r| {
-            if r.status != last {
-                eprintln!("[{:>6.2}s] {}", started.elapsed().as_secs_f64(), r.status);
-                last = r.status.clone();
-            }
-        })
-        .await?;
+    let waiting = client.wait(&id, |r| {
+        if r.status != last {
+            eprintln!("[{:>6.2}s] {}", started.elapsed().as_secs_f64(), r.status);
+            last = r.status.clone();
+        }
+    });
+    let done = tokio::select! {
+        done = waiting => done?,
+        err = &mut renewing => return Err(err),
+    };
     let took = started.elapsed();
     match done.state {
         RequestState::Fulfilled => {
             let nodes = fetch_nodes(&client, &done.nodes).await?;
             eprintln!("fulfilled in {:.1} ms", took.as_secs_f64() * 1000.0);
             print_nodes(args.output, &nodes);
-            Ok(ExitCode::SUCCESS)
+            std::io::stdout().flush().ok();
+            if args.keep_alive.is_none() {
+                return Ok(ExitCode::SUCCESS);
+            }
+            eprintln!("keeping request {id} alive; Ctrl-C or SIGTERM releases its nodes");
+            tokio::select! {
+                err = &mut renewing => Err(err),
+                _ = super::stop_signal() => {
+                    client.release(done.nodes.clone()).await?;
+                    eprintln!("released {} node(s)", done.nodes.len());
+                    Ok(ExitCode::SUCCESS)
+                }
+            }
         }
         _ => {
             if let Output::Json = args.output {
@@ -108,6 +139,29 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
                 done.failure.as_deref().unwrap_or(&done.status)
             );
             Ok(ExitCode::from(2))
+        }
+    }
+}
+
+/// Renews request `id`'s keep-alive of `secs` seconds every third of it, until it
+/// cannot: returns why (the request ended, or no launcher answered for a whole period).
+async fn keep_renewing(client: &Client, id: &RequestId, secs: u64) -> anyhow::Error {
+    let period = Duration::from_secs(secs);
+    let mut last_ok = Instant::now();
+    loop {
+        tokio::time::sleep(period / 3).await;
+        match client.keep_alive(id).await {
+            Ok(_) => last_ok = Instant::now(),
+            // The request is over, or not this client's: renewing again changes nothing.
+            Err(err @ BusError::Api(ApiError { code, .. })) if code != ErrorCode::Internal => {
+                return anyhow::Error::new(err).context(format!("keeping request {id} alive"))
+            }
+            Err(err) if last_ok.elapsed() >= period => {
+                return anyhow::Error::new(err).context(format!(
+                    "keeping request {id} alive: no renewal for {secs}s; its nodes are reclaimed"
+                ))
+            }
+            Err(err) => tracing::warn!(%err, "keep-alive renewal failed; trying again"),
         }
     }
 }

@@ -49,6 +49,40 @@ pub async fn carry_out(
             give_back_all(sh, &strays).await;
             Ok(After::Stop)
         }
+        RequestStep::Hold { strays, until } => {
+            give_back_all(sh, &strays).await;
+            Ok(After::Wait {
+                missing: Vec::new(),
+                until: Some(until),
+            })
+        }
+        RequestStep::Reclaim {
+            reason,
+            nodes,
+            strays,
+        } => {
+            tracing::info!(%reason, ?nodes, "reclaiming the request's nodes");
+            let mut reclaimed = r.clone();
+            reclaimed.state = RequestState::Reclaimed;
+            reclaimed.status = format!("reclaimed: {reason}");
+            reclaimed.failure = Some(reason);
+            // Recorded first: from then on every node of it is a stray, which the sweep
+            // releases should this launcher die before it does.
+            finish(sh, req, reclaimed).await?;
+            let released = futures::future::join_all(
+                nodes
+                    .iter()
+                    .map(|id| release::release(sh, Give::Node(id), Finish::Wait)),
+            )
+            .await;
+            for (id, outcome) in nodes.iter().zip(released) {
+                if let Err(err) = outcome {
+                    tracing::warn!(node_id = %id, %err, "cannot release a reclaimed node; the sweep will");
+                }
+            }
+            give_back_all(sh, &strays).await;
+            Ok(After::Stop)
+        }
         RequestStep::Fail { reason, release } => {
             tracing::info!(%reason, "request failed");
             let mut failed = r.clone();
@@ -120,15 +154,19 @@ pub async fn carry_out(
             }
             Ok(After::Wait { missing, until })
         }
-        RequestStep::Fulfil { nodes } => {
+        RequestStep::Fulfil { nodes, hold_until } => {
             let mut done = r.clone();
             done.status = format!("fulfilled: {} node(s) ready", nodes.len());
             done.nodes = nodes;
             done.state = RequestState::Fulfilled;
+            done.fulfilled_at = Some(now_ms());
+            done.hold_until = hold_until;
+            // A hold with a deadline keeps this worker: its timer reclaims the nodes.
+            let held = done.hold_deadline().is_some();
             let (requestor, nodes) = (done.requestor.clone(), done.nodes.clone());
             finish(sh, req, done).await?;
             tracing::info!(%requestor, ?nodes, "fulfilled");
-            Ok(After::Stop)
+            Ok(if held { After::Again } else { After::Stop })
         }
     }
 }

@@ -80,7 +80,13 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
             }
         }
     }
+    let max_hold = if r.labels.iter().any(|l| sh.config.hold_limited(l)) {
+        max_hold(sh, &world, r)
+    } else {
+        None
+    };
     Observed {
+        max_hold,
         me: sh.id.clone(),
         nodes,
         reserved,
@@ -90,6 +96,22 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
         refused_at: memory.refused_at,
         waiting_since: memory.waiting_since,
     }
+}
+
+/// The shortest `max-hold-time` of the labels of the nodes claimed for `r`, as the
+/// pool each node's backing node belongs to configures it.
+fn max_hold(sh: &Shared, world: &World, r: &NodeRequest) -> Option<std::time::Duration> {
+    world
+        .nodes_of(&r.id)
+        .into_iter()
+        .filter_map(|n| {
+            let b = &world.backing_by_id(&n.value.backing_id)?.value;
+            sh.config
+                .label_in(&b.provider, &b.pool, &n.value.label)?
+                .label
+                .max_hold_time
+        })
+        .min()
 }
 
 /// Gives up the reservations of a look that is not followed by their claim.

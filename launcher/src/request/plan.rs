@@ -33,9 +33,11 @@ pub enum Ownership {
     Theirs,
 }
 
+/// A fulfilled request whose nodes are held with a deadline (a keep-alive or a label's
+/// `max-hold-time`) still has a driver: the timer that reclaims them.
 pub fn ownership(r: &NodeRequest, me: &LauncherId, owner_alive: bool) -> Ownership {
     match &r.owner {
-        _ if r.state.is_final() => Ownership::Ended,
+        _ if r.state.is_final() && r.hold_deadline().is_none() => Ownership::Ended,
         Some(owner) if owner == me => Ownership::Mine,
         Some(_) if owner_alive => Ownership::Theirs,
         _ => Ownership::TakeOver,
@@ -105,6 +107,9 @@ pub struct Observed {
     pub refused_at: Option<UnixMillis>,
     /// Since when this worker waits for slots (None: it has not waited yet).
     pub waiting_since: Option<UnixMillis>,
+    /// The shortest `max-hold-time` of the pools of the request's nodes (looked up only
+    /// when one of its labels has one).
+    pub max_hold: Option<Duration>,
 }
 
 /// The one step to take next.
@@ -143,8 +148,26 @@ pub enum RequestStep {
         until: Option<UnixMillis>,
         status: Option<String>,
     },
-    /// Every label has a prepared node: write the request fulfilled with these nodes.
-    Fulfil { nodes: Vec<NodeId> },
+    /// Every label has a prepared node: write the request fulfilled with these nodes,
+    /// to be reclaimed at `hold_until` (a label's `max-hold-time`) if they are still held.
+    Fulfil {
+        nodes: Vec<NodeId>,
+        hold_until: Option<UnixMillis>,
+    },
+    /// The request holds its nodes until `until` (its keep-alive lapses, or its
+    /// `hold_until` comes) unless renewed or released before: give back the slots (keys)
+    /// it was fulfilled without, and wait for a change of the request or that time.
+    Hold {
+        strays: Vec<String>,
+        until: UnixMillis,
+    },
+    /// The hold ended (`reason`): write the request reclaimed, then give back its nodes
+    /// and the slots it was fulfilled without.
+    Reclaim {
+        reason: String,
+        nodes: Vec<NodeId>,
+        strays: Vec<String>,
+    },
 }
 
 impl RequestStep {
@@ -177,7 +200,15 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
             .filter(|n| r.state != RequestState::Fulfilled || !r.nodes.contains(&n.id))
             .map(|n| n.key.clone())
             .collect();
-        return RequestStep::Stop { strays };
+        return match r.hold_deadline() {
+            Some(until) if now >= until => RequestStep::Reclaim {
+                reason: hold_ended(r, until),
+                nodes: r.nodes.clone(),
+                strays,
+            },
+            Some(until) => RequestStep::Hold { strays, until },
+            None => RequestStep::Stop { strays },
+        };
     }
     let fail = |reason: String| RequestStep::Fail {
         reason,
@@ -190,14 +221,22 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
             u.served.join(", ")
         ));
     }
-    let deadline = r.deadline();
-    if deadline.is_some_and(|d| now >= d) {
+    let timeout = r.deadline();
+    if timeout.is_some_and(|d| now >= d) {
         return fail(format!(
             "timed out after {}s: {}",
             r.timeout_secs.unwrap_or(0),
             r.status
         ));
     }
+    if r.alive_until.is_some_and(|at| now >= at) {
+        return fail(format!(
+            "{} while waiting: {}",
+            keep_alive_lapsed(r),
+            r.status
+        ));
+    }
+    let deadline = min_opt(timeout, r.alive_until);
     if let Some(until) = obs.refused_at.map(|at| after(at, PREPARE_RETRY_PAUSE)) {
         if now < until {
             return RequestStep::Pause { until };
@@ -226,6 +265,20 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
     if !broken.is_empty() {
         return RequestStep::Release(broken);
     }
+    // A node set that cannot complete holds no slot a smaller request could use: unless
+    // a backing node is booting for every label it still misses, it claims nothing (its
+    // reservations are given back), gives back what it holds, and queues only for the
+    // labels that have no free slot. A single-node request never gets here.
+    if !missing.is_empty() && !all_coming(&missing, &obs.causes) {
+        if let Some(why) = launch_failure(&missing, obs) {
+            return fail(why);
+        }
+        let held: Vec<String> = obs.nodes.iter().map(|n| n.key.clone()).collect();
+        if !held.is_empty() {
+            return RequestStep::Release(held);
+        }
+        claims.clear();
+    }
     if !claims.is_empty() {
         return RequestStep::Claim {
             slots: claims,
@@ -242,13 +295,13 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
         let nodes = (0..r.labels.len() as u32)
             .filter_map(|i| node_for(obs, i).map(|n| n.id.clone()))
             .collect();
-        return RequestStep::Fulfil { nodes };
+        return RequestStep::Fulfil {
+            nodes,
+            hold_until: obs.max_hold.map(|d| after(now, d)),
+        };
     }
-    if let Some(why) = missing
-        .iter()
-        .find_map(|label| obs.launch_failures.get(label))
-    {
-        return fail(why.clone());
+    if let Some(why) = launch_failure(&missing, obs) {
+        return fail(why);
     }
     let status_at = after(obs.waiting_since.unwrap_or(now), STATUS_DELAY);
     if now < status_at {
@@ -264,6 +317,41 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
         until: deadline,
         status: (status != r.status).then_some(status),
     }
+}
+
+/// Why a label of `missing` cannot be served: a backing node launched for it failed.
+fn launch_failure(missing: &[String], obs: &Observed) -> Option<String> {
+    missing
+        .iter()
+        .find_map(|label| obs.launch_failures.get(label))
+        .cloned()
+}
+
+/// Whether a backing node is booting for every label of `missing`: a set waiting for
+/// those completes soon, so it may claim (and hold) the rest meanwhile.
+fn all_coming(missing: &[String], causes: &BTreeMap<String, WaitCause>) -> bool {
+    missing
+        .iter()
+        .all(|l| matches!(causes.get(l), Some(WaitCause::Booting { .. })))
+}
+
+/// Why a hold that ended at `until` ended: the keep-alive lapsed, or the label's
+/// `max-hold-time` passed (whichever came first).
+fn hold_ended(r: &NodeRequest, until: UnixMillis) -> String {
+    match (r.alive_until, r.hold_until) {
+        (Some(alive), _) if alive == until => keep_alive_lapsed(r),
+        _ => format!(
+            "max-hold-time reached: held {}s since fulfilled",
+            until.saturating_sub(r.fulfilled_at.unwrap_or(until)) / 1000
+        ),
+    }
+}
+
+fn keep_alive_lapsed(r: &NodeRequest) -> String {
+    format!(
+        "keep-alive lapsed: not renewed within {}s",
+        r.keep_alive_secs.unwrap_or(0)
+    )
 }
 
 /// The node that stands for label `index`: one this worker prepared (the lowest id, if
@@ -337,6 +425,10 @@ mod tests {
             updated_at: 1_000,
             owner: Some(me()),
             nodes_released_at: None,
+            keep_alive_secs: None,
+            alive_until: None,
+            fulfilled_at: None,
+            hold_until: None,
         }
     }
 
@@ -350,6 +442,7 @@ mod tests {
             launch_failures: BTreeMap::new(),
             refused_at: None,
             waiting_since: None,
+            max_hold: None,
         }
     }
 
@@ -374,6 +467,12 @@ mod tests {
 
     fn id(n: u32) -> NodeId {
         NodeId::parse(&format!("node-{n}")).unwrap()
+    }
+
+    fn booting() -> WaitCause {
+        WaitCause::Booting {
+            backing_label: "vm".into(),
+        }
     }
 
     fn reserve(o: &mut Observed, index: u32, n: u32) {
@@ -568,8 +667,15 @@ mod tests {
         reserve(&mut o, 0, 0);
         o.launch_failures
             .insert("b".into(), "could not launch: quota".into());
-        // Claims come first; once nothing is left to claim or prepare, it fails.
-        assert!(matches!(next(&r, &o, NOW), RequestStep::Claim { .. }));
+        // Nothing is claimed while b cannot be: it fails at once.
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fail {
+                reason: "could not launch: quota".into(),
+                release: vec![],
+            }
+        );
+        // One holding a node of a (claimed before its b failed) gives it back.
         o.reserved.clear();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
         assert_eq!(
@@ -586,6 +692,7 @@ mod tests {
         let r = request(&["a", "b"]);
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.causes.insert("b".into(), booting());
         o.launch_failures
             .insert("a".into(), "could not launch: quota".into());
         assert!(
@@ -611,16 +718,90 @@ mod tests {
     }
 
     #[test]
-    fn a_partial_set_claims_what_is_free_and_queues_for_the_rest() {
+    fn a_set_that_cannot_complete_claims_nothing_and_queues_only_for_what_is_taken() {
         let r = request(&["a", "b", "a"]);
         let mut o = observed();
         reserve(&mut o, 0, 0);
+        reserve(&mut o, 2, 2);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["b"]),
+                until: Some(NOW + STATUS_DELAY.as_millis() as u64),
+                status: None,
+            },
+            "the free slots of a stay free for others; it queues for b alone"
+        );
+        reserve(&mut o, 1, 1);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(0, slot(0)), (1, slot(1)), (2, slot(2))],
+                missing: vec![],
+            },
+            "claimed all at once"
+        );
+    }
+
+    #[test]
+    fn a_set_that_cannot_complete_gives_back_what_it_holds() {
+        let r = request(&["a", "b", "c"]);
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        reserve(&mut o, 1, 1);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Release(keys(&["bn-1.0"])),
+            "c is taken and nothing is coming for it"
+        );
+        o.causes.insert(
+            "c".into(),
+            WaitCause::OutOfCapacity {
+                provider: "cloud".into(),
+                backing_label: "vm".into(),
+                failure: None,
+                backoff: Duration::from_secs(10),
+            },
+        );
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.0"])));
+        reserve(&mut o, 2, 2);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Claim {
+                slots: vec![(1, slot(1)), (2, slot(2))],
+                missing: vec![],
+            },
+            "the rest claimed all together"
+        );
+    }
+
+    #[test]
+    fn a_set_whose_missing_labels_are_booting_claims_what_is_free_meanwhile() {
+        let r = request(&["a", "b"]);
+        let mut o = observed();
+        reserve(&mut o, 0, 0);
+        o.causes.insert(
+            "b".into(),
+            WaitCause::Booting {
+                backing_label: "vm".into(),
+            },
+        );
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Claim {
                 slots: vec![(0, slot(0))],
-                missing: keys(&["b", "a"]),
-            }
+                missing: keys(&["b"]),
+            },
+            "its ready node is not left idle (and released) while the other boots"
+        );
+        o.reserved.clear();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        assert!(matches!(next(&r, &o, NOW), RequestStep::Wait { .. }));
+        o.causes.insert("b".into(), WaitCause::Taken);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Release(keys(&["bn-1.0"])),
+            "the booting node went to another request"
         );
     }
 
@@ -669,6 +850,7 @@ mod tests {
     fn claimed_nodes_are_prepared_while_missing_labels_stay_queued() {
         let r = request(&["a", "b"]);
         let mut o = observed();
+        o.causes.insert("b".into(), booting());
         o.nodes = vec![node(0, 0, NodeState::Preparing, false)];
         assert_eq!(
             next(&r, &o, NOW),
@@ -771,7 +953,8 @@ mod tests {
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Fulfil {
-                nodes: vec![id(7), id(1), id(5)]
+                nodes: vec![id(7), id(1), id(5)],
+                hold_until: None,
             }
         );
     }
@@ -787,7 +970,10 @@ mod tests {
         ];
         assert_eq!(
             next(&r, &o, NOW),
-            RequestStep::Fulfil { nodes: vec![id(3)] }
+            RequestStep::Fulfil {
+                nodes: vec![id(3)],
+                hold_until: None,
+            }
         );
     }
 
@@ -799,7 +985,172 @@ mod tests {
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
         assert_eq!(
             next(&r, &o, NOW),
-            RequestStep::Fulfil { nodes: vec![id(0)] }
+            RequestStep::Fulfil {
+                nodes: vec![id(0)],
+                hold_until: None,
+            }
+        );
+    }
+
+    // ---- keep-alive and hold limits -----------------------------------------------------
+
+    fn fulfilled(labels: &[&str]) -> NodeRequest {
+        let mut r = request(labels);
+        r.state = RequestState::Fulfilled;
+        r.nodes = (0..labels.len() as u32).map(id).collect();
+        r.fulfilled_at = Some(5_000);
+        r
+    }
+
+    fn held_nodes(n: u32) -> Vec<NodeSeen> {
+        (0..n).map(|i| node(i, i, NodeState::Ready, true)).collect()
+    }
+
+    #[test]
+    fn a_fulfilled_request_without_limits_needs_no_driver() {
+        let r = fulfilled(&["a"]);
+        let mut o = observed();
+        o.nodes = held_nodes(1);
+        assert_eq!(next(&r, &o, NOW), RequestStep::Stop { strays: vec![] });
+        assert_eq!(ownership(&r, &me(), true), Ownership::Ended);
+    }
+
+    #[test]
+    fn a_kept_alive_request_holds_its_nodes_until_the_keep_alive_lapses() {
+        let mut r = fulfilled(&["a", "b"]);
+        r.keep_alive_secs = Some(30);
+        r.alive_until = Some(NOW + 1_000);
+        let mut o = observed();
+        o.nodes = held_nodes(2);
+        assert_eq!(ownership(&r, &me(), true), Ownership::Mine);
+        let mut theirs = r.clone();
+        theirs.owner = Some(LauncherId::parse("launcher-other").unwrap());
+        assert_eq!(
+            ownership(&theirs, &me(), false),
+            Ownership::TakeOver,
+            "a held request outlives its launcher's lease: another one times it"
+        );
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Hold {
+                strays: vec![],
+                until: NOW + 1_000
+            }
+        );
+        assert_eq!(
+            next(&r, &o, NOW + 1_000),
+            RequestStep::Reclaim {
+                reason: "keep-alive lapsed: not renewed within 30s".into(),
+                nodes: vec![id(0), id(1)],
+                strays: vec![],
+            }
+        );
+        // Renewed (the record's alive_until moved on): held again.
+        r.alive_until = Some(NOW + 31_000);
+        assert!(matches!(
+            next(&r, &o, NOW + 1_000),
+            RequestStep::Hold { until, .. } if until == NOW + 31_000
+        ));
+    }
+
+    #[test]
+    fn a_request_whose_nodes_were_all_released_is_held_no_more() {
+        let mut r = fulfilled(&["a"]);
+        r.keep_alive_secs = Some(30);
+        r.alive_until = Some(NOW - 1);
+        r.nodes_released_at = Some(NOW - 5);
+        assert_eq!(
+            next(&r, &observed(), NOW),
+            RequestStep::Stop { strays: vec![] }
+        );
+        assert_eq!(ownership(&r, &me(), true), Ownership::Ended);
+    }
+
+    #[test]
+    fn a_label_max_hold_reclaims_at_hold_until_whatever_the_keep_alive() {
+        let mut r = fulfilled(&["a"]);
+        r.hold_until = Some(7_000);
+        let mut o = observed();
+        o.nodes = held_nodes(1);
+        assert_eq!(
+            next(&r, &o, 6_000),
+            RequestStep::Hold {
+                strays: vec![],
+                until: 7_000
+            }
+        );
+        r.keep_alive_secs = Some(60);
+        r.alive_until = Some(60_000);
+        assert_eq!(
+            next(&r, &o, 7_000),
+            RequestStep::Reclaim {
+                reason: "max-hold-time reached: held 2s since fulfilled".into(),
+                nodes: vec![id(0)],
+                strays: vec![],
+            }
+        );
+    }
+
+    #[test]
+    fn a_held_request_gives_back_a_stray_claim_and_keeps_holding() {
+        let mut r = fulfilled(&["a"]);
+        r.hold_until = Some(NOW + 5);
+        let mut o = observed();
+        o.nodes = vec![
+            node(0, 0, NodeState::Ready, true),
+            node(0, 9, NodeState::Preparing, false),
+        ];
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Hold {
+                strays: keys(&["bn-1.9"]),
+                until: NOW + 5
+            }
+        );
+    }
+
+    #[test]
+    fn fulfilment_sets_the_hold_limit_of_the_labels() {
+        let r = request(&["a"]);
+        let mut o = observed();
+        o.nodes = held_nodes(1);
+        o.max_hold = Some(Duration::from_secs(60));
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Fulfil {
+                nodes: vec![id(0)],
+                hold_until: Some(NOW + 60_000),
+            }
+        );
+    }
+
+    #[test]
+    fn a_waiting_request_whose_keep_alive_lapses_fails_and_gives_back_its_claims() {
+        let mut r = request(&["a", "b"]);
+        r.keep_alive_secs = Some(10);
+        r.alive_until = Some(NOW + 500);
+        r.status = "waiting for a backing node of vm to boot (1 of 2 slots assigned)".into();
+        let mut o = observed();
+        o.nodes = vec![node(0, 0, NodeState::Ready, true)];
+        o.causes.insert("b".into(), booting());
+        o.waiting_since = Some(1_000);
+        assert_eq!(
+            next(&r, &o, NOW),
+            RequestStep::Wait {
+                missing: keys(&["b"]),
+                until: Some(NOW + 500),
+                status: None,
+            },
+            "woken by a timer at the lapse"
+        );
+        assert_eq!(
+            next(&r, &o, NOW + 500),
+            RequestStep::Fail {
+                reason: "keep-alive lapsed: not renewed within 10s while waiting: \
+                         waiting for a backing node of vm to boot (1 of 2 slots assigned)"
+                    .into(),
+                release: keys(&["bn-1.0"]),
+            }
         );
     }
 
@@ -915,7 +1266,14 @@ mod tests {
             RequestStep::Leave,
             RequestStep::Pause { until: 1 },
             RequestStep::Release(vec![]),
-            RequestStep::Fulfil { nodes: vec![] },
+            RequestStep::Hold {
+                strays: vec![],
+                until: 1,
+            },
+            RequestStep::Fulfil {
+                nodes: vec![],
+                hold_until: None,
+            },
         ] {
             assert!(step.missing().is_empty(), "{step:?}");
         }
