@@ -94,12 +94,13 @@ pub struct ViewState {
 /// The key of the Requests view's row that the finished requests fold into.
 pub const FOLD_KEY: &str = "~finished";
 
-/// Whether a request is over: failed, canceled, or fulfilled and every node given back.
+/// Whether a request is over: failed, canceled, reclaimed, or fulfilled and every node
+/// given back.
 pub fn is_finished(r: &NodeRequest) -> bool {
     match r.state {
         RequestState::Requested => false,
         RequestState::Fulfilled => r.nodes_released_at.is_some(),
-        RequestState::Failed | RequestState::Canceled => true,
+        RequestState::Failed | RequestState::Canceled | RequestState::Reclaimed => true,
     }
 }
 
