@@ -1496,26 +1496,32 @@ async fn release_sends_sigterm_before_it_kills_a_slots_processes() {
         &user,
         &format!(
             concat!(
-                "setsid sh -c 'trap \"echo got-term >> {mark}; exit 0\" TERM; ",
+                "setsid sh -c 'trap \"echo got-term >> {mark}; exit 0\" TERM; echo trapping >> {mark}; ",
                 "while :; do sleep 0.05; done' </dev/null >/dev/null 2>&1 & ",
-                "setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' ",
+                "setsid sh -c 'trap \"\" TERM; echo ignoring >> {mark}; while :; do sleep 0.05; done' ",
                 "</dev/null >/dev/null 2>&1 & echo started"
             ),
             mark = mark.display()
         ),
     );
     assert!(ok, "{err}\n{}", sshd.log());
-    wait_for("both slot processes to run", LONG, || async {
-        users::processes_of(Path::new("/proc"), uid).len() >= 2
+    let said = |what: &str| {
+        std::fs::read_to_string(&mark)
+            .unwrap()
+            .lines()
+            .any(|l| l == what)
+    };
+    wait_for("both slot processes to set their traps", LONG, || async {
+        said("trapping") && said("ignoring")
     })
     .await;
 
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "the release proved the slot clean");
-    assert_eq!(
-        std::fs::read_to_string(&mark).unwrap().trim(),
-        "got-term",
-        "the trapping process was sent SIGTERM before it was killed"
+    assert!(
+        said("got-term"),
+        "the trapping process was sent SIGTERM before it was killed: {:?}",
+        std::fs::read_to_string(&mark).unwrap()
     );
     assert!(
         users::processes_of(Path::new("/proc"), uid).is_empty(),
