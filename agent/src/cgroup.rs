@@ -13,6 +13,11 @@
 //! and freezer hierarchies in v1. `<parent>` is the agent's `--cgroup-parent` and `<name>`
 //! the slot's user name, so several agents on one host never share a group.
 //!
+//! **Terminate** ([`CgroupDriver::terminate`]), before the kill at release: SIGTERM to
+//! every process of the group, then a wait of at most the grace for the group to empty:
+//! v2 sleeps on `cgroup.events` (inotify) until it says `populated 0`; v1, which has no
+//! such file, looks at `cgroup.procs` every [`TERM_POLL`].
+//!
 //! **Kill** ([`CgroupDriver::kill_all`]): v2 writes `1` to `cgroup.kill` (Linux 5.14+) or
 //! else freezes the group; v1 freezes the group through the freezer hierarchy. While the
 //! group is frozen no process in it can fork, so one SIGKILL to every pid in
@@ -32,6 +37,8 @@ use std::time::{Duration, Instant};
 pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause between rounds of a kill (or while a freeze settles).
 const KILL_ROUND_PAUSE: Duration = Duration::from_millis(5);
+/// Pause between looks at a v1 group's processes while they exit on SIGTERM.
+pub const TERM_POLL: Duration = Duration::from_millis(10);
 /// CFS period used for the cpu limit, in microseconds.
 pub const CPU_PERIOD_US: u64 = 100_000;
 
@@ -178,6 +185,26 @@ pub trait CgroupDriver: Send + Sync + 'static {
     fn procs(&self, name: &str) -> Result<Vec<i32>, IsolationError>;
     /// Kills every process in the group and waits until it is empty.
     fn kill_all(&self, name: &str) -> Result<(), IsolationError>;
+    /// Sends SIGTERM to every process in the group and waits at most `grace` for the
+    /// group to empty; whether it did. What remains is for [`CgroupDriver::kill_all`].
+    /// This default looks at `procs` every [`TERM_POLL`] (v1 has nothing to wait on).
+    fn terminate(&self, name: &str, grace: Duration) -> Result<bool, IsolationError> {
+        let pids = self.procs(name)?;
+        if pids.is_empty() {
+            return Ok(true);
+        }
+        signal_all(&pids, libc::SIGTERM);
+        let deadline = Instant::now() + grace;
+        loop {
+            if self.procs(name)?.is_empty() {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(TERM_POLL.min(deadline.saturating_duration_since(Instant::now())));
+        }
+    }
     /// Removes the group (fine when it does not exist).
     fn remove(&self, name: &str) -> Result<(), IsolationError>;
     /// Every group directory of this parent, for logs and clean-up checks.
@@ -229,6 +256,71 @@ fn remove_dir(path: &Path) -> Result<(), IsolationError> {
             Err(e) => return Err(IsolationError::new("removing cgroup", path)(e)),
         }
     }
+}
+
+/// Sends `signal` to each of `pids` (never to 0, 1 or a negative pid).
+fn signal_all(pids: &[i32], signal: libc::c_int) {
+    for &pid in pids.iter().filter(|&&pid| pid > 1) {
+        // SAFETY: kill(2) with a positive pid touches no memory.
+        unsafe { libc::kill(pid, signal) };
+    }
+}
+
+/// An inotify watch on one file, to sleep until the kernel changes it (`cgroup.events`).
+struct FileWatch(std::os::fd::OwnedFd);
+
+impl FileWatch {
+    fn new(path: &Path) -> std::io::Result<FileWatch> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::unix::ffi::OsStrExt;
+        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+        // SAFETY: a plain system call with flags only.
+        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: inotify_init1 returned a new fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: c_path is a valid NUL-terminated string for the call's duration.
+        if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), c_path.as_ptr(), libc::IN_MODIFY) } < 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(FileWatch(fd))
+    }
+
+    /// Waits until `done` says so, looking again at each change of the file, for at
+    /// most `limit`; whether `done` said so.
+    fn wait(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+        use std::os::fd::AsRawFd;
+        let deadline = Instant::now() + limit;
+        loop {
+            if done() {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.0.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+            let mut buf = [0u8; 1024];
+            // SAFETY: one valid pollfd; reads into a local buffer of its stated size.
+            unsafe {
+                libc::poll(&mut pfd, 1, ms);
+                while libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) > 0 {}
+            }
+        }
+    }
+}
+
+/// Whether a v2 group's `cgroup.events` says it has no process (left or below).
+fn unpopulated(events: &Path) -> bool {
+    fs::read_to_string(events).map_or(true, |text| text.lines().any(|l| l.trim() == "populated 0"))
 }
 
 fn sigkill_all(pids: &[i32]) {
@@ -363,6 +455,20 @@ impl CgroupDriver for CgroupV2 {
 
     fn procs(&self, name: &str) -> Result<Vec<i32>, IsolationError> {
         read_pids(&self.dir(name).join("cgroup.procs"))
+    }
+
+    /// Waits on `cgroup.events` (inotify) for `populated 0`, so a release whose
+    /// processes all exit on SIGTERM takes no longer than they do.
+    fn terminate(&self, name: &str, grace: Duration) -> Result<bool, IsolationError> {
+        let dir = self.dir(name);
+        let events = dir.join("cgroup.events");
+        if !dir.exists() || unpopulated(&events) {
+            return Ok(true);
+        }
+        // Watched before the signal, so no exit goes unseen.
+        let watch = FileWatch::new(&events).map_err(IsolationError::new("watching", &events))?;
+        signal_all(&self.procs(name)?, libc::SIGTERM);
+        Ok(watch.wait(grace, || unpopulated(&events)))
     }
 
     fn kill_all(&self, name: &str) -> Result<(), IsolationError> {

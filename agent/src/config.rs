@@ -124,6 +124,10 @@ pub struct Args {
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
+    /// At release (users mode), how long a slot's processes have after SIGTERM to exit
+    /// before they are killed; the release goes on as soon as they have. 0: kill at once.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    pub slot_term_grace_ms: u64,
     /// Directory of the placement sockets `enter-slot` connects to.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_RUN_DIR)]
     pub run_dir: PathBuf,
@@ -180,6 +184,10 @@ pub struct ProbeConfig {
     pub timeout: Duration,
 }
 
+/// The longest `--slot-term-grace-ms`: the release that waits it answers the launcher,
+/// which waits 30 s, and the kill after it may take up to 10 s.
+pub const MAX_TERM_GRACE_MS: u64 = 15_000;
+
 /// The agent's validated settings. Plain data.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgentConfig {
@@ -195,6 +203,8 @@ pub struct AgentConfig {
     /// User-name namespace of this agent: `<prefix><8 hex of sha256(backing id)>`.
     pub namespace: String,
     pub cgroup_parent: String,
+    /// How long a slot's processes get to exit on SIGTERM at release.
+    pub slot_term_grace: Duration,
     /// Where slot users' uids come from.
     pub slot_uids: UidRange,
     /// The bus ports slot users are kept from (users mode with --bus-guard on).
@@ -269,6 +279,8 @@ pub enum ConfigError {
         "invalid --cgroup-parent {0:?}: use one directory name of A-Z, a-z, 0-9, '_', '-' and '.'"
     )]
     CgroupParent(String),
+    #[error("--slot-term-grace-ms must be 0 to {MAX_TERM_GRACE_MS} (a release answers the launcher within 30 s), got {0}")]
+    TermGrace(u64),
     #[error("--slot-uid-range: {0}")]
     UidRange(crate::uid_range::UidError),
     #[error("--slot-netns-range: {0}")]
@@ -357,6 +369,9 @@ impl Args {
                 Some(range)
             }
         };
+        if self.slot_term_grace_ms > MAX_TERM_GRACE_MS {
+            return Err(ConfigError::TermGrace(self.slot_term_grace_ms));
+        }
         if self.default_pids_max == 0 {
             return Err(ConfigError::DefaultPids);
         }
@@ -399,6 +414,7 @@ impl Args {
             heartbeat_ttl,
             isolation,
             cgroup_parent: self.cgroup_parent,
+            slot_term_grace: Duration::from_millis(self.slot_term_grace_ms),
             slot_uids,
             bus_guard_ports,
             slot_netns,
@@ -514,6 +530,24 @@ mod tests {
             "users mode hides processes by default"
         );
         assert_eq!(c.mount_namespace, None);
+    }
+
+    #[test]
+    fn slot_term_grace_defaults_to_two_seconds_and_is_bounded() {
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+        assert_eq!(c.slot_term_grace, Duration::from_secs(2));
+        let c = args(&["--slot-term-grace-ms", "0"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(c.slot_term_grace, Duration::ZERO);
+        let err = args(&["--slot-term-grace-ms", "15001"])
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--slot-term-grace-ms must be 0 to 15000"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -170,7 +170,8 @@ pub async fn run(
                 shared,
             )
             .map_err(AgentError::Isolation)?
-            .with_disk_quotas(images, default_disk);
+            .with_disk_quotas(images, default_disk)
+            .with_term_grace(config.slot_term_grace);
             match config.slot_netns {
                 Some(range) => {
                     let networks = netns::SlotNetworks::new(

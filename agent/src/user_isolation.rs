@@ -32,7 +32,9 @@
 //!   any process owned by a slot user that is not in its cgroup (the sshd session process
 //!   itself, logins that bypassed the helper) as a backstop.
 //!
-//! **Release** kills by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
+//! **Release** first sends SIGTERM to every process of the slot's cgroup and gives them
+//! `--slot-term-grace-ms` to exit (returning as soon as the group is empty), then kills
+//! by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
 //! cgroup, the workspace (with the key; see [`crate::wipe`]), what the uid owns in the
@@ -72,6 +74,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// Mode of the work dir and `slots/`: slot users may pass through, not list.
 const TRAVERSE_MODE: u32 = 0o711;
@@ -138,7 +141,13 @@ pub struct UserIsolation {
     images: Option<WorkspaceImages>,
     /// The disk limit warm slots are made with (the default limit).
     warm_disk_bytes: Option<u64>,
+    /// How long a slot's processes have to exit on SIGTERM at release before they are
+    /// killed (`--slot-term-grace-ms`); zero: killed at once.
+    term_grace: Duration,
 }
+
+/// The default of `--slot-term-grace-ms`.
+pub const DEFAULT_TERM_GRACE: Duration = Duration::from_secs(2);
 
 impl UserIsolation {
     /// Sets up `<work_dir>/slots` and `<work_dir>/state`. `namespace` prefixes user names.
@@ -175,7 +184,32 @@ impl UserIsolation {
             network: None,
             images: None,
             warm_disk_bytes: None,
+            term_grace: DEFAULT_TERM_GRACE,
         })
+    }
+
+    /// How long a slot's processes get to exit on SIGTERM at release.
+    pub fn with_term_grace(mut self, grace: Duration) -> UserIsolation {
+        self.term_grace = grace;
+        self
+    }
+
+    /// SIGTERM to every process of the slot's group, and a wait of at most the grace
+    /// for them to exit; what is left, the kill that follows gets. Never fails: a
+    /// problem here only means the kill comes sooner.
+    fn terminate(&self, user: &str) {
+        if self.term_grace.is_zero() {
+            return;
+        }
+        match self.cgroups.terminate(user, self.term_grace) {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(user, grace = ?self.term_grace, "slot processes outlived SIGTERM; killing them")
+            }
+            Err(err) => {
+                tracing::warn!(user, %err, "cannot stop the slot's processes with SIGTERM; killing them")
+            }
+        }
     }
 
     /// Gives every slot a network namespace of its own (made at warm-up, removed at
@@ -502,6 +536,7 @@ impl SlotIsolation for UserIsolation {
     fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
         let user = self.user(slot);
         let info = users::lookup(&user);
+        self.terminate(&user);
         self.cgroups.kill_all(&user)?;
         if let Some(info) = &info {
             users::kill_uid(&self.proc_root, info.uid, info.gid)?;

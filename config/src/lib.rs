@@ -71,6 +71,20 @@ pub struct ProviderConfig {
     pub name: String,
     pub driver: DriverConfig,
     pub pools: Vec<PoolConfig>,
+    /// How often each launcher looks for leaked machines of this provider.
+    pub leak_sweep_interval: Duration,
+    /// How old an unowned machine must be before the sweep deletes it.
+    pub leak_grace: Duration,
+    /// Limits on this provider's `launch` calls, per launcher process.
+    pub create_limits: CreateLimits,
+}
+
+/// How fast one launcher may ask a provider for machines (`max-creates-per-second`,
+/// `max-concurrent-creates`); `None`: no limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CreateLimits {
+    pub per_second: Option<f64>,
+    pub concurrent: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -377,6 +391,55 @@ providers:
         );
         let err = parse(&typo).unwrap_err().to_string();
         assert!(err.contains("unknown field `memory`"), "{err}");
+    }
+
+    #[test]
+    fn leak_sweep_and_create_limits() {
+        let c = parse(GOOD).unwrap();
+        let p = &c.providers[0];
+        assert_eq!(p.leak_sweep_interval, Duration::from_secs(300));
+        assert_eq!(p.leak_grace, Duration::from_secs(600));
+        assert_eq!(p.create_limits, CreateLimits::default());
+        let set = GOOD.replace(
+            "    driver: local\n",
+            "    driver: local\n    leak-sweep-interval: 30\n    leak-grace: 5\n    max-creates-per-second: 0.5\n    max-concurrent-creates: 2\n",
+        );
+        let c = parse(&set).unwrap();
+        let p = &c.providers[0];
+        assert_eq!(p.leak_sweep_interval, Duration::from_secs(30));
+        assert_eq!(p.leak_grace, Duration::from_secs(5));
+        assert_eq!(
+            p.create_limits,
+            CreateLimits {
+                per_second: Some(0.5),
+                concurrent: Some(2)
+            }
+        );
+        for (line, want) in [
+            (
+                "leak-grace: 0",
+                "pool.yaml:4:17: leak-grace must be 1 to 604800 seconds, got 0",
+            ),
+            (
+                "leak-sweep-interval: 0",
+                "pool.yaml:4:26: leak-sweep-interval must be 1 to",
+            ),
+            (
+                "max-creates-per-second: 0",
+                "pool.yaml:4:29: max-creates-per-second must be 0.001 to 10000",
+            ),
+            (
+                "max-concurrent-creates: 0",
+                "pool.yaml:4:29: max-concurrent-creates must be 1 to 10000",
+            ),
+        ] {
+            let text = GOOD.replace(
+                "    driver: local\n",
+                &format!("    driver: local\n    {line}\n"),
+            );
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.starts_with(want), "{err}");
+        }
     }
 
     #[test]

@@ -32,6 +32,10 @@ pub(crate) struct RawProvider {
     pub(crate) local: Option<Spanned<RawLocal>>,
     pub(crate) exec: Option<Spanned<RawExec>>,
     pub(crate) pools: Vec<RawPool>,
+    pub(crate) leak_sweep_interval: Option<Spanned<u64>>,
+    pub(crate) leak_grace: Option<Spanned<u64>>,
+    pub(crate) max_creates_per_second: Option<Spanned<f64>>,
+    pub(crate) max_concurrent_creates: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -48,6 +48,11 @@ fn first_line(s: &str) -> String {
     }
 }
 
+/// Defaults and bound of `leak-sweep-interval` and `leak-grace`, in seconds.
+const DEFAULT_LEAK_SWEEP_INTERVAL: u64 = 300;
+const DEFAULT_LEAK_GRACE: u64 = 600;
+const MAX_LEAK_SECONDS: u64 = 7 * 24 * 3600;
+
 struct Validator<'p> {
     path: &'p Path,
 }
@@ -110,6 +115,8 @@ impl Validator<'_> {
     }
 
     fn provider(&self, name: String, p: RawProvider) -> Result<ProviderConfig, ConfigError> {
+        let (leak_sweep_interval, leak_grace) = self.leak_sweep(&p)?;
+        let create_limits = self.create_limits(&p)?;
         let mut pools = Vec::new();
         for pool in p.pools {
             let pool = self.pool(pool)?;
@@ -193,6 +200,61 @@ impl Validator<'_> {
             name,
             driver,
             pools,
+            leak_sweep_interval,
+            leak_grace,
+            create_limits,
+        })
+    }
+
+    /// `leak-sweep-interval` and `leak-grace` of a provider.
+    fn leak_sweep(&self, p: &RawProvider) -> Result<(Duration, Duration), ConfigError> {
+        let seconds = |v: &Option<Spanned<u64>>, key: &str, default: u64| match v {
+            Some(s) if s.value < 1 || s.value > MAX_LEAK_SECONDS => Err(self.at(
+                s,
+                format!(
+                    "{key} must be 1 to {MAX_LEAK_SECONDS} seconds, got {}",
+                    s.value
+                ),
+            )),
+            Some(s) => Ok(Duration::from_secs(s.value)),
+            None => Ok(Duration::from_secs(default)),
+        };
+        Ok((
+            seconds(
+                &p.leak_sweep_interval,
+                "leak-sweep-interval",
+                DEFAULT_LEAK_SWEEP_INTERVAL,
+            )?,
+            seconds(&p.leak_grace, "leak-grace", DEFAULT_LEAK_GRACE)?,
+        ))
+    }
+
+    /// `max-creates-per-second` and `max-concurrent-creates` of a provider.
+    fn create_limits(&self, p: &RawProvider) -> Result<CreateLimits, ConfigError> {
+        let per_second = match &p.max_creates_per_second {
+            Some(s) if !(s.value.is_finite() && (0.001..=10_000.0).contains(&s.value)) => {
+                return Err(self.at(
+                    s,
+                    format!(
+                        "max-creates-per-second must be 0.001 to 10000, got {}",
+                        s.value
+                    ),
+                ))
+            }
+            other => other.as_ref().map(|s| s.value),
+        };
+        let concurrent = match &p.max_concurrent_creates {
+            Some(s) if s.value == 0 || s.value > 10_000 => {
+                return Err(self.at(
+                    s,
+                    format!("max-concurrent-creates must be 1 to 10000, got {}", s.value),
+                ))
+            }
+            other => other.as_ref().map(|s| s.value),
+        };
+        Ok(CreateLimits {
+            per_second,
+            concurrent,
         })
     }
 

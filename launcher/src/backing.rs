@@ -6,7 +6,7 @@ use crate::events;
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
-use crate::provider::{LaunchSpec, ProviderError};
+use crate::provider::{LaunchSpec, Provider, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
@@ -292,6 +292,9 @@ impl Worker {
                 if let Err(retry_at) = self.delete_instance(&b.value, "the failed instance").await {
                     return Ok(Outcome::Wait(Some(retry_at)));
                 }
+                if let Some(provider) = self.sh.providers.get(&b.value.provider).cloned() {
+                    self.delete_unrecorded(provider.as_ref(), &b.value).await;
+                }
                 let outcome = self
                     .write(b, BackingState::Failed, |n| n.instance = None)
                     .await?;
@@ -359,6 +362,9 @@ impl Worker {
                 tracing::warn!(%err, "cannot delete the previous attempt's instance");
             }
         }
+        if v.state == BackingState::Launching {
+            self.delete_unrecorded(provider.as_ref(), v).await;
+        }
         let secret = match provider.fixed_identity(&v.pool, v.seat) {
             Some(fixed) => fixed.secret,
             None => new_secret(),
@@ -413,9 +419,13 @@ impl Worker {
             credentials,
             timeout,
         };
-        let result = tokio::time::timeout(timeout, provider.launch(&spec)).await;
+        // The provider applies launch-timeout (`provider::limit`), after its create limits.
+        let result = provider.launch(&spec).await;
+        if let Err(ProviderError::Timeout { .. }) = &result {
+            self.delete_unrecorded(provider.as_ref(), v).await;
+        }
         match result {
-            Ok(Ok(launched)) => {
+            Ok(launched) => {
                 tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
                 let message = format!(
                     "launched on {} (attempt {}); waiting for its agent",
@@ -430,7 +440,7 @@ impl Worker {
                 self.note(b, message);
                 Ok(outcome)
             }
-            Ok(Err(err)) => {
+            Err(err) => {
                 let capacity = matches!(err, ProviderError::Capacity { .. });
                 if capacity {
                     tracing::warn!(%err, backoff = ?lifecycle::CAPACITY_BACKOFF, "provider out of capacity; will ask again");
@@ -454,13 +464,35 @@ impl Worker {
                 })
                 .await
             }
-            Err(_) => {
-                let why = format!(
-                    "provider did not launch within launch-timeout {}s",
-                    timeout.as_secs()
-                );
-                self.write(&current, BackingState::Launching, |n| n.failure = Some(why))
-                    .await
+        }
+    }
+
+    /// Deletes every instance the provider lists for this backing node that its record
+    /// does not name: what a launch that timed out or was interrupted started before its
+    /// instance was recorded. Best effort: what it misses, the leak sweep finds.
+    async fn delete_unrecorded(&self, provider: &dyn Provider, v: &BackingNode) {
+        if !provider.creates_machines() {
+            return;
+        }
+        let listed = match provider.list().await {
+            Ok(listed) => listed,
+            Err(err) => {
+                tracing::warn!(%err, "cannot list the provider's instances of this backing node");
+                return;
+            }
+        };
+        let recorded = v.instance.as_ref().map(|i| i.id.as_str());
+        for l in listed {
+            if l.backing_id.as_ref() != Some(&v.id) || Some(l.instance.id.as_str()) == recorded {
+                continue;
+            }
+            match provider.delete(&l.instance).await {
+                Ok(()) => {
+                    tracing::info!(instance = %l.instance.id, "deleted an instance no attempt recorded")
+                }
+                Err(err) => {
+                    tracing::warn!(instance = %l.instance.id, %err, "cannot delete an instance no attempt recorded")
+                }
             }
         }
     }

@@ -44,6 +44,23 @@ pub fn backing_changed(sh: &Shared, id: &BackingId, message: impl Into<String>) 
     );
 }
 
+/// Records the deletion of a machine no backing record owned (reason `leak`).
+pub fn leak_deleted(sh: &Shared, backing_id: Option<&BackingId>, message: impl Into<String>) {
+    let about = Subject {
+        backing_id: backing_id.cloned(),
+        node_id: None,
+    };
+    let reason = Some(slotpool_protocol::model::EVENT_REASON_LEAK.to_string());
+    write(
+        sh,
+        EventKind::Backing,
+        sh.id.to_string(),
+        about,
+        message.into(),
+        reason,
+    );
+}
+
 /// Records an operator's order.
 pub fn operator(sh: &Shared, actor: &str, about: Subject, message: impl Into<String>) {
     record(
@@ -56,6 +73,17 @@ pub fn operator(sh: &Shared, actor: &str, about: Subject, message: impl Into<Str
 }
 
 fn record(sh: &Shared, kind: EventKind, actor: String, about: Subject, message: String) {
+    write(sh, kind, actor, about, message, None);
+}
+
+fn write(
+    sh: &Shared,
+    kind: EventKind,
+    actor: String,
+    about: Subject,
+    message: String,
+    reason: Option<String>,
+) {
     let event = Event {
         v: PROTOCOL_VERSION,
         id: EventId::generate(),
@@ -65,6 +93,7 @@ fn record(sh: &Shared, kind: EventKind, actor: String, about: Subject, message: 
         backing_id: about.backing_id,
         node_id: about.node_id,
         message,
+        reason,
     };
     let events = sh.bus.events.clone();
     sh.tracker.spawn(async move {

@@ -13,6 +13,7 @@ pub mod api;
 pub mod backing;
 pub mod events;
 pub mod inbound;
+pub mod leak;
 pub mod lease;
 pub mod lifecycle;
 pub mod liveness;
@@ -115,6 +116,7 @@ pub async fn run(
     shared
         .tracker
         .spawn(lease::keep_alive(shared.clone(), liveness));
+    leak::spawn(&shared);
     let api = {
         let sh = shared.clone();
         shared.tracker.spawn(async move { api::serve(sh).await })

@@ -98,6 +98,12 @@ pub fn backing_lease_key(seat_key: &str) -> String {
     format!("backing.{seat_key}")
 }
 
+/// Key of the lease in [`LEASES`] held by the launcher sweeping `provider` for leaked
+/// machines (one at a time per provider).
+pub fn leak_sweep_lease_key(provider: &str) -> String {
+    format!("sweep.{provider}")
+}
+
 /// What a lease key names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseOf {

@@ -400,7 +400,13 @@ pub struct Event {
     pub node_id: Option<NodeId>,
     /// One line a human understands, e.g. "drain: rebooting the host (by alice)".
     pub message: String,
+    /// A word to filter on, when the change has one: [`EVENT_REASON_LEAK`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
+
+/// [`Event::reason`] of the deletion of a machine no backing record owns.
+pub const EVENT_REASON_LEAK: &str = "leak";
 
 /// Health figures an agent reports.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

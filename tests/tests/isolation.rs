@@ -1475,3 +1475,96 @@ async fn slot_netns_survive_an_agent_restart() {
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }
+
+/// At release a slot's processes get SIGTERM and `--slot-term-grace-ms` to exit before
+/// they are killed: one that traps TERM records it, one that ignores TERM is gone anyway,
+/// and the slot is proven clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_sends_sigterm_before_it_kills_a_slots_processes() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env_with(&env, 1, &["--slot-term-grace-ms", "1000"]).await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let uid = uid_of(&user).unwrap();
+    // Root's file the slot user may write to: what the user owns goes at release.
+    let marks = tempfile::tempdir().unwrap();
+    set_mode(marks.path(), 0o755);
+    let mark = marks.path().join("term");
+    std::fs::write(&mark, "").unwrap();
+    set_mode(&mark, 0o666);
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user,
+        &format!(
+            concat!(
+                "setsid sh -c 'trap \"echo got-term >> {mark}; exit 0\" TERM; echo trapping >> {mark}; ",
+                "while :; do sleep 0.05; done' </dev/null >/dev/null 2>&1 & ",
+                "setsid sh -c 'trap \"\" TERM; echo ignoring >> {mark}; while :; do sleep 0.05; done' ",
+                "</dev/null >/dev/null 2>&1 & echo started"
+            ),
+            mark = mark.display()
+        ),
+    );
+    assert!(ok, "{err}\n{}", sshd.log());
+    let said = |what: &str| {
+        std::fs::read_to_string(&mark)
+            .unwrap()
+            .lines()
+            .any(|l| l == what)
+    };
+    wait_for("both slot processes to set their traps", LONG, || async {
+        said("trapping") && said("ignoring")
+    })
+    .await;
+
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "the release proved the slot clean");
+    assert!(
+        said("got-term"),
+        "the trapping process was sent SIGTERM before it was killed: {:?}",
+        std::fs::read_to_string(&mark).unwrap()
+    );
+    assert!(
+        users::processes_of(Path::new("/proc"), uid).is_empty(),
+        "the process that ignores SIGTERM outlived the release"
+    );
+}
+
+/// The v2 SIGTERM wait, for real: a group whose process exits on SIGTERM is empty long
+/// before the grace (the wait sleeps on `cgroup.events`, it does not sleep the grace);
+/// one that ignores SIGTERM is still populated after it, and the kill gets it.
+#[test]
+fn the_v2_driver_waits_for_a_group_to_empty_after_sigterm() {
+    use std::process::Command;
+    let mut group = V2Group::new();
+    let trapper = Command::new("sh")
+        .args(["-c", "trap 'exit 0' TERM; while :; do sleep 0.05; done"])
+        .spawn()
+        .unwrap();
+    group.driver.add(&group.name, trapper.id() as i32).unwrap();
+    group.children.push(trapper);
+    let grace = Duration::from_secs(30);
+    let started = std::time::Instant::now();
+    assert!(group.driver.terminate(&group.name, grace).unwrap());
+    let took = started.elapsed();
+    eprintln!("a group whose process exits on SIGTERM emptied in {took:?}");
+    assert!(took < grace, "waited the whole grace");
+    assert!(group.driver.procs(&group.name).unwrap().is_empty());
+
+    let ignorer = Command::new("sh")
+        .args(["-c", "trap '' TERM; while :; do sleep 0.05; done"])
+        .spawn()
+        .unwrap();
+    let pid = ignorer.id() as i32;
+    group.driver.add(&group.name, pid).unwrap();
+    group.children.push(ignorer);
+    assert!(!group
+        .driver
+        .terminate(&group.name, Duration::from_millis(300))
+        .unwrap());
+    assert!(alive(pid), "it ignores SIGTERM");
+    group.driver.kill_all(&group.name).unwrap();
+    for child in &mut group.children {
+        child.wait().unwrap();
+    }
+    assert!(!alive(pid));
+}

@@ -291,3 +291,67 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     let why = r.failure.unwrap_or_default();
     assert!(why.contains("image not found"), "{why}");
 }
+
+/// A create command that started its machine but hangs past `launch-timeout` printed no
+/// instance, so none is recorded: the launcher asks the provider for what it lists under
+/// the backing id and deletes it, long before any leak sweep (default 300 s) runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_that_times_out_leaves_no_machine_behind() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    // Dropped after the launcher: a launch it started again may still hang.
+    let _cleanup = KillUnder(state.clone());
+    switch_on(&state, "hang");
+    let config = exec_config(&state, 1).replace(
+        "boot-timeout: 20",
+        "boot-timeout: 20\n        launch-timeout: 2",
+    );
+    let _launcher = Launcher::start(&nats, dir.path(), &config);
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "providers-test");
+    client.submit(&sub).await.expect("submit");
+
+    let machine = |entry: &std::fs::DirEntry| {
+        let name = entry.file_name().to_string_lossy().to_string();
+        name.ends_with(".json").then(|| {
+            let record: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
+            record["data"]["pid"].as_i64().unwrap() as i32
+        })
+    };
+    let machines = || -> Vec<i32> {
+        std::fs::read_dir(&state)
+            .map(|d| d.flatten().filter_map(|e| machine(&e)).collect())
+            .unwrap_or_default()
+    };
+    let started =
+        slotpool_tests::wait_for_some("the hanging create to start a machine", SOON, || async {
+            machines().first().copied()
+        })
+        .await;
+    assert!(alive(started));
+    wait_for("the timed-out launch's machine deleted", SOON, || async {
+        !alive(started) && !machines().contains(&started)
+    })
+    .await;
+}
+
+/// Kills, when dropped, every process with an argument naming a path in or at `.0` (the
+/// exec script's commands and its machines).
+struct KillUnder(PathBuf);
+
+impl Drop for KillUnder {
+    fn drop(&mut self) {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = self.0.as_os_str().as_bytes();
+        let pids = slotpool_launcher::provider::local::processes_where(|args| {
+            args.iter().any(|a| a.starts_with(dir))
+        });
+        for pid in pids {
+            // SAFETY: kill(2) on a positive pid found just now; touches no memory.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}

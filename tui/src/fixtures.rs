@@ -142,6 +142,7 @@ pub fn event(n: u32, at: u64, kind: EventKind, b: &BackingId, message: &str) -> 
         backing_id: Some(b.clone()),
         node_id: None,
         message: message.into(),
+        reason: None,
     }
 }
 

@@ -11,6 +11,9 @@
 //! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, and its bus credential in
 //! `agent.creds` (mode 0600), never on its command line.
 //!
+//! `list` names the agents of the pid files and, found through `/proc`, those started
+//! with a directory of the work dir whose launch ended before it wrote `agent.pid`.
+//!
 //! `delete` reads `agent.pid`, checks that `/proc/<pid>/cmdline` still carries
 //! `--backing-id <id>` (so a recycled pid is never killed), sends SIGTERM, waits up to
 //! [`STOP_GRACE`] and then SIGKILLs the agent's process group; then it removes the
@@ -93,6 +96,37 @@ impl LocalProvider {
             .await
             .into_iter()
             .collect()
+    }
+
+    /// Live agents started with `--work-dir <work-dir>/<id> --backing-id <id>`, found
+    /// through `/proc`: what a launch interrupted before it wrote the pid file left.
+    fn started_without_pid_file(&self) -> Vec<(i32, BackingId)> {
+        let root = self.work_dir.as_os_str().as_bytes();
+        let value_of = |args: &[&[u8]], flag: &[u8]| {
+            args.windows(2)
+                .find(|w| w[0] == flag)
+                .map(|w| w[1].to_vec())
+        };
+        let mut found = Vec::new();
+        for pid in processes_where(|args| {
+            value_of(args, b"--work-dir").is_some_and(|dir| {
+                dir.strip_prefix(root)
+                    .and_then(|rest| rest.strip_prefix(b"/"))
+                    .is_some_and(|id| value_of(args, b"--backing-id").as_deref() == Some(id))
+            })
+        }) {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let id = value_of(&args, b"--backing-id").unwrap_or_default();
+            if let Ok(id) = BackingId::parse(&String::from_utf8_lossy(&id)) {
+                if is_alive(pid) {
+                    found.push((pid, id));
+                }
+            }
+        }
+        found
     }
 
     /// Stops the agent recorded in `dir` (if it still runs as `backing_id`).
@@ -269,6 +303,18 @@ impl Provider for LocalProvider {
             if runs_as(pid, &id) {
                 out.push(ListedInstance {
                     instance: self.instance(&id, pid),
+                    backing_id: Some(backing_id),
+                });
+            }
+        }
+        // Agents whose launch was cut short before their pid file was written.
+        for (pid, backing_id) in self.started_without_pid_file() {
+            if !out
+                .iter()
+                .any(|l| l.backing_id.as_ref() == Some(&backing_id))
+            {
+                out.push(ListedInstance {
+                    instance: self.instance(backing_id.as_str(), pid),
                     backing_id: Some(backing_id),
                 });
             }
@@ -462,6 +508,9 @@ mod tests {
         let mut cleanup = Cleanup(vec![first]);
         // A launcher killed between starting the agent and recording its pid.
         std::fs::remove_file(work_dir.join("bn-local-c").join("agent.pid")).unwrap();
+        let listed = p.list().await.unwrap();
+        assert_eq!(listed.len(), 1, "listed from /proc: {listed:?}");
+        assert_eq!(listed[0].instance, p.instance("bn-local-c", first));
         let second = p.launch(&spec("bn-local-c")).await.unwrap();
         let second = second.instance.data["pid"].as_i64().unwrap() as i32;
         cleanup.0.push(second);

@@ -7,9 +7,15 @@
 //!   it returns once the instance exists (not once its agent is up: the launcher waits for
 //!   the agent's heartbeat itself, up to `boot-timeout`);
 //! - `delete` is idempotent: deleting an instance that is already gone is not an error;
-//! - `list` returns the instances this provider created (used to find and delete leaks).
+//! - `list` returns the instances this provider created, with the backing id each was
+//!   launched for when it can tell (the leak sweep, [`crate::leak`], deletes those no
+//!   backing record owns; a relaunch deletes every one listed for its backing id).
+//!
+//! [`build`] wraps every provider in [`limit::Limited`], which applies the provider's
+//! `max-creates-per-second` and `max-concurrent-creates` and `launch-timeout` to `launch`.
 
 pub mod exec;
+pub mod limit;
 pub mod local;
 pub mod static_hosts;
 
@@ -86,6 +92,12 @@ pub trait Provider: Send + Sync {
         None
     }
 
+    /// Whether `launch` creates machines (not for static hosts, which exist already and
+    /// which the leak sweep leaves alone).
+    fn creates_machines(&self) -> bool {
+        true
+    }
+
     async fn launch(&self, spec: &LaunchSpec) -> Result<Launched, ProviderError>;
 
     async fn delete(&self, instance: &Instance) -> Result<(), ProviderError>;
@@ -102,7 +114,7 @@ pub fn build(
     agent_default: &Path,
 ) -> Result<Arc<dyn Provider>, ProviderError> {
     let name = provider.name.as_str();
-    Ok(match &provider.driver {
+    let inner: Arc<dyn Provider> = match &provider.driver {
         DriverConfig::Static { hosts } => Arc::new(static_hosts::StaticProvider::new(name, hosts)?),
         DriverConfig::Local {
             agent_command,
@@ -126,5 +138,6 @@ pub fn build(
             delete.clone(),
             list.clone(),
         )?),
-    })
+    };
+    Ok(Arc::new(limit::Limited::new(inner, provider.create_limits)))
 }

@@ -77,6 +77,10 @@ impl Provider for StaticProvider {
         &self.name
     }
 
+    fn creates_machines(&self) -> bool {
+        false
+    }
+
     fn fixed_identity(&self, pool: &str, seat: u32) -> Option<FixedIdentity> {
         let host = self
             .hosts
