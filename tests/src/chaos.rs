@@ -276,6 +276,7 @@ impl Worker {
             let submitted = retry(&format!("submit {id}"), || self.client.submit(&sub)).await;
             if let Err(err) = submitted {
                 self.note(|l| l.gave_up.push(err));
+                tokio::time::sleep(RETRY_PAUSE).await;
                 continue;
             }
             let ended = tokio::time::timeout(REQUEST_DEADLINE, self.wait_end(&id)).await;
