@@ -25,6 +25,10 @@ const MARKER_REASON: &str = "Nats-Marker-Reason";
 /// JetStream cluster, a few seconds after its leader died).
 const LEADERLESS_PATIENCE: Duration = Duration::from_secs(10);
 
+/// How many times a timed-out write's key is read back before the write is given up as
+/// not (yet) landed (pauses of 50, 150, 450 ms between).
+const READ_BACKS: usize = 4;
+
 /// What went wrong with a KV operation, in slotpool's terms.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
@@ -318,8 +322,9 @@ impl Store {
     /// After a write timed out: whether it committed after all. The key is read back,
     /// and a last entry that is exactly what was written, past the revision the write
     /// expected, is taken as the write's own (so a caller never retries a compare-and-set
-    /// that already landed, and loses to itself). Anything else is still a timeout:
-    /// the caller re-reads and decides.
+    /// that already landed, and loses to itself). While the key still shows the revision
+    /// the write expected, the write may be on its way in the server: it is read again a
+    /// few times. Anything else is still a timeout: the caller re-reads and decides.
     async fn landed(
         &self,
         key: &str,
@@ -331,25 +336,33 @@ impl Store {
             bucket: self.bucket.to_string(),
             key: key.to_string(),
         };
-        let Ok(Some((revision, value))) = self.entry(key).await else {
-            return Err(timeout());
-        };
-        let ours = match (op, value) {
-            (Some(_), None) => true,
-            (None, Some(value)) => value == *payload,
-            _ => false,
-        };
-        if ours && revision > expected.unwrap_or(0) {
-            tracing::debug!(
-                bucket = self.bucket,
-                key,
-                revision,
-                "a timed-out write had landed"
-            );
-            Ok(revision)
-        } else {
-            Err(timeout())
+        let mut pause = Duration::from_millis(50);
+        for _ in 0..READ_BACKS {
+            let Ok(entry) = self.entry(key).await else {
+                return Err(timeout());
+            };
+            let revision = entry.as_ref().map_or(0, |(revision, _)| *revision);
+            let ours = match (op, entry.map(|(_, value)| value)) {
+                (Some(_), Some(None)) => true,
+                (None, Some(Some(value))) => value == *payload,
+                _ => false,
+            };
+            if ours && revision > expected.unwrap_or(0) {
+                tracing::debug!(
+                    bucket = self.bucket,
+                    key,
+                    revision,
+                    "a timed-out write had landed"
+                );
+                return Ok(revision);
+            }
+            if expected.is_some_and(|e| revision != e) {
+                break;
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 3;
         }
+        Err(timeout())
     }
 
     fn publish_error(&self, key: &str, err: jetstream::context::PublishError) -> KvError {

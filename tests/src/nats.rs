@@ -198,6 +198,14 @@ impl NatsServer {
         }
     }
 
+    /// Sends `signal` to the server (`SIGSTOP` freezes it with its connections open, as
+    /// a stalled server would be; `SIGCONT` lets it go on).
+    pub fn signal(&mut self, signal: libc::c_int) {
+        if let Some(child) = self.child.as_mut() {
+            child.signal(signal);
+        }
+    }
+
     /// Kills the server with SIGKILL, as a crash would. The port and the store are kept
     /// for [`NatsServer::resume`].
     pub fn crash(&mut self) {
