@@ -63,8 +63,8 @@ pub struct Ledger {
     holds: Vec<Hold>,
     /// When each fulfilment was seen.
     fulfilled_at: Vec<Instant>,
-    /// Calls given up on, by what they were.
-    gave_up: Vec<String>,
+    /// Calls given up on: the request and what went wrong.
+    gave_up: Vec<(RequestId, String)>,
 }
 
 /// What a test concludes from a [`Ledger`] and the final records.
@@ -164,7 +164,12 @@ impl Ledger {
                     .push(format!("request {id} ended more than once: {many:?}")),
             }
         }
-        v.violations.extend(self.gave_up.iter().cloned());
+        for (id, what) in &self.gave_up {
+            let now = last.get(id).map_or("no record".to_string(), |r| {
+                format!("{:?} owned by {:?} ({})", r.state, r.owner, r.status)
+            });
+            v.violations.push(format!("{what}; the request now: {now}"));
+        }
         let mut by_slot: HashMap<&(BackingId, u32), Vec<&Hold>> = HashMap::new();
         for hold in &self.holds {
             by_slot.entry(&hold.slot).or_default().push(hold);
@@ -275,15 +280,16 @@ impl Worker {
             self.note(|l| l.submitted(&id));
             let submitted = retry(&format!("submit {id}"), || self.client.submit(&sub)).await;
             if let Err(err) = submitted {
-                self.note(|l| l.gave_up.push(err));
+                self.note(|l| l.gave_up.push((id.clone(), err)));
                 tokio::time::sleep(RETRY_PAUSE).await;
                 continue;
             }
             let ended = tokio::time::timeout(REQUEST_DEADLINE, self.wait_end(&id)).await;
             let Ok(req) = ended else {
                 self.note(|l| {
-                    l.gave_up.push(format!(
-                        "request {id} not ended within {REQUEST_DEADLINE:?}"
+                    l.gave_up.push((
+                        id.clone(),
+                        format!("request {id} not ended within {REQUEST_DEADLINE:?}"),
                     ))
                 });
                 continue;
@@ -301,7 +307,7 @@ impl Worker {
             })
             .await;
             if let Err(err) = released {
-                self.note(|l| l.gave_up.push(err));
+                self.note(|l| l.gave_up.push((id.clone(), err)));
             }
         }
     }
