@@ -409,3 +409,64 @@ pub fn median(values: &[Duration]) -> Option<Duration> {
     sorted.sort();
     sorted.get(sorted.len() / 2).copied()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hold(request: &RequestId, from: Instant, to: Option<Instant>) -> Hold {
+        Hold {
+            slot: (BackingId::parse("bn-a").unwrap(), 0),
+            request: request.clone(),
+            from,
+            to,
+        }
+    }
+
+    #[test]
+    fn a_slot_held_by_two_requests_at_once_is_a_violation() {
+        let (a, b) = (RequestId::generate(), RequestId::generate());
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        let one_after_another = Ledger {
+            holds: vec![hold(&a, t, Some(t + s)), hold(&b, t + 2 * s, None)],
+            ..Ledger::default()
+        };
+        assert!(one_after_another.verdict(&[]).violations.is_empty());
+        let overlapping = Ledger {
+            holds: vec![
+                hold(&a, t, Some(t + 2 * s)),
+                hold(&b, t + s, Some(t + 3 * s)),
+            ],
+            ..Ledger::default()
+        };
+        let v = overlapping.verdict(&[]).violations;
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(v[0].contains("held by"), "{v:?}");
+    }
+
+    #[test]
+    fn a_request_that_ended_twice_is_a_violation() {
+        let a = RequestId::generate();
+        let mut ledger = Ledger::default();
+        ledger.ends.insert(
+            a.clone(),
+            vec![RequestState::Fulfilled, RequestState::Failed],
+        );
+        let v = ledger.verdict(&[]).violations;
+        assert!(v[0].contains("ended more than once"), "{v:?}");
+    }
+
+    #[test]
+    fn the_longest_gap_counts_the_edges() {
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        let ledger = Ledger {
+            fulfilled_at: vec![t + s, t + 4 * s],
+            ..Ledger::default()
+        };
+        assert_eq!(ledger.longest_gap(t, t + 5 * s), 3 * s);
+        assert_eq!(ledger.stall_after(t + 2 * s), Some(2 * s));
+        assert_eq!(ledger.stall_after(t + 5 * s), None);
+    }
+}
