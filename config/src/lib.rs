@@ -63,6 +63,9 @@ pub struct Config {
     pub lease_ttl: Duration,
     /// The NATS URL handed to agents the launcher starts (default: the launcher's own).
     pub agent_nats_url: Option<String>,
+    /// Copies of each bucket the launcher creates: 1 on a single nats-server, 3 on a
+    /// three-server JetStream cluster (so one server may fail), 5 at most.
+    pub kv_replicas: usize,
     pub providers: Vec<ProviderConfig>,
 }
 
@@ -279,6 +282,21 @@ providers:
         assert_eq!(site.label.grace_time, Duration::from_secs(2));
         assert_eq!(site.label.node_attributes["zone"], serde_json::json!("a"));
         assert_eq!(c.label_names(), vec!["small"]);
+    }
+
+    #[test]
+    fn kv_replicas_default_to_one_and_take_an_odd_count_up_to_five() {
+        assert_eq!(parse(GOOD).unwrap().kv_replicas, 1);
+        let three = format!("launcher:\n  kv-replicas: 3\n{GOOD}");
+        assert_eq!(parse(&three).unwrap().kv_replicas, 3);
+        for bad in ["0", "2", "7"] {
+            let text = format!("launcher:\n  kv-replicas: {bad}\n{GOOD}");
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.starts_with("pool.yaml:2:16: kv-replicas must be 1, 3 or 5"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

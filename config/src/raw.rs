@@ -20,6 +20,7 @@ pub(crate) struct RawConfig {
 pub(crate) struct RawLauncher {
     pub(crate) lease_ttl: Option<Spanned<u64>>,
     pub(crate) agent_nats_url: Option<String>,
+    pub(crate) kv_replicas: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]

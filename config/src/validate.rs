@@ -92,6 +92,20 @@ impl Validator<'_> {
             Some(s) => Duration::from_secs(s.value),
             None => Duration::from_secs(10),
         };
+        let kv_replicas = match &raw.launcher.kv_replicas {
+            Some(s) if ![1, 3, 5].contains(&s.value) => {
+                return Err(self.at(
+                    s,
+                    format!(
+                        "kv-replicas must be 1, 3 or 5 (a JetStream cluster of that many \
+                         servers keeps working while a minority fails), got {}",
+                        s.value
+                    ),
+                ))
+            }
+            Some(s) => s.value as usize,
+            None => 1,
+        };
         if raw.providers.is_empty() {
             return Err(ConfigError::Whole {
                 path: self.path.to_path_buf(),
@@ -110,6 +124,7 @@ impl Validator<'_> {
         Ok(Config {
             lease_ttl,
             agent_nats_url: raw.launcher.agent_nats_url,
+            kv_replicas,
             providers,
         })
     }

@@ -53,6 +53,16 @@ pub enum BusError {
     },
     #[error("JetStream is not enabled on the NATS server (start it with -js)")]
     NoJetStream,
+    #[error(
+        "bucket {bucket} has {found} replica(s), but this launcher is set to {wanted} \
+         (kv-replicas): set kv-replicas to {found}, or change the bucket with \
+         `nats stream edit KV_{bucket} --replicas {wanted}`"
+    )]
+    Replicas {
+        bucket: String,
+        found: usize,
+        wanted: usize,
+    },
     #[error(transparent)]
     Kv(#[from] KvError),
     #[error("{}", no_responders_message(.subject))]
@@ -115,8 +125,17 @@ pub struct Incoming {
 impl Bus {
     /// Connects, checks the server version and JetStream, and opens (creating if needed)
     /// every slotpool bucket.
+    ///
+    /// A bucket created here has one replica. Launchers use [`Bus::connect_replicated`].
     pub async fn connect(opts: &NatsOptions) -> Result<Bus, BusError> {
-        Bus::connect_with(opts, None).await
+        Bus::connect_with(opts, None, None).await
+    }
+
+    /// Like [`Bus::connect`], for a launcher: a bucket it creates gets `replicas` copies
+    /// (3 on a three-server JetStream cluster), and an existing bucket with another count
+    /// is refused with [`BusError::Replicas`] rather than silently used.
+    pub async fn connect_replicated(opts: &NatsOptions, replicas: usize) -> Result<Bus, BusError> {
+        Bus::connect_with(opts, None, Some(replicas)).await
     }
 
     /// Like [`Bus::connect`], and reports every loss and recovery of the connection on
@@ -125,12 +144,13 @@ impl Bus {
         opts: &NatsOptions,
     ) -> Result<(Bus, tokio::sync::watch::Receiver<Link>), BusError> {
         let (tx, rx) = tokio::sync::watch::channel(Link::Up);
-        Ok((Bus::connect_with(opts, Some(tx)).await?, rx))
+        Ok((Bus::connect_with(opts, Some(tx), None).await?, rx))
     }
 
     async fn connect_with(
         opts: &NatsOptions,
         link: Option<tokio::sync::watch::Sender<Link>>,
+        replicas: Option<usize>,
     ) -> Result<Bus, BusError> {
         let user = bus_user(opts)?;
         let client = connect_client(opts, &user, link).await?;
@@ -142,7 +162,17 @@ impl Bus {
         }
         let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
         for spec in ALL_BUCKETS {
-            stores.push(Store::open(&js, spec).await?);
+            let store = Store::open(&js, spec, replicas.unwrap_or(1)).await?;
+            match replicas {
+                Some(wanted) if store.replicas() != wanted => {
+                    return Err(BusError::Replicas {
+                        bucket: spec.name.to_string(),
+                        found: store.replicas(),
+                        wanted,
+                    })
+                }
+                _ => stores.push(store),
+            }
         }
         let find = |name: &str| {
             stores
@@ -174,7 +204,7 @@ impl Bus {
     pub async fn open_bucket(&self, spec: crate::store::BucketSpec) -> Result<Store, KvError> {
         let mut js = async_nats::jetstream::new(self.client.clone());
         js.set_timeout(Duration::from_secs(5));
-        Store::open(&js, spec).await
+        Store::open(&js, spec, 1).await
     }
 
     /// Sends `msg` to `subject` and decodes the [`Reply`], with a deadline.

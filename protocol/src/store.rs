@@ -21,6 +21,14 @@ const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
 
+/// How long a write is retried while no server takes it (a bucket without a leader in a
+/// JetStream cluster, a few seconds after its leader died).
+const LEADERLESS_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How many times a timed-out write's key is read back before the write is given up as
+/// not (yet) landed (pauses of 50, 150, 450 ms between).
+const READ_BACKS: usize = 4;
+
 /// What went wrong with a KV operation, in slotpool's terms.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
@@ -94,6 +102,15 @@ pub struct BucketSpec {
     pub max_bytes: i64,
 }
 
+/// Where a bucket lives in a JetStream cluster ([`Store::placement`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The server that orders the bucket's writes, if one is elected.
+    pub leader: Option<String>,
+    /// The servers with a copy that is up to date, the leader first.
+    pub current: Vec<String>,
+}
+
 /// One KV bucket.
 #[derive(Clone)]
 pub struct Store {
@@ -111,8 +128,14 @@ fn transport(bucket: &str, key: &str, err: impl std::fmt::Display) -> KvError {
 }
 
 impl Store {
-    /// Opens the bucket, creating it when absent.
-    pub async fn open(js: &jetstream::Context, spec: BucketSpec) -> Result<Store, KvError> {
+    /// Opens the bucket, creating it with `replicas` copies (one per server of a
+    /// JetStream cluster) when absent. An existing bucket is opened as it is: compare
+    /// [`Store::replicas`] to see whether it was made with another count.
+    pub async fn open(
+        js: &jetstream::Context,
+        spec: BucketSpec,
+        replicas: usize,
+    ) -> Result<Store, KvError> {
         let kv = match js.get_key_value(spec.name).await {
             Ok(kv) => kv,
             Err(_) => match js
@@ -124,6 +147,7 @@ impl Store {
                     limit_markers: spec.per_key_ttl.then_some(Duration::from_secs(1)),
                     max_age: Duration::from_secs(spec.max_age_secs),
                     max_bytes: spec.max_bytes,
+                    num_replicas: replicas,
                     ..Default::default()
                 })
                 .await
@@ -160,6 +184,11 @@ impl Store {
 
     pub fn bucket(&self) -> &'static str {
         self.bucket
+    }
+
+    /// How many copies of the bucket the servers keep, as read when it was opened.
+    pub fn replicas(&self) -> usize {
+        self.kv.stream.cached_info().config.num_replicas
     }
 
     fn subject(&self, key: &str) -> String {
@@ -261,14 +290,79 @@ impl Store {
         if let Some(op) = op {
             headers.insert(KV_OPERATION, op);
         }
-        let ack = self
-            .js
-            .publish_with_headers(self.subject(key), headers, payload)
-            .await
-            .map_err(|err| self.publish_error(key, err))?
-            .await
-            .map_err(|err| self.publish_error(key, err))?;
-        Ok(ack.sequence)
+        // While a cluster elects the bucket's leader, nothing takes the write ("no
+        // responders"): it was not written, so it is sent again, for a while.
+        let give_up = tokio::time::Instant::now() + LEADERLESS_PATIENCE;
+        let mut pause = Duration::from_millis(50);
+        let written = loop {
+            let attempt = async {
+                self.js
+                    .publish_with_headers(self.subject(key), headers.clone(), payload.clone())
+                    .await?
+                    .await
+            };
+            match attempt.await {
+                Err(err)
+                    if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound
+                        && tokio::time::Instant::now() + pause < give_up =>
+                {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                other => break other,
+            }
+        };
+        match written.map_err(|err| self.publish_error(key, err)) {
+            Ok(ack) => Ok(ack.sequence),
+            Err(KvError::Timeout { .. }) => self.landed(key, &payload, expected, op).await,
+            Err(err) => Err(err),
+        }
+    }
+
+    /// After a write timed out: whether it committed after all. The key is read back,
+    /// and a last entry that is exactly what was written, past the revision the write
+    /// expected, is taken as the write's own (so a caller never retries a compare-and-set
+    /// that already landed, and loses to itself). While the key still shows the revision
+    /// the write expected, the write may be on its way in the server: it is read again a
+    /// few times. Anything else is still a timeout: the caller re-reads and decides.
+    async fn landed(
+        &self,
+        key: &str,
+        payload: &Bytes,
+        expected: Option<u64>,
+        op: Option<&str>,
+    ) -> Result<u64, KvError> {
+        let timeout = || KvError::Timeout {
+            bucket: self.bucket.to_string(),
+            key: key.to_string(),
+        };
+        let mut pause = Duration::from_millis(50);
+        for _ in 0..READ_BACKS {
+            let Ok(entry) = self.entry(key).await else {
+                return Err(timeout());
+            };
+            let revision = entry.as_ref().map_or(0, |(revision, _)| *revision);
+            let ours = match (op, entry.map(|(_, value)| value)) {
+                (Some(_), Some(None)) => true,
+                (None, Some(Some(value))) => value == *payload,
+                _ => false,
+            };
+            if ours && revision > expected.unwrap_or(0) {
+                tracing::debug!(
+                    bucket = self.bucket,
+                    key,
+                    revision,
+                    "a timed-out write had landed"
+                );
+                return Ok(revision);
+            }
+            if expected.is_some_and(|e| revision != e) {
+                break;
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 3;
+        }
+        Err(timeout())
     }
 
     fn publish_error(&self, key: &str, err: jetstream::context::PublishError) -> KvError {
@@ -413,6 +507,29 @@ impl Store {
             .await
             .map_err(|err| transport(self.bucket, ">", format!("reading watch info: {err}")))?;
         Ok(info.num_pending == 0 && info.delivered.consumer_sequence <= received)
+    }
+
+    /// Where the bucket lives in a JetStream cluster, read now: which server leads it
+    /// (orders its writes) and which hold a current copy. `None` on a single server.
+    pub async fn placement(&self) -> Result<Option<Placement>, KvError> {
+        let mut stream = self.kv.stream.clone();
+        let info = stream
+            .info()
+            .await
+            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?;
+        Ok(info.cluster.as_ref().map(|c| {
+            let mut current: Vec<String> = c.leader.iter().cloned().collect();
+            current.extend(
+                c.replicas
+                    .iter()
+                    .filter(|p| p.current && !p.offline)
+                    .map(|p| p.name.clone()),
+            );
+            Placement {
+                leader: c.leader.clone(),
+                current,
+            }
+        }))
     }
 
     /// The revision of the last write to the bucket.

@@ -7,6 +7,8 @@
 //! - [`bin_path`]: the workspace's binaries, built by `cargo build --workspace --bins`.
 //! - [`wait_for`], [`wait_for_some`], [`next_within`]: condition waits with a deadline, so
 //!   tests never sleep to synchronise.
+//! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
+//! - [`chaos`]: a request load that rides out failures, and the checks made after it.
 //! - [`SlotAgent`]: one agent with user isolation, driven directly over NATS.
 //! - [`IsolationEnv`], [`Sshd`], [`ClientKey`]: unique user/cgroup names per test with a
 //!   guard that removes them, a private sshd on a loopback port, an ssh client key.
@@ -19,6 +21,7 @@
 //! works the tests fail with the script's message; they never skip.
 
 mod agent;
+pub mod chaos;
 mod isolation;
 mod nats;
 mod pool;
@@ -32,7 +35,10 @@ pub use isolation::{
     in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,
     unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd, UnmountOnDrop, SSHD,
 };
-pub use nats::{nats_server_binary, NatsServer, NATS_START_TIMEOUT};
-pub use pool::{config_yaml, config_yaml_with, kill_agents, label, wait_served, Pool, AGENT_ARGS};
+pub use nats::{nats_server_binary, NatsCluster, NatsServer, NATS_START_TIMEOUT};
+pub use pool::{
+    config_yaml, config_yaml_with, kill_agents, label, spawn_serve, wait_served, AgentsGuard, Pool,
+    AGENT_ARGS,
+};
 pub use process::{bin_path, workspace_root, ChildGuard};
 pub use wait::{next_within, wait_for, wait_for_some, POLL_INTERVAL};

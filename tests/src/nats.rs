@@ -103,17 +103,7 @@ impl NatsServer {
             .prefix("slotpool-nats-")
             .tempdir()
             .expect("creating a temp dir for nats-server");
-        let files = setup::write(&SetupPlan {
-            dir: dir.path().join("auth"),
-            users: vec![
-                BusUser::new(Role::Launcher, "launcher").expect("a name"),
-                BusUser::new(Role::Operator, "operator").expect("a name"),
-                BusUser::new(Role::Client, "client").expect("a name"),
-            ],
-            extra_config: extra_config.to_string(),
-            ..Default::default()
-        })
-        .expect("writing the test installation");
+        let files = install(dir.path(), extra_config);
         let (child, port) = spawn(dir.path(), &files.server_config, None).await;
         let server = NatsServer {
             child: Some(child),
@@ -156,15 +146,7 @@ impl NatsServer {
     /// The credentials file of `role` `name`, minted with the installation's signing
     /// key when it does not exist yet (for an agent, `name` is its backing id).
     pub fn creds(&self, role: Role, name: &str) -> PathBuf {
-        let user = BusUser::new(role, name).expect("a user name token");
-        let path = setup::creds_path(&self.dir.path().join("auth"), &user);
-        if !path.exists() {
-            Minter::load(&self.files.signing_key)
-                .and_then(|m| m.mint(&user, None))
-                .and_then(|c| c.write_private(&path))
-                .unwrap_or_else(|err| panic!("minting test credentials for {user}: {err}"));
-        }
-        path
+        creds(self.dir.path(), &self.files, role, name)
     }
 
     /// The installation's signing key (for `slotpool serve --agent-signing-key`).
@@ -175,15 +157,7 @@ impl NatsServer {
     /// `--nats <url> --creds <launcher creds> serve --agent-signing-key <key> --config
     /// <config>`: how a `slotpool serve` of this server is started.
     pub fn serve_args(&self, config: &Path) -> Vec<String> {
-        let mut args = self.args_as(Role::Launcher, "launcher");
-        args.extend([
-            "serve".into(),
-            "--agent-signing-key".into(),
-            self.signing_key().display().to_string(),
-            "--config".into(),
-            config.display().to_string(),
-        ]);
-        args
+        serve_args(&self.url(), self.dir.path(), &self.files, config)
     }
 
     /// `--nats <url> --creds <creds of role name>`.
@@ -221,6 +195,14 @@ impl NatsServer {
     pub async fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             child.terminate(STOP_GRACE).await;
+        }
+    }
+
+    /// Sends `signal` to the server (`SIGSTOP` freezes it with its connections open, as
+    /// a stalled server would be; `SIGCONT` lets it go on).
+    pub fn signal(&mut self, signal: libc::c_int) {
+        if let Some(child) = self.child.as_mut() {
+            child.signal(signal);
         }
     }
 
@@ -284,6 +266,306 @@ impl Drop for NatsServer {
             eprintln!("{}", log_tail(self.dir.path()));
         }
     }
+}
+
+/// Writes slotpool's installation for a test bus into `<dir>/auth`, as `slotpool
+/// nats-setup` does, with `extra_config` added to the server configuration.
+fn install(dir: &Path, extra_config: &str) -> SetupFiles {
+    setup::write(&SetupPlan {
+        dir: dir.join("auth"),
+        users: vec![
+            BusUser::new(Role::Launcher, "launcher").expect("a name"),
+            BusUser::new(Role::Operator, "operator").expect("a name"),
+            BusUser::new(Role::Client, "client").expect("a name"),
+        ],
+        extra_config: extra_config.to_string(),
+        ..Default::default()
+    })
+    .expect("writing the test installation")
+}
+
+/// The credentials file of `role` `name` in the installation under `dir`, minted with
+/// its signing key when it does not exist yet.
+fn creds(dir: &Path, files: &SetupFiles, role: Role, name: &str) -> PathBuf {
+    let user = BusUser::new(role, name).expect("a user name token");
+    let path = setup::creds_path(&dir.join("auth"), &user);
+    if !path.exists() {
+        Minter::load(&files.signing_key)
+            .and_then(|m| m.mint(&user, None))
+            .and_then(|c| c.write_private(&path))
+            .unwrap_or_else(|err| panic!("minting test credentials for {user}: {err}"));
+    }
+    path
+}
+
+/// `--nats <url> --creds <launcher creds> serve --agent-signing-key <key> --config <config>`.
+fn serve_args(url: &str, dir: &Path, files: &SetupFiles, config: &Path) -> Vec<String> {
+    vec![
+        "--nats".into(),
+        url.to_string(),
+        "--creds".into(),
+        creds(dir, files, Role::Launcher, "launcher")
+            .display()
+            .to_string(),
+        "serve".into(),
+        "--agent-signing-key".into(),
+        files.signing_key.display().to_string(),
+        "--config".into(),
+        config.display().to_string(),
+    ]
+}
+
+/// A JetStream cluster of servers on 127.0.0.1, each with its own name (`n1`, `n2`…),
+/// client port, route port, store and log under one temp dir, all with the same
+/// installation as [`NatsServer`]'s. Every server is killed and reaped on drop.
+///
+/// After [`NatsCluster::start`] returns, JetStream answers and slotpool's buckets exist
+/// with one replica per server.
+pub struct NatsCluster {
+    dir: TempDir,
+    files: SetupFiles,
+    servers: Vec<ClusterServer>,
+}
+
+struct ClusterServer {
+    name: String,
+    /// The server's own dir: its store (`js/`), ports file and log.
+    dir: PathBuf,
+    config: PathBuf,
+    /// Its client port, taken at the first start and kept for restarts.
+    port: Option<u16>,
+    child: Option<ChildGuard>,
+}
+
+impl NatsCluster {
+    /// Starts `size` servers routed to each other and waits until a launcher can create
+    /// slotpool's buckets with `size` replicas.
+    pub async fn start(size: usize) -> NatsCluster {
+        let dir = tempfile::Builder::new()
+            .prefix("slotpool-cluster-")
+            .tempdir()
+            .expect("creating a temp dir for the cluster");
+        let files = install(dir.path(), "");
+        let base = std::fs::read_to_string(&files.server_config).expect("reading the config");
+        let route_ports = free_ports(size);
+        let routes: Vec<String> = route_ports
+            .iter()
+            .map(|p| format!("nats-route://127.0.0.1:{p}"))
+            .collect();
+        let mut servers = Vec::new();
+        for (i, route_port) in route_ports.iter().enumerate() {
+            let name = format!("n{}", i + 1);
+            let server_dir = dir.path().join(&name);
+            std::fs::create_dir_all(&server_dir).expect("creating a server dir");
+            let config = server_dir.join("nats-server.conf");
+            let text = format!(
+                "{base}\nserver_name: {name}\ncluster {{\n  name: slotpool-test\n  \
+                 listen: 127.0.0.1:{route_port}\n  routes: [{}]\n}}\n",
+                routes.join(", ")
+            );
+            std::fs::write(&config, text).expect("writing a server config");
+            servers.push(ClusterServer {
+                name,
+                dir: server_dir,
+                config,
+                port: None,
+                child: None,
+            });
+        }
+        let mut cluster = NatsCluster {
+            dir,
+            files,
+            servers,
+        };
+        for i in 0..size {
+            cluster.spawn(i).await;
+        }
+        cluster.wait_ready().await;
+        cluster
+    }
+
+    async fn spawn(&mut self, i: usize) {
+        let server = &mut self.servers[i];
+        let (child, port) = spawn(&server.dir, &server.config, server.port).await;
+        server.port = Some(port);
+        server.child = Some(child);
+    }
+
+    async fn wait_ready(&self) {
+        let opts = self.options();
+        let replicas = self.servers.len();
+        // A cluster elects its JetStream leaders first: allow for that too.
+        let deadline = Instant::now() + NATS_START_TIMEOUT * 2;
+        loop {
+            let last_error =
+                match tokio::time::timeout_at(deadline, Bus::connect_replicated(&opts, replicas))
+                    .await
+                {
+                    Ok(Ok(_bus)) => return,
+                    Ok(Err(err)) => err.to_string(),
+                    Err(_) => "connect attempt still pending at the deadline".into(),
+                };
+            if Instant::now() >= deadline {
+                panic!(
+                    "the nats cluster at {} did not take R{replicas} buckets: {last_error}\n{}",
+                    self.url(),
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The names of the servers, `n1`…
+    pub fn names(&self) -> Vec<String> {
+        self.servers.iter().map(|s| s.name.clone()).collect()
+    }
+
+    fn index(&self, name: &str) -> usize {
+        self.servers
+            .iter()
+            .position(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no server {name} in the cluster"))
+    }
+
+    /// The name of the server listening on client port `port`.
+    pub fn name_of_port(&self, port: u16) -> Option<String> {
+        self.servers
+            .iter()
+            .find(|s| s.port == Some(port))
+            .map(|s| s.name.clone())
+    }
+
+    /// The server that process `pid` has a client connection to (the first found), read
+    /// from its sockets in `/proc`.
+    pub fn server_of(&self, pid: u32) -> Option<String> {
+        let inodes: std::collections::HashSet<String> =
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .ok()?
+                .flatten()
+                .filter_map(|fd| {
+                    let link = std::fs::read_link(fd.path()).ok()?;
+                    let link = link.to_string_lossy();
+                    Some(
+                        link.strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_string(),
+                    )
+                })
+                .collect();
+        let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
+        table.lines().skip(1).find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (remote, inode) = (fields.get(2)?, fields.get(9)?);
+            if !inodes.contains(*inode) {
+                return None;
+            }
+            let port = u16::from_str_radix(remote.rsplit_once(':')?.1, 16).ok()?;
+            self.name_of_port(port)
+        })
+    }
+
+    /// The client ports of the servers.
+    pub fn ports(&self) -> Vec<u16> {
+        self.servers.iter().filter_map(|s| s.port).collect()
+    }
+
+    /// Every server's URL, comma-separated, as a client that may use any of them gets it.
+    pub fn url(&self) -> String {
+        self.ports()
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Options reaching the cluster as its launcher.
+    pub fn options(&self) -> NatsOptions {
+        NatsOptions {
+            url: self.url(),
+            name: "slotpool-test-launcher".into(),
+            creds: Some(creds(
+                self.dir.path(),
+                &self.files,
+                Role::Launcher,
+                "launcher",
+            )),
+            ..Default::default()
+        }
+    }
+
+    /// Options reaching the cluster as `role` `name`.
+    pub fn options_as(&self, role: Role, name: &str) -> NatsOptions {
+        NatsOptions {
+            url: self.url(),
+            name: format!("slotpool-test-{role}-{name}"),
+            creds: Some(creds(self.dir.path(), &self.files, role, name)),
+            ..Default::default()
+        }
+    }
+
+    /// How a `slotpool serve` of this cluster is started (see [`NatsServer::serve_args`]).
+    pub fn serve_args(&self, config: &Path) -> Vec<String> {
+        serve_args(&self.url(), self.dir.path(), &self.files, config)
+    }
+
+    /// A new launcher connection to the cluster (panics if it fails).
+    pub async fn bus(&self) -> Bus {
+        Bus::connect_replicated(&self.options(), self.servers.len())
+            .await
+            .unwrap_or_else(|err| panic!("connecting to the test cluster at {}: {err}", self.url()))
+    }
+
+    /// Kills server `name` with SIGKILL, as a crash would; its port and store are kept
+    /// for [`NatsCluster::resume`].
+    pub fn crash(&mut self, name: &str) {
+        let i = self.index(name);
+        if let Some(mut child) = self.servers[i].child.take() {
+            child.kill();
+        }
+    }
+
+    /// Starts crashed server `name` again on its port with its store (it rejoins the
+    /// cluster and catches up by itself).
+    pub async fn resume(&mut self, name: &str) {
+        let i = self.index(name);
+        assert!(
+            self.servers[i].child.is_none(),
+            "resume: server {name} is still running"
+        );
+        self.spawn(i).await;
+    }
+
+    /// The last lines of every server's log, for failure messages.
+    pub fn logs(&self) -> String {
+        self.servers.iter().map(|s| log_tail(&s.dir)).collect()
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for server in &mut self.servers {
+            if let Some(mut child) = server.child.take() {
+                child.kill();
+            }
+        }
+        if std::thread::panicking() {
+            eprintln!("{}", self.logs());
+        }
+    }
+}
+
+/// `n` distinct ports free on 127.0.0.1 now (for a cluster's routes, which every server
+/// must know before any starts). Another process could take one in between; the server
+/// then fails to start and says so.
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("binding a free port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("a bound address").port())
+        .collect()
 }
 
 /// Spawns the server in `dir` on `port` (`None` = any free port) and waits for the ports

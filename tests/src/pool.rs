@@ -141,23 +141,28 @@ impl Pool {
     /// Starts one more `slotpool serve`; returns its index.
     pub fn spawn_launcher(&mut self) -> usize {
         let n = self.launchers.len();
-        let log =
-            File::create(self.dir.path().join(format!("launcher-{n}.log"))).expect("launcher log");
-        let mut cmd = Command::new(bin_path("slotpool"));
-        cmd.args(self.nats.serve_args(&self.config))
-            .args(["--log", "info,slotpool_launcher=debug"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
-        self.launchers.push(
-            ChildGuard::spawn(format!("launcher-{n}"), cmd).expect("spawning slotpool serve"),
-        );
+        let launcher = self.launcher(n);
+        self.launchers.push(launcher);
         n
+    }
+
+    fn launcher(&self, n: usize) -> ChildGuard {
+        spawn_serve(
+            &format!("launcher-{n}"),
+            &self.nats.serve_args(&self.config),
+            &self.dir.path().join(format!("launcher-{n}.log")),
+        )
     }
 
     /// SIGKILLs launcher `n`, as a crash would.
     pub fn kill_launcher(&mut self, n: usize) {
         self.launchers[n].kill();
+    }
+
+    /// Starts launcher `n` again (after [`Pool::kill_launcher`]), logging to the same file.
+    pub fn restart_launcher(&mut self, n: usize) {
+        self.launchers[n].kill();
+        self.launchers[n] = self.launcher(n);
     }
 
     /// Waits until some launcher answers the API.
@@ -254,6 +259,33 @@ impl Drop for Pool {
                 eprintln!("pool files kept in {}", kept.display());
             }
         }
+    }
+}
+
+/// Starts `slotpool serve` with `args` (see [`NatsServer::serve_args`]) as `name`, its
+/// log appended to `log`, killed when the guard drops.
+pub fn spawn_serve(name: &str, args: &[String], log: &Path) -> ChildGuard {
+    let log = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("launcher log");
+    let mut cmd = Command::new(bin_path("slotpool"));
+    cmd.args(args)
+        .args(["--log", "info,slotpool_launcher=debug"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    ChildGuard::spawn(name, cmd).expect("spawning slotpool serve")
+}
+
+/// Kills the local agents under a work dir when dropped (see [`kill_agents`]), for a test
+/// that runs launchers without a [`Pool`].
+pub struct AgentsGuard(pub PathBuf);
+
+impl Drop for AgentsGuard {
+    fn drop(&mut self) {
+        kill_agents(&self.0);
     }
 }
 

@@ -605,3 +605,29 @@ async fn a_listing_whose_last_write_expired_has_the_keys_left() {
         .collect();
     assert_eq!(listed, ["launcher.kept"]);
 }
+
+/// How long a JetStream write waits for its acknowledgement (`Bus` sets it).
+const JETSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_timed_out_but_landed_counts_as_done() {
+    let mut nats = NatsServer::start().await;
+    let bus = nats.bus().await;
+    let store = bus.requests.clone();
+    let rev = store.create("late", &Rec { n: 1 }, None).await.unwrap();
+    // The server freezes with the update on its way: the update times out, and only then
+    // does the server take it, and the read that follows.
+    nats.signal(libc::SIGSTOP);
+    let write = tokio::spawn(async move { store.update("late", &Rec { n: 2 }, rev, None).await });
+    tokio::time::sleep(JETSTREAM_TIMEOUT + Duration::from_millis(1500)).await;
+    nats.signal(libc::SIGCONT);
+    let written = write.await.expect("the update task");
+    let now = bus.requests.get::<Rec>("late").await.unwrap().unwrap();
+    assert_eq!(now.value, Rec { n: 2 }, "the update landed");
+    assert!(
+        matches!(written, Ok(r) if r == now.revision),
+        "an update that landed after its timeout is reported as done at revision {}, \
+         got {written:?}",
+        now.revision
+    );
+}

@@ -55,7 +55,7 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
             None
         }
     };
-    let bus = Bus::connect(&nats.options("slotpool-launcher"))
+    let bus = Bus::connect_replicated(&nats.options("slotpool-launcher"), config.kv_replicas)
         .await
         .context("connecting to NATS")?;
     let agent_nats_url = args

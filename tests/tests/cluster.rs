@@ -1,0 +1,201 @@
+//! slotpool on a three-server JetStream cluster with replicated buckets (R3): a launcher
+//! connected to all three servers keeps serving while servers die.
+
+use slotpool_protocol::auth::Role;
+use slotpool_protocol::client::Client;
+use slotpool_protocol::connect::{Bus, BusError};
+use slotpool_protocol::model::Event;
+use slotpool_protocol::store::Placement;
+use slotpool_tests::chaos::{self, Load};
+use slotpool_tests::{
+    config_yaml, label, spawn_serve, wait_for, wait_for_some, wait_served, AgentsGuard,
+    NatsCluster, NatsServer,
+};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How long the load may take to get going again after a server dies.
+const RECOVERY: Duration = Duration::from_secs(60);
+
+/// Fulfilments to see between two steps, so each step happens under load.
+const FULFILMENTS_PER_STEP: usize = 8;
+
+/// The test's temp dir (config, launcher log, agents). When the test fails it prints
+/// the tail of the launcher's log, and keeps the dir when `SLOTPOOL_KEEP_FAILED` is set.
+struct TestDir(Option<tempfile::TempDir>);
+
+impl TestDir {
+    fn path(&self) -> &std::path::Path {
+        self.0.as_ref().expect("the dir").path()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text =
+                std::fs::read_to_string(self.path().join("launcher.log")).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(100)..];
+            eprintln!("--- launcher log (last lines)\n{}", tail.join("\n"));
+            if std::env::var_os("SLOTPOOL_KEEP_FAILED").is_some() {
+                let kept = self.0.take().expect("the dir").keep();
+                eprintln!("test files kept in {}", kept.display());
+            }
+        }
+    }
+}
+
+async fn wait_fulfilments(load: &Load, more: usize, what: &str) {
+    let target = load.fulfilments() + more;
+    wait_for(
+        format!("{more} more fulfilments {what}"),
+        RECOVERY,
+        || async { load.fulfilments() >= target },
+    )
+    .await;
+}
+
+/// The placement of the slots and requests buckets once both have `replicas` current
+/// copies and a leader.
+async fn settled(bus: &Bus, replicas: usize) -> Placement {
+    wait_for_some(
+        format!("the buckets to have a leader and {replicas} current copies"),
+        RECOVERY,
+        || async {
+            let slots = bus.slots.placement().await.ok()??;
+            let requests = bus.requests.placement().await.ok()??;
+            let whole = |p: &Placement| p.leader.is_some() && p.current.len() == replicas;
+            (whole(&slots) && whole(&requests)).then_some(slots)
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_every_request() {
+    let seed = chaos::seed();
+    eprintln!("seed {seed} (set SLOTPOOL_CHAOS_SEED to repeat)");
+    let mut cluster = NatsCluster::start(3).await;
+    let dir = TestDir(Some(tempfile::tempdir().expect("temp dir")));
+    let work_dir = dir.path().join("agents");
+    let _agents = AgentsGuard(work_dir.clone());
+    let config = dir.path().join("pool.yaml");
+    let yaml = config_yaml(&work_dir, 3, 3, &label("small", 4, 30, &[])).replacen(
+        "launcher:\n",
+        "launcher:\n  kv-replicas: 3\n",
+        1,
+    );
+    std::fs::write(&config, yaml).expect("writing config");
+    let log = dir.path().join("launcher.log");
+    let launcher = spawn_serve("launcher", &cluster.serve_args(&config), &log);
+
+    let bus = cluster.bus().await;
+    let client = Client::connect(&cluster.options_as(Role::Client, "client"))
+        .await
+        .expect("client connects");
+    wait_served(&client).await;
+    let placement = settled(&bus, 3).await;
+    eprintln!("slots bucket: {placement:?}");
+
+    let load = Load::start(&client, 4, &["small"], Duration::from_millis(300), seed);
+    let started = Instant::now();
+    wait_fulfilments(&load, FULFILMENTS_PER_STEP, "before any server dies").await;
+
+    // 1. The slots bucket's leader dies: its buckets elect new leaders.
+    let leader = placement.leader.expect("a leader");
+    let killed_leader = Instant::now();
+    cluster.crash(&leader);
+    eprintln!("killed {leader}, the slots bucket's leader");
+    wait_fulfilments(&load, FULFILMENTS_PER_STEP, "after the leader died").await;
+    cluster.resume(&leader).await;
+    settled(&bus, 3).await;
+
+    // 2. The server the launcher is connected to dies: it reconnects to another.
+    let server = wait_for_some("the launcher's server", RECOVERY, || async {
+        cluster.server_of(launcher.id())
+    })
+    .await;
+    let killed_server = Instant::now();
+    cluster.crash(&server);
+    eprintln!("killed {server}, the launcher's server");
+    wait_fulfilments(
+        &load,
+        FULFILMENTS_PER_STEP,
+        "after the launcher's server died",
+    )
+    .await;
+    let ended = Instant::now();
+    let ledger = load.finish().await;
+
+    // Reads too wait while a bucket elects a leader. A client may not read KV: list as
+    // the launcher.
+    let operator = Client::from_bus(bus.clone());
+    let last = wait_for_some("the requests listed", RECOVERY, || async {
+        operator.list_requests().await.ok()
+    })
+    .await;
+    let verdict = ledger.verdict(&last);
+    let events: Vec<Event> = wait_for_some("the events listed", RECOVERY, || async {
+        bus.events.list::<Event>().await.ok()
+    })
+    .await
+    .into_iter()
+    .filter_map(|e| e.ok().map(|e| e.value))
+    .collect();
+    let live_failed = chaos::live_failures(&events, &HashSet::new());
+    let stall = |at| {
+        ledger.stall_after(at).map_or("none".into(), |d: Duration| {
+            format!("{:.2} s", d.as_secs_f64())
+        })
+    };
+    eprintln!(
+        "cluster: {} requests, {} fulfilled, violations {}, live nodes failed {}; \
+         stall after the leader's death {}, after the launcher's server's death {}, \
+         longest gap with no fulfilment {:.2} s",
+        verdict.requests,
+        verdict.fulfilled,
+        verdict.violations.len(),
+        live_failed.len(),
+        stall(killed_leader),
+        stall(killed_server),
+        ledger.longest_gap(started, ended).as_secs_f64()
+    );
+    assert!(
+        verdict.violations.is_empty(),
+        "requests lost or double-booked: {:#?}",
+        verdict.violations
+    );
+    assert!(
+        live_failed.is_empty(),
+        "live backing nodes failed: {live_failed:#?}"
+    );
+    drop(launcher);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_set_to_other_replicas_than_the_buckets_refuses_to_start() {
+    let nats = NatsServer::start().await;
+    // The test server's buckets exist with one replica: a launcher set to three says so.
+    let err = Bus::connect_replicated(&nats.options(), 3)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(
+            err,
+            BusError::Replicas {
+                found: 1,
+                wanted: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("has 1 replica(s), but this launcher is set to 3"),
+        "{text}"
+    );
+}
