@@ -271,3 +271,39 @@ async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
         out.status
     );
 }
+
+/// `slotpool config validate` names the key, what it takes and what it got, and takes
+/// durations with a unit.
+#[test]
+fn config_validate_names_the_key_and_its_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pool.yaml");
+    let config = |grace: &str| {
+        format!(
+            "providers:\n  - name: local\n    driver: local\n    pools:\n      - name: main\n        max-servers: 2\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 4\n            grace-time: {grace}\n"
+        )
+    };
+    let validate = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        Command::new(bin_path("slotpool"))
+            .args(["config", "validate"])
+            .arg(&file)
+            .output()
+            .expect("running slotpool")
+    };
+    let out = validate(&config("2m"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = validate(&config("two minutes please"));
+    assert!(!out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!(
+            "error: {}:11:25: grace-time: expected seconds as a whole number (e.g. 120) or a duration with a unit (e.g. 2m, 90s, 1h 30m), got \"two minutes please\"\n",
+            file.display()
+        )
+    );
+}
