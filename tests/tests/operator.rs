@@ -307,3 +307,38 @@ fn config_validate_names_the_key_and_its_unit() {
         )
     );
 }
+
+/// `list backing` says why a held node is held (the order, who gave it and why), and
+/// `list events` shows when each event happened and which backing node it is about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_backing_and_list_events_show_orders_times_and_backing_ids() {
+    let pool = Pool::start(1, 5, &label("small", 2, 60, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let a = backing_of(&pool, &r.nodes[0]).await;
+    slotpool(&pool, &["hold", a.id.as_str(), "--reason", "disk check"]);
+
+    let backing = slotpool(&pool, &["list", "backing"]);
+    let row = backing
+        .lines()
+        .find(|l| l.starts_with(a.id.as_str()))
+        .unwrap_or_else(|| panic!("no row for {}:\n{backing}", a.id));
+    assert!(row.ends_with("hold by op: disk check"), "{backing}");
+
+    let events = slotpool(&pool, &["list", "events"]);
+    let mut lines = events.lines();
+    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["TIME", "AGE", "KIND", "ACTOR", "BACKING", "EVENT"],
+        "{events}"
+    );
+    let order = lines
+        .find(|l| l.contains("operator") && l.contains("disk check"))
+        .unwrap_or_else(|| panic!("no event of the order:\n{events}"));
+    let cells: Vec<&str> = order.split_whitespace().collect();
+    assert!(
+        cells[0].len() == 20 && cells[0].ends_with('Z') && cells[0].contains('T'),
+        "TIME is UTC to the second: {order}"
+    );
+    assert_eq!(cells[4], a.id.as_str(), "{order}");
+}
