@@ -2,15 +2,16 @@
 //! authentication on in a temp dir (unless `--connect` is given), a launcher with the local provider, and a
 //! small load generator. On a terminal it opens the operator console (`slotpool-console`,
 //! built next to `slotpool`) and keeps its own log in a file meanwhile; otherwise, or with
-//! `--no-console`, it prints what happens. Ctrl-C (or quitting the console) stops
-//! everything it started.
+//! `--no-console`, it prints what its jobs get on stdout. Quitting the console, Ctrl-C,
+//! SIGTERM or stdout's reader going away stops everything it started, step by step; an
+//! error or a panic kills what is left ([`Leftovers`]). Either way its directory goes.
 
 use anyhow::{bail, Context};
 use clap::Args;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
 use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
-use slotpool_launcher::provider::local::LocalProvider;
+use slotpool_launcher::provider::local::{LocalProvider, STOP_GRACE};
 use slotpool_launcher::{run, LauncherDeps, LauncherError};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
@@ -153,7 +154,9 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
     say("slotpool demo: stopping: the launcher");
     let result = launcher.await.context("launcher task")?;
     // Local agents are "VMs" that outlive a launcher on purpose; the demo removes them.
-    say("slotpool demo: stopping: the local agents (up to 10 s each, then killed)");
+    say(&format!(
+        "slotpool demo: stopping: the local agents (up to {STOP_GRACE:?} each, then killed)"
+    ));
     let local = LocalProvider::new("local", agent_binary, vec![], dir.join("agents"));
     if let Err(err) = local.delete_all().await {
         say(&format!(
