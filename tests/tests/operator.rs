@@ -342,3 +342,45 @@ async fn list_backing_and_list_events_show_orders_times_and_backing_ids() {
     );
     assert_eq!(cells[4], a.id.as_str(), "{order}");
 }
+
+/// `--help` keeps the NATS options apart from a command's own and shows examples; the
+/// ignored `--actor` is gone; completions and manual pages are generated.
+#[test]
+fn the_cli_documents_itself() {
+    let run = |args: &[&str]| {
+        let out = Command::new(bin_path("slotpool"))
+            .args(args)
+            .output()
+            .expect("running slotpool");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, help, _) = run(&["hold", "--help"]);
+    assert!(ok);
+    let own = help.find("--reason").expect("hold's own option");
+    let nats = help.find("\nNATS options:\n").expect("a NATS heading");
+    let creds = help.find("--creds").expect("--creds");
+    assert!(own < nats && nats < creds, "{help}");
+    assert!(help.contains("\nExample:\n  slotpool hold bn-"), "{help}");
+    assert!(!help.contains("--actor"), "{help}");
+    let (ok, _, err) = run(&["hold", "bn-x", "--actor", "bob"]);
+    assert!(!ok && err.contains("--actor"), "{err}");
+
+    let (ok, bash, _) = run(&["completions", "bash"]);
+    assert!(ok && bash.contains("complete -F _slotpool"), "{bash}");
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, _, err) = run(&["man", dir.path().to_str().unwrap()]);
+    assert!(ok, "{err}");
+    for page in [
+        "slotpool.1",
+        "slotpool-request.1",
+        "slotpool-config-validate.1",
+    ] {
+        let text = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        let title = format!(".TH {} 1", page.trim_end_matches(".1"));
+        assert!(text.contains(&title), "{page}: {text}");
+    }
+}
