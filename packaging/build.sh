@@ -10,6 +10,9 @@
 #   packaging/build.sh --bin-dir DIR     package the binaries in DIR (implies --no-build)
 #   packaging/build.sh --fast ...        quick compression, bigger files (for tests)
 #
+# The slotpool package also carries its shell completions and manual pages, written here
+# by the staged binary (`slotpool completions SHELL`, `slotpool man DIR`).
+#
 # Package metadata is in [package.metadata.deb] and [package.metadata.generate-rpm] of
 # launcher/Cargo.toml (package `slotpool`) and agent/Cargo.toml (`slotpool-agent`); units,
 # default configuration and maintainer scripts are in packaging/. The tools come from
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --no-build) build=; shift ;;
     --bin-dir) bin_dir="$2"; build=; shift 2 ;;
     --fast) fast=1; shift ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "packaging/build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -68,6 +71,13 @@ for bin in slotpool slotpool-agent; do
         { echo "packaging/build.sh: $profile_dir/$bin is missing: build it, or drop --no-build" >&2; exit 1; }
     strip --strip-unneeded -o "$stage/release/$bin" "$profile_dir/$bin"
 done
+
+step "shell completions and manual pages"
+"$stage/release/slotpool" completions bash >"$stage/release/slotpool.bash"
+"$stage/release/slotpool" completions zsh >"$stage/release/_slotpool"
+"$stage/release/slotpool" completions fish >"$stage/release/slotpool.fish"
+"$stage/release/slotpool" man "$stage/release/man"
+gzip -9n "$stage/release/man/"*.1
 
 # cargo-deb finds the binaries through cargo's target dir; generate-rpm takes it as an
 # option and resolves the other assets against the package directory it runs in.

@@ -17,7 +17,7 @@ echo "==> nats-server" >&2
 SLOTPOOL_NATS_SERVER="$(scripts/nats-server.sh)"
 export SLOTPOOL_NATS_SERVER
 
-echo "==> cargo build --release --bins" >&2
-cargo build --release --bins --quiet
+echo "==> cargo build --release --bins (the first build takes 6-13 minutes on 2 cores)" >&2
+cargo build --release --bins
 
 exec target/release/slotpool demo "$@"

@@ -348,10 +348,52 @@ providers:
     }
 
     #[test]
-    fn wrong_type_names_file_line_and_column() {
-        let text = GOOD.replace("max-servers: 2", "max-servers: two");
+    fn wrong_type_names_the_key_what_it_takes_and_what_it_got() {
+        let err = |from: &str, to: &str| parse(&GOOD.replace(from, to)).unwrap_err().to_string();
+        assert_eq!(
+            err("max-servers: 2", "max-servers: two"),
+            "pool.yaml:8:22: max-servers: expected a whole number of backing nodes (1 to 100000), got \"two\""
+        );
+        assert_eq!(
+            err("max-parallel-jobs: 4", "max-parallel-jobs: [4]"),
+            "pool.yaml:12:32: max-parallel-jobs: expected a whole number of slots per backing node (1 to 1024)"
+        );
+        assert_eq!(
+            err("grace-time: 2", "grace-time: soon"),
+            "pool.yaml:13:25: grace-time: expected seconds as a whole number (e.g. 120) or a duration with a unit (e.g. 2m, 90s, 1h 30m), got \"soon\""
+        );
+        assert_eq!(
+            err("grace-time: 2", "grace-time: 1.5"),
+            "pool.yaml:13:25: grace-time: expected seconds as a whole number (e.g. 120) or a duration with a unit (e.g. 2m, 90s, 1h 30m), got 1.5"
+        );
+        assert_eq!(
+            err(
+                "{zone: a}",
+                "{zone: a}\n            limits: {memory-mb: lots}"
+            ),
+            "pool.yaml:15:33: memory-mb: expected a whole number of MiB, got \"lots\""
+        );
+    }
+
+    #[test]
+    fn durations_take_seconds_or_a_unit() {
+        let grace = |value: &str| {
+            let c = parse(&GOOD.replace("grace-time: 2", &format!("grace-time: {value}"))).unwrap();
+            c.sites("small")[0].label.grace_time
+        };
+        assert_eq!(grace("120"), Duration::from_secs(120));
+        assert_eq!(grace("2m"), Duration::from_secs(120));
+        assert_eq!(grace("90s"), Duration::from_secs(90));
+        assert_eq!(grace("1h 30m"), Duration::from_secs(5400));
+        let c = parse(&format!("launcher: {{lease-ttl: 30s}}\n{GOOD}")).unwrap();
+        assert_eq!(c.lease_ttl, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_missing_key_is_reported_where_its_mapping_starts() {
+        let text = GOOD.replace("            backing-label: large-node\n", "");
         let err = parse(&text).unwrap_err().to_string();
-        assert!(err.starts_with("pool.yaml:8:22: invalid u32"), "{err}");
+        assert_eq!(err, "pool.yaml:10:13: missing field `backing-label`");
     }
 
     #[test]

@@ -2,9 +2,10 @@
 //! name the line and column of what it refuses.
 
 use crate::Driver;
-use serde::Deserialize;
+use serde::{de, Deserialize, Deserializer};
 use serde_saphyr::Spanned;
 use slotpool_protocol::model::Attributes;
+use std::fmt;
 use std::path::PathBuf;
 
 #[derive(Debug, Deserialize)]
@@ -18,7 +19,7 @@ pub(crate) struct RawConfig {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct RawLauncher {
-    pub(crate) lease_ttl: Option<Spanned<u64>>,
+    pub(crate) lease_ttl: Option<Spanned<Seconds>>,
     pub(crate) agent_nats_url: Option<String>,
     pub(crate) kv_replicas: Option<Spanned<u64>>,
 }
@@ -33,8 +34,8 @@ pub(crate) struct RawProvider {
     pub(crate) local: Option<Spanned<RawLocal>>,
     pub(crate) exec: Option<Spanned<RawExec>>,
     pub(crate) pools: Vec<RawPool>,
-    pub(crate) leak_sweep_interval: Option<Spanned<u64>>,
-    pub(crate) leak_grace: Option<Spanned<u64>>,
+    pub(crate) leak_sweep_interval: Option<Spanned<Seconds>>,
+    pub(crate) leak_grace: Option<Spanned<Seconds>>,
     pub(crate) max_creates_per_second: Option<Spanned<f64>>,
     pub(crate) max_concurrent_creates: Option<Spanned<u32>>,
 }
@@ -80,9 +81,9 @@ pub(crate) struct RawPool {
     pub(crate) max_servers: Spanned<u32>,
     #[serde(default = "default_priority")]
     pub(crate) priority: i32,
-    #[serde(default = "default_launch_timeout")]
+    #[serde(default = "default_launch_timeout", deserialize_with = "seconds")]
     pub(crate) launch_timeout: u64,
-    #[serde(default = "default_boot_timeout")]
+    #[serde(default = "default_boot_timeout", deserialize_with = "seconds")]
     pub(crate) boot_timeout: u64,
     pub(crate) launch_retries: Option<Spanned<u32>>,
     pub(crate) labels: Vec<RawLabel>,
@@ -94,11 +95,11 @@ pub(crate) struct RawLabel {
     pub(crate) name: Spanned<String>,
     pub(crate) backing_label: String,
     pub(crate) max_parallel_jobs: Spanned<u32>,
-    #[serde(default = "default_grace_time")]
+    #[serde(default = "default_grace_time", deserialize_with = "seconds")]
     pub(crate) grace_time: u64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "seconds")]
     pub(crate) min_retention_time: u64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "seconds")]
     pub(crate) max_age: u64,
     #[serde(default)]
     pub(crate) node_attributes: Attributes,
@@ -106,7 +107,7 @@ pub(crate) struct RawLabel {
     pub(crate) limits: Option<Spanned<RawLimits>>,
     #[serde(default)]
     pub(crate) host_key_checking: bool,
-    pub(crate) max_hold_time: Option<Spanned<u64>>,
+    pub(crate) max_hold_time: Option<Spanned<Seconds>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -129,4 +130,52 @@ pub(crate) fn default_boot_timeout() -> u64 {
 }
 pub(crate) fn default_grace_time() -> u64 {
     60
+}
+
+/// A duration in whole seconds, as written: a number of seconds (`120`) or a number with a
+/// unit (`2m`, `90s`, `1h 30m`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Seconds(pub(crate) u64);
+
+/// What a duration key accepts, for its error message.
+pub(crate) const SECONDS_EXPECTED: &str =
+    "seconds as a whole number (e.g. 120) or a duration with a unit (e.g. 2m, 90s, 1h 30m)";
+
+impl<'de> Deserialize<'de> for Seconds {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        fn refuse<E: de::Error>(got: impl fmt::Display) -> E {
+            E::custom(format!("expected {SECONDS_EXPECTED}, got {got}"))
+        }
+        impl de::Visitor<'_> for Visitor {
+            type Value = Seconds;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(SECONDS_EXPECTED)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Seconds, E> {
+                Ok(Seconds(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Seconds, E> {
+                u64::try_from(v).map(Seconds).map_err(|_| refuse(v))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Seconds, E> {
+                Err(refuse(v))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Seconds, E> {
+                Err(refuse(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Seconds, E> {
+                match humantime::parse_duration(v.trim()) {
+                    Ok(d) if d.subsec_nanos() == 0 => Ok(Seconds(d.as_secs())),
+                    _ => Err(refuse(format_args!("{v:?}"))),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// `#[serde(deserialize_with)]` for a duration key kept as plain seconds.
+pub(crate) fn seconds<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    Seconds::deserialize(deserializer).map(|s| s.0)
 }

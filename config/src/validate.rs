@@ -12,27 +12,80 @@ const MAX_HOLD_TIME_SECS: u64 = 365 * 24 * 3600;
 
 /// Parses and validates `text`; errors name `path`, line and column.
 pub(crate) fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
-    let raw: RawConfig = serde_saphyr::from_str(text).map_err(|err| {
-        let (line, column) = err
-            .location()
-            .map(|l| (l.line(), l.column()))
-            .unwrap_or((0, 0));
-        let message = first_line(&err.to_string());
-        if line == 0 {
-            ConfigError::Whole {
-                path: path.to_path_buf(),
-                message,
-            }
-        } else {
-            ConfigError::At {
-                path: path.to_path_buf(),
-                line,
-                column,
-                message,
+    // Where in the document the parser stopped (`providers[0].pools[0].max-servers`), so
+    // that a refused value is named by its key.
+    let mut at = None;
+    let raw: Result<RawConfig, _> = serde_saphyr::with_deserializer_from_str(text, |de| {
+        serde_path_to_error::deserialize(de).map_err(|err| {
+            at = Some(err.path().clone());
+            err.into_inner()
+        })
+    });
+    let raw = raw.map_err(|err| parse_error(path, text, at.as_ref(), &err))?;
+    Validator { path }.config(raw)
+}
+
+/// A parser error as [`ConfigError`]: a refused value says its key, what the key takes and
+/// what it got; a missing key points at the start of the mapping that lacks it.
+fn parse_error(
+    path: &Path,
+    text: &str,
+    at: Option<&serde_path_to_error::Path>,
+    err: &serde_saphyr::Error,
+) -> ConfigError {
+    use serde_saphyr::Error as E;
+    let (mut line, mut column) = err
+        .location()
+        .map(|l| (l.line(), l.column()))
+        .unwrap_or((0, 0));
+    // The last key named, past `value`, the inside of a `Spanned` field.
+    let key = at.and_then(|p| {
+        p.iter()
+            .rev()
+            .find(|s| !matches!(s, serde_path_to_error::Segment::Map { key } if key == "value"))
+            .and_then(|s| match s {
+                serde_path_to_error::Segment::Map { key } => Some(key.as_str()),
+                _ => None,
+            })
+    });
+    let mut message = first_line(&err.to_string());
+    match (err.without_snippet(), key) {
+        (E::InvalidScalar { .. } | E::SerdeInvalidType { .. }, Some(key)) => {
+            let got = scalar_at(text, line, column);
+            message = match expected(key) {
+                Some(what) => format!("{key}: expected {what}, got {got}"),
+                None => format!("{key}: {message} (got {got})"),
+            };
+        }
+        (E::Unexpected { .. }, Some(key)) => {
+            message = match expected(key) {
+                Some(what) => format!("{key}: expected {what}"),
+                None => format!("{key}: {message}"),
+            };
+        }
+        (E::SerdeInvalidValue { .. } | E::Message { .. }, Some(key)) => {
+            message = format!("{key}: {message}");
+        }
+        (E::SerdeMissingField { .. }, _) => {
+            if let Some((l, c)) = at.and_then(|p| mapping_start(text, p)) {
+                (line, column) = (l, c);
             }
         }
-    })?;
-    Validator { path }.config(raw)
+        _ => {}
+    }
+    if line == 0 {
+        ConfigError::Whole {
+            path: path.to_path_buf(),
+            message,
+        }
+    } else {
+        ConfigError::At {
+            path: path.to_path_buf(),
+            line,
+            column,
+            message,
+        }
+    }
 }
 
 /// The parser's message without its own "error: line L column C: " prefix.
@@ -52,6 +105,113 @@ fn first_line(s: &str) -> String {
 const DEFAULT_LEAK_SWEEP_INTERVAL: u64 = 300;
 const DEFAULT_LEAK_GRACE: u64 = 600;
 const MAX_LEAK_SECONDS: u64 = 7 * 24 * 3600;
+
+/// What a key takes, with its unit, for the keys whose value has a type of its own.
+fn expected(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "lease-ttl" | "launch-timeout" | "boot-timeout" | "grace-time" | "min-retention-time"
+        | "max-age" | "max-hold-time" | "leak-sweep-interval" | "leak-grace" => SECONDS_EXPECTED,
+        "max-servers" => "a whole number of backing nodes (1 to 100000)",
+        "max-parallel-jobs" => "a whole number of slots per backing node (1 to 1024)",
+        "launch-retries" => "a whole number of launch attempts (at least 1)",
+        "priority" => "a whole number (lower pools are tried first)",
+        "cpu" => "a number of CPUs (e.g. 1.5)",
+        "memory-mb" | "disk-mb" => "a whole number of MiB",
+        "pids" => "a whole number of processes",
+        "host-key-checking" => "true or false",
+        _ => return None,
+    })
+}
+
+/// The scalar written at `line`:`column` (1-based), quoted, for an error message.
+fn scalar_at(text: &str, line: u64, column: u64) -> String {
+    let found = (line > 0)
+        .then(|| text.lines().nth(line as usize - 1))
+        .flatten()
+        .and_then(|l| l.get(column.saturating_sub(1) as usize..))
+        .map(|rest| {
+            let rest = rest.split(" #").next().unwrap_or(rest);
+            rest.split([',', '}', ']'])
+                .next()
+                .unwrap_or(rest)
+                .trim()
+                .trim_matches(['"', '\''])
+        });
+    format!("{:?}", found.unwrap_or(""))
+}
+
+/// Where the mapping at `path` starts (its first key), found by reading the document
+/// again as a tree of spanned nodes.
+fn mapping_start(text: &str, path: &serde_path_to_error::Path) -> Option<(u64, u64)> {
+    use serde_path_to_error::Segment;
+    let mut node: Spanned<Node> = serde_saphyr::from_str(text).ok()?;
+    for segment in path.iter() {
+        let next = match (segment, node.value) {
+            (Segment::Map { key }, Node::Map(entries)) => {
+                entries.into_iter().find(|(k, _)| k == key)?.1
+            }
+            (Segment::Seq { index }, Node::Seq(items)) => items.into_iter().nth(*index)?,
+            _ => return None,
+        };
+        node = next;
+    }
+    Some((node.referenced.line(), node.referenced.column()))
+}
+
+/// A YAML document's shape with the place of every node, for [`mapping_start`].
+enum Node {
+    Map(Vec<(String, Spanned<Node>)>),
+    Seq(Vec<Spanned<Node>>),
+    Scalar,
+}
+
+impl<'de> Deserialize<'de> for Node {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Node;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any YAML node")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_unit<E>(self) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_none<E>(self) -> Result<Node, E> {
+                Ok(Node::Scalar)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Node, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Node::Seq(items))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(Node::Map(entries))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
 
 struct Validator<'p> {
     path: &'p Path,
@@ -83,13 +243,13 @@ impl Validator<'_> {
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let lease_ttl = match &raw.launcher.lease_ttl {
-            Some(s) if s.value < 1 || s.value > 300 => {
+            Some(s) if s.value.0 < 1 || s.value.0 > 300 => {
                 return Err(self.at(
                     s,
-                    format!("lease-ttl must be 1 to 300 seconds, got {}", s.value),
+                    format!("lease-ttl must be 1 to 300 seconds, got {}", s.value.0),
                 ))
             }
-            Some(s) => Duration::from_secs(s.value),
+            Some(s) => Duration::from_secs(s.value.0),
             None => Duration::from_secs(10),
         };
         let kv_replicas = match &raw.launcher.kv_replicas {
@@ -223,15 +383,15 @@ impl Validator<'_> {
 
     /// `leak-sweep-interval` and `leak-grace` of a provider.
     fn leak_sweep(&self, p: &RawProvider) -> Result<(Duration, Duration), ConfigError> {
-        let seconds = |v: &Option<Spanned<u64>>, key: &str, default: u64| match v {
-            Some(s) if s.value < 1 || s.value > MAX_LEAK_SECONDS => Err(self.at(
+        let seconds = |v: &Option<Spanned<Seconds>>, key: &str, default: u64| match v {
+            Some(s) if s.value.0 < 1 || s.value.0 > MAX_LEAK_SECONDS => Err(self.at(
                 s,
                 format!(
                     "{key} must be 1 to {MAX_LEAK_SECONDS} seconds, got {}",
-                    s.value
+                    s.value.0
                 ),
             )),
-            Some(s) => Ok(Duration::from_secs(s.value)),
+            Some(s) => Ok(Duration::from_secs(s.value.0)),
             None => Ok(Duration::from_secs(default)),
         };
         Ok((
@@ -401,17 +561,17 @@ impl Validator<'_> {
                 Some(raw) => self.limits(raw)?,
             };
             let max_hold_time = match &l.max_hold_time {
-                Some(s) if s.value == 0 || s.value > MAX_HOLD_TIME_SECS => {
+                Some(s) if s.value.0 == 0 || s.value.0 > MAX_HOLD_TIME_SECS => {
                     return Err(self.at(
                         s,
                         format!(
                             "max-hold-time must be 1 to {MAX_HOLD_TIME_SECS} seconds (leave it \
                              out for no limit), got {}",
-                            s.value
+                            s.value.0
                         ),
                     ))
                 }
-                Some(s) => Some(Duration::from_secs(s.value)),
+                Some(s) => Some(Duration::from_secs(s.value.0)),
                 None => None,
             };
             labels.push(LabelConfig {

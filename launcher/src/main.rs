@@ -29,7 +29,8 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(cli::dispatch(args)) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "error: {err:#}");
             std::process::ExitCode::from(1)
         }
     }

@@ -271,3 +271,116 @@ async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
         out.status
     );
 }
+
+/// `slotpool config validate` names the key, what it takes and what it got, and takes
+/// durations with a unit.
+#[test]
+fn config_validate_names_the_key_and_its_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pool.yaml");
+    let config = |grace: &str| {
+        format!(
+            "providers:\n  - name: local\n    driver: local\n    pools:\n      - name: main\n        max-servers: 2\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 4\n            grace-time: {grace}\n"
+        )
+    };
+    let validate = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        Command::new(bin_path("slotpool"))
+            .args(["config", "validate"])
+            .arg(&file)
+            .output()
+            .expect("running slotpool")
+    };
+    let out = validate(&config("2m"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = validate(&config("two minutes please"));
+    assert!(!out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!(
+            "error: {}:11:25: grace-time: expected seconds as a whole number (e.g. 120) or a duration with a unit (e.g. 2m, 90s, 1h 30m), got \"two minutes please\"\n",
+            file.display()
+        )
+    );
+}
+
+/// `list backing` says why a held node is held (the order, who gave it and why), and
+/// `list events` shows when each event happened and which backing node it is about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_backing_and_list_events_show_orders_times_and_backing_ids() {
+    let pool = Pool::start(1, 5, &label("small", 2, 60, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let a = backing_of(&pool, &r.nodes[0]).await;
+    slotpool(&pool, &["hold", a.id.as_str(), "--reason", "disk check"]);
+
+    let backing = slotpool(&pool, &["list", "backing"]);
+    let row = backing
+        .lines()
+        .find(|l| l.starts_with(a.id.as_str()))
+        .unwrap_or_else(|| panic!("no row for {}:\n{backing}", a.id));
+    assert!(row.ends_with("hold by op: disk check"), "{backing}");
+
+    let events = slotpool(&pool, &["list", "events"]);
+    let mut lines = events.lines();
+    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["TIME", "AGE", "KIND", "ACTOR", "BACKING", "EVENT"],
+        "{events}"
+    );
+    let order = lines
+        .find(|l| l.contains("operator") && l.contains("disk check"))
+        .unwrap_or_else(|| panic!("no event of the order:\n{events}"));
+    let cells: Vec<&str> = order.split_whitespace().collect();
+    assert!(
+        cells[0].len() == 20 && cells[0].ends_with('Z') && cells[0].contains('T'),
+        "TIME is UTC to the second: {order}"
+    );
+    assert_eq!(cells[4], a.id.as_str(), "{order}");
+}
+
+/// `--help` keeps the NATS options apart from a command's own and shows examples; the
+/// ignored `--actor` is gone; completions and manual pages are generated.
+#[test]
+fn the_cli_documents_itself() {
+    let run = |args: &[&str]| {
+        let out = Command::new(bin_path("slotpool"))
+            .args(args)
+            .output()
+            .expect("running slotpool");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, help, _) = run(&["hold", "--help"]);
+    assert!(ok);
+    let own = help.find("--reason").expect("hold's own option");
+    let nats = help.find("\nNATS options:\n").expect("a NATS heading");
+    let creds = help.find("--creds").expect("--creds");
+    assert!(own < nats && nats < creds, "{help}");
+    assert!(help.contains("\nExample:\n  slotpool hold bn-"), "{help}");
+    assert!(!help.contains("--actor"), "{help}");
+    let (ok, _, err) = run(&["hold", "bn-x", "--actor", "bob"]);
+    assert!(!ok && err.contains("--actor"), "{err}");
+
+    let (ok, bash, _) = run(&["completions", "bash"]);
+    assert!(ok && bash.contains("complete -F _slotpool"), "{bash}");
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, _, err) = run(&["man", dir.path().to_str().unwrap()]);
+    assert!(ok, "{err}");
+    for page in [
+        "slotpool.1",
+        "slotpool-request.1",
+        "slotpool-config-validate.1",
+    ] {
+        let text = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        let title = format!(".TH {} 1", page.trim_end_matches(".1"));
+        assert!(text.contains(&title), "{page}: {text}");
+    }
+}

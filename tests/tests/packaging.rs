@@ -25,6 +25,13 @@ const DEB_PACKAGES: [&str; 2] = ["slotpool", "slotpool-agent"];
 /// How long dpkg may wait for another dpkg or apt on the machine to let go of its lock.
 const DPKG_LOCK_TIMEOUT: Duration = Duration::from_secs(300);
 const UNIT_DIR: &str = "/usr/lib/systemd/system";
+const MAN_DIR: &str = "/usr/share/man/man1";
+/// Some of the manual pages `slotpool man` writes (one per command).
+const MAN_PAGES: [&str; 3] = [
+    "slotpool.1.gz",
+    "slotpool-request.1.gz",
+    "slotpool-config-validate.1.gz",
+];
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 #[test]
@@ -154,6 +161,19 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     );
     assert_ok("slotpool config validate as the slotpool user", &out);
 
+    // Shell completions and manual pages.
+    let mut docs = vec![
+        "/usr/share/bash-completion/completions/slotpool".to_string(),
+        "/usr/share/zsh/vendor-completions/_slotpool".to_string(),
+        "/usr/share/fish/vendor_completions.d/slotpool.fish".to_string(),
+    ];
+    docs.extend(MAN_PAGES.iter().map(|page| format!("{MAN_DIR}/{page}")));
+    for file in &docs {
+        assert!(Path::new(file).is_file(), "{file} not installed");
+    }
+    let bash = fs::read_to_string(&docs[0]).unwrap();
+    assert!(bash.contains("complete -F _slotpool"), "{bash}");
+
     check_agent_env_file(tmp);
     check_units(tmp);
     check_users_and_modes();
@@ -189,6 +209,9 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
         "/usr/lib/systemd/system/slotpool.service",
         "/usr/lib/systemd/system/slotpool-agent.service",
     ] {
+        assert!(!Path::new(gone).exists(), "{gone} left after dpkg -r");
+    }
+    for gone in &docs {
         assert!(!Path::new(gone).exists(), "{gone} left after dpkg -r");
     }
     assert!(Path::new("/etc/slotpool/pool.yaml").exists());
@@ -349,7 +372,16 @@ fn check_rpms(packages: &Packages) {
                 ("-rw-r--r--", "/etc/slotpool/pool.yaml"),
                 ("-rwxr-xr-x", "/usr/bin/slotpool"),
                 ("-rw-r--r--", "/usr/lib/systemd/system/slotpool.service"),
+                (
+                    "-rw-r--r--",
+                    "/usr/share/bash-completion/completions/slotpool",
+                ),
                 ("-rw-r--r--", "/usr/share/doc/slotpool/README.md"),
+                (
+                    "-rw-r--r--",
+                    "/usr/share/fish/vendor_completions.d/slotpool.fish",
+                ),
+                ("-rw-r--r--", "/usr/share/zsh/site-functions/_slotpool"),
             ][..],
             &[
                 "useradd --system",
@@ -397,11 +429,26 @@ fn check_rpms(packages: &Packages) {
                 (f[0].to_string(), f[f.len() - 1].to_string())
             })
             .collect();
+        // The manual pages (one per command) are checked by name below.
+        let (man, got): (Vec<_>, Vec<_>) = got
+            .into_iter()
+            .partition(|(_, path)| path.starts_with(MAN_DIR));
         let want: Vec<(String, String)> = files
             .iter()
             .map(|(mode, path)| (mode.to_string(), path.to_string()))
             .collect();
         assert_eq!(got, want, "{rpm}: files\n{listing}");
+        if name == "slotpool" {
+            for page in MAN_PAGES {
+                let path = format!("{MAN_DIR}/{page}");
+                assert!(
+                    man.contains(&("-rw-r--r--".to_string(), path.clone())),
+                    "{rpm}: no {path}\n{listing}"
+                );
+            }
+        } else {
+            assert!(man.is_empty(), "{rpm}: manual pages {man:?}");
+        }
 
         let configs: Vec<String> = rpm_query(&["-qcp", rpm])
             .lines()

@@ -1,6 +1,6 @@
 //! Client subcommands: request, release, cancel, list.
 
-use super::output::{age, print, state};
+use super::output::{age, print, state, time};
 use super::{NatsArgs, Output};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -209,7 +209,6 @@ pub async fn release(
     nats: &NatsArgs,
     nodes: Vec<String>,
     reason: Option<String>,
-    actor: Option<String>,
     wait: bool,
     output: Output,
 ) -> anyhow::Result<ExitCode> {
@@ -220,9 +219,7 @@ pub async fn release(
     let client = connect(nats).await?;
     let operator = reason.is_some();
     let released = match reason {
-        Some(reason) => {
-            super::operator_cmds::release_with_reason(&client, ids, reason, actor).await?
-        }
+        Some(reason) => super::operator_cmds::release_with_reason(&client, ids, reason).await?,
         None => client.release(ids).await?,
     };
     if wait {
@@ -299,7 +296,7 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
                             .map(|i| i.host.clone())
                             .unwrap_or_default(),
                         age(b.created_at),
-                        b.failure.clone().unwrap_or_default(),
+                        backing_reason(b),
                     ]
                 })
                 .collect();
@@ -317,15 +314,26 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
             let rows = events
                 .iter()
                 .map(|e| {
+                    let backing = e
+                        .backing_id
+                        .clone()
+                        .or_else(|| e.node_id.as_ref().and_then(|n| n.slot()).map(|(b, _)| b));
                     vec![
+                        time(e.at),
                         age(e.at),
                         state(&e.kind),
                         e.actor.clone(),
+                        backing.map(|b| b.to_string()).unwrap_or_default(),
                         e.message.clone(),
                     ]
                 })
                 .collect();
-            print(output, &events, &["AGE", "KIND", "ACTOR", "EVENT"], rows);
+            print(
+                output,
+                &events,
+                &["TIME", "AGE", "KIND", "ACTOR", "BACKING", "EVENT"],
+                rows,
+            );
         }
         ListWhat::Requests => {
             let mut requests: Vec<NodeRequest> = client.list_requests().await?;
@@ -362,6 +370,23 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
     }
     std::io::stdout().flush().ok();
     Ok(ExitCode::SUCCESS)
+}
+
+/// Why a backing node is as it is: its failure, else the operator's order standing on it
+/// ("hold by alice: kernel update").
+fn backing_reason(b: &slotpool_protocol::model::BackingNode) -> String {
+    match (&b.failure, &b.order) {
+        (Some(failure), _) => failure.clone(),
+        (None, Some(order)) => {
+            let mut s = format!("{} by {}", state(&order.action), order.actor);
+            if let Some(reason) = &order.reason {
+                s.push_str(": ");
+                s.push_str(reason);
+            }
+            s
+        }
+        (None, None) => String::new(),
+    }
 }
 
 fn used_slots(nodes: &[Node]) -> std::collections::HashMap<slotpool_protocol::BackingId, u32> {

@@ -2,16 +2,17 @@
 //! authentication on in a temp dir (unless `--connect` is given), a launcher with the local provider, and a
 //! small load generator. On a terminal it opens the operator console (`slotpool-console`,
 //! built next to `slotpool`) and keeps its own log in a file meanwhile; otherwise, or with
-//! `--no-console`, it prints what happens. Ctrl-C (or quitting the console) stops
-//! everything it started.
+//! `--no-console`, it prints what its jobs get on stdout. Quitting the console, Ctrl-C,
+//! SIGTERM or stdout's reader going away stops everything it started, step by step; an
+//! error or a panic kills what is left ([`Leftovers`]). Either way its directory goes.
 
 use anyhow::{bail, Context};
 use clap::Args;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
 use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
-use slotpool_launcher::provider::local::LocalProvider;
-use slotpool_launcher::{run, LauncherDeps};
+use slotpool_launcher::provider::local::{LocalProvider, STOP_GRACE};
+use slotpool_launcher::{run, LauncherDeps, LauncherError};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::client::{submission, Client};
@@ -21,9 +22,11 @@ use std::io::IsTerminal;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::process::Command;
+use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Args)]
@@ -76,6 +79,117 @@ providers:
 
 pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<ExitCode> {
     let dir = tempfile_dir()?;
+    // From here on, every way out (a return, an error, a panic, a second Ctrl-C) stops
+    // what the demo started and removes its directory.
+    let _leftovers = Leftovers::register(dir.clone());
+    let shutdown = CancellationToken::new();
+    // Ctrl-C and SIGTERM are caught from the start, so that one during start-up also
+    // stops what was started so far.
+    let mut interrupt = signal(SignalKind::interrupt()).context("catching Ctrl-C")?;
+    let mut terminate = signal(SignalKind::terminate()).context("catching SIGTERM")?;
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            tokio::select! { _ = interrupt.recv() => {}, _ = terminate.recv() => {} }
+            shutdown.cancel();
+            if interrupt.recv().await.is_some() {
+                log_line("slotpool demo: second interrupt: killing what is left and exiting now");
+                clean_up_now();
+                std::process::exit(130);
+            }
+        }
+    });
+    let _ = STOP.set(shutdown.clone());
+    let started = tokio::select! {
+        started = start(&args, nats, &dir, &shutdown) => started?,
+        _ = shutdown.cancelled() => {
+            say("slotpool demo: stopped while starting");
+            return Ok(ExitCode::from(130));
+        }
+    };
+    let Started {
+        launcher,
+        load,
+        server,
+        config_path,
+        console_args,
+        agent_binary,
+    } = started;
+
+    let stop = async {
+        match args.duration {
+            Some(s) => {
+                tokio::select! { _ = shutdown.cancelled() => {}, _ = tokio::time::sleep(Duration::from_secs(s)) => {} }
+            }
+            None => shutdown.cancelled().await,
+        }
+    };
+    let console = super::sibling_binary("slotpool-console");
+    if !args.no_console && std::io::stdout().is_terminal() && console.is_file() {
+        let log = dir.join("demo.log");
+        let quiet = StderrToFile::redirect(&log)
+            .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
+        LOG_TO_STDERR.store(true, Ordering::Relaxed);
+        let mut child = Command::new(&console)
+            .args(&console_args)
+            .arg("--config")
+            .arg(&config_path)
+            .stderr(quiet.original()?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", console.display()))?;
+        tokio::select! {
+            _ = child.wait() => {}
+            _ = stop => stop_child(&mut child).await,
+        }
+        drop(quiet);
+        LOG_TO_STDERR.store(false, Ordering::Relaxed);
+        say("slotpool demo: console closed");
+    } else {
+        stop.await;
+    }
+    shutdown.cancel();
+    say("slotpool demo: stopping: the simulated jobs");
+    let _ = load.await;
+    say("slotpool demo: stopping: the launcher");
+    let result = launcher.await.context("launcher task")?;
+    // Local agents are "VMs" that outlive a launcher on purpose; the demo removes them.
+    say(&format!(
+        "slotpool demo: stopping: the local agents (up to {STOP_GRACE:?} each, then killed)"
+    ));
+    let local = LocalProvider::new("local", agent_binary, vec![], dir.join("agents"));
+    if let Err(err) = local.delete_all().await {
+        say(&format!(
+            "slotpool demo: cannot stop every local agent: {err}"
+        ));
+    }
+    if let Some(mut child) = server {
+        say("slotpool demo: stopping: nats-server");
+        stop_child(&mut child).await;
+    }
+    drop(_leftovers);
+    result?;
+    say("slotpool demo: stopped; nothing left running");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What [`start`] started.
+struct Started {
+    launcher: tokio::task::JoinHandle<Result<(), LauncherError>>,
+    load: tokio::task::JoinHandle<()>,
+    server: Option<tokio::process::Child>,
+    config_path: PathBuf,
+    console_args: Vec<String>,
+    agent_binary: PathBuf,
+}
+
+/// Starts the demo's nats-server (unless `--connect`), its launcher and its jobs.
+async fn start(
+    args: &DemoArgs,
+    nats: &super::NatsArgs,
+    dir: &Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Started> {
     let work_dir = dir.join("agents");
     let mut server = None;
     // The demo's own bus runs with authentication on, as a real one must: the launcher,
@@ -109,7 +223,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             ..Default::default()
         })
         .context("writing the demo's NATS installation")?;
-        let (child, url) = start_nats_server(&binary, &dir, Some(&files.server_config)).await?;
+        let (child, url) = start_nats_server(&binary, dir, Some(&files.server_config)).await?;
         server = Some(child);
         let creds = |role, name| files.creds_of(role, name).map(Path::to_path_buf);
         let opts = |name: &str, creds: Option<PathBuf>| NatsOptions {
@@ -132,10 +246,10 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             Some(Minter::load(&files.signing_key)?),
         )
     };
-    eprintln!(
+    say(&format!(
         "slotpool demo: NATS at {url} (authentication on), state in {}",
         dir.display()
-    );
+    ));
     let config_path = dir.join("demo.yaml");
     std::fs::write(
         &config_path,
@@ -148,7 +262,6 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
     let jobs_bus = Bus::connect(&client_opts)
         .await
         .context("connecting the demo's jobs to NATS")?;
-    let shutdown = CancellationToken::new();
     let agent_binary = super::sibling_agent_binary();
     if !agent_binary.is_file() {
         bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
@@ -165,56 +278,23 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         Duration::from_millis(args.hold_ms),
         shutdown.clone(),
     ));
-
-    let stop = async {
-        match args.duration {
-            Some(s) => {
-                tokio::select! { _ = super::stop_signal() => {}, _ = tokio::time::sleep(Duration::from_secs(s)) => {} }
-            }
-            None => super::stop_signal().await,
-        }
-    };
-    let console = super::sibling_binary("slotpool-console");
-    if !args.no_console && std::io::stdout().is_terminal() && console.is_file() {
-        let log = dir.join("demo.log");
-        let quiet = StderrToFile::redirect(&log)
-            .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
-        let mut child = Command::new(&console)
-            .args(&console_args)
-            .arg("--config")
-            .arg(&config_path)
-            .stderr(quiet.original()?)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {}", console.display()))?;
-        tokio::select! {
-            _ = child.wait() => {}
-            _ = stop => stop_child(&mut child).await,
-        }
-        drop(quiet);
-        eprintln!("slotpool demo: console closed");
-    } else {
-        stop.await;
-    }
-    eprintln!("slotpool demo: stopping");
-    shutdown.cancel();
-    let _ = load.await;
-    let result = launcher.await.context("launcher task")?;
-    // Local agents are "VMs" that outlive a launcher on purpose; the demo removes them.
-    let local = LocalProvider::new("local", agent_binary, vec![], work_dir);
-    if let Err(err) = local.delete_all().await {
-        eprintln!("slotpool demo: cannot stop every local agent: {err}");
-    }
-    if let Some(mut child) = server {
-        stop_child(&mut child).await;
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
-    eprintln!("slotpool demo: stopped; nothing left running");
-    Ok(ExitCode::SUCCESS)
+    Ok(Started {
+        launcher,
+        load,
+        server,
+        config_path,
+        console_args,
+        agent_binary,
+    })
 }
 
-/// Simulated CI jobs: each asks for a node, holds it a while, releases it, and again.
+/// The first wait after a failed submit; it doubles up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(8);
+
+/// Simulated CI jobs: each asks for a node, holds it a while, releases it, and again. A
+/// job whose submit fails (the bus is down, no launcher answers) tries again after a
+/// growing pause, so the load comes back with the bus.
 async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken) {
     let client = Arc::new(client);
     let mut tasks = Vec::new();
@@ -222,26 +302,44 @@ async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken
         let (client, stop) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             // Stagger the start so the pool grows visibly.
-            tokio::select! { _ = stop.cancelled() => return, _ = tokio::time::sleep(Duration::from_millis(700 * job as u64)) => {} }
+            if !pause(&stop, Duration::from_millis(700 * job as u64)).await {
+                return;
+            }
+            let mut retry = RETRY_FIRST;
             while !stop.is_cancelled() {
                 let started = Instant::now();
                 let sub = submission(vec!["small".into()], format!("demo-job-{job}"));
-                let id = match submit_when_served(&client, &sub).await {
-                    Ok(id) => id,
+                let submitted = tokio::select! { _ = stop.cancelled() => return, s = submit_when_served(&client, &sub) => s };
+                let id = match submitted {
+                    Ok(id) => {
+                        retry = RETRY_FIRST;
+                        id
+                    }
                     Err(err) => {
-                        eprintln!("job {job}: submit failed: {err}");
-                        return;
+                        say(&format!("job {job}: submit failed: {err}; trying again in {retry:?}"));
+                        if !pause(&stop, retry).await {
+                            return;
+                        }
+                        retry = (retry * 2).min(RETRY_MAX);
+                        continue;
                     }
                 };
                 let done = tokio::select! { _ = stop.cancelled() => return, d = client.wait(&id, |_| {}) => d };
                 match done {
                     Ok(r) if r.state == RequestState::Fulfilled => {
-                        eprintln!("job {job}: got {} in {:.1} ms", r.nodes[0], started.elapsed().as_secs_f64() * 1000.0);
-                        tokio::select! { _ = stop.cancelled() => {}, _ = tokio::time::sleep(hold) => {} }
-                        let _ = client.release(r.nodes).await;
+                        say(&format!("job {job}: got {} in {:.1} ms", r.nodes[0], started.elapsed().as_secs_f64() * 1000.0));
+                        pause(&stop, hold).await;
+                        // On the way out the launcher releases what is left; no need to wait.
+                        tokio::select! { _ = stop.cancelled() => return, _ = client.release(r.nodes) => {} }
                     }
-                    Ok(r) => eprintln!("job {job}: request {id} {:?}: {}", r.state, r.status),
-                    Err(err) => eprintln!("job {job}: {err}"),
+                    Ok(r) => say(&format!("job {job}: request {id} {:?}: {}", r.state, r.status)),
+                    Err(err) => {
+                        say(&format!("job {job}: {err}; trying again in {retry:?}"));
+                        if !pause(&stop, retry).await {
+                            return;
+                        }
+                        retry = (retry * 2).min(RETRY_MAX);
+                    }
                 }
             }
         }));
@@ -249,6 +347,11 @@ async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken
     for t in tasks {
         let _ = t.await;
     }
+}
+
+/// Waits `d`; false when the demo stops meanwhile.
+async fn pause(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! { _ = stop.cancelled() => false, _ = tokio::time::sleep(d) => true }
 }
 
 /// Submits, waiting (briefly) for the launcher's API to come up first.
@@ -266,6 +369,106 @@ async fn submit_when_served(
             other => return other,
         }
     }
+}
+
+/// While the console shows, the demo's lines go to its log (stderr, then a file).
+static LOG_TO_STDERR: AtomicBool = AtomicBool::new(false);
+
+/// One line of what the demo does: on stdout, or into its log while the console shows.
+/// When the reader of stdout has gone (`slotpool demo | head -3`), the demo stops as it
+/// does on Ctrl-C.
+fn say(line: &str) {
+    use std::io::Write;
+    if LOG_TO_STDERR.load(Ordering::Relaxed) {
+        log_line(line);
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+        if let Some(stop) = STOP.get() {
+            stop.cancel();
+        }
+    }
+}
+
+/// A line on stderr, whether or not anyone still reads it (`eprintln!` would panic).
+fn log_line(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The demo's stop, for [`say`].
+static STOP: OnceLock<CancellationToken> = OnceLock::new();
+
+/// What the demo leaves on the machine while it runs: its directory, and the processes
+/// whose command line names it (nats-server, the local agents). Dropping it, a panic
+/// anywhere, or a second Ctrl-C ([`clean_up_now`]) kills those processes and removes the
+/// directory; the orderly stop before it only makes this find nothing.
+struct Leftovers;
+
+static LEFTOVERS: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+impl Leftovers {
+    fn register(dir: PathBuf) -> Leftovers {
+        *LEFTOVERS.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir);
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            clean_up_now();
+            std::process::exit(101);
+        }));
+        Leftovers
+    }
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        clean_up_now();
+    }
+}
+
+/// Kills every process whose command line names the demo's directory (each agent's
+/// whole process group), then removes the directory. Safe to call more than once.
+pub fn clean_up_now() {
+    let Some(dir) = LEFTOVERS.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return;
+    };
+    let pids = processes_naming(&dir);
+    for &pid in &pids {
+        // SAFETY: plain kill/getpgid calls on pids just read from /proc; a local agent
+        // leads its own process group (it is started in a session of its own).
+        unsafe {
+            if libc::getpgid(pid) == pid {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    if !pids.is_empty() {
+        log_line(&format!(
+            "slotpool demo: killed {} process(es) left in {}",
+            pids.len(),
+            dir.display()
+        ));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Processes (not this one) whose command line mentions `dir`.
+fn processes_naming(dir: &Path) -> Vec<i32> {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    let me = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+        })
+        .collect()
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {

@@ -8,7 +8,7 @@ mod operator_cmds;
 mod output;
 mod serve;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use slotpool_protocol::model::OperatorAction;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -18,19 +18,34 @@ use std::process::ExitCode;
 #[command(
     name = "slotpool",
     version,
-    about = "Slots carved out of backing nodes, for CI jobs"
+    about = "Slots carved out of backing nodes, for CI jobs",
+    after_help = "Examples:
+  slotpool demo                                  a whole pool on this machine
+  slotpool config validate /etc/slotpool/pool.yaml
+  slotpool --creds ci.creds request --label small --wait
+  slotpool --creds ops.creds list backing
+  slotpool --creds ops.creds drain bn-01J... --reason \"kernel update\"
+  slotpool completions bash > ~/.local/share/bash-completion/completions/slotpool
+
+The NATS options apply to every command; each also reads an environment variable
+(SLOTPOOL_NATS_URL, SLOTPOOL_NATS_CREDS, ...), shown with `slotpool <command> --help`."
 )]
 pub struct Cli {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "NATS options")]
     pub nats: NatsArgs,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `slotpool_launcher=debug`.
     /// Default: `info` for `serve` and `demo`, `warn` for the commands that print results
     /// (their stderr stays quiet unless something is wrong).
-    #[arg(long, global = true, env = "SLOTPOOL_LOG")]
+    #[arg(
+        long,
+        global = true,
+        env = "SLOTPOOL_LOG",
+        help_heading = "Global options"
+    )]
     pub log: Option<String>,
     /// Threads of the async runtime (default: one per CPU). On a small machine shared
     /// with nats-server, 1 can serve more requests per CPU second.
-    #[arg(long, global = true, env = "SLOTPOOL_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, global = true, env = "SLOTPOOL_WORKER_THREADS", help_heading = "Global options", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
     #[command(subcommand)]
     pub command: Command,
@@ -50,6 +65,9 @@ pub enum Command {
     /// Run the launcher daemon.
     Serve(serve::ServeArgs),
     /// Ask for nodes.
+    #[command(after_help = "Examples:
+  slotpool request --label small --wait
+  slotpool request --label small --count 2 --label big --timeout 600 --wait --output json")]
     Request(client_cmds::RequestArgs),
     /// Return nodes to the pool. With --reason, as an operator: the release is recorded
     /// in the event log with who and why.
@@ -59,9 +77,6 @@ pub enum Command {
         /// Why (makes this an operator's release, recorded in the event log).
         #[arg(long)]
         reason: Option<String>,
-        /// Who releases (with --reason; default: user@host).
-        #[arg(long, env = "SLOTPOOL_ACTOR")]
-        actor: Option<String>,
         /// Wait until the slots are wiped and free (a release is acknowledged as soon as
         /// it is recorded; the wipe follows in the background).
         #[arg(long)]
@@ -70,6 +85,8 @@ pub enum Command {
         output: Output,
     },
     /// Operator: no new slots on a backing node, and never release it automatically.
+    #[command(after_help = "Example:
+  slotpool hold bn-01J... --reason \"disk check\"   (undo with `slotpool run bn-01J...`)")]
     Hold(operator_cmds::OrderArgs),
     /// Operator: no new slots; release the backing node as soon as it is empty.
     Drain(operator_cmds::OrderArgs),
@@ -84,6 +101,10 @@ pub enum Command {
         output: Output,
     },
     /// List nodes, backing nodes, requests or recent events.
+    #[command(after_help = "Examples:
+  slotpool list backing
+  slotpool list events | head -20
+  slotpool list requests --output json | jq '.[] | select(.state == \"waiting\")'")]
     List {
         #[arg(value_enum)]
         what: client_cmds::ListWhat,
@@ -99,12 +120,34 @@ pub enum Command {
         command: ConfigCommand,
     },
     /// Run everything locally: a NATS server, a launcher, local agents and some load.
+    #[command(after_help = "Examples:
+  slotpool demo                            with the console on a terminal, until you quit it
+  slotpool demo --no-console --duration 60 --jobs 10")]
     Demo(demo::DemoArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(after_help = "Examples:
+  slotpool completions bash > ~/.local/share/bash-completion/completions/slotpool
+  slotpool completions zsh > ~/.zfunc/_slotpool
+The packages install them for bash, zsh and fish.")]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (slotpool.1 and one per command) into a directory.
+    #[command(after_help = "Example:
+  slotpool man ~/.local/share/man/man1 && man slotpool-request
+The packages install them.")]
+    Man {
+        /// Where to write them.
+        dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Check a launcher config file without starting anything.
+    #[command(after_help = "Example:
+  slotpool config validate /etc/slotpool/pool.yaml")]
     Validate { file: PathBuf },
 }
 
@@ -123,6 +166,9 @@ pub fn init_tracing(cli: &Cli) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
+        // A log whose reader has gone (`slotpool demo 2>&1 | head`) is dropped: reporting
+        // that on the same stderr would panic.
+        .log_internal_errors(false)
         .init();
 }
 
@@ -133,10 +179,9 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Release {
             nodes,
             reason,
-            actor,
             wait,
             output,
-        } => client_cmds::release(&cli.nats, nodes, reason, actor, wait, output).await,
+        } => client_cmds::release(&cli.nats, nodes, reason, wait, output).await,
         Command::Hold(args) => operator_cmds::order(&cli.nats, OperatorAction::Hold, args).await,
         Command::Drain(args) => operator_cmds::order(&cli.nats, OperatorAction::Drain, args).await,
         Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
@@ -158,8 +203,49 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "slotpool",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man { dir } => {
+            write_man_pages(&dir)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::NatsSetup(args) => nats_setup::run(args),
     }
+}
+
+/// Writes `slotpool.1` and `slotpool-<command>.1` for each command into `dir`.
+fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut cmd = Cli::command();
+    // Building names every command for its page: `slotpool-config-validate`.
+    cmd.build();
+    let mut pages = vec![cmd];
+    while let Some(page) = pages.pop() {
+        pages.extend(
+            page.get_subcommands()
+                .filter(|c| c.get_name() != "help")
+                .cloned(),
+        );
+        let name = page
+            .get_display_name()
+            .unwrap_or_else(|| page.get_name())
+            .to_string();
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(page)
+            .render(&mut out)
+            .with_context(|| format!("rendering {}", path.display()))?;
+        std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// The `slotpool-agent` binary next to the running executable.

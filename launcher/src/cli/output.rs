@@ -46,6 +46,12 @@ pub fn age(since: u64) -> String {
     }
 }
 
+/// A timestamp as UTC to the second, "2026-11-24T01:20:31Z".
+pub fn time(at: u64) -> String {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(at);
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
 pub fn state<T: Serialize>(s: &T) -> String {
     serde_json::to_value(s)
         .ok()
