@@ -74,8 +74,17 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         watch_signals(shutdown.clone())?;
-        let bus = tokio::time::timeout(CONNECT_TIMEOUT, Bus::connect(&nats))
-            .await
+        // A signal while the bus cannot be reached stops the agent at once, not after
+        // the connect timeout: it has nothing to clean up yet.
+        let connect = tokio::time::timeout(CONNECT_TIMEOUT, Bus::connect(&nats));
+        let connected = tokio::select! {
+            connected = connect => connected,
+            () = shutdown.cancelled() => {
+                tracing::info!("stopped before reaching NATS");
+                return Ok(());
+            }
+        };
+        let bus = connected
             .with_context(|| {
                 format!(
                     "connecting to NATS at {}: timed out after {CONNECT_TIMEOUT:?}",

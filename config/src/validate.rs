@@ -109,8 +109,15 @@ const MAX_LEAK_SECONDS: u64 = 7 * 24 * 3600;
 /// What a key takes, with its unit, for the keys whose value has a type of its own.
 fn expected(key: &str) -> Option<&'static str> {
     Some(match key {
-        "lease-ttl" | "launch-timeout" | "boot-timeout" | "grace-time" | "min-retention-time"
-        | "max-age" | "max-hold-time" | "leak-sweep-interval" | "leak-grace" => SECONDS_EXPECTED,
+        "lease-ttl"
+        | "launch-timeout"
+        | "boot-timeout"
+        | "grace-time"
+        | "min-retention-time"
+        | "max-age"
+        | "max-hold-time"
+        | "leak-sweep-interval"
+        | "leak-grace" => SECONDS_EXPECTED,
         "max-servers" => "a whole number of backing nodes (1 to 100000)",
         "max-parallel-jobs" => "a whole number of slots per backing node (1 to 1024)",
         "launch-retries" => "a whole number of launch attempts (at least 1)",

@@ -265,13 +265,12 @@ impl Client {
         &self,
         action: OperatorAction,
         backing_id: BackingId,
-        actor: impl Into<String>,
         reason: Option<String>,
     ) -> Result<OrderTaken, BusError> {
         let msg = BackingOrder {
             v: crate::PROTOCOL_VERSION,
             backing_id,
-            actor: actor.into(),
+            actor: String::new(),
             reason,
         };
         self.bus
@@ -283,13 +282,12 @@ impl Client {
     pub async fn release_node(
         &self,
         node_id: NodeId,
-        actor: impl Into<String>,
         reason: Option<String>,
     ) -> Result<Released, BusError> {
         let msg = ReleaseNodeOrder {
             v: crate::PROTOCOL_VERSION,
             node_id,
-            actor: actor.into(),
+            actor: String::new(),
             reason,
         };
         self.bus
@@ -365,21 +363,6 @@ pub fn submission(labels: Vec<String>, requestor: impl Into<String>) -> SubmitRe
         timeout_secs: None,
         ssh_public_key: None,
         keep_alive_secs: None,
-    }
-}
-
-/// Who the local user is, for recording operators' orders: `user@host`.
-pub fn default_actor() -> String {
-    let user = std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_default();
-    if host.is_empty() {
-        user
-    } else {
-        format!("{user}@{host}")
     }
 }
 

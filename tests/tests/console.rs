@@ -386,7 +386,6 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
         let mut terminal =
             ratatui::Terminal::new(ratatui::backend::TestBackend::new(120, 40)).unwrap();
         let settings = slotpool_tui::Settings {
-            actor: "bench".into(),
             rules: slotpool_tui::Rules::unknown(),
             theme: slotpool_tui::Theme::plain(),
             exit_after_first_render: true,

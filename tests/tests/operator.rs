@@ -160,7 +160,7 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
     let missing = BackingId::parse("bn-nosuchnode").unwrap();
     let err = pool
         .client
-        .order(OperatorAction::Drain, missing, "op", None)
+        .order(OperatorAction::Drain, missing, None)
         .await
         .unwrap_err();
     match err {
@@ -177,7 +177,6 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
         .order(
             OperatorAction::Hold,
             a.id.clone(),
-            "op",
             Some("two\nlines".into()),
         )
         .await

@@ -187,15 +187,25 @@ async fn a_client_cannot_order_and_orders_are_recorded_under_the_real_operator()
     assert_eq!(b.state, BackingState::Ready, "a client's order took effect");
 
     let alice = client_as(&pool, Role::Operator, "alice").await;
-    alice
-        .order(
-            OperatorAction::Hold,
-            backing.id.clone(),
-            "mallory@evil",
-            Some("maintenance".into()),
-        )
+    // The message names another actor: the launcher records the bus user instead.
+    let forged = slotpool_protocol::api::BackingOrder {
+        v: 1,
+        backing_id: backing.id.clone(),
+        actor: "mallory@evil".into(),
+        reason: Some("maintenance".into()),
+    };
+    let subject = subjects::admin(alice.name(), OperatorAction::Hold);
+    let reply = alice
+        .bus()
+        .call_raw(&subject, raw(&forged), REFUSED * 5)
         .await
         .expect("an operator may hold");
+    serde_json::from_slice::<slotpool_protocol::api::Reply<slotpool_protocol::api::OrderTaken>>(
+        &reply,
+    )
+    .unwrap()
+    .into_result()
+    .expect("the hold is taken");
     let events = alice.list_events().await.unwrap();
     let held = events
         .iter()

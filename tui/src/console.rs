@@ -31,8 +31,6 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 /// How the console runs.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// Who gives the orders (recorded with each order).
-    pub actor: String,
     /// Timers and pool sizes from the launcher's config, if given.
     pub rules: Rules,
     pub theme: Theme,
@@ -144,7 +142,7 @@ where
         for command in commands {
             match command {
                 Command::Quit => quit = true,
-                order => send_order(order, &client, &settings.actor, &tx, &tracker),
+                order => send_order(order, &client, &tx, &tracker),
             }
         }
         if quit {
@@ -169,14 +167,8 @@ where
     result.map(|()| outcome)
 }
 
-fn send_order(
-    command: Command,
-    client: &Client,
-    actor: &str,
-    tx: &mpsc::Sender<Msg>,
-    tracker: &TaskTracker,
-) {
-    let (client, actor, tx) = (client.clone(), actor.to_string(), tx.clone());
+fn send_order(command: Command, client: &Client, tx: &mpsc::Sender<Msg>, tracker: &TaskTracker) {
+    let (client, tx) = (client.clone(), tx.clone());
     tracker.spawn(async move {
         let (what, result) = match command {
             Command::Order {
@@ -186,13 +178,13 @@ fn send_order(
             } => (
                 format!("{} {backing_id}", action.as_str()),
                 client
-                    .order(action, backing_id, actor, reason)
+                    .order(action, backing_id, reason)
                     .await
                     .map(|taken| taken.message),
             ),
             Command::ReleaseNode { node_id, reason } => (
                 format!("release {node_id}"),
-                client.release_node(node_id, actor, reason).await.map(|r| {
+                client.release_node(node_id, reason).await.map(|r| {
                     if r.released.is_empty() {
                         "already gone".to_string()
                     } else {
@@ -208,17 +200,4 @@ fn send_order(
         }
         let _ = tx.send(Msg::OrderDone { what, result }).await;
     });
-}
-
-/// `$USER@hostname`, the default actor recorded with orders.
-pub fn default_actor() -> String {
-    let user = std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".into());
-    format!("{user}@{host}")
 }

@@ -38,6 +38,6 @@ pub mod state;
 pub mod theme;
 pub mod view;
 
-pub use console::{default_actor, run_console, run_on, Outcome, Settings};
+pub use console::{run_console, run_on, Outcome, Settings};
 pub use rules::Rules;
 pub use theme::Theme;

@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::Parser;
 use slotpool_config::bus::NatsArgs;
 use slotpool_config::Config;
-use slotpool_tui::{default_actor, run_console, Rules, Settings, Theme};
+use slotpool_tui::{run_console, Rules, Settings, Theme};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -20,9 +20,6 @@ use tokio_util::sync::CancellationToken;
 struct Args {
     #[command(flatten)]
     nats: NatsArgs,
-    /// Who gives the orders sent from this console (recorded with each order).
-    #[arg(long, env = "SLOTPOOL_ACTOR")]
-    actor: Option<String>,
     /// The launcher's config file: with it the console shows exact release, min-retention
     /// and max-age countdowns and each pool's max-servers; without it, idle times only.
     #[arg(long, short, env = "SLOTPOOL_CONFIG")]
@@ -75,7 +72,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         None => Rules::unknown(),
     };
     let settings = Settings {
-        actor: args.actor.clone().unwrap_or_else(default_actor),
         rules,
         theme: Theme::from_env(),
         exit_after_first_render: args.exit_after_first_render,
