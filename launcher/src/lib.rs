@@ -17,6 +17,7 @@ pub mod lease;
 pub mod lifecycle;
 pub mod liveness;
 pub mod local_run;
+pub mod mirror_sync;
 pub mod nodes;
 pub mod planner;
 pub mod provider;
@@ -83,6 +84,7 @@ pub async fn run(
         config,
         providers,
         deps.agent_bus,
+        mirror_sync::MirrorSync::new(Mirror::ALL.len()),
         shutdown.clone(),
     ));
     tracing::info!(launcher = %shared.id, "launcher starting");
@@ -143,6 +145,7 @@ pub async fn run(
 async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
     let mut timers = SeatTimers::default();
+    let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
         let next_timer = timers
@@ -155,6 +158,14 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 release::sweep_left_behind(shared);
             }
             d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
+            Ok(()) = synced.changed() => {
+                if synced.borrow_and_update().is_some() {
+                    // Back on the bus: what waited for it (a missing heartbeat's grace)
+                    // is decided again, by the workers and by the supervisor.
+                    wake_seats(shared);
+                    batch.extend(everything(shared));
+                }
+            }
             _ = sleep_until(next_timer) => {
                 batch.extend(timers.take_due(slotpool_protocol::time::now_ms()).into_iter().map(Dirty::Seat));
             }
@@ -240,6 +251,14 @@ impl SeatTimers {
             }
         }
         due
+    }
+}
+
+/// Wakes the worker of every backing node.
+fn wake_seats(shared: &Shared) {
+    let seats: Vec<String> = shared.world().backing.keys().cloned().collect();
+    for seat in seats {
+        shared.signals.bump(&shared::seat_topic(&seat));
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::liveness::Liveness;
+use crate::mirror_sync::MirrorSync;
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
@@ -30,6 +31,8 @@ pub struct Shared {
     pub shutdown: CancellationToken,
     /// This launcher's liveness lease, which stands for every request it owns.
     pub liveness: Liveness,
+    /// Since when the mirrors are synced over a live connection.
+    pub mirror_sync: MirrorSync,
 }
 
 impl Shared {
@@ -38,6 +41,7 @@ impl Shared {
         config: Config,
         providers: HashMap<String, Arc<dyn Provider>>,
         agent_bus: AgentBus,
+        mirror_sync: MirrorSync,
         shutdown: CancellationToken,
     ) -> Shared {
         Shared {
@@ -51,6 +55,7 @@ impl Shared {
             active: Mutex::new(HashSet::new()),
             tracker: TaskTracker::new(),
             liveness: Liveness::new(&shutdown),
+            mirror_sync,
             shutdown,
         }
     }
