@@ -145,11 +145,16 @@ pub async fn run(
 async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
     let mut timers = SeatTimers::default();
+    // Slots seen marked releasing, by key: looked at again once their release should be
+    // done ([`release::finish_left_behind`]).
+    let mut releases = SeatTimers::default();
     let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
-        let next_timer = timers
-            .next()
+        let next_timer = [timers.next(), releases.next()]
+            .into_iter()
+            .flatten()
+            .min()
             .map(|at| tokio::time::Instant::now() + slotpool_protocol::time::until(at));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -167,7 +172,11 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 }
             }
             _ = sleep_until(next_timer) => {
-                batch.extend(timers.take_due(slotpool_protocol::time::now_ms()).into_iter().map(Dirty::Seat));
+                let now = slotpool_protocol::time::now_ms();
+                batch.extend(timers.take_due(now).into_iter().map(Dirty::Seat));
+                for key in releases.take_due(now) {
+                    release::finish_left_behind(shared, &key);
+                }
             }
         }
         while let Ok(d) = dirty.try_recv() {
@@ -177,6 +186,11 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         for d in batch {
             match d {
                 Dirty::Label(l) => labels.push(l),
+                Dirty::Release(key) => {
+                    let at = slotpool_protocol::time::now_ms()
+                        + release::retry_pause(0).as_millis() as u64;
+                    releases.schedule(key, at);
+                }
                 Dirty::Request(id) => {
                     if request::wants_driver(shared, &id) {
                         request::spawn(shared, id);
@@ -217,7 +231,8 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 /// When backing nodes nobody drives have a step due (grace-time or max-age running
-/// out, a failed node to forget): the supervisor looks at them again then.
+/// out, a failed node to forget), or when a slot seen releasing should be free: the
+/// supervisor looks at them again then.
 #[derive(Default)]
 struct SeatTimers {
     by_seat: HashMap<String, u64>,

@@ -111,12 +111,14 @@ pub enum Work {
 }
 
 /// What changed in the mirror, as workers wait for it and the supervisor looks at it:
-/// a request, a seat (its backing node or its agent), or the capacity of a label.
+/// a request, a seat (its backing node or its agent), the capacity of a label, or a slot
+/// (by its key) marked releasing.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Topic {
     Request(RequestId),
     Seat(String),
     Label(String),
+    Release(String),
 }
 
 /// Change signals by [`Topic`]: a worker subscribes to what it waits for and is woken

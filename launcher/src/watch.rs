@@ -11,7 +11,7 @@ use crate::world::World;
 use futures::StreamExt;
 use slotpool_protocol::layout::{self, LeaseOf};
 use slotpool_protocol::model::{
-    BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
+    BackingNode, HeartbeatGist, Lease, Node, NodeRequest, NodeState, RequestState,
 };
 use slotpool_protocol::store::{Change, Store, Versioned};
 use slotpool_protocol::{BackingId, LauncherId, RequestId};
@@ -234,6 +234,11 @@ impl Effects {
     }
 
     fn slot(&mut self, world: &World, n: &Node) {
+        if n.state == NodeState::Releasing {
+            // Whoever began it finishes it; if nobody does, the supervisor will.
+            self.todo
+                .push(Dirty::Release(layout::slot_key(&n.backing_id, n.slot)));
+        }
         if let Some(seat) = world.seat_of.get(&n.backing_id) {
             self.wake.push(seat_topic(seat));
             self.todo.push(Dirty::Seat(seat.clone()));
