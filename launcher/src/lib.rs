@@ -148,10 +148,13 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
     // Slots seen marked releasing, by key: looked at again once their release should be
     // done ([`release::finish_left_behind`]).
     let mut releases = SeatTimers::default();
+    // Labels with unmet demand and a seat resting, by label: planned again when the rest
+    // ends.
+    let mut rests = SeatTimers::default();
     let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
-        let next_timer = [timers.next(), releases.next()]
+        let next_timer = [timers.next(), releases.next(), rests.next()]
             .into_iter()
             .flatten()
             .min()
@@ -177,6 +180,7 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 for key in releases.take_due(now) {
                     release::finish_left_behind(shared, &key);
                 }
+                batch.extend(rests.take_due(now).into_iter().map(Dirty::Label));
             }
         }
         while let Ok(d) = dirty.try_recv() {
@@ -218,6 +222,10 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         labels.dedup();
         for label in labels {
             planner::plan(shared, &label).await;
+            match planner::rest_ends_at(shared, &label) {
+                Some(at) => rests.schedule(label, at),
+                None => rests.cancel(&label),
+            }
         }
         shared.signals.prune();
     }
@@ -230,9 +238,10 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// When backing nodes nobody drives have a step due (grace-time or max-age running
-/// out, a failed node to forget), or when a slot seen releasing should be free: the
-/// supervisor looks at them again then.
+/// Times at which the supervisor looks at something again, by key: a backing node
+/// nobody drives with a step due (grace-time or max-age running out, a failed node to
+/// forget), a slot seen releasing that should be free, a label waiting for a failed
+/// seat's rest to end.
 #[derive(Default)]
 struct SeatTimers {
     by_seat: HashMap<String, u64>,

@@ -2,12 +2,14 @@
 //! (`RESYNC_INTERVAL`, 15 s): each is awaited with a deadline well below it.
 
 use futures::StreamExt;
+use slotpool_launcher::lifecycle::FAILED_SEAT_COOLDOWN;
 use slotpool_protocol::layout::slot_key;
+use slotpool_protocol::model::BackingState;
 use slotpool_protocol::model::{Lease, Node, NodeRequest, NodeState, RequestState};
 use slotpool_protocol::store::Change;
 use slotpool_protocol::store::KvError;
 use slotpool_protocol::time::now_ms;
-use slotpool_tests::{label, Pool};
+use slotpool_tests::{label, wait_for_some, Pool};
 use std::time::Duration;
 
 /// Far below the resync interval: what a recovery driven by events may take here.
@@ -106,4 +108,70 @@ async fn a_launcher_that_takes_its_liveness_back_drives_its_requests_at_once() {
         _ => false,
     })
     .await;
+}
+
+/// A request waiting for a backing node whose only seat holds a failed one is served as
+/// soon as the seat's rest ends (a timer), not at the next resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_seat_is_launched_into_again_when_its_rest_ends() {
+    let pool = Pool::start(1, 5, &label("small", 1, 60, &[]), 1).await;
+    let started = tokio::time::Instant::now();
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let dead = pool.node(&first.nodes[0]).await.backing_id;
+    let waiting = pool.submit(&["small"]).await;
+    let mut requests = pool
+        .client
+        .bus()
+        .requests
+        .watch_keys(waiting.as_str())
+        .await
+        .unwrap()
+        .boxed();
+    let pid: i32 = std::fs::read_to_string(pool.agent_dir(dead.as_str()).join("agent.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The launcher's resync runs as it starts and every 15 s after: the agent dies 8 s in,
+    // so that the seat's rest (10 s after the failure, found within the 2 s heartbeat
+    // TTL) ends half-way between two resyncs and only a timer serves the request in time.
+    tokio::time::sleep_until(started + Duration::from_secs(8)).await;
+    // SAFETY: the agent was started by this test's launcher.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let failed_at = wait_for_some(
+        "the dead agent's backing node failed and cleaned up",
+        Duration::from_secs(60),
+        || async {
+            pool.backing()
+                .await
+                .into_iter()
+                .find(|b| b.id == dead && b.state == BackingState::Failed && b.instance.is_none())
+                .map(|b| b.updated_at)
+        },
+    )
+    .await;
+    let rest_left = Duration::from_millis(
+        (failed_at + FAILED_SEAT_COOLDOWN.as_millis() as u64).saturating_sub(now_ms()),
+    );
+    let served = tokio::time::timeout(rest_left + Duration::from_secs(4), async {
+        while let Some(change) = requests.next().await {
+            if let Change::Put {
+                key,
+                revision,
+                value,
+            } = change.expect("watching the request")
+            {
+                let r = Change::decode::<NodeRequest>("slotpool_requests", &key, revision, &value)
+                    .unwrap();
+                if r.value.state == RequestState::Fulfilled {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        served.is_ok(),
+        "the waiting request was not served within 4 s of the seat's rest ending ({rest_left:?} after the failure was cleaned up)"
+    );
 }
