@@ -81,7 +81,7 @@ pub async fn run(
                         // trusted until the mirror is synced again.
                         biased;
                         _ = shared.shutdown.cancelled() => return,
-                        _ = link.changed() => {
+                        Ok(()) = link.changed() => {
                             let state = *link.borrow_and_update();
                             if !state.up {
                                 shared.mirror_sync.lost(mirror as usize);
