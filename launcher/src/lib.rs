@@ -144,13 +144,13 @@ pub async fn run(
 /// starts a worker for those nobody drives.
 async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
-    let mut timers = SeatTimers::default();
+    let mut timers = KeyTimers::default();
     // Slots seen marked releasing, by key: looked at again once their release should be
     // done ([`release::finish_left_behind`]).
-    let mut releases = SeatTimers::default();
+    let mut releases = KeyTimers::default();
     // Labels with unmet demand and a seat resting, by label: planned again when the rest
     // ends.
-    let mut rests = SeatTimers::default();
+    let mut rests = KeyTimers::default();
     let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
@@ -243,12 +243,12 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 /// forget), a slot seen releasing that should be free, a label waiting for a failed
 /// seat's rest to end.
 #[derive(Default)]
-struct SeatTimers {
+struct KeyTimers {
     by_seat: HashMap<String, u64>,
     queue: BTreeSet<(u64, String)>,
 }
 
-impl SeatTimers {
+impl KeyTimers {
     fn schedule(&mut self, seat: String, at: u64) {
         if let Some(old) = self.by_seat.insert(seat.clone(), at) {
             self.queue.remove(&(old, seat.clone()));
