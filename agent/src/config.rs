@@ -66,7 +66,7 @@ pub struct Args {
     #[arg(long, value_name = "MS", default_value_t = 2000)]
     pub heartbeat_interval_ms: u64,
     /// How long a heartbeat lives in KV, in whole seconds (>= 1, longer than the interval).
-    #[arg(long, value_name = "SECS", default_value_t = 6)]
+    #[arg(long, value_name = "SECS", default_value_t = slotpool_protocol::model::DEFAULT_HEARTBEAT_TTL_SECS)]
     pub heartbeat_ttl_secs: u64,
     /// How slots are isolated: `users` (a Unix user and cgroup per slot; needs root; the
     /// default when root) or `none` (a directory per slot only, for unprivileged

@@ -107,6 +107,7 @@ impl Heartbeat {
             pid: self.pid,
             started_at: self.started_at,
             sent_at: now_ms(),
+            ttl_secs: Some(self.ttl.as_secs()),
             health,
             slots: self.slots.reports(),
             draining,

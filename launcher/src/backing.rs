@@ -10,7 +10,9 @@ use crate::provider::{LaunchSpec, Provider, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
-use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, HeartbeatGist};
+use slotpool_protocol::model::{
+    secret_digest, BackingNode, BackingState, HeartbeatGist, DEFAULT_HEARTBEAT_TTL_SECS,
+};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use std::sync::Arc;
@@ -120,11 +122,15 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
             boot_timeout: s.pool.boot_timeout,
             launch_retries: s.pool.launch_retries,
         });
+    let lost = world.lost_heartbeats.get(&b.value.id);
     let obs = Observed {
         agent,
         used: world.used_count(&b.value.id),
         last_release: world.last_release.get(&b.value.id).copied(),
         rules,
+        synced_since: shared.mirror_sync.since(),
+        heartbeat_lost_at: lost.map(|l| l.at),
+        heartbeat_ttl: lost.map_or(Duration::from_secs(DEFAULT_HEARTBEAT_TTL_SECS), |l| l.ttl),
         now: now_ms(),
     };
     Some((b, obs))

@@ -18,6 +18,7 @@ pub mod lease;
 pub mod lifecycle;
 pub mod liveness;
 pub mod local_run;
+pub mod mirror_sync;
 pub mod nodes;
 pub mod planner;
 pub mod provider;
@@ -84,6 +85,7 @@ pub async fn run(
         config,
         providers,
         deps.agent_bus,
+        mirror_sync::MirrorSync::new(Mirror::ALL.len()),
         shutdown.clone(),
     ));
     tracing::info!(launcher = %shared.id, "launcher starting");
@@ -144,11 +146,20 @@ pub async fn run(
 /// starts a worker for those nobody drives.
 async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
-    let mut timers = SeatTimers::default();
+    let mut timers = KeyTimers::default();
+    // Slots seen marked releasing, by key: looked at again once their release should be
+    // done ([`release::finish_left_behind`]).
+    let mut releases = KeyTimers::default();
+    // Labels with unmet demand and a seat resting, by label: planned again when the rest
+    // ends.
+    let mut rests = KeyTimers::default();
+    let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
-        let next_timer = timers
-            .next()
+        let next_timer = [timers.next(), releases.next(), rests.next()]
+            .into_iter()
+            .flatten()
+            .min()
             .map(|at| tokio::time::Instant::now() + slotpool_protocol::time::until(at));
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -157,8 +168,21 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 release::sweep_left_behind(shared);
             }
             d = dirty.recv() => match d { Some(d) => { batch.insert(d); }, None => return },
+            Ok(()) = synced.changed() => {
+                if synced.borrow_and_update().is_some() {
+                    // Back on the bus: what waited for it (a missing heartbeat's grace)
+                    // is decided again, by the workers and by the supervisor.
+                    wake_seats(shared);
+                    batch.extend(everything(shared));
+                }
+            }
             _ = sleep_until(next_timer) => {
-                batch.extend(timers.take_due(slotpool_protocol::time::now_ms()).into_iter().map(Dirty::Seat));
+                let now = slotpool_protocol::time::now_ms();
+                batch.extend(timers.take_due(now).into_iter().map(Dirty::Seat));
+                for key in releases.take_due(now) {
+                    release::finish_left_behind(shared, &key);
+                }
+                batch.extend(rests.take_due(now).into_iter().map(Dirty::Label));
             }
         }
         while let Ok(d) = dirty.try_recv() {
@@ -168,6 +192,11 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         for d in batch {
             match d {
                 Dirty::Label(l) => labels.push(l),
+                Dirty::Release(key) => {
+                    let at = slotpool_protocol::time::now_ms()
+                        + release::retry_pause(0).as_millis() as u64;
+                    releases.schedule(key, at);
+                }
                 Dirty::Request(id) => {
                     if request::wants_driver(shared, &id) {
                         request::spawn(shared, id);
@@ -195,6 +224,10 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         labels.dedup();
         for label in labels {
             planner::plan(shared, &label).await;
+            match planner::rest_ends_at(shared, &label) {
+                Some(at) => rests.schedule(label, at),
+                None => rests.cancel(&label),
+            }
         }
         shared.signals.prune();
     }
@@ -207,15 +240,17 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// When backing nodes nobody drives have a step due (grace-time or max-age running
-/// out, a failed node to forget): the supervisor looks at them again then.
+/// Times at which the supervisor looks at something again, by key: a backing node
+/// nobody drives with a step due (grace-time or max-age running out, a failed node to
+/// forget), a slot seen releasing that should be free, a label waiting for a failed
+/// seat's rest to end.
 #[derive(Default)]
-struct SeatTimers {
+struct KeyTimers {
     by_seat: HashMap<String, u64>,
     queue: BTreeSet<(u64, String)>,
 }
 
-impl SeatTimers {
+impl KeyTimers {
     fn schedule(&mut self, seat: String, at: u64) {
         if let Some(old) = self.by_seat.insert(seat.clone(), at) {
             self.queue.remove(&(old, seat.clone()));
@@ -242,6 +277,14 @@ impl SeatTimers {
             }
         }
         due
+    }
+}
+
+/// Wakes the worker of every backing node.
+fn wake_seats(shared: &Shared) {
+    let seats: Vec<String> = shared.world().backing.keys().cloned().collect();
+    for seat in seats {
+        shared.signals.bump(&shared::seat_topic(&seat));
     }
 }
 

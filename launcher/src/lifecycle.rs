@@ -13,11 +13,17 @@ pub const FAILED_RETENTION: Duration = Duration::from_secs(600);
 pub const FAILED_SEAT_COOLDOWN: Duration = Duration::from_secs(10);
 /// How long after a launch refused for capacity the launcher asks the provider again.
 pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
+/// How long, beyond a heartbeat's TTL, a launcher back on the bus (connected, mirrors
+/// synced) waits for a heartbeat missing from KV before it takes the agent for gone. An
+/// agent may come back up to 4 s after the launcher (the NATS client's longest pause
+/// between reconnect attempts), and its first write after an outage can wait out its
+/// acknowledgement timeout (5 s).
+pub const HEARTBEAT_RECONNECT_MARGIN: Duration = Duration::from_secs(10);
 
 /// What is known of a backing node's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum AgentSeen {
-    /// No heartbeat (never, or it expired).
+    /// No heartbeat (never, or it expired): judged with [`Observed::synced_since`].
     Absent,
     /// A heartbeat under this id, but with another secret: not the instance we launched.
     Impostor,
@@ -54,6 +60,15 @@ pub struct Observed {
     /// When a slot was last returned, if seen by this process.
     pub last_release: Option<UnixMillis>,
     pub rules: Option<Rules>,
+    /// Since when this launcher has been connected with its mirrors synced; `None` while
+    /// it is not. A heartbeat counts as missing only over that time: KV expires the
+    /// heartbeats of live agents during a bus outage.
+    pub synced_since: Option<UnixMillis>,
+    /// When the mirror lost the agent's heartbeat (expired, or gone in a reload), if it
+    /// held one.
+    pub heartbeat_lost_at: Option<UnixMillis>,
+    /// The TTL of the agent's heartbeat record.
+    pub heartbeat_ttl: Duration,
     pub now: UnixMillis,
 }
 
@@ -112,7 +127,10 @@ pub fn next(b: &BackingNode, obs: &Observed) -> Step {
         Launching => launching(b, obs),
         Ready => ready(b, obs),
         Retiring => match obs.agent {
-            AgentSeen::Absent => Step::Fail("agent heartbeat expired while retiring".into()),
+            AgentSeen::Absent => match agent_gone(obs) {
+                Ok(why) => Step::Fail(format!("retiring: {why}")),
+                Err(at) => Step::Wait(at),
+            },
             _ if b.idle == IdleBehaviour::Hold => Step::Wait(None),
             _ if obs.used == 0 => Step::Release("retired and empty".into()),
             _ => Step::Wait(None),
@@ -138,6 +156,34 @@ fn kill_reason(b: &BackingNode) -> Option<String> {
         Some(reason) => format!("killed by {}: {reason}", order.actor),
         None => format!("killed by {}", order.actor),
     })
+}
+
+/// Whether a heartbeat missing from the mirror means the agent is gone (`Ok`, with how
+/// long it was missing while this launcher was connected), or until when to wait for it
+/// (`Err`; `None`: until the launcher is back on the bus).
+///
+/// It is gone when KV expired it with the launcher watching: its last write (the TTL
+/// before the mirror lost it) came after the launcher was connected and synced. Otherwise
+/// (it expired during an outage, or before this launcher started) it is gone once the
+/// launcher has been back for the heartbeat's TTL and [`HEARTBEAT_RECONNECT_MARGIN`]
+/// without seeing it: a live agent writes again within that time.
+fn agent_gone(obs: &Observed) -> Result<String, Option<UnixMillis>> {
+    let Some(synced) = obs.synced_since else {
+        return Err(None);
+    };
+    let last_write = obs
+        .heartbeat_lost_at
+        .map(|at| at.saturating_sub(obs.heartbeat_ttl.as_millis() as u64));
+    let expired_while_connected = last_write.is_some_and(|w| w >= synced);
+    let deadline = after(synced, obs.heartbeat_ttl + HEARTBEAT_RECONNECT_MARGIN);
+    if !expired_while_connected && obs.now < deadline {
+        return Err(Some(deadline));
+    }
+    let since = last_write.map_or(synced, |w| w.max(synced));
+    Ok(format!(
+        "agent heartbeat absent for {}s while connected",
+        obs.now.saturating_sub(since) / 1000
+    ))
 }
 
 fn launching(b: &BackingNode, obs: &Observed) -> Step {
@@ -197,9 +243,10 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
 fn ready(b: &BackingNode, obs: &Observed) -> Step {
     match obs.agent {
         AgentSeen::Absent => {
-            return Step::Fail(
-                "agent heartbeat expired: the backing node or its agent is gone".into(),
-            )
+            return match agent_gone(obs) {
+                Ok(why) => Step::Fail(format!("{why}: the backing node or its agent is gone")),
+                Err(at) => Step::Wait(at),
+            }
         }
         AgentSeen::Impostor => {
             return Step::Fail(
@@ -294,6 +341,9 @@ mod tests {
             used,
             last_release: None,
             rules: Some(rules()),
+            synced_since: Some(0),
+            heartbeat_lost_at: None,
+            heartbeat_ttl: Duration::from_secs(2),
             now,
         }
     }
@@ -424,11 +474,64 @@ mod tests {
     #[test]
     fn lost_agent_fails_a_ready_node() {
         let b = node(BackingState::Ready);
-        let mut o = obs(5_000, 2);
+        let mut o = obs(20_000, 2);
         o.agent = AgentSeen::Absent;
-        assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("heartbeat expired")));
+        o.heartbeat_lost_at = Some(20_000);
+        assert_eq!(
+            next(&b, &o),
+            Step::Fail(
+                "agent heartbeat absent for 2s while connected: \
+                 the backing node or its agent is gone"
+                    .into()
+            ),
+            "expired while connected: the TTL ran out with the launcher watching"
+        );
         o.agent = AgentSeen::Impostor;
         assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("different secret")));
+    }
+
+    #[test]
+    fn a_missing_heartbeat_counts_only_while_connected_and_synced() {
+        let b = node(BackingState::Ready);
+        let grace = (2_000 + HEARTBEAT_RECONNECT_MARGIN.as_millis()) as u64;
+        let mut o = obs(50_000, 2);
+        o.agent = AgentSeen::Absent;
+        o.synced_since = None;
+        assert_eq!(
+            next(&b, &o),
+            Step::Wait(None),
+            "disconnected: nothing to judge"
+        );
+        // Back on the bus at 50 s; the heartbeat expired during the outage, and the
+        // reload found it gone.
+        o.synced_since = Some(50_000);
+        o.heartbeat_lost_at = Some(50_010);
+        assert_eq!(next(&b, &o), Step::Wait(Some(50_000 + grace)));
+        o.now = 50_000 + grace - 1;
+        assert_eq!(next(&b, &o), Step::Wait(Some(50_000 + grace)));
+        // Written after the launcher was back, then expired with it watching: KV's word.
+        let mut expired = o;
+        expired.heartbeat_lost_at = Some(53_000);
+        expired.now = 53_000;
+        assert!(
+            matches!(next(&b, &expired), Step::Fail(r) if r.starts_with("agent heartbeat absent for 2s"))
+        );
+        o.now = 50_000 + grace;
+        assert_eq!(
+            next(&b, &o),
+            Step::Fail(format!(
+                "agent heartbeat absent for {}s while connected: \
+                 the backing node or its agent is gone",
+                grace / 1000
+            ))
+        );
+        let retiring = node(BackingState::Retiring);
+        o.now = 50_001;
+        assert_eq!(next(&retiring, &o), Step::Wait(Some(50_000 + grace)));
+        o.now = 50_000 + grace;
+        assert!(
+            matches!(next(&retiring, &o), Step::Fail(r) if r.starts_with("retiring: agent heartbeat absent"))
+        );
     }
 
     #[test]

@@ -35,19 +35,43 @@ pub fn free_seats<'a>(
                 seat,
                 reuse_revision: None,
             }),
-            Some(b)
-                if b.value.state == BackingState::Failed
-                    && b.value.instance.is_none()
-                    && now >= after(b.value.updated_at, FAILED_SEAT_COOLDOWN) =>
-            {
-                Some(FreeSeat {
-                    seat,
-                    reuse_revision: Some(b.revision),
-                })
-            }
+            Some(b) if rest_end(&b.value).is_some_and(|end| now >= end) => Some(FreeSeat {
+                seat,
+                reuse_revision: Some(b.revision),
+            }),
             Some(_) => None,
         })
         .collect()
+}
+
+/// When a failed backing node's seat ends its rest and may be launched into again;
+/// `None` for a seat that is not resting (not failed, or its instance not yet deleted).
+fn rest_end(b: &BackingNode) -> Option<u64> {
+    (b.state == BackingState::Failed && b.instance.is_none())
+        .then(|| after(b.updated_at, FAILED_SEAT_COOLDOWN))
+}
+
+/// When the first seat serving `label` that rests now ends its rest, while the label's
+/// demand is unmet: the supervisor plans the label again then, rather than at its resync.
+pub fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
+    let world = shared.world();
+    if world.unmet_demand(label) <= world.coming_capacity(label) {
+        return None;
+    }
+    let now = now_ms();
+    shared
+        .config
+        .sites(label)
+        .iter()
+        .flat_map(|site| {
+            world
+                .seats_of(&site.provider.name, &site.pool.name)
+                .into_values()
+                .filter_map(|b| rest_end(&b.value))
+                .filter(|end| *end > now)
+                .collect::<Vec<_>>()
+        })
+        .min()
 }
 
 /// Takes as many seats as the label's unmet demand needs.

@@ -208,7 +208,25 @@ async fn holds_slot(shared: &Shared, id: &NodeId) -> Result<bool, KvError> {
         .is_some_and(|n| &n.value.id == id))
 }
 
-/// Finishes a release in the background (the API replies once the node is marked).
+/// The pause before the first retry of a release that could not be finished, and before
+/// a launcher finishes a release it saw begun and not finished; it doubles up to
+/// [`RELEASE_RETRY_MAX`].
+pub const RELEASE_RETRY_FIRST: Duration = Duration::from_secs(1);
+pub const RELEASE_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// The pause before retry `attempt` (0 = the first): [`RELEASE_RETRY_FIRST`] doubling up
+/// to [`RELEASE_RETRY_MAX`], each within ±25 % so that launchers retrying the same
+/// release spread out.
+pub fn retry_pause(attempt: u32) -> Duration {
+    let base = RELEASE_RETRY_FIRST
+        .saturating_mul(1 << attempt.min(16))
+        .min(RELEASE_RETRY_MAX);
+    base.mul_f64(rand::random_range(0.75..1.25))
+}
+
+/// Finishes a release in the background (the API replies once the node is marked),
+/// retrying with [`retry_pause`] while the slot still holds the node releasing (an agent
+/// that did not answer, a write that failed).
 fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
     let work = Work::Release(node.value.id.clone());
     if !shared.start_work(&work) {
@@ -218,13 +236,51 @@ fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
     let span = tracing::info_span!("release", node_id = %node.value.id);
     shared.spawn_task(
         async move {
-            if let Err(err) = finish_release(&sh, node).await {
-                tracing::warn!(%err, "cannot finish the release; it is retried later");
+            let mut node = node;
+            let mut attempt = 0;
+            loop {
+                let Err(err) = finish_release(&sh, node.clone()).await else {
+                    break;
+                };
+                let pause = retry_pause(attempt);
+                attempt += 1;
+                tracing::warn!(%err, retry_in = ?pause, "cannot finish the release; retrying");
+                tokio::select! {
+                    _ = sh.shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                match releasing(&sh, &node.key).filter(|n| n.value.id == node.value.id) {
+                    Some(again) => node = again,
+                    None => break,
+                }
             }
             sh.end_work(&work);
         }
         .instrument(span),
     );
+}
+
+/// The node in slot `key` if the mirror has it releasing.
+fn releasing(shared: &Shared, key: &str) -> Option<Versioned<Node>> {
+    shared
+        .world()
+        .slots
+        .get(key)
+        .filter(|n| n.value.state == NodeState::Releasing)
+        .cloned()
+}
+
+/// Finishes the release of the node in slot `key` if it is still releasing and no worker
+/// of this launcher finishes it: the launcher that began it died, or is still at it (both
+/// finishing is safe). The supervisor calls this [`RELEASE_RETRY_FIRST`] after it saw the
+/// slot marked.
+pub fn finish_left_behind(shared: &Arc<Shared>, key: &str) {
+    if let Some(node) = releasing(shared, key) {
+        if !shared.is_working_on(&Work::Release(node.value.id.clone())) {
+            tracing::info!(node_id = %node.value.id, "finishing a release left behind");
+            spawn_finish_release(shared, node);
+        }
+    }
 }
 
 /// How long a node may stay releasing before any launcher finishes its release (the
@@ -349,6 +405,21 @@ fn left_behind(node: &Node, request: Option<&NodeRequest>) -> bool {
 mod tests {
     use super::*;
     use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
+
+    #[test]
+    fn retries_start_at_a_second_and_double_to_thirty_with_jitter() {
+        let within = |d: Duration, base: f64| {
+            let s = d.as_secs_f64();
+            s >= base * 0.75 && s <= base * 1.25
+        };
+        for _ in 0..100 {
+            assert!(within(retry_pause(0), 1.0));
+            assert!(within(retry_pause(1), 2.0));
+            assert!(within(retry_pause(4), 16.0));
+            assert!(within(retry_pause(5), 30.0));
+            assert!(within(retry_pause(40), 30.0));
+        }
+    }
 
     fn node(state: NodeState, allocated_at: u64) -> Node {
         let backing = BackingId::parse("bn-1").unwrap();

@@ -4,6 +4,7 @@
 use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::liveness::Liveness;
+use crate::mirror_sync::MirrorSync;
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
@@ -30,6 +31,8 @@ pub struct Shared {
     pub shutdown: CancellationToken,
     /// This launcher's liveness lease, which stands for every request it owns.
     pub liveness: Liveness,
+    /// Since when the mirrors are synced over a live connection.
+    pub mirror_sync: MirrorSync,
 }
 
 impl Shared {
@@ -38,6 +41,7 @@ impl Shared {
         config: Config,
         providers: HashMap<String, Arc<dyn Provider>>,
         agent_bus: AgentBus,
+        mirror_sync: MirrorSync,
         shutdown: CancellationToken,
     ) -> Shared {
         Shared {
@@ -51,6 +55,7 @@ impl Shared {
             active: Mutex::new(HashSet::new()),
             tracker: TaskTracker::new(),
             liveness: Liveness::new(&shutdown),
+            mirror_sync,
             shutdown,
         }
     }
@@ -106,12 +111,14 @@ pub enum Work {
 }
 
 /// What changed in the mirror, as workers wait for it and the supervisor looks at it:
-/// a request, a seat (its backing node or its agent), or the capacity of a label.
+/// a request, a seat (its backing node or its agent), the capacity of a label, or a slot
+/// (by its key) marked releasing.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Topic {
     Request(RequestId),
     Seat(String),
     Label(String),
+    Release(String),
 }
 
 /// Change signals by [`Topic`]: a worker subscribes to what it waits for and is woken

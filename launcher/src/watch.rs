@@ -1,15 +1,17 @@
 //! Keeps the [`crate::world::World`] mirror current from KV watches, wakes the workers
 //! waiting on what changed, and tells the supervisor which work items to look at.
 //!
-//! After a dropped watch it watches again from the current values, and forgets keys that
-//! disappeared while it was away.
+//! After a dropped watch, and after the connection came back, it watches again from the
+//! current values and forgets keys that disappeared while it was away (the removal of an
+//! expired key is announced by a marker that lives about a second: a watch that resumed
+//! would miss it). [`crate::mirror_sync::MirrorSync`] hears when each mirror is synced.
 
 use crate::shared::{label_topic, request_topic, seat_topic, Shared, Topic};
 use crate::world::World;
 use futures::StreamExt;
 use slotpool_protocol::layout::{self, LeaseOf};
 use slotpool_protocol::model::{
-    BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
+    BackingNode, HeartbeatGist, Lease, Node, NodeRequest, NodeState, RequestState,
 };
 use slotpool_protocol::store::{Change, Store, Versioned};
 use slotpool_protocol::{BackingId, LauncherId, RequestId};
@@ -63,15 +65,35 @@ pub async fn run(
 ) {
     let mut synced = Some(synced);
     let mut present: HashSet<String> = HashSet::new();
+    let mut link = shared.bus.link_state();
+    let mut reconnects = link.borrow_and_update().reconnects;
     loop {
         let store = mirror.store(&shared).clone();
+        let mut reconnected = false;
         match store.watch().await {
             Ok(changes) => {
                 let mut changes = Box::pin(changes);
                 let mut seen: Option<HashSet<String>> = Some(HashSet::new());
                 loop {
                     let next = tokio::select! {
+                        // A lost connection is heard of before anything that comes after
+                        // it: what a watch resumed after a reconnect delivers is not
+                        // trusted until the mirror is synced again.
+                        biased;
                         _ = shared.shutdown.cancelled() => return,
+                        Ok(()) = link.changed() => {
+                            let state = *link.borrow_and_update();
+                            if !state.up {
+                                shared.mirror_sync.lost(mirror as usize);
+                            }
+                            if state.reconnects != reconnects {
+                                reconnects = state.reconnects;
+                                tracing::info!(bucket = store.bucket(), "reconnected; reloading the mirror");
+                                reconnected = true;
+                                break;
+                            }
+                            continue;
+                        }
                         next = changes.next() => next,
                     };
                     match next {
@@ -95,6 +117,7 @@ pub async fn run(
                                     present.remove(&gone);
                                 }
                             }
+                            shared.mirror_sync.synced(mirror as usize);
                             if let Some(tx) = synced.take() {
                                 let _ = tx.send(());
                             }
@@ -120,6 +143,10 @@ pub async fn run(
             Err(err) => {
                 tracing::warn!(bucket = mirror.store(&shared).bucket(), %err, "cannot watch; retrying")
             }
+        }
+        shared.mirror_sync.lost(mirror as usize);
+        if reconnected {
+            continue;
         }
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -211,6 +238,11 @@ impl Effects {
     }
 
     fn slot(&mut self, world: &World, n: &Node) {
+        if n.state == NodeState::Releasing {
+            // Whoever began it finishes it; if nobody does, the supervisor will.
+            self.todo
+                .push(Dirty::Release(layout::slot_key(&n.backing_id, n.slot)));
+        }
         if let Some(seat) = world.seat_of.get(&n.backing_id) {
             self.wake.push(seat_topic(seat));
             self.todo.push(Dirty::Seat(seat.clone()));

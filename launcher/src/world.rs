@@ -18,12 +18,14 @@ pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 use capacity::{CapacityIndex, Offer, Standing};
 use slotpool_protocol::layout::{self, parse_slot_key};
 use slotpool_protocol::model::{
-    BackingNode, BackingState, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
+    BackingNode, BackingState, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest,
+    RequestState, DEFAULT_HEARTBEAT_TTL_SECS,
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::time::Duration;
 
 /// A backing node together with what is known about it.
 #[derive(Clone, Debug)]
@@ -65,6 +67,9 @@ pub struct World {
     pub leases: HashMap<String, Versioned<Lease>>,
     /// When a slot of each backing node was last returned (local clock).
     pub last_release: HashMap<BackingId, UnixMillis>,
+    /// Heartbeats the mirror held and lost (expired, or gone in a reload): when, and the
+    /// record's TTL. Kept until the agent heartbeats again or its backing node is gone.
+    pub lost_heartbeats: HashMap<BackingId, LostHeartbeat>,
     /// Slot keys this launcher's workers are claiming right now.
     pub reserved: HashSet<String>,
     /// Slot key → revision of its tombstone, for free slots whose deletion was seen: a
@@ -80,6 +85,15 @@ pub struct World {
     pub held_requests: HashSet<RequestId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
+}
+
+/// A heartbeat the mirror lost ([`World::lost_heartbeats`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LostHeartbeat {
+    /// When the mirror lost it (local clock).
+    pub at: UnixMillis,
+    /// The TTL the record had.
+    pub ttl: Duration,
 }
 
 impl World {
@@ -216,6 +230,7 @@ impl World {
         }
         if let Some(old) = self.backing.remove(key) {
             self.seat_of.remove(&old.value.id);
+            self.lost_heartbeats.remove(&old.value.id);
             for slot in 0..old.value.slots {
                 self.tombstones
                     .remove(&layout::slot_key(&old.value.id, slot));
@@ -237,6 +252,7 @@ impl World {
         {
             return false;
         }
+        self.lost_heartbeats.remove(&id);
         self.agents.insert(id.clone(), hb.into());
         self.restand_backing(&id);
         true
@@ -252,7 +268,15 @@ impl World {
 
     pub fn remove_agent(&mut self, key: &str) {
         if let Ok(id) = BackingId::parse(key) {
-            if self.agents.remove(&id).is_some() {
+            if let Some(old) = self.agents.remove(&id) {
+                let ttl_secs = old.ttl_secs.unwrap_or(DEFAULT_HEARTBEAT_TTL_SECS);
+                self.lost_heartbeats.insert(
+                    id.clone(),
+                    LostHeartbeat {
+                        at: now_ms(),
+                        ttl: Duration::from_secs(ttl_secs),
+                    },
+                );
                 self.restand_backing(&id);
             }
         }
@@ -529,6 +553,7 @@ pub mod tests_support {
             backing_id: id.to_string().into(),
             secret_sha256: "s".into(),
             health: HealthGist { healthy: true },
+            ttl_secs: None,
             draining: false,
             dirty_slots: vec![],
             ssh_port: None,

@@ -103,6 +103,8 @@ pub struct Bus {
     pub agents: Store,
     pub leases: Store,
     pub events: Store,
+    /// Whether the connection is up and how often it came back ([`Bus::link_state`]).
+    link_state: tokio::sync::watch::Receiver<LinkState>,
 }
 
 /// Whether a [`Bus`]'s connection is up, as the NATS client reports it (see
@@ -112,6 +114,13 @@ pub enum Link {
     Up,
     /// Lost; the client is reconnecting on its own.
     Down,
+}
+
+/// Whether a [`Bus`]'s connection is up, and how many times it came back after a loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkState {
+    pub up: bool,
+    pub reconnects: u64,
 }
 
 /// A message received on a served subject.
@@ -153,7 +162,11 @@ impl Bus {
         replicas: Option<usize>,
     ) -> Result<Bus, BusError> {
         let user = bus_user(opts)?;
-        let client = connect_client(opts, &user, link).await?;
+        let (state_tx, link_state) = tokio::sync::watch::channel(LinkState {
+            up: true,
+            reconnects: 0,
+        });
+        let client = connect_client(opts, &user, link, state_tx).await?;
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
@@ -190,7 +203,16 @@ impl Bus {
             events: find(layout::EVENTS.name),
             client,
             user,
+            link_state,
         })
+    }
+
+    /// The connection's [`LinkState`], changed at each loss and recovery: a watcher of
+    /// KV re-reads what it mirrors after a reconnect, since a removal the server announced
+    /// while it was away (an expired key's marker lives about a second) is not delivered
+    /// again.
+    pub fn link_state(&self) -> tokio::sync::watch::Receiver<LinkState> {
+        self.link_state.clone()
     }
 
     /// Who this connection is on the bus: from its credentials, or `act_as` (default
@@ -337,6 +359,7 @@ async fn connect_client(
     opts: &NatsOptions,
     user: &BusUser,
     link: Option<tokio::sync::watch::Sender<Link>>,
+    state: tokio::sync::watch::Sender<LinkState>,
 ) -> Result<async_nats::Client, BusError> {
     let mut o = async_nats::ConnectOptions::new()
         // Replies come to this user's own inbox: a user may subscribe to no other's.
@@ -348,18 +371,36 @@ async fn connect_client(
         })
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None::<usize>);
-    if let Some(link) = link {
-        o = o.event_callback(move |event| {
-            let link = link.clone();
-            async move {
-                match event {
-                    async_nats::Event::Connected => link.send_replace(Link::Up),
-                    async_nats::Event::Disconnected => link.send_replace(Link::Down),
-                    _ => return,
-                };
+    o = o.event_callback(move |event| {
+        let (link, state) = (link.clone(), state.clone());
+        async move {
+            match event {
+                async_nats::Event::Connected => {
+                    // The first connection is no reconnect.
+                    state.send_if_modified(|s| {
+                        let back = !s.up;
+                        if back {
+                            *s = LinkState {
+                                up: true,
+                                reconnects: s.reconnects + 1,
+                            };
+                        }
+                        back
+                    });
+                    if let Some(link) = link {
+                        link.send_replace(Link::Up);
+                    }
+                }
+                async_nats::Event::Disconnected => {
+                    state.send_if_modified(|s| std::mem::replace(&mut s.up, false));
+                    if let Some(link) = link {
+                        link.send_replace(Link::Down);
+                    }
+                }
+                _ => {}
             }
-        });
-    }
+        }
+    });
     if let Some(path) = &opts.creds {
         o = o
             .credentials_file(path)

@@ -430,6 +430,10 @@ pub struct SlotReport {
     pub node_id: NodeId,
 }
 
+/// The TTL of an agent's heartbeat record unless it says otherwise
+/// ([`AgentHeartbeat::ttl_secs`]); the agent's `--heartbeat-ttl-secs` default.
+pub const DEFAULT_HEARTBEAT_TTL_SECS: u64 = 6;
+
 /// An agent's heartbeat, written every few seconds with a TTL under its backing id.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AgentHeartbeat {
@@ -442,6 +446,11 @@ pub struct AgentHeartbeat {
     pub pid: u32,
     pub started_at: UnixMillis,
     pub sent_at: UnixMillis,
+    /// How long the record lives in KV unless written again, in seconds (older agents do
+    /// not say: [`DEFAULT_HEARTBEAT_TTL_SECS`]). A launcher that was away from the bus
+    /// waits this long, and a margin, for a heartbeat after it is back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_secs: Option<u64>,
     pub health: Health,
     #[serde(default)]
     pub slots: Vec<SlotReport>,
@@ -505,6 +514,8 @@ pub struct HeartbeatGist<'a> {
     #[serde(borrow)]
     pub secret_sha256: Cow<'a, str>,
     pub health: HealthGist,
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
     #[serde(default)]
     pub draining: bool,
     #[serde(default)]
@@ -618,6 +629,7 @@ mod tests {
             pid: 7,
             started_at: 1,
             sent_at: 2,
+            ttl_secs: Some(6),
             health: Health {
                 healthy: true,
                 reason: Some("fine \"really\"".into()),

@@ -146,6 +146,9 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             used: 0,
             last_release,
             rules: None,
+            synced_since: Some(0),
+            heartbeat_lost_at: None,
+            heartbeat_ttl: Duration::from_secs(6),
             now,
         };
         let rules = lifecycle::Rules {

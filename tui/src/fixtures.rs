@@ -86,6 +86,7 @@ pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
         pid: 7,
         started_at: NOW - 3500 * SEC,
         sent_at,
+        ttl_secs: None,
         health: Health {
             healthy: true,
             ..Default::default()

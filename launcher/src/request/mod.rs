@@ -121,8 +121,28 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
 }
 
 async fn drive(sh: &Arc<Shared>, id: RequestId) {
-    let lost = sh.liveness.token();
-    if let Err(err) = worker::run(sh, &id, &lost).await {
-        tracing::warn!(%err, "request worker stopped; another pass will resume it");
+    let mut lost = sh.liveness.token();
+    loop {
+        if let Err(err) = worker::run(sh, &id, &lost).await {
+            tracing::warn!(%err, "request worker stopped; another pass will resume it");
+            return;
+        }
+        if !lost.is_cancelled() {
+            return;
+        }
+        // The liveness lease was lost: go on as soon as it is taken again, if the request
+        // is still this launcher's (another may have taken it over meanwhile).
+        lost = tokio::select! {
+            _ = sh.shutdown.cancelled() => return,
+            token = sh.liveness.taken_again() => token,
+        };
+        match take(sh, &id).await {
+            Ok(true) => tracing::info!("liveness lease taken again; driving the request on"),
+            Ok(false) => return,
+            Err(err) => {
+                tracing::warn!(%err, "cannot take the request over");
+                return;
+            }
+        }
     }
 }

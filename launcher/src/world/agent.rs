@@ -14,6 +14,8 @@ pub struct AgentReport {
     pub dirty_slots: Vec<u32>,
     /// What a prepare of a slot will answer; `None` for an agent that does not say.
     pub login: Option<SlotLoginPlan>,
+    /// The heartbeat record's TTL, when the agent says.
+    pub ttl_secs: Option<u64>,
 }
 
 /// An agent's slot names, SSH port and host keys: what a prepare of a slot answers, known
@@ -51,6 +53,7 @@ impl AgentReport {
             && self.healthy == hb.health.healthy
             && self.draining == hb.draining
             && self.dirty_slots == hb.dirty_slots
+            && self.ttl_secs == hb.ttl_secs
             && match &self.login {
                 Some(plan) => plan.says_the_same_as(hb),
                 None => hb.slot_names.is_none(),
@@ -78,6 +81,7 @@ impl From<HeartbeatGist<'_>> for AgentReport {
             draining: hb.draining,
             dirty_slots: hb.dirty_slots,
             login,
+            ttl_secs: hb.ttl_secs,
         }
     }
 }

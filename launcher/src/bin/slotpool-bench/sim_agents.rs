@@ -211,6 +211,7 @@ async fn heartbeats(
             pid,
             started_at,
             sent_at: now_ms(),
+            ttl_secs: Some(spec.ttl.as_secs()),
             health: Health {
                 healthy: true,
                 ..Default::default()

@@ -1,0 +1,177 @@
+//! Recoveries driven by events and timers, not by the launcher's periodic resync
+//! (`RESYNC_INTERVAL`, 15 s): each is awaited with a deadline well below it.
+
+use futures::StreamExt;
+use slotpool_launcher::lifecycle::FAILED_SEAT_COOLDOWN;
+use slotpool_protocol::layout::slot_key;
+use slotpool_protocol::model::BackingState;
+use slotpool_protocol::model::{Lease, Node, NodeRequest, NodeState, RequestState};
+use slotpool_protocol::store::Change;
+use slotpool_protocol::store::KvError;
+use slotpool_protocol::time::now_ms;
+use slotpool_tests::{label, wait_for_some, Pool};
+use std::time::Duration;
+
+/// Far below the resync interval: what a recovery driven by events may take here.
+const PROMPT: Duration = Duration::from_secs(6);
+
+/// Reads `changes` until `wanted` says yes; panics naming `what` after [`PROMPT`].
+async fn wait_change<S>(changes: &mut S, what: &str, mut wanted: impl FnMut(&Change) -> bool)
+where
+    S: futures::Stream<Item = Result<Change, KvError>> + Unpin,
+{
+    let found = tokio::time::timeout(PROMPT, async {
+        while let Some(change) = changes.next().await {
+            if wanted(&change.expect("watching KV")) {
+                return;
+            }
+        }
+        panic!("the watch ended while waiting for {what}");
+    })
+    .await;
+    if found.is_err() {
+        panic!("timed out after {PROMPT:?} waiting for {what}");
+    }
+}
+
+/// A slot marked releasing by a launcher that then died (its release never finished) is
+/// freed by the launcher that sees it, about a second later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_left_behind_is_finished_within_seconds() {
+    let pool = Pool::start(1, 5, &label("small", 2, 60, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, slot) = r.nodes[0].slot().unwrap();
+    let key = slot_key(&backing, slot);
+    let slots = &pool.client.bus().slots;
+    let mut changes = Box::pin(slots.watch_keys(&key).await.unwrap());
+    let node = slots.get::<Node>(&key).await.unwrap().unwrap();
+    let mut releasing = node.value.clone();
+    releasing.state = NodeState::Releasing;
+    releasing.released_at = Some(now_ms());
+    slots
+        .update(&key, &releasing, node.revision, None)
+        .await
+        .unwrap();
+    wait_change(&mut changes, "the slot left releasing to be freed", |c| {
+        matches!(c, Change::Removed { .. })
+    })
+    .await;
+}
+
+/// A launcher whose liveness lease was lost (here: deleted, as if it had expired) takes
+/// it back and at once drives its waiting requests again: one is served as soon as a slot
+/// frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_that_takes_its_liveness_back_drives_its_requests_at_once() {
+    let pool = Pool::start(1, 3, &label("small", 1, 60, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let waiting = pool.submit(&["small"]).await;
+
+    let leases = &pool.client.bus().leases;
+    let mut lease_changes = Box::pin(leases.watch_keys("launcher.*").await.unwrap());
+    let mut key = String::new();
+    wait_change(
+        &mut lease_changes,
+        "the launcher's liveness lease",
+        |c| match c {
+            Change::Put { key: k, .. } => {
+                key = k.clone();
+                true
+            }
+            _ => false,
+        },
+    )
+    .await;
+    let lease = leases.get::<Lease>(&key).await.unwrap().unwrap();
+    leases.delete(&key, lease.revision).await.unwrap();
+    // Taken again (a new record under the same key).
+    wait_change(&mut lease_changes, "the liveness lease taken again", |c| {
+        matches!(c, Change::Put { key: k, revision, .. } if *k == key && *revision > lease.revision)
+    })
+    .await;
+    let mut requests = pool
+        .client
+        .bus()
+        .requests
+        .watch_keys(waiting.as_str())
+        .await
+        .unwrap()
+        .boxed();
+    pool.client.release(first.nodes.clone()).await.unwrap();
+    wait_change(&mut requests, "the waiting request served", |c| match c {
+        Change::Put {
+            key,
+            revision,
+            value,
+        } => Change::decode::<NodeRequest>("slotpool_requests", key, *revision, value)
+            .is_ok_and(|r| r.value.state == RequestState::Fulfilled),
+        _ => false,
+    })
+    .await;
+}
+
+/// A request waiting for a backing node whose only seat holds a failed one is served as
+/// soon as the seat's rest ends (a timer), not at the next resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_seat_is_launched_into_again_when_its_rest_ends() {
+    let pool = Pool::start(1, 5, &label("small", 1, 60, &[]), 1).await;
+    let started = tokio::time::Instant::now();
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let dead = pool.node(&first.nodes[0]).await.backing_id;
+    let waiting = pool.submit(&["small"]).await;
+    let mut requests = pool
+        .client
+        .bus()
+        .requests
+        .watch_keys(waiting.as_str())
+        .await
+        .unwrap()
+        .boxed();
+    let pid: i32 = std::fs::read_to_string(pool.agent_dir(dead.as_str()).join("agent.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The launcher's resync runs as it starts and every 15 s after: the agent dies 8 s in,
+    // so that the seat's rest (10 s after the failure, found within the 2 s heartbeat
+    // TTL) ends half-way between two resyncs and only a timer serves the request in time.
+    tokio::time::sleep_until(started + Duration::from_secs(8)).await;
+    // SAFETY: the agent was started by this test's launcher.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let failed_at = wait_for_some(
+        "the dead agent's backing node failed and cleaned up",
+        Duration::from_secs(60),
+        || async {
+            pool.backing()
+                .await
+                .into_iter()
+                .find(|b| b.id == dead && b.state == BackingState::Failed && b.instance.is_none())
+                .map(|b| b.updated_at)
+        },
+    )
+    .await;
+    let rest_left = Duration::from_millis(
+        (failed_at + FAILED_SEAT_COOLDOWN.as_millis() as u64).saturating_sub(now_ms()),
+    );
+    let served = tokio::time::timeout(rest_left + Duration::from_secs(4), async {
+        while let Some(change) = requests.next().await {
+            if let Change::Put {
+                key,
+                revision,
+                value,
+            } = change.expect("watching the request")
+            {
+                let r = Change::decode::<NodeRequest>("slotpool_requests", &key, revision, &value)
+                    .unwrap();
+                if r.value.state == RequestState::Fulfilled {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        served.is_ok(),
+        "the waiting request was not served within 4 s of the seat's rest ending ({rest_left:?} after the failure was cleaned up)"
+    );
+}
