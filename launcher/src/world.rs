@@ -254,6 +254,11 @@ impl World {
     /// What the backing node `b` offers its label now.
     fn offer(&self, b: &BackingNode) -> Offer {
         match b.state {
+            // A seat whose provider said it is out of capacity brings nothing until a
+            // launch succeeds: counting it would keep the planner from the next pool.
+            BackingState::Requested | BackingState::Launching if b.out_of_capacity => {
+                Offer::Nothing
+            }
             BackingState::Requested | BackingState::Launching => Offer::Booting { slots: b.slots },
             _ if self.takes_slots(b) => {
                 let used = self.used_count(&b.id);
@@ -397,7 +402,8 @@ impl World {
         n
     }
 
-    /// Slots of `label` free now or soon (on backing nodes still booting).
+    /// Slots of `label` free now or soon (on backing nodes still booting, unless their
+    /// provider is out of capacity).
     pub fn coming_capacity(&self, label: &str) -> u32 {
         self.capacity.coming(label)
     }
@@ -458,6 +464,7 @@ impl World {
             assert_eq!(picked, fullest, "not the fullest usable node of {label}");
             let coming: u32 = nodes()
                 .map(|b| match b.state {
+                    BackingState::Requested | BackingState::Launching if b.out_of_capacity => 0,
                     BackingState::Requested | BackingState::Launching => b.slots,
                     BackingState::Ready if self.takes_slots(b) => {
                         b.slots.saturating_sub(self.used_count(&b.id))
@@ -733,6 +740,21 @@ mod tests {
         assert_eq!(peek(&mut w, "small"), None);
         w.put_backing(with_state("bn-c", BackingState::Launching, 1));
         assert_eq!(w.coming_capacity("small"), 2, "a booting node counts whole");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn a_seat_out_of_capacity_brings_nothing_until_it_launches() {
+        let mut w = World::default();
+        let mut b = with_state("bn-c", BackingState::Launching, 1);
+        b.value.out_of_capacity = true;
+        w.put_backing(b.clone());
+        assert_eq!(w.coming_capacity("small"), 0);
+        w.check_capacity_index();
+        b.revision = 2;
+        b.value.out_of_capacity = false;
+        w.put_backing(b);
+        assert_eq!(w.coming_capacity("small"), 2, "launched again: coming");
         w.check_capacity_index();
     }
 
