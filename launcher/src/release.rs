@@ -164,7 +164,7 @@ pub async fn expire_when_released(
     loop {
         let current = match read.take() {
             Some(current) => current,
-            None => match shared.bus.requests.get::<NodeRequest>(id.as_str()).await? {
+            None => match readable(shared.bus.requests.get::<NodeRequest>(id.as_str()).await)? {
                 Some(current) => current,
                 None => return Ok(()),
             },
@@ -191,6 +191,17 @@ pub async fn expire_when_released(
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
         }
+    }
+}
+
+/// A request as read from KV, `None` when its record cannot be read: nothing can be
+/// served for it, so its claims count as left behind.
+fn readable(
+    read: Result<Option<Versioned<NodeRequest>>, KvError>,
+) -> Result<Option<Versioned<NodeRequest>>, KvError> {
+    match read {
+        Err(KvError::Decode { .. }) => Ok(None),
+        other => other,
     }
 }
 
@@ -247,7 +258,10 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
             .filter(|n| match n.value.state {
                 NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
                 NodeState::Preparing | NodeState::Ready => {
-                    claimed_long_ago(n.value.allocated_at, now)
+                    // A request whose record cannot be read is not being created: its
+                    // claims need not wait to be judged.
+                    (world.unreadable_requests.contains_key(&n.value.request_id)
+                        || claimed_long_ago(n.value.allocated_at, now))
                         && left_behind(
                             &n.value,
                             world.requests.get(&n.value.request_id).map(|r| &r.value),
@@ -284,11 +298,13 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
 /// Releases a node the mirror says is [`left_behind`], once the request's record in KV
 /// says so too (the mirror may not have the request yet).
 async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(), SlotError> {
-    let request = shared
-        .bus
-        .requests
-        .get::<NodeRequest>(node.value.request_id.as_str())
-        .await?;
+    let request = readable(
+        shared
+            .bus
+            .requests
+            .get::<NodeRequest>(node.value.request_id.as_str())
+            .await,
+    )?;
     if !left_behind(&node.value, request.as_ref().map(|r| &r.value)) {
         return Ok(());
     }

@@ -139,6 +139,26 @@ fn decode<T: serde::de::DeserializeOwned>(
         .ok()
 }
 
+/// A request or slot record, or [`Record::Unreadable`] when it cannot be decoded: those
+/// two buckets must not lose a key to a bad record (a slot would look free, a request's
+/// claims would never be given back).
+fn decode_or_note<'a, T: serde::de::DeserializeOwned>(
+    bucket: &str,
+    key: &'a str,
+    revision: u64,
+    value: &[u8],
+    wrap: impl FnOnce(Versioned<T>) -> Record<'a>,
+) -> Record<'a> {
+    match Change::decode(bucket, key, revision, value) {
+        Ok(v) => wrap(v),
+        Err(err) => Record::Unreadable {
+            key,
+            revision,
+            error: err.to_string(),
+        },
+    }
+}
+
 /// A change as read from the wire, before the world lock is taken.
 enum Record<'a> {
     Request(Versioned<NodeRequest>),
@@ -147,6 +167,12 @@ enum Record<'a> {
     /// Only what decides slots: heartbeats are most of the traffic.
     Heartbeat(HeartbeatGist<'a>),
     Lease(Versioned<Lease>),
+    /// A request or slot record that cannot be decoded.
+    Unreadable {
+        key: &'a str,
+        revision: u64,
+        error: String,
+    },
     Removed {
         key: &'a str,
         revision: u64,
@@ -171,8 +197,8 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
         } => (key.as_str(), *revision, value),
     };
     Some(match mirror {
-        Mirror::Requests => Record::Request(decode(bucket, key, revision, value)?),
-        Mirror::Slots => Record::Slot(decode(bucket, key, revision, value)?),
+        Mirror::Requests => decode_or_note(bucket, key, revision, value, Record::Request),
+        Mirror::Slots => decode_or_note(bucket, key, revision, value, Record::Slot),
         Mirror::Backing => Record::Backing(decode(bucket, key, revision, value)?),
         Mirror::Agents => Record::Heartbeat(
             HeartbeatGist::from_json(value)
@@ -190,6 +216,16 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
 struct Effects {
     wake: Vec<Topic>,
     todo: Vec<Dirty>,
+    /// A record seen unreadable for the first time at its revision, to report once.
+    unreadable: Option<Unreadable>,
+}
+
+/// An unreadable record, as reported to operators.
+struct Unreadable {
+    mirror: Mirror,
+    key: String,
+    revision: u64,
+    error: String,
 }
 
 impl Effects {
@@ -233,6 +269,17 @@ impl Effects {
     }
 
     fn send(self, shared: &Shared, dirty: &mpsc::UnboundedSender<Dirty>) {
+        if let Some(u) = self.unreadable {
+            let bucket = u.mirror.store(shared).bucket();
+            let what = match u.mirror {
+                Mirror::Slots => {
+                    "the slot counts as occupied until the record is replaced or deleted"
+                }
+                _ => "the request is ignored and the slots claimed for it are released",
+            };
+            tracing::warn!(bucket, key = %u.key, revision = u.revision, error = %u.error, "unreadable record: {what}");
+            crate::events::unreadable(shared, bucket, &u.key, u.revision, &u.error, what);
+        }
         for topic in self.wake {
             shared.signals.bump(&topic);
         }
@@ -291,7 +338,14 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
         }
         Record::Slot(n) => {
             fx.slot(world, &n.value);
+            let (request, label) = (n.value.request_id.clone(), n.value.label.clone());
+            let queued = world.is_short_of(&request, &label);
             world.put_slot(n);
+            // A request of another launcher got its node: the requests queued behind
+            // it for the label may go on.
+            if queued && !world.is_short_of(&request, &label) {
+                fx.wake.push(label_topic(&label));
+            }
         }
         Record::Backing(b) => {
             fx.backing(&b.key, &b.value);
@@ -306,6 +360,31 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
             }
         }
         Record::Lease(l) => world.put_lease(l),
+        Record::Unreadable {
+            key,
+            revision,
+            error,
+        } => {
+            let first = match mirror {
+                Mirror::Slots => world.put_unreadable_slot(key, revision),
+                Mirror::Requests => {
+                    if let Ok(id) = RequestId::parse(key) {
+                        // Its worker, if any, must see it gone.
+                        fx.wake.push(request_topic(&id));
+                    }
+                    world.put_unreadable_request(key, revision)
+                }
+                _ => false,
+            };
+            if first {
+                fx.unreadable = Some(Unreadable {
+                    mirror,
+                    key: key.to_string(),
+                    revision,
+                    error,
+                });
+            }
+        }
         Record::Removed { key, revision } => match mirror {
             Mirror::Requests => world.remove_request(key, revision),
             Mirror::Slots => {

@@ -52,6 +52,9 @@ pub enum ErrorCode {
     Internal,
     /// The caller may not do this: the request or node belongs to another client.
     Forbidden,
+    /// The record in question cannot be read (corrupt or written by something else);
+    /// retrying does not help.
+    Unreadable,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
