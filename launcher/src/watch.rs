@@ -12,6 +12,7 @@ use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, Lease, Node, NodeRequest, RequestState,
 };
 use slotpool_protocol::store::{Change, Store, Versioned};
+use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, LauncherId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -65,7 +66,7 @@ pub async fn run(
     let mut present: HashSet<String> = HashSet::new();
     loop {
         let store = mirror.store(&shared).clone();
-        match store.watch().await {
+        match store.watch_timed().await {
             Ok(changes) => {
                 let mut changes = Box::pin(changes);
                 let mut seen: Option<HashSet<String>> = Some(HashSet::new());
@@ -74,13 +75,14 @@ pub async fn run(
                         _ = shared.shutdown.cancelled() => return,
                         next = changes.next() => next,
                     };
+                    let next = next.map(|item| item.map(|t| (t.change, t.written_at)));
                     match next {
                         None => break,
                         Some(Err(err)) => {
                             tracing::warn!(bucket = store.bucket(), %err, "watch failed; watching again");
                             break;
                         }
-                        Some(Ok(Change::Synced)) => {
+                        Some(Ok((Change::Synced, _))) => {
                             if let Some(seen) = seen.take() {
                                 for gone in present.difference(&seen).cloned().collect::<Vec<_>>() {
                                     apply(
@@ -91,6 +93,7 @@ pub async fn run(
                                             key: gone.clone(),
                                             revision: u64::MAX,
                                         },
+                                        None,
                                     );
                                     present.remove(&gone);
                                 }
@@ -99,7 +102,7 @@ pub async fn run(
                                 let _ = tx.send(());
                             }
                         }
-                        Some(Ok(change)) => {
+                        Some(Ok((change, written_at))) => {
                             match &change {
                                 Change::Put { key, .. } => {
                                     present.insert(key.clone());
@@ -112,7 +115,7 @@ pub async fn run(
                                 }
                                 Change::Synced => {}
                             }
-                            apply(&shared, mirror, &dirty, &change);
+                            apply(&shared, mirror, &dirty, &change, written_at);
                         }
                     }
                 }
@@ -289,8 +292,16 @@ impl Effects {
     }
 }
 
-/// Applies one change to the mirror and signals whoever cares.
-fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, change: &Change) {
+/// Applies one change to the mirror and signals whoever cares. `written_at`: the
+/// server's time of the write, kept for the sweep to judge ages by.
+fn apply(
+    shared: &Shared,
+    mirror: Mirror,
+    dirty: &mpsc::UnboundedSender<Dirty>,
+    change: &Change,
+    written_at: Option<UnixMillis>,
+) {
+    note_written(&mut shared.world(), mirror, change, written_at);
     let mut fx = Effects::default();
     if !echo(shared, mirror, change, &mut fx) {
         let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
@@ -299,6 +310,29 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
         store(&mut shared.world(), mirror, record, &mut fx);
     }
     fx.send(shared, dirty);
+}
+
+/// Keeps the server's time of the last write of every slot and request key.
+fn note_written(world: &mut World, mirror: Mirror, change: &Change, at: Option<UnixMillis>) {
+    let times = match mirror {
+        Mirror::Slots => &mut world.slot_written,
+        Mirror::Requests => &mut world.request_written,
+        _ => return,
+    };
+    match change {
+        Change::Put { key, revision, .. } => match at {
+            Some(at) => {
+                times.insert(key.clone(), (*revision, at));
+            }
+            None => {
+                times.remove(key);
+            }
+        },
+        Change::Removed { key, .. } => {
+            times.remove(key);
+        }
+        Change::Synced => {}
+    }
 }
 
 /// A launcher puts its own writes into the mirror once they are acknowledged, and the

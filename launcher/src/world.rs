@@ -81,6 +81,11 @@ pub struct World {
     /// Requests whose record cannot be read → its revision. They are out of
     /// `requests`; the slots claimed for them are released by the sweep.
     pub unreadable_requests: HashMap<RequestId, u64>,
+    /// Slot key → the revision last seen and the server's time of its write: what
+    /// the sweep judges a slot's age by, never a time inside the record.
+    pub slot_written: HashMap<String, (u64, UnixMillis)>,
+    /// Request key → the same, for requests.
+    pub request_written: HashMap<String, (u64, UnixMillis)>,
     /// The one queue of every launcher's requests: by label, the open requests still
     /// short of a node of it, in queue order, with their owners.
     pub wanting: HashMap<String, BTreeMap<QueuePosition, Option<LauncherId>>>,
@@ -623,6 +628,23 @@ impl World {
             .filter(|b| b.value.provider == provider && b.value.pool == pool)
             .map(|b| (b.value.seat, b))
             .collect()
+    }
+
+    /// The server's time of the write of revision `revision` of slot `key`, when the
+    /// watch has brought it.
+    pub fn slot_written_at(&self, key: &str, revision: u64) -> Option<UnixMillis> {
+        self.slot_written
+            .get(key)
+            .filter(|(rev, _)| *rev == revision)
+            .map(|(_, at)| *at)
+    }
+
+    /// The same for request `key`.
+    pub fn request_written_at(&self, key: &str, revision: u64) -> Option<UnixMillis> {
+        self.request_written
+            .get(key)
+            .filter(|(rev, _)| *rev == revision)
+            .map(|(_, at)| *at)
     }
 
     /// The lease on `key`, if one is held.
