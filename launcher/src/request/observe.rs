@@ -146,9 +146,15 @@ pub fn unreserve(sh: &Shared, obs: &Observed) {
 }
 
 fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
-    let booting = world.backing.values().map(|b| &b.value).find(|b| {
-        b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
-    });
+    let booting = || {
+        world.backing.values().map(|b| &b.value).filter(|b| {
+            b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
+        })
+    };
+    // A node booting in a fallback pool says more than a seat out of capacity.
+    let booting = booting()
+        .find(|b| !b.out_of_capacity)
+        .or_else(|| booting().next());
     if let Some(b) = booting {
         if b.out_of_capacity {
             return WaitCause::OutOfCapacity {
