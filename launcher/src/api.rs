@@ -348,12 +348,20 @@ async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<C
     let c: CancelRequest = decode(msg, "cancel request", |c: &CancelRequest| c.v)?;
     let key = c.request_id.to_string();
     loop {
-        let Some(current) = sh
-            .bus
-            .requests
-            .get::<NodeRequest>(&key)
-            .await
-            .map_err(internal)?
+        let Some(current) =
+            sh.bus
+                .requests
+                .get::<NodeRequest>(&key)
+                .await
+                .map_err(|err| match err {
+                    KvError::Decode { .. } => ApiError::new(
+                        ErrorCode::Unreadable,
+                        format!(
+                        "request record {key} is unreadable; the slots claimed for it are released"
+                    ),
+                    ),
+                    err => internal(err),
+                })?
         else {
             return Err(ApiError::new(
                 ErrorCode::NotFound,

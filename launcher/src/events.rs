@@ -72,6 +72,24 @@ pub fn operator(sh: &Shared, actor: &str, about: Subject, message: impl Into<Str
     );
 }
 
+/// Records a record of `bucket` that cannot be read, and what is done about it.
+pub fn unreadable(sh: &Shared, bucket: &str, key: &str, revision: u64, error: &str, what: &str) {
+    let about = match slotpool_protocol::layout::parse_slot_key(key) {
+        Some((backing, slot)) if bucket == sh.bus.slots.bucket() => Subject {
+            node_id: Some(NodeId::for_slot(&backing, slot)),
+            backing_id: Some(backing),
+        },
+        _ => Subject::default(),
+    };
+    record(
+        sh,
+        EventKind::Backing,
+        sh.id.to_string(),
+        about,
+        format!("unreadable record {bucket}/{key} at revision {revision} ({error}): {what}"),
+    );
+}
+
 fn record(sh: &Shared, kind: EventKind, actor: String, about: Subject, message: String) {
     write(sh, kind, actor, about, message, None);
 }

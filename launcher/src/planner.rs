@@ -74,6 +74,20 @@ pub fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
         .min()
 }
 
+/// Whether a pool's provider is out of capacity: one of its seats waits out the
+/// back-off after a capacity or quota error and has not launched since. Such a seat
+/// counts as no capacity coming, and no more seats are taken in its pool, so that the
+/// next pool by priority is tried; once a launch there succeeds, the pool is first again.
+pub fn out_of_capacity<'a>(mut seats: impl Iterator<Item = &'a Versioned<BackingNode>>) -> bool {
+    seats.any(|b| {
+        b.value.out_of_capacity
+            && matches!(
+                b.value.state,
+                BackingState::Requested | BackingState::Launching
+            )
+    })
+}
+
 /// Takes as many seats as the label's unmet demand needs.
 pub async fn plan(shared: &Arc<Shared>, label: &str) {
     let mut deficit = {
@@ -89,6 +103,10 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
         let seats = {
             let world = shared.world();
             let taken = world.seats_of(provider, pool);
+            if out_of_capacity(taken.values().copied()) {
+                tracing::debug!(%provider, %pool, %label, "provider out of capacity; trying the next pool");
+                continue;
+            }
             free_seats(site.pool.max_servers, |s| taken.get(&s).copied(), now_ms())
         };
         for free in seats {
@@ -161,6 +179,23 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_is_out_of_capacity_while_a_seat_waits_out_a_capacity_error() {
+        use crate::world::tests_support::backing;
+        let ready = backing("bn-r", "small", 4, BackingState::Ready);
+        let mut waiting = backing("bn-w", "small", 4, BackingState::Launching);
+        assert!(!out_of_capacity([&ready, &waiting].into_iter()));
+        waiting.value.out_of_capacity = true;
+        assert!(out_of_capacity([&ready, &waiting].into_iter()));
+        let mut failed = backing("bn-f", "small", 4, BackingState::Failed);
+        failed.value.out_of_capacity = true;
+        assert!(
+            !out_of_capacity([&ready, &failed].into_iter()),
+            "a failed seat is not waiting for capacity"
+        );
+        assert!(!out_of_capacity(std::iter::empty()));
+    }
 
     #[test]
     fn free_seats_are_the_absent_ones_and_rested_failed_ones() {

@@ -13,7 +13,7 @@ use slotpool_protocol::api::AgentCommand;
 use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{Node, NodeRequest, NodeState, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
-use slotpool_protocol::time::now_ms;
+use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{NodeId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -164,7 +164,7 @@ pub async fn expire_when_released(
     loop {
         let current = match read.take() {
             Some(current) => current,
-            None => match shared.bus.requests.get::<NodeRequest>(id.as_str()).await? {
+            None => match readable(shared.bus.requests.get::<NodeRequest>(id.as_str()).await)? {
                 Some(current) => current,
                 None => return Ok(()),
             },
@@ -191,6 +191,17 @@ pub async fn expire_when_released(
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
         }
+    }
+}
+
+/// A request as read from KV, `None` when its record cannot be read: nothing can be
+/// served for it, so its claims count as left behind.
+fn readable(
+    read: Result<Option<Versioned<NodeRequest>>, KvError>,
+) -> Result<Option<Versioned<NodeRequest>>, KvError> {
+    match read {
+        Err(KvError::Decode { .. }) => Ok(None),
+        other => other,
     }
 }
 
@@ -291,25 +302,31 @@ pub fn finish_left_behind(shared: &Arc<Shared>, key: &str) {
 pub const STALE_RELEASE: Duration = Duration::from_secs(AGENT_TIMEOUT.as_secs() + 15);
 
 /// Finishes releases left behind, and releases slots claimed for requests that were
-/// never created or ended without them: all older than [`STALE_RELEASE`].
+/// never created or ended without them: all written longer than [`STALE_RELEASE`] ago
+/// by the server's clock (the time of the KV write, as the watch brought it).
 pub fn sweep_left_behind(shared: &Arc<Shared>) {
-    let now = now_ms();
-    let cutoff = now.saturating_sub(STALE_RELEASE.as_millis() as u64);
+    let cutoff = now_ms().saturating_sub(STALE_RELEASE.as_millis() as u64);
     let (stale, orphans): (Vec<Versioned<Node>>, Vec<Versioned<Node>>) = {
         let world = shared.world();
         world
             .slots
             .values()
-            .filter(|n| match n.value.state {
-                NodeState::Releasing => n.value.released_at.is_none_or(|at| at <= cutoff),
-                NodeState::Preparing | NodeState::Ready => {
-                    claimed_long_ago(n.value.allocated_at, now)
-                        && left_behind(
-                            &n.value,
-                            world.requests.get(&n.value.request_id).map(|r| &r.value),
-                        )
+            .filter(|n| {
+                // Ages are the server's: a time inside the record proves nothing.
+                let old = written_before(world.slot_written_at(&n.key, n.revision), cutoff);
+                match n.value.state {
+                    NodeState::Releasing => old,
+                    NodeState::Preparing | NodeState::Ready => {
+                        // A request whose record cannot be read is not being created:
+                        // its claims need not wait to be judged.
+                        (old || world.unreadable_requests.contains_key(&n.value.request_id))
+                            && left_behind(
+                                &n.value,
+                                world.requests.get(&n.value.request_id).map(|r| &r.value),
+                            )
+                    }
+                    NodeState::Failed => false,
                 }
-                NodeState::Failed => false,
             })
             .cloned()
             .partition(|n| n.value.state == NodeState::Releasing)
@@ -340,11 +357,13 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
 /// Releases a node the mirror says is [`left_behind`], once the request's record in KV
 /// says so too (the mirror may not have the request yet).
 async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(), SlotError> {
-    let request = shared
-        .bus
-        .requests
-        .get::<NodeRequest>(node.value.request_id.as_str())
-        .await?;
+    let request = readable(
+        shared
+            .bus
+            .requests
+            .get::<NodeRequest>(node.value.request_id.as_str())
+            .await,
+    )?;
     if !left_behind(&node.value, request.as_ref().map(|r| &r.value)) {
         return Ok(());
     }
@@ -363,27 +382,23 @@ fn released_unmarked(shared: &Shared, cutoff: u64) -> Vec<RequestId> {
     world
         .requests
         .values()
+        .filter(|r| written_before(world.request_written_at(&r.key, r.revision), cutoff))
         .map(|r| &r.value)
         .filter(|r| {
             r.state == RequestState::Fulfilled
                 && r.nodes_released_at.is_none()
-                && r.updated_at <= cutoff
                 && !held.contains(&r.id)
         })
         .map(|r| r.id.clone())
         .collect()
 }
 
-/// How far ahead of this launcher's clock a claim time may be before the sweep treats
-/// it as forged (launchers' clocks agree to far better than this).
-const FUTURE_CLAIM_SKEW: Duration = Duration::from_secs(600);
-
-/// Whether a node claimed at `allocated_at` is old enough for the sweep to judge it
-/// ([`STALE_RELEASE`]). A claim time further ahead than any clock skew is a forged or
-/// broken record: it counts as old, so it cannot shield its slot from the sweep.
-fn claimed_long_ago(allocated_at: u64, now: u64) -> bool {
-    allocated_at <= now.saturating_sub(STALE_RELEASE.as_millis() as u64)
-        || allocated_at > now + FUTURE_CLAIM_SKEW.as_millis() as u64
+/// Whether a record the server wrote at `written_at` is older than `cutoff`. Unknown
+/// (a write of this launcher's whose echo the watch has not brought yet) is young: the
+/// record's own times are never trusted, so a forged or broken one cannot shield its
+/// slot from the sweep, nor a skewed clock free a slot early.
+fn written_before(written_at: Option<UnixMillis>, cutoff: UnixMillis) -> bool {
+    written_at.is_some_and(|at| at <= cutoff)
 }
 
 /// Whether a claimed node (`preparing` or `ready`) belongs to no request: its request
@@ -497,20 +512,13 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_is_judged_once_old_or_when_dated_in_the_future() {
-        let now = 100 * 3_600_000;
-        let stale = STALE_RELEASE.as_millis() as u64;
-        assert!(!claimed_long_ago(now, now), "just claimed");
-        assert!(!claimed_long_ago(now - stale + 1, now));
-        assert!(claimed_long_ago(now - stale, now));
+    fn ages_are_the_servers_time_of_the_write() {
+        let cutoff = 100 * 3_600_000;
+        assert!(written_before(Some(cutoff), cutoff));
+        assert!(!written_before(Some(cutoff + 1), cutoff), "written since");
         assert!(
-            !claimed_long_ago(now + 5_000, now),
-            "a clock a little ahead"
+            !written_before(None, cutoff),
+            "a write not seen back yet is young"
         );
-        assert!(
-            claimed_long_ago(now + 3_600_000, now),
-            "dated an hour ahead: forged"
-        );
-        assert!(claimed_long_ago(u64::MAX, now), "dated at the end of time");
     }
 }

@@ -44,13 +44,14 @@ impl Shared {
         mirror_sync: MirrorSync,
         shutdown: CancellationToken,
     ) -> Shared {
+        let id = LauncherId::generate();
         Shared {
-            id: LauncherId::generate(),
+            world: Mutex::new(World::of(id.clone())),
+            id,
             bus,
             config,
             providers,
             agent_bus,
-            world: Mutex::new(World::default()),
             signals: Signals::default(),
             active: Mutex::new(HashSet::new()),
             tracker: TaskTracker::new(),

@@ -14,6 +14,7 @@ use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, Lease, Node, NodeRequest, NodeState, RequestState,
 };
 use slotpool_protocol::store::{Change, Store, Versioned};
+use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, LauncherId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -70,7 +71,7 @@ pub async fn run(
     loop {
         let store = mirror.store(&shared).clone();
         let mut reconnected = false;
-        match store.watch().await {
+        match store.watch_timed().await {
             Ok(changes) => {
                 let mut changes = Box::pin(changes);
                 let mut seen: Option<HashSet<String>> = Some(HashSet::new());
@@ -96,13 +97,14 @@ pub async fn run(
                         }
                         next = changes.next() => next,
                     };
+                    let next = next.map(|item| item.map(|t| (t.change, t.written_at)));
                     match next {
                         None => break,
                         Some(Err(err)) => {
                             tracing::warn!(bucket = store.bucket(), %err, "watch failed; watching again");
                             break;
                         }
-                        Some(Ok(Change::Synced)) => {
+                        Some(Ok((Change::Synced, _))) => {
                             if let Some(seen) = seen.take() {
                                 for gone in present.difference(&seen).cloned().collect::<Vec<_>>() {
                                     apply(
@@ -113,6 +115,7 @@ pub async fn run(
                                             key: gone.clone(),
                                             revision: u64::MAX,
                                         },
+                                        None,
                                     );
                                     present.remove(&gone);
                                 }
@@ -122,7 +125,7 @@ pub async fn run(
                                 let _ = tx.send(());
                             }
                         }
-                        Some(Ok(change)) => {
+                        Some(Ok((change, written_at))) => {
                             match &change {
                                 Change::Put { key, .. } => {
                                     present.insert(key.clone());
@@ -135,7 +138,7 @@ pub async fn run(
                                 }
                                 Change::Synced => {}
                             }
-                            apply(&shared, mirror, &dirty, &change);
+                            apply(&shared, mirror, &dirty, &change, written_at);
                         }
                     }
                 }
@@ -166,6 +169,26 @@ fn decode<T: serde::de::DeserializeOwned>(
         .ok()
 }
 
+/// A request or slot record, or [`Record::Unreadable`] when it cannot be decoded: those
+/// two buckets must not lose a key to a bad record (a slot would look free, a request's
+/// claims would never be given back).
+fn decode_or_note<'a, T: serde::de::DeserializeOwned>(
+    bucket: &str,
+    key: &'a str,
+    revision: u64,
+    value: &[u8],
+    wrap: impl FnOnce(Versioned<T>) -> Record<'a>,
+) -> Record<'a> {
+    match Change::decode(bucket, key, revision, value) {
+        Ok(v) => wrap(v),
+        Err(err) => Record::Unreadable {
+            key,
+            revision,
+            error: err.to_string(),
+        },
+    }
+}
+
 /// A change as read from the wire, before the world lock is taken.
 enum Record<'a> {
     Request(Versioned<NodeRequest>),
@@ -174,6 +197,12 @@ enum Record<'a> {
     /// Only what decides slots: heartbeats are most of the traffic.
     Heartbeat(HeartbeatGist<'a>),
     Lease(Versioned<Lease>),
+    /// A request or slot record that cannot be decoded.
+    Unreadable {
+        key: &'a str,
+        revision: u64,
+        error: String,
+    },
     Removed {
         key: &'a str,
         revision: u64,
@@ -198,8 +227,8 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
         } => (key.as_str(), *revision, value),
     };
     Some(match mirror {
-        Mirror::Requests => Record::Request(decode(bucket, key, revision, value)?),
-        Mirror::Slots => Record::Slot(decode(bucket, key, revision, value)?),
+        Mirror::Requests => decode_or_note(bucket, key, revision, value, Record::Request),
+        Mirror::Slots => decode_or_note(bucket, key, revision, value, Record::Slot),
         Mirror::Backing => Record::Backing(decode(bucket, key, revision, value)?),
         Mirror::Agents => Record::Heartbeat(
             HeartbeatGist::from_json(value)
@@ -217,6 +246,16 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
 struct Effects {
     wake: Vec<Topic>,
     todo: Vec<Dirty>,
+    /// A record seen unreadable for the first time at its revision, to report once.
+    unreadable: Option<Unreadable>,
+}
+
+/// An unreadable record, as reported to operators.
+struct Unreadable {
+    mirror: Mirror,
+    key: String,
+    revision: u64,
+    error: String,
 }
 
 impl Effects {
@@ -269,6 +308,17 @@ impl Effects {
     }
 
     fn send(self, shared: &Shared, dirty: &mpsc::UnboundedSender<Dirty>) {
+        if let Some(u) = self.unreadable {
+            let bucket = u.mirror.store(shared).bucket();
+            let what = match u.mirror {
+                Mirror::Slots => {
+                    "the slot counts as occupied until the record is replaced or deleted"
+                }
+                _ => "the request is ignored and the slots claimed for it are released",
+            };
+            tracing::warn!(bucket, key = %u.key, revision = u.revision, error = %u.error, "unreadable record: {what}");
+            crate::events::unreadable(shared, bucket, &u.key, u.revision, &u.error, what);
+        }
         for topic in self.wake {
             shared.signals.bump(&topic);
         }
@@ -278,8 +328,16 @@ impl Effects {
     }
 }
 
-/// Applies one change to the mirror and signals whoever cares.
-fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, change: &Change) {
+/// Applies one change to the mirror and signals whoever cares. `written_at`: the
+/// server's time of the write, kept for the sweep to judge ages by.
+fn apply(
+    shared: &Shared,
+    mirror: Mirror,
+    dirty: &mpsc::UnboundedSender<Dirty>,
+    change: &Change,
+    written_at: Option<UnixMillis>,
+) {
+    note_written(&mut shared.world(), mirror, change, written_at);
     let mut fx = Effects::default();
     if !echo(shared, mirror, change, &mut fx) {
         let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
@@ -288,6 +346,29 @@ fn apply(shared: &Shared, mirror: Mirror, dirty: &mpsc::UnboundedSender<Dirty>, 
         store(&mut shared.world(), mirror, record, &mut fx);
     }
     fx.send(shared, dirty);
+}
+
+/// Keeps the server's time of the last write of every slot and request key.
+fn note_written(world: &mut World, mirror: Mirror, change: &Change, at: Option<UnixMillis>) {
+    let times = match mirror {
+        Mirror::Slots => &mut world.slot_written,
+        Mirror::Requests => &mut world.request_written,
+        _ => return,
+    };
+    match change {
+        Change::Put { key, revision, .. } => match at {
+            Some(at) => {
+                times.insert(key.clone(), (*revision, at));
+            }
+            None => {
+                times.remove(key);
+            }
+        },
+        Change::Removed { key, .. } => {
+            times.remove(key);
+        }
+        Change::Synced => {}
+    }
 }
 
 /// A launcher puts its own writes into the mirror once they are acknowledged, and the
@@ -331,7 +412,14 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
         }
         Record::Slot(n) => {
             fx.slot(world, &n.value);
+            let (request, label) = (n.value.request_id.clone(), n.value.label.clone());
+            let queued = world.is_short_of(&request, &label);
             world.put_slot(n);
+            // A request of another launcher got its node: the requests queued behind
+            // it for the label may go on.
+            if queued && !world.is_short_of(&request, &label) {
+                fx.wake.push(label_topic(&label));
+            }
         }
         Record::Backing(b) => {
             fx.backing(&b.key, &b.value);
@@ -346,6 +434,31 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
             }
         }
         Record::Lease(l) => world.put_lease(l),
+        Record::Unreadable {
+            key,
+            revision,
+            error,
+        } => {
+            let first = match mirror {
+                Mirror::Slots => world.put_unreadable_slot(key, revision),
+                Mirror::Requests => {
+                    if let Ok(id) = RequestId::parse(key) {
+                        // Its worker, if any, must see it gone.
+                        fx.wake.push(request_topic(&id));
+                    }
+                    world.put_unreadable_request(key, revision)
+                }
+                _ => false,
+            };
+            if first {
+                fx.unreadable = Some(Unreadable {
+                    mirror,
+                    key: key.to_string(),
+                    revision,
+                    error,
+                });
+            }
+        }
         Record::Removed { key, revision } => match mirror {
             Mirror::Requests => world.remove_request(key, revision),
             Mirror::Slots => {

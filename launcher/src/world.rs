@@ -23,7 +23,7 @@ use slotpool_protocol::model::{
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
-use slotpool_protocol::{BackingId, NodeId, RequestId};
+use slotpool_protocol::{BackingId, LauncherId, NodeId, RequestId};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
@@ -83,6 +83,25 @@ pub struct World {
     /// Fulfilled requests holding their nodes until a deadline (a keep-alive or a
     /// label's max-hold-time): each needs a driver, its timer.
     pub held_requests: HashSet<RequestId>,
+    /// Slot keys whose record cannot be read → its revision. Such a slot counts as in
+    /// use (in `used`): it is never handed out, and no claim is tried on it.
+    pub unreadable_slots: HashMap<String, u64>,
+    /// Requests whose record cannot be read → its revision. They are out of
+    /// `requests`; the slots claimed for them are released by the sweep.
+    pub unreadable_requests: HashMap<RequestId, u64>,
+    /// Slot key → the revision last seen and the server's time of its write: what
+    /// the sweep judges a slot's age by, never a time inside the record.
+    pub slot_written: HashMap<String, (u64, UnixMillis)>,
+    /// Request key → the same, for requests.
+    pub request_written: HashMap<String, (u64, UnixMillis)>,
+    /// The one queue of every launcher's requests: by label, the open requests still
+    /// short of a node of it, in queue order, with their owners.
+    pub wanting: HashMap<String, BTreeMap<QueuePosition, Option<LauncherId>>>,
+    /// Where each open request stands in `wanting`, to update it without a walk.
+    wants_of: HashMap<RequestId, (QueuePosition, Vec<String>)>,
+    /// This launcher: its own requests are ordered by `waiting`, which its workers keep
+    /// exactly; `wanting` orders them behind other launchers' requests.
+    pub me: Option<LauncherId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
 }
@@ -97,6 +116,14 @@ pub struct LostHeartbeat {
 }
 
 impl World {
+    /// An empty mirror for launcher `me`.
+    pub fn of(me: LauncherId) -> World {
+        World {
+            me: Some(me),
+            ..World::default()
+        }
+    }
+
     // ---- applying watch changes ------------------------------------------------------
 
     // Writers apply their own successful writes at once, and the watch delivers them
@@ -107,9 +134,14 @@ impl World {
             .requests
             .get(&r.value.id)
             .is_some_and(|old| old.revision >= r.revision)
+            || self
+                .unreadable_requests
+                .get(&r.value.id)
+                .is_some_and(|rev| *rev >= r.revision)
         {
             return;
         }
+        self.unreadable_requests.remove(&r.value.id);
         if r.value.state == RequestState::Requested {
             self.open_requests.insert(r.value.id.clone());
         } else {
@@ -120,11 +152,20 @@ impl World {
         } else {
             self.held_requests.remove(&r.value.id);
         }
-        self.requests.insert(r.value.id.clone(), r);
+        let id = r.value.id.clone();
+        self.requests.insert(id.clone(), r);
+        self.requeue(&id);
     }
 
     pub fn remove_request(&mut self, key: &str, revision: u64) {
         if let Ok(id) = RequestId::parse(key) {
+            if self
+                .unreadable_requests
+                .get(&id)
+                .is_some_and(|rev| *rev < revision)
+            {
+                self.unreadable_requests.remove(&id);
+            }
             if self
                 .requests
                 .get(&id)
@@ -133,12 +174,87 @@ impl World {
                 self.requests.remove(&id);
                 self.open_requests.remove(&id);
                 self.held_requests.remove(&id);
+                self.requeue(&id);
+            }
+        }
+    }
+
+    /// Notes that request `key` holds a record that cannot be read at `revision`: it
+    /// leaves the mirror. True the first time this revision is seen (to log it once).
+    pub fn put_unreadable_request(&mut self, key: &str, revision: u64) -> bool {
+        let Ok(id) = RequestId::parse(key) else {
+            return false;
+        };
+        if self
+            .requests
+            .get(&id)
+            .is_some_and(|r| r.revision >= revision)
+            || self
+                .unreadable_requests
+                .get(&id)
+                .is_some_and(|rev| *rev >= revision)
+        {
+            return false;
+        }
+        self.requests.remove(&id);
+        self.open_requests.remove(&id);
+        self.held_requests.remove(&id);
+        self.requeue(&id);
+        self.unreadable_requests.insert(id, revision);
+        true
+    }
+
+    /// Notes that slot `key` holds a record that cannot be read at `revision`: the slot
+    /// counts as in use until a readable record or a deletion replaces it. True the
+    /// first time this revision is seen (to log it once).
+    pub fn put_unreadable_slot(&mut self, key: &str, revision: u64) -> bool {
+        let Some((backing, slot)) = parse_slot_key(key) else {
+            return false;
+        };
+        if self.slots.get(key).is_some_and(|n| n.revision >= revision)
+            || self
+                .unreadable_slots
+                .get(key)
+                .is_some_and(|rev| *rev >= revision)
+        {
+            return false;
+        }
+        self.unindex_slot(key);
+        self.reserved.remove(key);
+        self.tombstones.remove(key);
+        self.unreadable_slots.insert(key.to_string(), revision);
+        self.used.entry(backing.clone()).or_default().insert(slot);
+        self.restand_backing(&backing);
+        true
+    }
+
+    /// Forgets that slot `key` was unreadable, unless `revision` is older than that.
+    /// False when the unreadable record is newer.
+    fn forget_unreadable_slot(&mut self, key: &str, revision: u64) -> bool {
+        match self.unreadable_slots.get(key) {
+            None => true,
+            Some(rev) if *rev >= revision => false,
+            Some(_) => {
+                self.unreadable_slots.remove(key);
+                if let Some((backing, slot)) = parse_slot_key(key) {
+                    if let Some(set) = self.used.get_mut(&backing) {
+                        set.remove(&slot);
+                        if set.is_empty() {
+                            self.used.remove(&backing);
+                        }
+                    }
+                    self.restand_backing(&backing);
+                }
+                true
             }
         }
     }
 
     pub fn put_slot(&mut self, n: Versioned<Node>) {
         let key = n.key.clone();
+        if !self.forget_unreadable_slot(&key, n.revision) {
+            return;
+        }
         if let Some(old) = self.slots.get(&key) {
             if old.revision >= n.revision {
                 return;
@@ -159,11 +275,19 @@ impl World {
         self.reserved.remove(&key);
         self.tombstones.remove(&key);
         let backing = n.value.backing_id.clone();
+        let request = n.value.request_id.clone();
         self.slots.insert(key, n);
         self.restand_backing(&backing);
+        self.requeue(&request);
     }
 
     pub fn remove_slot(&mut self, key: &str, revision: u64) {
+        if self.unreadable_slots.contains_key(key) {
+            if self.forget_unreadable_slot(key, revision) && revision != u64::MAX {
+                self.tombstones.insert(key.to_string(), revision);
+            }
+            return;
+        }
         match self.slots.get(key) {
             Some(old) if old.revision >= revision => return,
             // A tombstone of a slot never seen in use (the first load after a start).
@@ -203,6 +327,56 @@ impl World {
             }
         }
         self.restand_backing(&node.backing_id);
+        self.requeue(&node.request_id);
+    }
+
+    /// Brings request `id`'s place in `wanting` up to date: one entry per label it is
+    /// still short of, while it is open.
+    fn requeue(&mut self, id: &RequestId) {
+        if let Some((pos, labels)) = self.wants_of.remove(id) {
+            for label in labels {
+                if let Some(queue) = self.wanting.get_mut(&label) {
+                    queue.remove(&pos);
+                    if queue.is_empty() {
+                        self.wanting.remove(&label);
+                    }
+                }
+            }
+        }
+        let Some(r) = self
+            .requests
+            .get(id)
+            .filter(|_| self.open_requests.contains(id))
+        else {
+            return;
+        };
+        let r = &r.value;
+        let mut short: Vec<String> = Vec::new();
+        for label in &r.labels {
+            if short.contains(label) {
+                continue;
+            }
+            let want = r.labels.iter().filter(|l| *l == label).count();
+            let have = self
+                .nodes_of(id)
+                .iter()
+                .filter(|n| &n.value.label == label)
+                .count();
+            if have < want {
+                short.push(label.clone());
+            }
+        }
+        if short.is_empty() {
+            return;
+        }
+        let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
+        for label in &short {
+            self.wanting
+                .entry(label.clone())
+                .or_default()
+                .insert(pos.clone(), r.owner.clone());
+        }
+        self.wants_of.insert(id.clone(), (pos, short));
     }
 
     pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
@@ -287,6 +461,11 @@ impl World {
     /// What the backing node `b` offers its label now.
     fn offer(&self, b: &BackingNode) -> Offer {
         match b.state {
+            // A seat whose provider said it is out of capacity brings nothing until a
+            // launch succeeds: counting it would keep the planner from the next pool.
+            BackingState::Requested | BackingState::Launching if b.out_of_capacity => {
+                Offer::Nothing
+            }
             BackingState::Requested | BackingState::Launching => Offer::Booting { slots: b.slots },
             _ if self.takes_slots(b) => {
                 let used = self.used_count(&b.id);
@@ -339,22 +518,57 @@ impl World {
             .unwrap_or_default()
     }
 
-    /// Whether someone ahead of `me` in the queue is waiting for `label`.
+    /// Whether someone ahead of `me` in the queue is waiting for `label`: a request of
+    /// this launcher's (`waiting`), or one of another live launcher's (`wanting`), so
+    /// that priority and age order the requests of all launchers alike.
     fn someone_ahead_wants(&self, me: &QueuePosition, label: &str) -> bool {
         self.waiting
             .range(..me.clone())
             .any(|(_, labels)| labels.iter().any(|l| l == label))
+            || self.wanting.get(label).is_some_and(|queue| {
+                queue
+                    .range(..me.clone())
+                    .any(|(_, owner)| self.drives_elsewhere(owner.as_ref()))
+            })
+    }
+
+    /// Whether request `id` stands in the queue for `label`.
+    pub fn is_short_of(&self, id: &RequestId, label: &str) -> bool {
+        self.wants_of
+            .get(id)
+            .is_some_and(|(_, labels)| labels.iter().any(|l| l == label))
+    }
+
+    /// Whether a request owned by `owner` is driven by another launcher, alive now.
+    fn drives_elsewhere(&self, owner: Option<&LauncherId>) -> bool {
+        owner.is_some_and(|o| {
+            Some(o) != self.me.as_ref() && self.leases.contains_key(&layout::launcher_lease_key(o))
+        })
     }
 
     /// Picks a free slot for `label` and reserves it, unless a request ahead of `me` waits
     /// for the same label. Packs: the fullest usable backing node first, so emptier ones
     /// can go idle and be released.
     pub fn reserve_slot(&mut self, me: &QueuePosition, label: &str) -> Option<SlotRef> {
+        self.reserve_slot_avoiding(me, label, |_| false)
+    }
+
+    /// [`World::reserve_slot`], passing over the slot keys `avoid` names (slots whose
+    /// claim just lost a race: the mirror has not caught up with the winner yet).
+    pub fn reserve_slot_avoiding(
+        &mut self,
+        me: &QueuePosition,
+        label: &str,
+        avoid: impl Fn(&str) -> bool,
+    ) -> Option<SlotRef> {
         if self.someone_ahead_wants(me, label) {
             return None;
         }
-        let b = self.backing.get(self.capacity.fullest_open(label)?)?;
-        let slot = self.first_free(&b.value)?;
+        let (b, slot) = self.capacity.open_seats(label).find_map(|seat| {
+            let b = self.backing.get(seat)?;
+            let slot = self.first_free_avoiding(&b.value, &avoid)?;
+            Some((b, slot))
+        })?;
         let r = SlotRef {
             backing_id: b.value.id.clone(),
             seat_key: b.key.clone(),
@@ -368,6 +582,10 @@ impl World {
     /// The lowest slot that is neither used, reserved, nor reported dirty by the agent
     /// (a dirty slot is never handed out again until an operator acts).
     fn first_free(&self, b: &BackingNode) -> Option<u32> {
+        self.first_free_avoiding(b, |_| false)
+    }
+
+    fn first_free_avoiding(&self, b: &BackingNode, avoid: impl Fn(&str) -> bool) -> Option<u32> {
         let used = self.used.get(&b.id);
         let dirty = self
             .agents
@@ -375,9 +593,10 @@ impl World {
             .map(|a| a.dirty_slots.as_slice())
             .unwrap_or_default();
         (0..b.slots).find(|s| {
-            !used.is_some_and(|u| u.contains(s))
-                && !dirty.contains(s)
-                && !self.reserved.contains(&layout::slot_key(&b.id, *s))
+            !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s) && {
+                let key = layout::slot_key(&b.id, *s);
+                !self.reserved.contains(&key) && !avoid(&key)
+            }
         })
     }
 
@@ -430,7 +649,8 @@ impl World {
         n
     }
 
-    /// Slots of `label` free now or soon (on backing nodes still booting).
+    /// Slots of `label` free now or soon (on backing nodes still booting, unless their
+    /// provider is out of capacity).
     pub fn coming_capacity(&self, label: &str) -> u32 {
         self.capacity.coming(label)
     }
@@ -442,6 +662,23 @@ impl World {
             .filter(|b| b.value.provider == provider && b.value.pool == pool)
             .map(|b| (b.value.seat, b))
             .collect()
+    }
+
+    /// The server's time of the write of revision `revision` of slot `key`, when the
+    /// watch has brought it.
+    pub fn slot_written_at(&self, key: &str, revision: u64) -> Option<UnixMillis> {
+        self.slot_written
+            .get(key)
+            .filter(|(rev, _)| *rev == revision)
+            .map(|(_, at)| *at)
+    }
+
+    /// The same for request `key`.
+    pub fn request_written_at(&self, key: &str, revision: u64) -> Option<UnixMillis> {
+        self.request_written
+            .get(key)
+            .filter(|(rev, _)| *rev == revision)
+            .map(|(_, at)| *at)
     }
 
     /// The lease on `key`, if one is held.
@@ -491,6 +728,7 @@ impl World {
             assert_eq!(picked, fullest, "not the fullest usable node of {label}");
             let coming: u32 = nodes()
                 .map(|b| match b.state {
+                    BackingState::Requested | BackingState::Launching if b.out_of_capacity => 0,
                     BackingState::Requested | BackingState::Launching => b.slots,
                     BackingState::Ready if self.takes_slots(b) => {
                         b.slots.saturating_sub(self.used_count(&b.id))
@@ -666,6 +904,96 @@ mod tests {
         assert!(w.reserve_slot(&pos(50, 9, "req-urgent"), "small").is_some());
     }
 
+    fn open_request(
+        id: &str,
+        priority: i32,
+        created_at: u64,
+        owner: &str,
+    ) -> Versioned<NodeRequest> {
+        Versioned {
+            key: id.into(),
+            revision: 1,
+            value: NodeRequest {
+                v: 1,
+                id: RequestId::parse(id).unwrap(),
+                labels: vec!["small".into()],
+                requestor: "t".into(),
+                client: None,
+                priority,
+                timeout_secs: None,
+                ssh_public_key: None,
+                created_at,
+                state: RequestState::Requested,
+                status: String::new(),
+                nodes: vec![],
+                failure: None,
+                updated_at: 0,
+                owner: Some(LauncherId::parse(owner).unwrap()),
+                nodes_released_at: None,
+                keep_alive_secs: None,
+                alive_until: None,
+                fulfilled_at: None,
+                hold_until: None,
+            },
+        }
+    }
+
+    fn live(w: &mut World, launcher: &str) {
+        let key = layout::launcher_lease_key(&LauncherId::parse(launcher).unwrap());
+        w.put_lease(Versioned {
+            key: key.clone(),
+            revision: 1,
+            value: Lease {
+                v: 1,
+                holder: LauncherId::parse(launcher).unwrap(),
+                acquired_at: 0,
+            },
+        });
+    }
+
+    #[test]
+    fn one_queue_orders_the_requests_of_every_launcher() {
+        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        // Another launcher's request: more urgent, though newer.
+        w.put_request(open_request("req-urgent", 10, 9, "launcher-b"));
+        let mine = pos(100, 1, "req-mine");
+        assert!(
+            w.reserve_slot(&mine, "small").is_some(),
+            "its launcher is not alive: it does not hold the queue"
+        );
+        w.reserved.clear();
+        w.restand_backing(&BackingId::parse("bn-a").unwrap());
+        live(&mut w, "launcher-b");
+        assert_eq!(w.reserve_slot(&mine, "small"), None, "it goes first");
+        assert!(
+            w.reserve_slot(&pos(5, 20, "req-first"), "small").is_some(),
+            "a request ahead of it does not wait"
+        );
+        w.reserved.clear();
+        w.restand_backing(&BackingId::parse("bn-a").unwrap());
+        // Its node came: it is out of the queue (and the slot is taken).
+        w.put_slot(node("bn-a", 0, "req-urgent", "small"));
+        assert!(!w.is_short_of(&RequestId::parse("req-urgent").unwrap(), "small"));
+        assert!(w.wanting.is_empty());
+        let mut done = open_request("req-urgent", 10, 9, "launcher-b");
+        done.revision = 2;
+        done.value.state = RequestState::Fulfilled;
+        w.put_request(done);
+        w.remove_slot("bn-a.0", 3);
+        assert!(w.reserve_slot(&mine, "small").is_some());
+        // This launcher's own requests are ordered by `waiting` alone.
+        w.put_request(open_request("req-own", 1, 1, "launcher-a"));
+        assert!(
+            w.reserve_slot(&pos(100, 5, "req-x"), "small").is_none(),
+            "slot reserved"
+        );
+        w.reserved.clear();
+        w.restand_backing(&BackingId::parse("bn-a").unwrap());
+        assert!(w.reserve_slot(&pos(100, 5, "req-x"), "small").is_some());
+    }
+
     #[test]
     fn leaving_the_queue_names_the_labels_others_may_now_take() {
         let mut w = World::default();
@@ -771,6 +1099,52 @@ mod tests {
         assert_eq!(peek(&mut w, "small"), None);
         w.put_backing(with_state("bn-c", BackingState::Launching, 1));
         assert_eq!(w.coming_capacity("small"), 2, "a booting node counts whole");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn a_seat_out_of_capacity_brings_nothing_until_it_launches() {
+        let mut w = World::default();
+        let mut b = with_state("bn-c", BackingState::Launching, 1);
+        b.value.out_of_capacity = true;
+        w.put_backing(b.clone());
+        assert_eq!(w.coming_capacity("small"), 0);
+        w.check_capacity_index();
+        b.revision = 2;
+        b.value.out_of_capacity = false;
+        w.put_backing(b);
+        assert_eq!(w.coming_capacity("small"), 2, "launched again: coming");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn an_unreadable_slot_counts_as_occupied_until_replaced_or_deleted() {
+        let mut w = two_ready_nodes();
+        assert!(w.put_unreadable_slot("bn-b.1", 5));
+        assert!(
+            !w.put_unreadable_slot("bn-b.1", 5),
+            "reported once per revision"
+        );
+        assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
+        assert_eq!(w.coming_capacity("small"), 2, "never counted as free");
+        assert!(
+            w.reserve_slot_avoiding(&pos(100, 1, "req-1"), "small", |k| k == "bn-a.0")
+                .is_some_and(|r| r.key() == "bn-a.1"),
+            "a slot passed over moves the claim on to the node's next free one"
+        );
+        w.reserved.clear();
+        w.restand_backing(&BackingId::parse("bn-a").unwrap());
+        let mut readable = node("bn-b", 1, "req-y", "small");
+        readable.revision = 4;
+        w.put_slot(readable.clone());
+        assert!(w.unreadable_slots.contains_key("bn-b.1"), "an older record");
+        readable.revision = 6;
+        w.put_slot(readable);
+        assert!(w.unreadable_slots.is_empty());
+        assert!(w.put_unreadable_slot("bn-b.1", 7));
+        w.remove_slot("bn-b.1", 8);
+        assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 1)));
+        assert_eq!(w.coming_capacity("small"), 3);
         w.check_capacity_index();
     }
 

@@ -55,6 +55,9 @@ pub enum ErrorCode {
     /// The request has ended: a `keepalive` came after its keep-alive lapsed, or for a
     /// request that failed, was canceled, was reclaimed or whose nodes were all released.
     Ended,
+    /// The record in question cannot be read (corrupt or written by something else);
+    /// retrying does not help.
+    Unreadable,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]

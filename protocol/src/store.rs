@@ -86,6 +86,14 @@ pub enum Change {
     Synced,
 }
 
+/// A change with the server's time of the write that made it (`None` for
+/// [`Change::Synced`]): what judges a record's age, never a clock inside the record.
+#[derive(Clone, Debug)]
+pub struct Timed {
+    pub change: Change,
+    pub written_at: Option<crate::time::UnixMillis>,
+}
+
 /// Settings of one bucket, as created by [`Store::open`].
 #[derive(Clone, Copy, Debug)]
 pub struct BucketSpec {
@@ -555,6 +563,17 @@ impl Store {
         self.watch_keys(">").await
     }
 
+    /// [`Store::watch`], each change with the server's time of its write.
+    pub async fn watch_timed(
+        &self,
+    ) -> Result<impl Stream<Item = Result<Timed, KvError>> + Send + 'static, KvError> {
+        Ok(self
+            .open_reader(">", consumer::DeliverPolicy::LastPerSubject)
+            .await?
+            .1
+            .into_timed_stream())
+    }
+
     /// Like [`Store::watch`], for the keys matching `filter` (a key, or a pattern with
     /// `*` and `>` tokens). Unless `filter` is `>`, [`Change::Synced`] comes when the
     /// server has nothing more pending, and a key rewritten while the watch started can
@@ -612,6 +631,16 @@ impl Store {
         ),
         KvError,
     > {
+        let (name, reader) = self.open_reader(filter, deliver_policy).await?;
+        Ok((name, reader.into_stream()))
+    }
+
+    /// A watch's reader and the name of its consumer.
+    async fn open_reader(
+        &self,
+        filter: &str,
+        deliver_policy: consumer::DeliverPolicy,
+    ) -> Result<(String, watch::Reader), KvError> {
         let bucket = self.bucket;
         let consumer = self
             .kv
@@ -634,7 +663,7 @@ impl Store {
             .map_err(|err| transport(bucket, ">", format!("starting watch: {err}")))?;
         let reader =
             watch::Reader::new(self.clone(), name.clone(), messages, filter == ">", synced);
-        Ok((name, reader.into_stream()))
+        Ok((name, reader))
     }
 }
 

@@ -154,6 +154,17 @@ impl Pool {
         )
     }
 
+    /// The process id of launcher `n`.
+    pub fn launcher_pid(&self, n: usize) -> u32 {
+        self.launchers[n].id()
+    }
+
+    /// The log of launcher `n` so far.
+    pub fn launcher_log(&self, n: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("launcher-{n}.log")))
+            .unwrap_or_default()
+    }
+
     /// SIGKILLs launcher `n`, as a crash would.
     pub fn kill_launcher(&mut self, n: usize) {
         self.launchers[n].kill();

@@ -355,3 +355,60 @@ impl Drop for KillUnder {
         }
     }
 }
+
+/// Kills the local provider's agents under a work dir when the test ends.
+struct LocalAgents(PathBuf);
+
+impl Drop for LocalAgents {
+    fn drop(&mut self) {
+        slotpool_tests::kill_agents(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_out_of_capacity_falls_back_to_the_next_pool_by_priority() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    switch_on(&state, "out-of-capacity");
+    let agents = LocalAgents(dir.path().join("agents"));
+    let agent_args = serde_json::to_string(&slotpool_tests::AGENT_ARGS).unwrap();
+    // The exec pool comes first by priority; the local pool serving the same label is
+    // the fallback.
+    let config = format!(
+        "{}  - name: local
+    driver: local
+    local:
+      work-dir: {}
+      agent-args: {agent_args}
+    pools:
+      - name: spare
+        priority: 10
+        max-servers: 1
+        boot-timeout: 20
+        labels:
+          - {{name: small, backing-label: vm, max-parallel-jobs: 2, grace-time: 30}}
+",
+        exec_config(&state, 1).replace("max-servers: 2", "priority: 0\n        max-servers: 1"),
+        agents.0.display()
+    );
+    let _launcher = Launcher::start(&nats, dir.path(), &config);
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    let r = fulfilled(&client, &["small"]).await;
+    let node = client.list_nodes().await.unwrap().remove(0);
+    assert_eq!(r.nodes, vec![node.id.clone()]);
+    let backing = client.list_backing().await.unwrap();
+    let serving = backing
+        .iter()
+        .find(|b| b.id == node.backing_id)
+        .expect("the node's backing node");
+    assert_eq!(serving.provider, "local", "{backing:?}");
+    assert!(
+        backing
+            .iter()
+            .any(|b| b.provider == "cloud" && b.out_of_capacity),
+        "the first pool was tried first: {backing:?}"
+    );
+}

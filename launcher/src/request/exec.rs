@@ -106,11 +106,17 @@ pub async fn carry_out(
             let claims = claim(sh, r, &slots).await;
             let mut result = Ok(After::Again);
             let mut world = sh.world();
-            for claim in claims {
+            for (claim, (_, slot)) in claims.into_iter().zip(&slots) {
                 match claim {
-                    Ok(node) => world.put_slot(node),
-                    // Lost to another launcher: the next look finds another slot.
-                    Err(SlotError::Kv(KvError::Conflict { .. })) => {}
+                    Ok(node) => {
+                        memory.claim_won();
+                        world.put_slot(node)
+                    }
+                    // Lost to another launcher (or the key holds a record this one
+                    // cannot read): the next look passes over it for a while.
+                    Err(SlotError::Kv(KvError::Conflict { .. })) => {
+                        memory.claim_lost(slot.key(), now_ms())
+                    }
                     Err(err) => result = Err(err),
                 }
             }

@@ -10,7 +10,7 @@ use slotpool_protocol::layout;
 use slotpool_protocol::model::{BackingState, NodeRequest};
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{LauncherId, NodeId};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// What a request worker remembers between looks.
 #[derive(Debug, Default)]
@@ -21,6 +21,41 @@ pub struct Memory {
     pub refused_at: Option<UnixMillis>,
     /// Since when it waits for slots.
     pub waiting_since: Option<UnixMillis>,
+    /// Slot keys whose claim it lost → until when it passes over them: the mirror has
+    /// not caught up with the winner yet, and trying again at once would only lose again.
+    pub lost_claims: HashMap<String, UnixMillis>,
+    /// Claims lost in a row, for the back-off.
+    pub conflicts: u32,
+}
+
+/// Shortest pause before a slot whose claim was lost is tried again.
+const CONFLICT_BACKOFF_MIN_MS: u64 = 50;
+/// Longest such pause.
+const CONFLICT_BACKOFF_MAX_MS: u64 = 5_000;
+
+impl Memory {
+    /// Notes that the claim of slot `key` was lost at `now`: the slot is passed over
+    /// for a back-off that doubles with every loss in a row, with jitter, so that
+    /// the request moves on to other free slots and never retries one at once.
+    pub fn claim_lost(&mut self, key: String, now: UnixMillis) {
+        let ceiling = CONFLICT_BACKOFF_MIN_MS
+            .saturating_mul(1 << self.conflicts.min(16))
+            .min(CONFLICT_BACKOFF_MAX_MS);
+        let pause = rand::random_range(ceiling / 2..=ceiling);
+        self.conflicts = self.conflicts.saturating_add(1);
+        self.lost_claims.insert(key, now + pause);
+    }
+
+    /// Notes a claim that landed: the back-off starts over.
+    pub fn claim_won(&mut self) {
+        self.conflicts = 0;
+    }
+
+    /// Forgets lost claims whose pause is over; returns when the next one ends.
+    pub fn next_retry(&mut self, now: UnixMillis) -> Option<UnixMillis> {
+        self.lost_claims.retain(|_, until| *until > now);
+        self.lost_claims.values().min().copied()
+    }
 }
 
 /// The request's place in the queue for free slots.
@@ -44,6 +79,7 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
                 .map(String::from)
                 .collect(),
         });
+    let now = slotpool_protocol::time::now_ms();
     let mut world = sh.world();
     let nodes: Vec<NodeSeen> = world
         .nodes_of(&r.id)
@@ -66,7 +102,13 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
             if nodes.iter().any(|n| n.index == index) {
                 continue;
             }
-            match world.reserve_slot(&pos, label) {
+            let lost = |key: &str| {
+                memory
+                    .lost_claims
+                    .get(key)
+                    .is_some_and(|until| *until > now)
+            };
+            match world.reserve_slot_avoiding(&pos, label, lost) {
                 Some(slot) => {
                     reserved.insert(index, slot);
                 }
@@ -126,9 +168,15 @@ pub fn unreserve(sh: &Shared, obs: &Observed) {
 }
 
 fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
-    let booting = world.backing.values().map(|b| &b.value).find(|b| {
-        b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
-    });
+    let booting = || {
+        world.backing.values().map(|b| &b.value).filter(|b| {
+            b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
+        })
+    };
+    // A node booting in a fallback pool says more than a seat out of capacity.
+    let booting = booting()
+        .find(|b| !b.out_of_capacity)
+        .or_else(|| booting().next());
     if let Some(b) = booting {
         if b.out_of_capacity {
             return WaitCause::OutOfCapacity {
@@ -187,4 +235,30 @@ pub fn ownership(world: &World, me: &LauncherId, r: &NodeRequest) -> plan::Owner
         .as_ref()
         .is_some_and(|owner| world.lease(&layout::launcher_lease_key(owner)).is_some());
     plan::ownership(r, me, owner_alive)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_claim_backs_off_longer_each_time_in_a_row() {
+        let mut m = Memory::default();
+        m.claim_lost("bn-a.0".into(), 1_000);
+        let first = m.lost_claims["bn-a.0"] - 1_000;
+        assert!((CONFLICT_BACKOFF_MIN_MS / 2..=CONFLICT_BACKOFF_MIN_MS).contains(&first));
+        for _ in 0..20 {
+            m.claim_lost("bn-a.0".into(), 1_000);
+        }
+        let last = m.lost_claims["bn-a.0"] - 1_000;
+        assert!((CONFLICT_BACKOFF_MAX_MS / 2..=CONFLICT_BACKOFF_MAX_MS).contains(&last));
+        assert_eq!(m.next_retry(1_000), Some(1_000 + last));
+        assert_eq!(m.next_retry(1_000 + last), None, "the pause is over");
+        m.claim_won();
+        m.claim_lost("bn-a.1".into(), 0);
+        assert!(
+            m.lost_claims["bn-a.1"] <= CONFLICT_BACKOFF_MIN_MS,
+            "starts over"
+        );
+    }
 }

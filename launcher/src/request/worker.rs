@@ -60,6 +60,11 @@ pub async fn run(
                 }
             }
             After::Wait { missing, until: at } => {
+                // A slot passed over after a lost claim may be tried again then.
+                let at = match (at, memory.next_retry(now_ms())) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 if subscribed != missing {
                     label_rxs = missing
                         .iter()
@@ -73,7 +78,7 @@ pub async fn run(
                     rx.mark_unchanged();
                 }
                 // Re-check after subscribing so a change in between is not missed.
-                if could_progress(sh, &pos) {
+                if could_progress(sh, &pos, &memory) {
                     continue;
                 }
                 wait_for_change(&mut rxs, at.map(instant_of), lost).await;
@@ -92,12 +97,15 @@ fn instant_of(at: UnixMillis) -> tokio::time::Instant {
     tokio::time::Instant::now() + until(at)
 }
 
-/// Whether a slot for any waiting label is free now (checked with the world lock).
-fn could_progress(sh: &Shared, pos: &QueuePosition) -> bool {
+/// Whether a slot for any waiting label is free now (checked with the world lock),
+/// other than those passed over after a lost claim.
+fn could_progress(sh: &Shared, pos: &QueuePosition, memory: &Memory) -> bool {
+    let now = now_ms();
     let mut world = sh.world();
     let labels = world.waiting.get(pos).cloned().unwrap_or_default();
     for label in labels {
-        if let Some(slot) = world.reserve_slot(pos, &label) {
+        let lost = |key: &str| memory.lost_claims.get(key).is_some_and(|t| *t > now);
+        if let Some(slot) = world.reserve_slot_avoiding(pos, &label, lost) {
             world.unreserve(&slot);
             return true;
         }

@@ -99,9 +99,18 @@ impl CapacityIndex {
     }
 
     /// The seat of the fullest node of `label` with a slot to hand out now.
+    #[cfg(test)]
     pub fn fullest_open(&self, label: &str) -> Option<&str> {
         let (_, seat) = self.by_label.get(label)?.open.first()?;
         Some(seat)
+    }
+
+    /// The seats of `label` with a slot to hand out now, fullest first.
+    pub fn open_seats<'a>(&'a self, label: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.by_label
+            .get(label)
+            .into_iter()
+            .flat_map(|l| l.open.iter().map(|(_, seat)| seat.as_str()))
     }
 
     /// Slots of `label` free now or soon.

@@ -10,7 +10,7 @@
 //! write's value can be gone: an expired key). A watch of some keys only (a pattern)
 //! cannot tell its keys' last revision from the bucket's and syncs at the marker.
 
-use super::{is_removal, transport, Change, KvError, Store};
+use super::{is_removal, transport, Change, KvError, Store, Timed};
 use async_nats::jetstream;
 use futures::{Stream, StreamExt};
 use std::collections::VecDeque;
@@ -56,7 +56,7 @@ pub(super) struct Reader {
     /// Messages received from the consumer.
     received: u64,
     /// Changes ready to hand out (a change, then possibly the sync).
-    ready: VecDeque<Result<Change, KvError>>,
+    ready: VecDeque<Result<Timed, KvError>>,
 }
 
 impl Reader {
@@ -85,6 +85,11 @@ impl Reader {
     }
 
     pub(super) fn into_stream(self) -> impl Stream<Item = Result<Change, KvError>> + Send {
+        self.into_timed_stream()
+            .map(|item| item.map(|timed| timed.change))
+    }
+
+    pub(super) fn into_timed_stream(self) -> impl Stream<Item = Result<Timed, KvError>> + Send {
         futures::stream::unfold(self, |mut reader| async move {
             let item = reader.next().await?;
             Some((item, reader))
@@ -93,7 +98,10 @@ impl Reader {
 
     fn sync(&mut self) {
         self.load = Load::Done;
-        self.ready.push_back(Ok(Change::Synced));
+        self.ready.push_back(Ok(Timed {
+            change: Change::Synced,
+            written_at: None,
+        }));
     }
 
     fn fail(&mut self, message: String) {
@@ -101,7 +109,7 @@ impl Reader {
             .push_back(Err(transport(self.store.bucket, ">", message)));
     }
 
-    async fn next(&mut self) -> Option<Result<Change, KvError>> {
+    async fn next(&mut self) -> Option<Result<Timed, KvError>> {
         loop {
             if let Some(item) = self.ready.pop_front() {
                 return Some(item);
@@ -127,8 +135,12 @@ impl Reader {
 
     async fn receive(&mut self, message: &jetstream::Message) {
         self.received += 1;
-        let (revision, pending) = match message.info() {
-            Ok(info) => (info.stream_sequence, info.pending),
+        let (revision, pending, written_at) = match message.info() {
+            Ok(info) => (
+                info.stream_sequence,
+                info.pending,
+                u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).ok(),
+            ),
             Err(err) => return self.fail(format!("watch metadata: {err}")),
         };
         let key = message
@@ -137,16 +149,16 @@ impl Reader {
             .strip_prefix(&self.prefix)
             .unwrap_or_default()
             .to_string();
-        self.ready
-            .push_back(Ok(if is_removal(message.headers.as_ref()) {
-                Change::Removed { key, revision }
-            } else {
-                Change::Put {
-                    key,
-                    revision,
-                    value: message.payload.clone(),
-                }
-            }));
+        let change = if is_removal(message.headers.as_ref()) {
+            Change::Removed { key, revision }
+        } else {
+            Change::Put {
+                key,
+                revision,
+                value: message.payload.clone(),
+            }
+        };
+        self.ready.push_back(Ok(Timed { change, written_at }));
         match self.load {
             Load::Initial if pending == 0 && !self.whole_bucket => self.sync(),
             Load::Initial if pending == 0 => match self.store.last_revision().await {
