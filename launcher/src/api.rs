@@ -348,26 +348,7 @@ async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<C
     let c: CancelRequest = decode(msg, "cancel request", |c: &CancelRequest| c.v)?;
     let key = c.request_id.to_string();
     loop {
-        let Some(current) =
-            sh.bus
-                .requests
-                .get::<NodeRequest>(&key)
-                .await
-                .map_err(|err| match err {
-                    KvError::Decode { .. } => ApiError::new(
-                        ErrorCode::Unreadable,
-                        format!(
-                        "request record {key} is unreadable; the slots claimed for it are released"
-                    ),
-                    ),
-                    err => internal(err),
-                })?
-        else {
-            return Err(ApiError::new(
-                ErrorCode::NotFound,
-                format!("no request {key}"),
-            ));
-        };
+        let current = read_request(sh, &key).await?;
         check_owner(caller, current.value.client.as_ref(), || {
             format!("request {key}")
         })?;
@@ -400,6 +381,25 @@ async fn cancel(sh: &Arc<Shared>, caller: &UserName, msg: &Incoming) -> Result<C
     }
 }
 
+/// Reads request `key` from KV, refusing in our terms a request that is not there or
+/// whose record cannot be read.
+async fn read_request(sh: &Shared, key: &str) -> Result<Versioned<NodeRequest>, ApiError> {
+    sh.bus
+        .requests
+        .get::<NodeRequest>(key)
+        .await
+        .map_err(|err| match err {
+            KvError::Decode { .. } => ApiError::new(
+                ErrorCode::Unreadable,
+                format!(
+                    "request record {key} is unreadable; the slots claimed for it are released"
+                ),
+            ),
+            err => internal(err),
+        })?
+        .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no request {key}")))
+}
+
 fn keep_alive_from(now: u64, secs: u64) -> u64 {
     now.saturating_add(secs.saturating_mul(1000))
 }
@@ -418,21 +418,7 @@ async fn keep_alive(
     loop {
         let current = match read.take() {
             Some(current) => current,
-            None => match sh
-                .bus
-                .requests
-                .get::<NodeRequest>(&key)
-                .await
-                .map_err(internal)?
-            {
-                Some(current) => current,
-                None => {
-                    return Err(ApiError::new(
-                        ErrorCode::NotFound,
-                        format!("no request {key}"),
-                    ))
-                }
-            },
+            None => read_request(sh, &key).await?,
         };
         check_owner(caller, current.value.client.as_ref(), || {
             format!("request {key}")
