@@ -20,7 +20,9 @@
 use crate::slots::{ReleaseOutcome, SlotError, Slots};
 use crate::ssh::SshInfo;
 use futures::{Stream, StreamExt};
-use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
+use slotpool_protocol::api::{
+    AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotReleased, SlotsClosed,
+};
 use slotpool_protocol::connect::{Bus, Incoming};
 use slotpool_protocol::model::SlotLogin;
 use slotpool_protocol::ssh_key::validate_public_key;
@@ -166,7 +168,12 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
                 reply: reply_with(
                     result
                         .map_err(|e| api_error(&e))
-                        .map(|_| serde_json::json!({})),
+                        .map(|outcome| SlotReleased {
+                            held_by: match outcome {
+                                ReleaseOutcome::Wiped => None,
+                                ReleaseOutcome::HeldByOther(holder) => Some(holder),
+                            },
+                        }),
                 ),
             }
         }

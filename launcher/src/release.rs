@@ -9,7 +9,7 @@
 
 use crate::nodes::{call_agent, SlotError, AGENT_TIMEOUT};
 use crate::shared::{Shared, Work};
-use slotpool_protocol::api::AgentCommand;
+use slotpool_protocol::api::{AgentCommand, SlotReleased};
 use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{Node, NodeRequest, NodeState, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
@@ -132,7 +132,10 @@ async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<()
             slot: node.value.slot,
             node_id: node.value.id.clone(),
         };
-        call_agent::<serde_json::Value>(shared, &node.value.backing_id, &cmd).await?;
+        let answer: SlotReleased = call_agent(shared, &node.value.backing_id, &cmd).await?;
+        if let Some(stale) = answer.held_by {
+            release_stale_holder(shared, &node.value, stale).await?;
+        }
     }
     loop {
         match shared.bus.slots.delete(&node.key, node.revision).await {
@@ -146,6 +149,30 @@ async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<()
         }
     }
     expire_when_released(shared, &node.value.request_id, Some(&node.value.id)).await?;
+    Ok(())
+}
+
+/// The agent holds `node`'s slot for `stale`, another node. The slot's key names `node`
+/// (it is being released), and a key is the only claim on a slot, so `stale` holds it
+/// without a claim: a prepare that reached the agent after its node was released, say.
+/// Left there, every later claim of the slot would be refused at its prepare, for ever;
+/// so the agent is told to release `stale` too.
+async fn release_stale_holder(
+    shared: &Shared,
+    node: &Node,
+    stale: NodeId,
+) -> Result<(), SlotError> {
+    tracing::warn!(
+        backing_id = %node.backing_id,
+        slot = node.slot,
+        %stale,
+        "the agent holds this slot for a node without a claim; releasing it there"
+    );
+    let cmd = AgentCommand::ReleaseSlot {
+        slot: node.slot,
+        node_id: stale,
+    };
+    call_agent::<SlotReleased>(shared, &node.backing_id, &cmd).await?;
     Ok(())
 }
 

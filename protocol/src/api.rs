@@ -322,6 +322,14 @@ impl SlotLimits {
     }
 }
 
+/// Reply to [`AgentCommand::ReleaseSlot`]: `{}` when the slot was wiped (or was
+/// free); `held_by` when another node holds it, which the agent leaves alone.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlotReleased {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<NodeId>,
+}
+
 /// Reply to [`AgentCommand::PrepareSlot`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlotPrepared {

@@ -55,8 +55,8 @@ async fn launchers_an_agent_and_the_bus_die_under_load_and_every_request_ends_on
         seed,
     );
     let started = Instant::now();
-    // When each disruption ended, to measure the stall after it.
-    let mut recoveries = Vec::new();
+    // What each disruption was and when it ended, to measure the stall after it.
+    let mut recoveries: Vec<(&str, Instant)> = Vec::new();
     let mut killed_agents = HashSet::new();
     wait_fulfilments(&load, "before the first disruption").await;
 
@@ -68,7 +68,7 @@ async fn launchers_an_agent_and_the_bus_die_under_load_and_every_request_ends_on
             tokio::time::sleep(millis(&mut rng, 200, 2000)).await;
             pool.restart_launcher(n);
             eprintln!("round {round}: launcher {n} killed and restarted");
-            recoveries.push(Instant::now());
+            recoveries.push(("launcher", Instant::now()));
             wait_fulfilments(&load, "after a launcher's restart").await;
         }
 
@@ -81,7 +81,7 @@ async fn launchers_an_agent_and_the_bus_die_under_load_and_every_request_ends_on
             unsafe { libc::kill(pid, libc::SIGKILL) };
             eprintln!("round {round}: agent {id} killed");
             killed_agents.insert(id);
-            recoveries.push(Instant::now());
+            recoveries.push(("agent", Instant::now()));
             wait_fulfilments(&load, "after an agent's death").await;
         }
 
@@ -90,7 +90,7 @@ async fn launchers_an_agent_and_the_bus_die_under_load_and_every_request_ends_on
         tokio::time::sleep(HEARTBEAT_TTL + millis(&mut rng, 1000, 2500)).await;
         pool.nats.resume().await;
         eprintln!("round {round}: nats-server killed and restarted");
-        recoveries.push(Instant::now());
+        recoveries.push(("bus", Instant::now()));
         wait_fulfilments(&load, "after the bus came back").await;
     }
     let ended = Instant::now();
@@ -122,8 +122,23 @@ async fn launchers_an_agent_and_the_bus_die_under_load_and_every_request_ends_on
 
     let stalls: Vec<Duration> = recoveries
         .iter()
-        .filter_map(|at| ledger.stall_after(*at))
+        .filter_map(|(_, at)| ledger.stall_after(*at))
         .collect();
+    for kind in ["launcher", "agent", "bus"] {
+        let of_kind: Vec<String> = recoveries
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, at)| {
+                ledger
+                    .stall_after(*at)
+                    .map_or("none".into(), |d| format!("{:.2}", d.as_secs_f64()))
+            })
+            .collect();
+        eprintln!(
+            "stalls after each {kind} disruption (s): {}",
+            of_kind.join(" ")
+        );
+    }
     let secs =
         |d: Option<Duration>| d.map_or("none".into(), |d| format!("{:.2} s", d.as_secs_f64()));
     eprintln!(

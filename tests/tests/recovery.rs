@@ -175,3 +175,40 @@ async fn a_failed_seat_is_launched_into_again_when_its_rest_ends() {
         "the waiting request was not served within 4 s of the seat's rest ending ({rest_left:?} after the failure was cleaned up)"
     );
 }
+
+/// An agent that holds a slot for a node with no claim (a prepare that reached it after
+/// its node was released, say) would refuse every later prepare of that slot, and the
+/// launcher would claim and give it back for ever. The release of the refused claim
+/// names the stale holder, and the launcher releases it at the agent too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_the_agent_holds_for_a_node_without_a_claim_is_freed_and_served() {
+    use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
+    use slotpool_protocol::layout::subjects;
+    let pool = Pool::start(1, 5, &label("small", 1, 600, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing = pool.backing().await.pop().expect("one backing node");
+    pool.release_and_wait(&first.nodes).await;
+
+    // The agent is told, as a launcher would, to prepare its only slot for a node that
+    // no slot key names.
+    let launcher = pool.nats.bus().await;
+    let stale = AgentCommand::PrepareSlot {
+        slot: 0,
+        node_id: slotpool_protocol::NodeId::generate(),
+        ssh_public_key: None,
+        limits: SlotLimits::default(),
+    };
+    let _: SlotPrepared = launcher
+        .call(&subjects::agent(&backing.id), &stale, PROMPT)
+        .await
+        .expect("the agent prepares the slot");
+
+    let second = pool.submit(&["small"]).await;
+    let r = pool.wait_final(&second, Duration::from_secs(30)).await;
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    assert_eq!(
+        pool.backing().await.len(),
+        1,
+        "served on the same backing node"
+    );
+}
