@@ -366,7 +366,12 @@ impl World {
                 short.push(label.clone());
             }
         }
-        if short.is_empty() {
+        // A node set short of several labels claims nothing until all of them can be
+        // had at once (request::plan), so it stands in no label's queue: standing in
+        // one would hold that label's free slots from the requests of other launchers
+        // while the set waits for another label, which is what the all-or-nothing rule
+        // is there to prevent. It waits in its own launcher's `waiting` only.
+        if short.len() != 1 {
             return;
         }
         let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
@@ -992,6 +997,30 @@ mod tests {
         w.reserved.clear();
         w.restand_backing(&BackingId::parse("bn-a").unwrap());
         assert!(w.reserve_slot(&pos(100, 5, "req-x"), "small").is_some());
+    }
+
+    #[test]
+    fn a_node_set_short_of_several_labels_holds_no_queue_of_other_launchers() {
+        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        live(&mut w, "launcher-b");
+        let mut set = open_request("req-set", 10, 1, "launcher-b");
+        set.value.labels = vec!["small".into(), "big".into()];
+        w.put_request(set);
+        assert!(!w.is_short_of(&RequestId::parse("req-set").unwrap(), "small"));
+        assert!(
+            w.reserve_slot(&pos(100, 5, "req-later"), "small").is_some(),
+            "a set waiting for two labels does not keep a later request from a free slot"
+        );
+        // Short of one label only, it stands in that label's queue.
+        w.reserved.clear();
+        w.restand_backing(&BackingId::parse("bn-a").unwrap());
+        let mut one = open_request("req-set", 10, 1, "launcher-b");
+        one.revision = 2;
+        one.value.labels = vec!["small".into()];
+        w.put_request(one);
+        assert_eq!(w.reserve_slot(&pos(100, 5, "req-later"), "small"), None);
     }
 
     #[test]
