@@ -192,7 +192,7 @@ async fn an_operator_drains_a_backing_node_with_key_presses() {
 /// The console's command line against `pool`, as operator `e2e`.
 fn console_command(pool: &Pool, log: &std::path::Path) -> String {
     format!(
-        "NO_COLOR=1 {} {} --config {} --actor e2e@test --log-file {} --log debug",
+        "NO_COLOR=1 {} {} --config {} --log-file {} --log debug",
         bin_path("slotpool-console").display(),
         pool.nats
             .args_as(slotpool_protocol::auth::Role::Operator, "e2e")
