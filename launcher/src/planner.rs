@@ -14,6 +14,7 @@ use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBeh
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{after, now_ms};
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// A seat to take: its index and, when reusing a failed seat, the revision it holds.
@@ -27,9 +28,11 @@ pub struct FreeSeat {
 pub fn free_seats<'a>(
     max_servers: u32,
     taken: impl Fn(u32) -> Option<&'a Versioned<BackingNode>>,
+    unreadable: &HashSet<u32>,
     now: u64,
 ) -> Vec<FreeSeat> {
     (0..max_servers)
+        .filter(|seat| !unreadable.contains(seat))
         .filter_map(|seat| match taken(seat) {
             None => Some(FreeSeat {
                 seat,
@@ -107,7 +110,13 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
                 tracing::debug!(%provider, %pool, %label, "provider out of capacity; trying the next pool");
                 continue;
             }
-            free_seats(site.pool.max_servers, |s| taken.get(&s).copied(), now_ms())
+            let unreadable = world.unreadable_seats_of(provider, pool);
+            free_seats(
+                site.pool.max_servers,
+                |s| taken.get(&s).copied(),
+                &unreadable,
+                now_ms(),
+            )
         };
         for free in seats {
             if deficit <= 0 {
@@ -208,7 +217,7 @@ mod tests {
             1 => Some(&failed),
             _ => None,
         };
-        let early = free_seats(3, taken, 1_000);
+        let early = free_seats(3, taken, &HashSet::new(), 1_000);
         assert_eq!(
             early,
             vec![FreeSeat {
@@ -216,7 +225,12 @@ mod tests {
                 reuse_revision: None
             }]
         );
-        let later = free_seats(3, taken, 1_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64);
+        let later = free_seats(
+            3,
+            taken,
+            &HashSet::new(),
+            1_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64,
+        );
         assert_eq!(
             later[0],
             FreeSeat {

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 pub type Dirty = Topic;
 
 /// Which bucket a watcher mirrors.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mirror {
     Requests,
     Slots,
@@ -169,9 +169,9 @@ fn decode<T: serde::de::DeserializeOwned>(
         .ok()
 }
 
-/// A request or slot record, or [`Record::Unreadable`] when it cannot be decoded: those
-/// two buckets must not lose a key to a bad record (a slot would look free, a request's
-/// claims would never be given back).
+/// A request, slot or backing record, or [`Record::Unreadable`] when it cannot be
+/// decoded: those buckets must not lose a key to a bad record (a slot or a seat would
+/// look free, a request's claims would never be given back).
 fn decode_or_note<'a, T: serde::de::DeserializeOwned>(
     bucket: &str,
     key: &'a str,
@@ -197,7 +197,7 @@ enum Record<'a> {
     /// Only what decides slots: heartbeats are most of the traffic.
     Heartbeat(HeartbeatGist<'a>),
     Lease(Versioned<Lease>),
-    /// A request or slot record that cannot be decoded.
+    /// A request, slot or backing record that cannot be decoded.
     Unreadable {
         key: &'a str,
         revision: u64,
@@ -229,7 +229,7 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
     Some(match mirror {
         Mirror::Requests => decode_or_note(bucket, key, revision, value, Record::Request),
         Mirror::Slots => decode_or_note(bucket, key, revision, value, Record::Slot),
-        Mirror::Backing => Record::Backing(decode(bucket, key, revision, value)?),
+        Mirror::Backing => decode_or_note(bucket, key, revision, value, Record::Backing),
         Mirror::Agents => Record::Heartbeat(
             HeartbeatGist::from_json(value)
                 .map_err(
@@ -314,6 +314,10 @@ impl Effects {
                 Mirror::Slots => {
                     "the slot counts as occupied until the record is replaced or deleted"
                 }
+                Mirror::Backing => {
+                    "the seat counts as taken (nothing is launched into it) until the record is \
+                     replaced or deleted"
+                }
                 _ => "the request is ignored and the slots claimed for it are released",
             };
             tracing::warn!(bucket, key = %u.key, revision = u.revision, error = %u.error, "unreadable record: {what}");
@@ -344,6 +348,13 @@ fn apply(
             return;
         };
         store(&mut shared.world(), mirror, record, &mut fx);
+        if mirror == Mirror::Backing && fx.unreadable.is_some() {
+            // The label the unreadable seat served is unknown: every label is planned
+            // again, in case one was waiting for that seat.
+            for label in shared.config.label_names() {
+                fx.todo.push(Dirty::Label(label.to_string()));
+            }
+        }
     }
     fx.send(shared, dirty);
 }
@@ -441,6 +452,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
         } => {
             let first = match mirror {
                 Mirror::Slots => world.put_unreadable_slot(key, revision),
+                Mirror::Backing => world.put_unreadable_seat(key, revision),
                 Mirror::Requests => {
                     if let Ok(id) = RequestId::parse(key) {
                         // Its worker, if any, must see it gone.

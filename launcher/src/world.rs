@@ -86,6 +86,10 @@ pub struct World {
     /// Slot keys whose record cannot be read → its revision. Such a slot counts as in
     /// use (in `used`): it is never handed out, and no claim is tried on it.
     pub unreadable_slots: HashMap<String, u64>,
+    /// Seat keys whose backing record cannot be read → its revision. Such a seat counts
+    /// as taken: the planner never launches into it (its creation would conflict for
+    /// ever), and nothing else is assumed about it.
+    pub unreadable_seats: HashMap<String, u64>,
     /// Requests whose record cannot be read → its revision. They are out of
     /// `requests`; the slots claimed for them are released by the sweep.
     pub unreadable_requests: HashMap<RequestId, u64>,
@@ -202,6 +206,35 @@ impl World {
         self.requeue(&id);
         self.unreadable_requests.insert(id, revision);
         true
+    }
+
+    /// Notes that seat `key` holds a backing record that cannot be read at `revision`:
+    /// the seat counts as taken until a readable record or a deletion replaces it. True
+    /// the first time this revision is seen (to log it once).
+    pub fn put_unreadable_seat(&mut self, key: &str, revision: u64) -> bool {
+        if self
+            .backing
+            .get(key)
+            .is_some_and(|b| b.revision >= revision)
+            || self
+                .unreadable_seats
+                .get(key)
+                .is_some_and(|rev| *rev >= revision)
+        {
+            return false;
+        }
+        self.remove_backing(key, revision);
+        self.unreadable_seats.insert(key.to_string(), revision);
+        true
+    }
+
+    /// The seats of `provider`'s `pool` whose record cannot be read.
+    pub fn unreadable_seats_of(&self, provider: &str, pool: &str) -> HashSet<u32> {
+        let prefix = format!("{provider}.{pool}.");
+        self.unreadable_seats
+            .keys()
+            .filter_map(|k| k.strip_prefix(&prefix)?.parse().ok())
+            .collect()
     }
 
     /// Notes that slot `key` holds a record that cannot be read at `revision`: the slot
@@ -385,6 +418,13 @@ impl World {
     }
 
     pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
+        match self.unreadable_seats.get(&b.key) {
+            Some(rev) if *rev >= b.revision => return,
+            Some(_) => {
+                self.unreadable_seats.remove(&b.key);
+            }
+            None => {}
+        }
         if let Some(old) = self.backing.get(&b.key) {
             if old.revision >= b.revision {
                 return;
@@ -400,6 +440,13 @@ impl World {
     }
 
     pub fn remove_backing(&mut self, key: &str, revision: u64) {
+        if self
+            .unreadable_seats
+            .get(key)
+            .is_some_and(|rev| *rev < revision)
+        {
+            self.unreadable_seats.remove(key);
+        }
         if self
             .backing
             .get(key)

@@ -107,3 +107,46 @@ async fn a_garbage_request_record_gets_a_clear_error_and_its_slot_is_freed() {
     )
     .await;
 }
+
+/// Garbage in a backing node's seat: the seat counts as taken, a backing node in another
+/// seat serves the request, the launcher does not spin on the bad seat, and says so once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_garbage_seat_record_is_taken_and_another_seat_serves() {
+    let pool = Pool::start(2, 3, &label("small", 1, 60, &[]), 1).await;
+    let key = layout::seat_key("local", "main", 0);
+    let bus = pool.nats.bus().await;
+    bus.backing
+        .put(&key, &"not a backing record", None)
+        .await
+        .expect("writing garbage");
+
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let served = pool.node(&first.nodes[0]).await;
+    let backing = pool.backing().await;
+    assert_eq!(backing.len(), 1, "{backing:?}");
+    assert_eq!(backing[0].id, served.backing_id);
+    assert_eq!(
+        backing[0].seat, 1,
+        "never the seat with the unreadable record"
+    );
+
+    let pid = pool.launcher_pid(0);
+    let before = cpu_ticks(pid);
+    let stuck = pool.submit(&["small"]).await; // no seat left: it waits
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let used = (cpu_ticks(pid) - before) as f64 / ticks_per_second() as f64;
+    assert!(
+        used < 0.3,
+        "the launcher used {used:.2} s of CPU in 3 s with a request waiting"
+    );
+    assert_eq!(
+        pool.client.request(&stuck).await.unwrap().unwrap().state,
+        RequestState::Requested
+    );
+    let log = pool.launcher_log(0);
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("unreadable record") && l.contains(&key))
+        .count();
+    assert_eq!(warnings, 1, "warned once about {key}:\n{log}");
+}
