@@ -112,6 +112,7 @@ impl Heartbeat {
             slots: self.slots.reports(),
             draining,
             dirty_slots: self.slots.dirty_slots(),
+            dirty_reasons: self.slots.dirty_reasons(),
             isolation: Some(self.slots.isolation_name().to_string()),
             ssh_port: Some(self.ssh.port),
             ssh_host_keys: self.ssh.host_keys.clone(),

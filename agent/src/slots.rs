@@ -33,7 +33,7 @@
 
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
 use slotpool_protocol::api::SlotLimits;
-use slotpool_protocol::model::SlotReport;
+use slotpool_protocol::model::{SlotReport, DIRTY_REASON_MAX_CHARS};
 use slotpool_protocol::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -330,6 +330,17 @@ impl Slots {
             .unwrap_or_default();
         slots.sort_unstable();
         slots
+    }
+
+    /// Why each dirty slot is dirty, cut to what a heartbeat carries.
+    pub fn dirty_reasons(&self) -> BTreeMap<u32, String> {
+        self.dirty_slots()
+            .into_iter()
+            .filter_map(|slot| {
+                let (reason, _) = self.dirty_reason(slot)?;
+                Some((slot, reason.chars().take(DIRTY_REASON_MAX_CHARS).collect()))
+            })
+            .collect()
     }
 
     fn mark_dirty(&self, slot: u32, reason: &str) {
@@ -800,6 +811,11 @@ mod tests {
             "{err}"
         );
         assert_eq!(slots.dirty_slots(), vec![1]);
+        let reasons = slots.dirty_reasons();
+        assert!(
+            reasons[&1].contains("a process survived"),
+            "the heartbeat says why: {reasons:?}"
+        );
         slots.warm_free_slots();
         slots.warm_ups_done().await;
         assert!(

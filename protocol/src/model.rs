@@ -434,6 +434,9 @@ pub struct SlotReport {
 /// ([`AgentHeartbeat::ttl_secs`]); the agent's `--heartbeat-ttl-secs` default.
 pub const DEFAULT_HEARTBEAT_TTL_SECS: u64 = 6;
 
+/// The longest reason for a dirty slot a heartbeat carries, in characters.
+pub const DIRTY_REASON_MAX_CHARS: usize = 300;
+
 /// An agent's heartbeat, written every few seconds with a TTL under its backing id.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AgentHeartbeat {
@@ -460,6 +463,10 @@ pub struct AgentHeartbeat {
     /// Slots that could not be cleaned: never handed out again until an operator acts.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dirty_slots: Vec<u32>,
+    /// Why each dirty slot is dirty, as the agent recorded it (at most
+    /// [`DIRTY_REASON_MAX_CHARS`] characters each); older agents send none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dirty_reasons: BTreeMap<u32, String>,
     /// How slots are isolated (`users` or `none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<String>,
@@ -641,6 +648,7 @@ mod tests {
             }],
             draining: false,
             dirty_slots: vec![],
+            dirty_reasons: BTreeMap::new(),
             isolation: Some("users".into()),
             ssh_port: Some(22),
             ssh_host_keys: vec!["ssh-ed25519 AAAA".into()],

@@ -94,6 +94,7 @@ pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
         slots: vec![],
         draining: false,
         dirty_slots: vec![],
+        dirty_reasons: Default::default(),
         isolation: None,
         ssh_port: None,
         ssh_host_keys: vec![],

@@ -311,10 +311,13 @@ fn backing_pane(state: &State, b: &BackingNode) -> Pane {
         title: format!(" {} ", b.id),
         ..Default::default()
     };
-    let dirty: Vec<u32> = state
-        .agent(b.id.as_str())
-        .map(|a| a.dirty_slots.clone())
-        .unwrap_or_default();
+    let agent = state.agent(b.id.as_str());
+    let dirty: Vec<u32> = agent.map(|a| a.dirty_slots.clone()).unwrap_or_default();
+    let why_dirty = |slot: u32| {
+        agent
+            .and_then(|a| a.dirty_reasons.get(&slot))
+            .map_or("the agent gives no reason".to_string(), |r| r.clone())
+    };
     pane.line(Tone::Heading, "slots");
     for s in state.slot_rows(b) {
         match &s.node {
@@ -338,8 +341,9 @@ fn backing_pane(state: &State, b: &BackingNode) -> Pane {
             None if dirty.contains(&s.slot) => pane.line(
                 Tone::Error,
                 format!(
-                    "  {:>2} dirty: not handed out until an operator acts (the agent gives no reason)",
-                    s.slot
+                    "  {:>2} dirty: {}; not handed out until an operator acts",
+                    s.slot,
+                    why_dirty(s.slot)
                 ),
             ),
             None => {}

@@ -1181,6 +1181,7 @@ mod tests {
         let b = backing(0, BackingState::Ready, 4);
         let mut hb = agent(&b, NOW - SEC);
         hb.dirty_slots = vec![3];
+        hb.dirty_reasons = [(3, "a process survived".to_string())].into();
         apply_all(
             &mut state,
             [Msg::Feed(vec![put(Record::Agent(Box::new(hb)))])],
@@ -1188,7 +1189,7 @@ mod tests {
         press(&mut state, [key('i')]);
         let text = screen(&state);
         assert!(text.contains("req-ci-job-1 by ci-job-1"), "{text}");
-        assert!(text.contains("3 dirty"), "{text}");
+        assert!(text.contains("3 dirty: a process survived"), "{text}");
         insta::assert_snapshot!(text);
         // Taller: the recent events and the record.
         state.size = (100, 40);

@@ -219,6 +219,7 @@ async fn heartbeats(
             slots,
             draining: false,
             dirty_slots: Vec::new(),
+            dirty_reasons: Default::default(),
             isolation: Some("simulated".into()),
             ssh_port: None,
             ssh_host_keys: Vec::new(),
