@@ -246,37 +246,16 @@ async fn sweep_held(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use slotpool_protocol::model::IdleBehaviour;
 
     fn record(id: &str, state: BackingState, instance: Option<&str>) -> BackingNode {
-        BackingNode {
-            v: 1,
-            id: BackingId::parse(id).unwrap(),
-            provider: "cloud".into(),
-            pool: "main".into(),
-            seat: 0,
-            label: "small".into(),
-            backing_label: "vm".into(),
-            slots: 2,
-            state,
-            idle: IdleBehaviour::default(),
-            instance: instance.map(|i| Instance {
-                id: i.into(),
-                host: "10.0.0.1".into(),
-                data: serde_json::Value::Null,
-            }),
-            secret_sha256: String::new(),
-            created_at: 0,
-            launched_at: None,
-            ready_at: None,
-            idle_since: None,
-            attempts: 1,
-            out_of_capacity: false,
-            failure: None,
-            attributes: Default::default(),
-            order: None,
-            updated_at: 0,
-        }
+        let mut b = crate::world::tests_support::backing(id, "small", 2, state).value;
+        b.provider = "cloud".into();
+        b.instance = instance.map(|i| Instance {
+            id: i.into(),
+            host: "10.0.0.1".into(),
+            data: serde_json::Value::Null,
+        });
+        b
     }
 
     fn listed(id: &str, backing_id: Option<&str>) -> ListedInstance {
