@@ -1,9 +1,11 @@
 //! `slotpool serve --http`: `/metrics` read back with a Prometheus text-format parser and
-//! checked against KV, the readiness probe through a NATS outage, and the refusal of an
-//! exposed listener without a token.
+//! checked against KV, the JSON API against KV, the readiness probe through a NATS
+//! outage, and the refusal of an exposed listener without a token.
 
 use prometheus_parse::{Sample, Scrape, Value};
-use slotpool_protocol::model::{BackingState, NodeState};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Event, Node, NodeRequest, NodeState, RequestState,
+};
 use slotpool_tests::{label, wait_for, wait_for_some, NatsServer, Pool, AGENT_ARGS};
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -206,8 +208,57 @@ async fn a_token_guards_metrics_but_not_the_probes() {
         pool_with_http(&["--http-token-file", token_file.to_str().expect("utf-8")]).await;
     assert_eq!(get(addr, "/metrics", None).await.0, 401);
     assert_eq!(get(addr, "/metrics", Some("wrong")).await.0, 401);
+    assert_eq!(get(addr, "/api/v1/backing", None).await.0, 401);
+    assert_eq!(get(addr, "/api/v1/backing", Some("s3cret")).await.0, 200);
     let (status, body) = get(addr, "/metrics", Some("s3cret")).await;
     assert_eq!(status, 200);
     assert!(body.contains("slotpool_backing_nodes"), "{body}");
     assert_eq!(get(addr, "/healthz", None).await.0, 200);
+}
+
+/// GETs `path` and parses the body as JSON of type `T`.
+async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> T {
+    let (status, body) = get(addr, path, None).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|err| panic!("{path}: {err}: {body}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_json_api_serves_the_records_kv_holds() {
+    let (pool, addr) = pool_with_http(&[]).await;
+    let held = pool.submit(&["small"]).await;
+    pool.fulfilled(&held).await;
+
+    let kv_backing = pool.client.list_backing().await.expect("list backing");
+    let kv_nodes = pool.nodes().await;
+    let kv_requests = pool.client.list_requests().await.expect("list requests");
+    let kv_events = pool.client.list_events().await.expect("list events");
+    assert!(!kv_backing.is_empty() && !kv_nodes.is_empty() && !kv_events.is_empty());
+    // The mirror follows KV: wait until it has caught up with what was read.
+    wait_for("the API to serve what KV holds", WAIT, || async {
+        get_json::<Vec<BackingNode>>(addr, "/api/v1/backing").await == kv_backing
+            && get_json::<Vec<Node>>(addr, "/api/v1/nodes").await == kv_nodes
+    })
+    .await;
+    let mut all: Vec<NodeRequest> = get_json(addr, "/api/v1/requests").await;
+    let mut kv_sorted = kv_requests.clone();
+    kv_sorted.sort_by(|a, b| a.id.cmp(&b.id));
+    all.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(all, kv_sorted);
+    let fulfilled: Vec<NodeRequest> =
+        get_json(addr, "/api/v1/requests?label=small&state=fulfilled").await;
+    let kv_fulfilled: Vec<&NodeRequest> = kv_requests
+        .iter()
+        .filter(|r| r.state == RequestState::Fulfilled && r.labels.contains(&"small".into()))
+        .collect();
+    assert_eq!(fulfilled.iter().collect::<Vec<_>>(), kv_fulfilled);
+    assert_eq!(fulfilled.len(), 1);
+    assert_eq!(fulfilled[0].id, held);
+    let events: Vec<Event> = get_json(addr, "/api/v1/events").await;
+    assert_eq!(events[..kv_events.len()], kv_events[..]);
+    let canceled: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?state=canceled").await;
+    assert!(canceled.is_empty(), "{canceled:?}");
+    let other: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?label=large").await;
+    assert!(other.is_empty(), "{other:?}");
+    assert_eq!(get(addr, "/api/v1/requests?state=bogus", None).await.0, 400);
 }

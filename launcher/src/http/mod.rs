@@ -1,13 +1,14 @@
 //! `slotpool serve --http ADDR`: the launcher's HTTP listener, off unless asked for.
 //!
 //! Routes: `/metrics` (Prometheus text format, [`metrics`]), `/healthz` (the process is
-//! up) and `/readyz` (connected to NATS with every mirror synced). A listener on a
-//! non-loopback address needs a bearer token (`--http-token-file`); with one, every
-//! route but the two probes asks for it.
+//! up), `/readyz` (connected to NATS with every mirror synced) and the read-only JSON
+//! API under `/api/v1/` ([`api`]). A listener on a non-loopback address needs a bearer
+//! token (`--http-token-file`); with one, every route but the two probes asks for it.
 //!
-//! Served with hyper's HTTP/1 connection handling directly: three read-only routes do
+//! Served with hyper's HTTP/1 connection handling directly: a few read-only routes do
 //! not need a framework's router or middleware.
 
+pub mod api;
 pub mod metrics;
 
 use crate::shared::Shared;
@@ -110,7 +111,7 @@ pub async fn serve(shared: Arc<Shared>, http: HttpListener) {
         shared.tracker.spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(state.answer(&req)) }
+                async move { Ok::<_, std::convert::Infallible>(state.answer(&req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service);
@@ -136,7 +137,7 @@ struct State {
 }
 
 impl State {
-    fn answer(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    async fn answer(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
             return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
         }
@@ -146,15 +147,35 @@ impl State {
                 None => plain(StatusCode::OK, "ready\n"),
                 Some(why) => plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n")),
             },
-            "/metrics" => {
-                if !self.authorized(req) {
-                    let mut res = plain(StatusCode::UNAUTHORIZED, "bearer token required\n");
-                    res.headers_mut().insert(
-                        hyper::header::WWW_AUTHENTICATE,
-                        hyper::header::HeaderValue::from_static("Bearer"),
-                    );
-                    return res;
+            _ if !self.authorized(req) => {
+                let mut res = plain(StatusCode::UNAUTHORIZED, "bearer token required\n");
+                res.headers_mut().insert(
+                    hyper::header::WWW_AUTHENTICATE,
+                    hyper::header::HeaderValue::from_static("Bearer"),
+                );
+                res
+            }
+            path if path.starts_with("/api/v1/") => {
+                let route = &path["/api/v1/".len()..];
+                match api::answer(&self.shared, route, req.uri().query()).await {
+                    api::Answer::Json(body) => {
+                        let mut res = Response::new(Full::new(Bytes::from(body)));
+                        res.headers_mut().insert(
+                            hyper::header::CONTENT_TYPE,
+                            hyper::header::HeaderValue::from_static("application/json"),
+                        );
+                        res
+                    }
+                    api::Answer::BadRequest(why) => {
+                        plain(StatusCode::BAD_REQUEST, &format!("{why}\n"))
+                    }
+                    api::Answer::NotFound => plain(StatusCode::NOT_FOUND, "not found\n"),
+                    api::Answer::Unavailable(why) => {
+                        plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n"))
+                    }
                 }
+            }
+            "/metrics" => {
                 let mut text = String::new();
                 match prometheus_client::encoding::text::encode(&mut text, &self.registry) {
                     Ok(()) => {
