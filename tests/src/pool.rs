@@ -188,6 +188,11 @@ impl Pool {
         self.launchers[n].kill();
     }
 
+    /// Stops launcher `n` as its service manager would (SIGTERM, SIGKILL after `grace`).
+    pub async fn stop_launcher(&mut self, n: usize, grace: Duration) -> std::process::ExitStatus {
+        self.launchers[n].terminate(grace).await
+    }
+
     /// Starts launcher `n` again (after [`Pool::kill_launcher`]), logging to the same file.
     pub fn restart_launcher(&mut self, n: usize) {
         self.launchers[n].kill();

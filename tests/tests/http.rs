@@ -262,3 +262,21 @@ async fn the_json_api_serves_the_records_kv_holds() {
     assert!(other.is_empty(), "{other:?}");
     assert_eq!(get(addr, "/api/v1/requests?state=bogus", None).await.0, 400);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_connection_does_not_hold_the_launcher_at_shutdown() {
+    let (mut pool, addr) = pool_with_http(&[]).await;
+    // A keep-alive connection, idle after its first answer, as a scraper leaves it.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    idle.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut first = [0u8; 12];
+    idle.read_exact(&mut first).await.expect("an answer");
+    assert_eq!(&first, b"HTTP/1.1 200");
+    let status = pool.stop_launcher(0, WAIT).await;
+    assert!(
+        status.success(),
+        "the launcher did not stop cleanly: {status:?}"
+    );
+}
