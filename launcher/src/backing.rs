@@ -290,6 +290,7 @@ impl Worker {
             }
             Step::Release(reason) => {
                 tracing::info!(%reason, "releasing");
+                let outcome = self.write(b, BackingState::Releasing, |_| {}).await?;
                 metrics::deletion(if b.value.state == BackingState::Retiring {
                     DeletionReason::Retired
                 } else if b.value.idle == IdleBehaviour::Drain {
@@ -297,7 +298,6 @@ impl Worker {
                 } else {
                     DeletionReason::Grace
                 });
-                let outcome = self.write(b, BackingState::Releasing, |_| {}).await?;
                 self.note(b, format!("releasing: {reason}"));
                 Ok(outcome)
             }
@@ -575,12 +575,12 @@ impl Worker {
 
     async fn fail(&self, b: &Versioned<BackingNode>, reason: String) -> Result<Outcome, KvError> {
         tracing::warn!(%reason, "backing node failed");
-        metrics::deletion(DeletionReason::Failure);
         let outcome = self
             .write(b, BackingState::Failed, |n| {
                 n.failure = Some(reason.clone())
             })
             .await?;
+        metrics::deletion(DeletionReason::Failure);
         self.note(b, format!("failed: {reason}"));
         let on_it: Vec<_> = self
             .sh

@@ -16,10 +16,15 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// A pool of one launcher serving HTTP on an ephemeral loopback port, and that port.
 async fn pool_with_http(extra: &[&str]) -> (Pool, SocketAddr) {
+    pool_with_http_grace(60, extra).await
+}
+
+/// [`pool_with_http`] with the label's grace-time.
+async fn pool_with_http_grace(grace: u32, extra: &[&str]) -> (Pool, SocketAddr) {
     let mut args = vec!["--http", "127.0.0.1:0"];
     args.extend_from_slice(extra);
-    let pool =
-        Pool::start_serving_with(2, 5, &label("small", 2, 60, &[]), 1, &AGENT_ARGS, &args).await;
+    let labels = label("small", 2, grace, &[]);
+    let pool = Pool::start_serving_with(2, 5, &labels, 1, &AGENT_ARGS, &args).await;
     let addr = wait_for_some("the launcher to say where it serves HTTP", WAIT, || {
         let log = pool.launcher_log(0);
         async move {
@@ -278,5 +283,36 @@ async fn an_open_connection_does_not_hold_the_launcher_at_shutdown() {
     assert!(
         status.success(),
         "the launcher did not stop cleanly: {status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backing_node_released_after_its_grace_time_is_counted() {
+    let (pool, addr) = pool_with_http_grace(1, &[]).await;
+    let id = pool.submit(&["small"]).await;
+    let r = pool.fulfilled(&id).await;
+    pool.release_and_wait(&r.nodes).await;
+    wait_for("the idle backing node to be released", WAIT, || async {
+        pool.backing().await.is_empty()
+    })
+    .await;
+    let s = scrape(addr).await;
+    let deletions = |reason| {
+        value(
+            &s,
+            "slotpool_backing_deletions_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!(deletions("grace"), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_deletions_total", &[]), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_nodes", &[]), 0.0);
+    assert_eq!(
+        value(
+            &s,
+            "slotpool_slots",
+            &[("label", "small"), ("state", "used")]
+        ),
+        0.0
     );
 }

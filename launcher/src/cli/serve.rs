@@ -28,12 +28,14 @@ pub struct ServeArgs {
     /// orders: for development only.
     #[arg(long, env = "SLOTPOOL_ALLOW_ANONYMOUS_BUS")]
     pub allow_anonymous_bus: bool,
-    /// Serve `/metrics`, `/healthz` and `/readyz` over HTTP on this address (off by
-    /// default). Port 0 picks a free port; the log says which ("http listening on").
+    /// Serve `/metrics`, `/healthz`, `/readyz` and the read-only JSON API (`/api/v1/`)
+    /// over HTTP on this IP:PORT (off by default). Port 0 picks a free port; the log says
+    /// which ("http listening on").
     #[arg(long, value_name = "ADDR")]
     pub http: Option<std::net::SocketAddr>,
     /// A file holding the bearer token HTTP clients must send (`Authorization: Bearer
-    /// …`) for `/metrics`. Required for an --http address that is not loopback.
+    /// …`) for `/metrics` and the API. Required for an --http address that is not
+    /// loopback.
     #[arg(long, value_name = "FILE", requires = "http")]
     pub http_token_file: Option<PathBuf>,
 }
