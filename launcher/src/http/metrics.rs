@@ -253,7 +253,7 @@ impl prometheus_client::collector::Collector for Collector {
         gauges(
             &mut encoder,
             "slots",
-            "Slots of backing nodes by label and state: used, free, dirty (pool-wide, from KV).",
+            "Slots of backing nodes by label and state: used, free, dirty (could not be cleaned) (pool-wide, from KV).",
             view.slots,
         )?;
         gauges(
