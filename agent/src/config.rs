@@ -18,6 +18,10 @@ pub const SECRET_ENV: &str = "SLOTPOOL_AGENT_SECRET";
 #[derive(Clone, Debug, Parser)]
 #[command(name = "slotpool-agent", version, about)]
 pub struct Args {
+    /// Log format: `text`, or `json` (one object a line, with the fields of the slot's
+    /// spans) for a log system.
+    #[arg(long, env = "SLOTPOOL_LOG_FORMAT", default_value = "text")]
+    pub log_format: slotpool_protocol::logging::LogFormat,
     /// NATS server URL(s), comma-separated.
     #[arg(
         long,

@@ -44,14 +44,13 @@ fn main() -> anyhow::Result<()> {
         return enter_slot();
     }
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    slotpool_protocol::logging::init(
+        args.log_format,
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        std::io::stderr,
+        std::io::stderr().is_terminal(),
+    );
 
     // Take the secret out of the environment before any thread or child process exists,
     // so slot processes started later cannot inherit it.

@@ -3,6 +3,7 @@
 //! the node to the allocator, retire, release, or fail — each a revision-checked write.
 
 use crate::events;
+use crate::http::metrics::{self, DeletionReason, LaunchOutcome};
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
@@ -11,7 +12,8 @@ use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
 use slotpool_protocol::model::{
-    secret_digest, BackingNode, BackingState, HeartbeatGist, DEFAULT_HEARTBEAT_TTL_SECS,
+    secret_digest, BackingNode, BackingState, HeartbeatGist, IdleBehaviour,
+    DEFAULT_HEARTBEAT_TTL_SECS,
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -289,6 +291,13 @@ impl Worker {
             Step::Release(reason) => {
                 tracing::info!(%reason, "releasing");
                 let outcome = self.write(b, BackingState::Releasing, |_| {}).await?;
+                metrics::deletion(if b.value.state == BackingState::Retiring {
+                    DeletionReason::Retired
+                } else if b.value.idle == IdleBehaviour::Drain {
+                    DeletionReason::Drain
+                } else {
+                    DeletionReason::Grace
+                });
                 self.note(b, format!("releasing: {reason}"));
                 Ok(outcome)
             }
@@ -433,6 +442,7 @@ impl Worker {
         match result {
             Ok(launched) => {
                 tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
+                metrics::launch(LaunchOutcome::Launched);
                 let message = format!(
                     "launched on {} (attempt {}); waiting for its agent",
                     launched.instance.host, current.value.attempts
@@ -448,6 +458,11 @@ impl Worker {
             }
             Err(err) => {
                 let capacity = matches!(err, ProviderError::Capacity { .. });
+                metrics::launch(if capacity {
+                    LaunchOutcome::Capacity
+                } else {
+                    LaunchOutcome::Failed
+                });
                 if capacity {
                     tracing::warn!(%err, backoff = ?lifecycle::CAPACITY_BACKOFF, "provider out of capacity; will ask again");
                     self.note(
@@ -565,6 +580,7 @@ impl Worker {
                 n.failure = Some(reason.clone())
             })
             .await?;
+        metrics::deletion(DeletionReason::Failure);
         self.note(b, format!("failed: {reason}"));
         let on_it: Vec<_> = self
             .sh

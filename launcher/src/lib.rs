@@ -12,6 +12,7 @@ pub use slotpool_config as config;
 pub mod api;
 pub mod backing;
 pub mod events;
+pub mod http;
 pub mod inbound;
 pub mod leak;
 pub mod lease;
@@ -50,6 +51,8 @@ pub struct LauncherDeps {
     pub agent_bus: agent_bus::AgentBus,
     /// The `slotpool-agent` binary the local provider runs by default.
     pub agent_binary: PathBuf,
+    /// Where to serve `/metrics` and the probes (`--http`), bound already.
+    pub http: Option<http::HttpListener>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +92,10 @@ pub async fn run(
         shutdown.clone(),
     ));
     tracing::info!(launcher = %shared.id, "launcher starting");
+
+    if let Some(listener) = deps.http {
+        shared.tracker.spawn(http::serve(shared.clone(), listener));
+    }
 
     let (dirty_tx, dirty_rx) = mpsc::unbounded_channel();
     let mut synced = Vec::new();

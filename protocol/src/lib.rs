@@ -12,6 +12,7 @@ pub mod client;
 pub mod connect;
 pub mod ids;
 pub mod layout;
+pub mod logging;
 pub mod model;
 pub mod ssh_key;
 pub mod store;

@@ -12,7 +12,17 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+/// Writes this process had refused for a changed revision ([`KvError::Conflict`]).
+static CONFLICTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many writes of this process were refused because the record had changed since
+/// it was read (its `/metrics` counts them).
+pub fn conflicts() -> u64 {
+    CONFLICTS.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 mod watch;
 
@@ -204,6 +214,7 @@ impl Store {
     }
 
     fn conflict(&self, key: &str) -> KvError {
+        CONFLICTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         KvError::Conflict {
             bucket: self.bucket.to_string(),
             key: key.to_string(),

@@ -35,6 +35,8 @@ pub struct Pool {
     dir: TempDir,
     config: PathBuf,
     launchers: Vec<ChildGuard>,
+    /// Arguments each launcher gets after the usual ones ([`Pool::start_serving_with`]).
+    serve_extra: Vec<String>,
 }
 
 /// A launcher config with the local provider, [`AGENT_ARGS`] and `labels`.
@@ -80,6 +82,19 @@ impl Pool {
         launchers: usize,
         agent_args: &[&str],
     ) -> Pool {
+        Pool::start_serving_with(max_servers, lease_ttl, labels, launchers, agent_args, &[]).await
+    }
+
+    /// [`Pool::start_with`], each launcher started with `serve_extra` added to its
+    /// `slotpool serve` arguments.
+    pub async fn start_serving_with(
+        max_servers: u32,
+        lease_ttl: u32,
+        labels: &str,
+        launchers: usize,
+        agent_args: &[&str],
+        serve_extra: &[&str],
+    ) -> Pool {
         let nats = NatsServer::start().await;
         let dir = tempfile::Builder::new()
             .prefix("slotpool-pool-")
@@ -104,6 +119,7 @@ impl Pool {
             dir,
             config,
             launchers: Vec::new(),
+            serve_extra: serve_extra.iter().map(|s| s.to_string()).collect(),
         };
         for _ in 0..launchers {
             pool.spawn_launcher();
@@ -147,9 +163,11 @@ impl Pool {
     }
 
     fn launcher(&self, n: usize) -> ChildGuard {
+        let mut args = self.nats.serve_args(&self.config);
+        args.extend(self.serve_extra.iter().cloned());
         spawn_serve(
             &format!("launcher-{n}"),
-            &self.nats.serve_args(&self.config),
+            &args,
             &self.dir.path().join(format!("launcher-{n}.log")),
         )
     }
@@ -168,6 +186,11 @@ impl Pool {
     /// SIGKILLs launcher `n`, as a crash would.
     pub fn kill_launcher(&mut self, n: usize) {
         self.launchers[n].kill();
+    }
+
+    /// Stops launcher `n` as its service manager would (SIGTERM, SIGKILL after `grace`).
+    pub async fn stop_launcher(&mut self, n: usize, grace: Duration) -> std::process::ExitStatus {
+        self.launchers[n].terminate(grace).await
     }
 
     /// Starts launcher `n` again (after [`Pool::kill_launcher`]), logging to the same file.

@@ -30,6 +30,9 @@ struct Args {
     /// Log filter for --log-file (tracing env-filter syntax).
     #[arg(long, env = "SLOTPOOL_LOG", default_value = "info")]
     log: String,
+    /// Format of --log-file: `text`, or `json` (one object a line) for a log system.
+    #[arg(long, env = "SLOTPOOL_LOG_FORMAT", default_value = "text")]
+    log_format: slotpool_protocol::logging::LogFormat,
     /// Quit after the first screen with everything loaded, printing the start-up time.
     #[arg(long, hide = true)]
     exit_after_first_render: bool,
@@ -39,14 +42,13 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.log_file {
         match std::fs::File::create(path) {
-            Ok(file) => tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_new(&args.log)
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::sync::Mutex::new(file))
-                .with_ansi(false)
-                .init(),
+            Ok(file) => slotpool_protocol::logging::init(
+                args.log_format,
+                tracing_subscriber::EnvFilter::try_new(&args.log)
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                std::sync::Mutex::new(file),
+                false,
+            ),
             Err(err) => {
                 eprintln!("error: creating {}: {err}", path.display());
                 return ExitCode::from(2);

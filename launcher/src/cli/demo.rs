@@ -269,6 +269,7 @@ async fn start(
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(url.clone(), minter),
         agent_binary: agent_binary.clone(),
+        http: None,
     };
     let launcher = tokio::spawn(run(config, bus.clone(), deps, shutdown.clone()));
     let client = Client::from_bus(jobs_bus);

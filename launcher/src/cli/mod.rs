@@ -43,6 +43,16 @@ pub struct Cli {
         help_heading = "Global options"
     )]
     pub log: Option<String>,
+    /// Log format: `text`, or `json` (one object a line, with the fields of the request,
+    /// node and backing node spans) for a log system.
+    #[arg(
+        long,
+        global = true,
+        env = "SLOTPOOL_LOG_FORMAT",
+        default_value = "text",
+        help_heading = "Global options"
+    )]
+    pub log_format: LogFormat,
     /// Threads of the async runtime (default: one per CPU). On a small machine shared
     /// with nats-server, 1 can serve more requests per CPU second.
     #[arg(long, global = true, env = "SLOTPOOL_WORKER_THREADS", help_heading = "Global options", value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -52,6 +62,7 @@ pub struct Cli {
 }
 
 pub use slotpool_config::bus::NatsArgs;
+use slotpool_protocol::logging::LogFormat;
 
 #[derive(Debug, Clone, Copy, Default, ValueEnum)]
 pub enum Output {
@@ -161,15 +172,12 @@ pub fn init_tracing(cli: &Cli) {
     let default = if is_daemon(cli) { "info" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_new(cli.log.as_deref().unwrap_or(default))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false)
-        // A log whose reader has gone (`slotpool demo 2>&1 | head`) is dropped: reporting
-        // that on the same stderr would panic.
-        .log_internal_errors(false)
-        .init();
+    slotpool_protocol::logging::init(
+        cli.log_format,
+        filter,
+        std::io::stderr,
+        std::io::stderr().is_terminal(),
+    );
 }
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {

@@ -4,6 +4,7 @@ use super::NatsArgs;
 use anyhow::Context;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
+use slotpool_launcher::http::HttpListener;
 use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::Minter;
 use slotpool_protocol::connect::Bus;
@@ -27,10 +28,24 @@ pub struct ServeArgs {
     /// orders: for development only.
     #[arg(long, env = "SLOTPOOL_ALLOW_ANONYMOUS_BUS")]
     pub allow_anonymous_bus: bool,
+    /// Serve `/metrics`, `/healthz`, `/readyz` and the read-only JSON API (`/api/v1/`)
+    /// over HTTP on this IP:PORT (off by default). Port 0 picks a free port; the log says
+    /// which ("http listening on").
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token HTTP clients must send (`Authorization: Bearer
+    /// …`) for `/metrics` and the API. Required for an --http address that is not
+    /// loopback.
+    #[arg(long, value_name = "FILE", requires = "http")]
+    pub http_token_file: Option<PathBuf>,
 }
 
 pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = Config::load(&args.config)?;
+    let http = match args.http {
+        Some(addr) => Some(HttpListener::bind(addr, args.http_token_file.as_deref()).await?),
+        None => None,
+    };
     if !nats.authenticates() {
         if !args.allow_anonymous_bus {
             anyhow::bail!(
@@ -72,6 +87,7 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(agent_nats_url, minter),
         agent_binary: super::sibling_agent_binary(),
+        http,
     };
     run(config, bus, deps, shutdown).await.context("launcher")?;
     Ok(ExitCode::SUCCESS)

@@ -4,6 +4,7 @@
 
 use super::observe::{position, Memory};
 use super::plan::RequestStep;
+use crate::http::metrics;
 use crate::nodes::{self, SlotError};
 use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, request_topic, Shared};
@@ -170,7 +171,9 @@ pub async fn carry_out(
             // A hold with a deadline keeps this worker: its timer reclaims the nodes.
             let held = done.hold_deadline().is_some();
             let (requestor, nodes) = (done.requestor.clone(), done.nodes.clone());
+            let (created_at, fulfilled_at) = (done.created_at, done.fulfilled_at);
             finish(sh, req, done).await?;
+            metrics::fulfilled(created_at, fulfilled_at.unwrap_or(created_at));
             tracing::info!(%requestor, ?nodes, "fulfilled");
             Ok(if held { After::Again } else { After::Stop })
         }

@@ -1,0 +1,318 @@
+//! `slotpool serve --http`: `/metrics` read back with a Prometheus text-format parser and
+//! checked against KV, the JSON API against KV, the readiness probe through a NATS
+//! outage, and the refusal of an exposed listener without a token.
+
+use prometheus_parse::{Sample, Scrape, Value};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Event, Node, NodeRequest, NodeState, RequestState,
+};
+use slotpool_tests::{label, wait_for, wait_for_some, NatsServer, Pool, AGENT_ARGS};
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A pool of one launcher serving HTTP on an ephemeral loopback port, and that port.
+async fn pool_with_http(extra: &[&str]) -> (Pool, SocketAddr) {
+    pool_with_http_grace(60, extra).await
+}
+
+/// [`pool_with_http`] with the label's grace-time.
+async fn pool_with_http_grace(grace: u32, extra: &[&str]) -> (Pool, SocketAddr) {
+    let mut args = vec!["--http", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let labels = label("small", 2, grace, &[]);
+    let pool = Pool::start_serving_with(2, 5, &labels, 1, &AGENT_ARGS, &args).await;
+    let addr = wait_for_some("the launcher to say where it serves HTTP", WAIT, || {
+        let log = pool.launcher_log(0);
+        async move {
+            log.lines()
+                .find_map(|l| l.split("http listening on ").nth(1))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|a| a.parse().ok())
+        }
+    })
+    .await;
+    (pool, addr)
+}
+
+/// One GET with an optional bearer token: the status and the body.
+async fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let (head, body) = response.split_once("\r\n\r\n").expect("a response head");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    (status, body.to_string())
+}
+
+async fn scrape(addr: SocketAddr) -> Scrape {
+    let (status, body) = get(addr, "/metrics", None).await;
+    assert_eq!(status, 200, "{body}");
+    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text format")
+}
+
+/// The samples of `metric` whose labels include every pair of `labels`.
+fn samples<'a>(scrape: &'a Scrape, metric: &str, labels: &[(&str, &str)]) -> Vec<&'a Sample> {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == metric)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .collect()
+}
+
+fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(scrape, metric, labels)
+        .iter()
+        .map(|s| match &s.value {
+            Value::Gauge(v) | Value::Counter(v) | Value::Untyped(v) => *v,
+            Value::Histogram(buckets) => buckets
+                .iter()
+                .find(|b| b.less_than.is_infinite())
+                .map_or(0.0, |b| b.count),
+            Value::Summary(_) => panic!("{metric}: no summaries here"),
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_agree_with_kv_once_a_request_is_fulfilled() {
+    let (pool, addr) = pool_with_http(&[]).await;
+    let before = scrape(addr).await;
+    assert_eq!(value(&before, "slotpool_allocation_seconds", &[]), 0.0);
+    assert_eq!(
+        value(
+            &before,
+            "slotpool_slots",
+            &[("label", "small"), ("state", "used")]
+        ),
+        0.0
+    );
+
+    let id = pool.submit(&["small"]).await;
+    pool.fulfilled(&id).await;
+    // KV: one node of the request ready, one backing node ready.
+    let nodes = pool.nodes().await;
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert_eq!(nodes[0].state, NodeState::Ready);
+    let ready = pool.backing_in(&[BackingState::Ready]).await;
+    assert_eq!(ready.len(), 1);
+    let b = &ready[0];
+
+    // The gauges come from the mirror, which follows KV: wait until it has caught up.
+    let s = wait_for_some("/metrics to show the fulfilled request", WAIT, || async {
+        let s = scrape(addr).await;
+        let used = value(
+            &s,
+            "slotpool_slots",
+            &[("label", "small"), ("state", "used")],
+        );
+        (used == 1.0).then_some(s)
+    })
+    .await;
+    let backing = [
+        ("provider", b.provider.as_str()),
+        ("pool", b.pool.as_str()),
+        ("label", "small"),
+        ("state", "ready"),
+    ];
+    assert_eq!(value(&s, "slotpool_backing_nodes", &backing), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_nodes", &[]), 1.0);
+    assert_eq!(
+        value(
+            &s,
+            "slotpool_slots",
+            &[("label", "small"), ("state", "free")]
+        ),
+        f64::from(b.slots - 1)
+    );
+    assert_eq!(
+        value(&s, "slotpool_requests_waiting", &[("label", "small")]),
+        0.0
+    );
+    assert_eq!(value(&s, "slotpool_allocation_seconds", &[]), 1.0);
+    assert_eq!(
+        value(&s, "slotpool_launches_total", &[("outcome", "launched")]),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_is_503_while_nats_is_down_and_200_once_back() {
+    let (mut pool, addr) = pool_with_http(&[]).await;
+    assert_eq!(get(addr, "/healthz", None).await.0, 200);
+    wait_for("/readyz 200 once synced", WAIT, || async {
+        get(addr, "/readyz", None).await.0 == 200
+    })
+    .await;
+    pool.nats.stop().await;
+    wait_for("/readyz 503 while NATS is down", WAIT, || async {
+        get(addr, "/readyz", None).await.0 == 503
+    })
+    .await;
+    assert_eq!(get(addr, "/healthz", None).await.0, 200, "still up");
+    pool.nats.resume().await;
+    wait_for("/readyz 200 again once NATS is back", WAIT, || async {
+        get(addr, "/readyz", None).await.0 == 200
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exposed_listener_needs_a_token() {
+    let nats = NatsServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("pool.yaml");
+    std::fs::write(
+        &config,
+        slotpool_tests::config_yaml(
+            &dir.path().join("agents"),
+            1,
+            5,
+            &label("small", 1, 60, &[]),
+        ),
+    )
+    .expect("config");
+    let mut args = nats.serve_args(&config);
+    args.extend(["--http".into(), "0.0.0.0:0".into()]);
+    let out = tokio::process::Command::new(slotpool_tests::bin_path("slotpool"))
+        .args(&args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(WAIT, out)
+        .await
+        .expect("slotpool serve refuses at once")
+        .expect("running slotpool serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it must not start: {stderr}");
+    assert!(
+        stderr.contains("not a loopback address") && stderr.contains("--http-token-file"),
+        "the error says why and what to do: {stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_guards_metrics_but_not_the_probes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n").expect("token file");
+    let (_pool, addr) =
+        pool_with_http(&["--http-token-file", token_file.to_str().expect("utf-8")]).await;
+    assert_eq!(get(addr, "/metrics", None).await.0, 401);
+    assert_eq!(get(addr, "/metrics", Some("wrong")).await.0, 401);
+    assert_eq!(get(addr, "/api/v1/backing", None).await.0, 401);
+    assert_eq!(get(addr, "/api/v1/backing", Some("s3cret")).await.0, 200);
+    let (status, body) = get(addr, "/metrics", Some("s3cret")).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("slotpool_backing_nodes"), "{body}");
+    assert_eq!(get(addr, "/healthz", None).await.0, 200);
+}
+
+/// GETs `path` and parses the body as JSON of type `T`.
+async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> T {
+    let (status, body) = get(addr, path, None).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|err| panic!("{path}: {err}: {body}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_json_api_serves_the_records_kv_holds() {
+    let (pool, addr) = pool_with_http(&[]).await;
+    let held = pool.submit(&["small"]).await;
+    pool.fulfilled(&held).await;
+
+    let kv_backing = pool.client.list_backing().await.expect("list backing");
+    let kv_nodes = pool.nodes().await;
+    let kv_requests = pool.client.list_requests().await.expect("list requests");
+    let kv_events = pool.client.list_events().await.expect("list events");
+    assert!(!kv_backing.is_empty() && !kv_nodes.is_empty() && !kv_events.is_empty());
+    // The mirror follows KV: wait until it has caught up with what was read.
+    wait_for("the API to serve what KV holds", WAIT, || async {
+        get_json::<Vec<BackingNode>>(addr, "/api/v1/backing").await == kv_backing
+            && get_json::<Vec<Node>>(addr, "/api/v1/nodes").await == kv_nodes
+    })
+    .await;
+    let mut all: Vec<NodeRequest> = get_json(addr, "/api/v1/requests").await;
+    let mut kv_sorted = kv_requests.clone();
+    kv_sorted.sort_by(|a, b| a.id.cmp(&b.id));
+    all.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(all, kv_sorted);
+    let fulfilled: Vec<NodeRequest> =
+        get_json(addr, "/api/v1/requests?label=small&state=fulfilled").await;
+    let kv_fulfilled: Vec<&NodeRequest> = kv_requests
+        .iter()
+        .filter(|r| r.state == RequestState::Fulfilled && r.labels.contains(&"small".into()))
+        .collect();
+    assert_eq!(fulfilled.iter().collect::<Vec<_>>(), kv_fulfilled);
+    assert_eq!(fulfilled.len(), 1);
+    assert_eq!(fulfilled[0].id, held);
+    let events: Vec<Event> = get_json(addr, "/api/v1/events").await;
+    assert_eq!(events[..kv_events.len()], kv_events[..]);
+    let canceled: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?state=canceled").await;
+    assert!(canceled.is_empty(), "{canceled:?}");
+    let other: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?label=large").await;
+    assert!(other.is_empty(), "{other:?}");
+    assert_eq!(get(addr, "/api/v1/requests?state=bogus", None).await.0, 400);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_connection_does_not_hold_the_launcher_at_shutdown() {
+    let (mut pool, addr) = pool_with_http(&[]).await;
+    // A keep-alive connection, idle after its first answer, as a scraper leaves it.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    idle.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut first = [0u8; 12];
+    idle.read_exact(&mut first).await.expect("an answer");
+    assert_eq!(&first, b"HTTP/1.1 200");
+    let status = pool.stop_launcher(0, WAIT).await;
+    assert!(
+        status.success(),
+        "the launcher did not stop cleanly: {status:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backing_node_released_after_its_grace_time_is_counted() {
+    let (pool, addr) = pool_with_http_grace(1, &[]).await;
+    let id = pool.submit(&["small"]).await;
+    let r = pool.fulfilled(&id).await;
+    pool.release_and_wait(&r.nodes).await;
+    wait_for("the idle backing node to be released", WAIT, || async {
+        pool.backing().await.is_empty()
+    })
+    .await;
+    let s = scrape(addr).await;
+    let deletions = |reason| {
+        value(
+            &s,
+            "slotpool_backing_deletions_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!(deletions("grace"), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_deletions_total", &[]), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_nodes", &[]), 0.0);
+    assert_eq!(
+        value(
+            &s,
+            "slotpool_slots",
+            &[("label", "small"), ("state", "used")]
+        ),
+        0.0
+    );
+}
