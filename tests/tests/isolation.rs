@@ -1550,13 +1550,29 @@ fn the_v2_driver_waits_for_a_group_to_empty_after_sigterm() {
     assert!(took < grace, "waited the whole grace");
     assert!(group.driver.procs(&group.name).unwrap().is_empty());
 
+    // It says when its trap is set: a SIGTERM that came before would end it.
+    let ready = tempfile::tempdir().unwrap();
+    let marker = ready.path().join("trapped");
     let ignorer = Command::new("sh")
-        .args(["-c", "trap '' TERM; while :; do sleep 0.05; done"])
+        .args([
+            "-c",
+            "trap '' TERM; : > \"$1\"; while :; do sleep 0.05; done",
+            "sh",
+        ])
+        .arg(&marker)
         .spawn()
         .unwrap();
     let pid = ignorer.id() as i32;
     group.driver.add(&group.name, pid).unwrap();
     group.children.push(ignorer);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !marker.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the process never set its trap"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     assert!(!group
         .driver
         .terminate(&group.name, Duration::from_millis(300))
