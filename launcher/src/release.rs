@@ -487,28 +487,10 @@ mod tests {
     }
 
     fn request(state: RequestState, nodes: Vec<NodeId>) -> NodeRequest {
-        NodeRequest {
-            v: PROTOCOL_VERSION,
-            id: RequestId::parse("req-1").unwrap(),
-            labels: vec!["small".into()],
-            requestor: "t".into(),
-            client: None,
-            priority: 100,
-            timeout_secs: None,
-            ssh_public_key: None,
-            created_at: 0,
-            state,
-            status: String::new(),
-            nodes,
-            failure: None,
-            updated_at: 0,
-            owner: None,
-            nodes_released_at: None,
-            keep_alive_secs: None,
-            alive_until: None,
-            fulfilled_at: None,
-            hold_until: None,
-        }
+        let mut r = crate::world::tests_support::request("req-1", &["small"]);
+        r.state = state;
+        r.nodes = nodes;
+        r
     }
 
     #[test]

@@ -800,6 +800,33 @@ impl World {
 #[cfg(test)]
 pub mod tests_support {
     use super::*;
+
+    /// A waiting request for `labels`, with every optional field empty: tests set the
+    /// few fields they are about.
+    pub fn request(id: &str, labels: &[&str]) -> NodeRequest {
+        NodeRequest {
+            v: 1,
+            id: RequestId::parse(id).unwrap(),
+            labels: labels.iter().map(|l| l.to_string()).collect(),
+            requestor: "t".into(),
+            client: None,
+            priority: 100,
+            timeout_secs: None,
+            ssh_public_key: None,
+            created_at: 0,
+            state: RequestState::Requested,
+            status: String::new(),
+            nodes: vec![],
+            failure: None,
+            updated_at: 0,
+            owner: None,
+            nodes_released_at: None,
+            keep_alive_secs: None,
+            alive_until: None,
+            fulfilled_at: None,
+            hold_until: None,
+        }
+    }
     use slotpool_protocol::model::HealthGist;
 
     pub fn backing(
@@ -855,7 +882,7 @@ pub mod tests_support {
 
 #[cfg(test)]
 mod tests {
-    use super::tests_support::{agent, backing};
+    use super::tests_support::{agent, backing, request};
     use super::*;
     use slotpool_protocol::model::NodeState;
 
@@ -962,31 +989,14 @@ mod tests {
         created_at: u64,
         owner: &str,
     ) -> Versioned<NodeRequest> {
+        let mut value = request(id, &["small"]);
+        value.priority = priority;
+        value.created_at = created_at;
+        value.owner = Some(LauncherId::parse(owner).unwrap());
         Versioned {
             key: id.into(),
             revision: 1,
-            value: NodeRequest {
-                v: 1,
-                id: RequestId::parse(id).unwrap(),
-                labels: vec!["small".into()],
-                requestor: "t".into(),
-                client: None,
-                priority,
-                timeout_secs: None,
-                ssh_public_key: None,
-                created_at,
-                state: RequestState::Requested,
-                status: String::new(),
-                nodes: vec![],
-                failure: None,
-                updated_at: 0,
-                owner: Some(LauncherId::parse(owner).unwrap()),
-                nodes_released_at: None,
-                keep_alive_secs: None,
-                alive_until: None,
-                fulfilled_at: None,
-                hold_until: None,
-            },
+            value,
         }
     }
 
@@ -1089,28 +1099,7 @@ mod tests {
     #[test]
     fn demand_counts_unclaimed_labels_only() {
         let mut w = World::default();
-        let req = NodeRequest {
-            v: 1,
-            id: RequestId::parse("req-1").unwrap(),
-            labels: vec!["small".into(), "small".into(), "big".into()],
-            requestor: "t".into(),
-            client: None,
-            priority: 100,
-            timeout_secs: None,
-            ssh_public_key: None,
-            created_at: 0,
-            state: RequestState::Requested,
-            status: String::new(),
-            nodes: vec![],
-            failure: None,
-            updated_at: 0,
-            owner: None,
-            nodes_released_at: None,
-            keep_alive_secs: None,
-            alive_until: None,
-            fulfilled_at: None,
-            hold_until: None,
-        };
+        let req = request("req-1", &["small", "small", "big"]);
         w.put_request(Versioned {
             key: "req-1".into(),
             revision: 1,

@@ -23,6 +23,25 @@ fn ticks_per_second() -> u64 {
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as u64
 }
 
+/// Submits a request that cannot be served now, and checks over a 3 s window (a
+/// measurement, not a wait for anything) that the launcher does not spin while it
+/// waits: under 0.3 s of CPU.
+async fn submit_one_that_waits_and_check_no_spin(pool: &Pool) {
+    let pid = pool.launcher_pid(0);
+    let before = cpu_ticks(pid);
+    let stuck = pool.submit(&["small"]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let used = (cpu_ticks(pid) - before) as f64 / ticks_per_second() as f64;
+    assert!(
+        used < 0.3,
+        "the launcher used {used:.2} s of CPU in 3 s with a request waiting"
+    );
+    assert_eq!(
+        pool.client.request(&stuck).await.unwrap().unwrap().state,
+        RequestState::Requested
+    );
+}
+
 /// Garbage in a free slot key of a node with other free slots: the request is served
 /// from another slot, the launcher does not spin on the bad key, and it says so once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,19 +69,7 @@ async fn a_garbage_slot_record_is_occupied_and_requests_go_to_the_other_slots() 
     // With a request waiting for the label, the bad key is not tried over and over.
     let waiting = pool.submit(&["small"]).await;
     let also = pool.fulfilled(&waiting).await;
-    let pid = pool.launcher_pid(0);
-    let before = cpu_ticks(pid);
-    let stuck = pool.submit(&["small"]).await; // no slot left: it waits
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let used = (cpu_ticks(pid) - before) as f64 / ticks_per_second() as f64;
-    assert!(
-        used < 0.3,
-        "the launcher used {used:.2} s of CPU in 3 s with a request waiting"
-    );
-    assert_eq!(
-        pool.client.request(&stuck).await.unwrap().unwrap().state,
-        RequestState::Requested
-    );
+    submit_one_that_waits_and_check_no_spin(&pool).await;
     assert_ne!(pool.node(&also.nodes[0]).await.slot, 0);
 
     let log = pool.launcher_log(0);
@@ -130,19 +137,7 @@ async fn a_garbage_seat_record_is_taken_and_another_seat_serves() {
         "never the seat with the unreadable record"
     );
 
-    let pid = pool.launcher_pid(0);
-    let before = cpu_ticks(pid);
-    let stuck = pool.submit(&["small"]).await; // no seat left: it waits
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let used = (cpu_ticks(pid) - before) as f64 / ticks_per_second() as f64;
-    assert!(
-        used < 0.3,
-        "the launcher used {used:.2} s of CPU in 3 s with a request waiting"
-    );
-    assert_eq!(
-        pool.client.request(&stuck).await.unwrap().unwrap().state,
-        RequestState::Requested
-    );
+    submit_one_that_waits_and_check_no_spin(&pool).await;
     let log = pool.launcher_log(0);
     let warnings = log
         .lines()

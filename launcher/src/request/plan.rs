@@ -399,7 +399,7 @@ pub fn waiting_status(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use slotpool_protocol::{BackingId, RequestId, PROTOCOL_VERSION};
+    use slotpool_protocol::BackingId;
 
     const NOW: UnixMillis = 10_000;
 
@@ -408,28 +408,12 @@ mod tests {
     }
 
     fn request(labels: &[&str]) -> NodeRequest {
-        NodeRequest {
-            v: PROTOCOL_VERSION,
-            id: RequestId::parse("req-1").unwrap(),
-            labels: labels.iter().map(|l| l.to_string()).collect(),
-            requestor: "t".into(),
-            client: None,
-            priority: 100,
-            timeout_secs: None,
-            ssh_public_key: None,
-            created_at: 1_000,
-            state: RequestState::Requested,
-            status: "queued".into(),
-            nodes: vec![],
-            failure: None,
-            updated_at: 1_000,
-            owner: Some(me()),
-            nodes_released_at: None,
-            keep_alive_secs: None,
-            alive_until: None,
-            fulfilled_at: None,
-            hold_until: None,
-        }
+        let mut r = crate::world::tests_support::request("req-1", labels);
+        r.created_at = 1_000;
+        r.updated_at = 1_000;
+        r.status = "queued".into();
+        r.owner = Some(me());
+        r
     }
 
     fn observed() -> Observed {
