@@ -786,20 +786,16 @@ fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
                             .map_or(String::new(), |f| format!(" · failed: {f}"))
                     )),
                 ],
-                None => match state.focused() {
-                    Some(b) => backing_detail(
-                        state,
-                        &state
-                            .backing_row(&slotpool_protocol::layout::seat_key(
-                                &b.provider,
-                                &b.pool,
-                                b.seat,
-                            ))
-                            .unwrap_or_else(|| unreachable_row(b)),
-                        theme,
-                    ),
-                    None => vec![],
-                },
+                None => state
+                    .focused()
+                    .and_then(|b| {
+                        state.backing_row(&slotpool_protocol::layout::seat_key(
+                            &b.provider,
+                            &b.pool,
+                            b.seat,
+                        ))
+                    })
+                    .map_or_else(Vec::new, |row| backing_detail(state, &row, theme)),
             }
         }
         View::Requests if key == FOLD_KEY => {
@@ -856,29 +852,6 @@ fn detail_lines<'a>(state: &'a State, theme: &Theme) -> Vec<Line<'a>> {
             ],
             None => vec![],
         },
-    }
-}
-
-/// A backing row for a record whose seat key is not the one computed (never expected).
-fn unreachable_row(b: &slotpool_protocol::model::BackingNode) -> BackingRow {
-    BackingRow {
-        key: String::new(),
-        id: b.id.to_string(),
-        provider: b.provider.clone(),
-        pool: b.pool.clone(),
-        seat: b.seat,
-        label: b.label.clone(),
-        state: b.state,
-        idle: b.idle,
-        used: 0,
-        slots: b.slots,
-        age_ms: 0,
-        timer: IdleTimer::None,
-        retained_ms: None,
-        max_age_ms: None,
-        heartbeat: Heartbeat::Missing,
-        reason: b.failure.clone(),
-        order: None,
     }
 }
 
