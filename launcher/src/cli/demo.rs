@@ -434,7 +434,48 @@ pub fn clean_up_now() {
     let Some(dir) = LEFTOVERS.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return;
     };
-    let pids = processes_naming(&dir);
+    let killed = remove_demo_dir(&dir);
+    if killed > 0 {
+        log_line(&format!(
+            "slotpool demo: killed {killed} process(es) left in {}",
+            dir.display()
+        ));
+    }
+}
+
+/// A demo killed with SIGKILL cannot stop what it started: its nats-server and local
+/// agents go on, and its directory stays. The next demo (same temp directory) removes
+/// both before it starts: every `slotpool-demo-<pid>` directory whose process is gone.
+/// A directory whose pid has since been reused by another process is left alone.
+fn clean_up_abandoned(temp: &Path) {
+    let Ok(entries) = std::fs::read_dir(temp) else {
+        return;
+    };
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("slotpool-demo-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let dir = entry.path();
+        let killed = remove_demo_dir(&dir);
+        say(&format!(
+            "slotpool demo: removed what an earlier demo (pid {pid}, gone) left: {killed} process(es) and {}",
+            dir.display()
+        ));
+    }
+}
+
+/// Kills the processes naming `dir` and removes it; returns how many were killed.
+fn remove_demo_dir(dir: &Path) -> usize {
+    let pids = processes_naming(dir);
     for &pid in &pids {
         // SAFETY: plain kill/getpgid calls on pids just read from /proc; a local agent
         // leads its own process group (it is started in a session of its own).
@@ -445,14 +486,8 @@ pub fn clean_up_now() {
             libc::kill(pid, libc::SIGKILL);
         }
     }
-    if !pids.is_empty() {
-        log_line(&format!(
-            "slotpool demo: killed {} process(es) left in {}",
-            pids.len(),
-            dir.display()
-        ));
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
+    pids.len()
 }
 
 /// Processes (not this one) whose command line mentions `dir`.
@@ -473,6 +508,7 @@ fn processes_naming(dir: &Path) -> Vec<i32> {
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    clean_up_abandoned(&std::env::temp_dir());
     let dir = std::env::temp_dir().join(format!("slotpool-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
