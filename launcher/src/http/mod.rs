@@ -20,8 +20,9 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use slotpool_protocol::bearer::{self, BearerError, BearerToken};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -41,13 +42,8 @@ pub enum HttpError {
          or --http-client-ca to require client certificates (or listen on 127.0.0.1 / [::1])"
     )]
     Exposed(SocketAddr),
-    #[error("reading the HTTP token file {path}: {source}")]
-    TokenFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("the HTTP token file {0} is empty")]
-    EmptyToken(PathBuf),
+    #[error(transparent)]
+    Token(#[from] BearerError),
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
     #[error("listening on {addr}: {source}")]
@@ -61,7 +57,7 @@ pub enum HttpError {
 /// [`serve`].
 pub struct HttpListener {
     listener: TcpListener,
-    token: Option<String>,
+    token: Option<BearerToken>,
     tls: Option<TlsAcceptor>,
 }
 
@@ -74,9 +70,9 @@ impl HttpListener {
         token_file: Option<&Path>,
         tls: Option<&tls::TlsFiles>,
     ) -> Result<Self, HttpError> {
-        let token = token_file.map(read_token).transpose()?;
+        let token = token_file.map(BearerToken::read).transpose()?;
         let client_certs = tls.is_some_and(|t| t.client_ca.is_some());
-        if token.is_none() && !client_certs && !addr.ip().is_loopback() {
+        if token.is_none() && !bearer::may_serve_without_token(addr, client_certs) {
             return Err(HttpError::Exposed(addr));
         }
         let tls = tls.map(tls::acceptor).transpose()?;
@@ -93,18 +89,6 @@ impl HttpListener {
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
     }
-}
-
-fn read_token(path: &Path) -> Result<String, HttpError> {
-    let text = std::fs::read_to_string(path).map_err(|source| HttpError::TokenFile {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(HttpError::EmptyToken(path.to_path_buf()));
-    }
-    Ok(token.to_string())
 }
 
 /// Serves `http` until the launcher shuts down; connections open then are finished
@@ -183,7 +167,7 @@ async fn serve_connection<S>(
 
 struct State {
     registry: prometheus_client::registry::Registry,
-    token: Option<String>,
+    token: Option<BearerToken>,
     shared: Arc<Shared>,
 }
 
@@ -259,17 +243,12 @@ impl State {
         let Some(token) = &self.token else {
             return true;
         };
-        req.headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| same(given.trim().as_bytes(), token.as_bytes()))
+        token.accepts(
+            req.headers()
+                .get(hyper::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok()),
+        )
     }
-}
-
-/// Compares in time independent of where the bytes differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
