@@ -133,7 +133,9 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
                 )))
                 .into();
             }
+            let started = std::time::Instant::now();
             let result = slots.prepare(slot, &node_id, ssh_public_key, limits).await;
+            crate::metrics::prepared(started.elapsed());
             match &result {
                 Ok(p) => tracing::info!(
                     workspace = %p.workspace.display(),
@@ -154,7 +156,9 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
             .into()
         }
         AgentCommand::ReleaseSlot { slot, node_id } => {
+            let started = std::time::Instant::now();
             let result = slots.release(slot, &node_id).await;
+            crate::metrics::released(started.elapsed());
             match &result {
                 Ok(ReleaseOutcome::Wiped) => tracing::info!("slot released"),
                 Ok(ReleaseOutcome::HeldByOther(holder)) => tracing::warn!(

@@ -125,6 +125,15 @@ pub struct Args {
     /// its own (systemd's ProtectSystem=). Unset: the agent's own namespace.
     #[arg(long, value_name = "FILE")]
     pub mount_namespace: Option<PathBuf>,
+    /// Serve this agent's Prometheus metrics at `/metrics` over HTTP on this IP:PORT (off
+    /// by default). Port 0 picks a free port; the log says which ("metrics listening
+    /// on").
+    #[arg(long, env = "SLOTPOOL_AGENT_METRICS", value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token scrapers must send (`Authorization: Bearer …`).
+    /// Required for a --metrics address that is not loopback.
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    pub metrics_token_file: Option<PathBuf>,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -227,6 +236,8 @@ pub struct AgentConfig {
     pub hide_processes: Option<HideProcesses>,
     /// Where the agent's mounts go (see [`crate::mounts`]).
     pub mount_namespace: Option<PathBuf>,
+    /// Where to serve `/metrics` (`--metrics`), and the token file guarding it.
+    pub metrics: Option<(std::net::SocketAddr, Option<PathBuf>)>,
 }
 
 /// How /proc hides processes from slot users.
@@ -433,6 +444,7 @@ impl Args {
             default_limits,
             hide_processes,
             mount_namespace: self.mount_namespace,
+            metrics: self.metrics.map(|addr| (addr, self.metrics_token_file)),
         })
     }
 

@@ -127,10 +127,12 @@ impl Heartbeat {
         let put = self
             .agents
             .put(self.backing_id.as_str(), &record, Some(self.ttl));
-        match tokio::time::timeout(timeout, put).await {
+        let result = match tokio::time::timeout(timeout, put).await {
             Ok(result) => result.map_err(HeartbeatError::Kv),
             Err(_) => Err(HeartbeatError::Timeout(timeout)),
-        }
+        };
+        crate::metrics::heartbeat(result.is_ok());
+        result
     }
 }
 

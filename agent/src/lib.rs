@@ -28,6 +28,7 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod metrics;
 pub mod mounts;
 pub mod netns;
 pub mod reconcile;
@@ -97,6 +98,8 @@ pub enum AgentError {
     Enter(enter::EnterError),
     #[error("--slot-disk-quota-mb: {0}")]
     DiskQuota(disk_quota::QuotaUnavailable),
+    #[error("--metrics: {0}")]
+    Metrics(metrics::MetricsError),
     #[error("hiding processes (--hide-processes): {0}")]
     HideProcesses(mounts::MountError),
 }
@@ -334,6 +337,14 @@ pub async fn run_with(
             ));
             tasks.push(tokio::spawn(
                 sweep_loop(slots.clone(), background.clone()).in_current_span(),
+            ));
+        }
+        if let Some((addr, token_file)) = &config.metrics {
+            let listener = metrics::MetricsListener::bind(*addr, token_file.as_deref())
+                .await
+                .map_err(AgentError::Metrics)?;
+            tasks.push(tokio::spawn(
+                metrics::serve(listener, slots.clone(), background.clone()).in_current_span(),
             ));
         }
         slots.warm_free_slots();

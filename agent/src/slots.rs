@@ -352,6 +352,11 @@ impl Slots {
         }
     }
 
+    /// How many slots this node has.
+    pub fn count(&self) -> u32 {
+        self.table().slots
+    }
+
     /// The isolation in use.
     pub fn isolation(&self) -> &Arc<dyn SlotIsolation> {
         &self.isolation
@@ -559,6 +564,7 @@ impl Slots {
         self.table().mark_released(slot);
         if let Err(err) = result {
             tracing::error!(slot, %err, "slot could not be cleaned: marking it dirty");
+            crate::metrics::wipe_failed();
             self.mark_dirty(slot, &err.to_string());
             return Err(SlotError::Unclean {
                 slot,

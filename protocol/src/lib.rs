@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod bearer;
 pub mod client;
 pub mod connect;
 pub mod ids;

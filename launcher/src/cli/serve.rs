@@ -4,6 +4,7 @@ use super::NatsArgs;
 use anyhow::Context;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
+use slotpool_launcher::http::tls::TlsFiles;
 use slotpool_launcher::http::HttpListener;
 use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::Minter;
@@ -38,12 +39,31 @@ pub struct ServeArgs {
     /// loopback.
     #[arg(long, value_name = "FILE", requires = "http")]
     pub http_token_file: Option<PathBuf>,
+    /// Serve HTTPS only, with this certificate chain (PEM, the server's certificate
+    /// first); needs --http-tls-key.
+    #[arg(long, value_name = "FILE", requires_all = ["http", "http_tls_key"])]
+    pub http_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --http-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "http_tls_cert")]
+    pub http_tls_key: Option<PathBuf>,
+    /// Require every HTTPS client to show a certificate issued by a CA in this file
+    /// (PEM). Such a client needs no bearer token, and the listener may then be exposed
+    /// without --http-token-file; with one, clients need both.
+    #[arg(long, value_name = "FILE", requires = "http_tls_cert")]
+    pub http_client_ca: Option<PathBuf>,
 }
 
 pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = Config::load(&args.config)?;
     let http = match args.http {
-        Some(addr) => Some(HttpListener::bind(addr, args.http_token_file.as_deref()).await?),
+        Some(addr) => {
+            let tls = args.http_tls_cert.map(|cert| TlsFiles {
+                cert,
+                key: args.http_tls_key.expect("clap requires --http-tls-key"),
+                client_ca: args.http_client_ca,
+            });
+            Some(HttpListener::bind(addr, args.http_token_file.as_deref(), tls.as_ref()).await?)
+        }
         None => None,
     };
     if !nats.authenticates() {

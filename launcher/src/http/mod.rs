@@ -3,13 +3,16 @@
 //! Routes: `/metrics` (Prometheus text format, [`metrics`]), `/healthz` (the process is
 //! up), `/readyz` (connected to NATS with every mirror synced) and the read-only JSON
 //! API under `/api/v1/` ([`api`]). A listener on a non-loopback address needs a bearer
-//! token (`--http-token-file`); with one, every route but the two probes asks for it.
+//! token (`--http-token-file`) or client certificates (`--http-client-ca`); with a token,
+//! every route but the two probes asks for it. With `--http-tls-cert` and
+//! `--http-tls-key` the listener speaks HTTPS only ([`tls`]).
 //!
 //! Served with hyper's HTTP/1 connection handling directly: a few read-only routes do
 //! not need a framework's router or middleware.
 
 pub mod api;
 pub mod metrics;
+pub mod tls;
 
 use crate::shared::Shared;
 use bytes::Bytes;
@@ -17,29 +20,32 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use slotpool_protocol::bearer::{self, BearerError, BearerToken};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 /// What prometheus-client writes: the OpenMetrics text format, which Prometheus reads.
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// How long a client may take over its TLS handshake before the connection is dropped.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error(
         "refusing to serve HTTP on {0}: it is not a loopback address, and anyone who \
-         reaches it would read the pool; give --http-token-file with a bearer token \
-         (or listen on 127.0.0.1 / [::1])"
+         reaches it would read the pool; give --http-token-file with a bearer token, \
+         or --http-client-ca to require client certificates (or listen on 127.0.0.1 / [::1])"
     )]
     Exposed(SocketAddr),
-    #[error("reading the HTTP token file {path}: {source}")]
-    TokenFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("the HTTP token file {0} is empty")]
-    EmptyToken(PathBuf),
+    #[error(transparent)]
+    Token(#[from] BearerError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     #[error("listening on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -47,24 +53,37 @@ pub enum HttpError {
     },
 }
 
-/// A bound listener and the token its clients must show, ready for [`serve`].
+/// A bound listener, the token its clients must show and its TLS set-up, ready for
+/// [`serve`].
 pub struct HttpListener {
     listener: TcpListener,
-    token: Option<String>,
+    token: Option<BearerToken>,
+    tls: Option<TlsAcceptor>,
 }
 
 impl HttpListener {
-    /// Checks the address against the token and binds it: before the launcher starts,
-    /// so a refused or taken address stops `slotpool serve` at once.
-    pub async fn bind(addr: SocketAddr, token_file: Option<&Path>) -> Result<Self, HttpError> {
-        let token = token_file.map(read_token).transpose()?;
-        if token.is_none() && !addr.ip().is_loopback() {
+    /// Checks the address against the token and client certificates, reads the TLS
+    /// files and binds the address: before the launcher starts, so a refused set-up or a
+    /// taken address stops `slotpool serve` at once.
+    pub async fn bind(
+        addr: SocketAddr,
+        token_file: Option<&Path>,
+        tls: Option<&tls::TlsFiles>,
+    ) -> Result<Self, HttpError> {
+        let token = token_file.map(BearerToken::read).transpose()?;
+        let client_certs = tls.is_some_and(|t| t.client_ca.is_some());
+        if token.is_none() && !bearer::may_serve_without_token(addr, client_certs) {
             return Err(HttpError::Exposed(addr));
         }
+        let tls = tls.map(tls::acceptor).transpose()?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
-        Ok(HttpListener { listener, token })
+        Ok(HttpListener {
+            listener,
+            token,
+            tls,
+        })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -72,23 +91,12 @@ impl HttpListener {
     }
 }
 
-fn read_token(path: &Path) -> Result<String, HttpError> {
-    let text = std::fs::read_to_string(path).map_err(|source| HttpError::TokenFile {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(HttpError::EmptyToken(path.to_path_buf()));
-    }
-    Ok(token.to_string())
-}
-
 /// Serves `http` until the launcher shuts down; connections open then are finished
 /// gracefully (a request in flight is answered, then the connection closes).
 pub async fn serve(shared: Arc<Shared>, http: HttpListener) {
     if let Ok(addr) = http.local_addr() {
-        tracing::info!("http listening on {addr}");
+        let scheme = if http.tls.is_some() { "https" } else { "http" };
+        tracing::info!("http listening on {addr} ({scheme})");
     }
     let state = Arc::new(State {
         registry: metrics::registry(shared.clone()),
@@ -108,31 +116,58 @@ pub async fn serve(shared: Arc<Shared>, http: HttpListener) {
         };
         let state = state.clone();
         let shutdown = shared.shutdown.clone();
+        let tls = http.tls.clone();
         shared.tracker.spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(state.answer(&req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let result = tokio::select! {
-                result = conn.as_mut() => result,
-                _ = shutdown.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
+            let Some(tls) = tls else {
+                return serve_connection(state, stream, peer, shutdown).await;
             };
-            if let Err(err) = result {
-                tracing::debug!(%err, %peer, "http connection ended");
+            let handshake = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                done = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)) => done,
+            };
+            match handshake {
+                Ok(Ok(stream)) => serve_connection(state, stream, peer, shutdown).await,
+                Ok(Err(err)) => tracing::debug!(%err, %peer, "https: handshake failed"),
+                Err(_) => {
+                    tracing::debug!(%peer, "https: no handshake within {TLS_HANDSHAKE_TIMEOUT:?}")
+                }
             }
         });
     }
 }
 
+/// Answers requests on one connection, plain or TLS, until the client or the launcher
+/// ends it.
+async fn serve_connection<S>(
+    state: Arc<State>,
+    stream: S,
+    peer: SocketAddr,
+    shutdown: tokio_util::sync::CancellationToken,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let state = state.clone();
+        async move { Ok::<_, std::convert::Infallible>(state.answer(&req).await) }
+    });
+    let conn =
+        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        result = conn.as_mut() => result,
+        _ = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(err) = result {
+        tracing::debug!(%err, %peer, "http connection ended");
+    }
+}
+
 struct State {
     registry: prometheus_client::registry::Registry,
-    token: Option<String>,
+    token: Option<BearerToken>,
     shared: Arc<Shared>,
 }
 
@@ -208,17 +243,12 @@ impl State {
         let Some(token) = &self.token else {
             return true;
         };
-        req.headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| same(given.trim().as_bytes(), token.as_bytes()))
+        token.accepts(
+            req.headers()
+                .get(hyper::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok()),
+        )
     }
-}
-
-/// Compares in time independent of where the bytes differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
