@@ -217,7 +217,8 @@ struct About {
 
 impl About {
     /// From the record, or from the key alone for a removal or a record that cannot be
-    /// read (a request's key is its id, a slot's names its node and backing node).
+    /// read: a request's key is its id, a slot's names its backing node (not its node:
+    /// a node id is new with each allocation of the slot).
     fn of(kind: Kind, key: &str, value: Option<&[u8]>) -> About {
         let decoded = value.and_then(|v| About::decode(kind, v));
         decoded.unwrap_or_else(|| match kind {
@@ -225,13 +226,10 @@ impl About {
                 request: Some(key.to_string()),
                 ..About::default()
             },
-            Kind::Node => match slotpool_protocol::layout::parse_slot_key(key) {
-                Some((backing, slot)) => About {
-                    nodes: vec![NodeId::for_slot(&backing, slot).to_string()],
-                    backing: Some(backing.to_string()),
-                    ..About::default()
-                },
-                None => About::default(),
+            Kind::Node => About {
+                backing: slotpool_protocol::layout::parse_slot_key(key)
+                    .map(|(backing, _)| backing.to_string()),
+                ..About::default()
             },
             Kind::Event | Kind::Backing => About::default(),
         })
@@ -368,7 +366,7 @@ pub async fn open(shared: &Shared, params: Params) -> Result<Opened, Refusal> {
             .map_err(|err| Refusal::Unavailable(err.to_string()))?;
         let after = match params.start {
             Start::Now => last,
-            Start::Oldest => 0,
+            Start::Oldest => first.saturating_sub(1),
             Start::After(c) => c.get(kind),
         };
         if after > last {
@@ -458,7 +456,7 @@ async fn follow(
             _ = shutdown.cancelled() => {
                 return End::Close(
                     CloseCode::Away,
-                    format!("launcher shutting down; {}", resume(&cursor)),
+                    format!("shutting down; {}", resume(&cursor)),
                 );
             }
             incoming = ws.next() => match incoming {
@@ -481,15 +479,18 @@ async fn follow(
                         tracing::warn!(%err, "change stream: cannot read the {} bucket", kind.name());
                         return End::Close(
                             CloseCode::Error,
-                            format!("cannot read {}s; {}", kind.name(), resume(&cursor)),
+                            format!("read error; {}", resume(&cursor)),
                         );
                     }
                     None => {
-                        return End::Close(CloseCode::Error, format!("readers ended; {}", resume(&cursor)));
+                        return End::Close(CloseCode::Error, format!("read error; {}", resume(&cursor)));
                     }
                 };
                 let before = cursor;
                 if let Change::Put { revision, .. } | Change::Removed { revision, .. } = &change {
+                    if let Some(lost) = lost_events(kind, cursor.get(kind), *revision) {
+                        return End::Close(CloseCode::Policy, lost);
+                    }
                     cursor.set(kind, *revision);
                 }
                 let Some(text) = message(kind, &change, &cursor, &filter) else {
@@ -508,6 +509,19 @@ async fn follow(
             }
         }
     }
+}
+
+/// The event log is written once per key and loses records only by age and size, so a
+/// jump in its revisions is records dropped before the stream sent them: said, not
+/// skipped. (In the other buckets a jump is a value superseded by the one delivered.)
+fn lost_events(kind: Kind, last: u64, revision: u64) -> Option<String> {
+    (kind == Kind::Event && revision > last + 1).then(|| {
+        format!(
+            "event log dropped revisions {}..{} before they were sent; start again",
+            last + 1,
+            revision - 1
+        )
+    })
 }
 
 #[cfg(test)]
@@ -563,11 +577,18 @@ mod tests {
     }
 
     #[test]
-    fn a_removed_slot_is_about_its_node_and_backing_node() {
+    fn only_a_jump_in_the_event_log_is_a_loss() {
+        assert_eq!(lost_events(Kind::Event, 4, 5), None);
+        assert!(lost_events(Kind::Event, 4, 9).is_some_and(|why| why.contains("5..8")));
+        assert_eq!(lost_events(Kind::Request, 4, 9), None);
+    }
+
+    #[test]
+    fn a_removed_slot_is_about_its_backing_node() {
         let backing = BackingId::generate();
         let key = slotpool_protocol::layout::slot_key(&backing, 3);
         let about = About::of(Kind::Node, &key, None);
         assert_eq!(about.backing, Some(backing.to_string()));
-        assert_eq!(about.nodes, vec![NodeId::for_slot(&backing, 3).to_string()]);
+        assert!(about.nodes.is_empty() && about.request.is_none());
     }
 }
