@@ -562,6 +562,76 @@ impl Store {
             .last_sequence)
     }
 
+    /// The revisions the bucket still holds: the oldest and the newest (the newest is the
+    /// last write's, 0 for a bucket never written; with nothing held the oldest is one past
+    /// it). Revisions between them may be gone too: superseded values of a key.
+    pub async fn held_revisions(&self) -> Result<(u64, u64), KvError> {
+        let mut stream = self.kv.stream.clone();
+        let state = stream
+            .info()
+            .await
+            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
+            .state
+            .clone();
+        Ok((state.first_sequence, state.last_sequence))
+    }
+
+    /// Every change with a revision above `after` that the bucket still holds (0: all),
+    /// in revision order, then each new one as it happens; never [`Change::Synced`]. Read
+    /// by pulling batches: what the reader has not taken yet waits on the server, so a
+    /// slow reader costs this process one batch, however far behind it falls.
+    pub async fn changes_after(
+        &self,
+        after: u64,
+    ) -> Result<impl Stream<Item = Result<Change, KvError>> + Send + 'static, KvError> {
+        let bucket = self.bucket;
+        let deliver_policy = match after {
+            0 => consumer::DeliverPolicy::All,
+            after => consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: after + 1,
+            },
+        };
+        let messages = self
+            .kv
+            .stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                description: Some("slotpool change stream".to_string()),
+                filter_subject: format!("$KV.{bucket}.>"),
+                replay_policy: consumer::ReplayPolicy::Instant,
+                deliver_policy,
+                ..Default::default()
+            })
+            .await
+            .map_err(|err| transport(bucket, ">", format!("creating a reader: {err}")))?
+            .messages()
+            .await
+            .map_err(|err| transport(bucket, ">", format!("starting a reader: {err}")))?;
+        let prefix = format!("$KV.{bucket}.");
+        Ok(messages.map(move |message| {
+            let message =
+                message.map_err(|err| transport(bucket, ">", format!("reading: {err}")))?;
+            let revision = message
+                .info()
+                .map_err(|err| transport(bucket, ">", format!("reading metadata: {err}")))?
+                .stream_sequence;
+            let key = message
+                .subject
+                .as_str()
+                .strip_prefix(&prefix)
+                .unwrap_or_default()
+                .to_string();
+            Ok(if is_removal(message.headers.as_ref()) {
+                Change::Removed { key, revision }
+            } else {
+                Change::Put {
+                    key,
+                    revision,
+                    value: message.payload.clone(),
+                }
+            })
+        }))
+    }
+
     /// The current value of every key, then [`Change::Synced`], then every change as it
     /// happens. The stream ends only when the connection is closed for good.
     ///

@@ -1,6 +1,8 @@
 //! `slotpool serve --http`: `/metrics` read back with a Prometheus text-format parser and
 //! checked against KV, the JSON API against KV, the readiness probe through a NATS
-//! outage, and the refusal of an exposed listener without a token.
+//! outage, and the refusal of an exposed listener without a token; the change stream
+//! followed with a WebSocket client through a burst of requests, across a reconnect, and
+//! through its filters and refusals.
 
 use prometheus_parse::{Sample, Scrape, Value};
 use slotpool_protocol::model::{
@@ -21,9 +23,14 @@ async fn pool_with_http(extra: &[&str]) -> (Pool, SocketAddr) {
 
 /// [`pool_with_http`] with the label's grace-time.
 async fn pool_with_http_grace(grace: u32, extra: &[&str]) -> (Pool, SocketAddr) {
+    pool_with_http_slots(2, grace, extra).await
+}
+
+/// [`pool_with_http`] with `slots` slots per backing node and the label's grace-time.
+async fn pool_with_http_slots(slots: u32, grace: u32, extra: &[&str]) -> (Pool, SocketAddr) {
     let mut args = vec!["--http", "127.0.0.1:0"];
     args.extend_from_slice(extra);
-    let labels = label("small", 2, grace, &[]);
+    let labels = label("small", slots, grace, &[]);
     let pool = Pool::start_serving_with(2, 5, &labels, 1, &AGENT_ARGS, &args).await;
     let addr = wait_for_some("the launcher to say where it serves HTTP", WAIT, || {
         let log = pool.launcher_log(0);
@@ -314,5 +321,220 @@ async fn a_backing_node_released_after_its_grace_time_is_counted() {
             &[("label", "small"), ("state", "used")]
         ),
         0.0
+    );
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
+/// Opens `/api/v1/stream?query` with a WebSocket client.
+async fn stream(
+    addr: SocketAddr,
+    query: &str,
+    token: Option<&str>,
+) -> Result<Ws, tokio_tungstenite::tungstenite::Error> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = format!("ws://{addr}/api/v1/stream?{query}")
+        .into_client_request()
+        .expect("a request");
+    if let Some(token) = token {
+        let value = format!("Bearer {token}").parse().expect("a header value");
+        request.headers_mut().insert("authorization", value);
+    }
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    tokio_tungstenite::client_async(request, tcp)
+        .await
+        .map(|(ws, _)| ws)
+}
+
+/// The next change message of `ws`, as JSON.
+async fn next_change(ws: &mut Ws) -> serde_json::Value {
+    use futures::StreamExt;
+    loop {
+        let message = tokio::time::timeout(WAIT, ws.next())
+            .await
+            .expect("a change within the wait")
+            .expect("the stream stays open")
+            .expect("a message");
+        if let tokio_tungstenite::tungstenite::Message::Text(text) = message {
+            return serde_json::from_str(text.as_str()).expect("JSON");
+        }
+    }
+}
+
+/// The status of a WebSocket handshake refused with an HTTP answer, and its body.
+async fn refused(addr: SocketAddr, query: &str, token: Option<&str>) -> (u16, String) {
+    match stream(addr, query, token).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => (
+            res.status().as_u16(),
+            String::from_utf8_lossy(res.body().as_deref().unwrap_or_default()).to_string(),
+        ),
+        Ok(_) => panic!("?{query} was accepted"),
+        Err(err) => panic!("?{query}: {err}"),
+    }
+}
+
+/// Takes `ws`'s messages into `seen` until `done` says the messages so far are enough.
+async fn follow_until(
+    ws: &mut Ws,
+    seen: &mut Vec<serde_json::Value>,
+    mut done: impl FnMut(&[serde_json::Value]) -> bool,
+) {
+    while !done(seen) {
+        seen.push(next_change(ws).await);
+    }
+}
+
+/// The ids of the requests whose `fulfilled` record is among `messages`.
+fn fulfilled_in(messages: &[serde_json::Value]) -> std::collections::BTreeSet<String> {
+    messages
+        .iter()
+        .filter(|m| m["kind"] == "request" && m["record"]["state"] == "fulfilled")
+        .map(|m| m["key"].as_str().expect("a key").to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stream_follows_a_burst_across_a_reconnect_with_nothing_missed_or_repeated() {
+    const BURST: usize = 50;
+    let (pool, addr) = pool_with_http_slots(25, 60, &[]).await;
+    let mut ws = stream(addr, "", None).await.expect("the stream opens");
+    let ids: Vec<String> = futures::future::join_all((0..BURST).map(|_| pool.submit(&["small"])))
+        .await
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+
+    // Part of the burst, then a disconnect, then the rest from the last position.
+    let mut first = Vec::new();
+    follow_until(&mut ws, &mut first, |seen| {
+        fulfilled_in(seen).len() >= BURST / 3
+    })
+    .await;
+    drop(ws);
+    let cursor = first.last().expect("messages")["cursor"]
+        .as_str()
+        .expect("a cursor")
+        .to_string();
+    let mut ws = stream(addr, &format!("after={cursor}"), None)
+        .await
+        .expect("the stream resumes");
+    let mut second = Vec::new();
+    let before = fulfilled_in(&first);
+    follow_until(&mut ws, &mut second, |seen| {
+        before.len() + fulfilled_in(seen).len() >= BURST
+    })
+    .await;
+
+    let all: Vec<_> = first.iter().chain(&second).collect();
+    let got = fulfilled_in(&first.iter().chain(&second).cloned().collect::<Vec<_>>());
+    for id in &ids {
+        assert!(got.contains(id), "request {id}'s fulfilment missing");
+    }
+    // Per bucket, revisions only go up: no change came twice, before or after the resume.
+    let mut last = std::collections::BTreeMap::new();
+    for m in &all {
+        let kind = m["kind"].as_str().expect("a kind").to_string();
+        let revision = m["revision"].as_u64().expect("a revision");
+        let previous = last.insert(kind.clone(), revision).unwrap_or(0);
+        assert!(
+            revision > previous,
+            "{kind} revision {revision} came after {previous}: {m}"
+        );
+    }
+    let kinds: std::collections::BTreeSet<_> = all
+        .iter()
+        .map(|m| m["kind"].as_str().unwrap_or(""))
+        .collect();
+    assert!(kinds.contains("node") && kinds.contains("backing") && kinds.contains("event"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_filtered_by_request_carries_only_that_request() {
+    let (pool, addr) = pool_with_http_slots(4, 60, &[]).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = pool.submit(&["small"]).await;
+        pool.fulfilled(&id).await;
+        ids.push(id.to_string());
+    }
+    let mine = &ids[1];
+    let mut ws = stream(addr, &format!("from=start&request={mine}"), None)
+        .await
+        .expect("the stream opens");
+    let mut seen = Vec::new();
+    follow_until(&mut ws, &mut seen, |seen| {
+        fulfilled_in(seen).contains(mine) && seen.iter().any(|m| m["kind"] == "node")
+    })
+    .await;
+    for m in &seen {
+        let about = match m["kind"].as_str() {
+            Some("request") => &m["key"],
+            Some("node") => &m["record"]["request_id"],
+            _ => panic!("a message about no request: {m}"),
+        };
+        assert_eq!(about.as_str(), Some(mine.as_str()), "{m}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stream_refuses_bad_queries_and_asks_for_the_token() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n").expect("token file");
+    let (_pool, addr) =
+        pool_with_http(&["--http-token-file", token_file.to_str().expect("utf-8")]).await;
+    assert_eq!(refused(addr, "", None).await.0, 401);
+    assert_eq!(refused(addr, "", Some("wrong")).await.0, 401);
+    for (query, says) in [
+        ("after=yesterday", "bad position"),
+        ("after=0.0.0.999999", "beyond the last one written"),
+        ("kind=slot", "unknown kind"),
+        (
+            "colour=red",
+            "accepted are after, from, request, node, backing, label, kind",
+        ),
+        ("from=start&after=0.0.0.0", "not both"),
+    ] {
+        let (status, body) = refused(addr, query, Some("s3cret")).await;
+        assert_eq!(status, 400, "?{query}: {body}");
+        assert!(body.contains(says), "?{query}: {body}");
+    }
+    let (status, body) = get(addr, "/api/v1/stream", Some("s3cret")).await;
+    assert_eq!(status, 426, "a plain GET: {body}");
+    stream(addr, "kind=event", Some("s3cret"))
+        .await
+        .expect("with the token the stream opens");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_stream_is_closed_at_shutdown_with_the_position_to_resume_from() {
+    use futures::StreamExt;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut pool, addr) = pool_with_http(&[]).await;
+    let mut ws = stream(addr, "", None).await.expect("the stream opens");
+    let closed = tokio::spawn(async move {
+        while let Some(message) = ws.next().await {
+            if let Message::Close(frame) = message.expect("a clean close") {
+                return frame;
+            }
+        }
+        None
+    });
+    let status = pool.stop_launcher(0, WAIT).await;
+    assert!(
+        status.success(),
+        "the launcher did not stop cleanly: {status:?}"
+    );
+    let frame = tokio::time::timeout(WAIT, closed)
+        .await
+        .expect("the stream ends")
+        .expect("the reader")
+        .expect("a close frame");
+    assert_eq!(frame.code, CloseCode::Away);
+    assert!(
+        frame.reason.as_str().contains("resume with after="),
+        "{}",
+        frame.reason
     );
 }

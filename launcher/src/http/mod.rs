@@ -2,8 +2,9 @@
 //!
 //! Routes: `/metrics` (Prometheus text format, [`metrics`]), `/healthz` (the process is
 //! up), `/readyz` (connected to NATS with every mirror synced) and the read-only JSON
-//! API under `/api/v1/` ([`api`]). A listener on a non-loopback address needs a bearer
-//! token (`--http-token-file`) or client certificates (`--http-client-ca`); with a token,
+//! API under `/api/v1/` ([`api`]), with `/api/v1/stream`, a WebSocket of every change
+//! ([`stream`]). A listener on a non-loopback address needs a bearer token
+//! (`--http-token-file`) or client certificates (`--http-client-ca`); with a token,
 //! every route but the two probes asks for it. With `--http-tls-cert` and
 //! `--http-tls-key` the listener speaks HTTPS only ([`tls`]).
 //!
@@ -12,6 +13,7 @@
 
 pub mod api;
 pub mod metrics;
+pub mod stream;
 pub mod tls;
 
 use crate::shared::Shared;
@@ -148,10 +150,11 @@ async fn serve_connection<S>(
 {
     let service = hyper::service::service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, std::convert::Infallible>(state.answer(&req).await) }
+        async move { Ok::<_, std::convert::Infallible>(state.answer(req).await) }
     });
-    let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
     tokio::pin!(conn);
     let result = tokio::select! {
         result = conn.as_mut() => result,
@@ -172,7 +175,7 @@ struct State {
 }
 
 impl State {
-    async fn answer(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
         if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
             return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
         }
@@ -182,7 +185,7 @@ impl State {
                 None => plain(StatusCode::OK, "ready\n"),
                 Some(why) => plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n")),
             },
-            _ if !self.authorized(req) => {
+            _ if !self.authorized(&req) => {
                 let mut res = plain(StatusCode::UNAUTHORIZED, "bearer token required\n");
                 res.headers_mut().insert(
                     hyper::header::WWW_AUTHENTICATE,
@@ -190,6 +193,7 @@ impl State {
                 );
                 res
             }
+            "/api/v1/stream" => self.open_stream(req).await,
             path if path.starts_with("/api/v1/") => {
                 let route = &path["/api/v1/".len()..];
                 match api::answer(&self.shared, route, req.uri().query()).await {
@@ -228,6 +232,60 @@ impl State {
         }
     }
 
+    /// Answers a WebSocket handshake on `/api/v1/stream` and follows the stream on the
+    /// upgraded connection; a bad query or position is refused before the upgrade.
+    async fn open_stream(&self, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let Some(accept) = websocket_accept(&req) else {
+            let mut res = plain(
+                StatusCode::UPGRADE_REQUIRED,
+                "a WebSocket handshake is required (GET with Upgrade: websocket, \
+                 Connection: Upgrade, Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key)\n",
+            );
+            res.headers_mut().insert(
+                hyper::header::UPGRADE,
+                hyper::header::HeaderValue::from_static("websocket"),
+            );
+            return res;
+        };
+        let params = match stream::parse_query(req.uri().query()) {
+            Ok(params) => params,
+            Err(why) => return plain(StatusCode::BAD_REQUEST, &format!("{why}\n")),
+        };
+        let opened = match stream::open(&self.shared, params).await {
+            Ok(opened) => opened,
+            Err(stream::Refusal::BadRequest(why)) => {
+                return plain(StatusCode::BAD_REQUEST, &format!("{why}\n"))
+            }
+            Err(stream::Refusal::Gone(why)) => return plain(StatusCode::GONE, &format!("{why}\n")),
+            Err(stream::Refusal::Unavailable(why)) => {
+                return plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n"))
+            }
+        };
+        let upgrade = hyper::upgrade::on(&mut req);
+        let shutdown = self.shared.shutdown.clone();
+        self.shared.tracker.spawn(async move {
+            match upgrade.await {
+                Ok(upgraded) => stream::run(upgraded, opened, shutdown).await,
+                Err(err) => tracing::debug!(%err, "change stream: the upgrade failed"),
+            }
+        });
+        let mut res = Response::new(Full::new(Bytes::new()));
+        *res.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        let headers = res.headers_mut();
+        headers.insert(
+            hyper::header::UPGRADE,
+            hyper::header::HeaderValue::from_static("websocket"),
+        );
+        headers.insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("Upgrade"),
+        );
+        if let Ok(accept) = hyper::header::HeaderValue::from_str(&accept) {
+            headers.insert(hyper::header::SEC_WEBSOCKET_ACCEPT, accept);
+        }
+        res
+    }
+
     /// Why this launcher is not ready to serve, if it is not.
     fn not_ready(&self) -> Option<&'static str> {
         if !self.shared.bus.is_connected() {
@@ -249,6 +307,20 @@ impl State {
                 .and_then(|v| v.to_str().ok()),
         )
     }
+}
+
+/// The `Sec-WebSocket-Accept` answering `req`, if it is a WebSocket handshake.
+fn websocket_accept(req: &Request<Incoming>) -> Option<String> {
+    let header = |name| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let has_token = |name, token: &str| {
+        header(name).is_some_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    };
+    let handshake = req.method() == hyper::Method::GET
+        && has_token(hyper::header::UPGRADE, "websocket")
+        && has_token(hyper::header::CONNECTION, "upgrade")
+        && header(hyper::header::SEC_WEBSOCKET_VERSION) == Some("13");
+    let key = header(hyper::header::SEC_WEBSOCKET_KEY).filter(|_| handshake)?;
+    Some(tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes()))
 }
 
 fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
