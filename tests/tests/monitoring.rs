@@ -127,6 +127,12 @@ async fn a_real_prometheus_scrapes_a_launcher_and_answers_promql() {
     })
     .await;
     assert_eq!(fulfilled.1, 2.0);
+    // The backing node that serves them booted once.
+    wait_for_some("Prometheus to count the boot", WAIT, || async {
+        let r = prometheus.query("sum(slotpool_boot_seconds_count)").await;
+        r.into_iter().find(|(_, v)| *v == 1.0)
+    })
+    .await;
     // A pool-wide gauge the way the alerts read it: the slots in use.
     wait_for_some("Prometheus to see two slots in use", WAIT, || async {
         let r = prometheus
