@@ -384,13 +384,17 @@ impl Collector {
                 *view.backoff.entry(place(b)[..2].to_vec()).or_default() += 1;
             }
             if matches!(b.state, BackingState::Ready | BackingState::Retiring) {
-                match world.heartbeat_written.get(b.id.as_str()) {
-                    Some((_, at)) if world.agents.contains_key(&b.id) => {
+                let written = world.heartbeat_written.get(b.id.as_str());
+                match (world.agents.contains_key(&b.id), written) {
+                    (false, _) => *view.heartbeat_missing.entry(place(b)).or_default() += 1,
+                    (true, Some((_, at))) => {
                         let age = (now.saturating_sub(*at) / 1000) as i64;
                         let max = view.heartbeat_age.entry(place(b)).or_default();
                         *max = (*max).max(age);
                     }
-                    _ => *view.heartbeat_missing.entry(place(b)).or_default() += 1,
+                    // Read from KV directly, not through the watch: its write time is
+                    // not known yet (the watch brings it).
+                    (true, None) => {}
                 }
             }
             let used = world.used_count(&b.id);
