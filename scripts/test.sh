@@ -6,7 +6,7 @@
 #   scripts/test.sh -p slotpool-tests  # extra arguments go to `cargo test`
 #   scripts/test.sh -- --nocapture
 #
-# Needs: a Rust toolchain, tmux, nftables, systemd-container and debootstrap (installed
+# Needs: a Rust toolchain, tmux, nftables, systemd-container, debootstrap and prometheus (installed
 # with apt-get when missing and run as root), and
 # python3 with venv (for nats-server, see
 # scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
@@ -87,6 +87,10 @@ need_command tmux tmux "the console's end-to-end test"
 # .tools/systemd-rootfs).
 need_command systemd-nspawn systemd-container "the agent unit's test under systemd"
 need_command debootstrap debootstrap "the agent unit's test under systemd"
+# The monitoring tests check the shipped alert rules with promtool and have a real
+# Prometheus scrape a launcher; Debian's prometheus package has both. The tests run
+# their own Prometheus on an ephemeral port, whatever the package's service does.
+need_command promtool prometheus "the monitoring tests"
 
 # House rules (Cargo.toml's [workspace.lints]): formatting and clippy with warnings as
 # errors, on a whole-suite run (no arguments). A lint failure fails the run, after the

@@ -12,8 +12,7 @@ use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::{self, subjects};
 use slotpool_protocol::model::{
-    secret_digest, BackingNode, BackingState, HeartbeatGist, IdleBehaviour,
-    DEFAULT_HEARTBEAT_TTL_SECS,
+    secret_digest, BackingNode, BackingState, HeartbeatGist, DEFAULT_HEARTBEAT_TTL_SECS,
 };
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -175,7 +174,7 @@ impl Worker {
             {
                 continue;
             }
-            let outcome = match self.carry_out(&b, step).await {
+            let outcome = match self.carry_out(&b, step, &obs).await {
                 Ok(o) => o,
                 Err(KvError::Conflict { .. }) => {
                     // Someone else wrote it (an operator's order, say): read it afresh
@@ -257,8 +256,14 @@ impl Worker {
         }
     }
 
-    async fn carry_out(&self, b: &Versioned<BackingNode>, step: Step) -> Result<Outcome, KvError> {
+    async fn carry_out(
+        &self,
+        b: &Versioned<BackingNode>,
+        step: Step,
+        obs: &Observed,
+    ) -> Result<Outcome, KvError> {
         let now = now_ms();
+        let deletion = lifecycle::deletion_reason(&b.value, &step, obs);
         match step {
             Step::Wait(at) => Ok(Outcome::Wait(at)),
             Step::Launch { retry_reason } => self.launch(b, retry_reason).await,
@@ -278,6 +283,9 @@ impl Worker {
                         n.idle_since = Some(now);
                     })
                     .await?;
+                if let Some(launched_at) = b.value.launched_at {
+                    metrics::booted(launched_at, now);
+                }
                 self.note(b, "ready: its agent reports in");
                 Ok(outcome)
             }
@@ -291,18 +299,17 @@ impl Worker {
             Step::Release(reason) => {
                 tracing::info!(%reason, "releasing");
                 let outcome = self.write(b, BackingState::Releasing, |_| {}).await?;
-                metrics::deletion(if b.value.state == BackingState::Retiring {
-                    DeletionReason::Retired
-                } else if b.value.idle == IdleBehaviour::Drain {
-                    DeletionReason::Drain
-                } else {
-                    DeletionReason::Grace
-                });
+                if let Some(reason) = deletion {
+                    metrics::deletion(&b.value, reason);
+                }
                 self.note(b, format!("releasing: {reason}"));
                 Ok(outcome)
             }
             Step::FinishRelease => self.finish_release(b).await,
-            Step::Fail(reason) => self.fail(b, reason).await,
+            Step::Fail(reason) => {
+                self.fail(b, reason, deletion.unwrap_or(DeletionReason::Failure))
+                    .await
+            }
             Step::CleanUp => {
                 if let Err(retry_at) = self.delete_instance(&b.value, "the failed instance").await {
                     return Ok(Outcome::Wait(Some(retry_at)));
@@ -367,7 +374,9 @@ impl Worker {
     ) -> Result<Outcome, KvError> {
         let v = &b.value;
         let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
-            return self.fail(b, provider_gone(&v.provider)).await;
+            return self
+                .fail(b, provider_gone(&v.provider), DeletionReason::Failure)
+                .await;
         };
         if let Some(reason) = &retry_reason {
             tracing::warn!(%reason, attempt = v.attempts + 1, "launching again");
@@ -442,7 +451,7 @@ impl Worker {
         match result {
             Ok(launched) => {
                 tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
-                metrics::launch(LaunchOutcome::Launched);
+                metrics::launch(v, LaunchOutcome::Launched);
                 let message = format!(
                     "launched on {} (attempt {}); waiting for its agent",
                     launched.instance.host, current.value.attempts
@@ -458,11 +467,14 @@ impl Worker {
             }
             Err(err) => {
                 let capacity = matches!(err, ProviderError::Capacity { .. });
-                metrics::launch(if capacity {
-                    LaunchOutcome::Capacity
-                } else {
-                    LaunchOutcome::Failed
-                });
+                metrics::launch(
+                    v,
+                    if capacity {
+                        LaunchOutcome::Capacity
+                    } else {
+                        LaunchOutcome::Failed
+                    },
+                );
                 if capacity {
                     tracing::warn!(%err, backoff = ?lifecycle::CAPACITY_BACKOFF, "provider out of capacity; will ask again");
                     self.note(
@@ -573,14 +585,19 @@ impl Worker {
         })
     }
 
-    async fn fail(&self, b: &Versioned<BackingNode>, reason: String) -> Result<Outcome, KvError> {
+    async fn fail(
+        &self,
+        b: &Versioned<BackingNode>,
+        reason: String,
+        counted_as: DeletionReason,
+    ) -> Result<Outcome, KvError> {
         tracing::warn!(%reason, "backing node failed");
         let outcome = self
             .write(b, BackingState::Failed, |n| {
                 n.failure = Some(reason.clone())
             })
             .await?;
-        metrics::deletion(DeletionReason::Failure);
+        metrics::deletion(&b.value, counted_as);
         self.note(b, format!("failed: {reason}"));
         let on_it: Vec<_> = self
             .sh

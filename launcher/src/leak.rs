@@ -19,7 +19,7 @@
 //! before deleting anything.
 
 use crate::events;
-use crate::http::metrics::{self, DeletionReason};
+use crate::http::metrics;
 use crate::lease;
 use crate::provider::{ListedInstance, Provider};
 use crate::shared::Shared;
@@ -224,7 +224,7 @@ async fn sweep_held(
         match provider.delete(instance).await {
             Ok(()) => {
                 tracing::warn!(instance = %instance.id, host = %instance.host, why = %leak.why, "deleted a leaked machine");
-                metrics::deletion(DeletionReason::Leak);
+                metrics::leak_deletion(provider.name());
                 events::leak_deleted(
                     sh,
                     leak.backing_id.as_ref(),

@@ -72,6 +72,49 @@ pub struct Observed {
     pub now: UnixMillis,
 }
 
+/// Why a backing node's instance is given back, or the node failed (`/metrics` counts
+/// each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeletionReason {
+    /// Idle for its grace-time.
+    Grace,
+    /// Retired at its max-age, then released once empty.
+    MaxAge,
+    /// Retired for another reason (its agent shutting down, its label gone), then
+    /// released once empty.
+    Retired,
+    /// Drained by an operator.
+    Drain,
+    /// Killed by an operator.
+    Kill,
+    /// Failed: its launch, its boot or its agent.
+    Failure,
+    /// An instance no backing node records, found by the leak sweep.
+    Leak,
+}
+
+/// Why `step` gives `b` back, if it does: a release or a failure.
+pub fn deletion_reason(b: &BackingNode, step: &Step, obs: &Observed) -> Option<DeletionReason> {
+    Some(match step {
+        Step::Fail(_) if b.kill_ordered() => DeletionReason::Kill,
+        Step::Fail(_) => DeletionReason::Failure,
+        Step::Release(_) if b.state == BackingState::Retiring => {
+            let aged = obs
+                .rules
+                .and_then(|rules| max_age_at(b, &rules))
+                .is_some_and(|at| obs.now >= at);
+            if aged {
+                DeletionReason::MaxAge
+            } else {
+                DeletionReason::Retired
+            }
+        }
+        Step::Release(_) if b.idle == IdleBehaviour::Drain => DeletionReason::Drain,
+        Step::Release(_) => DeletionReason::Grace,
+        _ => return None,
+    })
+}
+
 /// The one step to take next.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
@@ -445,6 +488,48 @@ mod tests {
             next(&r, &obs(7_000, 0)),
             Step::Release("retired and empty".into())
         );
+    }
+
+    #[test]
+    fn each_release_and_failure_is_counted_for_its_reason() {
+        use slotpool_protocol::model::{OperatorAction, OperatorOrder};
+        let reason = |b: &BackingNode, o: &Observed| deletion_reason(b, &next(b, o), o);
+        let idle = node(BackingState::Ready);
+        assert_eq!(reason(&idle, &obs(99_000, 0)), Some(DeletionReason::Grace));
+        let mut drained = node(BackingState::Ready);
+        drained.idle = IdleBehaviour::Drain;
+        assert_eq!(
+            reason(&drained, &obs(99_000, 0)),
+            Some(DeletionReason::Drain)
+        );
+        let retiring = node(BackingState::Retiring);
+        let mut aged = obs(7_000, 0);
+        aged.rules = Some(Rules {
+            max_age: Duration::from_secs(5),
+            ..rules()
+        });
+        assert_eq!(reason(&retiring, &aged), Some(DeletionReason::MaxAge));
+        assert_eq!(
+            reason(&retiring, &obs(7_000, 0)),
+            Some(DeletionReason::Retired),
+            "retired for another reason (no max-age)"
+        );
+        let mut killed = node(BackingState::Ready);
+        killed.order = Some(OperatorOrder {
+            action: OperatorAction::Kill,
+            actor: "alice".into(),
+            at: 1,
+            reason: None,
+        });
+        assert_eq!(reason(&killed, &obs(5_000, 1)), Some(DeletionReason::Kill));
+        let mut lost = obs(20_000, 0);
+        lost.agent = AgentSeen::Absent;
+        lost.heartbeat_lost_at = Some(10_000);
+        assert_eq!(
+            reason(&node(BackingState::Ready), &lost),
+            Some(DeletionReason::Failure)
+        );
+        assert_eq!(reason(&node(BackingState::Ready), &obs(5_000, 1)), None);
     }
 
     #[test]

@@ -359,18 +359,23 @@ fn apply(
     fx.send(shared, dirty);
 }
 
-/// Keeps the server's time of the last write of every slot and request key.
+/// Keeps the server's time of the last write of every slot, request and heartbeat key.
 fn note_written(world: &mut World, mirror: Mirror, change: &Change, at: Option<UnixMillis>) {
     let times = match mirror {
         Mirror::Slots => &mut world.slot_written,
         Mirror::Requests => &mut world.request_written,
+        Mirror::Agents => &mut world.heartbeat_written,
         _ => return,
     };
     match change {
         Change::Put { key, revision, .. } => match at {
-            Some(at) => {
-                times.insert(key.clone(), (*revision, at));
-            }
+            // In place when the key is known: a heartbeat rewrites it every few seconds.
+            Some(at) => match times.get_mut(key) {
+                Some(time) => *time = (*revision, at),
+                None => {
+                    times.insert(key.clone(), (*revision, at));
+                }
+            },
             None => {
                 times.remove(key);
             }

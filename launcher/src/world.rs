@@ -98,6 +98,9 @@ pub struct World {
     pub slot_written: HashMap<String, (u64, UnixMillis)>,
     /// Request key → the same, for requests.
     pub request_written: HashMap<String, (u64, UnixMillis)>,
+    /// Heartbeat key (a backing id) → the same, for agents' heartbeats: how old the last
+    /// one is (`/metrics`).
+    pub heartbeat_written: HashMap<String, (u64, UnixMillis)>,
     /// The one queue of every launcher's requests: by label, the open requests still
     /// short of a node of it, in queue order, with their owners.
     pub wanting: HashMap<String, BTreeMap<QueuePosition, Option<LauncherId>>>,

@@ -24,6 +24,17 @@ pub fn conflicts() -> u64 {
     CONFLICTS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Writes of this process sent again because no server took them, or read back
+/// after a timeout.
+static RETRIES: AtomicU64 = AtomicU64::new(0);
+
+/// How many writes of this process were sent again while no server took them (a
+/// clustered bucket electing its leader) or read back after they timed out (its
+/// `/metrics` counts them).
+pub fn retries() -> u64 {
+    RETRIES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 mod watch;
 
 const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
@@ -325,6 +336,7 @@ impl Store {
                     if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound
                         && tokio::time::Instant::now() + pause < give_up =>
                 {
+                    RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
@@ -333,7 +345,10 @@ impl Store {
         };
         match written.map_err(|err| self.publish_error(key, err)) {
             Ok(ack) => Ok(ack.sequence),
-            Err(KvError::Timeout { .. }) => self.landed(key, &payload, expected, op).await,
+            Err(KvError::Timeout { .. }) => {
+                RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.landed(key, &payload, expected, op).await
+            }
             Err(err) => Err(err),
         }
     }

@@ -7,6 +7,8 @@
 //! - [`bin_path`]: the workspace's binaries, built by `cargo build --workspace --bins`.
 //! - [`wait_for`], [`wait_for_some`], [`next_within`]: condition waits with a deadline, so
 //!   tests never sleep to synchronise.
+//! - [`metrics`]: a launcher's `--http` listener read back, `/metrics` parsed.
+//! - [`prometheus::Prometheus`]: a real Prometheus scraping given targets.
 //! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
 //! - [`chaos`]: a request load that rides out failures, and the checks made after it.
 //! - [`SlotAgent`]: one agent with user isolation, driven directly over NATS.
@@ -23,9 +25,11 @@
 mod agent;
 pub mod chaos;
 mod isolation;
+pub mod metrics;
 mod nats;
 mod pool;
 mod process;
+pub mod prometheus;
 mod wait;
 
 pub use agent::{

@@ -183,6 +183,16 @@ impl Pool {
             .unwrap_or_default()
     }
 
+    /// Where launcher `n` serves HTTP (started with `--http`), once its log says.
+    pub async fn http_addr(&self, n: usize) -> std::net::SocketAddr {
+        crate::wait_for_some(
+            "the launcher to say where it serves HTTP",
+            Duration::from_secs(30),
+            || async move { crate::metrics::http_addr_in(&self.launcher_log(n)) },
+        )
+        .await
+    }
+
     /// SIGKILLs launcher `n`, as a crash would.
     pub fn kill_launcher(&mut self, n: usize) {
         self.launchers[n].kill();

@@ -8,7 +8,8 @@ use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, Reque
 use slotpool_protocol::store::Change;
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{LauncherId, NodeId, RequestId};
-use slotpool_tests::{label, next_within, wait_for, Pool};
+use slotpool_tests::metrics::{scrape, value};
+use slotpool_tests::{label, next_within, wait_for, wait_for_some, Pool, AGENT_ARGS};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -99,7 +100,8 @@ async fn slots_fill_backing_nodes_which_are_released_after_grace_time() {
 async fn min_retention_holds_and_max_age_retires() {
     let labels =
         label("kept", 2, 1, &["min-retention-time: 6"]) + &label("aging", 2, 60, &["max-age: 3"]);
-    let pool = Pool::start(4, 5, &labels, 1).await;
+    let http = ["--http", "127.0.0.1:0"];
+    let pool = Pool::start_serving_with(4, 5, &labels, 1, &AGENT_ARGS, &http).await;
     let kept = pool.fulfilled(&pool.submit(&["kept"]).await).await;
     let aging = pool.fulfilled(&pool.submit(&["aging"]).await).await;
     let started = Instant::now();
@@ -144,6 +146,18 @@ async fn min_retention_holds_and_max_age_retires() {
         || async { !pool.backing().await.iter().any(|b| b.id == old) },
     )
     .await;
+    // `/metrics` counts each release for its reason.
+    let s = scrape(pool.http_addr(0).await).await;
+    let deleted = |label, reason| {
+        value(
+            &s,
+            "slotpool_backing_deletions_total",
+            &[("label", label), ("reason", reason)],
+        )
+    };
+    assert_eq!(deleted("kept", "grace"), 1.0);
+    assert_eq!(deleted("aging", "max-age"), 1.0);
+    assert_eq!(value(&s, "slotpool_backing_deletions_total", &[]), 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,18 +227,33 @@ async fn burst(pool: &Pool, n: usize) -> Vec<RequestId> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_launcher_is_restarted_and_every_request_is_fulfilled_once() {
-    let mut pool = Pool::start(6, 2, &label("small", 4, 30, &[]), 1).await;
+    let http = ["--http", "127.0.0.1:0"];
+    let labels = label("small", 4, 30, &[]);
+    let mut pool = Pool::start_serving_with(6, 2, &labels, 1, &AGENT_ARGS, &http).await;
     let ids = burst(&pool, 20).await;
     // Kill it mid-burst: as soon as the first request is fulfilled.
     pool.wait_final(&ids[0], LONG).await;
     pool.kill_launcher(0);
-    pool.spawn_launcher();
+    let next = pool.spawn_launcher();
     let mut reqs = Vec::new();
     for id in &ids {
         reqs.push(pool.wait_final(id, LONG).await);
     }
     assert_exactly_once(&pool, &reqs).await;
     assert!(pool.backing().await.len() <= 6);
+    // The new launcher took over the requests the killed one still owned, once its
+    // liveness lease lapsed; `/metrics` counts each.
+    let addr = pool.http_addr(next).await;
+    let counted = wait_for_some("/metrics to count every take-over logged", LONG, || async {
+        let took = pool
+            .launcher_log(next)
+            .matches("took the request over")
+            .count();
+        let counted = value(&scrape(addr).await, "slotpool_lease_takeovers_total", &[]);
+        (counted == took as f64).then_some(counted)
+    })
+    .await;
+    assert!(counted > 0.0, "no request was taken over");
 }
 
 /// A release acknowledged but never finished (its launcher was killed), and slots

@@ -4,10 +4,10 @@
 //! followed with a WebSocket client through a burst of requests, across a reconnect, and
 //! through its filters and refusals.
 
-use prometheus_parse::{Sample, Scrape, Value};
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, Node, NodeRequest, NodeState, RequestState,
 };
+use slotpool_tests::metrics::{get, scrape, value};
 use slotpool_tests::{label, wait_for, wait_for_some, NatsServer, Pool, AGENT_ARGS};
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -32,66 +32,8 @@ async fn pool_with_http_slots(slots: u32, grace: u32, extra: &[&str]) -> (Pool, 
     args.extend_from_slice(extra);
     let labels = label("small", slots, grace, &[]);
     let pool = Pool::start_serving_with(2, 5, &labels, 1, &AGENT_ARGS, &args).await;
-    let addr = wait_for_some("the launcher to say where it serves HTTP", WAIT, || {
-        let log = pool.launcher_log(0);
-        async move {
-            log.lines()
-                .find_map(|l| l.split("http listening on ").nth(1))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|a| a.parse().ok())
-        }
-    })
-    .await;
+    let addr = pool.http_addr(0).await;
     (pool, addr)
-}
-
-/// One GET with an optional bearer token: the status and the body.
-async fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let head = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n");
-    stream.write_all(head.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
-    let (head, body) = response.split_once("\r\n\r\n").expect("a response head");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status");
-    (status, body.to_string())
-}
-
-async fn scrape(addr: SocketAddr) -> Scrape {
-    let (status, body) = get(addr, "/metrics", None).await;
-    assert_eq!(status, 200, "{body}");
-    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text format")
-}
-
-/// The samples of `metric` whose labels include every pair of `labels`.
-fn samples<'a>(scrape: &'a Scrape, metric: &str, labels: &[(&str, &str)]) -> Vec<&'a Sample> {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == metric)
-        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-        .collect()
-}
-
-fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
-    samples(scrape, metric, labels)
-        .iter()
-        .map(|s| match &s.value {
-            Value::Gauge(v) | Value::Counter(v) | Value::Untyped(v) => *v,
-            Value::Histogram(buckets) => buckets
-                .iter()
-                .find(|b| b.less_than.is_infinite())
-                .map_or(0.0, |b| b.count),
-            Value::Summary(_) => panic!("{metric}: no summaries here"),
-        })
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -150,10 +92,26 @@ async fn metrics_agree_with_kv_once_a_request_is_fulfilled() {
         0.0
     );
     assert_eq!(value(&s, "slotpool_allocation_seconds", &[]), 1.0);
+    let place = &backing[..3];
     assert_eq!(
-        value(&s, "slotpool_launches_total", &[("outcome", "launched")]),
+        value(
+            &s,
+            "slotpool_launches_total",
+            &[place, &[("outcome", "launched")]].concat()
+        ),
         1.0
     );
+    // The backing node booted once: launch to its agent's first heartbeat.
+    assert_eq!(value(&s, "slotpool_boot_seconds", &[]), 1.0);
+    // Its agent heartbeats: none missing, and the oldest heartbeat's age is there.
+    assert_eq!(value(&s, "slotpool_agent_heartbeats_missing", place), 0.0);
+    assert_eq!(
+        slotpool_tests::metrics::samples(&s, "slotpool_agent_heartbeat_age_max_seconds", place)
+            .len(),
+        1
+    );
+    assert_eq!(value(&s, "slotpool_capacity_backoff_seats", &[]), 0.0);
+    assert_eq!(value(&s, "slotpool_provider_errors_total", &[]), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

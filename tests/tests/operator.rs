@@ -8,7 +8,8 @@ use slotpool_protocol::model::{
     BackingNode, BackingState, EventKind, IdleBehaviour, NodeState, OperatorAction,
 };
 use slotpool_protocol::{BackingId, NodeId};
-use slotpool_tests::{bin_path, label, wait_for, Pool};
+use slotpool_tests::metrics::{scrape, value};
+use slotpool_tests::{bin_path, label, wait_for, Pool, AGENT_ARGS};
 use std::process::Command;
 use std::time::Duration;
 
@@ -45,7 +46,9 @@ async fn gone(pool: &Pool, id: &BackingId) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hold_drain_and_kill_take_effect_and_are_recorded() {
-    let pool = Pool::start(3, 5, &label("small", 2, 60, &[]), 1).await;
+    let http = ["--http", "127.0.0.1:0"];
+    let pool =
+        Pool::start_serving_with(3, 5, &label("small", 2, 60, &[]), 1, &AGENT_ARGS, &http).await;
     let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
     let a = backing_of(&pool, &first.nodes[0]).await;
 
@@ -127,6 +130,18 @@ async fn hold_drain_and_kill_take_effect_and_are_recorded() {
     );
     let listed = slotpool(&pool, &["list", "events"]);
     assert!(listed.contains("kill by op: bad disk"), "{listed}");
+
+    // `/metrics` counts the drain and the kill, each for its reason.
+    let s = scrape(pool.http_addr(0).await).await;
+    let deleted = |reason| {
+        value(
+            &s,
+            "slotpool_backing_deletions_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!((deleted("drain"), deleted("kill")), (1.0, 1.0));
+    assert_eq!(value(&s, "slotpool_backing_deletions_total", &[]), 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

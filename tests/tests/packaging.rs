@@ -161,11 +161,13 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     );
     assert_ok("slotpool config validate as the slotpool user", &out);
 
-    // Shell completions and manual pages.
+    // Shell completions, the monitoring examples and manual pages.
     let mut docs = vec![
         "/usr/share/bash-completion/completions/slotpool".to_string(),
         "/usr/share/zsh/vendor-completions/_slotpool".to_string(),
         "/usr/share/fish/vendor_completions.d/slotpool.fish".to_string(),
+        "/usr/share/slotpool/grafana/slotpool-dashboard.json".to_string(),
+        "/usr/share/slotpool/prometheus/slotpool-alerts.yml".to_string(),
     ];
     docs.extend(MAN_PAGES.iter().map(|page| format!("{MAN_DIR}/{page}")));
     for file in &docs {
@@ -380,6 +382,14 @@ fn check_rpms(packages: &Packages) {
                 (
                     "-rw-r--r--",
                     "/usr/share/fish/vendor_completions.d/slotpool.fish",
+                ),
+                (
+                    "-rw-r--r--",
+                    "/usr/share/slotpool/grafana/slotpool-dashboard.json",
+                ),
+                (
+                    "-rw-r--r--",
+                    "/usr/share/slotpool/prometheus/slotpool-alerts.yml",
                 ),
                 ("-rw-r--r--", "/usr/share/zsh/site-functions/_slotpool"),
             ][..],

@@ -5,7 +5,10 @@
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::model::{BackingState, NodeRequest, RequestState};
-use slotpool_tests::{bin_path, wait_for, wait_served, workspace_root, ChildGuard, NatsServer};
+use slotpool_tests::metrics::{http_addr_in, scrape, value};
+use slotpool_tests::{
+    bin_path, wait_for, wait_for_some, wait_served, workspace_root, ChildGuard, NatsServer,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -21,11 +24,17 @@ struct Launcher {
 
 impl Launcher {
     fn start(nats: &NatsServer, dir: &Path, config: &str) -> Launcher {
+        Launcher::start_with(nats, dir, config, &[])
+    }
+
+    /// [`Launcher::start`] with `extra` added to `slotpool serve`'s arguments.
+    fn start_with(nats: &NatsServer, dir: &Path, config: &str, extra: &[&str]) -> Launcher {
         let path = dir.join("pool.yaml");
         std::fs::write(&path, config).unwrap();
         let log = dir.join("launcher.log");
         let mut cmd = Command::new(bin_path("slotpool"));
         cmd.args(nats.serve_args(&path))
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -33,6 +42,16 @@ impl Launcher {
             _child: ChildGuard::spawn("launcher", cmd).unwrap(),
             log,
         }
+    }
+}
+
+impl Launcher {
+    /// Where it serves HTTP (started with `--http`), once its log says.
+    async fn http_addr(&self) -> std::net::SocketAddr {
+        wait_for_some("the launcher to say where it serves HTTP", SOON, || async {
+            http_addr_in(&std::fs::read_to_string(&self.log).unwrap_or_default())
+        })
+        .await
     }
 }
 
@@ -251,9 +270,12 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     let dir = TempDir::new().unwrap();
     let state = dir.path().join("machines");
     switch_on(&state, "out-of-capacity");
-    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 1));
+    let http = ["--http", "127.0.0.1:0"];
+    let launcher = Launcher::start_with(&nats, dir.path(), &exec_config(&state, 1), &http);
     let client = Client::from_bus(nats.bus().await);
     wait_served(&client).await;
+    let addr = launcher.http_addr().await;
+    let cloud = [("provider", "cloud"), ("pool", "main")];
 
     // Out of capacity (exit 75): the request waits, saying why, even past launch-retries.
     let sub = slotpool_protocol::client::submission(vec!["small".into()], "t");
@@ -267,6 +289,25 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
         },
     )
     .await;
+    // `/metrics`: the refused launch, the provider's error, and the seat in back-off.
+    let s = scrape(addr).await;
+    let capacity = [("outcome", "capacity")];
+    assert!(
+        value(
+            &s,
+            "slotpool_launches_total",
+            &[&cloud[..], &capacity].concat()
+        ) >= 1.0
+    );
+    let refused = [("call", "launch"), ("kind", "capacity")];
+    assert!(
+        value(
+            &s,
+            "slotpool_provider_errors_total",
+            &[&cloud[..1], &refused].concat()
+        ) >= 1.0
+    );
+    assert_eq!(value(&s, "slotpool_capacity_backoff_seats", &cloud), 1.0);
     // Capacity comes back: the next attempt (after the back-off) serves it.
     std::fs::remove_file(state.join("out-of-capacity")).unwrap();
     let r = tokio::time::timeout(Duration::from_secs(40), client.wait(&id, |_| {}))
@@ -290,6 +331,40 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     assert_eq!(r.state, RequestState::Failed, "{r:?}");
     let why = r.failure.unwrap_or_default();
     assert!(why.contains("image not found"), "{why}");
+    // `/metrics`: the failed launch, the provider's error, the failed backing node
+    // (counted once its failure is written), and no seat left in back-off.
+    let s = wait_for_some(
+        "/metrics to count the failed backing node",
+        SOON,
+        || async {
+            let s = scrape(addr).await;
+            let failed = [("reason", "failure")];
+            (value(
+                &s,
+                "slotpool_backing_deletions_total",
+                &[&cloud[..], &failed].concat(),
+            ) == 1.0)
+                .then_some(s)
+        },
+    )
+    .await;
+    let failed = [("outcome", "failed")];
+    assert!(
+        value(
+            &s,
+            "slotpool_launches_total",
+            &[&cloud[..], &failed].concat()
+        ) >= 1.0
+    );
+    let broken = [("call", "launch"), ("kind", "failed")];
+    assert!(
+        value(
+            &s,
+            "slotpool_provider_errors_total",
+            &[&cloud[..1], &broken].concat()
+        ) >= 1.0
+    );
+    assert_eq!(value(&s, "slotpool_capacity_backoff_seats", &cloud), 0.0);
 }
 
 /// A create command that started its machine but hangs past `launch-timeout` printed no
@@ -326,11 +401,10 @@ async fn a_launch_that_times_out_leaves_no_machine_behind() {
             .map(|d| d.flatten().filter_map(|e| machine(&e)).collect())
             .unwrap_or_default()
     };
-    let started =
-        slotpool_tests::wait_for_some("the hanging create to start a machine", SOON, || async {
-            machines().first().copied()
-        })
-        .await;
+    let started = wait_for_some("the hanging create to start a machine", SOON, || async {
+        machines().first().copied()
+    })
+    .await;
     assert!(alive(started));
     wait_for("the timed-out launch's machine deleted", SOON, || async {
         !alive(started) && !machines().contains(&started)

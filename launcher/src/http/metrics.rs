@@ -3,9 +3,12 @@
 //! Two kinds, named apart in the README ("Monitoring"):
 //! - **pool-wide** gauges, computed at scrape time from this launcher's mirror of KV
 //!   ([`crate::world::World`]): every launcher serves the same values;
-//! - **per-process** counters and the allocation-latency histogram, for what this
-//!   launcher did: plain atomics ([`PROCESS`]), bumped by one-line calls where it
-//!   happens, read only when scraped.
+//! - **per-process** counters and the allocation and boot histograms, for what this
+//!   launcher did ([`PROCESS`]), bumped by one-line calls where it happens, read only
+//!   when scraped.
+//!
+//! Labels come from the configuration (provider, pool, label), never from a backing
+//! node or a request, so the number of series does not grow with the pool.
 
 use crate::shared::Shared;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
@@ -13,11 +16,11 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use slotpool_protocol::model::BackingState;
+use slotpool_protocol::model::{BackingNode, BackingState};
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// How a launch attempt ended ([`launch`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,26 +45,15 @@ impl LaunchOutcome {
     }
 }
 
-/// Why a backing node's instance is given back ([`deletion`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeletionReason {
-    /// Idle for its grace-time.
-    Grace,
-    /// Retired (max-age, its agent shutting down, its label gone) and empty.
-    Retired,
-    /// Drained by an operator.
-    Drain,
-    /// Failed: its launch, its agent, or killed by an operator.
-    Failure,
-    /// An instance no backing node records, found by the leak sweep.
-    Leak,
-}
+pub use crate::lifecycle::DeletionReason;
 
 impl DeletionReason {
-    const ALL: [DeletionReason; 5] = [
+    const ALL: [DeletionReason; 7] = [
         Self::Grace,
+        Self::MaxAge,
         Self::Retired,
         Self::Drain,
+        Self::Kill,
         Self::Failure,
         Self::Leak,
     ];
@@ -69,60 +61,229 @@ impl DeletionReason {
     fn as_str(self) -> &'static str {
         match self {
             Self::Grace => "grace",
+            Self::MaxAge => "max-age",
             Self::Retired => "retired",
             Self::Drain => "drain",
+            Self::Kill => "kill",
             Self::Failure => "failure",
             Self::Leak => "leak",
         }
     }
 }
 
+/// A provider call ([`provider_error`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderCall {
+    Launch,
+    Delete,
+    List,
+}
+
+impl ProviderCall {
+    const ALL: [ProviderCall; 3] = [Self::Launch, Self::Delete, Self::List];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Launch => "launch",
+            Self::Delete => "delete",
+            Self::List => "list",
+        }
+    }
+}
+
+/// How a provider call failed ([`provider_error`]): the kinds of the provider's errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderErrorKind {
+    Failed,
+    Timeout,
+    Capacity,
+}
+
+impl ProviderErrorKind {
+    const ALL: [ProviderErrorKind; 3] = [Self::Failed, Self::Timeout, Self::Capacity];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Failed => "failed",
+            Self::Timeout => "timeout",
+            Self::Capacity => "capacity",
+        }
+    }
+}
+
 /// Upper bounds (seconds) of the allocation-latency buckets: a warm slot is handed out
 /// in milliseconds, a cold one waits for a backing node to boot (minutes).
-const LATENCY_BOUNDS: [f64; 14] = [
+const LATENCY_BOUNDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-/// This process's counters: atomics, so recording one costs an atomic add.
+/// Upper bounds (seconds) of the boot-time buckets: a local process is up in a second,
+/// a cloud machine in one to a few minutes.
+const BOOT_BOUNDS: &[f64] = &[
+    0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
+];
+
+/// Most buckets a [`Histogram`] has, the one above every bound included.
+const MAX_BUCKETS: usize = 16;
+
+/// A histogram of durations as atomics, so observing one costs three atomic adds.
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per bound, the last one for everything above them.
+    buckets: [AtomicU64; MAX_BUCKETS],
+    count: AtomicU64,
+    sum_ms: AtomicU64,
+}
+
+impl Histogram {
+    const fn new(bounds: &'static [f64]) -> Self {
+        assert!(bounds.len() < MAX_BUCKETS);
+        Histogram {
+            bounds,
+            buckets: [const { AtomicU64::new(0) }; MAX_BUCKETS],
+            count: AtomicU64::new(0),
+            sum_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn observe_ms(&self, ms: u64) {
+        let secs = ms as f64 / 1000.0;
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|bound| secs <= *bound)
+            .unwrap_or(self.bounds.len());
+        self.buckets[bucket].fetch_add(1, Relaxed);
+        self.sum_ms.fetch_add(ms, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    fn encode(
+        &self,
+        encoder: &mut DescriptorEncoder,
+        name: &str,
+        help: &str,
+    ) -> Result<(), std::fmt::Error> {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+        let buckets: Vec<(f64, u64)> = self
+            .bounds
+            .iter()
+            .copied()
+            .chain([f64::INFINITY])
+            .zip(self.buckets.iter().map(|b| b.load(Relaxed)))
+            .collect();
+        family.encode_histogram::<NoLabelSet>(
+            self.sum_ms.load(Relaxed) as f64 / 1000.0,
+            self.count.load(Relaxed),
+            &buckets,
+            None,
+        )
+    }
+}
+
+/// The counter families whose labels come from the configuration (provider, pool,
+/// label): few, and kept in one map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Family {
+    Launches,
+    Deletions,
+    ProviderErrors,
+}
+
+/// This process's counters, read only when scraped.
 pub struct Process {
-    launches: [AtomicU64; 3],
-    deletions: [AtomicU64; 5],
-    /// Per bucket of [`LATENCY_BOUNDS`], the last one for everything above them.
-    latency_buckets: [AtomicU64; LATENCY_BOUNDS.len() + 1],
-    latency_count: AtomicU64,
-    latency_sum_ms: AtomicU64,
+    /// Counts by family and label set; an event is rare (a launch, a deletion, a
+    /// provider error), so a lock is cheap here.
+    counts: Mutex<BTreeMap<(Family, Labels), u64>>,
+    lease_takeovers: AtomicU64,
+    allocation: Histogram,
+    boot: Histogram,
 }
 
 /// The counters of this process.
 pub static PROCESS: Process = Process {
-    launches: [const { AtomicU64::new(0) }; 3],
-    deletions: [const { AtomicU64::new(0) }; 5],
-    latency_buckets: [const { AtomicU64::new(0) }; LATENCY_BOUNDS.len() + 1],
-    latency_count: AtomicU64::new(0),
-    latency_sum_ms: AtomicU64::new(0),
+    counts: Mutex::new(BTreeMap::new()),
+    lease_takeovers: AtomicU64::new(0),
+    allocation: Histogram::new(LATENCY_BOUNDS),
+    boot: Histogram::new(BOOT_BOUNDS),
 };
 
-/// A launch attempt ended with `outcome`.
-pub fn launch(outcome: LaunchOutcome) {
-    PROCESS.launches[outcome as usize].fetch_add(1, Relaxed);
+impl Process {
+    fn add(&self, family: Family, labels: Labels) {
+        *self
+            .counts
+            .lock()
+            .expect("metrics lock")
+            .entry((family, labels))
+            .or_default() += 1;
+    }
 }
 
-/// A backing node's instance is being given back for `reason`.
-pub fn deletion(reason: DeletionReason) {
-    PROCESS.deletions[reason as usize].fetch_add(1, Relaxed);
+fn place(b: &BackingNode) -> Labels {
+    vec![
+        ("provider", b.provider.clone()),
+        ("pool", b.pool.clone()),
+        ("label", b.label.clone()),
+    ]
+}
+
+fn with(mut labels: Labels, name: &'static str, value: &str) -> Labels {
+    labels.push((name, value.to_string()));
+    labels
+}
+
+/// A launch attempt of `b` ended with `outcome`.
+pub fn launch(b: &BackingNode, outcome: LaunchOutcome) {
+    PROCESS.add(
+        Family::Launches,
+        with(place(b), "outcome", outcome.as_str()),
+    );
+}
+
+/// `b`'s instance is being given back (or `b` failed) for `reason`.
+pub fn deletion(b: &BackingNode, reason: DeletionReason) {
+    PROCESS.add(Family::Deletions, with(place(b), "reason", reason.as_str()));
+}
+
+/// An instance of `provider` found by the leak sweep is being deleted.
+pub fn leak_deletion(provider: &str) {
+    let labels = vec![
+        ("provider", provider.to_string()),
+        ("pool", String::new()),
+        ("label", String::new()),
+        ("reason", DeletionReason::Leak.as_str().to_string()),
+    ];
+    PROCESS.add(Family::Deletions, labels);
+}
+
+/// A `call` to `provider` failed with an error of `kind`.
+pub fn provider_error(provider: &str, call: ProviderCall, kind: ProviderErrorKind) {
+    let labels = vec![
+        ("provider", provider.to_string()),
+        ("call", call.as_str().to_string()),
+        ("kind", kind.as_str().to_string()),
+    ];
+    PROCESS.add(Family::ProviderErrors, labels);
+}
+
+/// This launcher took over a request whose owner's liveness lease had lapsed.
+pub fn lease_takeover() {
+    PROCESS.lease_takeovers.fetch_add(1, Relaxed);
 }
 
 /// A request submitted at `created_at` was fulfilled at `fulfilled_at`.
 pub fn fulfilled(created_at: UnixMillis, fulfilled_at: UnixMillis) {
-    let ms = fulfilled_at.saturating_sub(created_at);
-    let secs = ms as f64 / 1000.0;
-    let bucket = LATENCY_BOUNDS
-        .iter()
-        .position(|bound| secs <= *bound)
-        .unwrap_or(LATENCY_BOUNDS.len());
-    PROCESS.latency_buckets[bucket].fetch_add(1, Relaxed);
-    PROCESS.latency_sum_ms.fetch_add(ms, Relaxed);
-    PROCESS.latency_count.fetch_add(1, Relaxed);
+    PROCESS
+        .allocation
+        .observe_ms(fulfilled_at.saturating_sub(created_at));
+}
+
+/// A backing node whose launch started at `launched_at` had its agent report in at
+/// `ready_at`.
+pub fn booted(launched_at: UnixMillis, ready_at: UnixMillis) {
+    PROCESS
+        .boot
+        .observe_ms(ready_at.saturating_sub(launched_at));
 }
 
 /// The registry `/metrics` encodes: one collector that reads the mirror and the counters
@@ -149,7 +310,23 @@ struct PoolView {
     backing: BTreeMap<Labels, i64>,
     slots: BTreeMap<Labels, i64>,
     waiting: BTreeMap<String, (i64, UnixMillis)>,
+    /// Per provider and pool: seats waiting out a capacity back-off.
+    backoff: BTreeMap<Labels, i64>,
+    /// Per provider, pool and label: the oldest heartbeat of a ready or retiring
+    /// backing node's agent (seconds), and how many such nodes have none.
+    heartbeat_age: BTreeMap<Labels, i64>,
+    heartbeat_missing: BTreeMap<Labels, i64>,
 }
+
+/// The states a stored backing record can be in (`Gone` never is).
+const BACKING_STATES: [BackingState; 6] = [
+    BackingState::Requested,
+    BackingState::Launching,
+    BackingState::Ready,
+    BackingState::Retiring,
+    BackingState::Releasing,
+    BackingState::Failed,
+];
 
 fn state_name(state: BackingState) -> String {
     serde_json::to_value(state)
@@ -158,11 +335,29 @@ fn state_name(state: BackingState) -> String {
         .unwrap_or_else(|| format!("{state:?}").to_lowercase())
 }
 
+/// Every (provider, pool, label) of the configuration, as labels.
+fn places(config: &crate::config::Config) -> Vec<Labels> {
+    let mut out = Vec::new();
+    for provider in &config.providers {
+        for pool in &provider.pools {
+            for label in &pool.labels {
+                out.push(vec![
+                    ("provider", provider.name.clone()),
+                    ("pool", pool.name.clone()),
+                    ("label", label.name.clone()),
+                ]);
+            }
+        }
+    }
+    out
+}
+
 impl Collector {
-    fn pool_view(&self) -> PoolView {
+    fn pool_view(&self, now: UnixMillis) -> PoolView {
+        let config = &self.0.config;
         let world = self.0.world();
         let mut view = PoolView::default();
-        for label in self.0.config.label_names() {
+        for label in config.label_names() {
             for state in ["used", "free", "dirty"] {
                 view.slots.insert(
                     vec![("label", label.to_string()), ("state", state.into())],
@@ -170,17 +365,38 @@ impl Collector {
                 );
             }
         }
+        for place in places(config) {
+            for state in BACKING_STATES {
+                view.backing
+                    .insert(with(place.clone(), "state", &state_name(state)), 0);
+            }
+            view.backoff.insert(place[..2].to_vec(), 0);
+            view.heartbeat_age.insert(place.clone(), 0);
+            view.heartbeat_missing.insert(place, 0);
+        }
         for b in world.backing.values() {
             let b = &b.value;
             *view
                 .backing
-                .entry(vec![
-                    ("provider", b.provider.clone()),
-                    ("pool", b.pool.clone()),
-                    ("label", b.label.clone()),
-                    ("state", state_name(b.state)),
-                ])
+                .entry(with(place(b), "state", &state_name(b.state)))
                 .or_default() += 1;
+            if b.state == BackingState::Launching && b.instance.is_none() && b.out_of_capacity {
+                *view.backoff.entry(place(b)[..2].to_vec()).or_default() += 1;
+            }
+            if matches!(b.state, BackingState::Ready | BackingState::Retiring) {
+                let written = world.heartbeat_written.get(b.id.as_str());
+                match (world.agents.contains_key(&b.id), written) {
+                    (false, _) => *view.heartbeat_missing.entry(place(b)).or_default() += 1,
+                    (true, Some((_, at))) => {
+                        let age = (now.saturating_sub(*at) / 1000) as i64;
+                        let max = view.heartbeat_age.entry(place(b)).or_default();
+                        *max = (*max).max(age);
+                    }
+                    // Read from KV directly, not through the watch: its write time is
+                    // not known yet (the watch brings it).
+                    (true, None) => {}
+                }
+            }
             let used = world.used_count(&b.id);
             let (dirty, free) = if b.state == BackingState::Ready {
                 let dirty = world.agents.get(&b.id).map_or(0, |a| {
@@ -206,10 +422,54 @@ impl Collector {
                     .insert(label.clone(), (queue.len() as i64, oldest));
             }
         }
-        for label in self.0.config.label_names() {
+        for label in config.label_names() {
             view.waiting.entry(label.to_string()).or_insert((0, 0));
         }
         view
+    }
+
+    /// This process's labelled counters, with a zero for every combination the
+    /// configuration names (so a rate over them exists before the first event).
+    fn process_counts(&self) -> BTreeMap<(Family, Labels), u64> {
+        let config = &self.0.config;
+        let mut counts = BTreeMap::new();
+        for place in places(config) {
+            for o in LaunchOutcome::ALL {
+                counts.insert(
+                    (Family::Launches, with(place.clone(), "outcome", o.as_str())),
+                    0,
+                );
+            }
+            for r in DeletionReason::ALL {
+                if r != DeletionReason::Leak {
+                    counts.insert(
+                        (Family::Deletions, with(place.clone(), "reason", r.as_str())),
+                        0,
+                    );
+                }
+            }
+        }
+        for provider in &config.providers {
+            for call in ProviderCall::ALL {
+                for kind in ProviderErrorKind::ALL {
+                    let labels = vec![
+                        ("provider", provider.name.clone()),
+                        ("call", call.as_str().to_string()),
+                        ("kind", kind.as_str().to_string()),
+                    ];
+                    counts.insert((Family::ProviderErrors, labels), 0);
+                }
+            }
+        }
+        counts.extend(
+            PROCESS
+                .counts
+                .lock()
+                .expect("metrics lock")
+                .iter()
+                .map(|(k, v)| (k.clone(), *v)),
+        );
+        counts
     }
 }
 
@@ -239,11 +499,25 @@ fn counters(
     Ok(())
 }
 
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    ConstCounter::new(value).encode(encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        MetricType::Counter,
+    )?)
+}
+
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let view = self.pool_view();
         let now = now_ms();
-        // Pool-wide: the same on every launcher.
+        let view = self.pool_view(now);
+        // Pool-wide: the same on every launcher ("pool-wide" in each help text).
         gauges(
             &mut encoder,
             "backing_nodes",
@@ -267,7 +541,7 @@ impl prometheus_client::collector::Collector for Collector {
         gauges(
             &mut encoder,
             "requests_oldest_waiting_seconds",
-            "Age of the oldest request waiting for the label, 0 when none (pool-wide).",
+            "Age of the oldest request waiting for the label, 0 when none (pool-wide, from KV).",
             view.waiting.iter().map(|(l, (n, oldest))| {
                 let age = if *n > 0 {
                     now.saturating_sub(*oldest) / 1000
@@ -277,54 +551,78 @@ impl prometheus_client::collector::Collector for Collector {
                 (vec![("label", l.clone())], age as i64)
             }),
         )?;
-        // Per process: what this launcher did; sum across launchers.
+        gauges(
+            &mut encoder,
+            "capacity_backoff_seats",
+            "Seats whose last launch the provider refused for capacity, waiting out the back-off, by provider and pool (pool-wide, from KV).",
+            view.backoff,
+        )?;
+        gauges(
+            &mut encoder,
+            "agent_heartbeat_age_max_seconds",
+            "Age of the oldest last heartbeat among the agents of ready or retiring backing nodes, by provider, pool and label (pool-wide, from KV).",
+            view.heartbeat_age,
+        )?;
+        gauges(
+            &mut encoder,
+            "agent_heartbeats_missing",
+            "Ready or retiring backing nodes with no live heartbeat of their agent, by provider, pool and label (pool-wide, from KV).",
+            view.heartbeat_missing,
+        )?;
+        // Per process: what this launcher did ("this launcher" in each help text); sum
+        // across launchers.
+        let counts = self.process_counts();
+        let family = |f: Family| {
+            counts
+                .iter()
+                .filter(move |((family, _), _)| *family == f)
+                .map(|((_, labels), n)| (labels.clone(), *n))
+        };
         counters(
             &mut encoder,
             "launches",
-            "Launch attempts by outcome (this launcher).",
-            LaunchOutcome::ALL.map(|o| {
-                (
-                    vec![("outcome", o.as_str().to_string())],
-                    PROCESS.launches[o as usize].load(Relaxed),
-                )
-            }),
+            "Launch attempts by provider, pool, label and outcome (this launcher).",
+            family(Family::Launches),
         )?;
         counters(
             &mut encoder,
             "backing_deletions",
-            "Backing nodes given back, by reason (this launcher).",
-            DeletionReason::ALL.map(|r| {
-                (
-                    vec![("reason", r.as_str().to_string())],
-                    PROCESS.deletions[r as usize].load(Relaxed),
-                )
-            }),
+            "Backing nodes given back or failed, by provider, pool, label and reason (this launcher).",
+            family(Family::Deletions),
         )?;
-        ConstCounter::new(slotpool_protocol::store::conflicts()).encode(
-            encoder.encode_descriptor(
-                "kv_conflicts",
-                "KV writes refused because the record changed since it was read (this process).",
-                None,
-                MetricType::Counter,
-            )?,
+        counters(
+            &mut encoder,
+            "provider_errors",
+            "Failed provider calls by provider, call and kind (this launcher).",
+            family(Family::ProviderErrors),
         )?;
-        let mut latency = encoder.encode_descriptor(
+        counter(
+            &mut encoder,
+            "kv_conflicts",
+            "KV writes refused because the record changed since it was read (this launcher).",
+            slotpool_protocol::store::conflicts(),
+        )?;
+        counter(
+            &mut encoder,
+            "kv_retries",
+            "KV writes sent again while no server took them, or read back after a timeout (this launcher).",
+            slotpool_protocol::store::retries(),
+        )?;
+        counter(
+            &mut encoder,
+            "lease_takeovers",
+            "Requests this launcher took over because their owner's liveness lease had lapsed (this launcher).",
+            PROCESS.lease_takeovers.load(Relaxed),
+        )?;
+        PROCESS.allocation.encode(
+            &mut encoder,
             "allocation_seconds",
             "Time from a request's submission to its fulfilment (requests this launcher fulfilled).",
-            None,
-            MetricType::Histogram,
         )?;
-        let buckets: Vec<(f64, u64)> = LATENCY_BOUNDS
-            .iter()
-            .copied()
-            .chain([f64::INFINITY])
-            .zip(PROCESS.latency_buckets.iter().map(|b| b.load(Relaxed)))
-            .collect();
-        latency.encode_histogram::<NoLabelSet>(
-            PROCESS.latency_sum_ms.load(Relaxed) as f64 / 1000.0,
-            PROCESS.latency_count.load(Relaxed),
-            &buckets,
-            None,
+        PROCESS.boot.encode(
+            &mut encoder,
+            "boot_seconds",
+            "Time from a backing node's launch to its agent's first heartbeat (backing nodes this launcher marked ready).",
         )?;
         Ok(())
     }
@@ -335,22 +633,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_latency_lands_in_the_first_bucket_that_holds_it() {
-        let before: Vec<u64> = PROCESS
-            .latency_buckets
-            .iter()
-            .map(|b| b.load(Relaxed))
-            .collect();
-        fulfilled(1_000, 1_300); // 0.3 s: the 0.5 s bucket
-        fulfilled(0, 1_000_000); // above every bound
-        let after: Vec<u64> = PROCESS
-            .latency_buckets
-            .iter()
-            .map(|b| b.load(Relaxed))
-            .collect();
-        let grew: Vec<usize> = (0..after.len())
-            .filter(|i| after[*i] > before[*i])
+    fn a_duration_lands_in_the_first_bucket_that_holds_it() {
+        let h = Histogram::new(LATENCY_BOUNDS);
+        h.observe_ms(300); // 0.3 s: the 0.5 s bucket
+        h.observe_ms(1_000_000); // above every bound
+        let grew: Vec<usize> = (0..MAX_BUCKETS)
+            .filter(|i| h.buckets[*i].load(Relaxed) > 0)
             .collect();
         assert_eq!(grew, vec![6, LATENCY_BOUNDS.len()]);
+        assert_eq!(h.count.load(Relaxed), 2);
+        assert_eq!(h.sum_ms.load(Relaxed), 1_000_300);
     }
 }

@@ -7,6 +7,7 @@
 
 use super::{FixedIdentity, LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use crate::config::CreateLimits;
+use crate::http::metrics::{self, ProviderCall};
 use slotpool_protocol::model::Instance;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -71,6 +72,20 @@ impl Limited {
     }
 }
 
+impl Limited {
+    /// Counts a failed call in `/metrics`.
+    fn counted<T>(
+        &self,
+        call: ProviderCall,
+        result: Result<T, ProviderError>,
+    ) -> Result<T, ProviderError> {
+        if let Err(err) = &result {
+            metrics::provider_error(self.inner.name(), call, err.kind());
+        }
+        result
+    }
+}
+
 #[async_trait::async_trait]
 impl Provider for Limited {
     fn name(&self) -> &str {
@@ -100,21 +115,24 @@ impl Provider for Limited {
                 tokio::time::sleep(wait).await;
             }
         }
-        match tokio::time::timeout(spec.timeout, self.inner.launch(spec)).await {
+        let result = match tokio::time::timeout(spec.timeout, self.inner.launch(spec)).await {
             Ok(result) => result,
             Err(_) => Err(ProviderError::Timeout {
                 provider: self.inner.name().to_string(),
                 timeout: spec.timeout,
             }),
-        }
+        };
+        self.counted(ProviderCall::Launch, result)
     }
 
     async fn delete(&self, instance: &Instance) -> Result<(), ProviderError> {
-        self.inner.delete(instance).await
+        let result = self.inner.delete(instance).await;
+        self.counted(ProviderCall::Delete, result)
     }
 
     async fn list(&self) -> Result<Vec<ListedInstance>, ProviderError> {
-        self.inner.list().await
+        let result = self.inner.list().await;
+        self.counted(ProviderCall::List, result)
     }
 }
 

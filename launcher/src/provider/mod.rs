@@ -20,6 +20,7 @@ pub mod local;
 pub mod static_hosts;
 
 use crate::config::{DriverConfig, ProviderConfig};
+use crate::http::metrics::ProviderErrorKind;
 use slotpool_protocol::auth::Credentials;
 use slotpool_protocol::model::{Attributes, Instance};
 use slotpool_protocol::BackingId;
@@ -80,6 +81,17 @@ pub enum ProviderError {
     /// The provider is out of quota or capacity; retry later.
     #[error("{provider}: out of capacity: {message}")]
     Capacity { provider: String, message: String },
+}
+
+impl ProviderError {
+    /// Its kind, as `/metrics` counts it.
+    pub fn kind(&self) -> ProviderErrorKind {
+        match self {
+            ProviderError::Failed { .. } => ProviderErrorKind::Failed,
+            ProviderError::Timeout { .. } => ProviderErrorKind::Timeout,
+            ProviderError::Capacity { .. } => ProviderErrorKind::Capacity,
+        }
+    }
 }
 
 #[async_trait::async_trait]

@@ -15,6 +15,7 @@ pub mod observe;
 pub mod plan;
 mod worker;
 
+use crate::http::metrics;
 use crate::shared::{Shared, Work};
 use plan::Ownership;
 use slotpool_protocol::store::{KvError, Versioned};
@@ -104,6 +105,9 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
         {
             Ok(revision) => {
                 tracing::info!(previous_owner = ?previous, "took the request over");
+                if previous.is_some() {
+                    metrics::lease_takeover();
+                }
                 sh.world().put_request(Versioned {
                     key: req.key,
                     revision,
