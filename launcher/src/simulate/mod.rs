@@ -263,20 +263,20 @@ mod tests {
 
     #[test]
     fn ours_packs_the_fullest_node_so_the_other_empties() {
-        // Two two-slot nodes come up for three jobs at 0; at 60 the first two jobs
-        // fill one node, the third takes the other. The short second job ends at 160.
-        // The fourth job, at 200, goes to the node with a job still running (fullest
-        // first), so the emptier one is released after its grace.
-        let jobs = [job(0, 1000), job(0, 100), job(0, 300), job(200, 600)];
+        // Two two-slot nodes come up at 60 for three jobs that came at 0: the first two
+        // jobs fill the node at seat 0, the third takes seat 1. Both short jobs end at
+        // 160, emptying seat 0. The fourth job, at 200, goes to seat 1, the fullest node
+        // (not the first by seat), so seat 0 is released after its grace, at 220.
+        let jobs = [job(0, 100), job(0, 100), job(0, 1000), job(200, 600)];
         let s = setup(2, &jobs, fixed_boot());
         let ours = run(&jobs, &s, Policy::Slotpool).unwrap();
         assert_eq!(ours.backing_nodes_launched, 2);
         assert_eq!(ours.wait_max_secs, 60.0);
-        // Node A (jobs 1, 2, then 4): 0..1120. Node B (job 3): idle at 360, gone at 420.
+        // Seat 0: 0..220. Seat 1 (jobs 3 and 4): empty at 1060, released at 1120.
         assert!(
             close(
                 ours.paid_slot_hours,
-                2.0 * (1120.0 + 420.0) / SLOT_HOUR_SECS
+                2.0 * (220.0 + 1120.0) / SLOT_HOUR_SECS
             ),
             "{ours:?}"
         );
@@ -308,6 +308,26 @@ mod tests {
             assert_ne!(a, run(&day, &s, policy).unwrap());
             s.seed -= 1;
         }
+    }
+
+    #[test]
+    fn a_grace_time_of_zero_serves_the_waiting_jobs_before_releasing() {
+        let jobs = [job(0, 100), job(30, 100)];
+        let mut s = setup(2, &jobs, fixed_boot());
+        s.config = Synthetic {
+            slots_per_node: 2,
+            grace_secs: 0,
+            max_servers: 100,
+        }
+        .config(&jobs)
+        .unwrap();
+        let r = run(&jobs, &s, Policy::Slotpool).unwrap();
+        assert_eq!((r.unserved, r.backing_nodes_launched), (0, 1), "{r:?}");
+        // Ready at 60, both jobs run 60..160, released at once.
+        assert!(
+            close(r.paid_slot_hours, 2.0 * 160.0 / SLOT_HOUR_SECS),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -46,7 +46,11 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     let mut next_id = 0;
     let mut now = EPOCH_MS;
     let site = |label: &str| setup.config.sites(label)[0];
+    let until = super::slotpool::run_until(jobs);
     while let Some((at, event)) = events.pop() {
+        if at > until {
+            break;
+        }
         now = at;
         match event {
             Event::Arrive(job) => {

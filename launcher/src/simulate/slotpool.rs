@@ -94,7 +94,11 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     for (i, j) in jobs.iter().enumerate() {
         sim.events.at(EPOCH_MS + j.arrival_ms, Event::Arrive(i));
     }
+    let until = run_until(jobs);
     while let Some((at, event)) = sim.events.pop() {
+        if at > until {
+            break;
+        }
         sim.now = at;
         sim.handle(event)?;
         sim.serve()?;
@@ -109,6 +113,17 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     Ok(sim
         .ledger
         .report(Policy::Slotpool, setup.provider.node_cost_per_hour))
+}
+
+/// When a run stops even if something is still going on (a policy that never serves a
+/// job): a day after the last job would have ended had it started on arrival.
+pub(crate) fn run_until(jobs: &[Job]) -> u64 {
+    let last = jobs
+        .iter()
+        .map(|j| j.arrival_ms + j.duration_ms)
+        .max()
+        .unwrap_or(0);
+    EPOCH_MS + last + 86_400_000
 }
 
 impl Sim<'_> {
@@ -490,6 +505,11 @@ impl Sim<'_> {
                 Step::BecomeReady => {
                     b.state = BackingState::Ready;
                     b.ready_at = Some(self.now);
+                    // The write lands and every waiting request sees the new slots
+                    // before the node's next step (with a grace time of 0, its release).
+                    self.restand(seat);
+                    self.look_now(seat);
+                    return Ok(());
                 }
                 Step::SetIdleSince(at) => b.idle_since = at,
                 Step::Retire(_) => b.state = BackingState::Retiring,
