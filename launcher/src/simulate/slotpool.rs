@@ -27,11 +27,8 @@ const MAX_STEPS: usize = 64;
 
 enum Event {
     Arrive(usize),
-    /// The job ends and gives back its slots.
-    JobEnd {
-        job: usize,
-        slots: Vec<SlotRef>,
-    },
+    /// A job ends and gives back its slots.
+    JobEnd(Vec<SlotRef>),
     /// The agent of the node at a seat heartbeats for the first time (for launch
     /// attempt `attempt`).
     Booted {
@@ -131,7 +128,7 @@ impl Sim<'_> {
         match event {
             Event::Arrive(job) => {
                 self.ledger.arrived(self.now);
-                let mut record = NodeRequest {
+                let record = NodeRequest {
                     v: slotpool_protocol::PROTOCOL_VERSION,
                     id: RequestId::parse(&format!("req-{job}")).expect("a valid id"),
                     labels: self.jobs[job].labels.clone(),
@@ -141,7 +138,7 @@ impl Sim<'_> {
                     ssh_public_key: None,
                     created_at: self.now,
                     state: RequestState::Requested,
-                    status: String::new(),
+                    status: "queued".into(),
                     nodes: Vec::new(),
                     failure: None,
                     updated_at: self.now,
@@ -153,7 +150,6 @@ impl Sim<'_> {
                     fulfilled_at: None,
                     hold_until: None,
                 };
-                record.status = "queued".into();
                 self.waiting.push(Waiting {
                     job,
                     record,
@@ -161,9 +157,7 @@ impl Sim<'_> {
                     slots: BTreeMap::new(),
                 });
             }
-            Event::JobEnd { job, slots } => {
-                let arrival = EPOCH_MS + self.jobs[job].arrival_ms;
-                let _ = arrival;
+            Event::JobEnd(slots) => {
                 for slot in slots {
                     self.give_back(&slot);
                 }
@@ -333,13 +327,8 @@ impl Sim<'_> {
                         self.ledger.served(w.record.created_at, self.now);
                         let end = self.now + job.duration_ms;
                         self.ledger.busy(self.now, end, w.slots.len());
-                        self.events.at(
-                            end,
-                            Event::JobEnd {
-                                job: w.job,
-                                slots: w.slots.into_values().collect(),
-                            },
-                        );
+                        self.events
+                            .at(end, Event::JobEnd(w.slots.into_values().collect()));
                         done = true;
                         break;
                     }
