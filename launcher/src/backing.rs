@@ -116,13 +116,7 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
     let rules = shared
         .config
         .label_in(&b.value.provider, &b.value.pool, &b.value.label)
-        .map(|s| Rules {
-            grace_time: s.label.grace_time,
-            min_retention_time: s.label.min_retention_time,
-            max_age: s.label.max_age,
-            boot_timeout: s.pool.boot_timeout,
-            launch_retries: s.pool.launch_retries,
-        });
+        .map(|s| Rules::of(&s));
     let lost = world.lost_heartbeats.get(&b.value.id);
     let obs = Observed {
         agent,

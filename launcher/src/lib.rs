@@ -27,6 +27,7 @@ pub mod release;
 pub mod request;
 pub mod setup;
 pub mod shared;
+pub mod simulate;
 pub mod status;
 pub mod watch;
 pub mod world;

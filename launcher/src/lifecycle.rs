@@ -43,6 +43,17 @@ pub struct Rules {
 }
 
 impl Rules {
+    /// The rules of a label as configured in its pool.
+    pub fn of(site: &slotpool_config::LabelSite<'_>) -> Rules {
+        Rules {
+            grace_time: site.label.grace_time,
+            min_retention_time: site.label.min_retention_time,
+            max_age: site.label.max_age,
+            boot_timeout: site.pool.boot_timeout,
+            launch_retries: site.pool.launch_retries,
+        }
+    }
+
     fn idle(&self) -> IdleRules {
         IdleRules {
             grace_time: self.grace_time,

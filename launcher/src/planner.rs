@@ -8,7 +8,9 @@
 
 use crate::backing;
 use crate::lifecycle::FAILED_SEAT_COOLDOWN;
+use crate::provider::FixedIdentity;
 use crate::shared::Shared;
+use slotpool_config::LabelSite;
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::store::{KvError, Versioned};
@@ -91,95 +93,151 @@ pub fn out_of_capacity<'a>(mut seats: impl Iterator<Item = &'a Versioned<Backing
     })
 }
 
+/// Slots of a label to bring up: what the waiting requests want beyond the slots free
+/// now or coming. Negative or zero: nothing to launch.
+pub fn deficit(unmet: u32, coming: u32) -> i64 {
+    unmet as i64 - coming as i64
+}
+
+/// What the planner knows of one pool serving a label, in the order pools are tried.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SiteSeats {
+    /// Its provider is out of capacity ([`out_of_capacity`]): the pool is passed over.
+    pub out_of_capacity: bool,
+    /// Its seats that may be taken now ([`free_seats`]), lowest first.
+    pub free: Vec<FreeSeat>,
+    /// Slots of each backing node launched there.
+    pub slots: u32,
+}
+
+/// The seats to take for `deficit` slots, as (index into `sites`, seat): lowest pool
+/// priority first, each seat bringing its pool's slots, until the deficit is covered or
+/// every pool is full or out of capacity. Pure: the launcher writes the seats in this
+/// order (stopping at the first that another launcher takes), the simulator takes them.
+pub fn choose_seats(mut deficit: i64, sites: &[SiteSeats]) -> Vec<(usize, FreeSeat)> {
+    let mut chosen = Vec::new();
+    for (index, site) in sites.iter().enumerate() {
+        if site.out_of_capacity {
+            continue;
+        }
+        for free in &site.free {
+            if deficit <= 0 {
+                return chosen;
+            }
+            chosen.push((index, *free));
+            deficit -= site.slots as i64;
+        }
+    }
+    chosen
+}
+
+/// The record of a seat taken for `label` in `site` at `now`: a backing node to launch.
+pub fn requested_record(
+    site: &LabelSite<'_>,
+    seat: u32,
+    identity: Option<&FixedIdentity>,
+    now: u64,
+) -> BackingNode {
+    BackingNode {
+        v: PROTOCOL_VERSION,
+        id: identity
+            .map(|i| i.backing_id.clone())
+            .unwrap_or_else(BackingId::generate),
+        provider: site.provider.name.clone(),
+        pool: site.pool.name.clone(),
+        seat,
+        label: site.label.name.clone(),
+        backing_label: site.label.backing_label.clone(),
+        slots: site.label.max_parallel_jobs,
+        state: BackingState::Requested,
+        idle: IdleBehaviour::Run,
+        instance: None,
+        secret_sha256: identity
+            .map(|i| secret_digest(&i.secret))
+            .unwrap_or_default(),
+        created_at: now,
+        launched_at: None,
+        ready_at: None,
+        idle_since: None,
+        attempts: 0,
+        out_of_capacity: false,
+        failure: None,
+        attributes: Default::default(),
+        order: None,
+        updated_at: now,
+    }
+}
+
 /// Takes as many seats as the label's unmet demand needs.
 pub async fn plan(shared: &Arc<Shared>, label: &str) {
-    let mut deficit = {
+    let deficit = {
         let world = shared.world();
-        world.unmet_demand(label) as i64 - world.coming_capacity(label) as i64
+        deficit(world.unmet_demand(label), world.coming_capacity(label))
     };
     if deficit <= 0 {
         return;
     }
-    for site in shared.config.sites(label) {
+    let sites = shared.config.sites(label);
+    let seats: Vec<SiteSeats> = {
+        let world = shared.world();
+        sites
+            .iter()
+            .map(|site| {
+                let (provider, pool) = (&site.provider.name, &site.pool.name);
+                let taken = world.seats_of(provider, pool);
+                let out_of_capacity = out_of_capacity(taken.values().copied());
+                if out_of_capacity {
+                    tracing::debug!(%provider, %pool, %label, "provider out of capacity; trying the next pool");
+                }
+                let unreadable = world.unreadable_seats_of(provider, pool);
+                SiteSeats {
+                    out_of_capacity,
+                    free: if out_of_capacity {
+                        Vec::new()
+                    } else {
+                        free_seats(
+                            site.pool.max_servers,
+                            |s| taken.get(&s).copied(),
+                            &unreadable,
+                            now_ms(),
+                        )
+                    },
+                    slots: site.label.max_parallel_jobs,
+                }
+            })
+            .collect()
+    };
+    for (index, free) in choose_seats(deficit, &seats) {
+        let site = &sites[index];
         let provider = &site.provider.name;
         let pool = &site.pool.name;
-        let seats = {
-            let world = shared.world();
-            let taken = world.seats_of(provider, pool);
-            if out_of_capacity(taken.values().copied()) {
-                tracing::debug!(%provider, %pool, %label, "provider out of capacity; trying the next pool");
-                continue;
-            }
-            let unreadable = world.unreadable_seats_of(provider, pool);
-            free_seats(
-                site.pool.max_servers,
-                |s| taken.get(&s).copied(),
-                &unreadable,
-                now_ms(),
-            )
+        let identity = shared
+            .providers
+            .get(provider)
+            .and_then(|p| p.fixed_identity(pool, free.seat));
+        let record = requested_record(site, free.seat, identity.as_ref(), now_ms());
+        let key = layout::seat_key(provider, pool, free.seat);
+        let written = match free.reuse_revision {
+            None => shared.bus.backing.create(&key, &record, None).await,
+            Some(rev) => shared.bus.backing.update(&key, &record, rev, None).await,
         };
-        for free in seats {
-            if deficit <= 0 {
+        match written {
+            Ok(revision) => {
+                tracing::info!(seat = %key, backing_id = %record.id, %label, "requested a backing node");
+                shared.world().put_backing(Versioned {
+                    key: key.clone(),
+                    revision,
+                    value: record,
+                });
+                backing::spawn(shared, key);
+            }
+            Err(KvError::Conflict { .. }) => {
+                // Another launcher took it; the watch will show its capacity.
                 return;
             }
-            let identity = shared
-                .providers
-                .get(provider)
-                .and_then(|p| p.fixed_identity(pool, free.seat));
-            let record = BackingNode {
-                v: PROTOCOL_VERSION,
-                id: identity
-                    .as_ref()
-                    .map(|i| i.backing_id.clone())
-                    .unwrap_or_else(BackingId::generate),
-                provider: provider.clone(),
-                pool: pool.clone(),
-                seat: free.seat,
-                label: label.to_string(),
-                backing_label: site.label.backing_label.clone(),
-                slots: site.label.max_parallel_jobs,
-                state: BackingState::Requested,
-                idle: IdleBehaviour::Run,
-                instance: None,
-                secret_sha256: identity
-                    .as_ref()
-                    .map(|i| secret_digest(&i.secret))
-                    .unwrap_or_default(),
-                created_at: now_ms(),
-                launched_at: None,
-                ready_at: None,
-                idle_since: None,
-                attempts: 0,
-                out_of_capacity: false,
-                failure: None,
-                attributes: Default::default(),
-                order: None,
-                updated_at: now_ms(),
-            };
-            let key = layout::seat_key(provider, pool, free.seat);
-            let written = match free.reuse_revision {
-                None => shared.bus.backing.create(&key, &record, None).await,
-                Some(rev) => shared.bus.backing.update(&key, &record, rev, None).await,
-            };
-            match written {
-                Ok(revision) => {
-                    tracing::info!(seat = %key, backing_id = %record.id, %label, "requested a backing node");
-                    shared.world().put_backing(Versioned {
-                        key: key.clone(),
-                        revision,
-                        value: record,
-                    });
-                    deficit -= site.label.max_parallel_jobs as i64;
-                    backing::spawn(shared, key);
-                }
-                Err(KvError::Conflict { .. }) => {
-                    // Another launcher took it; the watch will show its capacity.
-                    return;
-                }
-                Err(err) => {
-                    tracing::warn!(seat = %key, %err, "cannot take a seat");
-                    return;
-                }
+            Err(err) => {
+                tracing::warn!(seat = %key, %err, "cannot take a seat");
+                return;
             }
         }
     }

@@ -11,15 +11,15 @@
 //! slots, reservations): change the mirror only through them.
 
 mod agent;
-mod capacity;
+pub mod capacity;
 
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
 use slotpool_protocol::layout::{self, parse_slot_key};
 use slotpool_protocol::model::{
-    BackingNode, BackingState, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest,
-    RequestState, DEFAULT_HEARTBEAT_TTL_SECS,
+    BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
+    DEFAULT_HEARTBEAT_TTL_SECS,
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
@@ -513,25 +513,15 @@ impl World {
 
     // ---- the capacity index -----------------------------------------------------------
 
-    /// What the backing node `b` offers its label now.
+    /// What the backing node `b` offers its label now ([`capacity::offer`]).
     fn offer(&self, b: &BackingNode) -> Offer {
-        match b.state {
-            // A seat whose provider said it is out of capacity brings nothing until a
-            // launch succeeds: counting it would keep the planner from the next pool.
-            BackingState::Requested | BackingState::Launching if b.out_of_capacity => {
-                Offer::Nothing
-            }
-            BackingState::Requested | BackingState::Launching => Offer::Booting { slots: b.slots },
-            _ if self.takes_slots(b) => {
+        capacity::offer(
+            b,
+            self.takes_slots(b).then(|| {
                 let used = self.used_count(&b.id);
-                Offer::Serving {
-                    slots: b.slots,
-                    used,
-                    open: used < b.slots && self.first_free(b).is_some(),
-                }
-            }
-            _ => Offer::Nothing,
-        }
+                (used, used < b.slots && self.first_free(b).is_some())
+            }),
+        )
     }
 
     /// Brings the index up to date for the seat `seat`.
@@ -743,6 +733,9 @@ impl World {
 }
 
 /// Checks of the capacity index against a walk over every backing node, for tests.
+#[cfg(test)]
+use slotpool_protocol::model::BackingState;
+
 #[cfg(test)]
 impl World {
     /// Panics unless the index says what the walk says, for every label.

@@ -7,6 +7,7 @@ mod nats_setup;
 mod operator_cmds;
 mod output;
 mod serve;
+mod simulate;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use slotpool_protocol::model::OperatorAction;
@@ -135,6 +136,14 @@ pub enum Command {
   slotpool demo                            with the console on a terminal, until you quit it
   slotpool demo --no-console --duration 60 --jobs 10")]
     Demo(demo::DemoArgs),
+    /// Replay a day of jobs through the launcher's decisions, with a simulated clock and
+    /// provider, and report what it cost and how long jobs waited.
+    #[command(after_help = "Examples:
+  slotpool simulate examples/traces/day-peak6.csv
+  slotpool simulate --generate 20 --seed 3 --compare --svg day.svg
+  slotpool simulate generate --peak 2 --seed 1 > day.csv
+  slotpool simulate my-history.jsonl --config /etc/slotpool/pool.yaml --output json")]
+    Simulate(simulate::SimulateArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(after_help = "Examples:
   slotpool completions bash > ~/.local/share/bash-completion/completions/slotpool
@@ -225,6 +234,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::NatsSetup(args) => nats_setup::run(args),
+        Command::Simulate(args) => simulate::run(args),
     }
 }
 

@@ -5,8 +5,29 @@
 //! depends on changes and hands it to [`CapacityIndex::set`]; this module only keeps the
 //! books.
 
+use slotpool_protocol::model::{BackingNode, BackingState};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
+
+/// What the backing node `b` offers its label, given, when it takes slots (ready, with
+/// a healthy agent, not held), how many it has in use and whether another can be
+/// handed out now.
+pub fn offer(b: &BackingNode, serving: Option<(u32, bool)>) -> Offer {
+    match (b.state, serving) {
+        // A seat whose provider said it is out of capacity brings nothing until a
+        // launch succeeds: counting it would keep the planner from the next pool.
+        (BackingState::Requested | BackingState::Launching, _) if b.out_of_capacity => {
+            Offer::Nothing
+        }
+        (BackingState::Requested | BackingState::Launching, _) => Offer::Booting { slots: b.slots },
+        (_, Some((used, open))) => Offer::Serving {
+            slots: b.slots,
+            used,
+            open,
+        },
+        (_, None) => Offer::Nothing,
+    }
+}
 
 /// What one backing node offers its label now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,7 +120,6 @@ impl CapacityIndex {
     }
 
     /// The seat of the fullest node of `label` with a slot to hand out now.
-    #[cfg(test)]
     pub fn fullest_open(&self, label: &str) -> Option<&str> {
         let (_, seat) = self.by_label.get(label)?.open.first()?;
         Some(seat)

@@ -1,0 +1,197 @@
+//! What a run costs and how long jobs waited: slot-seconds paid (a backing node's slots
+//! from its launch to its release) and busy (a job's nodes while it runs), in time bins,
+//! and each job's wait from arrival to its nodes.
+
+use super::{Policy, EPOCH_MS};
+use serde::Serialize;
+
+/// Width of the time bins the plot draws.
+pub const BIN_MS: u64 = 300_000;
+const HOUR_MS: u64 = 3_600_000;
+
+#[derive(Debug, Default)]
+pub struct Ledger {
+    /// Slot-milliseconds paid and busy per bin.
+    paid: Vec<f64>,
+    busy: Vec<f64>,
+    /// Node-milliseconds paid in all.
+    node_ms: f64,
+    launched: Vec<u32>,
+    /// (arrival, wait) of each served job, in milliseconds from the start.
+    waits: Vec<(u64, u64)>,
+    arrivals: Vec<u64>,
+    unserved: usize,
+}
+
+fn spread(bins: &mut Vec<f64>, from: u64, to: u64, weight: f64) {
+    let (from, to) = (from - EPOCH_MS, to - EPOCH_MS);
+    let mut t = from;
+    while t < to {
+        let bin = (t / BIN_MS) as usize;
+        let end = ((bin as u64 + 1) * BIN_MS).min(to);
+        if bins.len() <= bin {
+            bins.resize(bin + 1, 0.0);
+        }
+        bins[bin] += (end - t) as f64 * weight;
+        t = end;
+    }
+}
+
+impl Ledger {
+    /// A backing node of `slots` slots was paid for from `from` to `to`.
+    pub fn paid(&mut self, from: u64, to: u64, slots: u32) {
+        spread(&mut self.paid, from, to, slots as f64);
+        self.node_ms += to.saturating_sub(from) as f64;
+    }
+
+    /// `nodes` slots were busy from `from` to `to`.
+    pub fn busy(&mut self, from: u64, to: u64, nodes: usize) {
+        spread(&mut self.busy, from, to, nodes as f64);
+    }
+
+    pub fn launched(&mut self, at: u64) {
+        let hour = ((at - EPOCH_MS) / HOUR_MS) as usize;
+        if self.launched.len() <= hour {
+            self.launched.resize(hour + 1, 0);
+        }
+        self.launched[hour] += 1;
+    }
+
+    pub fn arrived(&mut self, at: u64) {
+        self.arrivals.push(at - EPOCH_MS);
+    }
+
+    pub fn served(&mut self, arrival: u64, at: u64) {
+        self.waits.push((arrival - EPOCH_MS, at - arrival));
+    }
+
+    pub fn unserved(&mut self, n: usize) {
+        self.unserved += n;
+    }
+
+    pub fn report(&self, policy: Policy, node_cost_per_hour: f64) -> Report {
+        let hours = |v: &[f64]| v.iter().sum::<f64>() / HOUR_MS as f64;
+        let (paid, busy) = (hours(&self.paid), hours(&self.busy));
+        let mut waits: Vec<u64> = self.waits.iter().map(|w| w.1).collect();
+        waits.sort_unstable();
+        let bins_per_hour = (HOUR_MS / BIN_MS) as usize;
+        let n_hours = self
+            .paid
+            .len()
+            .max(self.busy.len())
+            .div_ceil(bins_per_hour)
+            .max(self.launched.len());
+        let table = (0..n_hours)
+            .map(|h| {
+                let slice = |v: &[f64]| {
+                    v.iter()
+                        .skip(h * bins_per_hour)
+                        .take(bins_per_hour)
+                        .sum::<f64>()
+                        / HOUR_MS as f64
+                };
+                let (paid, busy) = (slice(&self.paid), slice(&self.busy));
+                let in_hour = |t: u64| (t / HOUR_MS) as usize == h;
+                let mut w: Vec<u64> = self
+                    .waits
+                    .iter()
+                    .filter(|(a, _)| in_hour(*a))
+                    .map(|w| w.1)
+                    .collect();
+                w.sort_unstable();
+                HourRow {
+                    hour: h as u32,
+                    jobs: self.arrivals.iter().filter(|a| in_hour(**a)).count(),
+                    paid_slot_hours: paid,
+                    busy_slot_hours: busy,
+                    efficiency: ratio(busy, paid),
+                    wait_p99_secs: quantile(&w, 0.99),
+                    launched: self.launched.get(h).copied().unwrap_or(0),
+                }
+            })
+            .collect();
+        Report {
+            policy,
+            jobs: self.arrivals.len(),
+            unserved: self.unserved,
+            paid_slot_hours: paid,
+            busy_slot_hours: busy,
+            efficiency: ratio(busy, paid),
+            cost: self.node_ms / HOUR_MS as f64 * node_cost_per_hour,
+            backing_nodes_launched: self.launched.iter().sum(),
+            wait_p50_secs: quantile(&waits, 0.5),
+            wait_p99_secs: quantile(&waits, 0.99),
+            wait_max_secs: waits.last().map_or(0.0, |w| *w as f64 / 1000.0),
+            hours: table,
+            series: Series {
+                bin_secs: BIN_MS / 1000,
+                paid_slots: self.paid.iter().map(|s| s / BIN_MS as f64).collect(),
+                busy_slots: self.busy.iter().map(|s| s / BIN_MS as f64).collect(),
+                waits_secs: waits.iter().map(|w| *w as f64 / 1000.0).collect(),
+            },
+        }
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// The `q` quantile of sorted milliseconds, in seconds (nearest rank).
+fn quantile(sorted: &[u64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1] as f64 / 1000.0
+}
+
+/// What a run cost and how long its jobs waited.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    pub policy: Policy,
+    pub jobs: usize,
+    /// Jobs still waiting when the run ended.
+    pub unserved: usize,
+    pub paid_slot_hours: f64,
+    pub busy_slot_hours: f64,
+    /// Busy ÷ paid.
+    pub efficiency: f64,
+    /// Backing node hours × the provider's cost per hour.
+    pub cost: f64,
+    pub backing_nodes_launched: u32,
+    pub wait_p50_secs: f64,
+    pub wait_p99_secs: f64,
+    pub wait_max_secs: f64,
+    pub hours: Vec<HourRow>,
+    /// For the plot; not in the JSON.
+    #[serde(skip)]
+    pub series: Series,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Series {
+    pub bin_secs: u64,
+    /// Mean slots paid and busy in each bin.
+    pub paid_slots: Vec<f64>,
+    pub busy_slots: Vec<f64>,
+    /// Every served job's wait, sorted.
+    pub waits_secs: Vec<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HourRow {
+    pub hour: u32,
+    /// Jobs that arrived in the hour.
+    pub jobs: usize,
+    pub paid_slot_hours: f64,
+    pub busy_slot_hours: f64,
+    pub efficiency: f64,
+    /// Of the jobs that arrived in the hour.
+    pub wait_p99_secs: f64,
+    pub launched: u32,
+}

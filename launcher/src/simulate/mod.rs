@@ -1,0 +1,357 @@
+//! `slotpool simulate`: a discrete-event simulation of a pool over a trace, deciding with
+//! the launcher's own code. Pure: no NATS, no clock, no sleeping; a day runs in seconds.
+//!
+//! Events (arrivals, boots, job ends, timers a decision asked for) wait in a heap by
+//! time. After each, [`slotpool`] asks `request::plan::next` what each waiting request
+//! does, `planner::choose_seats` which seats to take, and `lifecycle::next` what each
+//! backing node does, and carries the steps out on records of its own, as the launcher's
+//! executors do on KV. [`nodepool`] plays Nodepool's policy on the same trace for the
+//! comparison. [`ledger`] counts slot-seconds paid and busy and the waits.
+
+pub mod ledger;
+pub mod nodepool;
+pub mod rng;
+pub mod slotpool;
+pub mod svg;
+pub mod trace;
+
+use crate::config::Config;
+use ledger::Report;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use trace::Job;
+
+/// The start of simulated time (a Unix time in milliseconds): the decisions see real-looking
+/// times, and the reports count from here.
+pub const EPOCH_MS: u64 = 1_700_000_000_000;
+
+/// Which policy decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// The launcher's own decisions.
+    Slotpool,
+    /// Nodepool's: fixed size, first fit by creation order, release on a cleanup pass.
+    Nodepool,
+}
+
+/// The simulated provider.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Provider {
+    /// Seconds from a launch to the agent's first heartbeat.
+    pub boot_secs: f64,
+    /// Boot times are uniform in `boot_secs ± boot_jitter_secs`.
+    pub boot_jitter_secs: f64,
+    /// Chance that a launch is refused for capacity.
+    pub capacity_error_rate: f64,
+    /// What one backing node costs an hour.
+    pub node_cost_per_hour: f64,
+}
+
+/// Everything a run depends on.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The pools and labels, as the launcher reads them.
+    pub config: Config,
+    pub provider: Provider,
+    /// Nodepool's cleanup interval (only for [`Policy::Nodepool`]).
+    pub cleanup_interval_ms: u64,
+    pub seed: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("job {job} asks for label {label:?}, which no pool of the configuration serves")]
+    UnknownLabel { job: usize, label: String },
+    #[error("the decisions did something the simulator does not model: {0}")]
+    Unmodelled(String),
+}
+
+/// Runs `jobs` under `policy`.
+pub fn run(jobs: &[Job], setup: &Setup, policy: Policy) -> Result<Report, SimError> {
+    for (job, j) in jobs.iter().enumerate() {
+        if let Some(label) = j.labels.iter().find(|l| setup.config.sites(l).is_empty()) {
+            return Err(SimError::UnknownLabel {
+                job,
+                label: label.clone(),
+            });
+        }
+    }
+    match policy {
+        Policy::Slotpool => slotpool::run(jobs, setup),
+        Policy::Nodepool => nodepool::run(jobs, setup),
+    }
+}
+
+/// A boot time drawn from the provider's distribution, in milliseconds.
+fn boot_ms(provider: &Provider, rng: &mut rng::Rng) -> u64 {
+    let jitter = provider.boot_jitter_secs * (2.0 * rng.unit() - 1.0);
+    ((provider.boot_secs + jitter).max(0.0) * 1000.0).round() as u64
+}
+
+/// Timed events, earliest first; events at the same time in the order they were added,
+/// so that a run is the same for the same seed.
+pub(crate) struct Events<E> {
+    heap: BinaryHeap<Reverse<(u64, u64, Slot<E>)>>,
+    seq: u64,
+}
+
+/// An event, ordered only by the time and sequence around it.
+struct Slot<E>(E);
+
+impl<E> PartialEq for Slot<E> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl<E> Eq for Slot<E> {}
+impl<E> PartialOrd for Slot<E> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl<E> Ord for Slot<E> {
+    fn cmp(&self, _: &Self) -> std::cmp::Ordering {
+        std::cmp::Ordering::Equal
+    }
+}
+
+impl<E> Events<E> {
+    pub(crate) fn new() -> Self {
+        Events {
+            heap: BinaryHeap::new(),
+            seq: 0,
+        }
+    }
+
+    pub(crate) fn at(&mut self, at: u64, event: E) {
+        self.seq += 1;
+        self.heap.push(Reverse((at, self.seq, Slot(event))));
+    }
+
+    pub(crate) fn pop(&mut self) -> Option<(u64, E)> {
+        self.heap.pop().map(|Reverse((at, _, Slot(e)))| (at, e))
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
+}
+
+/// The configuration `slotpool simulate` builds when given none: one pool of a simulated
+/// provider serving every label of the trace with the same backing node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Synthetic {
+    pub slots_per_node: u32,
+    pub grace_secs: u64,
+    pub max_servers: u32,
+}
+
+impl Synthetic {
+    /// The configuration file's text (the labels sorted).
+    pub fn yaml(&self, labels: &[String]) -> String {
+        let mut out = format!(
+            "providers:\n  - name: sim\n    driver: exec\n    exec:\n      create: [\"true\"]\n      delete: [\"true\"]\n      list: [\"true\"]\n    pools:\n      - name: main\n        max-servers: {}\n        boot-timeout: 3600\n        labels:\n",
+            self.max_servers
+        );
+        for label in labels {
+            out.push_str(&format!(
+                "          - name: {label}\n            backing-label: {label}-{}\n            max-parallel-jobs: {}\n            grace-time: {}\n",
+                self.slots_per_node, self.slots_per_node, self.grace_secs
+            ));
+        }
+        out
+    }
+
+    /// The configuration for the labels of `jobs`.
+    pub fn config(&self, jobs: &[Job]) -> Result<Config, crate::config::ConfigError> {
+        let mut labels: Vec<String> = jobs.iter().flat_map(|j| j.labels.clone()).collect();
+        labels.sort();
+        labels.dedup();
+        Config::parse(
+            std::path::Path::new("(simulated pool)"),
+            &self.yaml(&labels),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLOT_HOUR_SECS: f64 = 3600.0;
+
+    fn setup(slots_per_node: u32, jobs: &[Job], provider: Provider) -> Setup {
+        Setup {
+            config: Synthetic {
+                slots_per_node,
+                grace_secs: 60,
+                max_servers: 100,
+            }
+            .config(jobs)
+            .unwrap(),
+            provider,
+            cleanup_interval_ms: 60_000,
+            seed: 5,
+        }
+    }
+
+    fn fixed_boot() -> Provider {
+        Provider {
+            boot_secs: 60.0,
+            boot_jitter_secs: 0.0,
+            capacity_error_rate: 0.0,
+            node_cost_per_hour: 2.0,
+        }
+    }
+
+    fn job(arrival_secs: u64, duration_secs: u64) -> Job {
+        Job {
+            arrival_ms: arrival_secs * 1000,
+            labels: vec!["small".into()],
+            duration_ms: duration_secs * 1000,
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn one_job_waits_the_boot_and_pays_boot_job_and_grace() {
+        let jobs = [job(0, 600)];
+        let r = run(&jobs, &setup(8, &jobs, fixed_boot()), Policy::Slotpool).unwrap();
+        assert_eq!(r.wait_p50_secs, 60.0);
+        assert_eq!(r.wait_max_secs, 60.0);
+        assert_eq!(r.backing_nodes_launched, 1);
+        // 60 s boot + 600 s job + 60 s grace, eight slots.
+        assert!(
+            close(r.paid_slot_hours, 8.0 * 720.0 / SLOT_HOUR_SECS),
+            "{r:?}"
+        );
+        assert!(close(r.busy_slot_hours, 600.0 / SLOT_HOUR_SECS));
+        assert!(close(r.cost, 2.0 * 720.0 / SLOT_HOUR_SECS));
+        assert_eq!(r.unserved, 0);
+    }
+
+    #[test]
+    fn nodepool_releases_on_its_cleanup_pass_and_ours_at_the_grace_time() {
+        // Two-slot nodes. The first job runs 60..670; the node is empty from 670. The
+        // second comes at 700, inside the grace time, takes the same node, and runs to
+        // 800. Ours releases at 800 + 60 = 860; Nodepool's pass at 840 finds it empty
+        // for only 40 s and releases it at 900.
+        let jobs = [job(0, 610), job(700, 100)];
+        let s = setup(2, &jobs, fixed_boot());
+        let ours = run(&jobs, &s, Policy::Slotpool).unwrap();
+        let theirs = run(&jobs, &s, Policy::Nodepool).unwrap();
+        for r in [&ours, &theirs] {
+            assert_eq!(r.backing_nodes_launched, 1);
+            assert_eq!((r.wait_p50_secs, r.wait_max_secs), (0.0, 60.0));
+            assert!(close(r.busy_slot_hours, 710.0 / SLOT_HOUR_SECS));
+        }
+        assert!(
+            close(ours.paid_slot_hours, 2.0 * 860.0 / SLOT_HOUR_SECS),
+            "{ours:?}"
+        );
+        assert!(
+            close(theirs.paid_slot_hours, 2.0 * 900.0 / SLOT_HOUR_SECS),
+            "{theirs:?}"
+        );
+        assert!(close(ours.efficiency, 710.0 / 1720.0));
+        assert!(close(theirs.efficiency, 710.0 / 1800.0));
+    }
+
+    #[test]
+    fn ours_packs_the_fullest_node_so_the_other_empties() {
+        // Two two-slot nodes come up at 60 for three jobs that came at 0: the first two
+        // jobs fill the node at seat 0, the third takes seat 1. Both short jobs end at
+        // 160, emptying seat 0. The fourth job, at 200, goes to seat 1, the fullest node
+        // (not the first by seat), so seat 0 is released after its grace, at 220.
+        let jobs = [job(0, 100), job(0, 100), job(0, 1000), job(200, 600)];
+        let s = setup(2, &jobs, fixed_boot());
+        let ours = run(&jobs, &s, Policy::Slotpool).unwrap();
+        assert_eq!(ours.backing_nodes_launched, 2);
+        assert_eq!(ours.wait_max_secs, 60.0);
+        // Seat 0: 0..220. Seat 1 (jobs 3 and 4): empty at 1060, released at 1120.
+        assert!(
+            close(
+                ours.paid_slot_hours,
+                2.0 * (220.0 + 1120.0) / SLOT_HOUR_SECS
+            ),
+            "{ours:?}"
+        );
+    }
+
+    #[test]
+    fn a_seed_gives_the_same_report_and_another_seed_another() {
+        let day = trace::Diurnal {
+            peak_per_min: 2.0,
+            hours: 4.0,
+            median_job_secs: 600.0,
+            sigma: 0.8,
+            label: "small".into(),
+            seed: 9,
+        }
+        .generate();
+        let provider = Provider {
+            boot_jitter_secs: 30.0,
+            capacity_error_rate: 0.2,
+            ..fixed_boot()
+        };
+        let mut s = setup(8, &day, provider);
+        for policy in [Policy::Slotpool, Policy::Nodepool] {
+            let a = run(&day, &s, policy).unwrap();
+            assert_eq!(a, run(&day, &s, policy).unwrap());
+            assert_eq!(a.unserved, 0);
+            assert!(a.efficiency > 0.3 && a.efficiency < 1.0, "{}", a.efficiency);
+            s.seed += 1;
+            assert_ne!(a, run(&day, &s, policy).unwrap());
+            s.seed -= 1;
+        }
+    }
+
+    #[test]
+    fn a_grace_time_of_zero_serves_the_waiting_jobs_before_releasing() {
+        let jobs = [job(0, 100), job(30, 100)];
+        let mut s = setup(2, &jobs, fixed_boot());
+        s.config = Synthetic {
+            slots_per_node: 2,
+            grace_secs: 0,
+            max_servers: 100,
+        }
+        .config(&jobs)
+        .unwrap();
+        let r = run(&jobs, &s, Policy::Slotpool).unwrap();
+        assert_eq!((r.unserved, r.backing_nodes_launched), (0, 1), "{r:?}");
+        // Ready at 60, both jobs run 60..160, released at once.
+        assert!(
+            close(r.paid_slot_hours, 2.0 * 160.0 / SLOT_HOUR_SECS),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn a_node_set_gets_all_its_labels_at_once() {
+        let jobs = [Job {
+            arrival_ms: 0,
+            labels: vec!["big".into(), "small".into(), "small".into()],
+            duration_ms: 100_000,
+        }];
+        let r = run(&jobs, &setup(2, &jobs, fixed_boot()), Policy::Slotpool).unwrap();
+        assert_eq!(r.backing_nodes_launched, 2);
+        assert_eq!(r.wait_max_secs, 60.0);
+        assert!(close(r.busy_slot_hours, 3.0 * 100.0 / SLOT_HOUR_SECS));
+    }
+
+    #[test]
+    fn a_label_no_pool_serves_is_refused() {
+        let jobs = [job(0, 1)];
+        let s = setup(2, &jobs, fixed_boot());
+        let other = [Job {
+            labels: vec!["gpu".into()],
+            ..job(0, 1)
+        }];
+        let err = run(&other, &s, Policy::Slotpool).unwrap_err().to_string();
+        assert!(err.contains("label \"gpu\""), "{err}");
+    }
+}
