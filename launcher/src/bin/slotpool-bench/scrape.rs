@@ -136,3 +136,37 @@ impl Scraper {
         self.task.await.unwrap_or_default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_the_difference_over_the_allocations() {
+        let before = Varz {
+            in_msgs: 100,
+            out_msgs: 200,
+            in_bytes: 1_000,
+            out_bytes: 2_000,
+        };
+        let after = Varz {
+            in_msgs: 190,
+            out_msgs: 340,
+            in_bytes: 4_000,
+            out_bytes: 8_000,
+        };
+        let m = before.per_allocation(&after, 10);
+        assert_eq!(
+            (
+                m.allocations,
+                m.in_msgs,
+                m.out_msgs,
+                m.in_bytes,
+                m.out_bytes
+            ),
+            (10, 9.0, 14.0, 300.0, 600.0)
+        );
+        // A server restarted between the reads counts nothing rather than wrapping.
+        assert_eq!(after.per_allocation(&before, 10).in_msgs, 0.0);
+    }
+}
