@@ -124,10 +124,19 @@ fn ports_dir(dir: &Path) -> PathBuf {
 /// The client port the server with process id `pid` listens on, once it has written its
 /// ports file under `dir`.
 pub fn listening_port(dir: &Path, pid: u32) -> Option<u16> {
+    reported_url(dir, pid, "nats")?
+        .rsplit(':')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The first URL of `kind` (`nats`, `monitoring`) in the ports file of the server with
+/// process id `pid` under `dir`.
+fn reported_url(dir: &Path, pid: u32, kind: &str) -> Option<String> {
     let file = ports_dir(dir).join(format!("nats-server_{pid}.ports"));
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(file).ok()?).ok()?;
-    let url = json["nats"].as_array()?.first()?.as_str()?;
-    url.rsplit(':').next()?.parse().ok()
+    Some(json[kind].as_array()?.first()?.as_str()?.to_string())
 }
 
 /// Starts the server of [`server_command`] for an async caller and waits until it
@@ -137,7 +146,34 @@ pub async fn start_nats_server(
     dir: &Path,
     config: Option<&Path>,
 ) -> Result<(tokio::process::Child, String), LocalBusError> {
-    let mut cmd = tokio::process::Command::from(server_command(binary, dir, config, None)?);
+    start_server_with(binary, dir, config, &[]).await
+}
+
+/// [`start_nats_server`] with the HTTP monitoring endpoint (`/varz`, ...) on a free
+/// loopback port: returns the child, its `nats://` URL and the monitoring `http://` URL.
+pub async fn start_monitored_nats_server(
+    binary: &Path,
+    dir: &Path,
+    config: Option<&Path>,
+) -> Result<(tokio::process::Child, String, String), LocalBusError> {
+    let (child, url) = start_server_with(binary, dir, config, &["-m", "-1"]).await?;
+    // The server writes every listener's URL into its ports file at once.
+    let monitoring = child
+        .id()
+        .and_then(|pid| reported_url(dir, pid, "monitoring"))
+        .ok_or_else(|| LocalBusError::Timeout { log: log_path(dir) })?;
+    Ok((child, url, monitoring))
+}
+
+async fn start_server_with(
+    binary: &Path,
+    dir: &Path,
+    config: Option<&Path>,
+    more_args: &[&str],
+) -> Result<(tokio::process::Child, String), LocalBusError> {
+    let mut cmd = server_command(binary, dir, config, None)?;
+    cmd.args(more_args);
+    let mut cmd = tokio::process::Command::from(cmd);
     let mut child = cmd
         .kill_on_drop(true)
         .spawn()

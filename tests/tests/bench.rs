@@ -1,7 +1,8 @@
 //! `slotpool-bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
 //! rot. Its figures are not checked (timing assertions do not belong in CI); only that it
 //! completes and writes every figure, those of `--secure-compare` (the phases again on a
-//! bus with authentication and TLS) included.
+//! bus with authentication and TLS) included, the ratios to the floor, the messages per
+//! allocation from nats-server's `/varz`, two launchers on one bus and `--http` scraped.
 
 use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
 use std::process::Command;
@@ -36,14 +37,32 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "agent",
         "scale",
         "secure",
+        "launchers",
+        "observability",
+        "latencies",
+        "outliers",
         "targets",
     ] {
         assert!(!report[figure].is_null(), "{figure} missing from {report}");
     }
     let secure = &report["secure"];
-    for figures in [&report, secure] {
+    let observed = &report["observability"];
+    for figures in [&report, secure, observed] {
         assert!(figures["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
         assert!(figures["throughput"]["allocations"].as_u64().unwrap() > 0);
+        for load in [&figures["warm"], &figures["throughput"]] {
+            let messages = &load["messages"];
+            for count in ["in_msgs", "out_msgs", "in_bytes", "out_bytes"] {
+                let n = messages[count].as_f64().unwrap_or(0.0);
+                assert!(n > 0.0, "{count} {n}: {report}");
+            }
+        }
+        assert!(
+            figures["throughput"]["cpu_ms_per_allocation"]
+                .as_f64()
+                .unwrap()
+                > 0.0
+        );
         // The CPU meter found every process of the load, the local agents included.
         let cpu = figures["throughput"]["cpu"].as_array().unwrap();
         let roles: Vec<(&str, u64)> = cpu
@@ -66,9 +85,43 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
             "{report}"
         );
     }
-    for ratio in ["warm_p50", "warm_p99", "allocations_per_sec"] {
-        let r = secure["ratios"][ratio].as_f64().unwrap();
-        assert!(r.is_finite() && r > 0.0, "{ratio} {r}: {report}");
+    for ratios in [&secure["ratios"], &observed["ratios"]] {
+        for ratio in [
+            "warm_p50",
+            "warm_p99",
+            "allocations_per_sec",
+            "cpu_ms_per_allocation",
+        ] {
+            let r = ratios[ratio].as_f64().unwrap();
+            assert!(r.is_finite() && r > 0.0, "{ratio} {r}: {report}");
+        }
+    }
+    assert!(
+        observed["scrapes"]["scrapes"].as_u64().unwrap() > 0,
+        "{report}"
+    );
+    let launchers = &report["launchers"];
+    assert_eq!(launchers["launchers"], 2, "{report}");
+    assert_eq!(
+        launchers["throughput"]["cpu"][0]["processes"], 2,
+        "both launchers counted: {report}"
+    );
+    assert!(launchers["allocations_per_sec_ratio"].as_f64().unwrap() > 0.0);
+    let latencies = report["latencies"].as_array().unwrap();
+    assert!(latencies.len() >= 10, "{report}");
+    for latency in latencies {
+        let r = latency["p50_to_floor"].as_f64().unwrap();
+        assert!(r.is_finite() && r > 0.0, "{latency}");
+    }
+    let targets = report["targets"].as_array().unwrap();
+    for figure in [
+        "NATS messages per allocation",
+        "2 launchers / one, throughput",
+    ] {
+        assert!(
+            targets.iter().any(|t| t["figure"] == figure),
+            "no target {figure}: {report}"
+        );
     }
     assert_eq!(report["cold_and_release"]["early"], 0, "{report}");
 }

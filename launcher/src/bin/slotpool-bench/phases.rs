@@ -1,6 +1,7 @@
 //! The measurements, one function per figure of the report.
 
 use super::procs::{self, LauncherProcess, Usage};
+use super::scrape::Messages;
 use super::sim_agents::{self, SimSpec};
 use super::stats::{Samples, Summary};
 use anyhow::{bail, Context};
@@ -175,6 +176,10 @@ pub struct Warm {
     pub allocation: Summary,
     /// The release call's round trip (acknowledged once the node is marked releasing).
     pub release: Summary,
+    /// Allocations made, the unmeasured warm-up ones included.
+    pub cycles: usize,
+    /// NATS messages per allocation and release over all `cycles` (from `/varz`).
+    pub messages: Option<Messages>,
 }
 
 /// Sequential warm allocations, each node released before the next request.
@@ -198,6 +203,8 @@ pub async fn warm(
     Ok(Warm {
         allocation: alloc.summary(),
         release: rel.summary(),
+        cycles: n + n / 10,
+        messages: None,
     })
 }
 
@@ -211,6 +218,10 @@ pub struct Throughput {
     pub release: Summary,
     /// CPU time per allocation (and its release) of each process involved.
     pub cpu: Vec<procs::RoleCpu>,
+    /// The sum of `cpu`: every process's CPU time per allocation and release.
+    pub cpu_ms_per_allocation: f64,
+    /// NATS messages per allocation and release (from `/varz`).
+    pub messages: Option<Messages>,
     /// Share of the machine's CPU time the hypervisor took during the load (steal).
     pub stolen_percent: Option<f64>,
 }
@@ -257,11 +268,13 @@ pub async fn throughput(
         allocation: alloc.summary(),
         release: rel.summary(),
         cpu: Vec::new(),
+        cpu_ms_per_allocation: 0.0,
+        messages: None,
         stolen_percent: None,
     })
 }
 
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct ColdAndRelease {
     /// Submit until fulfilled, with a new backing node launched for it.
     pub cold_allocation: Summary,
@@ -271,7 +284,21 @@ pub struct ColdAndRelease {
     /// Releases that came before the grace-time ran out (must be 0).
     pub early: usize,
     pub distinct_backing_nodes: usize,
+    /// The slowest cold allocations, slowest first, to find in the logs.
+    pub slowest: Vec<ColdSample>,
 }
+
+/// One cold allocation: how long it took, which backing node served it, and when.
+#[derive(Clone, Debug, Serialize)]
+pub struct ColdSample {
+    pub ms: f64,
+    pub backing_id: String,
+    /// Submission time, ms since the Unix epoch.
+    pub submitted_at_ms: slotpool_protocol::time::UnixMillis,
+}
+
+/// How many of the slowest cold allocations the report names.
+const SLOWEST_NAMED: usize = 3;
 
 /// Cold allocations on a pool of one single-slot backing node with the given
 /// grace-time: allocate (launches a node), release, wait for the node to be released.
@@ -288,11 +315,19 @@ pub async fn cold_and_release(
     let (mut cold, mut late) = (Samples::default(), Samples::default());
     let mut early = 0;
     let mut backing_ids = std::collections::HashSet::new();
+    let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
-        let t0 = Instant::now();
+        let (t0, submitted_at_ms) = (Instant::now(), now_ms());
         let nodes = allocate(watcher, label).await?;
-        cold.push(t0.elapsed());
-        if let Some((backing, _)) = nodes.first().and_then(|n| n.slot()) {
+        let took = t0.elapsed();
+        cold.push(took);
+        let backing = nodes.first().and_then(|n| n.slot()).map(|(b, _)| b);
+        samples.push(ColdSample {
+            ms: took.as_secs_f64() * 1000.0,
+            backing_id: backing.as_ref().map(|b| b.to_string()).unwrap_or_default(),
+            submitted_at_ms,
+        });
+        if let Some(backing) = backing {
             backing_ids.insert(backing);
         }
         // The slot is freed after the release call has begun (the wipe may follow its
@@ -327,6 +362,11 @@ pub async fn cold_and_release(
         release_late: late.summary(),
         early,
         distinct_backing_nodes: backing_ids.len(),
+        slowest: {
+            samples.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+            samples.truncate(SLOWEST_NAMED);
+            samples
+        },
     })
 }
 
