@@ -188,6 +188,15 @@ pub trait SlotIsolation: Send + Sync + 'static {
     fn stop_all(&self) -> Result<(), IsolationError> {
         Ok(())
     }
+
+    /// Removes slots `0..slots` entirely, as [`SlotIsolation::destroy`] does, and what
+    /// the slots shared (agent shutdown with `--remove-slots-on-stop`): the problems met,
+    /// every slot tried.
+    fn remove_all(&self, slots: u32) -> Vec<IsolationError> {
+        (0..slots)
+            .filter_map(|slot| self.destroy(slot).err())
+            .collect()
+    }
 }
 
 /// Isolation by directory only: each slot gets `<work-dir>/slots/<slot>/`, mode 0700,

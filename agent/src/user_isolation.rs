@@ -733,6 +733,30 @@ impl SlotIsolation for UserIsolation {
         moved
     }
 
+    fn remove_all(&self, slots: u32) -> Vec<IsolationError> {
+        let problems: Vec<IsolationError> = (0..slots)
+            .filter_map(|slot| self.destroy(slot).err())
+            .collect();
+        // The parent groups too, when no other agent's slots are in them.
+        if problems.is_empty() {
+            for parent in self
+                .cgroups
+                .paths(&self.user(0))
+                .iter()
+                .filter_map(|p| p.parent())
+            {
+                match fs::remove_dir(parent) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::debug!(parent = %parent.display(), %e, "cgroup parent stays")
+                    }
+                }
+            }
+        }
+        problems
+    }
+
     fn stop_all(&self) -> Result<(), IsolationError> {
         let all: Vec<SlotUser> = self.users().values().cloned().collect();
         let mut first_error = None;

@@ -435,6 +435,55 @@ async fn a_slot_gets_a_new_uid_for_every_tenancy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_asked_to_remove_its_slots_on_stop_leaves_no_user_or_cgroup() {
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 3, &["--remove-slots-on-stop".into()]).await;
+    for slot in 0..3 {
+        wait_for("every slot to be warm", LONG, || async { agent.warm(slot) }).await;
+    }
+    // One slot prepared, the others warm: the stop removes both kinds.
+    let (user, _) = login_of(&agent.prepare(1, "node-a", None).await.unwrap());
+    assert!(env.users().contains(&user));
+    let groups: Vec<PathBuf> = (0..3)
+        .flat_map(|slot| {
+            env.cgroups()
+                .paths(&format!("{}s{slot}", namespace(&env, &user)))
+        })
+        .collect();
+    assert!(
+        groups.iter().all(|g| g.is_dir()),
+        "every slot has its cgroup"
+    );
+
+    agent.stop().await;
+
+    assert_eq!(
+        env.users(),
+        Vec::<String>::new(),
+        "slot users left in /etc/passwd"
+    );
+    let left: Vec<&PathBuf> = groups.iter().filter(|g| g.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    let parents: Vec<PathBuf> = env
+        .parent_dirs()
+        .into_iter()
+        .filter(|p| p.exists())
+        .collect();
+    assert!(parents.is_empty(), "cgroup parents left: {parents:?}");
+    assert!(
+        !agent.work_dir().join("state/1.json").exists(),
+        "state left"
+    );
+}
+
+/// The user-name namespace of a slot user (its name without `s<slot>`).
+fn namespace(env: &IsolationEnv, user: &str) -> String {
+    let (ns, _) = users::split_user_name(user).expect("a slot user name");
+    assert!(ns.starts_with(&env.user_prefix));
+    ns.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_a_job_leaves_in_shared_directories_survives_release() {
     let env = IsolationEnv::new();
     let (sshd, key, agent) = login_env(&env, 1).await;
