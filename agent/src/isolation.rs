@@ -155,6 +155,12 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// keeps the empty workspace directory). Succeeds when there was nothing to remove.
     fn destroy(&self, slot: u32) -> Result<(), IsolationError>;
 
+    /// What a release does to the slot: as [`SlotIsolation::destroy`], but it may keep
+    /// what the next warm-up makes again (users mode: the user, renumbered then).
+    fn release(&self, slot: u32) -> Result<(), IsolationError> {
+        self.destroy(slot)
+    }
+
     /// The slots left prepared or warm by a previous run of the agent.
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError>;
 
