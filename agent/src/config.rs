@@ -141,6 +141,11 @@ pub struct Args {
     /// before they are killed; the release goes on as soon as they have. 0: kill at once.
     #[arg(long, value_name = "MS", default_value_t = 2000)]
     pub slot_term_grace_ms: u64,
+    /// On stop, remove every slot (its user, cgroup, workspace and state) instead of
+    /// keeping the slots for the next start, leaving the host as it was before the agent
+    /// started. For benchmarks, demos and tests; a production agent keeps its slots.
+    #[arg(long)]
+    pub remove_slots_on_stop: bool,
     /// Directory of the placement sockets `enter-slot` connects to.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_RUN_DIR)]
     pub run_dir: PathBuf,
@@ -218,6 +223,8 @@ pub struct AgentConfig {
     pub cgroup_parent: String,
     /// How long a slot's processes get to exit on SIGTERM at release.
     pub slot_term_grace: Duration,
+    /// Remove every slot when stopping (`--remove-slots-on-stop`).
+    pub remove_slots_on_stop: bool,
     /// Where slot users' uids come from.
     pub slot_uids: UidRange,
     /// The bus ports slot users are kept from (users mode with --bus-guard on).
@@ -430,6 +437,7 @@ impl Args {
             isolation,
             cgroup_parent: self.cgroup_parent,
             slot_term_grace: Duration::from_millis(self.slot_term_grace_ms),
+            remove_slots_on_stop: self.remove_slots_on_stop,
             slot_uids,
             bus_guard_ports,
             slot_netns,

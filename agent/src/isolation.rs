@@ -155,6 +155,12 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// keeps the empty workspace directory). Succeeds when there was nothing to remove.
     fn destroy(&self, slot: u32) -> Result<(), IsolationError>;
 
+    /// What a release does to the slot: as [`SlotIsolation::destroy`], but it may keep
+    /// what the next warm-up makes again (users mode: the user, renumbered then).
+    fn release(&self, slot: u32) -> Result<(), IsolationError> {
+        self.destroy(slot)
+    }
+
     /// The slots left prepared or warm by a previous run of the agent.
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError>;
 
@@ -187,6 +193,15 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// Kills every process of every slot (agent shutdown); workspaces stay.
     fn stop_all(&self) -> Result<(), IsolationError> {
         Ok(())
+    }
+
+    /// Removes slots `0..slots` entirely, as [`SlotIsolation::destroy`] does, and what
+    /// the slots shared (agent shutdown with `--remove-slots-on-stop`): the problems met,
+    /// every slot tried.
+    fn remove_all(&self, slots: u32) -> Vec<IsolationError> {
+        (0..slots)
+            .filter_map(|slot| self.destroy(slot).err())
+            .collect()
     }
 }
 

@@ -430,6 +430,19 @@ pub async fn run_with(
             Ok(Err(err)) => tracing::error!(%err, "cannot stop every slot process"),
             Err(err) => tracing::error!(%err, "stopping slot processes failed"),
         }
+        if config.remove_slots_on_stop {
+            let iso = isolation.clone();
+            let count = config.slots;
+            match tokio::task::spawn_blocking(move || iso.remove_all(count)).await {
+                Ok(problems) if problems.is_empty() => tracing::info!("slots removed"),
+                Ok(problems) => {
+                    for err in problems {
+                        tracing::error!(%err, "cannot remove a slot");
+                    }
+                }
+                Err(err) => tracing::error!(%err, "removing the slots failed"),
+            }
+        }
         if let Some(guard) = guard {
             let table = guard.table().to_string();
             match tokio::task::spawn_blocking(move || guard.remove()).await {

@@ -560,7 +560,7 @@ impl Slots {
             ReleasePlan::Destroy => {}
         }
         let isolation = self.isolation.clone();
-        let result = blocking(slot, "release", move || isolation.destroy(slot)).await;
+        let result = blocking(slot, "release", move || isolation.release(slot)).await;
         self.table().mark_released(slot);
         if let Err(err) = result {
             tracing::error!(slot, %err, "slot could not be cleaned: marking it dirty");

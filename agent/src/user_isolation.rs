@@ -12,11 +12,12 @@
 //! ```
 //!
 //! **Warm-up** ([`SlotIsolation::warm`], on a slot a release just verified clean, or one
-//! wiped first) creates the user (`useradd`, name from [`crate::users::user_name`]), the
-//! empty workspace and the cgroup (no limits), and writes the state file without a node.
-//! Nobody can use a warm slot: the user has no password and no key, so no login is
-//! possible, and no process of it can exist (release killed them all and deleted the
-//! user before it was made again).
+//! wiped first) gives the user the release kept the next uid of the range
+//! ([`crate::users::renumber`]) or creates it (`useradd`, name from
+//! [`crate::users::user_name`]), makes the empty workspace and the cgroup (no limits),
+//! and writes the state file without a node. Nobody can use a warm slot: the user has no
+//! password and no key, so no login is possible, and no process of it can exist (release
+//! killed them all before the user got its new uid).
 //!
 //! **Prepare** of a warm slot checks the user is still the one warmed (same uid), writes
 //! the key, applies the label's limits to the existing cgroup and writes the state file
@@ -39,9 +40,11 @@
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
 //! cgroup, the workspace (with the key; see [`crate::wipe`]), what the uid owns in the
 //! host's shared directories ([`crate::shared_dirs`]), its System V IPC objects, the
-//! user's crontab, at jobs and mail, and the user, and **verifies** the slot is clean (no
-//! process, IPC object or shared-directory entry of the uid, no cgroup, no workspace, no
-//! crontab, no user) before reporting success. Any removal that failed is an error too:
+//! user's crontab, at jobs and mail, and **verifies** the slot is clean (no process, IPC
+//! object or shared-directory entry of the uid, no cgroup, no workspace, no crontab)
+//! before reporting success. It keeps the user for the warm-up to renumber; a slot that
+//! is not clean loses its user, and so does a slot removed for good
+//! ([`SlotIsolation::destroy`]). Any removal that failed is an error too:
 //! the slot becomes dirty with the reasons.
 //!
 //! **Disk quota.** A slot with a disk limit (its label's, or the agent's default) has a
@@ -121,6 +124,15 @@ struct SlotUser {
     disk_bytes: Option<u64>,
 }
 
+/// Whether cleaning a slot keeps its user.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeepUser {
+    /// The user is deleted (a cold slot made anew, slots removed on stop).
+    No,
+    /// Kept for the slot's next tenancy when the slot is verified clean (release).
+    IfClean,
+}
+
 /// One user and one cgroup per slot.
 pub struct UserIsolation {
     slots_dir: PathBuf,
@@ -130,6 +142,8 @@ pub struct UserIsolation {
     cgroups: Box<dyn CgroupDriver>,
     uids: UidAllocator,
     proc_root: PathBuf,
+    /// Where the password database is (`/etc`).
+    etc: PathBuf,
     /// World-writable directories and spools, cleaned of the uid's entries at release
     /// (see [`crate::shared_dirs`]).
     shared_dirs: Vec<PathBuf>,
@@ -178,6 +192,7 @@ impl UserIsolation {
             cgroups,
             uids,
             proc_root: PathBuf::from("/proc"),
+            etc: PathBuf::from("/etc"),
             shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
@@ -307,6 +322,39 @@ impl UserIsolation {
         }
     }
 
+    /// The slot's user with a uid no tenant of this slot had: the user a release kept,
+    /// given the next uid of the range ([`users::renumber`]), or a new one when there is
+    /// none or it cannot be renumbered.
+    fn fresh_user(&self, user: &str, dir: &Path, slot: u32) -> Result<UserInfo, IsolationError> {
+        if let Some(kept) = users::lookup(user) {
+            let uid = self
+                .uids
+                .allocate(|uid| users::name_of(uid).is_some())
+                .map_err(|e| {
+                    IsolationError::new("allocating a uid for", Path::new(user))(
+                        std::io::Error::other(e),
+                    )
+                })?;
+            match users::renumber(&self.etc, user, uid) {
+                Ok(()) => match users::lookup(user) {
+                    Some(info) if info.uid == uid && info.home == dir => return Ok(info),
+                    found => tracing::warn!(
+                        user,
+                        uid,
+                        ?found,
+                        "renumbered user reads back otherwise; making it anew"
+                    ),
+                },
+                Err(err) => {
+                    tracing::warn!(user, uid, old_uid = kept.uid, %err, "cannot renumber the slot user; making it anew")
+                }
+            }
+            users::remove(user)?;
+        }
+        let comment = format!("slotpool slot {slot} of {}", self.backing_id);
+        self.add_user(user, dir, &comment)
+    }
+
     /// Empty workspace owned by the user, 0700: a file system of `disk_bytes` of its
     /// own, or a plain directory.
     fn make_workspace(
@@ -385,8 +433,75 @@ impl UserIsolation {
         Ok(())
     }
 
-    /// What is left of a slot after cleaning, or `None` when it is clean.
-    fn leftovers(&self, slot: u32, uid: Option<u32>) -> Option<String> {
+    /// Kills the slot's processes and removes everything of its use, then checks it is
+    /// gone; the user too, unless `keep` says to keep it for the next tenancy (which
+    /// gives it a new uid, see [`UserIsolation::fresh_user`]).
+    fn clean(&self, slot: u32, keep: KeepUser) -> Result<(), IsolationError> {
+        let user = self.user(slot);
+        let info = users::lookup(&user);
+        self.terminate(&user);
+        self.cgroups.kill_all(&user)?;
+        if let Some(info) = &info {
+            users::kill_uid(&self.proc_root, info.uid, info.gid)?;
+        }
+        // From here on no process of the slot exists: nothing can be re-created.
+        self.users().remove(&slot);
+        self.cgroups.remove(&user)?;
+        let ws = self.workspace(slot);
+        // Whatever cannot be removed is a reason for the slot to be dirty; the user is
+        // deleted then, so nobody logs in to what is left.
+        let mut problems: Vec<String> = self.remove_image(slot, &ws);
+        let mut budget = Budget::for_release();
+        // A workspace image still mounted is not wiped through (the mount stays a reason).
+        if !self.image_mounted(&ws) {
+            if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
+                problems.push(err.to_string());
+            }
+        }
+        if let Some(net) = &self.network {
+            problems.extend(net.remove(slot));
+        }
+        if let Some(info) = &info {
+            for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
+                problems.push(err.to_string());
+            }
+            problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
+        }
+        for file in self.per_user_files(&user) {
+            if let Err(e) = fs::remove_file(&file) {
+                problems.push(format!("removing {}: {e}", file.display()));
+            }
+        }
+        // A kept user has neither key nor password (the workspace is gone) and no
+        // process: nobody can log in until a prepare after the warm-up. A slot that is
+        // not clean loses its user, so nobody logs in to what is left.
+        let user_kept = keep == KeepUser::IfClean && problems.is_empty();
+        if !user_kept {
+            users::remove(&user)?;
+        }
+        if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid), user_kept) {
+            problems.push(format!("still present: {left}"));
+            if user_kept {
+                users::remove(&user)?;
+            }
+        }
+        if !problems.is_empty() {
+            return Err(IsolationError::new("verifying slot is clean", &ws)(
+                std::io::Error::other(problems.join("; ")),
+            ));
+        }
+        let state = self.state_file(slot);
+        match fs::remove_file(&state) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(IsolationError::new("removing", &state)(e)),
+        }
+        Ok(())
+    }
+
+    /// What is left of a slot after cleaning (but its user when `user_kept`), or `None`
+    /// when it is clean.
+    fn leftovers(&self, slot: u32, uid: Option<u32>, user_kept: bool) -> Option<String> {
         let user = self.user(slot);
         let mut left = Vec::new();
         if let Some(uid) = uid {
@@ -421,7 +536,7 @@ impl UserIsolation {
         if let Some(net) = &self.network {
             left.extend(net.leftovers(slot));
         }
-        if users::lookup(&user).is_some() {
+        if !user_kept && users::lookup(&user).is_some() {
             left.push(format!("user {user}"));
         }
         (!left.is_empty()).then(|| left.join(", "))
@@ -447,8 +562,7 @@ impl SlotIsolation for UserIsolation {
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {
         let user = self.user(slot);
         let dir = self.workspace(slot);
-        let comment = format!("slotpool slot {slot} of {}", self.backing_id);
-        let info = self.add_user(&user, &dir, &comment)?;
+        let info = self.fresh_user(&user, &dir, slot)?;
         let disk_bytes = self.warm_disk_bytes;
         self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         self.cgroups.create(&user, &SlotLimits::default())?;
@@ -534,57 +648,11 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
-        let user = self.user(slot);
-        let info = users::lookup(&user);
-        self.terminate(&user);
-        self.cgroups.kill_all(&user)?;
-        if let Some(info) = &info {
-            users::kill_uid(&self.proc_root, info.uid, info.gid)?;
-        }
-        // From here on no process of the slot exists: nothing can be re-created.
-        self.users().remove(&slot);
-        self.cgroups.remove(&user)?;
-        let ws = self.workspace(slot);
-        // Whatever cannot be removed is a reason for the slot to be dirty; the user is
-        // deleted anyway, so nobody logs in to what is left.
-        let mut problems: Vec<String> = self.remove_image(slot, &ws);
-        let mut budget = Budget::for_release();
-        // A workspace image still mounted is not wiped through (the mount stays a reason).
-        if !self.image_mounted(&ws) {
-            if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
-                problems.push(err.to_string());
-            }
-        }
-        if let Some(net) = &self.network {
-            problems.extend(net.remove(slot));
-        }
-        if let Some(info) = &info {
-            for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
-                problems.push(err.to_string());
-            }
-            problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
-        }
-        for file in self.per_user_files(&user) {
-            if let Err(e) = fs::remove_file(&file) {
-                problems.push(format!("removing {}: {e}", file.display()));
-            }
-        }
-        users::remove(&user)?;
-        if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid)) {
-            problems.push(format!("still present: {left}"));
-        }
-        if !problems.is_empty() {
-            return Err(IsolationError::new("verifying slot is clean", &ws)(
-                std::io::Error::other(problems.join("; ")),
-            ));
-        }
-        let state = self.state_file(slot);
-        match fs::remove_file(&state) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(IsolationError::new("removing", &state)(e)),
-        }
-        Ok(())
+        self.clean(slot, KeepUser::No)
+    }
+
+    fn release(&self, slot: u32) -> Result<(), IsolationError> {
+        self.clean(slot, KeepUser::IfClean)
     }
 
     fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
@@ -731,6 +799,30 @@ impl SlotIsolation for UserIsolation {
             }
         }
         moved
+    }
+
+    fn remove_all(&self, slots: u32) -> Vec<IsolationError> {
+        let problems: Vec<IsolationError> = (0..slots)
+            .filter_map(|slot| self.destroy(slot).err())
+            .collect();
+        // The parent groups too, when no other agent's slots are in them.
+        if problems.is_empty() {
+            for parent in self
+                .cgroups
+                .paths(&self.user(0))
+                .iter()
+                .filter_map(|p| p.parent())
+            {
+                match fs::remove_dir(parent) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::debug!(parent = %parent.display(), %e, "cgroup parent stays")
+                    }
+                }
+            }
+        }
+        problems
     }
 
     fn stop_all(&self) -> Result<(), IsolationError> {

@@ -8,9 +8,11 @@
 //! that only knows its user name finds its agent's namespace by cutting `s<slot>` off.
 //!
 //! Users are created with `useradd` and deleted with `userdel` (shadow-utils keeps
-//! `/etc/passwd`, `/etc/group` and `/etc/shadow` consistent and locked; writing them by
-//! hand would race other tools). Calls are serialised in the process and retried while
-//! another process holds the password file lock.
+//! `/etc/passwd`, `/etc/group` and `/etc/shadow` consistent and locked). Calls are
+//! serialised in the process and retried while another process holds the password file
+//! lock. A slot's user is kept from one tenancy to the next and only given a new uid and
+//! gid ([`renumber`]): two lines rewritten under the same locks shadow-utils takes, so no
+//! tool writing the files meanwhile is raced.
 //!
 //! Processes are found by scanning `<proc>/<pid>/status` for any of the real, effective,
 //! saved or file-system uid; [`kill_uid`] kills them with `kill(-1, SIGKILL)` run *as the
@@ -243,6 +245,211 @@ pub fn remove(name: &str) -> Result<(), IsolationError> {
     run_passwd_tool("userdel", &[name], &[6])
 }
 
+/// Longest wait for the password database locks when renumbering a user.
+const PASSWD_LOCK_WAIT: Duration = Duration::from_secs(15);
+/// Pause between tries of a password database lock someone else holds.
+const PASSWD_LOCK_RETRY: Duration = Duration::from_millis(2);
+
+/// The locks shadow-utils takes before it writes `passwd` and `group`: a record lock on
+/// `<etc>/.pwd.lock` (glibc's `lckpwdf`) and a `<file>.lock` link per file naming the
+/// holder's pid. Released on drop.
+struct PasswdLock {
+    _pwd_lock: std::fs::File,
+    links: Vec<PathBuf>,
+}
+
+impl Drop for PasswdLock {
+    fn drop(&mut self) {
+        for link in &self.links {
+            let _ = std::fs::remove_file(link);
+        }
+    }
+}
+
+/// Takes the password database locks for `files` of `etc`, waiting at most
+/// [`PASSWD_LOCK_WAIT`] for other holders (useradd, another agent).
+fn lock_passwd(etc: &Path, files: &[&str]) -> std::io::Result<PasswdLock> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let deadline = Instant::now() + PASSWD_LOCK_WAIT;
+    let busy = |what: &Path| {
+        std::io::Error::new(
+            std::io::ErrorKind::WouldBlock,
+            format!("{} is held by another process", what.display()),
+        )
+    };
+    let pwd_lock_path = etc.join(".pwd.lock");
+    let pwd_lock = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&pwd_lock_path)?;
+    loop {
+        // SAFETY: flock is plain data, for which all zeroes is a valid value.
+        let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+        lock.l_type = libc::F_WRLCK as _;
+        lock.l_whence = libc::SEEK_SET as _;
+        // SAFETY: the descriptor is open and `lock` valid for the call. An open file
+        // description lock conflicts with lckpwdf's process lock as any fcntl lock does.
+        let rc = unsafe { libc::fcntl(pwd_lock.as_raw_fd(), libc::F_OFD_SETLK, &lock) };
+        if rc == 0 {
+            break;
+        }
+        let err = std::io::Error::last_os_error();
+        if !matches!(err.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+            return Err(err);
+        }
+        if Instant::now() >= deadline {
+            return Err(busy(&pwd_lock_path));
+        }
+        std::thread::sleep(PASSWD_LOCK_RETRY);
+    }
+    let mut held = PasswdLock {
+        _pwd_lock: pwd_lock,
+        links: Vec::new(),
+    };
+    let pid = std::process::id();
+    for file in files {
+        let link = etc.join(format!("{file}.lock"));
+        let mine = etc.join(format!("{file}.{pid}"));
+        std::fs::write(&mine, pid.to_string())?;
+        let linked = loop {
+            match std::fs::hard_link(&mine, &link) {
+                Ok(()) => break Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    // A lock whose holder is gone is stale, as shadow-utils judges it.
+                    let holder = std::fs::read_to_string(&link)
+                        .ok()
+                        .and_then(|t| t.trim().parse::<i32>().ok());
+                    let gone = holder.is_some_and(|p| {
+                        p > 0
+                            // SAFETY: signal 0 only checks whether the pid exists.
+                            && unsafe { libc::kill(p, 0) } == -1
+                            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                    });
+                    if gone {
+                        let _ = std::fs::remove_file(&link);
+                    } else if Instant::now() >= deadline {
+                        break Err(busy(&link));
+                    } else {
+                        std::thread::sleep(PASSWD_LOCK_RETRY);
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        let _ = std::fs::remove_file(&mine);
+        linked?;
+        held.links.push(link);
+    }
+    Ok(held)
+}
+
+/// Replaces `<etc>/<file>` by `text`, keeping its mode and owner: written to
+/// `<file>+`, synced, renamed over it.
+fn replace_db_file(etc: &Path, file: &str, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    let path = etc.join(file);
+    let meta = std::fs::metadata(&path)?;
+    let new = etc.join(format!("{file}+"));
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(meta.mode() & 0o7777)
+        .open(&new)?;
+    out.write_all(text.as_bytes())?;
+    std::os::unix::fs::fchown(&out, Some(meta.uid()), Some(meta.gid()))?;
+    out.set_permissions(std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+    out.sync_all()?;
+    drop(out);
+    std::fs::rename(&new, &path)
+}
+
+/// `text` with field `field` (0-based, `:`-separated) of the line of `name` set to
+/// `value`; `None` when no line has that name.
+fn with_field(text: &str, name: &str, field: usize, value: &str) -> Option<String> {
+    let mut found = false;
+    let mut out = String::with_capacity(text.len() + 8);
+    for line in text.split_inclusive('\n') {
+        let body = line.strip_suffix('\n').unwrap_or(line);
+        if !found && body.split(':').next() == Some(name) {
+            found = true;
+            let mut fields: Vec<&str> = body.split(':').collect();
+            if fields.len() <= field {
+                return None;
+            }
+            fields[field] = value;
+            out.push_str(&fields.join(":"));
+            out.push_str(&line[body.len()..]);
+        } else {
+            out.push_str(line);
+        }
+    }
+    found.then_some(out)
+}
+
+/// Whether some line of `text` other than `name`'s has `id` in field `field`.
+fn id_taken(text: &str, name: &str, field: usize, id: u32) -> bool {
+    let id = id.to_string();
+    text.lines().any(|l| {
+        let mut fields = l.split(':');
+        fields.next() != Some(name) && fields.nth(field - 1) == Some(id.as_str())
+    })
+}
+
+/// Gives the existing user `name` and its own group (of the same name) the uid and gid
+/// `id`, by rewriting their lines of `<etc>/passwd` and `<etc>/group` under the locks
+/// shadow-utils takes (see [`lock_passwd`]): a slot's next tenant gets a new uid without a
+/// `userdel` and `useradd` (each a process and four synced files). Nothing else about the
+/// user changes (`shadow` and `gshadow` are keyed by name). Fails with
+/// [`std::io::ErrorKind::AlreadyExists`] when a user has uid `id` or a group gid `id`, and
+/// [`std::io::ErrorKind::NotFound`] when the user or its group is missing; the caller then
+/// deletes and adds the user instead.
+pub fn renumber(etc: &Path, name: &str, id: u32) -> Result<(), IsolationError> {
+    let fail = |kind: std::io::ErrorKind, why: String| {
+        IsolationError::new("renumbering user", Path::new(name))(std::io::Error::new(kind, why))
+    };
+    if id < MIN_SLOT_UID {
+        return Err(fail(
+            std::io::ErrorKind::InvalidInput,
+            format!("uid {id} is below {MIN_SLOT_UID}"),
+        ));
+    }
+    let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
+    let _locked = lock_passwd(etc, &["passwd", "group"])
+        .map_err(IsolationError::new("locking the password database in", etc))?;
+    let read = |file: &str| {
+        std::fs::read_to_string(etc.join(file))
+            .map_err(IsolationError::new("reading", &etc.join(file)))
+    };
+    let (passwd, group) = (read("passwd")?, read("group")?);
+    if id_taken(&passwd, name, 2, id) || id_taken(&group, name, 2, id) {
+        return Err(fail(
+            std::io::ErrorKind::AlreadyExists,
+            format!("uid or gid {id} is taken"),
+        ));
+    }
+    let id_text = id.to_string();
+    let new_passwd =
+        with_field(&passwd, name, 2, &id_text).and_then(|t| with_field(&t, name, 3, &id_text));
+    let new_group = with_field(&group, name, 2, &id_text);
+    let (Some(new_passwd), Some(new_group)) = (new_passwd, new_group) else {
+        return Err(fail(
+            std::io::ErrorKind::NotFound,
+            "no such user and group".into(),
+        ));
+    };
+    // The group first: a crash between the two leaves the user with the old gid, which
+    // no group names (the next warm-up finds the uid changed and makes the slot anew).
+    replace_db_file(etc, "group", &new_group)
+        .map_err(IsolationError::new("writing", &etc.join("group")))?;
+    replace_db_file(etc, "passwd", &new_passwd)
+        .map_err(IsolationError::new("writing", &etc.join("passwd")))
+}
+
 /// Every user whose name starts with `prefix`, from `<etc>/passwd`.
 pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
     std::fs::read_to_string(etc.join("passwd"))
@@ -447,6 +654,53 @@ pub fn remove_ipc_of(proc_root: &Path, uid: u32) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn passwd_dir() -> tempfile::TempDir {
+        let etc = tempfile::tempdir().unwrap();
+        std::fs::write(
+            etc.path().join("passwd"),
+            "root:x:0:0:root:/root:/bin/bash\nsp1s0:x:2000001:1001:slotpool slot 0 of bn-a:/w/slots/0:/bin/bash\nother:x:2000009:1002::/home/other:/bin/sh\n",
+        )
+        .unwrap();
+        std::fs::write(
+            etc.path().join("group"),
+            "root:x:0:\nsp1s0:x:1001:\nother:x:1002:\n",
+        )
+        .unwrap();
+        etc
+    }
+
+    #[test]
+    fn renumber_rewrites_only_the_users_uid_and_gid() {
+        let etc = passwd_dir();
+        renumber(etc.path(), "sp1s0", 2000005).unwrap();
+        let passwd = std::fs::read_to_string(etc.path().join("passwd")).unwrap();
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/bash\nsp1s0:x:2000005:2000005:slotpool slot 0 of bn-a:/w/slots/0:/bin/bash\nother:x:2000009:1002::/home/other:/bin/sh\n"
+        );
+        let group = std::fs::read_to_string(etc.path().join("group")).unwrap();
+        assert_eq!(group, "root:x:0:\nsp1s0:x:2000005:\nother:x:1002:\n");
+        // The locks are given back, and no temporary file stays.
+        let mut left: Vec<String> = std::fs::read_dir(etc.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [".pwd.lock", "group", "passwd"]);
+    }
+
+    #[test]
+    fn renumber_refuses_an_id_in_use_and_a_missing_user() {
+        let etc = passwd_dir();
+        let taken = renumber(etc.path(), "sp1s0", 2000009).unwrap_err();
+        assert_eq!(taken.error.kind(), std::io::ErrorKind::AlreadyExists);
+        let missing = renumber(etc.path(), "nobody", 2000010).unwrap_err();
+        assert_eq!(missing.error.kind(), std::io::ErrorKind::NotFound);
+        assert!(std::fs::read_to_string(etc.path().join("passwd"))
+            .unwrap()
+            .contains("sp1s0:x:2000001:1001:"));
+    }
 
     #[test]
     fn ipc_tables_are_read_by_their_header() {

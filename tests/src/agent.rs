@@ -128,6 +128,17 @@ impl SlotAgent {
         self.wait_for_heartbeat().await;
     }
 
+    /// Stops the agent with SIGTERM and waits for it to exit; panics unless it exited
+    /// successfully.
+    pub async fn stop(&mut self) {
+        let status = self.child.terminate(Duration::from_secs(30)).await;
+        assert!(
+            status.success(),
+            "the agent stopped with {status}:\n{}",
+            self.log()
+        );
+    }
+
     /// The agent's work dir.
     pub fn work_dir(&self) -> PathBuf {
         self.dir.path().join("agent")

@@ -424,14 +424,68 @@ async fn a_slot_gets_a_new_uid_for_every_tenancy() {
         let (user, _) = login_of(&prepared);
         let uid = uid_of(&user).expect("the slot user exists");
         assert!(range.contains(&uid), "uid {uid} outside {range:?}");
+        if !uids.is_empty() {
+            // The user the release kept, given a new uid and gid in place (no userdel
+            // and useradd on the way from one tenant to the next).
+            let gid = users::lookup(&user).unwrap().gid;
+            assert_eq!(gid, uid, "the kept user is renumbered, uid and gid alike");
+        }
         uids.push(uid);
         agent.release(0, node).await.unwrap();
-        assert_eq!(uid_of(&user), None, "the user is deleted on release");
     }
     assert!(
         uids.windows(2).all(|w| w[0] < w[1]),
         "each tenancy has a new, higher uid: {uids:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_asked_to_remove_its_slots_on_stop_leaves_no_user_or_cgroup() {
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 3, &["--remove-slots-on-stop".into()]).await;
+    for slot in 0..3 {
+        wait_for("every slot to be warm", LONG, || async { agent.warm(slot) }).await;
+    }
+    // One slot prepared, the others warm: the stop removes both kinds.
+    let (user, _) = login_of(&agent.prepare(1, "node-a", None).await.unwrap());
+    assert!(env.users().contains(&user));
+    let groups: Vec<PathBuf> = (0..3)
+        .flat_map(|slot| {
+            env.cgroups()
+                .paths(&format!("{}s{slot}", namespace(&env, &user)))
+        })
+        .collect();
+    assert!(
+        groups.iter().all(|g| g.is_dir()),
+        "every slot has its cgroup"
+    );
+
+    agent.stop().await;
+
+    assert_eq!(
+        env.users(),
+        Vec::<String>::new(),
+        "slot users left in /etc/passwd"
+    );
+    let left: Vec<&PathBuf> = groups.iter().filter(|g| g.exists()).collect();
+    assert!(left.is_empty(), "cgroups left: {left:?}");
+    let parents: Vec<PathBuf> = env
+        .parent_dirs()
+        .into_iter()
+        .filter(|p| p.exists())
+        .collect();
+    assert!(parents.is_empty(), "cgroup parents left: {parents:?}");
+    assert!(
+        !agent.work_dir().join("state/1.json").exists(),
+        "state left"
+    );
+}
+
+/// The user-name namespace of a slot user (its name without `s<slot>`).
+fn namespace(env: &IsolationEnv, user: &str) -> String {
+    let (ns, _) = users::split_user_name(user).expect("a slot user name");
+    assert!(ns.starts_with(&env.user_prefix));
+    ns.to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -64,7 +64,7 @@ providers:
     driver: local
     local:
       work-dir: WORK_DIR
-      agent-args: [--isolation, none]
+      agent-args: [--isolation, none, --remove-slots-on-stop]
     pools:
       - name: main
         max-servers: 3

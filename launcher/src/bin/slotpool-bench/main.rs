@@ -806,7 +806,9 @@ fn launcher_config(
 ) -> String {
     // A JSON list is a YAML flow sequence, with every path quoted.
     let agent_args = serde_json::to_string(
-        &["--isolation", isolation]
+        // The agents remove their slots (users, cgroups) when stopped: the host is left
+        // as it was found.
+        &["--isolation", isolation, "--remove-slots-on-stop"]
             .into_iter()
             .chain(agent_args.iter().map(String::as_str))
             .collect::<Vec<_>>(),

@@ -401,7 +401,7 @@ pub async fn agent(
         .arg(&work_dir)
         .arg("--slots")
         .arg(slots.to_string())
-        .args(["--isolation", isolation])
+        .args(["--isolation", isolation, "--remove-slots-on-stop"])
         .env("SLOTPOOL_AGENT_SECRET", "bench-agent-secret")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
