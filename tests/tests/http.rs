@@ -261,7 +261,15 @@ async fn a_backing_node_released_after_its_grace_time_is_counted() {
         pool.backing().await.is_empty()
     })
     .await;
-    let s = scrape(addr).await;
+    // The deletion is counted, and the launcher's mirror sees the record gone, just
+    // after the record is deleted in KV: wait for the scrape that shows both.
+    let s = wait_for_some("the deletion to be counted and mirrored", WAIT, || async {
+        let s = scrape(addr).await;
+        (value(&s, "slotpool_backing_deletions_total", &[]) >= 1.0
+            && value(&s, "slotpool_backing_nodes", &[]) == 0.0)
+            .then_some(s)
+    })
+    .await;
     let deletions = |reason| {
         value(
             &s,
