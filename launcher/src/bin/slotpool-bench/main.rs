@@ -19,6 +19,7 @@
 mod phases;
 mod procs;
 mod sim_agents;
+mod soak;
 mod stats;
 
 use anyhow::Context;
@@ -95,6 +96,11 @@ pub struct BenchArgs {
     /// and report both and their ratios.
     #[arg(long)]
     pub secure_compare: bool,
+    /// After the cold phase, N allocations + releases at full speed (with --clients
+    /// clients) on the real request TTL and mirror, with the launcher's RSS every N/10
+    /// (default 0: no soak).
+    #[arg(long, value_name = "N")]
+    pub soak: Option<usize>,
 }
 
 /// The counts a run uses.
@@ -114,6 +120,7 @@ struct Settings {
     idle_secs: u64,
     isolation: String,
     secure_compare: bool,
+    soak: usize,
 }
 
 impl Settings {
@@ -136,6 +143,7 @@ impl Settings {
             idle_secs: pick(a.idle_secs.map(|s| s as usize), 20, 1) as u64,
             isolation: a.isolation.clone(),
             secure_compare: a.secure_compare,
+            soak: a.soak.unwrap_or(0),
         }
     }
 }
@@ -165,6 +173,8 @@ struct Report {
     /// The launcher process after the throughput load (RSS, CPU while idle).
     launcher_idle: procs::Usage,
     cold_and_release: phases::ColdAndRelease,
+    /// With `--soak N`.
+    soak: Option<soak::Soak>,
     agent: phases::Agent,
     scale: Option<phases::Scale>,
     /// With `--secure-compare`: the same phases with authentication and TLS on.
@@ -281,7 +291,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if !args.keep {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let (floor, plain, launcher_idle, cold_and_release, agent, scale, secure) = result?;
+    let (floor, plain, (launcher_idle, cold_and_release, soak), agent, scale, secure) = result?;
     let machine = Machine {
         cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
         cpu_model: cpu_model(),
@@ -305,6 +315,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
         throughput: plain.throughput,
         launcher_idle,
         cold_and_release,
+        soak,
         agent,
         scale,
         targets: Vec::new(),
@@ -322,8 +333,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
 type Figures = (
     phases::Floor,
     Allocations,
-    procs::Usage,
-    phases::ColdAndRelease,
+    (procs::Usage, phases::ColdAndRelease, Option<soak::Soak>),
     phases::Agent,
     Option<phases::Scale>,
     Option<Allocations>,
@@ -366,7 +376,7 @@ async fn run_all(
             agent_args: Vec::new(),
         };
         let client = Client::from_bus(bus.clone());
-        let (plain, (idle, cold)) = on_bus(
+        let (plain, after) = on_bus(
             s,
             &plain,
             client,
@@ -394,15 +404,28 @@ async fn run_all(
                 )
                 .await?;
                 launcher.check_alive()?;
-                anyhow::Ok((idle, cold))
+                let soak = if s.soak > 0 {
+                    step(format!(
+                        "soak: {} allocations + releases, {} clients",
+                        s.soak, s.clients
+                    ));
+                    let soak =
+                        soak::soak(client, watcher, WARM_LABEL, s.clients, s.soak, launcher.pid)
+                            .await?;
+                    launcher.check_alive()?;
+                    Some(soak)
+                } else {
+                    None
+                };
+                anyhow::Ok((idle, cold, soak))
             },
         )
         .await?;
-        anyhow::Ok((floor, plain, idle, cold, agent))
+        anyhow::Ok((floor, plain, after, agent))
     }
     .await;
     stop_child(&mut server).await;
-    let (floor, plain, idle, cold, agent) = result?;
+    let (floor, plain, after, agent) = result?;
 
     let secure = if s.secure_compare {
         step(format!("secure bus: {SECURE_BUS}"));
@@ -433,7 +456,7 @@ async fn run_all(
     } else {
         None
     };
-    Ok((floor, plain, idle, cold, agent, scale, secure))
+    Ok((floor, plain, after, agent, scale, secure))
 }
 
 /// The command-line options (`--creds`, `--tls-ca`, `--tls-cert`, `--tls-key`) that
@@ -780,6 +803,14 @@ fn targets(r: &Report) -> Vec<Target> {
             s.allocation.p99_ms <= 20.0,
         );
     }
+    if let Some(s) = &r.soak {
+        add(
+            "launcher RSS after the soak",
+            "<= 100 MB",
+            format!("{:.1} MB after {}", s.rss_end_mb(), s.allocations),
+            s.rss_end_mb() <= 100.0,
+        );
+    }
     let a = &r.agent.idle;
     add(
         "agent idle",
@@ -874,6 +905,9 @@ fn print_table(r: &Report) {
         "release after grace-time: {} early; {} distinct backing nodes launched",
         c.early, c.distinct_backing_nodes
     );
+    if let Some(s) = &r.soak {
+        soak::print(s);
+    }
     print_usage_and_targets(r);
 }
 
