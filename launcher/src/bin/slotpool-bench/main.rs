@@ -288,7 +288,16 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if settings.secure_compare {
         remove_local_agents(&agent_binary, &dir.join(SECURE_DIR)).await;
     }
-    if !args.keep {
+    // A cold allocation this slow is kept to be explained: its logs stay.
+    let slowest_cold = result
+        .as_ref()
+        .map_or(0.0, |r| r.2 .1.cold_allocation.max_ms);
+    if slowest_cold > COLD_OUTLIER_MS {
+        eprintln!(
+            "slotpool-bench: a cold allocation took {slowest_cold:.0} ms; keeping {} (launcher and agent logs)",
+            dir.display()
+        );
+    } else if !args.keep {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let (floor, plain, (launcher_idle, cold_and_release, soak), agent, scale, secure) = result?;
@@ -339,6 +348,8 @@ type Figures = (
     Option<Allocations>,
 );
 
+/// A cold allocation slower than this keeps the working directory (its logs).
+const COLD_OUTLIER_MS: f64 = 1000.0;
 const WARM_LABEL: &str = "warm";
 const COLD_LABEL: &str = "cold";
 const SLOTS_PER_WARM_NODE: usize = 8;
