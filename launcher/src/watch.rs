@@ -126,19 +126,21 @@ pub async fn run(
                             }
                         }
                         Some(Ok((change, written_at))) => {
+                            let held = apply(&shared, mirror, &dirty, &change, written_at);
                             match &change {
-                                Change::Put { key, .. } => {
+                                // A key the mirror does not hold (a finished request)
+                                // cannot vanish from it: it is not kept here either.
+                                Change::Put { key, .. } if held => {
                                     present.insert(key.clone());
                                     if let Some(seen) = seen.as_mut() {
                                         seen.insert(key.clone());
                                     }
                                 }
-                                Change::Removed { key, .. } => {
+                                Change::Put { key, .. } | Change::Removed { key, .. } => {
                                     present.remove(key);
                                 }
                                 Change::Synced => {}
                             }
-                            apply(&shared, mirror, &dirty, &change, written_at);
                         }
                     }
                 }
@@ -333,19 +335,20 @@ impl Effects {
 }
 
 /// Applies one change to the mirror and signals whoever cares. `written_at`: the
-/// server's time of the write, kept for the sweep to judge ages by.
+/// server's time of the write, kept for the sweep to judge ages by. False when the
+/// mirror does not hold the key after it (a finished request leaves at once).
 fn apply(
     shared: &Shared,
     mirror: Mirror,
     dirty: &mpsc::UnboundedSender<Dirty>,
     change: &Change,
     written_at: Option<UnixMillis>,
-) {
+) -> bool {
     note_written(&mut shared.world(), mirror, change, written_at);
     let mut fx = Effects::default();
     if !echo(shared, mirror, change, &mut fx) {
         let Some(record) = read(mirror, mirror.store(shared).bucket(), change) else {
-            return;
+            return true;
         };
         store(&mut shared.world(), mirror, record, &mut fx);
         if mirror == Mirror::Backing && fx.unreadable.is_some() {
@@ -356,7 +359,14 @@ fn apply(
             }
         }
     }
+    let held = match (mirror, change) {
+        (Mirror::Requests, Change::Put { key, revision, .. }) => {
+            shared.world().request_delivered(key, *revision)
+        }
+        _ => true,
+    };
     fx.send(shared, dirty);
+    held
 }
 
 /// Keeps the server's time of the last write of every slot, request and heartbeat key.
@@ -400,7 +410,10 @@ fn echo(shared: &Shared, mirror: Mirror, change: &Change, fx: &mut Effects) -> b
     match mirror {
         Mirror::Requests => match world.requests.get(key.as_str()) {
             Some(r) if r.revision >= *revision => fx.request(&r.value, false),
-            _ => return false,
+            _ => match world.finished_at(key, *revision) {
+                Some(r) => fx.request(&r.value, false),
+                None => return false,
+            },
         },
         Mirror::Slots => match world.slots.get(key) {
             Some(n) if n.revision == *revision => fx.slot(&world, &n.value),

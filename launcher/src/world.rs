@@ -53,7 +53,16 @@ pub type QueuePosition = (i32, UnixMillis, RequestId);
 
 #[derive(Default)]
 pub struct World {
+    /// Requests that are open or hold nodes. A finished one
+    /// ([`NodeRequest::is_finished`]) leaves at once: its record stays in KV for its
+    /// TTL, for its client's status call, but a launcher has nothing left to do with
+    /// it, so the mirror does not grow with the requests served.
     pub requests: HashMap<RequestId, Versioned<NodeRequest>>,
+    /// Requests seen finished, until the watch brings that revision (or a later one):
+    /// an older revision the watch delivers meanwhile must not bring the request back,
+    /// and the echo of this launcher's own write still has its effects. Holds only
+    /// writes whose echo is in flight.
+    finished: HashMap<RequestId, Versioned<NodeRequest>>,
     /// Slot key → node.
     pub slots: HashMap<String, Versioned<Node>>,
     pub node_keys: HashMap<NodeId, String>,
@@ -77,8 +86,8 @@ pub struct World {
     pub tombstones: HashMap<String, u64>,
     /// Requests of this launcher waiting for a slot, by queue position → labels still needed.
     pub waiting: BTreeMap<QueuePosition, Vec<String>>,
-    /// Requests not yet fulfilled, failed or canceled: finished ones stay in `requests`
-    /// for an hour, and demand must not be counted by walking all of them.
+    /// Requests not yet fulfilled, failed or canceled: fulfilled ones holding their
+    /// nodes stay in `requests`, and demand must not be counted by walking all of them.
     pub open_requests: HashSet<RequestId>,
     /// Fulfilled requests holding their nodes until a deadline (a keep-alive or a
     /// label's max-hold-time): each needs a driver, its timer.
@@ -96,7 +105,7 @@ pub struct World {
     /// Slot key → the revision last seen and the server's time of its write: what
     /// the sweep judges a slot's age by, never a time inside the record.
     pub slot_written: HashMap<String, (u64, UnixMillis)>,
-    /// Request key → the same, for requests.
+    /// Request key → the same, for the requests in `requests`.
     pub request_written: HashMap<String, (u64, UnixMillis)>,
     /// Heartbeat key (a backing id) → the same, for agents' heartbeats: how old the last
     /// one is (`/metrics`).
@@ -145,10 +154,19 @@ impl World {
                 .unreadable_requests
                 .get(&r.value.id)
                 .is_some_and(|rev| *rev >= r.revision)
+            || self.finished_at(r.value.id.as_str(), r.revision).is_some()
         {
             return;
         }
         self.unreadable_requests.remove(&r.value.id);
+        if r.value.is_finished() {
+            let id = r.value.id.clone();
+            self.request_written.remove(&r.key);
+            self.forget_request(&id);
+            self.finished.insert(id, r);
+            return;
+        }
+        self.finished.remove(&r.value.id);
         if r.value.state == RequestState::Requested {
             self.open_requests.insert(r.value.id.clone());
         } else {
@@ -174,16 +192,50 @@ impl World {
                 self.unreadable_requests.remove(&id);
             }
             if self
+                .finished
+                .get(&id)
+                .is_some_and(|r| r.revision < revision)
+            {
+                self.finished.remove(&id);
+            }
+            if self
                 .requests
                 .get(&id)
                 .is_some_and(|old| old.revision < revision)
             {
-                self.requests.remove(&id);
-                self.open_requests.remove(&id);
-                self.held_requests.remove(&id);
-                self.requeue(&id);
+                self.forget_request(&id);
             }
         }
+    }
+
+    /// The watch has brought revision `revision` of request `key` (decoded or not):
+    /// a request that finished at that revision or an older one needs no tombstone any
+    /// more, since the watch will bring nothing older. Whether the mirror holds the
+    /// request (or its unreadable record) now.
+    pub fn request_delivered(&mut self, key: &str, revision: u64) -> bool {
+        if self
+            .finished
+            .get(key)
+            .is_some_and(|r| r.revision <= revision)
+        {
+            self.finished.remove(key);
+            self.request_written.remove(key);
+        }
+        self.requests.contains_key(key) || self.unreadable_requests.contains_key(key)
+    }
+
+    /// Takes request `id` out of the mirror and its queues.
+    fn forget_request(&mut self, id: &RequestId) {
+        self.requests.remove(id);
+        self.open_requests.remove(id);
+        self.held_requests.remove(id);
+        self.requeue(id);
+    }
+
+    /// Request `key` as it finished, if it did at `revision` or later and the watch
+    /// has not brought that revision yet (it left `requests` then).
+    pub fn finished_at(&self, key: &str, revision: u64) -> Option<&Versioned<NodeRequest>> {
+        self.finished.get(key).filter(|r| r.revision >= revision)
     }
 
     /// Notes that request `key` holds a record that cannot be read at `revision`: it
@@ -200,13 +252,12 @@ impl World {
                 .unreadable_requests
                 .get(&id)
                 .is_some_and(|rev| *rev >= revision)
+            || self.finished_at(key, revision).is_some()
         {
             return false;
         }
-        self.requests.remove(&id);
-        self.open_requests.remove(&id);
-        self.held_requests.remove(&id);
-        self.requeue(&id);
+        self.finished.remove(&id);
+        self.forget_request(&id);
         self.unreadable_requests.insert(id, revision);
         true
     }
@@ -1090,6 +1141,60 @@ mod tests {
             w.set_waiting(&me, vec![]).is_empty(),
             "nothing left to free"
         );
+    }
+
+    /// Revision `revision` of request `id` in `state` (nodes released when fulfilled).
+    fn versioned(id: &str, revision: u64, state: RequestState) -> Versioned<NodeRequest> {
+        let mut value = request(id, &["small"]);
+        value.state = state;
+        if state == RequestState::Fulfilled {
+            value.nodes_released_at = Some(1);
+        }
+        Versioned {
+            key: id.into(),
+            revision,
+            value,
+        }
+    }
+
+    #[test]
+    fn the_mirror_holds_no_finished_request() {
+        let mut w = World::default();
+        let finished = [
+            RequestState::Fulfilled,
+            RequestState::Failed,
+            RequestState::Canceled,
+            RequestState::Reclaimed,
+        ];
+        for i in 0..1000u64 {
+            let id = format!("req-{i}");
+            w.put_request(versioned(&id, 1, RequestState::Requested));
+            w.request_written.insert(id.clone(), (1, 5));
+            // Finished by this launcher: applied at once, its echo still to come.
+            w.put_request(versioned(&id, 2, finished[i as usize % 4]));
+            assert!(!w.requests.contains_key(id.as_str()), "{id} left at once");
+            // An older revision the watch delivers meanwhile does not bring it back.
+            w.put_request(versioned(&id, 1, RequestState::Requested));
+            assert!(!w.request_delivered(&id, 1));
+            assert!(w.finished_at(&id, 2).is_some(), "waiting for its echo");
+            // The echo ends the tombstone.
+            assert!(!w.request_delivered(&id, 2));
+        }
+        assert!(w.requests.is_empty());
+        assert!(w.open_requests.is_empty() && w.wanting.is_empty());
+        assert!(w.request_written.is_empty());
+        assert!(w.finished.is_empty());
+        // Finished by another launcher: the watch brings it, and nothing stays.
+        w.put_request(versioned("req-x", 1, RequestState::Requested));
+        w.put_request(versioned("req-x", 2, RequestState::Canceled));
+        assert!(!w.request_delivered("req-x", 2));
+        assert!(w.requests.is_empty() && w.finished.is_empty());
+        // A fulfilled request holding its nodes stays.
+        let mut held = versioned("req-h", 1, RequestState::Fulfilled);
+        held.value.nodes_released_at = None;
+        w.put_request(held);
+        assert!(w.request_delivered("req-h", 1));
+        assert!(w.requests.contains_key("req-h") && w.held_requests.is_empty());
     }
 
     #[test]

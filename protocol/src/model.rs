@@ -103,6 +103,17 @@ impl NodeRequest {
         self.state == RequestState::Fulfilled && self.nodes_released_at.is_none()
     }
 
+    /// Whether the request is over and holds nothing: failed, canceled, reclaimed, or
+    /// fulfilled and every node given back. Such a record is written with
+    /// [`crate::layout::FINISHED_REQUEST_TTL_SECS`]; nothing drives it any more.
+    pub fn is_finished(&self) -> bool {
+        match self.state {
+            RequestState::Requested => false,
+            RequestState::Fulfilled => self.nodes_released_at.is_some(),
+            RequestState::Failed | RequestState::Canceled | RequestState::Reclaimed => true,
+        }
+    }
+
     /// When the nodes of a request holding them are reclaimed (its keep-alive lapses, or
     /// its `hold_until` comes), if ever.
     pub fn hold_deadline(&self) -> Option<UnixMillis> {

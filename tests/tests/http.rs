@@ -201,7 +201,16 @@ async fn the_json_api_serves_the_records_kv_holds() {
 
     let kv_backing = pool.client.list_backing().await.expect("list backing");
     let kv_nodes = pool.nodes().await;
-    let kv_requests = pool.client.list_requests().await.expect("list requests");
+    // The mirror holds the requests that are open or hold nodes; finished ones stay in
+    // KV only.
+    let kv_requests: Vec<NodeRequest> = pool
+        .client
+        .list_requests()
+        .await
+        .expect("list requests")
+        .into_iter()
+        .filter(|r| !r.is_finished())
+        .collect();
     let kv_events = pool.client.list_events().await.expect("list events");
     assert!(!kv_backing.is_empty() && !kv_nodes.is_empty() && !kv_events.is_empty());
     // The mirror follows KV: wait until it has caught up with what was read.
@@ -231,6 +240,48 @@ async fn the_json_api_serves_the_records_kv_holds() {
     let other: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?label=large").await;
     assert!(other.is_empty(), "{other:?}");
     assert_eq!(get(addr, "/api/v1/requests?state=bogus", None).await.0, 400);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn finished_requests_leave_the_mirror_and_stay_readable_by_their_client() {
+    let (pool, addr) = pool_with_http(&[]).await;
+    const SERVED: usize = 1000;
+    let mut ids = Vec::with_capacity(SERVED);
+    for _ in 0..SERVED {
+        let id = pool.submit(&["small"]).await;
+        let r = pool.fulfilled(&id).await;
+        pool.client.release(r.nodes).await.expect("release");
+        ids.push(id);
+    }
+    // Each release ends with a write marking the request's nodes released, after which
+    // the launcher has nothing left to do with it.
+    wait_for(
+        "the launcher's mirror to hold no finished request",
+        WAIT,
+        || async {
+            get_json::<Vec<NodeRequest>>(addr, "/api/v1/requests")
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+    // KV keeps every one for its TTL, and the client reads its own through the API.
+    let kv = pool.client.list_requests().await.expect("list requests");
+    let finished = kv
+        .iter()
+        .filter(|r| ids.contains(&r.id) && r.is_finished())
+        .count();
+    assert_eq!(finished, SERVED);
+    for id in [&ids[0], &ids[SERVED - 1]] {
+        let r = pool
+            .client
+            .request(id)
+            .await
+            .expect("status")
+            .unwrap_or_else(|| panic!("request {id} unknown to its client"));
+        assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+        assert!(r.nodes_released_at.is_some(), "{r:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -97,11 +97,7 @@ pub const FOLD_KEY: &str = "~finished";
 /// Whether a request is over: failed, canceled, reclaimed, or fulfilled and every node
 /// given back.
 pub fn is_finished(r: &NodeRequest) -> bool {
-    match r.state {
-        RequestState::Requested => false,
-        RequestState::Fulfilled => r.nodes_released_at.is_some(),
-        RequestState::Failed | RequestState::Canceled | RequestState::Reclaimed => true,
-    }
+    r.is_finished()
 }
 
 /// One pool's label: what Enter on a Pools row narrows the Backing view to.

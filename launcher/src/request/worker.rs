@@ -8,7 +8,8 @@ use super::plan::{self, RequestStep};
 use crate::nodes::SlotError;
 use crate::shared::{label_topic, request_topic, wait_for_change, Shared};
 use crate::world::QueuePosition;
-use slotpool_protocol::store::KvError;
+use slotpool_protocol::model::NodeRequest;
+use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{now_ms, until, UnixMillis};
 use slotpool_protocol::RequestId;
 use std::sync::Arc;
@@ -30,8 +31,10 @@ pub async fn run(
         if lost.is_cancelled() {
             break Ok(());
         }
-        let Some(req) = sh.world().requests.get(id).cloned() else {
-            break Ok(());
+        let req = match current(sh, id).await {
+            Ok(Some(req)) => req,
+            Ok(None) => break Ok(()),
+            Err(err) => break Err(err),
         };
         let pos = position(&req.value);
         let obs = observe::look(sh, &req.value, &memory);
@@ -90,6 +93,31 @@ pub async fn run(
         exec::set_waiting(sh, &pos, Vec::new());
     }
     result
+}
+
+/// The request as the mirror has it. A finished request has left the mirror; while
+/// slots are still claimed for it, it is looked at once more (as this launcher saw it
+/// finish, or from KV), so that [`plan::next`] gives those back at once.
+async fn current(sh: &Shared, id: &RequestId) -> Result<Option<Versioned<NodeRequest>>, SlotError> {
+    let (held, claims) = {
+        let world = sh.world();
+        let held = world
+            .requests
+            .get(id)
+            .or_else(|| world.finished_at(id.as_str(), 0))
+            .cloned();
+        (held, !world.nodes_of(id).is_empty())
+    };
+    match held {
+        Some(req) => Ok(Some(req)),
+        None if claims => match sh.bus.requests.get::<NodeRequest>(id.as_str()).await {
+            Ok(read) => Ok(read.filter(|r| r.value.is_finished())),
+            // An unreadable record's claims are the sweep's.
+            Err(KvError::Decode { .. }) => Ok(None),
+            Err(err) => Err(err.into()),
+        },
+        None => Ok(None),
+    }
 }
 
 /// The monotonic instant of wall-clock time `at`.

@@ -22,6 +22,7 @@ mod phases;
 mod procs;
 mod scrape;
 mod sim_agents;
+mod soak;
 mod stats;
 
 use anyhow::Context;
@@ -109,6 +110,11 @@ pub struct BenchArgs {
     /// and report both and their ratios.
     #[arg(long)]
     pub secure_compare: bool,
+    /// After the cold phase, N allocations + releases at full speed (with --clients
+    /// clients) on the real request TTL and mirror, with the launcher's RSS every N/10
+    /// (default 0: no soak).
+    #[arg(long, value_name = "N")]
+    pub soak: Option<usize>,
 }
 
 /// The counts a run uses.
@@ -130,6 +136,7 @@ struct Settings {
     secure_compare: bool,
     launchers: usize,
     http_compare: bool,
+    soak: usize,
 }
 
 impl Settings {
@@ -154,6 +161,7 @@ impl Settings {
             secure_compare: a.secure_compare,
             launchers: a.launchers.max(1),
             http_compare: !a.no_http_compare,
+            soak: a.soak.unwrap_or(0),
         }
     }
 }
@@ -183,6 +191,8 @@ struct Report {
     /// The launcher process after the throughput load (RSS, CPU while idle).
     launcher_idle: procs::Usage,
     cold_and_release: phases::ColdAndRelease,
+    /// With `--soak N`.
+    soak: Option<soak::Soak>,
     agent: phases::Agent,
     scale: Option<phases::Scale>,
     /// Throughput with `--launchers` launchers on the bus, against one launcher's.
@@ -414,6 +424,7 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         throughput: plain.throughput,
         launcher_idle: f.launcher_idle,
         cold_and_release: f.cold_and_release,
+        soak: f.soak,
         agent: f.agent,
         scale: f.scale,
         latencies: Vec::new(),
@@ -432,6 +443,7 @@ struct Figures {
     plain: Allocations,
     launcher_idle: procs::Usage,
     cold_and_release: phases::ColdAndRelease,
+    soak: Option<soak::Soak>,
     agent: phases::Agent,
     launchers: Option<Throughput>,
     observed: Option<compare::Observed>,
@@ -445,6 +457,7 @@ struct PlainMore {
     cold: phases::ColdAndRelease,
     launchers: Option<Throughput>,
     observed: Option<compare::Observed>,
+    soak: Option<soak::Soak>,
 }
 
 const WARM_LABEL: &str = "warm";
@@ -532,11 +545,25 @@ async fn run_all(
                 )
                 .await?;
                 launcher.check_alive()?;
+                let soak = if s.soak > 0 {
+                    step(format!(
+                        "soak: {} allocations + releases, {} clients",
+                        s.soak, s.clients
+                    ));
+                    let soak =
+                        soak::soak(client, watcher, WARM_LABEL, s.clients, s.soak, launcher.pid)
+                            .await?;
+                    launcher.check_alive()?;
+                    Some(soak)
+                } else {
+                    None
+                };
                 anyhow::Ok(PlainMore {
                     idle,
                     cold,
                     launchers,
                     observed,
+                    soak,
                 })
             },
         )
@@ -581,6 +608,7 @@ async fn run_all(
         plain,
         launcher_idle: more.idle,
         cold_and_release: more.cold,
+        soak: more.soak,
         agent,
         launchers: more.launchers,
         observed: more.observed,
@@ -1043,6 +1071,14 @@ fn targets(r: &Report) -> Vec<Target> {
             s.allocation.p99_ms <= 20.0,
         );
     }
+    if let Some(s) = &r.soak {
+        add(
+            "launcher RSS after the soak",
+            "<= 100 MB",
+            format!("{:.1} MB after {}", s.rss_end_mb(), s.allocations),
+            s.rss_end_mb() <= 100.0,
+        );
+    }
     let a = &r.agent.idle;
     add(
         "agent idle",
@@ -1121,6 +1157,9 @@ fn print_table(r: &Report) {
         "release after grace-time: {} early; {} distinct backing nodes launched",
         c.early, c.distinct_backing_nodes
     );
+    if let Some(s) = &r.soak {
+        soak::print(s);
+    }
     print_usage_and_targets(r);
 }
 
