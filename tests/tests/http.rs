@@ -523,6 +523,48 @@ async fn the_stream_refuses_bad_queries_and_asks_for_the_token() {
         .expect("with the token the stream opens");
 }
 
+/// The event log drops records by age and size; a position older than what it still holds
+/// is refused with 410, not answered with a silent gap.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_position_older_than_the_event_log_holds_is_gone() {
+    let (pool, addr) = pool_with_http(&[]).await;
+    let id = pool.submit(&["small"]).await;
+    pool.fulfilled(&id).await;
+    let bus = pool.nats.bus().await;
+    wait_for("the launch to record two events or more", WAIT, || async {
+        bus.events
+            .held_revisions()
+            .await
+            .is_ok_and(|(_, last)| last >= 2)
+    })
+    .await;
+    // What the server does when the log reaches its limits: the oldest records go.
+    let purged = bus
+        .call_raw(
+            "$JS.API.STREAM.PURGE.KV_slotpool_events",
+            r#"{"keep":1}"#.into(),
+            WAIT,
+        )
+        .await
+        .expect("purging the event log");
+    assert!(
+        String::from_utf8_lossy(&purged).contains(r#""success":true"#),
+        "purge: {}",
+        String::from_utf8_lossy(&purged)
+    );
+    let (first, _) = bus.events.held_revisions().await.expect("held revisions");
+    let (status, body) = refused(addr, "after=0.0.0.0", None).await;
+    assert_eq!(status, 410, "{body}");
+    assert!(
+        body.contains(&format!("no longer holds revisions 1..{}", first - 1)),
+        "{body}"
+    );
+    // From what it still holds, the stream opens.
+    stream(addr, &format!("after={}.0.0.0", first - 1), None)
+        .await
+        .expect("a position the log still holds opens the stream");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_open_stream_is_closed_at_shutdown_with_the_position_to_resume_from() {
     use futures::StreamExt;
