@@ -834,12 +834,20 @@ fn launcher_config(
 ) -> String {
     // A JSON list is a YAML flow sequence, with every path quoted.
     let agent_args = serde_json::to_string(
-        // The agents remove their slots (users, cgroups) when stopped: the host is left
-        // as it was found.
-        &["--isolation", isolation, "--remove-slots-on-stop"]
-            .into_iter()
-            .chain(agent_args.iter().map(String::as_str))
-            .collect::<Vec<_>>(),
+        // The agents remove their slots (users, cgroups) when stopped, and do not mount
+        // a /proc that hides processes (a host-wide mount an agent leaves in place, made
+        // once at start, so it costs no allocation anything): the host is left as it
+        // was found.
+        &[
+            "--isolation",
+            isolation,
+            "--remove-slots-on-stop",
+            "--hide-processes",
+            "off",
+        ]
+        .into_iter()
+        .chain(agent_args.iter().map(String::as_str))
+        .collect::<Vec<_>>(),
     )
     .expect("strings serialize");
     format!(
