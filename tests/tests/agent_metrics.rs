@@ -2,41 +2,18 @@
 //! serving its metrics; read back with a Prometheus text-format parser while a slot is
 //! prepared and released.
 
-use prometheus_parse::{Scrape, Value};
+use prometheus_parse::Scrape;
+use slotpool_tests::metrics::{self, scrape};
 use slotpool_tests::{label, wait_for, wait_for_some, Pool, AGENT_ARGS};
 use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const WAIT: Duration = Duration::from_secs(30);
 
-/// `GET /metrics` from `addr`, parsed.
-async fn scrape(addr: SocketAddr) -> Scrape {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let head = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(head.as_bytes()).await.expect("write");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
-    let (head, body) = response.split_once("\r\n\r\n").expect("a response head");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
-    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text format")
-}
-
-/// The value of `metric` with `labels` (a histogram: its count).
+/// The value of `metric` with `labels` (a histogram: its count), if the agent serves it.
 fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == metric)
-        .find(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-        .map(|s| match &s.value {
-            Value::Gauge(v) | Value::Counter(v) | Value::Untyped(v) => *v,
-            Value::Histogram(buckets) => buckets
-                .iter()
-                .find(|b| b.less_than.is_infinite())
-                .map_or(0.0, |b| b.count),
-            Value::Summary(_) => panic!("{metric}: no summaries here"),
-        })
+    (!metrics::samples(scrape, metric, labels).is_empty())
+        .then(|| metrics::value(scrape, metric, labels))
 }
 
 #[tokio::test(flavor = "multi_thread")]
