@@ -623,31 +623,46 @@ impl World {
     }
 
     /// The queue entries ahead of `me` waiting for `label`, one per slot each waits
-    /// for: this launcher's requests (`waiting`), and those of another live launcher
-    /// (`wanting`), so that priority and age order the requests of all launchers alike.
-    fn ahead_of<'a>(&'a self, me: &QueuePosition, label: &'a str) -> impl Iterator<Item = ()> + 'a {
+    /// for: this launcher's requests (`waiting`, as `None`), and those of another live
+    /// launcher (`wanting`, as that launcher), so that priority and age order the
+    /// requests of all launchers alike.
+    fn ahead_of<'a>(
+        &'a self,
+        me: &QueuePosition,
+        label: &'a str,
+    ) -> impl Iterator<Item = Option<&'a LauncherId>> + 'a {
         let me = me.clone();
         let mine = self
             .waiting
             .range(..me.clone())
-            .flat_map(move |(_, labels)| labels.iter().filter(move |l| *l == label).map(|_| ()));
+            .flat_map(move |(_, labels)| labels.iter().filter(move |l| *l == label).map(|_| None));
         let others = self
             .wanting
             .get(label)
             .into_iter()
             .flat_map(move |queue| queue.range(..me.clone()))
             .filter(|(_, owner)| self.drives_elsewhere(owner.as_ref()))
-            .map(|_| ());
+            .map(|(_, owner)| owner.as_ref());
         mine.chain(others)
     }
 
     /// This launcher's [`Lane`]: its place among the live launchers, by id.
     fn lane(&self) -> Lane {
-        let Some(me) = &self.me else {
-            return Lane::ALONE;
-        };
-        let index = self.live_launchers.range::<LauncherId, _>(..me).count();
-        let count = self.live_launchers.len() + usize::from(!self.live_launchers.contains(me));
+        match &self.me {
+            Some(me) => self.lane_of(me),
+            None => Lane::ALONE,
+        }
+    }
+
+    /// The [`Lane`] of launcher `id` (this one, or a live one).
+    fn lane_of(&self, id: &LauncherId) -> Lane {
+        let me_too = self
+            .me
+            .as_ref()
+            .filter(|me| !self.live_launchers.contains(*me));
+        let index = self.live_launchers.range::<LauncherId, _>(..id).count()
+            + usize::from(me_too.is_some_and(|me| me < id));
+        let count = self.live_launchers.len() + usize::from(me_too.is_some());
         Lane { index, count }
     }
 
@@ -675,12 +690,13 @@ impl World {
     /// [`World::reserve_slot`], passing over the slot keys `avoid` names (slots whose
     /// claim just lost a race: the mirror has not caught up with the winner yet).
     ///
-    /// A request passes over one free slot for each request ahead of it: it need not
-    /// wait until those (which another launcher may drive) are seen to have claimed
-    /// theirs, and they still find enough free. Each launcher takes the slots of its
-    /// [`Lane`] first (fullest node first, then seat key, then slot), and the others
-    /// after, so that the requests two launchers claim for at the same time, each not
-    /// yet seeing the other's, go for different slots.
+    /// A request takes a slot when more are free than requests wait ahead of it for
+    /// the label: it need not wait until those (which another launcher may drive) are
+    /// seen to have claimed theirs, and they still find enough free. It takes from its
+    /// launcher's [`Lane`] (fullest node first, then seat key, then slot), passing over
+    /// one slot for each request ahead in the same lane; only when the lane has none
+    /// left does it take from the others. So requests that two launchers claim for at
+    /// the same time, each not yet seeing the other's, go for different slots.
     pub fn reserve_slot_avoiding(
         &mut self,
         me: &QueuePosition,
@@ -689,11 +705,20 @@ impl World {
     ) -> Option<SlotRef> {
         let r = {
             let (lane, avoid): (Lane, &dyn Fn(&str) -> bool) = (self.lane(), &avoid);
-            let ahead = self.ahead_of(me, label).count();
+            let (mut ahead, mut in_my_lane) = (0, 0);
+            for owner in self.ahead_of(me, label) {
+                ahead += 1;
+                if owner.is_none_or(|o| self.lane_of(o) == lane) {
+                    in_my_lane += 1;
+                }
+            }
+            // Enough free for those ahead and this one?
+            let last = self.free_slots_in(label, avoid, |_| true).nth(ahead)?;
+            // Those ahead in other lanes go for their own lanes' slots first.
             let (b, slot) = self
                 .free_slots_in(label, avoid, move |slot| lane.holds(slot))
-                .chain(self.free_slots_in(label, avoid, move |slot| !lane.holds(slot)))
-                .nth(ahead)?;
+                .nth(in_my_lane)
+                .unwrap_or(last);
             SlotRef {
                 backing_id: b.value.id.clone(),
                 seat_key: b.key.clone(),
@@ -1196,7 +1221,10 @@ mod tests {
         live(&mut w, "launcher-b");
         w.put_request(open_request("req-first", 100, 1, "launcher-b"));
         let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
-        assert_eq!(r.slot, 1, "slot 0 stays free for the request ahead");
+        assert_eq!(
+            r.slot, 0,
+            "slot 1, in launcher-b's lane, stays free for its request ahead"
+        );
         assert_eq!(
             w.reserve_slot(&pos(100, 6, "req-last"), "small"),
             None,
@@ -1216,6 +1244,21 @@ mod tests {
             r.slot
         };
         assert_eq!((slot_for("launcher-a"), slot_for("launcher-b")), (0, 1));
+    }
+
+    #[test]
+    fn requests_ahead_are_counted_in_their_own_launchers_lane() {
+        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        live(&mut w, "launcher-b");
+        w.put_request(open_request("req-b", 100, 1, "launcher-b"));
+        w.waiting.insert(pos(100, 2, "req-a"), vec!["small".into()]);
+        let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
+        assert_eq!(
+            r.slot, 2,
+            "slot 0 is left to this launcher's request ahead, slot 1 to launcher-b's"
+        );
     }
 
     #[test]
