@@ -705,15 +705,17 @@ impl World {
     ) -> Option<SlotRef> {
         let r = {
             let (lane, avoid): (Lane, &dyn Fn(&str) -> bool) = (self.lane(), &avoid);
-            let (mut ahead, mut in_my_lane) = (0, 0);
+            // One free slot for each request ahead and one for this one, counted side by
+            // side so that a long queue costs no more than the free slots there are.
+            let mut free = self.free_slots_in(label, avoid, |_| true);
+            let mut in_my_lane = 0;
             for owner in self.ahead_of(me, label) {
-                ahead += 1;
+                free.next()?;
                 if owner.is_none_or(|o| self.lane_of(o) == lane) {
                     in_my_lane += 1;
                 }
             }
-            // Enough free for those ahead and this one?
-            let last = self.free_slots_in(label, avoid, |_| true).nth(ahead)?;
+            let last = free.next()?;
             // Those ahead in other lanes go for their own lanes' slots first.
             let (b, slot) = self
                 .free_slots_in(label, avoid, move |slot| lane.holds(slot))
