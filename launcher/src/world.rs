@@ -16,7 +16,7 @@ pub mod capacity;
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
-use slotpool_protocol::layout::{self, parse_slot_key};
+use slotpool_protocol::layout::{self, parse_slot_key, LeaseOf};
 use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
     DEFAULT_HEARTBEAT_TTL_SECS,
@@ -118,6 +118,8 @@ pub struct World {
     /// This launcher: its own requests are ordered by `waiting`, which its workers keep
     /// exactly; `wanting` orders them behind other launchers' requests.
     pub me: Option<LauncherId>,
+    /// The launchers holding their liveness lease, for [`World::lane`].
+    live_launchers: BTreeSet<LauncherId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
 }
@@ -539,10 +541,16 @@ impl World {
     }
 
     pub fn put_lease(&mut self, lease: Versioned<Lease>) {
+        if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(&lease.key) {
+            self.live_launchers.insert(id);
+        }
         self.leases.insert(lease.key.clone(), lease);
     }
 
     pub fn remove_lease(&mut self, key: &str) {
+        if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(key) {
+            self.live_launchers.remove(&id);
+        }
         self.leases.remove(key);
     }
 
@@ -614,18 +622,48 @@ impl World {
             .unwrap_or_default()
     }
 
-    /// Whether someone ahead of `me` in the queue is waiting for `label`: a request of
-    /// this launcher's (`waiting`), or one of another live launcher's (`wanting`), so
-    /// that priority and age order the requests of all launchers alike.
-    fn someone_ahead_wants(&self, me: &QueuePosition, label: &str) -> bool {
-        self.waiting
+    /// The queue entries ahead of `me` waiting for `label`, one per slot each waits
+    /// for: this launcher's requests (`waiting`, as `None`), and those of another live
+    /// launcher (`wanting`, as that launcher), so that priority and age order the
+    /// requests of all launchers alike.
+    fn ahead_of<'a>(
+        &'a self,
+        me: &QueuePosition,
+        label: &'a str,
+    ) -> impl Iterator<Item = Option<&'a LauncherId>> + 'a {
+        let me = me.clone();
+        let mine = self
+            .waiting
             .range(..me.clone())
-            .any(|(_, labels)| labels.iter().any(|l| l == label))
-            || self.wanting.get(label).is_some_and(|queue| {
-                queue
-                    .range(..me.clone())
-                    .any(|(_, owner)| self.drives_elsewhere(owner.as_ref()))
-            })
+            .flat_map(move |(_, labels)| labels.iter().filter(move |l| *l == label).map(|_| None));
+        let others = self
+            .wanting
+            .get(label)
+            .into_iter()
+            .flat_map(move |queue| queue.range(..me.clone()))
+            .filter(|(_, owner)| self.drives_elsewhere(owner.as_ref()))
+            .map(|(_, owner)| owner.as_ref());
+        mine.chain(others)
+    }
+
+    /// This launcher's [`Lane`]: its place among the live launchers, by id.
+    fn lane(&self) -> Lane {
+        match &self.me {
+            Some(me) => self.lane_of(me),
+            None => Lane::ALONE,
+        }
+    }
+
+    /// The [`Lane`] of launcher `id` (this one, or a live one).
+    fn lane_of(&self, id: &LauncherId) -> Lane {
+        let me_too = self
+            .me
+            .as_ref()
+            .filter(|me| !self.live_launchers.contains(*me));
+        let index = self.live_launchers.range::<LauncherId, _>(..id).count()
+            + usize::from(me_too.is_some_and(|me| me < id));
+        let count = self.live_launchers.len() + usize::from(me_too.is_some());
+        Lane { index, count }
     }
 
     /// Whether request `id` stands in the queue for `label`.
@@ -642,33 +680,52 @@ impl World {
         })
     }
 
-    /// Picks a free slot for `label` and reserves it, unless a request ahead of `me` waits
-    /// for the same label. Packs: the fullest usable backing node first, so emptier ones
-    /// can go idle and be released.
+    /// Picks a free slot for `label` and reserves it, leaving one free slot for every
+    /// request ahead of `me` that waits for the label. Packs: the fullest usable backing
+    /// node first, so emptier ones can go idle and be released.
     pub fn reserve_slot(&mut self, me: &QueuePosition, label: &str) -> Option<SlotRef> {
         self.reserve_slot_avoiding(me, label, |_| false)
     }
 
     /// [`World::reserve_slot`], passing over the slot keys `avoid` names (slots whose
     /// claim just lost a race: the mirror has not caught up with the winner yet).
+    ///
+    /// A request takes a slot when more are free than requests wait ahead of it for
+    /// the label: it need not wait until those (which another launcher may drive) are
+    /// seen to have claimed theirs, and they still find enough free. It takes from its
+    /// launcher's [`Lane`] (fullest node first, then seat key, then slot), passing over
+    /// one slot for each request ahead in the same lane; only when the lane has none
+    /// left does it take from the others. So requests that two launchers claim for at
+    /// the same time, each not yet seeing the other's, go for different slots.
     pub fn reserve_slot_avoiding(
         &mut self,
         me: &QueuePosition,
         label: &str,
         avoid: impl Fn(&str) -> bool,
     ) -> Option<SlotRef> {
-        if self.someone_ahead_wants(me, label) {
-            return None;
-        }
-        let (b, slot) = self.capacity.open_seats(label).find_map(|seat| {
-            let b = self.backing.get(seat)?;
-            let slot = self.first_free_avoiding(&b.value, &avoid)?;
-            Some((b, slot))
-        })?;
-        let r = SlotRef {
-            backing_id: b.value.id.clone(),
-            seat_key: b.key.clone(),
-            slot,
+        let r = {
+            let (lane, avoid): (Lane, &dyn Fn(&str) -> bool) = (self.lane(), &avoid);
+            // One free slot for each request ahead and one for this one, counted side by
+            // side so that a long queue costs no more than the free slots there are.
+            let mut free = self.free_slots_in(label, avoid, |_| true);
+            let mut in_my_lane = 0;
+            for owner in self.ahead_of(me, label) {
+                free.next()?;
+                if owner.is_none_or(|o| self.lane_of(o) == lane) {
+                    in_my_lane += 1;
+                }
+            }
+            let last = free.next()?;
+            // Those ahead in other lanes go for their own lanes' slots first.
+            let (b, slot) = self
+                .free_slots_in(label, avoid, move |slot| lane.holds(slot))
+                .nth(in_my_lane)
+                .unwrap_or(last);
+            SlotRef {
+                backing_id: b.value.id.clone(),
+                seat_key: b.key.clone(),
+                slot,
+            }
         };
         self.reserved.insert(r.key());
         self.restand(&r.seat_key);
@@ -678,17 +735,41 @@ impl World {
     /// The lowest slot that is neither used, reserved, nor reported dirty by the agent
     /// (a dirty slot is never handed out again until an operator acts).
     fn first_free(&self, b: &BackingNode) -> Option<u32> {
-        self.first_free_avoiding(b, |_| false)
+        self.free_slots_avoiding(b, |_| false).next()
     }
 
-    fn first_free_avoiding(&self, b: &BackingNode, avoid: impl Fn(&str) -> bool) -> Option<u32> {
+    /// The free slots of `label` that `which` selects: fullest node first, then by seat
+    /// key and slot, passing over those `avoid` names.
+    fn free_slots_in<'a>(
+        &'a self,
+        label: &'a str,
+        avoid: &'a dyn Fn(&str) -> bool,
+        which: impl Fn(u32) -> bool + Copy + 'a,
+    ) -> impl Iterator<Item = (&'a Versioned<BackingNode>, u32)> + 'a {
+        self.capacity
+            .open_seats(label)
+            .filter_map(|seat| self.backing.get(seat))
+            .flat_map(move |b| {
+                self.free_slots_avoiding(&b.value, avoid)
+                    .filter(move |slot| which(*slot))
+                    .map(move |slot| (b, slot))
+            })
+    }
+
+    /// The slots of `b`, lowest first, that are neither used, reserved, reported dirty
+    /// by the agent, nor named by `avoid`.
+    fn free_slots_avoiding<'a>(
+        &'a self,
+        b: &'a BackingNode,
+        avoid: impl Fn(&str) -> bool + 'a,
+    ) -> impl Iterator<Item = u32> + 'a {
         let used = self.used.get(&b.id);
         let dirty = self
             .agents
             .get(&b.id)
             .map(|a| a.dirty_slots.as_slice())
             .unwrap_or_default();
-        (0..b.slots).find(|s| {
+        (0..b.slots).filter(move |s| {
             !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s) && {
                 let key = layout::slot_key(&b.id, *s);
                 !self.reserved.contains(&key) && !avoid(&key)
@@ -927,6 +1008,27 @@ pub mod tests_support {
     }
 }
 
+/// The slots a launcher takes first: with `count` launchers live, the one at `index`
+/// (by id) prefers slot `index`, `index + count`, … of every backing node, so that
+/// launchers claiming at the same time rarely go for the same slot. A launcher takes
+/// the others' slots too when its own are used up; a claim stays a create-if-absent
+/// either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lane {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Lane {
+    /// A launcher alone: every slot is in its lane.
+    pub const ALONE: Lane = Lane { index: 0, count: 1 };
+
+    /// Whether `slot` (of any backing node) is in this lane.
+    pub fn holds(self, slot: u32) -> bool {
+        slot as usize % self.count.max(1) == self.index
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::tests_support::{agent, backing, request};
@@ -1104,6 +1206,76 @@ mod tests {
     }
 
     #[test]
+    fn lanes_split_every_nodes_slots_between_the_launchers() {
+        assert!((0..8).all(|s| Lane::ALONE.holds(s)));
+        let lanes = |index| Lane { index, count: 3 };
+        let of = |lane: Lane| (0..7).filter(|s| lane.holds(*s)).collect::<Vec<_>>();
+        assert_eq!(of(lanes(0)), [0, 3, 6]);
+        assert_eq!(of(lanes(1)), [1, 4]);
+        assert_eq!(of(lanes(2)), [2, 5]);
+    }
+
+    #[test]
+    fn behind_another_launchers_request_a_request_takes_the_next_free_slot() {
+        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        w.put_backing(backing("bn-a", "small", 2, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        live(&mut w, "launcher-b");
+        w.put_request(open_request("req-first", 100, 1, "launcher-b"));
+        let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
+        assert_eq!(
+            r.slot, 0,
+            "slot 1, in launcher-b's lane, stays free for its request ahead"
+        );
+        assert_eq!(
+            w.reserve_slot(&pos(100, 6, "req-last"), "small"),
+            None,
+            "no slot left for a third"
+        );
+    }
+
+    #[test]
+    fn launchers_in_different_lanes_go_for_different_slots() {
+        let slot_for = |me: &str| {
+            let mut w = World::of(LauncherId::parse(me).unwrap());
+            w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+            w.put_agent(agent("bn-a"));
+            live(&mut w, "launcher-a");
+            live(&mut w, "launcher-b");
+            let r = w.reserve_slot(&pos(100, 5, "req-1"), "small").unwrap();
+            r.slot
+        };
+        assert_eq!((slot_for("launcher-a"), slot_for("launcher-b")), (0, 1));
+    }
+
+    #[test]
+    fn requests_ahead_are_counted_in_their_own_launchers_lane() {
+        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        live(&mut w, "launcher-b");
+        w.put_request(open_request("req-b", 100, 1, "launcher-b"));
+        w.waiting.insert(pos(100, 2, "req-a"), vec!["small".into()]);
+        let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
+        assert_eq!(
+            r.slot, 2,
+            "slot 0 is left to this launcher's request ahead, slot 1 to launcher-b's"
+        );
+    }
+
+    #[test]
+    fn a_launcher_takes_other_lanes_slots_when_its_own_are_used() {
+        let mut w = World::of(LauncherId::parse("launcher-b").unwrap());
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        live(&mut w, "launcher-a");
+        w.put_slot(node("bn-a", 1, "req-x", "small"));
+        w.put_slot(node("bn-a", 3, "req-y", "small"));
+        let r = w.reserve_slot(&pos(100, 5, "req-1"), "small").unwrap();
+        assert_eq!(r.slot, 0, "its own lane (1, 3) is used: the first other");
+    }
+
+    #[test]
     fn a_node_set_short_of_several_labels_holds_no_queue_of_other_launchers() {
         let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
         w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
@@ -1134,9 +1306,9 @@ mod tests {
         let both = vec!["big".to_string(), "small".to_string(), "small".to_string()];
         assert!(w.set_waiting(&me, both).is_empty());
         assert_eq!(w.set_waiting(&me, vec!["small".into()]), vec!["big"]);
-        assert!(w.someone_ahead_wants(&pos(100, 2, "req-2"), "small"));
+        assert_eq!(w.ahead_of(&pos(100, 2, "req-2"), "small").count(), 1);
         assert_eq!(w.set_waiting(&me, vec![]), vec!["small"]);
-        assert!(!w.someone_ahead_wants(&pos(100, 2, "req-2"), "small"));
+        assert_eq!(w.ahead_of(&pos(100, 2, "req-2"), "small").count(), 0);
         assert!(
             w.set_waiting(&me, vec![]).is_empty(),
             "nothing left to free"
