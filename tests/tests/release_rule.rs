@@ -149,6 +149,8 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             synced_since: Some(0),
             heartbeat_lost_at: None,
             heartbeat_ttl: Duration::from_secs(6),
+            min_ready: 0,
+            free_ahead: 0,
             now,
         };
         let rules = lifecycle::Rules {
