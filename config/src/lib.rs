@@ -153,6 +153,9 @@ pub struct LabelConfig {
     /// booting, and an idle backing node whose free slots are needed for it is kept past
     /// its grace-time. At most `max-servers` x `max-parallel-jobs`.
     pub min_ready: u32,
+    /// Slots a backing node of this label hands out in its life (`max-uses`); after the
+    /// last it is retired and released once empty. `None`: no limit.
+    pub max_uses: Option<u32>,
 }
 
 /// Where a label is served: a provider's pool.
@@ -353,6 +356,24 @@ providers:
         let err = parse(&with("-1")).unwrap_err().to_string();
         assert!(err.starts_with("pool.yaml:14:24:"), "{err}");
         assert!(err.contains("min-ready"), "{err}");
+    }
+
+    #[test]
+    fn max_uses_is_optional_and_at_least_one() {
+        assert_eq!(parse(GOOD).unwrap().sites("small")[0].label.max_uses, None);
+        let with = |n: &str| {
+            GOOD.replace(
+                "grace-time: 2",
+                &format!("grace-time: 2\n            max-uses: {n}"),
+            )
+        };
+        let c = parse(&with("5")).unwrap();
+        assert_eq!(c.sites("small")[0].label.max_uses, Some(5));
+        let err = parse(&with("0")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("pool.yaml:14:23: max-uses must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]

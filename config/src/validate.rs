@@ -122,6 +122,7 @@ fn expected(key: &str) -> Option<&'static str> {
         "max-parallel-jobs" => "a whole number of slots per backing node (1 to 1024)",
         "launch-retries" => "a whole number of launch attempts (at least 1)",
         "min-ready" => "a whole number of free slots to keep ready (0 or more)",
+        "max-uses" => "a whole number of jobs per backing node (at least 1)",
         "priority" => "a whole number (lower pools are tried first)",
         "cpu" => "a number of CPUs (e.g. 1.5)",
         "memory-mb" | "disk-mb" => "a whole number of MiB",
@@ -599,6 +600,12 @@ impl Validator<'_> {
                 Some(m) => m.value,
                 None => 0,
             };
+            if let Some(m) = l.max_uses.as_ref().filter(|m| m.value == 0) {
+                return Err(self.at(
+                    m,
+                    "max-uses must be at least 1 (leave it out for no limit), got 0",
+                ));
+            }
             labels.push(LabelConfig {
                 name: label_name,
                 backing_label: l.backing_label,
@@ -611,6 +618,7 @@ impl Validator<'_> {
                 host_key_checking: l.host_key_checking,
                 max_hold_time,
                 min_ready,
+                max_uses: l.max_uses.map(|m| m.value),
             });
         }
         Ok(PoolConfig {

@@ -40,6 +40,8 @@ pub struct Rules {
     pub max_age: Duration,
     pub boot_timeout: Duration,
     pub launch_retries: u32,
+    /// Slots a node hands out in its life (`max-uses`); `None`: no limit.
+    pub max_uses: Option<u32>,
 }
 
 impl Rules {
@@ -51,6 +53,7 @@ impl Rules {
             max_age: site.label.max_age,
             boot_timeout: site.pool.boot_timeout,
             launch_retries: site.pool.launch_retries,
+            max_uses: site.label.max_uses,
         }
     }
 
@@ -339,6 +342,9 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
     if max_age.is_some_and(|t| obs.now >= t) {
         return Step::Retire(format!("max-age {}s reached", rules.max_age.as_secs()));
     }
+    if let Some(max_uses) = rules.max_uses.filter(|n| b.uses >= *n) {
+        return Step::Retire(format!("max-uses {max_uses} reached"));
+    }
     if obs.used > 0 {
         return match b.idle_since {
             Some(_) => Step::SetIdleSince(None),
@@ -379,6 +385,7 @@ mod tests {
             max_age: Duration::ZERO,
             boot_timeout: Duration::from_secs(10),
             launch_retries: 2,
+            max_uses: None,
         }
     }
 
@@ -406,6 +413,7 @@ mod tests {
             idle_since: Some(10_000),
             attempts: 1,
             out_of_capacity: false,
+            uses: 0,
             failure: None,
             attributes: Default::default(),
             order: None,
@@ -466,6 +474,27 @@ mod tests {
             matches!(next(&aged, &obs), Step::Retire(_)),
             "max-age still retires a warm node"
         );
+    }
+
+    #[test]
+    fn a_node_that_handed_out_max_uses_slots_is_retired() {
+        let mut b = node(BackingState::Ready);
+        b.idle_since = None; // in use
+        let used_up = Observed {
+            rules: Some(Rules {
+                max_uses: Some(3),
+                ..rules()
+            }),
+            ..obs(3_000, 1)
+        };
+        b.uses = 2;
+        assert_eq!(next(&b, &used_up), Step::Wait(None), "one use left");
+        b.uses = 3;
+        assert_eq!(
+            next(&b, &used_up),
+            Step::Retire("max-uses 3 reached".into())
+        );
+        assert_eq!(next(&b, &obs(3_000, 1)), Step::Wait(None), "no max-uses");
     }
 
     #[test]
