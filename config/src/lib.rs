@@ -148,6 +148,14 @@ pub struct LabelConfig {
     /// Longest a fulfilled request may hold a node of this label before it is
     /// reclaimed; `None`: no limit.
     pub max_hold_time: Option<Duration>,
+    /// Free slots of this label the pool keeps ready with no request waiting for them
+    /// (`min-ready`): the planner launches backing nodes until that many are free or
+    /// booting, and an idle backing node whose free slots are needed for it is kept past
+    /// its grace-time. At most `max-servers` x `max-parallel-jobs`.
+    pub min_ready: u32,
+    /// Slots a backing node of this label hands out in its life (`max-uses`); after the
+    /// last it is retired and released once empty. `None`: no limit.
+    pub max_uses: Option<u32>,
 }
 
 /// Where a label is served: a provider's pool.
@@ -214,6 +222,18 @@ impl Config {
         self.sites(label)
             .iter()
             .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.max_parallel_jobs))
+            .sum()
+    }
+
+    /// Free slots of `label` to keep ready: the sum of the `min-ready` of every pool
+    /// serving it (0: none). Does not allocate; asked on every slot change.
+    pub fn min_ready(&self, label: &str) -> u32 {
+        self.providers
+            .iter()
+            .flat_map(|p| p.pools.iter())
+            .flat_map(|p| p.labels.iter())
+            .filter(|l| l.name == label)
+            .map(|l| l.min_ready)
             .sum()
     }
 
@@ -308,6 +328,52 @@ providers:
             "{GOOD}      - name: spare\n        max-servers: 3\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 2\n"
         );
         assert_eq!(parse(&second_pool).unwrap().max_nodes("small"), 8 + 6);
+    }
+
+    #[test]
+    fn min_ready_defaults_to_zero_and_is_bounded_by_the_pool() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.min_ready("small"), 0);
+        let with = |n: &str| {
+            GOOD.replace(
+                "grace-time: 2",
+                &format!("grace-time: 2\n            min-ready: {n}"),
+            )
+        };
+        assert_eq!(
+            parse(&with("8")).unwrap().min_ready("small"),
+            8,
+            "2 servers x 4 slots"
+        );
+        assert_eq!(parse(&with("0")).unwrap().min_ready("small"), 0);
+        let err = parse(&with("9")).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "pool.yaml:14:24: min-ready must be 0 to 8 (max-servers 2 x max-parallel-jobs 4), got 9"
+            ),
+            "{err}"
+        );
+        let err = parse(&with("-1")).unwrap_err().to_string();
+        assert!(err.starts_with("pool.yaml:14:24:"), "{err}");
+        assert!(err.contains("min-ready"), "{err}");
+    }
+
+    #[test]
+    fn max_uses_is_optional_and_at_least_one() {
+        assert_eq!(parse(GOOD).unwrap().sites("small")[0].label.max_uses, None);
+        let with = |n: &str| {
+            GOOD.replace(
+                "grace-time: 2",
+                &format!("grace-time: 2\n            max-uses: {n}"),
+            )
+        };
+        let c = parse(&with("5")).unwrap();
+        assert_eq!(c.sites("small")[0].label.max_uses, Some(5));
+        let err = parse(&with("0")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("pool.yaml:14:23: max-uses must be at least 1"),
+            "{err}"
+        );
     }
 
     #[test]

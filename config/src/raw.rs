@@ -108,6 +108,8 @@ pub(crate) struct RawLabel {
     #[serde(default)]
     pub(crate) host_key_checking: bool,
     pub(crate) max_hold_time: Option<Spanned<Seconds>>,
+    pub(crate) min_ready: Option<Spanned<u32>>,
+    pub(crate) max_uses: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -121,6 +121,8 @@ fn expected(key: &str) -> Option<&'static str> {
         "max-servers" => "a whole number of backing nodes (1 to 100000)",
         "max-parallel-jobs" => "a whole number of slots per backing node (1 to 1024)",
         "launch-retries" => "a whole number of launch attempts (at least 1)",
+        "min-ready" => "a whole number of free slots to keep ready (0 or more)",
+        "max-uses" => "a whole number of jobs per backing node (at least 1)",
         "priority" => "a whole number (lower pools are tried first)",
         "cpu" => "a number of CPUs (e.g. 1.5)",
         "memory-mb" | "disk-mb" => "a whole number of MiB",
@@ -581,6 +583,29 @@ impl Validator<'_> {
                 Some(s) => Some(Duration::from_secs(s.value.0)),
                 None => None,
             };
+            let min_ready = match &l.min_ready {
+                Some(m) if u64::from(m.value) > slots_allowed(&p.max_servers, &l) => {
+                    return Err(self.at(
+                        m,
+                        format!(
+                            "min-ready must be 0 to {} (max-servers {} x max-parallel-jobs {}), \
+                             got {}",
+                            slots_allowed(&p.max_servers, &l),
+                            p.max_servers.value,
+                            l.max_parallel_jobs.value,
+                            m.value
+                        ),
+                    ))
+                }
+                Some(m) => m.value,
+                None => 0,
+            };
+            if let Some(m) = l.max_uses.as_ref().filter(|m| m.value == 0) {
+                return Err(self.at(
+                    m,
+                    "max-uses must be at least 1 (leave it out for no limit), got 0",
+                ));
+            }
             labels.push(LabelConfig {
                 name: label_name,
                 backing_label: l.backing_label,
@@ -592,6 +617,8 @@ impl Validator<'_> {
                 limits,
                 host_key_checking: l.host_key_checking,
                 max_hold_time,
+                min_ready,
+                max_uses: l.max_uses.map(|m| m.value),
             });
         }
         Ok(PoolConfig {
@@ -604,4 +631,10 @@ impl Validator<'_> {
             labels,
         })
     }
+}
+
+/// The most slots a label's pool can hold: `max-servers` backing nodes of
+/// `max-parallel-jobs` slots.
+fn slots_allowed(max_servers: &Spanned<u32>, l: &RawLabel) -> u64 {
+    u64::from(max_servers.value) * u64::from(l.max_parallel_jobs.value)
 }

@@ -118,14 +118,31 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
         .label_in(&b.value.provider, &b.value.pool, &b.value.label)
         .map(|s| Rules::of(&s));
     let lost = world.lost_heartbeats.get(&b.value.id);
+    let used = world.used_count(&b.value.id);
+    let min_ready = shared.config.min_ready(&b.value.label);
+    let free_ahead = if min_ready > 0 && used == 0 {
+        lifecycle::free_ahead(
+            seat_key,
+            world
+                .backing
+                .values()
+                .filter(|o| o.key != seat_key && o.value.label == b.value.label)
+                .filter(|o| world.takes_slots(&o.value))
+                .map(|o| (o.key.as_str(), o.value.slots, world.used_count(&o.value.id))),
+        )
+    } else {
+        0
+    };
     let obs = Observed {
         agent,
-        used: world.used_count(&b.value.id),
+        used,
         last_release: world.last_release.get(&b.value.id).copied(),
         rules,
         synced_since: shared.mirror_sync.since(),
         heartbeat_lost_at: lost.map(|l| l.at),
         heartbeat_ttl: lost.map_or(Duration::from_secs(DEFAULT_HEARTBEAT_TTL_SECS), |l| l.ttl),
+        min_ready,
+        free_ahead,
         now: now_ms(),
     };
     Some((b, obs))

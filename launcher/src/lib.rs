@@ -36,6 +36,7 @@ use crate::config::Config;
 use crate::shared::Shared;
 use crate::watch::{Dirty, Mirror};
 use slotpool_protocol::connect::Bus;
+use slotpool_protocol::model::BackingState;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -197,6 +198,8 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
             batch.insert(d);
         }
         let mut labels = Vec::new();
+        // Labels with a min-ready whose nodes changed.
+        let mut warm = Vec::new();
         for d in batch {
             match d {
                 Dirty::Label(l) => labels.push(l),
@@ -211,21 +214,23 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                     }
                 }
                 Dirty::Seat(seat) => {
-                    let free = {
-                        let world = shared.world();
-                        world.backing.contains_key(&seat)
-                            && world
-                                .lease(&slotpool_protocol::layout::backing_lease_key(&seat))
-                                .is_none()
-                    };
-                    if free {
-                        match backing::due(shared, &seat) {
-                            backing::Due::Now => backing::spawn(shared, seat),
-                            backing::Due::At(at) => timers.schedule(seat, at),
-                            backing::Due::Never => timers.cancel(&seat),
-                        }
+                    if let Some(label) = warm_label(shared, &seat) {
+                        // A claim may have taken a slot kept ready, a release or a new
+                        // node may let an idle one go: plan the label, look at its
+                        // empty nodes.
+                        labels.push(label.clone());
+                        warm.push(label);
                     }
+                    look_at_seat(shared, &mut timers, seat);
                 }
+            }
+        }
+        warm.sort();
+        warm.dedup();
+        for label in warm {
+            for seat in empty_seats(shared, &label) {
+                shared.signals.bump(&shared::seat_topic(&seat));
+                look_at_seat(shared, &mut timers, seat);
             }
         }
         labels.sort();
@@ -239,6 +244,46 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         }
         shared.signals.prune();
     }
+}
+
+/// Starts a worker for the backing node at `seat` if nobody drives it and a step is due,
+/// or sets the supervisor's timer for when one will be.
+fn look_at_seat(shared: &Arc<Shared>, timers: &mut KeyTimers, seat: String) {
+    let free = {
+        let world = shared.world();
+        world.backing.contains_key(&seat)
+            && world
+                .lease(&slotpool_protocol::layout::backing_lease_key(&seat))
+                .is_none()
+    };
+    if free {
+        match backing::due(shared, &seat) {
+            backing::Due::Now => backing::spawn(shared, seat),
+            backing::Due::At(at) => timers.schedule(seat, at),
+            backing::Due::Never => timers.cancel(&seat),
+        }
+    }
+}
+
+/// The label of the backing node at `seat`, when that label keeps slots ready
+/// (`min-ready`): a change of one of its nodes matters to the planner and to the others.
+fn warm_label(shared: &Shared, seat: &str) -> Option<String> {
+    let world = shared.world();
+    let label = &world.backing.get(seat)?.value.label;
+    (shared.config.min_ready(label) > 0).then(|| label.clone())
+}
+
+/// The ready, empty backing nodes of `label`: those kept for its min-ready, which may
+/// be released once other nodes hold enough free slots.
+fn empty_seats(shared: &Shared, label: &str) -> Vec<String> {
+    let world = shared.world();
+    world
+        .backing
+        .values()
+        .filter(|b| b.value.label == label && b.value.state == BackingState::Ready)
+        .filter(|b| world.used_count(&b.value.id) == 0)
+        .map(|b| b.key.clone())
+        .collect()
 }
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {

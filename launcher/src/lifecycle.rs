@@ -40,6 +40,8 @@ pub struct Rules {
     pub max_age: Duration,
     pub boot_timeout: Duration,
     pub launch_retries: u32,
+    /// Slots a node hands out in its life (`max-uses`); `None`: no limit.
+    pub max_uses: Option<u32>,
 }
 
 impl Rules {
@@ -51,6 +53,7 @@ impl Rules {
             max_age: site.label.max_age,
             boot_timeout: site.pool.boot_timeout,
             launch_retries: site.pool.launch_retries,
+            max_uses: site.label.max_uses,
         }
     }
 
@@ -80,7 +83,27 @@ pub struct Observed {
     pub heartbeat_lost_at: Option<UnixMillis>,
     /// The TTL of the agent's heartbeat record.
     pub heartbeat_ttl: Duration,
+    /// Free slots of the node's label the pools keep ready (`min-ready`, summed over
+    /// every pool serving it).
+    pub min_ready: u32,
+    /// Free slots of the label on the ready nodes kept ahead of this one
+    /// ([`free_ahead`]); asked only while `min_ready` is above 0.
+    pub free_ahead: u32,
     pub now: UnixMillis,
+}
+
+/// The free slots an empty node may count on being there once it is released: those of
+/// the other nodes of its label that take slots, where a node in use counts always and
+/// an empty one only when its seat key comes before `me`'s. Empty nodes are kept in seat
+/// key order, so of two empty nodes that could each go on the other's slots, only the
+/// later one goes: launchers deciding at once never release both and fall below
+/// `min-ready` (which would have the planner launch again, in a loop). `others`: (seat
+/// key, slots, slots in use) of every other node of the label that takes slots.
+pub fn free_ahead<'a>(me: &str, others: impl Iterator<Item = (&'a str, u32, u32)>) -> u32 {
+    others
+        .filter(|(seat, _, used)| *used > 0 || *seat < me)
+        .map(|(_, slots, used)| slots.saturating_sub(used))
+        .sum()
 }
 
 /// Why a backing node's instance is given back, or the node failed (`/metrics` counts
@@ -319,6 +342,9 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
     if max_age.is_some_and(|t| obs.now >= t) {
         return Step::Retire(format!("max-age {}s reached", rules.max_age.as_secs()));
     }
+    if let Some(max_uses) = rules.max_uses.filter(|n| b.uses >= *n) {
+        return Step::Retire(format!("max-uses {max_uses} reached"));
+    }
     if obs.used > 0 {
         return match b.idle_since {
             Some(_) => Step::SetIdleSince(None),
@@ -333,7 +359,11 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
         IdleBehaviour::Drain => Step::Release("drained by an operator".into()),
         IdleBehaviour::Run => {
             let at = release_at(b, obs, &rules);
-            if obs.now >= at {
+            if obs.free_ahead < obs.min_ready {
+                // Its free slots keep the label's min-ready: kept, however long idle,
+                // until the nodes ahead of it have enough free (a change wakes it).
+                Step::Wait(max_age)
+            } else if obs.now >= at {
                 Step::Release("idle for its grace-time".into())
             } else {
                 Step::Wait(min_opt(Some(at), max_age))
@@ -355,6 +385,7 @@ mod tests {
             max_age: Duration::ZERO,
             boot_timeout: Duration::from_secs(10),
             launch_retries: 2,
+            max_uses: None,
         }
     }
 
@@ -382,6 +413,7 @@ mod tests {
             idle_since: Some(10_000),
             attempts: 1,
             out_of_capacity: false,
+            uses: 0,
             failure: None,
             attributes: Default::default(),
             order: None,
@@ -398,8 +430,81 @@ mod tests {
             synced_since: Some(0),
             heartbeat_lost_at: None,
             heartbeat_ttl: Duration::from_secs(2),
+            min_ready: 0,
+            free_ahead: 0,
             now,
         }
+    }
+
+    #[test]
+    fn an_idle_node_whose_free_slots_keep_min_ready_is_not_released() {
+        let b = node(BackingState::Ready); // idle since 10 s, grace 2 s
+        let late = 60_000;
+        let warm = |min_ready, free_ahead| Observed {
+            min_ready,
+            free_ahead,
+            ..obs(late, 0)
+        };
+        assert!(matches!(next(&b, &warm(0, 0)), Step::Release(_)));
+        assert_eq!(
+            next(&b, &warm(2, 0)),
+            Step::Wait(None),
+            "kept for min-ready"
+        );
+        assert_eq!(
+            next(&b, &warm(2, 1)),
+            Step::Wait(None),
+            "one ahead is not two"
+        );
+        assert!(
+            matches!(next(&b, &warm(2, 2)), Step::Release(_)),
+            "the nodes ahead keep min-ready without it"
+        );
+        let mut aged = b.clone();
+        aged.launched_at = Some(1_000);
+        let rules = Rules {
+            max_age: Duration::from_secs(30),
+            ..rules()
+        };
+        let obs = Observed {
+            rules: Some(rules),
+            ..warm(2, 0)
+        };
+        assert!(
+            matches!(next(&aged, &obs), Step::Retire(_)),
+            "max-age still retires a warm node"
+        );
+    }
+
+    #[test]
+    fn a_node_that_handed_out_max_uses_slots_is_retired() {
+        let mut b = node(BackingState::Ready);
+        b.idle_since = None; // in use
+        let used_up = Observed {
+            rules: Some(Rules {
+                max_uses: Some(3),
+                ..rules()
+            }),
+            ..obs(3_000, 1)
+        };
+        b.uses = 2;
+        assert_eq!(next(&b, &used_up), Step::Wait(None), "one use left");
+        b.uses = 3;
+        assert_eq!(
+            next(&b, &used_up),
+            Step::Retire("max-uses 3 reached".into())
+        );
+        assert_eq!(next(&b, &obs(3_000, 1)), Step::Wait(None), "no max-uses");
+    }
+
+    #[test]
+    fn of_two_empty_nodes_only_the_later_counts_on_the_other() {
+        let empty_a = ("p.main.0", 4, 0);
+        let empty_b = ("p.main.1", 4, 0);
+        let busy_c = ("p.main.2", 4, 3);
+        assert_eq!(free_ahead("p.main.0", [empty_b, busy_c].into_iter()), 1);
+        assert_eq!(free_ahead("p.main.1", [empty_a, busy_c].into_iter()), 4 + 1);
+        // min-ready 2: node 0 stays (1 free ahead), node 1 may go (5): never both.
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub enum SlotError {
     },
     #[error("backing node {0} is gone")]
     BackingGone(BackingId),
+    #[error("backing node {backing_id} handed out its max-uses {max_uses} slots")]
+    UsedUp {
+        backing_id: BackingId,
+        max_uses: u32,
+    },
     #[error("backing node {backing_id}: host key check failed: {reason}")]
     HostKey {
         backing_id: BackingId,
@@ -63,7 +68,7 @@ pub async fn claim(
     index: u32,
 ) -> Result<Versioned<Node>, SlotError> {
     let key = slot.key();
-    let (host, attributes, tombstone, planned) = {
+    let (host, attributes, tombstone, planned, max_uses) = {
         let world = shared.world();
         let planned = world
             .agents
@@ -76,19 +81,20 @@ pub async fn claim(
             .get(&slot.seat_key)
             .ok_or_else(|| SlotError::BackingGone(slot.backing_id.clone()))?;
         let mut attributes = b.value.attributes.clone();
-        if let Some(site) = shared
+        let site = shared
             .config
-            .label_in(&b.value.provider, &b.value.pool, &b.value.label)
-        {
+            .label_in(&b.value.provider, &b.value.pool, &b.value.label);
+        if let Some(site) = site {
             attributes.extend(site.label.node_attributes.clone());
         }
+        let max_uses = site.and_then(|s| s.label.max_uses);
         let host = b
             .value
             .instance
             .as_ref()
             .map(|i| i.host.clone())
             .unwrap_or_default();
-        (host, attributes, tombstone, planned)
+        (host, attributes, tombstone, planned, max_uses)
     };
     let (state, workspace, login) = match planned {
         Some((workspace, login)) => (NodeState::Ready, Some(workspace), login),
@@ -113,6 +119,9 @@ pub async fn claim(
         failure: None,
         login,
     };
+    if let Some(max_uses) = max_uses {
+        count_use(shared, slot, max_uses).await?;
+    }
     let revision = shared
         .bus
         .slots
@@ -123,6 +132,61 @@ pub async fn claim(
         revision,
         value: node,
     })
+}
+
+/// Writes attempts at one more use of a backing node before a claim gives up (each lost
+/// to another launcher's write of the record).
+const COUNT_USE_ATTEMPTS: u32 = 5;
+
+/// Counts one more use of the backing node of `slot`, for a label with `max-uses`: a
+/// revision-checked write of its `uses`, refused once it reached `max_uses`, so that
+/// launchers claiming at once never hand out more. Counted before the claim: a claim
+/// that then fails wastes a use (the node retires early), never hands out one too many.
+async fn count_use(shared: &Shared, slot: &SlotRef, max_uses: u32) -> Result<(), SlotError> {
+    let gone = || SlotError::BackingGone(slot.backing_id.clone());
+    let mut current = shared.world().backing.get(&slot.seat_key).cloned();
+    for _ in 0..COUNT_USE_ATTEMPTS {
+        let b = current.take().ok_or_else(gone)?;
+        if b.value.id != slot.backing_id {
+            return Err(gone());
+        }
+        if b.value.uses >= max_uses {
+            return Err(SlotError::UsedUp {
+                backing_id: slot.backing_id.clone(),
+                max_uses,
+            });
+        }
+        let mut counted = b.value.clone();
+        counted.uses += 1;
+        match shared
+            .bus
+            .backing
+            .update(&slot.seat_key, &counted, b.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                shared.world().put_backing(Versioned {
+                    key: b.key,
+                    revision,
+                    value: counted,
+                });
+                return Ok(());
+            }
+            Err(KvError::Conflict { .. }) => {
+                current = shared
+                    .bus
+                    .backing
+                    .get::<BackingNode>(&slot.seat_key)
+                    .await?;
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Err(KvError::Conflict {
+        bucket: shared.bus.backing.bucket().to_string(),
+        key: slot.seat_key.clone(),
+    }
+    .into())
 }
 
 /// Has the agent prepare a claimed slot, then marks the node ready with what the agent

@@ -60,7 +60,13 @@ fn rest_end(b: &BackingNode) -> Option<u64> {
 /// demand is unmet: the supervisor plans the label again then, rather than at its resync.
 pub fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
     let world = shared.world();
-    if world.unmet_demand(label) <= world.coming_capacity(label) {
+    let min_ready = shared.config.min_ready(label);
+    if deficit(
+        world.unmet_demand(label),
+        world.coming_capacity(label),
+        min_ready,
+    ) <= 0
+    {
         return None;
     }
     let now = now_ms();
@@ -93,10 +99,11 @@ pub fn out_of_capacity<'a>(mut seats: impl Iterator<Item = &'a Versioned<Backing
     })
 }
 
-/// Slots of a label to bring up: what the waiting requests want beyond the slots free
+/// Slots of a label to bring up: what the waiting requests want, plus the label's
+/// `min-ready` (free slots kept ready for requests yet to come), beyond the slots free
 /// now or coming. Negative or zero: nothing to launch.
-pub fn deficit(unmet: u32, coming: u32) -> i64 {
-    unmet as i64 - coming as i64
+pub fn deficit(unmet: u32, coming: u32, min_ready: u32) -> i64 {
+    i64::from(unmet) + i64::from(min_ready) - i64::from(coming)
 }
 
 /// What the planner knows of one pool serving a label, in the order pools are tried.
@@ -161,6 +168,7 @@ pub fn requested_record(
         idle_since: None,
         attempts: 0,
         out_of_capacity: false,
+        uses: 0,
         failure: None,
         attributes: Default::default(),
         order: None,
@@ -168,11 +176,15 @@ pub fn requested_record(
     }
 }
 
-/// Takes as many seats as the label's unmet demand needs.
+/// Takes as many seats as the label's unmet demand and its `min-ready` need.
 pub async fn plan(shared: &Arc<Shared>, label: &str) {
     let deficit = {
         let world = shared.world();
-        deficit(world.unmet_demand(label), world.coming_capacity(label))
+        deficit(
+            world.unmet_demand(label),
+            world.coming_capacity(label),
+            shared.config.min_ready(label),
+        )
     };
     if deficit <= 0 {
         return;
@@ -246,6 +258,36 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn min_ready_counts_in_the_deficit() {
+        assert_eq!(deficit(0, 0, 0), 0, "no demand, no warm slots: nothing");
+        assert_eq!(
+            deficit(0, 0, 2),
+            2,
+            "no request, yet two slots to keep ready"
+        );
+        assert_eq!(deficit(0, 3, 2), -1, "three free or coming cover it");
+        assert_eq!(deficit(1, 2, 2), 1, "a claim took one of them: one more");
+        assert_eq!(deficit(3, 0, 0), 3);
+        let site = |free: u32| SiteSeats {
+            out_of_capacity: false,
+            free: (0..free)
+                .map(|seat| FreeSeat {
+                    seat,
+                    reuse_revision: None,
+                })
+                .collect(),
+            slots: 4,
+        };
+        assert_eq!(choose_seats(deficit(0, 0, 2), &[site(2)]).len(), 1);
+        assert_eq!(
+            choose_seats(deficit(0, 0, 6), &[site(1)]).len(),
+            1,
+            "never beyond max-servers"
+        );
+        assert!(choose_seats(deficit(0, 4, 2), &[site(2)]).is_empty());
+    }
 
     #[test]
     fn a_pool_is_out_of_capacity_while_a_seat_waits_out_a_capacity_error() {

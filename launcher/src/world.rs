@@ -985,6 +985,7 @@ pub mod tests_support {
                 idle_since: None,
                 attempts: 1,
                 out_of_capacity: false,
+                uses: 0,
                 failure: None,
                 attributes: Default::default(),
                 order: None,

@@ -308,6 +308,11 @@ pub struct BackingNode {
     /// capacity: the launcher tries again after a back-off, without counting the attempt.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub out_of_capacity: bool,
+    /// Slots claimed on it so far, counted only for a label with `max-uses`: bumped by
+    /// a revision-checked write before each claim, so that launchers claiming at once
+    /// never hand out more than max-uses.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub uses: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
     #[serde(default)]
@@ -317,6 +322,10 @@ pub struct BackingNode {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order: Option<OperatorOrder>,
     pub updated_at: UnixMillis,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl BackingNode {

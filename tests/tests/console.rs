@@ -321,6 +321,7 @@ fn backing_record(seat: u32) -> BackingNode {
         attributes: Default::default(),
         order: None,
         out_of_capacity: false,
+        uses: 0,
         updated_at: now,
     }
 }

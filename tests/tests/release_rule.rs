@@ -52,6 +52,7 @@ fn backing(launched_at: u64, idle_since: u64) -> BackingNode {
         attributes: Default::default(),
         order: None,
         out_of_capacity: false,
+        uses: 0,
         updated_at: idle_since,
     }
 }
@@ -149,6 +150,8 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             synced_since: Some(0),
             heartbeat_lost_at: None,
             heartbeat_ttl: Duration::from_secs(6),
+            min_ready: 0,
+            free_ahead: 0,
             now,
         };
         let rules = lifecycle::Rules {
@@ -157,6 +160,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             max_age: Duration::ZERO,
             boot_timeout: Duration::from_secs(60),
             launch_retries: 1,
+            max_uses: None,
         };
         let launcher_at = lifecycle::release_at(&b, &obs, &rules);
         let console = console_countdown(label, &b, last_release, now);

@@ -46,6 +46,7 @@ pub fn backing(seat: u32, state: BackingState, slots: u32) -> BackingNode {
         attributes: Default::default(),
         order: None,
         out_of_capacity: false,
+        uses: 0,
         updated_at: NOW - 60 * SEC,
     }
 }

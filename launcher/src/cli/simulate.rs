@@ -82,6 +82,10 @@ struct RunArgs {
     /// Backing nodes at most (without --config).
     #[arg(long, default_value_t = 1000)]
     max_servers: u32,
+    /// Free slots of each label kept ready, with no job waiting for them (without
+    /// --config; a configuration file's `min-ready` is honoured).
+    #[arg(long, default_value_t = 0)]
+    min_ready: u32,
     /// Seconds from a launch to the agent's first heartbeat.
     #[arg(long, default_value_t = 60.0)]
     boot_secs: f64,
@@ -151,6 +155,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             slots_per_node: a.slots_per_node,
             grace_secs: a.grace_secs,
             max_servers: a.max_servers,
+            min_ready: a.min_ready,
         }
         .config(&jobs)
         .context("building the simulated pool")?,

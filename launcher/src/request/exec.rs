@@ -118,6 +118,9 @@ pub async fn carry_out(
                     Err(SlotError::Kv(KvError::Conflict { .. })) => {
                         memory.claim_lost(slot.key(), now_ms())
                     }
+                    // Its node handed out its max-uses: it retires, and the next look
+                    // passes over it.
+                    Err(SlotError::UsedUp { .. }) => memory.claim_lost(slot.key(), now_ms()),
                     Err(err) => result = Err(err),
                 }
             }

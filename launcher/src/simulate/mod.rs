@@ -145,6 +145,8 @@ pub struct Synthetic {
     pub slots_per_node: u32,
     pub grace_secs: u64,
     pub max_servers: u32,
+    /// Free slots of each label kept ready (`min-ready`).
+    pub min_ready: u32,
 }
 
 impl Synthetic {
@@ -156,8 +158,8 @@ impl Synthetic {
         );
         for label in labels {
             out.push_str(&format!(
-                "          - name: {label}\n            backing-label: {label}-{}\n            max-parallel-jobs: {}\n            grace-time: {}\n",
-                self.slots_per_node, self.slots_per_node, self.grace_secs
+                "          - name: {label}\n            backing-label: {label}-{}\n            max-parallel-jobs: {}\n            grace-time: {}\n            min-ready: {}\n",
+                self.slots_per_node, self.slots_per_node, self.grace_secs, self.min_ready
             ));
         }
         out
@@ -187,6 +189,7 @@ mod tests {
                 slots_per_node,
                 grace_secs: 60,
                 max_servers: 100,
+                min_ready: 0,
             }
             .config(jobs)
             .unwrap(),
@@ -318,6 +321,7 @@ mod tests {
             slots_per_node: 2,
             grace_secs: 0,
             max_servers: 100,
+            min_ready: 0,
         }
         .config(&jobs)
         .unwrap();
@@ -328,6 +332,34 @@ mod tests {
             close(r.paid_slot_hours, 2.0 * 160.0 / SLOT_HOUR_SECS),
             "{r:?}"
         );
+    }
+
+    #[test]
+    fn min_ready_keeps_a_warm_node_through_the_launchers_own_rules() {
+        // Jobs at 300 s and 1000 s, long after the first boot and each other's end.
+        let jobs = [job(300, 100), job(1000, 100), job(1010, 100)];
+        let warm = |min_ready| {
+            let mut s = setup(2, &jobs, fixed_boot());
+            s.config = Synthetic {
+                slots_per_node: 2,
+                grace_secs: 0,
+                max_servers: 100,
+                min_ready,
+            }
+            .config(&jobs)
+            .unwrap();
+            run(&jobs, &s, Policy::Slotpool).unwrap()
+        };
+        let cold = warm(0);
+        assert_eq!(cold.wait_max_secs, 60.0, "every job waits a boot: {cold:?}");
+        assert_eq!(cold.backing_nodes_launched, 2, "{cold:?}");
+        let r = warm(2);
+        assert_eq!(r.unserved, 0);
+        assert_eq!(r.wait_max_secs, 0.0, "a warm slot was always there: {r:?}");
+        // One node at the start; one more each time a claim leaves fewer than two free
+        // (the second job takes one of two, the third the last), and no launch and
+        // release in a loop.
+        assert!(r.backing_nodes_launched <= 3, "{r:?}");
     }
 
     #[test]

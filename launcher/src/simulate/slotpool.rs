@@ -92,6 +92,8 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
         sim.events.at(EPOCH_MS + j.arrival_ms, Event::Arrive(i));
     }
     let until = run_until(jobs);
+    // Slots kept ready (min-ready) are launched before the first job.
+    sim.plan()?;
     while let Some((at, event)) = sim.events.pop() {
         if at > until {
             break;
@@ -190,6 +192,32 @@ impl Sim<'_> {
         self.restand(&slot.seat_key);
         // A node whose decision changes with its use is looked at now.
         self.look_now(&slot.seat_key);
+        self.look_at_warm(&slot.seat_key);
+    }
+
+    /// When the label of the node at `seat` keeps slots ready, looks at its other empty
+    /// nodes: one kept for min-ready may go now (as the launcher's supervisor does).
+    fn look_at_warm(&mut self, seat: &str) {
+        let Some(label) = self.nodes.get(seat).map(|n| n.record.value.label.clone()) else {
+            return;
+        };
+        if self.setup.config.min_ready(&label) == 0 {
+            return;
+        }
+        let empty: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(key, n)| {
+                key.as_str() != seat
+                    && n.record.value.label == label
+                    && n.record.value.state == BackingState::Ready
+                    && n.used.is_empty()
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in empty {
+            self.look_now(&key);
+        }
     }
 
     fn look_now(&mut self, seat: &str) {
@@ -370,7 +398,11 @@ impl Sim<'_> {
                     want.saturating_sub(have) as u32
                 })
                 .sum();
-            let deficit = planner::deficit(unmet, self.capacity.coming(&label));
+            let deficit = planner::deficit(
+                unmet,
+                self.capacity.coming(&label),
+                self.setup.config.min_ready(&label),
+            );
             if deficit <= 0 {
                 continue;
             }
@@ -430,9 +462,36 @@ impl Sim<'_> {
         Ok(())
     }
 
+    /// The `min-ready` of the label of the node at `seat` and, when it is empty, the free
+    /// slots of the ready nodes kept ahead of it ([`lifecycle::free_ahead`]), as the
+    /// launcher's backing worker observes them.
+    fn warm(&self, seat: &str) -> (u32, u32) {
+        let Some(me) = self.nodes.get(seat) else {
+            return (0, 0);
+        };
+        let label = &me.record.value.label;
+        let min_ready = self.setup.config.min_ready(label);
+        if min_ready == 0 || !me.used.is_empty() {
+            return (min_ready, 0);
+        }
+        let others = self
+            .nodes
+            .iter()
+            .filter(|(key, n)| {
+                key.as_str() != seat
+                    && n.record.value.label == *label
+                    && n.booted
+                    && n.record.value.state == BackingState::Ready
+                    && n.record.value.idle == IdleBehaviour::Run
+            })
+            .map(|(key, n)| (key.as_str(), n.record.value.slots, n.used.len() as u32));
+        (min_ready, lifecycle::free_ahead(seat, others))
+    }
+
     /// Carries out `lifecycle::next` for the node at `seat` until it waits.
     fn step_node(&mut self, seat: &str) -> Result<(), SimError> {
         for _ in 0..MAX_STEPS {
+            let (min_ready, free_ahead) = self.warm(seat);
             let Some(n) = self.nodes.get_mut(seat) else {
                 return Ok(());
             };
@@ -456,6 +515,8 @@ impl Sim<'_> {
                 heartbeat_ttl: Duration::from_secs(
                     slotpool_protocol::model::DEFAULT_HEARTBEAT_TTL_SECS,
                 ),
+                min_ready,
+                free_ahead,
                 now: self.now,
             };
             let step = lifecycle::next(b, &obs);
@@ -498,6 +559,7 @@ impl Sim<'_> {
                     // before the node's next step (with a grace time of 0, its release).
                     self.restand(seat);
                     self.look_now(seat);
+                    self.look_at_warm(seat);
                     return Ok(());
                 }
                 Step::SetIdleSince(at) => b.idle_since = at,

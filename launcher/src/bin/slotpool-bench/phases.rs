@@ -602,6 +602,7 @@ async fn seed_backing(
                 idle_since: Some(now),
                 attempts: 1,
                 out_of_capacity: false,
+                uses: 0,
                 failure: None,
                 attributes: Default::default(),
                 order: None,

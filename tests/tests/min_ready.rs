@@ -1,0 +1,116 @@
+//! `min-ready`: free slots kept warm with no request waiting, against a real nats-server,
+//! a real launcher and local agents.
+
+use futures::StreamExt;
+use slotpool_protocol::model::{BackingNode, BackingState};
+use slotpool_protocol::store::Change;
+use slotpool_protocol::BackingId;
+use slotpool_tests::{label, wait_for, Pool};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(30);
+/// Longer than the labels' grace-time (1 s), with room for a release to show.
+const PAST_GRACE: Duration = Duration::from_secs(4);
+
+/// Every backing id of `label` ever written to the backing bucket, as a watch sees them.
+fn launched(pool: &Pool, label: &'static str) -> Arc<Mutex<HashSet<BackingId>>> {
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let bus = pool.client.bus().clone();
+    let into = seen.clone();
+    tokio::spawn(async move {
+        let mut changes = Box::pin(bus.backing.watch().await.expect("watch backing"));
+        while let Some(Ok(change)) = changes.next().await {
+            if let Change::Put { value, .. } = change {
+                if let Ok(b) = serde_json::from_slice::<BackingNode>(&value) {
+                    if b.label == label {
+                        into.lock().unwrap().insert(b.id);
+                    }
+                }
+            }
+        }
+    });
+    seen
+}
+
+async fn ready(pool: &Pool, label: &str) -> Vec<BackingNode> {
+    pool.backing_in(&[BackingState::Ready])
+        .await
+        .into_iter()
+        .filter(|b| b.label == label)
+        .collect()
+}
+
+/// Free slots of `label`: slots of its ready backing nodes not held by a node.
+async fn free(pool: &Pool, label: &str) -> usize {
+    let nodes = ready(pool, label).await;
+    let held = pool.nodes().await;
+    nodes
+        .iter()
+        .map(|b| b.slots as usize - held.iter().filter(|n| n.backing_id == b.id).count())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_ready_keeps_slots_warm_without_launching_and_releasing_in_a_loop() {
+    let labels = label("warm", 2, 1, &["min-ready: 2"]) + &label("cold", 2, 1, &["min-ready: 0"]);
+    let pool = Pool::start(4, 5, &labels, 1).await;
+    let seen = launched(&pool, "warm");
+
+    // No request: one backing node of 2 slots is launched for min-ready 2, none for 0.
+    wait_for("a warm backing node ready", LONG, || async {
+        ready(&pool, "warm").await.len() == 1
+    })
+    .await;
+    let first = ready(&pool, "warm").await.remove(0);
+    // Kept past its grace-time, and not replaced by another.
+    tokio::time::sleep(PAST_GRACE).await;
+    let now = ready(&pool, "warm").await;
+    assert_eq!(
+        now.iter().map(|b| &b.id).collect::<Vec<_>>(),
+        vec![&first.id],
+        "the warm node was released (or another launched) past its grace-time"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 1, "launched more than once");
+    assert!(
+        pool.backing().await.iter().all(|b| b.label != "cold"),
+        "a label with min-ready 0 got a backing node with no request"
+    );
+
+    // A request takes a warm slot at once, leaving one free: another node comes.
+    let r = pool.fulfilled(&pool.submit(&["warm"]).await).await;
+    assert_eq!(pool.node(&r.nodes[0]).await.backing_id, first.id);
+    wait_for("free slots back to min-ready", LONG, || async {
+        free(&pool, "warm").await >= 2
+    })
+    .await;
+    assert_eq!(ready(&pool, "warm").await.len(), 2);
+
+    // Given back, the two empty nodes have 4 free: one goes after its grace-time, the
+    // other stays, and nothing is launched again.
+    pool.release_and_wait(&r.nodes).await;
+    wait_for("one of the two empty nodes released", LONG, || async {
+        pool.backing()
+            .await
+            .iter()
+            .filter(|b| b.label == "warm")
+            .count()
+            == 1
+    })
+    .await;
+    tokio::time::sleep(PAST_GRACE).await;
+    assert_eq!(
+        ready(&pool, "warm").await.len(),
+        1,
+        "the last warm node went"
+    );
+    assert_eq!(free(&pool, "warm").await, 2);
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        2,
+        "launched and released in a loop: {:?}",
+        seen.lock().unwrap()
+    );
+    assert!(pool.backing().await.iter().all(|b| b.label != "cold"));
+}
