@@ -6,8 +6,11 @@ use crate::api::{
     SubmitRequest, Submitted, WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
+use crate::layout;
 use crate::layout::subjects::{self, ApiOp};
-use crate::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction};
+use crate::model::{
+    AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction, ProviderStatus,
+};
 use crate::store::{KvError, Versioned};
 use crate::{BackingId, NodeId, RequestId, UserName};
 use std::time::Duration;
@@ -199,7 +202,7 @@ impl Client {
             let Some((backing, slot)) = id.slot() else {
                 continue;
             };
-            let key = crate::layout::slot_key(&backing, slot);
+            let key = layout::slot_key(&backing, slot);
             let mut changes = Box::pin(self.bus.slots.watch_keys(&key).await?);
             loop {
                 let holds = match changes.next().await {
@@ -315,6 +318,16 @@ impl Client {
 
     pub async fn list_backing(&self) -> Result<Vec<BackingNode>, BusError> {
         Ok(values(self.bus.backing.list().await?))
+    }
+
+    /// Each provider's last error, for those whose last call failed.
+    pub async fn list_providers(&self) -> Result<Vec<ProviderStatus>, BusError> {
+        Ok(values(
+            self.bus
+                .leases
+                .list_keys(layout::PROVIDER_STATUS_KEYS)
+                .await?,
+        ))
     }
 
     pub async fn list_agents(&self) -> Result<Vec<AgentHeartbeat>, BusError> {

@@ -1,7 +1,7 @@
 //! The detail pane (`i`): everything about the selected row that the table has no room
 //! for. For a backing node: who holds each slot, its dirty slots, its last failure, its
 //! recent events and its whole record; for a pool: why requests wait (capacity held,
-//! draining, failed, out of capacity, at max-servers) and the sparklines of its slots
+//! draining, failed, out of capacity, at max-servers), its provider's last error and the sparklines of its slots
 //! used and requests waiting; for a slot, a request or an event: its record.
 //!
 //! Pure: built from the [`State`]; the view only lays it out.
@@ -10,7 +10,7 @@ use crate::format::{clock, fmt_duration, node_state_name};
 use crate::rows::{PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use serde::Serialize;
-use slotpool_protocol::model::{BackingNode, BackingState, Event, IdleBehaviour};
+use slotpool_protocol::model::{BackingNode, BackingState, Event, IdleBehaviour, ProviderCall};
 
 /// Recent events shown for a backing node or a node.
 pub const RECENT_EVENTS: usize = 5;
@@ -303,7 +303,36 @@ fn pool_pane(state: &State, p: &PoolRow) -> Pane {
             c.out_of_capacity,
         ),
     );
+    provider_error(&mut pane, state, &p.provider);
     pane
+}
+
+/// The provider's last error, while its last call failed.
+fn provider_error(pane: &mut Pane, state: &State, provider: &str) {
+    let Some(e) = state.provider_error(provider) else {
+        return;
+    };
+    let call = match e.call {
+        ProviderCall::Launch => "launch",
+        ProviderCall::Delete => "delete",
+        ProviderCall::List => "list",
+    };
+    pane.line(
+        Tone::Error,
+        format!(
+            "provider {provider}: {} failure{} in a row, the last a {call} {} ago",
+            e.failures,
+            if e.failures == 1 { "" } else { "s" },
+            fmt_duration(state.now.saturating_sub(e.at)),
+        ),
+    );
+    if let Some(until) = e.capacity_until.filter(|u| *u > state.now) {
+        pane.line(
+            Tone::Warn,
+            format!("out of capacity: launches wait until {}", clock(until)),
+        );
+    }
+    pane.line(Tone::Error, e.error.clone());
 }
 
 fn backing_pane(state: &State, b: &BackingNode) -> Pane {

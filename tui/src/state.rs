@@ -21,7 +21,8 @@ use crate::rows::{
 };
 use crate::rules::Rules;
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, ProviderStatus,
+    RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -282,6 +283,13 @@ impl State {
 
     pub fn backing(&self, key: &str) -> Option<&BackingNode> {
         self.mirror.backing(key)
+    }
+
+    /// The last error of `provider`, while its last call failed.
+    pub fn provider_error(&self, provider: &str) -> Option<&ProviderStatus> {
+        self.mirror
+            .provider_errors()
+            .find(|p| p.provider == provider)
     }
 
     /// The idle timer of `b` (see [`Facts::idle_timer`]).

@@ -525,8 +525,17 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
             let p = state.pool_row(key)?;
             let states = pool_states(p);
             let failed = p.by_state[5] > 0;
+            let pool = format!("{}/{}", p.provider, p.pool);
             let cells = vec![
-                Cell::from(format!("{}/{}", p.provider, p.pool)),
+                // A provider whose last call failed is marked; the pane (`i`) says why.
+                if state.provider_error(&p.provider).is_some() {
+                    Cell::from(Line::from(vec![
+                        Span::styled("! ", theme.error()),
+                        Span::raw(pool),
+                    ]))
+                } else {
+                    Cell::from(pool)
+                },
                 Cell::from(p.label.clone()),
                 Cell::from(format!(
                     "{}/{}",
@@ -1066,6 +1075,7 @@ fn draw_confirm(frame: &mut Frame, area: Rect, question: &str, reason: &str, the
 mod tests {
     use super::*;
     use crate::fixtures::*;
+    use crate::mirror::Bucket;
     use crate::mirror::{Change, Record};
     use crate::rules::Rules;
     use crate::state::{apply_all, Msg};
@@ -1073,7 +1083,7 @@ mod tests {
     use ratatui::backend::TestBackend;
     use ratatui::style::Color;
     use ratatui::Terminal;
-    use slotpool_protocol::model::{OperatorAction, OperatorOrder};
+    use slotpool_protocol::model::{OperatorAction, OperatorOrder, ProviderCall, ProviderStatus};
 
     fn render(state: &State, theme: &Theme) -> Terminal<TestBackend> {
         let mut t = Terminal::new(TestBackend::new(state.size.0, state.size.1)).unwrap();
@@ -1138,7 +1148,7 @@ mod tests {
         apply_all(
             &mut state,
             [Msg::Feed(vec![Change::Removed {
-                bucket: crate::mirror::Bucket::Backing,
+                bucket: Bucket::Backing,
                 key: "cloud.main.1".into(),
             }])],
         );
@@ -1203,6 +1213,49 @@ mod tests {
         let text = screen(&state);
         assert!(text.contains("why") || text.contains("waiting"), "{text}");
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn a_providers_last_error_marks_its_pools_and_shows_in_the_pool_pane() {
+        let mut state = sample_state(80, 24);
+        let status = ProviderStatus {
+            v: 1,
+            provider: "cloud".into(),
+            error: "cloud: create exited with status 1: quota exceeded for region eu-1".into(),
+            call: ProviderCall::Launch,
+            at: NOW - 90 * 1000,
+            failures: 3,
+            capacity_until: Some(NOW + 8 * 1000),
+            launcher: slotpool_protocol::LauncherId::parse("launcher-01jq3m2f7h8g9k0m1n2p3q4r5s")
+                .unwrap(),
+        };
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![put(Record::Provider(Box::new(status)))])],
+        );
+        press(&mut state, [key('1')]);
+        let table = screen(&state);
+        assert!(table.contains("! cloud/main"), "{table}");
+        insta::assert_snapshot!("provider_error_pools", table);
+        press(&mut state, [key('i')]);
+        let text = screen(&state);
+        assert!(
+            text.contains("3 failures in a row, the last a launch"),
+            "{text}"
+        );
+        assert!(text.contains("quota exceeded"), "{text}");
+        insta::assert_snapshot!("provider_error_pool_pane", text);
+        // Cleared after a success: the mark and the lines go.
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: Bucket::Providers,
+                key: "provider.cloud".into(),
+            }])],
+        );
+        let cleared = screen(&state);
+        assert!(!cleared.contains("failures in a row"), "{cleared}");
+        assert!(!cleared.contains("! cloud/main"), "{cleared}");
     }
 
     #[test]
