@@ -289,6 +289,17 @@ pub enum AgentCommand {
     SlotOccupants { slot: u32 },
 }
 
+/// An operator's question on `slotpool.admin.v2.<operator>.slot_occupants`: who is in
+/// slot `slot` of backing node `backing_id`. The launcher asks the node's agent
+/// ([`AgentCommand::SlotOccupants`]) and relays its [`SlotOccupants`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotOccupantsQuery {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub backing_id: BackingId,
+    pub slot: u32,
+}
+
 /// Reply to [`AgentCommand::SlotOccupants`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SlotOccupants {

@@ -2,8 +2,8 @@
 
 use crate::api::{
     self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive,
-    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, StillHeld,
-    SubmitRequest, Submitted, WaitReleased,
+    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, SlotOccupants,
+    SlotOccupantsQuery, StillHeld, SubmitRequest, Submitted, WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
 use crate::layout;
@@ -278,6 +278,23 @@ impl Client {
         };
         self.bus
             .call(&subjects::admin(self.name(), action), &msg, API_TIMEOUT)
+            .await
+    }
+
+    /// Who is in slot `slot` of backing node `backing` (operators only): the launcher
+    /// asks the node's agent.
+    pub async fn slot_occupants(
+        &self,
+        backing: &BackingId,
+        slot: u32,
+    ) -> Result<SlotOccupants, BusError> {
+        let q = SlotOccupantsQuery {
+            v: crate::PROTOCOL_VERSION,
+            backing_id: backing.clone(),
+            slot,
+        };
+        self.bus
+            .call(&subjects::slot_occupants(self.name()), &q, API_TIMEOUT)
             .await
     }
 

@@ -212,6 +212,15 @@ pub mod subjects {
     pub fn admin_all(action: OperatorAction) -> String {
         format!("slotpool.admin.v2.*.{}", action.as_str())
     }
+    /// `operator`'s subject for asking who is in a slot
+    /// ([`crate::api::SlotOccupantsQuery`]); not an order, so nothing is recorded.
+    pub fn slot_occupants(operator: &UserName) -> String {
+        format!("slotpool.admin.v2.{operator}.{SLOT_OCCUPANTS}")
+    }
+    /// The last token of [`slot_occupants`].
+    pub const SLOT_OCCUPANTS: &str = "slot_occupants";
+    /// Every operator's [`slot_occupants`] subject, for serving it.
+    pub const SLOT_OCCUPANTS_ALL: &str = "slotpool.admin.v2.*.slot_occupants";
     /// Every order `operator` may give (a permission pattern).
     pub fn admin_of(operator: &str) -> String {
         format!("slotpool.admin.v2.{operator}.>")
