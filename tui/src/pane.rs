@@ -2,7 +2,8 @@
 //! for. For a backing node: who holds each slot, its dirty slots, its last failure, its
 //! recent events and its whole record; for a pool: why requests wait (capacity held,
 //! draining, failed, out of capacity, at max-servers), its provider's last error and the sparklines of its slots
-//! used and requests waiting; for a slot, a request or an event: its record.
+//! used and requests waiting; for a slot: who is in it (asked of its agent when the pane
+//! opens) and its record; for a request or an event: its record.
 //!
 //! Pure: built from the [`State`]; the view only lays it out.
 
@@ -10,7 +11,9 @@ use crate::format::{clock, fmt_duration, node_state_name};
 use crate::rows::{PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use serde::Serialize;
-use slotpool_protocol::model::{BackingNode, BackingState, Event, IdleBehaviour, ProviderCall};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Event, IdleBehaviour, Node, ProviderCall,
+};
 
 /// Recent events shown for a backing node or a node.
 pub const RECENT_EVENTS: usize = 5;
@@ -84,6 +87,7 @@ pub fn build(state: &State) -> Pane {
                     title: format!(" Node {} ", n.id),
                     ..Default::default()
                 };
+                occupants(&mut pane, state, &n);
                 events_of(&mut pane, state, |e| e.node_id.as_ref() == Some(&n.id));
                 record(&mut pane, state, &n);
                 pane
@@ -305,6 +309,40 @@ fn pool_pane(state: &State, p: &PoolRow) -> Pane {
     );
     provider_error(&mut pane, state, &p.provider);
     pane
+}
+
+/// Who is in the node's slot, as its agent said when the pane was opened on it.
+fn occupants(pane: &mut Pane, state: &State, n: &Node) {
+    let Some(o) = state
+        .occupancy
+        .as_ref()
+        .filter(|o| o.backing_id == n.backing_id && o.slot == n.slot)
+    else {
+        pane.line(Tone::Dim, "who is in it: i i asks its agent");
+        return;
+    };
+    match &o.answer {
+        None => pane.line(Tone::Dim, "who is in it: asking its agent…"),
+        Some(Err(err)) => pane.line(Tone::Warn, format!("who is in it: {err}")),
+        Some(Ok(a)) => {
+            pane.line(
+                Tone::Plain,
+                format!(
+                    "in it: {} process{} · {} SSH login{}",
+                    a.processes,
+                    if a.processes == 1 { "" } else { "es" },
+                    a.logins.len(),
+                    if a.logins.len() == 1 { "" } else { "s" },
+                ),
+            );
+            for l in &a.logins {
+                pane.line(
+                    Tone::Plain,
+                    format!("  {}@{} since {}", l.user, l.from, clock(l.since)),
+                );
+            }
+        }
+    }
 }
 
 /// The provider's last error, while its last call failed.

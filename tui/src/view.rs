@@ -1279,6 +1279,49 @@ mod tests {
     }
 
     #[test]
+    fn the_slot_pane_asks_who_is_in_the_slot_and_shows_the_answer() {
+        use crate::state::Command;
+        use slotpool_protocol::api::{SlotOccupants, SlotSession};
+        let mut state = sample_state(100, 40);
+        press(&mut state, [code(KeyCode::Enter)]);
+        // The first used slot of the node: opening its pane asks its agent.
+        let mut asked = None;
+        for _ in 0..4 {
+            let commands = press(&mut state, [key('i')]);
+            asked = commands.into_iter().find_map(|c| match c {
+                Command::AskOccupants { backing_id, slot } => Some((backing_id, slot)),
+                _ => None,
+            });
+            if asked.is_some() {
+                break;
+            }
+            press(&mut state, [key('i'), key('j')]);
+        }
+        let (backing_id, slot) = asked.expect("opening a used slot's pane asks who is in it");
+        assert!(screen(&state).contains("asking its agent"));
+        let answer = SlotOccupants {
+            processes: 3,
+            logins: vec![SlotSession {
+                user: "sp1a2b3c4ds0".into(),
+                from: "10.0.0.9:51234".into(),
+                since: NOW - 120 * 1000,
+            }],
+        };
+        apply_all(
+            &mut state,
+            [Msg::Occupants {
+                backing_id,
+                slot,
+                result: Ok(answer),
+            }],
+        );
+        let text = screen(&state);
+        assert!(text.contains("in it: 3 processes · 1 SSH login"), "{text}");
+        assert!(text.contains("sp1a2b3c4ds0@10.0.0.9:51234 since"), "{text}");
+        insta::assert_snapshot!("slot_pane_occupants", text);
+    }
+
+    #[test]
     fn slots_view() {
         let mut state = sample_state(80, 24);
         press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
