@@ -71,6 +71,8 @@ fn target(command: &AgentCommand) -> (&'static str, Option<(u32, &NodeId)>) {
         AgentCommand::ReleaseSlot { slot, node_id } => ("release_slot", Some((*slot, node_id))),
         AgentCommand::Close => ("close", None),
         AgentCommand::Open => ("open", None),
+        // Read-only: on the close/open lane, never behind a slot's slow release.
+        AgentCommand::SlotOccupants { .. } => ("slot_occupants", None),
     }
 }
 
@@ -190,6 +192,9 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
             let prepared = slots.open().await;
             tracing::info!(?prepared, "open to new slots");
             reply_with(Ok(SlotsClosed { prepared })).into()
+        }
+        AgentCommand::SlotOccupants { slot } => {
+            reply_with(slots.occupants(slot).await.map_err(|e| api_error(&e))).into()
         }
     }
 }

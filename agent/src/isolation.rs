@@ -27,7 +27,7 @@
 //! and whose marker names no node; one with anything in it is cold and wiped before use.
 
 use crate::wipe::{Budget, WipeError};
-use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::api::{SlotLimits, SlotOccupants};
 use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::fs;
@@ -167,6 +167,11 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// The Unix user of a prepared slot, when slots have their own users.
     fn username(&self, _slot: u32) -> Option<String> {
         None
+    }
+
+    /// Who is in the slot: its user's processes and SSH logins (none without a slot user).
+    fn occupants(&self, _slot: u32) -> SlotOccupants {
+        SlotOccupants::default()
     }
 
     /// Moves process `pid` of user `uid` into its slot's cgroup; returns the slot, or

@@ -32,7 +32,7 @@
 //! restarted agent is open again.
 
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
-use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::api::{SlotLimits, SlotOccupants};
 use slotpool_protocol::model::{SlotReport, DIRTY_REASON_MAX_CHARS};
 use slotpool_protocol::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -358,6 +358,18 @@ impl Slots {
     }
 
     /// The isolation in use.
+    /// Who is in slot `slot` now (see [`SlotIsolation::occupants`]); reads `/proc`, so
+    /// run it off the async workers.
+    pub async fn occupants(&self, slot: u32) -> Result<SlotOccupants, SlotError> {
+        self.check(slot)?;
+        let isolation = self.isolation().clone();
+        Ok(
+            tokio::task::spawn_blocking(move || isolation.occupants(slot))
+                .await
+                .unwrap_or_default(),
+        )
+    }
+
     pub fn isolation(&self) -> &Arc<dyn SlotIsolation> {
         &self.isolation
     }

@@ -68,7 +68,7 @@ use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
 use crate::wipe::Budget;
 use serde::{Deserialize, Serialize};
-use slotpool_protocol::api::SlotLimits;
+use slotpool_protocol::api::{SlotLimits, SlotOccupants};
 use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::collections::BTreeMap;
@@ -743,6 +743,16 @@ impl SlotIsolation for UserIsolation {
             .get(&slot)
             .filter(|u| u.prepared)
             .map(|u| u.user.clone())
+    }
+
+    fn occupants(&self, slot: u32) -> SlotOccupants {
+        let Some((user, uid)) = self.users().get(&slot).map(|u| (u.user.clone(), u.uid)) else {
+            return SlotOccupants::default();
+        };
+        SlotOccupants {
+            processes: users::processes_of(&self.proc_root, uid).len() as u32,
+            logins: users::ssh_sessions(&self.proc_root, uid, &user),
+        }
     }
 
     fn place(&self, uid: u32, pid: i32) -> Result<Option<u32>, IsolationError> {

@@ -21,6 +21,7 @@
 
 use crate::isolation::IsolationError;
 use sha2::{Digest, Sha256};
+use slotpool_protocol::api::SlotSession;
 use slotpool_protocol::model::SlotNames;
 use std::ffi::CString;
 use std::os::unix::process::CommandExt;
@@ -651,9 +652,91 @@ pub fn remove_ipc_of(proc_root: &Path, uid: u32) -> Vec<String> {
     errors
 }
 
+/// The SSH logins of `user` (uid `uid`) still open: each process of the uid whose parent
+/// is an sshd process (the login's shell or command) and whose environment names the
+/// connection (`SSH_CONNECTION`), oldest first.
+pub fn ssh_sessions(proc_root: &Path, uid: u32, user: &str) -> Vec<SlotSession> {
+    let boot_ms = boot_time_ms(proc_root);
+    let mut sessions: Vec<SlotSession> = processes_of(proc_root, uid)
+        .into_iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(proc_root.join(format!("{pid}/stat"))).ok()?;
+            let (ppid, start_ticks) = parse_stat(&stat)?;
+            let parent = std::fs::read_to_string(proc_root.join(format!("{ppid}/comm"))).ok()?;
+            if !parent.starts_with("sshd") {
+                return None;
+            }
+            let environ = std::fs::read(proc_root.join(format!("{pid}/environ"))).ok()?;
+            Some(SlotSession {
+                user: user.to_string(),
+                from: ssh_client(&environ)?,
+                since: boot_ms? + start_ticks * 1000 / clock_ticks(),
+            })
+        })
+        .collect();
+    sessions.sort_by_key(|s| s.since);
+    sessions
+}
+
+/// The parent pid and start time (clock ticks after boot) from a `/proc/<pid>/stat` line.
+pub fn parse_stat(stat: &str) -> Option<(i32, u64)> {
+    // The command name, in parentheses, may hold spaces and parentheses itself.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state (0), ppid (1), ..., starttime (19).
+    Some((fields.get(1)?.parse().ok()?, fields.get(19)?.parse().ok()?))
+}
+
+/// `address:port` of the client from an environment's `SSH_CONNECTION`
+/// (`client-address client-port server-address server-port`).
+pub fn ssh_client(environ: &[u8]) -> Option<String> {
+    let value = environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(b"SSH_CONNECTION="))?;
+    let value = std::str::from_utf8(value).ok()?;
+    let mut parts = value.split_whitespace();
+    let (address, port) = (parts.next()?, parts.next()?);
+    Some(format!("{address}:{port}"))
+}
+
+fn boot_time_ms(proc_root: &Path) -> Option<u64> {
+    let stat = std::fs::read_to_string(proc_root.join("stat")).ok()?;
+    let secs: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(secs * 1000)
+}
+
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as u64
+    } else {
+        100
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_gives_parent_and_start_even_with_a_strange_command_name() {
+        let stat = "4242 (sh (x) y) S 4200 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 2400000 150";
+        assert_eq!(parse_stat(stat), Some((4200, 987654)));
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn the_ssh_client_comes_from_ssh_connection() {
+        let env = b"HOME=/w\0SSH_CONNECTION=127.0.0.1 51234 127.0.0.1 2222\0USER=s\0";
+        assert_eq!(ssh_client(env), Some("127.0.0.1:51234".into()));
+        assert_eq!(ssh_client(b"HOME=/w\0"), None);
+    }
 
     fn passwd_dir() -> tempfile::TempDir {
         let etc = tempfile::tempdir().unwrap();

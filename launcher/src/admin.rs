@@ -1,5 +1,6 @@
 //! Operators' orders, served on `slotpool.admin.v2.<operator>.<action>`: hold, drain, run and kill a
-//! backing node, and release one node. An order is a revision-checked write of the backing
+//! backing node, and release one node; and one question, who is in a slot
+//! (`slot_occupants`), relayed to the node's agent. An order is a revision-checked write of the backing
 //! node's record (its `idle` behaviour and `order`); the launcher that drives the node
 //! (whichever holds its lease) carries it out through the state machine, so orders survive
 //! a launcher restart. Every order is recorded in the event log with who (the operator's bus user name, from the subject: never what the message
@@ -10,9 +11,11 @@ use crate::inbound::{bad, decode, internal};
 use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, seat_topic, Shared};
 use slotpool_protocol::api::{
-    ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
+    AgentCommand, ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
+    SlotOccupants, SlotOccupantsQuery,
 };
-use slotpool_protocol::connect::Incoming;
+use slotpool_protocol::connect::{BusError, Incoming};
+use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{
     BackingNode, BackingState, IdleBehaviour, OperatorAction, OperatorOrder,
 };
@@ -20,6 +23,7 @@ use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, UserName};
 use std::sync::Arc;
+use std::time::Duration;
 
 const MAX_REASON_LEN: usize = 1024;
 
@@ -208,4 +212,31 @@ pub async fn release_node(
         out.not_found.push(o.node_id);
     }
     Ok(out)
+}
+
+/// How long a `slot_occupants` question waits for the agent.
+const OCCUPANTS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `slot_occupants`: asks the backing node's agent who is in the slot. Operators
+/// only (the subject is under `slotpool.admin`); not an order, so nothing is recorded.
+pub async fn slot_occupants(sh: &Arc<Shared>, msg: &Incoming) -> Result<SlotOccupants, ApiError> {
+    let q: SlotOccupantsQuery =
+        decode(msg, "slot_occupants question", |q: &SlotOccupantsQuery| q.v)?;
+    seat_of(sh, &q.backing_id).await?;
+    let asked = AgentCommand::SlotOccupants { slot: q.slot };
+    match sh
+        .bus
+        .call(&subjects::agent(&q.backing_id), &asked, OCCUPANTS_TIMEOUT)
+        .await
+    {
+        Ok(occupants) => Ok(occupants),
+        Err(BusError::Api(err)) => Err(err),
+        Err(err @ (BusError::NoResponders { .. } | BusError::Timeout { .. })) => {
+            Err(ApiError::new(
+                ErrorCode::Unavailable,
+                format!("the agent of {} does not answer: {err}", q.backing_id),
+            ))
+        }
+        Err(err) => Err(internal(err)),
+    }
 }

@@ -44,6 +44,7 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
     for action in OperatorAction::ALL {
         served.push((subjects::admin_all(action), Op::Admin(action)));
     }
+    served.push((subjects::SLOT_OCCUPANTS_ALL.to_string(), Op::SlotOccupants));
     served.push((subjects::API_V1_ALL.to_string(), Op::Retired));
     served.push((subjects::ADMIN_V1_ALL.to_string(), Op::Retired));
     let mut streams = Vec::with_capacity(served.len());
@@ -72,6 +73,8 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
 enum Op {
     Api(ApiOp),
     Admin(OperatorAction),
+    /// An operator's question: who is in a slot.
+    SlotOccupants,
     /// A subject of API v1, answered with `unsupported_version`.
     Retired,
 }
@@ -126,6 +129,7 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
             )
             .await
         }
+        Op::SlotOccupants => respond(&sh, &reply_to, admin::slot_occupants(&sh, &msg).await).await,
         Op::Retired => unreachable!("a v1 subject has no caller"),
     };
     if let Err(err) = sent {

@@ -95,6 +95,9 @@ pub async fn run(
     ));
     tracing::info!(launcher = %shared.id, "launcher starting");
 
+    shared
+        .tracker
+        .spawn(shared.provider_status.clone().watch(shutdown.clone()));
     if let Some(listener) = deps.http {
         shared.tracker.spawn(http::serve(shared.clone(), listener));
     }

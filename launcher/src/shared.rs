@@ -5,6 +5,7 @@ use crate::agent_bus::AgentBus;
 use crate::config::Config;
 use crate::liveness::Liveness;
 use crate::mirror_sync::MirrorSync;
+use crate::provider::status::{Recorded, StatusBook};
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
@@ -21,6 +22,8 @@ pub struct Shared {
     pub bus: Bus,
     pub config: Config,
     pub providers: HashMap<String, Arc<dyn Provider>>,
+    /// Each provider's last error, written as the providers' calls fail and succeed.
+    pub provider_status: Arc<StatusBook>,
     /// How agents started by providers reach the bus.
     pub agent_bus: AgentBus,
     world: Mutex<World>,
@@ -45,12 +48,22 @@ impl Shared {
         shutdown: CancellationToken,
     ) -> Shared {
         let id = LauncherId::generate();
+        let provider_status = Arc::new(StatusBook::new(bus.leases.clone(), id.clone()));
+        let providers = providers
+            .into_iter()
+            .map(|(name, p)| {
+                let recorded: Arc<dyn Provider> =
+                    Arc::new(Recorded::new(p, provider_status.clone()));
+                (name, recorded)
+            })
+            .collect();
         Shared {
             world: Mutex::new(World::of(id.clone())),
             id,
             bus,
             config,
             providers,
+            provider_status,
             agent_bus,
             signals: Signals::default(),
             active: Mutex::new(HashSet::new()),

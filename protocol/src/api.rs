@@ -284,6 +284,41 @@ pub enum AgentCommand {
     Close,
     /// Accept `prepare_slot`s again (a release was aborted); replies [`SlotsClosed`].
     Open,
+    /// Who is in slot `slot` now: replies [`SlotOccupants`]. Asked on demand (an
+    /// operator's detail view), never part of the heartbeat.
+    SlotOccupants { slot: u32 },
+}
+
+/// An operator's question on `slotpool.admin.v2.<operator>.slot_occupants`: who is in
+/// slot `slot` of backing node `backing_id`. The launcher asks the node's agent
+/// ([`AgentCommand::SlotOccupants`]) and relays its [`SlotOccupants`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotOccupantsQuery {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub backing_id: BackingId,
+    pub slot: u32,
+}
+
+/// Reply to [`AgentCommand::SlotOccupants`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlotOccupants {
+    /// Processes of the slot's user (0 without a slot user, mode `none`).
+    pub processes: u32,
+    /// The SSH logins into the slot still open, oldest first.
+    #[serde(default)]
+    pub logins: Vec<SlotSession>,
+}
+
+/// One SSH login into a slot.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotSession {
+    /// The slot user logged in as.
+    pub user: String,
+    /// Where from: the client's address and port.
+    pub from: String,
+    /// When the login's shell started.
+    pub since: crate::time::UnixMillis,
 }
 
 /// Reply to [`AgentCommand::Close`] and [`AgentCommand::Open`].

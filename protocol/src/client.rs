@@ -2,12 +2,15 @@
 
 use crate::api::{
     self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive,
-    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, StillHeld,
-    SubmitRequest, Submitted, WaitReleased,
+    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, SlotOccupants,
+    SlotOccupantsQuery, StillHeld, SubmitRequest, Submitted, WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
+use crate::layout;
 use crate::layout::subjects::{self, ApiOp};
-use crate::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction};
+use crate::model::{
+    AgentHeartbeat, BackingNode, Event, Node, NodeRequest, OperatorAction, ProviderStatus,
+};
 use crate::store::{KvError, Versioned};
 use crate::{BackingId, NodeId, RequestId, UserName};
 use std::time::Duration;
@@ -199,7 +202,7 @@ impl Client {
             let Some((backing, slot)) = id.slot() else {
                 continue;
             };
-            let key = crate::layout::slot_key(&backing, slot);
+            let key = layout::slot_key(&backing, slot);
             let mut changes = Box::pin(self.bus.slots.watch_keys(&key).await?);
             loop {
                 let holds = match changes.next().await {
@@ -278,6 +281,23 @@ impl Client {
             .await
     }
 
+    /// Who is in slot `slot` of backing node `backing` (operators only): the launcher
+    /// asks the node's agent.
+    pub async fn slot_occupants(
+        &self,
+        backing: &BackingId,
+        slot: u32,
+    ) -> Result<SlotOccupants, BusError> {
+        let q = SlotOccupantsQuery {
+            v: crate::PROTOCOL_VERSION,
+            backing_id: backing.clone(),
+            slot,
+        };
+        self.bus
+            .call(&subjects::slot_occupants(self.name()), &q, API_TIMEOUT)
+            .await
+    }
+
     /// An operator releases one node (slot), whoever holds it.
     pub async fn release_node(
         &self,
@@ -315,6 +335,16 @@ impl Client {
 
     pub async fn list_backing(&self) -> Result<Vec<BackingNode>, BusError> {
         Ok(values(self.bus.backing.list().await?))
+    }
+
+    /// Each provider's last error, for those whose last call failed.
+    pub async fn list_providers(&self) -> Result<Vec<ProviderStatus>, BusError> {
+        Ok(values(
+            self.bus
+                .leases
+                .list_keys(layout::PROVIDER_STATUS_KEYS)
+                .await?,
+        ))
     }
 
     pub async fn list_agents(&self) -> Result<Vec<AgentHeartbeat>, BusError> {

@@ -44,7 +44,9 @@ pub const AGENTS: BucketSpec = BucketSpec {
     max_age_secs: 0,
     max_bytes: -1,
 };
-/// Launcher leases, key = `request.<request id>` or `backing.<provider>.<pool>.<seat>`.
+/// Launcher leases, key = `launcher.<launcher id>`, `backing.<provider>.<pool>.<seat>` or
+/// `sweep.<provider>`; also each provider's last error, key = `provider.<provider>`
+/// ([`provider_status_key`]).
 pub const LEASES: BucketSpec = BucketSpec {
     name: "slotpool_leases",
     history: 1,
@@ -103,6 +105,19 @@ pub fn backing_lease_key(seat_key: &str) -> String {
 pub fn leak_sweep_lease_key(provider: &str) -> String {
     format!("sweep.{provider}")
 }
+
+/// Key in [`LEASES`] of `provider`'s last error ([`crate::model::ProviderStatus`]): not
+/// a lease but a status record, without a TTL, written by any launcher whose call to the
+/// provider failed (last writer wins) and deleted at the next success.
+pub fn provider_status_key(provider: &str) -> String {
+    format!("{PROVIDER_STATUS_PREFIX}{provider}")
+}
+
+/// What every [`provider_status_key`] starts with.
+pub const PROVIDER_STATUS_PREFIX: &str = "provider.";
+
+/// The watch filter of every [`provider_status_key`].
+pub const PROVIDER_STATUS_KEYS: &str = "provider.>";
 
 /// What a lease key names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -197,6 +212,15 @@ pub mod subjects {
     pub fn admin_all(action: OperatorAction) -> String {
         format!("slotpool.admin.v2.*.{}", action.as_str())
     }
+    /// `operator`'s subject for asking who is in a slot
+    /// ([`crate::api::SlotOccupantsQuery`]); not an order, so nothing is recorded.
+    pub fn slot_occupants(operator: &UserName) -> String {
+        format!("slotpool.admin.v2.{operator}.{SLOT_OCCUPANTS}")
+    }
+    /// The last token of [`slot_occupants`].
+    pub const SLOT_OCCUPANTS: &str = "slot_occupants";
+    /// Every operator's [`slot_occupants`] subject, for serving it.
+    pub const SLOT_OCCUPANTS_ALL: &str = "slotpool.admin.v2.*.slot_occupants";
     /// Every order `operator` may give (a permission pattern).
     pub fn admin_of(operator: &str) -> String {
         format!("slotpool.admin.v2.{operator}.>")

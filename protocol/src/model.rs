@@ -587,6 +587,41 @@ pub struct Lease {
     pub acquired_at: UnixMillis,
 }
 
+/// Which provider call failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderCall {
+    Launch,
+    Delete,
+    List,
+}
+
+/// A provider's last error, in the leases bucket under
+/// [`crate::layout::provider_status_key`]. Written
+/// only when it changes: at each failure (the count goes up), and deleted at the next
+/// success. Several launchers write it, last writer wins.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProviderStatus {
+    pub v: u32,
+    pub provider: String,
+    /// The error, as the provider reported it (cut to [`ProviderStatus::MAX_ERROR`] bytes).
+    pub error: String,
+    pub call: ProviderCall,
+    pub at: UnixMillis,
+    /// Failures in a row, of any launcher, since the last success.
+    pub failures: u32,
+    /// Set when the provider refused a launch for capacity: seats ask again then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_until: Option<UnixMillis>,
+    /// The launcher whose call failed.
+    pub launcher: LauncherId,
+}
+
+impl ProviderStatus {
+    /// The longest error text kept, in bytes.
+    pub const MAX_ERROR: usize = 1024;
+}
+
 /// SHA-256 of a secret, as hex: what records carry instead of the secret itself.
 pub fn secret_digest(secret: &str) -> String {
     use sha2::{Digest, Sha256};

@@ -496,9 +496,17 @@ impl Store {
     pub async fn list<T: DeserializeOwned>(
         &self,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
+        self.list_keys(">").await
+    }
+
+    /// [`Store::list`] of the keys matching `filter` (NATS subject syntax).
+    pub async fn list_keys<T: DeserializeOwned>(
+        &self,
+        filter: &str,
+    ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
         let mut out = BTreeMap::new();
         let (name, changes) = self
-            .open_watch(">", consumer::DeliverPolicy::LastPerSubject)
+            .open_watch(filter, consumer::DeliverPolicy::LastPerSubject)
             .await?;
         let mut changes = Box::pin(changes);
         let result = loop {
@@ -519,7 +527,7 @@ impl Store {
                 None => {
                     break Err(transport(
                         self.bucket,
-                        ">",
+                        filter,
                         "watch ended before the initial values were read",
                     ))
                 }

@@ -4,7 +4,7 @@
 use crate::isolation::{in_namespace, set_mode, unmount_all_under, ClientKey, IsolationEnv, Sshd};
 use crate::nats::NatsServer;
 use crate::process::{bin_path, ChildGuard};
-use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
+use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotOccupants, SlotPrepared};
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::AgentHeartbeat;
@@ -217,6 +217,18 @@ impl SlotAgent {
                 AGENT_CALL_TIMEOUT,
             )
             .await
+    }
+
+    /// Sends `slot_occupants`: who is in `slot` now.
+    pub async fn occupants(&self, slot: u32) -> SlotOccupants {
+        self.bus
+            .call(
+                &subjects::agent(&self.backing),
+                &AgentCommand::SlotOccupants { slot },
+                AGENT_CALL_TIMEOUT,
+            )
+            .await
+            .unwrap_or_else(|err| panic!("slot_occupants of slot {slot}: {err}"))
     }
 
     /// Sends `release_slot` for `node`; sends it again while the answer times out (a

@@ -1638,3 +1638,44 @@ fn the_v2_driver_waits_for_a_group_to_empty_after_sigterm() {
     }
     assert!(!alive(pid));
 }
+
+/// `slot_occupants` says who is in a slot: the slot user's processes and the SSH logins
+/// still open (user, where from, since when); after release, nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_says_who_is_in_a_slot_and_after_release_nobody() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let nobody = agent.occupants(0).await;
+    assert_eq!(nobody.processes, 0, "{nobody:?}");
+    assert!(nobody.logins.is_empty(), "{nobody:?}");
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    // A login that stays open while the agent is asked.
+    let mut login = key
+        .command(sshd.port, &user)
+        .arg("sleep 60")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("running ssh");
+    let before = slotpool_protocol::time::now_ms();
+    let seen = wait_for_some("the agent to report the open login", LONG, || async {
+        let o = agent.occupants(0).await;
+        (!o.logins.is_empty()).then_some(o)
+    })
+    .await;
+    let _ = login.kill();
+    let _ = login.wait();
+    assert!(seen.processes >= 1, "{seen:?}");
+    let l = &seen.logins[0];
+    assert_eq!(l.user, user, "{seen:?}");
+    assert!(l.from.starts_with("127.0.0.1:"), "{seen:?}");
+    assert!(
+        l.since <= slotpool_protocol::time::now_ms() && l.since + 60_000 > before,
+        "{seen:?}"
+    );
+
+    agent.release(0, "node-a").await.unwrap();
+    let after = agent.occupants(0).await;
+    assert_eq!(after.processes, 0, "{after:?}");
+    assert!(after.logins.is_empty(), "{after:?}");
+}

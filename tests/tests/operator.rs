@@ -398,3 +398,37 @@ fn the_cli_documents_itself() {
         assert!(text.contains(&title), "{page}: {text}");
     }
 }
+
+/// An operator asks who is in a slot through the launcher, which relays the agent's
+/// answer; a client may not ask (the subject is an operator's), and an unknown backing
+/// node is `not_found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_operator_may_ask_who_is_in_a_slot() {
+    use slotpool_protocol::client::Client;
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, slot) = r.nodes[0].slot().expect("node id names its slot");
+
+    let op = Client::connect(&pool.nats.options_as(Role::Operator, "op"))
+        .await
+        .expect("connecting as an operator");
+    let occupants = op
+        .slot_occupants(&backing, slot)
+        .await
+        .expect("an operator's question is answered");
+    // The pool's agents run without slot users: nobody to count.
+    assert_eq!(occupants.processes, 0, "{occupants:?}");
+    assert!(occupants.logins.is_empty(), "{occupants:?}");
+
+    let unknown = BackingId::parse("bn-01jq3m2f7h8g9k0m1n2p3q4r99").unwrap();
+    match op.slot_occupants(&unknown, 0).await {
+        Err(BusError::Api(e)) => assert_eq!(e.code, ErrorCode::NotFound, "{e:?}"),
+        other => panic!("an unknown backing node: {other:?}"),
+    }
+
+    let ci = Client::connect(&pool.nats.options_as(Role::Client, "ci"))
+        .await
+        .expect("connecting as a client");
+    let refused = ci.slot_occupants(&backing, slot).await;
+    assert!(refused.is_err(), "a client was answered: {refused:?}");
+}

@@ -4,7 +4,7 @@
 
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
-use slotpool_protocol::model::{BackingState, NodeRequest, RequestState};
+use slotpool_protocol::model::{BackingState, NodeRequest, ProviderCall, RequestState};
 use slotpool_tests::metrics::{http_addr_in, scrape, value};
 use slotpool_tests::{
     bin_path, wait_for, wait_for_some, wait_served, workspace_root, ChildGuard, NatsServer,
@@ -365,6 +365,74 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
         ) >= 1.0
     );
     assert_eq!(value(&s, "slotpool_capacity_backoff_seats", &cloud), 0.0);
+}
+
+/// A provider's failing launch is a record of its own (its last error, which call, how
+/// many in a row) that `slotpool list providers` shows; the launch that works again
+/// clears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_last_error_is_recorded_listed_and_cleared_by_a_launch_that_works() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    switch_on(&state, "broken");
+    let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 2));
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "t");
+    let id = client.submit(&sub).await.unwrap();
+    let status = wait_for_some("the provider's last error recorded", SOON, || async {
+        client
+            .list_providers()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|p| p.provider == "cloud")
+    })
+    .await;
+    assert_eq!(status.call, ProviderCall::Launch, "{status:?}");
+    assert!(status.error.contains("image not found"), "{status:?}");
+    assert!(status.failures >= 1, "{status:?}");
+    assert_eq!(status.capacity_until, None, "{status:?}");
+
+    let listed = Command::new(bin_path("slotpool"))
+        .args(nats.args_as(Role::Operator, "op"))
+        .args(["list", "providers"])
+        .output()
+        .expect("running slotpool");
+    let out = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("cloud"))
+        .unwrap_or_else(|| panic!("no row for the provider:\n{out}"));
+    assert!(row.contains("launch"), "{out}");
+    assert!(row.contains("image not found"), "{out}");
+
+    let r = tokio::time::timeout(SOON, client.wait(&id, |_| {}))
+        .await
+        .expect("failed in time")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Failed, "{r:?}");
+    // The provider works again: the next launch clears the record.
+    std::fs::remove_file(state.join("broken")).unwrap();
+    fulfilled(&client, &["small"]).await;
+    wait_for("the provider's last error cleared", SOON, || async {
+        client.list_providers().await.unwrap().is_empty()
+    })
+    .await;
+    let listed = Command::new(bin_path("slotpool"))
+        .args(nats.args_as(Role::Operator, "op"))
+        .args(["list", "providers"])
+        .output()
+        .expect("running slotpool");
+    let out = String::from_utf8_lossy(&listed.stdout);
+    assert!(!out.contains("cloud"), "{out}");
 }
 
 /// A create command that started its machine but hangs past `launch-timeout` printed no

@@ -14,6 +14,7 @@ use ratatui::Terminal;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::connect::{Bus, Link, NatsOptions};
 use slotpool_protocol::time::now_ms;
+use slotpool_protocol::BackingId;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -142,6 +143,9 @@ where
         for command in commands {
             match command {
                 Command::Quit => quit = true,
+                Command::AskOccupants { backing_id, slot } => {
+                    ask_occupants(backing_id, slot, &client, &tx, &tracker)
+                }
                 order => send_order(order, &client, &tx, &tracker),
             }
         }
@@ -165,6 +169,29 @@ where
     drop(rx);
     let _ = tokio::time::timeout(STOP_GRACE, tracker.wait()).await;
     result.map(|()| outcome)
+}
+
+fn ask_occupants(
+    backing_id: BackingId,
+    slot: u32,
+    client: &Client,
+    tx: &mpsc::Sender<Msg>,
+    tracker: &TaskTracker,
+) {
+    let (client, tx) = (client.clone(), tx.clone());
+    tracker.spawn(async move {
+        let result = client
+            .slot_occupants(&backing_id, slot)
+            .await
+            .map_err(|err| err.to_string());
+        let _ = tx
+            .send(Msg::Occupants {
+                backing_id,
+                slot,
+                result,
+            })
+            .await;
+    });
 }
 
 fn send_order(command: Command, client: &Client, tx: &mpsc::Sender<Msg>, tracker: &TaskTracker) {
@@ -192,7 +219,7 @@ fn send_order(command: Command, client: &Client, tx: &mpsc::Sender<Msg>, tracker
                     }
                 }),
             ),
-            Command::Quit => return,
+            Command::Quit | Command::AskOccupants { .. } => return,
         };
         let result = result.map_err(|err| err.to_string());
         if let Err(err) = &result {

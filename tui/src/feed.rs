@@ -10,6 +10,7 @@ use crate::mirror::{Bucket, Change, Record, EVENT_HISTORY};
 use crate::state::Msg;
 use futures::StreamExt;
 use slotpool_protocol::connect::{Bus, Link};
+use slotpool_protocol::layout;
 use slotpool_protocol::store::{self, Store};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -21,7 +22,7 @@ const BATCH: usize = 2048;
 /// Pause before restarting a watch that failed.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 
-/// Starts the five feeds.
+/// Starts the six feeds.
 pub fn spawn_feeds(
     bus: &Bus,
     link: watch::Receiver<Link>,
@@ -36,6 +37,8 @@ pub fn spawn_feeds(
             Bucket::Requests => bus.requests.clone(),
             Bucket::Agents => bus.agents.clone(),
             Bucket::Events => bus.events.clone(),
+            // The providers' status records are in the leases bucket.
+            Bucket::Providers => bus.leases.clone(),
         };
         tracker.spawn(feed(bucket, store, link.clone(), tx.clone(), stop.clone()));
     }
@@ -51,6 +54,7 @@ pub fn decode(bucket: Bucket, change: store::Change) -> Change {
                 Bucket::Requests => serde_json_decode(&value).map(Record::Request),
                 Bucket::Agents => serde_json_decode(&value).map(Record::Agent),
                 Bucket::Events => serde_json_decode(&value).map(Record::Event),
+                Bucket::Providers => serde_json_decode(&value).map(Record::Provider),
             };
             match record {
                 Ok(record) => Change::Put { key, record },
@@ -85,6 +89,10 @@ async fn feed(
         let opened = match bucket {
             Bucket::Events => store
                 .watch_recent(EVENT_HISTORY as u64)
+                .await
+                .map(|w| w.boxed()),
+            Bucket::Providers => store
+                .watch_keys(layout::PROVIDER_STATUS_KEYS)
                 .await
                 .map(|w| w.boxed()),
             _ => store.watch().await.map(|w| w.boxed()),

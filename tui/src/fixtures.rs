@@ -169,6 +169,7 @@ pub fn put(record: Record) -> Change {
         Record::Request(r) => r.id.to_string(),
         Record::Agent(a) => a.backing_id.to_string(),
         Record::Event(e) => e.id.to_string(),
+        Record::Provider(p) => slotpool_protocol::layout::provider_status_key(&p.provider),
     };
     Change::Put { key, record }
 }

@@ -5,7 +5,9 @@
 //!
 //! Pure: no NATS, no terminal, no clock (the time of a removal is passed in).
 
-use slotpool_protocol::model::{AgentHeartbeat, BackingNode, Event, Node, NodeRequest};
+use slotpool_protocol::model::{
+    AgentHeartbeat, BackingNode, Event, Node, NodeRequest, ProviderStatus,
+};
 use slotpool_protocol::time::UnixMillis;
 use std::collections::{BTreeMap, HashMap};
 
@@ -20,15 +22,17 @@ pub enum Bucket {
     Requests,
     Agents,
     Events,
+    Providers,
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 5] = [
+    pub const ALL: [Bucket; 6] = [
         Bucket::Backing,
         Bucket::Slots,
         Bucket::Requests,
         Bucket::Agents,
         Bucket::Events,
+        Bucket::Providers,
     ];
 
     fn index(self) -> usize {
@@ -44,6 +48,7 @@ pub enum Record {
     Request(Box<NodeRequest>),
     Agent(Box<AgentHeartbeat>),
     Event(Box<Event>),
+    Provider(Box<ProviderStatus>),
 }
 
 impl Record {
@@ -54,6 +59,7 @@ impl Record {
             Record::Request(_) => Bucket::Requests,
             Record::Agent(_) => Bucket::Agents,
             Record::Event(_) => Bucket::Events,
+            Record::Provider(_) => Bucket::Providers,
         }
     }
 }
@@ -96,8 +102,9 @@ pub struct Mirror {
     requests: HashMap<String, Seen<NodeRequest>>,
     agents: HashMap<String, Seen<AgentHeartbeat>>,
     events: BTreeMap<String, Seen<Event>>,
-    epochs: [u32; 5],
-    synced: [bool; 5],
+    providers: BTreeMap<String, Seen<ProviderStatus>>,
+    epochs: [u32; 6],
+    synced: [bool; 6],
     /// When a slot of each backing node (by id) was last seen coming back: a term of the
     /// release rule ([`slotpool_config::timing::release_at`]).
     last_release: HashMap<String, UnixMillis>,
@@ -129,6 +136,9 @@ impl Mirror {
                             self.events.pop_first();
                         }
                     }
+                    Record::Provider(v) => {
+                        self.providers.insert(key, Seen { value: *v, epoch });
+                    }
                 }
             }
             Change::Removed { bucket, key } => match bucket {
@@ -142,6 +152,7 @@ impl Mirror {
                 Bucket::Requests => drop(self.requests.remove(&key)),
                 Bucket::Agents => drop(self.agents.remove(&key)),
                 Bucket::Events => drop(self.events.remove(&key)),
+                Bucket::Providers => drop(self.providers.remove(&key)),
             },
             Change::Restarted(bucket) => {
                 self.epochs[bucket.index()] += 1;
@@ -155,6 +166,7 @@ impl Mirror {
                     Bucket::Requests => self.requests.retain(|_, s| s.epoch == epoch),
                     Bucket::Agents => self.agents.retain(|_, s| s.epoch == epoch),
                     Bucket::Events => self.events.retain(|_, s| s.epoch == epoch),
+                    Bucket::Providers => self.providers.retain(|_, s| s.epoch == epoch),
                 }
                 self.synced[bucket.index()] = true;
             }
@@ -215,6 +227,11 @@ impl Mirror {
     /// The event log, newest first.
     pub fn events_newest_first(&self) -> impl Iterator<Item = (&String, &Event)> {
         self.events.iter().rev().map(|(k, e)| (k, &e.value))
+    }
+
+    /// The last error of each provider whose last call failed.
+    pub fn provider_errors(&self) -> impl Iterator<Item = &ProviderStatus> {
+        self.providers.values().map(|p| &p.value)
     }
 
     /// When a slot of backing node `id` was last seen coming back.

@@ -1,8 +1,9 @@
 //! The detail pane (`i`): everything about the selected row that the table has no room
 //! for. For a backing node: who holds each slot, its dirty slots, its last failure, its
 //! recent events and its whole record; for a pool: why requests wait (capacity held,
-//! draining, failed, out of capacity, at max-servers) and the sparklines of its slots
-//! used and requests waiting; for a slot, a request or an event: its record.
+//! draining, failed, out of capacity, at max-servers), its provider's last error and the sparklines of its slots
+//! used and requests waiting; for a slot: who is in it (asked of its agent when the pane
+//! opens) and its record; for a request or an event: its record.
 //!
 //! Pure: built from the [`State`]; the view only lays it out.
 
@@ -10,7 +11,9 @@ use crate::format::{clock, fmt_duration, node_state_name};
 use crate::rows::{PoolRow, View, FOLD_KEY};
 use crate::state::State;
 use serde::Serialize;
-use slotpool_protocol::model::{BackingNode, BackingState, Event, IdleBehaviour};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, Event, IdleBehaviour, Node, ProviderCall,
+};
 
 /// Recent events shown for a backing node or a node.
 pub const RECENT_EVENTS: usize = 5;
@@ -84,6 +87,7 @@ pub fn build(state: &State) -> Pane {
                     title: format!(" Node {} ", n.id),
                     ..Default::default()
                 };
+                occupants(&mut pane, state, &n);
                 events_of(&mut pane, state, |e| e.node_id.as_ref() == Some(&n.id));
                 record(&mut pane, state, &n);
                 pane
@@ -303,7 +307,70 @@ fn pool_pane(state: &State, p: &PoolRow) -> Pane {
             c.out_of_capacity,
         ),
     );
+    provider_error(&mut pane, state, &p.provider);
     pane
+}
+
+/// Who is in the node's slot, as its agent said when the pane was opened on it.
+fn occupants(pane: &mut Pane, state: &State, n: &Node) {
+    let Some(o) = state
+        .occupancy
+        .as_ref()
+        .filter(|o| o.backing_id == n.backing_id && o.slot == n.slot)
+    else {
+        pane.line(Tone::Dim, "who is in it: i i asks its agent");
+        return;
+    };
+    match &o.answer {
+        None => pane.line(Tone::Dim, "who is in it: asking its agent…"),
+        Some(Err(err)) => pane.line(Tone::Warn, format!("who is in it: {err}")),
+        Some(Ok(a)) => {
+            pane.line(
+                Tone::Plain,
+                format!(
+                    "in it: {} process{} · {} SSH login{}",
+                    a.processes,
+                    if a.processes == 1 { "" } else { "es" },
+                    a.logins.len(),
+                    if a.logins.len() == 1 { "" } else { "s" },
+                ),
+            );
+            for l in &a.logins {
+                pane.line(
+                    Tone::Plain,
+                    format!("  {}@{} since {}", l.user, l.from, clock(l.since)),
+                );
+            }
+        }
+    }
+}
+
+/// The provider's last error, while its last call failed.
+fn provider_error(pane: &mut Pane, state: &State, provider: &str) {
+    let Some(e) = state.provider_error(provider) else {
+        return;
+    };
+    let call = match e.call {
+        ProviderCall::Launch => "launch",
+        ProviderCall::Delete => "delete",
+        ProviderCall::List => "list",
+    };
+    pane.line(
+        Tone::Error,
+        format!(
+            "provider {provider}: {} failure{} in a row, the last a {call} {} ago",
+            e.failures,
+            if e.failures == 1 { "" } else { "s" },
+            fmt_duration(state.now.saturating_sub(e.at)),
+        ),
+    );
+    if let Some(until) = e.capacity_until.filter(|u| *u > state.now) {
+        pane.line(
+            Tone::Warn,
+            format!("out of capacity: launches wait until {}", clock(until)),
+        );
+    }
+    pane.line(Tone::Error, e.error.clone());
 }
 
 fn backing_pane(state: &State, b: &BackingNode) -> Pane {

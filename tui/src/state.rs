@@ -20,8 +20,10 @@ use crate::rows::{
     self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, View, ViewState,
 };
 use crate::rules::Rules;
+use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, ProviderStatus,
+    RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -44,6 +46,12 @@ pub enum Msg {
         what: String,
         result: Result<String, String>,
     },
+    /// The answer to [`Command::AskOccupants`].
+    Occupants {
+        backing_id: BackingId,
+        slot: u32,
+        result: Result<SlotOccupants, String>,
+    },
 }
 
 /// What the reducer asks the event loop to do.
@@ -59,6 +67,20 @@ pub enum Command {
         node_id: NodeId,
         reason: Option<String>,
     },
+    /// Ask (through a launcher) who is in slot `slot` of `backing_id`.
+    AskOccupants {
+        backing_id: BackingId,
+        slot: u32,
+    },
+}
+
+/// Who is in a slot, as its agent last said (asked when the detail pane opens on it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Occupancy {
+    pub backing_id: BackingId,
+    pub slot: u32,
+    /// `None` while the question is out.
+    pub answer: Option<Result<SlotOccupants, String>>,
 }
 
 /// How long the status line shows a message, and an error.
@@ -105,6 +127,8 @@ pub struct State {
     pub details: bool,
     /// Slots used and requests waiting per pool over the last minutes, for sparklines.
     pub history: History,
+    /// Who is in the slot the detail pane was last opened on.
+    pub occupancy: Option<Occupancy>,
     mirror: Mirror,
     /// Derived by [`State::settle`].
     index: Index,
@@ -126,6 +150,7 @@ impl State {
             focus: None,
             details: false,
             history: History::default(),
+            occupancy: None,
             mirror: Mirror::default(),
             index: Index::default(),
             dirty: true,
@@ -284,6 +309,13 @@ impl State {
         self.mirror.backing(key)
     }
 
+    /// The last error of `provider`, while its last call failed.
+    pub fn provider_error(&self, provider: &str) -> Option<&ProviderStatus> {
+        self.mirror
+            .provider_errors()
+            .find(|p| p.provider == provider)
+    }
+
     /// The idle timer of `b` (see [`Facts::idle_timer`]).
     pub fn idle_timer(&self, b: &BackingNode) -> IdleTimer {
         self.facts().idle_timer(b)
@@ -408,6 +440,22 @@ impl State {
             Action::Details => {
                 self.details = !self.details;
                 self.dirty = true;
+                if self.details && self.view == View::Slots {
+                    let node = (self.view_state().selected_key.as_deref())
+                        .and_then(|k| self.slot_row(k))
+                        .and_then(|s| s.node);
+                    if let Some(n) = node {
+                        self.occupancy = Some(Occupancy {
+                            backing_id: n.backing_id.clone(),
+                            slot: n.slot,
+                            answer: None,
+                        });
+                        return Some(Command::AskOccupants {
+                            backing_id: n.backing_id,
+                            slot: n.slot,
+                        });
+                    }
+                }
             }
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
@@ -605,6 +653,21 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             match result {
                 Ok(msg) => state.set_status(format!("{what}: {msg}"), false),
                 Err(err) => state.set_status(format!("{what} failed: {err}"), true),
+            }
+            None
+        }
+        Msg::Occupants {
+            backing_id,
+            slot,
+            result,
+        } => {
+            if let Some(o) = state
+                .occupancy
+                .as_mut()
+                .filter(|o| o.backing_id == backing_id && o.slot == slot)
+            {
+                o.answer = Some(result);
+                state.dirty = true;
             }
             None
         }

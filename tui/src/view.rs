@@ -525,8 +525,17 @@ fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
             let p = state.pool_row(key)?;
             let states = pool_states(p);
             let failed = p.by_state[5] > 0;
+            let pool = format!("{}/{}", p.provider, p.pool);
             let cells = vec![
-                Cell::from(format!("{}/{}", p.provider, p.pool)),
+                // A provider whose last call failed is marked; the pane (`i`) says why.
+                if state.provider_error(&p.provider).is_some() {
+                    Cell::from(Line::from(vec![
+                        Span::styled("! ", theme.error()),
+                        Span::raw(pool),
+                    ]))
+                } else {
+                    Cell::from(pool)
+                },
                 Cell::from(p.label.clone()),
                 Cell::from(format!(
                     "{}/{}",
@@ -1066,6 +1075,7 @@ fn draw_confirm(frame: &mut Frame, area: Rect, question: &str, reason: &str, the
 mod tests {
     use super::*;
     use crate::fixtures::*;
+    use crate::mirror::Bucket;
     use crate::mirror::{Change, Record};
     use crate::rules::Rules;
     use crate::state::{apply_all, Msg};
@@ -1073,7 +1083,7 @@ mod tests {
     use ratatui::backend::TestBackend;
     use ratatui::style::Color;
     use ratatui::Terminal;
-    use slotpool_protocol::model::{OperatorAction, OperatorOrder};
+    use slotpool_protocol::model::{OperatorAction, OperatorOrder, ProviderCall, ProviderStatus};
 
     fn render(state: &State, theme: &Theme) -> Terminal<TestBackend> {
         let mut t = Terminal::new(TestBackend::new(state.size.0, state.size.1)).unwrap();
@@ -1138,7 +1148,7 @@ mod tests {
         apply_all(
             &mut state,
             [Msg::Feed(vec![Change::Removed {
-                bucket: crate::mirror::Bucket::Backing,
+                bucket: Bucket::Backing,
                 key: "cloud.main.1".into(),
             }])],
         );
@@ -1206,6 +1216,49 @@ mod tests {
     }
 
     #[test]
+    fn a_providers_last_error_marks_its_pools_and_shows_in_the_pool_pane() {
+        let mut state = sample_state(80, 24);
+        let status = ProviderStatus {
+            v: 1,
+            provider: "cloud".into(),
+            error: "cloud: create exited with status 1: quota exceeded for region eu-1".into(),
+            call: ProviderCall::Launch,
+            at: NOW - 90 * 1000,
+            failures: 3,
+            capacity_until: Some(NOW + 8 * 1000),
+            launcher: slotpool_protocol::LauncherId::parse("launcher-01jq3m2f7h8g9k0m1n2p3q4r5s")
+                .unwrap(),
+        };
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![put(Record::Provider(Box::new(status)))])],
+        );
+        press(&mut state, [key('1')]);
+        let table = screen(&state);
+        assert!(table.contains("! cloud/main"), "{table}");
+        insta::assert_snapshot!("provider_error_pools", table);
+        press(&mut state, [key('i')]);
+        let text = screen(&state);
+        assert!(
+            text.contains("3 failures in a row, the last a launch"),
+            "{text}"
+        );
+        assert!(text.contains("quota exceeded"), "{text}");
+        insta::assert_snapshot!("provider_error_pool_pane", text);
+        // Cleared after a success: the mark and the lines go.
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: Bucket::Providers,
+                key: "provider.cloud".into(),
+            }])],
+        );
+        let cleared = screen(&state);
+        assert!(!cleared.contains("failures in a row"), "{cleared}");
+        assert!(!cleared.contains("! cloud/main"), "{cleared}");
+    }
+
+    #[test]
     fn a_pools_nodes_filtered_while_typing() {
         let mut state = sample_state(80, 24);
         press(
@@ -1223,6 +1276,49 @@ mod tests {
         let mut state = sample_state(80, 24);
         press(&mut state, [key('1')]);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn the_slot_pane_asks_who_is_in_the_slot_and_shows_the_answer() {
+        use crate::state::Command;
+        use slotpool_protocol::api::{SlotOccupants, SlotSession};
+        let mut state = sample_state(100, 40);
+        press(&mut state, [code(KeyCode::Enter)]);
+        // The first used slot of the node: opening its pane asks its agent.
+        let mut asked = None;
+        for _ in 0..4 {
+            let commands = press(&mut state, [key('i')]);
+            asked = commands.into_iter().find_map(|c| match c {
+                Command::AskOccupants { backing_id, slot } => Some((backing_id, slot)),
+                _ => None,
+            });
+            if asked.is_some() {
+                break;
+            }
+            press(&mut state, [key('i'), key('j')]);
+        }
+        let (backing_id, slot) = asked.expect("opening a used slot's pane asks who is in it");
+        assert!(screen(&state).contains("asking its agent"));
+        let answer = SlotOccupants {
+            processes: 3,
+            logins: vec![SlotSession {
+                user: "sp1a2b3c4ds0".into(),
+                from: "10.0.0.9:51234".into(),
+                since: NOW - 120 * 1000,
+            }],
+        };
+        apply_all(
+            &mut state,
+            [Msg::Occupants {
+                backing_id,
+                slot,
+                result: Ok(answer),
+            }],
+        );
+        let text = screen(&state);
+        assert!(text.contains("in it: 3 processes · 1 SSH login"), "{text}");
+        assert!(text.contains("sp1a2b3c4ds0@10.0.0.9:51234 since"), "{text}");
+        insta::assert_snapshot!("slot_pane_occupants", text);
     }
 
     #[test]

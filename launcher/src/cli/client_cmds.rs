@@ -8,6 +8,7 @@ use slotpool_protocol::api::{ApiError, ErrorCode};
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{Node, NodeRequest, RequestState};
+use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{NodeId, RequestId};
 use std::io::Write;
 use std::path::PathBuf;
@@ -57,6 +58,9 @@ pub enum ListWhat {
     Backing,
     Requests,
     Events,
+    /// Each provider whose last call failed: the error, which call, since when, how many
+    /// in a row, and its capacity back-off.
+    Providers,
 }
 
 async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
@@ -306,6 +310,32 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
                 &[
                     "BACKING", "POOL", "LABEL", "STATE", "IDLE", "SLOTS", "HOST", "AGE", "REASON",
                 ],
+                rows,
+            );
+        }
+        ListWhat::Providers => {
+            let mut providers = client.list_providers().await?;
+            providers.sort_by(|a, b| a.provider.cmp(&b.provider));
+            let rows = providers
+                .iter()
+                .map(|p| {
+                    vec![
+                        p.provider.clone(),
+                        state(&p.call),
+                        p.failures.to_string(),
+                        age(p.at),
+                        p.capacity_until
+                            .filter(|until| *until > now_ms())
+                            .map(|until| format!("until {}", time(until)))
+                            .unwrap_or_default(),
+                        p.error.clone(),
+                    ]
+                })
+                .collect();
+            print(
+                output,
+                &providers,
+                &["PROVIDER", "CALL", "FAILURES", "SINCE", "BACK-OFF", "ERROR"],
                 rows,
             );
         }

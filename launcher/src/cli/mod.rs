@@ -112,10 +112,11 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
-    /// List nodes, backing nodes, requests or recent events.
+    /// List nodes, backing nodes, requests, recent events or providers' last errors.
     #[command(after_help = "Examples:
   slotpool list backing
   slotpool list events | head -20
+  slotpool list providers
   slotpool list requests --output json | jq '.[] | select(.state == \"waiting\")'")]
     List {
         #[arg(value_enum)]

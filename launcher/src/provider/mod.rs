@@ -12,12 +12,15 @@
 //!   backing record owns; a relaunch deletes every one listed for its backing id).
 //!
 //! [`build`] wraps every provider in [`limit::Limited`], which applies the provider's
-//! `max-creates-per-second` and `max-concurrent-creates` and `launch-timeout` to `launch`.
+//! `max-creates-per-second` and `max-concurrent-creates` and `launch-timeout` to `launch`;
+//! the launcher wraps each in [`status::Recorded`], which keeps the provider's last error
+//! in KV for operators.
 
 pub mod exec;
 pub mod limit;
 pub mod local;
 pub mod static_hosts;
+pub mod status;
 
 use crate::config::{DriverConfig, ProviderConfig};
 use crate::http::metrics::ProviderErrorKind;

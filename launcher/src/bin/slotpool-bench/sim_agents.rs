@@ -8,7 +8,9 @@
 //! closed to new slots. Nothing is written to disk: a slot's "workspace" is a name.
 
 use futures::StreamExt;
-use slotpool_protocol::api::{AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotsClosed};
+use slotpool_protocol::api::{
+    AgentCommand, ApiError, ErrorCode, Reply, SlotOccupants, SlotPrepared, SlotsClosed,
+};
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{AgentHeartbeat, Health, SlotNames, SlotReport};
@@ -164,6 +166,13 @@ fn answer(
             value(&SlotsClosed {
                 prepared: node.prepared.keys().copied().collect(),
             })
+        }
+        // A simulated node runs nothing.
+        AgentCommand::SlotOccupants { slot } => {
+            if slot >= slots {
+                return out_of_range(slot);
+            }
+            value(&SlotOccupants::default())
         }
     }
 }
