@@ -688,15 +688,18 @@ pub fn parse_stat(stat: &str) -> Option<(i32, u64)> {
 }
 
 /// `address:port` of the client from an environment's `SSH_CONNECTION`
-/// (`client-address client-port server-address server-port`).
+/// (`client-address client-port server-address server-port`). The job can rewrite its
+/// own environment, so only an IP address and a port number are taken from it: anything
+/// else (text meant for an operator's terminal, say) is no login at all.
 pub fn ssh_client(environ: &[u8]) -> Option<String> {
     let value = environ
         .split(|b| *b == 0)
         .find_map(|var| var.strip_prefix(b"SSH_CONNECTION="))?;
     let value = std::str::from_utf8(value).ok()?;
-    let mut parts = value.split_whitespace();
-    let (address, port) = (parts.next()?, parts.next()?);
-    Some(format!("{address}:{port}"))
+    let mut parts = value.split(' ');
+    let address: std::net::IpAddr = parts.next()?.parse().ok()?;
+    let port: u16 = parts.next()?.parse().ok()?;
+    Some(std::net::SocketAddr::new(address, port).to_string())
 }
 
 fn boot_time_ms(proc_root: &Path) -> Option<u64> {
@@ -736,6 +739,23 @@ mod tests {
         let env = b"HOME=/w\0SSH_CONNECTION=127.0.0.1 51234 127.0.0.1 2222\0USER=s\0";
         assert_eq!(ssh_client(env), Some("127.0.0.1:51234".into()));
         assert_eq!(ssh_client(b"HOME=/w\0"), None);
+        // Written by the job: only an address and a port pass.
+        for forged in [
+            &b"SSH_CONNECTION=\x1b[2J\x1b[31mroot@console 22 10.0.0.1 22\0"[..],
+            b"SSH_CONNECTION=10.0.0.7 99999 10.0.0.1 22\0",
+            b"SSH_CONNECTION=localhost 22 10.0.0.1 22\0",
+        ] {
+            assert_eq!(
+                ssh_client(forged),
+                None,
+                "{}",
+                String::from_utf8_lossy(forged)
+            );
+        }
+        assert_eq!(
+            ssh_client(b"SSH_CONNECTION=fe80::1 2222 fe80::2 22\0"),
+            Some("[fe80::1]:2222".into())
+        );
     }
 
     fn passwd_dir() -> tempfile::TempDir {

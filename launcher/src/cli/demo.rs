@@ -464,6 +464,17 @@ fn clean_up_abandoned(temp: &Path) {
         if pid == me || Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
+        // Only a directory of this user's own: anyone can make `slotpool-demo-<pid>` in
+        // a shared temp directory, to have a demo kill what its command lines name.
+        // SAFETY: geteuid cannot fail and touches no memory.
+        let me_uid = unsafe { libc::geteuid() };
+        let owned = entry.metadata().is_ok_and(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.is_dir() && m.uid() == me_uid
+        });
+        if !owned {
+            continue;
+        }
         let dir = entry.path();
         let killed = remove_demo_dir(&dir);
         say(&format!(
@@ -501,10 +512,17 @@ fn processes_naming(dir: &Path) -> Vec<i32> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|&pid| pid != me)
         .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| names_dir(&c, needle))
         })
         .collect()
+}
+
+/// Whether a command line names the directory `needle` or a path below it: the name
+/// ends there, so `/tmp/slotpool-demo-12` does not match `/tmp/slotpool-demo-123/…`.
+fn names_dir(cmdline: &[u8], needle: &[u8]) -> bool {
+    cmdline.windows(needle.len()).enumerate().any(|(at, w)| {
+        w == needle && matches!(cmdline.get(at + needle.len()), None | Some(b'/' | 0))
+    })
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {
@@ -549,5 +567,26 @@ impl Drop for StderrToFile {
         use std::os::fd::AsRawFd;
         // SAFETY: puts the saved descriptor back on fd 2.
         unsafe { libc::dup2(self.saved.as_raw_fd(), 2) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_dir;
+
+    #[test]
+    fn a_command_line_names_the_directory_not_another_it_is_a_prefix_of() {
+        let dir = b"/tmp/slotpool-demo-12";
+        assert!(names_dir(
+            b"nats-server\0-c\0/tmp/slotpool-demo-12/auth/server.conf\0",
+            dir
+        ));
+        assert!(names_dir(
+            b"agent\0--work-dir\0/tmp/slotpool-demo-12\0",
+            dir
+        ));
+        assert!(names_dir(b"agent\0/tmp/slotpool-demo-12", dir));
+        assert!(!names_dir(b"agent\0/tmp/slotpool-demo-123/agents\0", dir));
+        assert!(!names_dir(b"agent\0/tmp/slotpool-demo-12x\0", dir));
     }
 }
