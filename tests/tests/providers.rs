@@ -234,6 +234,8 @@ async fn an_exec_provider_launches_and_deletes_real_machines() {
     let nats = NatsServer::start().await;
     let dir = TempDir::new().unwrap();
     let state = dir.path().join("machines");
+    // Whatever machine the launcher has not deleted when the test ends, passed or not.
+    let _machines = KillUnder(state.clone());
     let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 3));
     let client = Client::from_bus(nats.bus().await);
     wait_served(&client).await;
@@ -269,6 +271,8 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     let nats = NatsServer::start().await;
     let dir = TempDir::new().unwrap();
     let state = dir.path().join("machines");
+    // Whatever machine the launcher has not deleted when the test ends, passed or not.
+    let _machines = KillUnder(state.clone());
     switch_on(&state, "out-of-capacity");
     let http = ["--http", "127.0.0.1:0"];
     let launcher = Launcher::start_with(&nats, dir.path(), &exec_config(&state, 1), &http);
@@ -375,6 +379,8 @@ async fn a_providers_last_error_is_recorded_listed_and_cleared_by_a_launch_that_
     let nats = NatsServer::start().await;
     let dir = TempDir::new().unwrap();
     let state = dir.path().join("machines");
+    // Whatever machine the launcher has not deleted when the test ends, passed or not.
+    let _machines = KillUnder(state.clone());
     switch_on(&state, "broken");
     let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 2));
     let client = Client::from_bus(nats.bus().await);
@@ -512,6 +518,8 @@ async fn a_pool_out_of_capacity_falls_back_to_the_next_pool_by_priority() {
     let nats = NatsServer::start().await;
     let dir = TempDir::new().unwrap();
     let state = dir.path().join("machines");
+    // Whatever machine the launcher has not deleted when the test ends, passed or not.
+    let _machines = KillUnder(state.clone());
     switch_on(&state, "out-of-capacity");
     let agents = LocalAgents(dir.path().join("agents"));
     let agent_args = serde_json::to_string(&slotpool_tests::AGENT_ARGS).unwrap();
