@@ -615,7 +615,6 @@ async fn a_write_that_timed_out_but_landed_counts_as_done() {
     let bus = nats.bus().await;
     let store = bus.requests.clone();
     let rev = store.create("late", &Rec { n: 1 }, None).await.unwrap();
-    let retries = slotpool_protocol::store::retries();
     // The server freezes with the update on its way: the update times out, and only then
     // does the server take it, and the read that follows.
     nats.signal(libc::SIGSTOP);
@@ -631,6 +630,4 @@ async fn a_write_that_timed_out_but_landed_counts_as_done() {
          got {written:?}",
         now.revision
     );
-    // `/metrics` counts the timed-out write that was read back (`slotpool_kv_retries_total`).
-    assert!(slotpool_protocol::store::retries() > retries);
 }
