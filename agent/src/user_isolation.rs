@@ -296,18 +296,22 @@ impl UserIsolation {
         fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
     }
 
+    /// The next uid of the range no user has (see [`crate::uid_range`]).
+    fn next_uid(&self, user: &str) -> Result<u32, IsolationError> {
+        self.uids
+            .allocate(|uid| users::name_of(uid).is_some())
+            .map_err(|e| {
+                IsolationError::new("allocating a uid for", Path::new(user))(std::io::Error::other(
+                    e,
+                ))
+            })
+    }
+
     /// Creates the slot's user with the next uid of the range (see [`crate::uid_range`]).
     fn add_user(&self, user: &str, dir: &Path, comment: &str) -> Result<UserInfo, IsolationError> {
         let mut attempts = 0;
         loop {
-            let uid = self
-                .uids
-                .allocate(|uid| users::name_of(uid).is_some())
-                .map_err(|e| {
-                    IsolationError::new("allocating a uid for", Path::new(user))(
-                        std::io::Error::other(e),
-                    )
-                })?;
+            let uid = self.next_uid(user)?;
             match users::add(user, uid, dir, SLOT_SHELL, comment) {
                 // Taken meanwhile (by another agent given an overlapping range): the next.
                 Err(err)
@@ -327,14 +331,7 @@ impl UserIsolation {
     /// none or it cannot be renumbered.
     fn fresh_user(&self, user: &str, dir: &Path, slot: u32) -> Result<UserInfo, IsolationError> {
         if let Some(kept) = users::lookup(user) {
-            let uid = self
-                .uids
-                .allocate(|uid| users::name_of(uid).is_some())
-                .map_err(|e| {
-                    IsolationError::new("allocating a uid for", Path::new(user))(
-                        std::io::Error::other(e),
-                    )
-                })?;
+            let uid = self.next_uid(user)?;
             match users::renumber(&self.etc, user, uid) {
                 Ok(()) => match users::lookup(user) {
                     Some(info) if info.uid == uid && info.home == dir => return Ok(info),
