@@ -32,8 +32,9 @@ use std::time::{Duration, Instant};
 
 /// Longest a kill by uid keeps trying.
 pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often `useradd`/`userdel` are retried while the password file is locked.
-const PASSWD_LOCK_RETRIES: u32 = 50;
+/// How long `useradd`/`userdel` are retried while the password file is locked. One
+/// try may itself wait up to 15 s (glibc's `lckpwdf`), so a count of tries is no bound.
+const PASSWD_TOOL_WAIT: Duration = Duration::from_secs(45);
 const PASSWD_LOCK_PAUSE: Duration = Duration::from_millis(100);
 /// The lowest uid a slot user may have: the kill-by-uid never targets system users.
 pub const MIN_SLOT_UID: u32 = 1000;
@@ -148,7 +149,7 @@ pub fn name_of(uid: u32) -> Option<String> {
 fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), IsolationError> {
     let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
     let path = PathBuf::from(tool);
-    let mut attempts = 0;
+    let deadline = Instant::now() + PASSWD_TOOL_WAIT;
     loop {
         let out = Command::new(tool)
             .args(args)
@@ -160,8 +161,7 @@ fn run_passwd_tool(tool: &str, args: &[&str], ok_codes: &[i32]) -> Result<(), Is
             return Ok(());
         }
         let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        attempts += 1;
-        if passwd_locked(code, &stderr) && attempts < PASSWD_LOCK_RETRIES {
+        if passwd_locked(code, &stderr) && Instant::now() < deadline {
             std::thread::sleep(PASSWD_LOCK_PAUSE);
             continue;
         }
@@ -267,6 +267,19 @@ impl Drop for PasswdLock {
     }
 }
 
+/// Writes `pid` to `path`, readable by root only (as shadow-utils makes its own).
+fn write_lock_file(path: &Path, pid: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(pid.to_string().as_bytes())
+}
+
 /// Takes the password database locks for `files` of `etc`, waiting at most
 /// [`PASSWD_LOCK_WAIT`] for other holders (useradd, another agent).
 fn lock_passwd(etc: &Path, files: &[&str]) -> std::io::Result<PasswdLock> {
@@ -314,15 +327,13 @@ fn lock_passwd(etc: &Path, files: &[&str]) -> std::io::Result<PasswdLock> {
     for file in files {
         let link = etc.join(format!("{file}.lock"));
         let mine = etc.join(format!("{file}.{pid}"));
-        std::fs::write(&mine, pid.to_string())?;
+        write_lock_file(&mine, pid)?;
         let linked = loop {
             match std::fs::hard_link(&mine, &link) {
                 Ok(()) => break Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     // A lock whose holder is gone is stale, as shadow-utils judges it.
-                    let holder = std::fs::read_to_string(&link)
-                        .ok()
-                        .and_then(|t| t.trim().parse::<i32>().ok());
+                    let holder = std::fs::read(&link).ok().and_then(|t| lock_holder(&t));
                     let gone = holder.is_some_and(|p| {
                         p > 0
                             // SAFETY: signal 0 only checks whether the pid exists.
@@ -345,6 +356,13 @@ fn lock_passwd(etc: &Path, files: &[&str]) -> std::io::Result<PasswdLock> {
         held.links.push(link);
     }
     Ok(held)
+}
+
+/// The pid a `<file>.lock` names. shadow-utils writes it with a trailing NUL byte
+/// (`strlen + 1` bytes), which a killed `useradd` leaves behind; we write it bare.
+fn lock_holder(text: &[u8]) -> Option<i32> {
+    let text = std::str::from_utf8(text).ok()?;
+    text.trim_end_matches('\0').trim().parse().ok()
 }
 
 /// Replaces `<etc>/<file>` by `text`, keeping its mode and owner: written to
@@ -791,6 +809,28 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left, [".pwd.lock", "group", "passwd"]);
+    }
+
+    #[test]
+    fn a_lock_left_by_a_killed_shadow_tool_is_taken_over_at_once() {
+        let etc = passwd_dir();
+        // A useradd killed while it held the lock leaves `passwd.lock` naming its pid,
+        // NUL-terminated as shadow-utils writes it.
+        let mut gone = Command::new("true").spawn().unwrap();
+        let pid = gone.id();
+        gone.wait().unwrap();
+        std::fs::write(etc.path().join("passwd.lock"), format!("{pid}\0")).unwrap();
+        let started = Instant::now();
+        renumber(etc.path(), "sp1s0", 2000005).unwrap();
+        assert!(
+            started.elapsed() < PASSWD_LOCK_WAIT,
+            "waited for a dead holder: {:?}",
+            started.elapsed()
+        );
+        assert!(!etc.path().join("passwd.lock").exists());
+        assert_eq!(lock_holder(b"1234\0"), Some(1234));
+        assert_eq!(lock_holder(b"1234\n"), Some(1234));
+        assert_eq!(lock_holder(b"12x4"), None);
     }
 
     #[test]

@@ -149,6 +149,12 @@ impl SlotAgent {
         std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
     }
 
+    /// `what`, followed by the agent's log as it is when shown: for the `what` of a
+    /// [`crate::wait_for`] whose timeout should say what the agent was doing.
+    pub fn with_log<'a>(&'a self, what: &'a str) -> impl std::fmt::Display + 'a {
+        WithLog { what, agent: self }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -192,7 +198,12 @@ impl SlotAgent {
         let prepared = self
             .prepare(slot, node, Some(key))
             .await
-            .unwrap_or_else(|err| panic!("preparing slot {slot} for {node}: {err}"));
+            .unwrap_or_else(|err| {
+                panic!(
+                    "preparing slot {slot} for {node}: {err}\nagent log:\n{}",
+                    self.log()
+                )
+            });
         login_of(&prepared)
     }
 
@@ -254,6 +265,18 @@ impl SlotAgent {
                 result => return result.map(|_| ()),
             }
         }
+    }
+}
+
+/// See [`SlotAgent::with_log`].
+struct WithLog<'a> {
+    what: &'a str,
+    agent: &'a SlotAgent,
+}
+
+impl std::fmt::Display for WithLog<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}\nagent log:\n{}", self.what, self.agent.log())
     }
 }
 

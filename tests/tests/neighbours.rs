@@ -104,7 +104,7 @@ async fn fill_the_disk(quota: bool) -> String {
         );
     }
     // Released and warmed again: the old images are gone, no loop device holds them.
-    wait_for("both slots warm again", SOON, || async {
+    wait_for(agent.with_log("both slots warm again"), SOON, || async {
         agent.warm(0) && agent.warm(1)
     })
     .await;
@@ -142,7 +142,10 @@ async fn without_a_disk_quota_a_job_takes_what_it_likes() {
 async fn a_labels_disk_limit_overrides_the_default_and_release_removes_the_image() {
     let env = IsolationEnv::new();
     let (_sshd, key, agent) = login_env_with(&env, 2, &["--slot-disk-quota-mb", "64"]).await;
-    wait_for("slot 0 warm", SOON, || async { agent.warm(0) }).await;
+    wait_for(agent.with_log("slot 0 warm"), SOON, || async {
+        agent.warm(0)
+    })
+    .await;
     let size_mb = |ws: &Path| {
         let out = Command::new("df")
             .args(["-B1M", "--output=size"])
@@ -175,7 +178,10 @@ async fn a_labels_disk_limit_overrides_the_default_and_release_removes_the_image
     agent.release(1, "node-b").await.unwrap();
     assert!(agent.dirty(0).is_none() && agent.dirty(1).is_none());
     // The warm-up after release made a fresh image at the default size.
-    wait_for("slot 0 warm again", SOON, || async { agent.warm(0) }).await;
+    wait_for(agent.with_log("slot 0 warm again"), SOON, || async {
+        agent.warm(0)
+    })
+    .await;
     assert!((48..=64).contains(&size_mb(&ws0)));
 }
 
