@@ -239,6 +239,9 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         .trim()
         .parse()
         .unwrap();
+    // Held open: the launcher may remove the agent's directory once it has gone.
+    let mut agent_log =
+        std::fs::File::open(pool.agent_dir(c.backing_id.as_str()).join("agent.log")).unwrap();
     let agents = pool.client.list_agents().await.unwrap();
     assert!(agents.iter().all(|h| !h.draining));
     // Watched from before the signal: once the launcher sees the agent drain it may
@@ -271,10 +274,34 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         !alive(pid)
     })
     .await;
-    assert!(
-        users::processes_of(Path::new("/proc"), uid_c).is_empty(),
-        "slot processes outlived the agent"
-    );
+    let left = users::processes_of(Path::new("/proc"), uid_c);
+    if !left.is_empty() {
+        let mut log = String::new();
+        std::io::Read::read_to_string(&mut agent_log, &mut log).unwrap();
+        let what: Vec<String> = left.iter().map(|p| process_summary(*p)).collect();
+        panic!("slot processes outlived the agent: {what:?}\nagent log:\n{log}",);
+    }
+}
+
+/// State, parent and command line of `pid`, for a failure message.
+fn process_summary(pid: i32) -> String {
+    let proc_dir = Path::new("/proc").join(pid.to_string());
+    let status = std::fs::read_to_string(proc_dir.join("status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or("?")
+            .trim()
+            .to_string()
+    };
+    let cmdline = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+    format!(
+        "pid {pid} state {} ppid {}: {}",
+        field("State:"),
+        field("PPid:"),
+        String::from_utf8_lossy(&cmdline).replace('\0', " ")
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
