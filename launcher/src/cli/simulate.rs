@@ -212,8 +212,11 @@ fn print_reports(reports: &[Report]) {
         row("busy slot-hours", &|r| format!("{:.1}", r.busy_slot_hours)),
         row("efficiency", &|r| format!("{:.3}", r.efficiency)),
         row("cost", &|r| format!("{:.2}", r.cost)),
-        row("backing nodes launched", &|r| {
-            r.backing_nodes_launched.to_string()
+        row("backing nodes launched / released", &|r| {
+            format!(
+                "{} / {}",
+                r.backing_nodes_launched, r.backing_nodes_released
+            )
         }),
         row("wait p50 / p99 / max (s)", &|r| {
             format!(

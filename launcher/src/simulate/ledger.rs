@@ -17,6 +17,8 @@ pub struct Ledger {
     /// Node-milliseconds paid in all.
     node_ms: f64,
     launched: Vec<u32>,
+    /// Backing nodes released (deleted) before the run ended.
+    released: u32,
     /// (arrival, wait) of each served job, in milliseconds from the start.
     waits: Vec<(u64, u64)>,
     arrivals: Vec<u64>,
@@ -42,6 +44,12 @@ impl Ledger {
     pub fn paid(&mut self, from: u64, to: u64, slots: u32) {
         spread(&mut self.paid, from, to, slots as f64);
         self.node_ms += to.saturating_sub(from) as f64;
+    }
+
+    /// A backing node of `slots` slots, paid for from `from`, was released at `at`.
+    pub fn released(&mut self, from: u64, at: u64, slots: u32) {
+        self.paid(from, at, slots);
+        self.released += 1;
     }
 
     /// `nodes` slots were busy from `from` to `to`.
@@ -119,6 +127,7 @@ impl Ledger {
             efficiency: ratio(busy, paid),
             cost: self.node_ms / HOUR_MS as f64 * node_cost_per_hour,
             backing_nodes_launched: self.launched.iter().sum(),
+            backing_nodes_released: self.released,
             wait_p50_secs: quantile(&waits, 0.5),
             wait_p99_secs: quantile(&waits, 0.99),
             wait_max_secs: waits.last().map_or(0.0, |w| *w as f64 / 1000.0),
@@ -164,6 +173,8 @@ pub struct Report {
     /// Backing node hours × the provider's cost per hour.
     pub cost: f64,
     pub backing_nodes_launched: u32,
+    /// Of those, released before the run ended (the rest were still paid for then).
+    pub backing_nodes_released: u32,
     pub wait_p50_secs: f64,
     pub wait_p99_secs: f64,
     pub wait_max_secs: f64,

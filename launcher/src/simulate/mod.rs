@@ -226,7 +226,7 @@ mod tests {
         let r = run(&jobs, &setup(8, &jobs, fixed_boot()), Policy::Slotpool).unwrap();
         assert_eq!(r.wait_p50_secs, 60.0);
         assert_eq!(r.wait_max_secs, 60.0);
-        assert_eq!(r.backing_nodes_launched, 1);
+        assert_eq!((r.backing_nodes_launched, r.backing_nodes_released), (1, 1));
         // 60 s boot + 600 s job + 60 s grace, eight slots.
         assert!(
             close(r.paid_slot_hours, 8.0 * 720.0 / SLOT_HOUR_SECS),
@@ -248,7 +248,7 @@ mod tests {
         let ours = run(&jobs, &s, Policy::Slotpool).unwrap();
         let theirs = run(&jobs, &s, Policy::Nodepool).unwrap();
         for r in [&ours, &theirs] {
-            assert_eq!(r.backing_nodes_launched, 1);
+            assert_eq!((r.backing_nodes_launched, r.backing_nodes_released), (1, 1));
             assert_eq!((r.wait_p50_secs, r.wait_max_secs), (0.0, 60.0));
             assert!(close(r.busy_slot_hours, 710.0 / SLOT_HOUR_SECS));
         }
@@ -360,6 +360,12 @@ mod tests {
         // (the second job takes one of two, the third the last), and no launch and
         // release in a loop.
         assert!(r.backing_nodes_launched <= 3, "{r:?}");
+        // The warm node is still up when the run ends: launched, not released.
+        assert_eq!(
+            r.backing_nodes_released,
+            r.backing_nodes_launched - 1,
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -87,7 +87,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
                     let idle =
                         n.ready && n.used == 0 && n.idle_since.is_some_and(|t| now >= t + grace);
                     if idle {
-                        ledger.paid(n.paid_from.expect("ready"), now, n.slots);
+                        ledger.released(n.paid_from.expect("ready"), now, n.slots);
                     }
                     !idle
                 });

@@ -568,7 +568,7 @@ impl Sim<'_> {
                 Step::FinishRelease | Step::Fail(_) | Step::CleanUp | Step::Forget => {
                     let n = self.nodes.remove(seat).expect("the node");
                     if let Some(from) = n.paid_from {
-                        self.ledger.paid(from, self.now, n.record.value.slots);
+                        self.ledger.released(from, self.now, n.record.value.slots);
                     }
                     if matches!(step, Step::Fail(_)) && !n.used.is_empty() {
                         return Err(SimError::Unmodelled(format!("{step:?} with slots in use")));
