@@ -432,3 +432,67 @@ async fn only_an_operator_may_ask_who_is_in_a_slot() {
     let refused = ci.slot_occupants(&backing, slot).await;
     assert!(refused.is_err(), "a client was answered: {refused:?}");
 }
+
+/// `slotpool occupants` asks who is in a slot as the console does and prints it as a
+/// line (and a table of SSH logins, if any) or JSON; an unknown backing node or slot is a
+/// clear error, and a closed pipe no panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slotpool_occupants_says_who_is_in_a_slot() {
+    use std::process::Stdio;
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, slot) = r.nodes[0].slot().expect("node id names its slot");
+    let slot = slot.to_string();
+
+    // The pool's agents run without slot users: nobody to count.
+    let out = slotpool(&pool, &["occupants", backing.as_str(), &slot]);
+    assert_eq!(
+        out,
+        format!("slot {slot} of {backing}: 0 processes, 0 SSH logins\n")
+    );
+    let out = slotpool(
+        &pool,
+        &["occupants", backing.as_str(), &slot, "--output", "json"],
+    );
+    let answer: slotpool_protocol::api::SlotOccupants =
+        serde_json::from_str(&out).expect("JSON occupants");
+    assert_eq!(answer, Default::default());
+
+    let fails = |args: &[&str]| {
+        let out = Command::new(bin_path("slotpool"))
+            .args(pool.nats.args_as(Role::Operator, "op"))
+            .arg("occupants")
+            .args(args)
+            .output()
+            .expect("running slotpool");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let unknown = "bn-01jq3m2f7h8g9k0m1n2p3q4r99";
+    let err = fails(&[unknown, "0"]);
+    assert!(
+        err.starts_with(&format!("error: asking who is in slot 0 of {unknown}: ")),
+        "{err}"
+    );
+    assert!(err.contains(&format!("no backing node {unknown}")), "{err}");
+    let err = fails(&[backing.as_str(), "9"]);
+    assert!(
+        err.contains("slot 9 does not exist: this node has 2 slots (0 to 1)"),
+        "{err}"
+    );
+    let err = fails(&["not-a-backing-id", "0"]);
+    assert!(err.starts_with("error: "), "{err}");
+
+    // The pipe's read end is closed before the answer is printed.
+    let mut child = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["occupants", backing.as_str(), &slot])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running slotpool");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("waiting for slotpool");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
