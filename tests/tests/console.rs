@@ -297,6 +297,110 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
     console.keys(&["q"]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_selected_slot_whose_row_goes_away_leaves_nothing_selected() {
+    // One slot per backing node: two requests, two backing nodes, both busy.
+    let pool = Pool::start(2, 5, &label("small", 1, 600, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing_of = |r: &slotpool_protocol::model::NodeRequest| {
+        r.nodes[0].slot().expect("node id names its slot").0
+    };
+    let (a, b) = (backing_of(&first), backing_of(&second));
+    assert_ne!(a, b);
+
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let console = Tmux::start(&console_command(&pool, log.path()), 120, 40);
+    let screen = console
+        .wait_screen("both backing nodes ready", |s| {
+            [&a, &b].iter().all(|id| {
+                row_of(s, id).is_some_and(|row| row.contains("ready") && row.contains("1/1"))
+            })
+        })
+        .await;
+    let a_first = screen
+        .lines()
+        .find_map(|l| {
+            (l.starts_with(a.as_str()) || l.starts_with(b.as_str()))
+                .then(|| l.starts_with(a.as_str()))
+        })
+        .unwrap();
+    let (gone, other, request, kept) = if a_first {
+        (a.clone(), b.clone(), first, second)
+    } else {
+        (b.clone(), a.clone(), second, first)
+    };
+    // Enter on the first node: its Slots view, its one slot selected (the detail line
+    // names the node in it).
+    console.keys(&["Enter"]);
+    console
+        .wait_screen("the slot of the first node selected", |s| {
+            s.contains(&format!(" {} · request", request.nodes[0]))
+        })
+        .await;
+    // Drain it from its Slots view (the dialog names the backing node), then its node
+    // comes back: the backing node is released and the slot's row goes away.
+    console.keys(&["D"]);
+    console
+        .wait_screen("the drain confirmation naming the node", |s| {
+            s.contains(&format!("Drain backing node {gone}")) && s.contains("Enter confirm")
+        })
+        .await;
+    console.keys(&["Enter"]);
+    wait_for("the drain recorded", SOON, || async {
+        (pool.backing().await.iter()).any(|b| b.id == gone && b.idle == IdleBehaviour::Drain)
+    })
+    .await;
+    pool.client
+        .release(request.nodes.clone())
+        .await
+        .expect("release");
+    let screen = console
+        .wait_screen("the slot gone and nothing selected", |s| {
+            s.contains(&format!("slot 0 of {gone} went away: nothing is selected"))
+        })
+        .await;
+    eprintln!("after the slot went away:\n{screen}");
+    assert!(
+        screen.contains("the selected slot went away"),
+        "the status line says so:\n{screen}"
+    );
+    assert!(
+        !screen.contains(kept.nodes[0].as_str()),
+        "the other node's slot is not shown, let alone selected:\n{screen}"
+    );
+    // X has no target: no dialog naming the other node's node.
+    console.keys(&["X"]);
+    let screen = console
+        .wait_screen("X refused for want of a selection", |s| {
+            s.contains("release: select a used slot")
+        })
+        .await;
+    assert!(!screen.contains("Release node"), "{screen}");
+
+    // The operator picks the other node on purpose: its Slots view starts on its slot,
+    // not on a leftover of the node that went.
+    console.keys(&["2"]);
+    console
+        .wait_screen("the Backing view without the released node", |s| {
+            row_of(s, &gone).is_none() && row_of(s, &other).is_some()
+        })
+        .await;
+    console.keys(&["j", "3"]);
+    let screen = console
+        .wait_screen("the other node's slot selected", |s| {
+            s.contains(&format!(" {} · request", kept.nodes[0]))
+        })
+        .await;
+    assert!(!screen.contains("nothing is selected"), "{screen}");
+    let held = pool.nodes().await;
+    assert!(
+        held.iter().any(|n| n.id == kept.nodes[0]),
+        "the other node was not released: {held:?}"
+    );
+    console.keys(&["q"]);
+}
+
 fn backing_record(seat: u32) -> BackingNode {
     let now = slotpool_protocol::time::now_ms();
     BackingNode {
