@@ -4,7 +4,9 @@
 
 use futures::StreamExt;
 use slotpool_protocol::connect::Bus;
-use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, IdleBehaviour, Node, NodeRequest, NodeState,
+};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
 use slotpool_tests::{bin_path, label, wait_for, wait_for_some, NatsServer, Pool};
 use std::process::Command;
@@ -78,6 +80,16 @@ impl Tmux {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Presses `D` and confirms with Enter once the dialog names backing node `id`.
+    async fn drain(&self, id: &BackingId) {
+        self.keys(&["D"]);
+        self.wait_screen("the drain confirmation naming the node", |s| {
+            s.contains(&format!("Drain backing node {id}")) && s.contains("Enter confirm")
+        })
+        .await;
+        self.keys(&["Enter"]);
     }
 }
 
@@ -202,16 +214,24 @@ fn console_command(pool: &Pool, log: &std::path::Path) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
-    // One slot per backing node: two requests, two backing nodes, both busy.
+/// A pool of one-slot backing nodes, two of them busy with a request each, and the
+/// console on it showing both ready.
+struct TwoBusy {
+    pool: Pool,
+    console: Tmux,
+    _log: tempfile::NamedTempFile,
+    /// The backing node on the first row (selected at start) and its request.
+    first: (BackingId, NodeRequest),
+    /// The other one and its request.
+    other: (BackingId, NodeRequest),
+}
+
+async fn two_busy_nodes() -> TwoBusy {
     let pool = Pool::start(2, 5, &label("small", 1, 600, &[]), 1).await;
-    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let backing_of = |r: &slotpool_protocol::model::NodeRequest| {
-        r.nodes[0].slot().expect("node id names its slot").0
-    };
-    let (a, b) = (backing_of(&first), backing_of(&second));
+    let one = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let two = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing_of = |r: &NodeRequest| r.nodes[0].slot().expect("node id names its slot").0;
+    let (a, b) = (backing_of(&one), backing_of(&two));
     assert_ne!(a, b);
 
     let log = tempfile::NamedTempFile::new().unwrap();
@@ -223,7 +243,6 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
             })
         })
         .await;
-    // The first row is selected at start: that is the node to drain; the other stays.
     let a_first = screen
         .lines()
         .find_map(|l| {
@@ -231,18 +250,31 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
                 .then(|| l.starts_with(a.as_str()))
         })
         .unwrap();
-    let (drained, other, request, kept) = if a_first {
-        (a.clone(), b.clone(), first, second)
+    let (first, other) = if a_first {
+        ((a, one), (b, two))
     } else {
-        (b.clone(), a.clone(), second, first)
+        ((b, two), (a, one))
     };
-    console.keys(&["D"]);
-    console
-        .wait_screen("the drain confirmation naming the first node", |s| {
-            s.contains(&format!("Drain backing node {drained}")) && s.contains("Enter confirm")
-        })
-        .await;
-    console.keys(&["Enter"]);
+    TwoBusy {
+        pool,
+        console,
+        _log: log,
+        first,
+        other,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
+    // The first row is selected at start: that is the node to drain; the other stays.
+    let TwoBusy {
+        pool,
+        console,
+        first: (drained, request),
+        other: (other, kept),
+        ..
+    } = two_busy_nodes().await;
+    console.drain(&drained).await;
     console
         .wait_screen("the node draining", |s| {
             row_of(s, &drained).is_some_and(|row| row.contains("drain"))
@@ -299,37 +331,13 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_selected_slot_whose_row_goes_away_leaves_nothing_selected() {
-    // One slot per backing node: two requests, two backing nodes, both busy.
-    let pool = Pool::start(2, 5, &label("small", 1, 600, &[]), 1).await;
-    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let backing_of = |r: &slotpool_protocol::model::NodeRequest| {
-        r.nodes[0].slot().expect("node id names its slot").0
-    };
-    let (a, b) = (backing_of(&first), backing_of(&second));
-    assert_ne!(a, b);
-
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let console = Tmux::start(&console_command(&pool, log.path()), 120, 40);
-    let screen = console
-        .wait_screen("both backing nodes ready", |s| {
-            [&a, &b].iter().all(|id| {
-                row_of(s, id).is_some_and(|row| row.contains("ready") && row.contains("1/1"))
-            })
-        })
-        .await;
-    let a_first = screen
-        .lines()
-        .find_map(|l| {
-            (l.starts_with(a.as_str()) || l.starts_with(b.as_str()))
-                .then(|| l.starts_with(a.as_str()))
-        })
-        .unwrap();
-    let (gone, other, request, kept) = if a_first {
-        (a.clone(), b.clone(), first, second)
-    } else {
-        (b.clone(), a.clone(), second, first)
-    };
+    let TwoBusy {
+        pool,
+        console,
+        first: (gone, request),
+        other: (other, kept),
+        ..
+    } = two_busy_nodes().await;
     // Enter on the first node: its Slots view, its one slot selected (the detail line
     // names the node in it).
     console.keys(&["Enter"]);
@@ -340,13 +348,7 @@ async fn a_selected_slot_whose_row_goes_away_leaves_nothing_selected() {
         .await;
     // Drain it from its Slots view (the dialog names the backing node), then its node
     // comes back: the backing node is released and the slot's row goes away.
-    console.keys(&["D"]);
-    console
-        .wait_screen("the drain confirmation naming the node", |s| {
-            s.contains(&format!("Drain backing node {gone}")) && s.contains("Enter confirm")
-        })
-        .await;
-    console.keys(&["Enter"]);
+    console.drain(&gone).await;
     wait_for("the drain recorded", SOON, || async {
         (pool.backing().await.iter()).any(|b| b.id == gone && b.idle == IdleBehaviour::Drain)
     })

@@ -31,6 +31,21 @@ fn slotpool(pool: &Pool, args: &[&str]) -> String {
     stdout
 }
 
+/// Runs `slotpool <args>` as operator `op` with its stdout a pipe whose read end is
+/// closed at once.
+fn into_closed_pipe(pool: &Pool, args: &[&str]) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running slotpool");
+    drop(child.stdout.take());
+    child.wait_with_output().expect("waiting for slotpool")
+}
+
 async fn backing_of(pool: &Pool, node: &NodeId) -> BackingNode {
     let (id, _) = node.slot().expect("node id names its slot");
     pool.backing()
@@ -251,7 +266,6 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
     use std::os::unix::process::ExitStatusExt;
-    use std::process::Stdio;
     let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
     pool.fulfilled(&pool.submit(&["small"]).await).await;
 
@@ -268,15 +282,7 @@ async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
     );
 
     // The pipe's read end is closed before the command has connected and printed.
-    let mut child = Command::new(bin_path("slotpool"))
-        .args(pool.nats.args_as(Role::Operator, "op"))
-        .args(["list", "requests"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running slotpool");
-    drop(child.stdout.take());
-    let out = child.wait_with_output().expect("waiting for slotpool");
+    let out = into_closed_pipe(&pool, &["list", "requests"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
@@ -438,7 +444,6 @@ async fn only_an_operator_may_ask_who_is_in_a_slot() {
 /// clear error, and a closed pipe no panic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slotpool_occupants_says_who_is_in_a_slot() {
-    use std::process::Stdio;
     let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
     let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
     let (backing, slot) = r.nodes[0].slot().expect("node id names its slot");
@@ -484,15 +489,7 @@ async fn slotpool_occupants_says_who_is_in_a_slot() {
     assert!(err.starts_with("error: "), "{err}");
 
     // The pipe's read end is closed before the answer is printed.
-    let mut child = Command::new(bin_path("slotpool"))
-        .args(pool.nats.args_as(Role::Operator, "op"))
-        .args(["occupants", backing.as_str(), &slot])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running slotpool");
-    drop(child.stdout.take());
-    let out = child.wait_with_output().expect("waiting for slotpool");
+    let out = into_closed_pipe(&pool, &["occupants", backing.as_str(), &slot]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -678,6 +678,16 @@ fn slot_of(seat: u32, slot: u32) -> String {
     slotpool_protocol::layout::slot_key(&bid(seat), slot)
 }
 
+/// The sample's busy node released: its slots' records and its own go.
+fn busy_node_released() -> Msg {
+    let removed = |bucket, key: String| Change::Removed { bucket, key };
+    Msg::Feed(vec![
+        removed(Bucket::Slots, slot_of(0, 0)),
+        removed(Bucket::Slots, slot_of(0, 2)),
+        removed(Bucket::Backing, "cloud.main.0".into()),
+    ])
+}
+
 fn selected_slot(state: &State) -> Option<String> {
     state.views[View::Slots.index()].selected_key.clone()
 }
@@ -715,20 +725,8 @@ fn the_slots_view_selection_follows_the_slot_never_its_index() {
     // X has no target: nothing is sent.
     assert!(press(&mut state, [key('X'), code(KeyCode::Enter)]).is_empty());
     assert_eq!(state.input, Input::None);
-    // Its backing node goes away: the status says the slot went away.
-    apply_all(
-        &mut state,
-        [Msg::Feed(vec![
-            Change::Removed {
-                bucket: Bucket::Slots,
-                key: slot_of(0, 0),
-            },
-            Change::Removed {
-                bucket: Bucket::Backing,
-                key: "cloud.main.0".into(),
-            },
-        ])],
-    );
+    // Its backing node goes away: the slot is no longer there at all.
+    apply_all(&mut state, [busy_node_released()]);
     press(&mut state, [code(KeyCode::Esc)]);
     assert_eq!(state.view, View::Slots);
     apply_all(&mut state, [Msg::Tick(NOW + 1)]);
@@ -743,23 +741,7 @@ fn the_slots_view_selection_follows_the_slot_never_its_index() {
 fn a_selected_slot_whose_backing_node_goes_away_is_said_to_be_gone() {
     let mut state = loaded(rules(), sample(), 80, 24);
     press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
-    apply_all(
-        &mut state,
-        [Msg::Feed(vec![
-            Change::Removed {
-                bucket: Bucket::Slots,
-                key: slot_of(0, 0),
-            },
-            Change::Removed {
-                bucket: Bucket::Slots,
-                key: slot_of(0, 2),
-            },
-            Change::Removed {
-                bucket: Bucket::Backing,
-                key: "cloud.main.0".into(),
-            },
-        ])],
-    );
+    apply_all(&mut state, [busy_node_released()]);
     assert_eq!(selected_slot(&state), None);
     let status = state.status.clone().expect("a status").text;
     assert_eq!(status, "the selected slot went away: select another");
