@@ -4,7 +4,9 @@
 
 use futures::StreamExt;
 use slotpool_protocol::connect::Bus;
-use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
+use slotpool_protocol::model::{
+    BackingNode, BackingState, IdleBehaviour, Node, NodeRequest, NodeState,
+};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
 use slotpool_tests::{bin_path, label, wait_for, wait_for_some, NatsServer, Pool};
 use std::process::Command;
@@ -78,6 +80,16 @@ impl Tmux {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Presses `D` and confirms with Enter once the dialog names backing node `id`.
+    async fn drain(&self, id: &BackingId) {
+        self.keys(&["D"]);
+        self.wait_screen("the drain confirmation naming the node", |s| {
+            s.contains(&format!("Drain backing node {id}")) && s.contains("Enter confirm")
+        })
+        .await;
+        self.keys(&["Enter"]);
     }
 }
 
@@ -202,16 +214,24 @@ fn console_command(pool: &Pool, log: &std::path::Path) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
-    // One slot per backing node: two requests, two backing nodes, both busy.
+/// A pool of one-slot backing nodes, two of them busy with a request each, and the
+/// console on it showing both ready.
+struct TwoBusy {
+    pool: Pool,
+    console: Tmux,
+    _log: tempfile::NamedTempFile,
+    /// The backing node on the first row (selected at start) and its request.
+    first: (BackingId, NodeRequest),
+    /// The other one and its request.
+    other: (BackingId, NodeRequest),
+}
+
+async fn two_busy_nodes() -> TwoBusy {
     let pool = Pool::start(2, 5, &label("small", 1, 600, &[]), 1).await;
-    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let second = pool.fulfilled(&pool.submit(&["small"]).await).await;
-    let backing_of = |r: &slotpool_protocol::model::NodeRequest| {
-        r.nodes[0].slot().expect("node id names its slot").0
-    };
-    let (a, b) = (backing_of(&first), backing_of(&second));
+    let one = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let two = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing_of = |r: &NodeRequest| r.nodes[0].slot().expect("node id names its slot").0;
+    let (a, b) = (backing_of(&one), backing_of(&two));
     assert_ne!(a, b);
 
     let log = tempfile::NamedTempFile::new().unwrap();
@@ -223,7 +243,6 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
             })
         })
         .await;
-    // The first row is selected at start: that is the node to drain; the other stays.
     let a_first = screen
         .lines()
         .find_map(|l| {
@@ -231,18 +250,31 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
                 .then(|| l.starts_with(a.as_str()))
         })
         .unwrap();
-    let (drained, other, request, kept) = if a_first {
-        (a.clone(), b.clone(), first, second)
+    let (first, other) = if a_first {
+        ((a, one), (b, two))
     } else {
-        (b.clone(), a.clone(), second, first)
+        ((b, two), (a, one))
     };
-    console.keys(&["D"]);
-    console
-        .wait_screen("the drain confirmation naming the first node", |s| {
-            s.contains(&format!("Drain backing node {drained}")) && s.contains("Enter confirm")
-        })
-        .await;
-    console.keys(&["Enter"]);
+    TwoBusy {
+        pool,
+        console,
+        _log: log,
+        first,
+        other,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
+    // The first row is selected at start: that is the node to drain; the other stays.
+    let TwoBusy {
+        pool,
+        console,
+        first: (drained, request),
+        other: (other, kept),
+        ..
+    } = two_busy_nodes().await;
+    console.drain(&drained).await;
     console
         .wait_screen("the node draining", |s| {
             row_of(s, &drained).is_some_and(|row| row.contains("drain"))
@@ -294,6 +326,80 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
         })
         .await;
     eprintln!("detail pane:\n{screen}");
+    console.keys(&["q"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_selected_slot_whose_row_goes_away_leaves_nothing_selected() {
+    let TwoBusy {
+        pool,
+        console,
+        first: (gone, request),
+        other: (other, kept),
+        ..
+    } = two_busy_nodes().await;
+    // Enter on the first node: its Slots view, its one slot selected (the detail line
+    // names the node in it).
+    console.keys(&["Enter"]);
+    console
+        .wait_screen("the slot of the first node selected", |s| {
+            s.contains(&format!(" {} · request", request.nodes[0]))
+        })
+        .await;
+    // Drain it from its Slots view (the dialog names the backing node), then its node
+    // comes back: the backing node is released and the slot's row goes away.
+    console.drain(&gone).await;
+    wait_for("the drain recorded", SOON, || async {
+        (pool.backing().await.iter()).any(|b| b.id == gone && b.idle == IdleBehaviour::Drain)
+    })
+    .await;
+    pool.client
+        .release(request.nodes.clone())
+        .await
+        .expect("release");
+    let screen = console
+        .wait_screen("the slot gone and nothing selected", |s| {
+            s.contains(&format!("slot 0 of {gone} went away: nothing is selected"))
+        })
+        .await;
+    eprintln!("after the slot went away:\n{screen}");
+    assert!(
+        screen.contains("the selected slot went away"),
+        "the status line says so:\n{screen}"
+    );
+    assert!(
+        !screen.contains(kept.nodes[0].as_str()),
+        "the other node's slot is not shown, let alone selected:\n{screen}"
+    );
+    // X has no target: no dialog naming the other node's node.
+    console.keys(&["X"]);
+    let screen = console
+        .wait_screen("X refused for want of a selection", |s| {
+            s.contains("release: select a used slot")
+        })
+        .await;
+    assert!(!screen.contains("Release node"), "{screen}");
+
+    // The operator picks the other node on purpose: its Slots view starts on its slot,
+    // not on a leftover of the node that went.
+    console.keys(&["2"]);
+    console
+        .wait_screen("the Backing view without the released node", |s| {
+            row_of(s, &gone).is_none() && row_of(s, &other).is_some()
+        })
+        .await;
+    console.keys(&["j", "3"]);
+    let screen = console
+        .wait_screen("the other node's slot selected", |s| {
+            s.contains(&format!(" {} · request", kept.nodes[0]))
+        })
+        .await;
+    assert!(!screen.contains("nothing is selected"), "{screen}");
+    let held = pool.nodes().await;
+    assert!(
+        held.iter().any(|n| n.id == kept.nodes[0]),
+        "the other node was not released: {held:?}"
+    );
     console.keys(&["q"]);
 }
 

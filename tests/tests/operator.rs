@@ -31,6 +31,21 @@ fn slotpool(pool: &Pool, args: &[&str]) -> String {
     stdout
 }
 
+/// Runs `slotpool <args>` as operator `op` with its stdout a pipe whose read end is
+/// closed at once.
+fn into_closed_pipe(pool: &Pool, args: &[&str]) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running slotpool");
+    drop(child.stdout.take());
+    child.wait_with_output().expect("waiting for slotpool")
+}
+
 async fn backing_of(pool: &Pool, node: &NodeId) -> BackingNode {
     let (id, _) = node.slot().expect("node id names its slot");
     pool.backing()
@@ -251,7 +266,6 @@ async fn orders_with_bad_input_get_clear_errors_and_release_with_reason_is_recor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
     use std::os::unix::process::ExitStatusExt;
-    use std::process::Stdio;
     let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
     pool.fulfilled(&pool.submit(&["small"]).await).await;
 
@@ -268,15 +282,7 @@ async fn the_cli_ends_quietly_on_a_closed_pipe_and_keeps_stderr_for_problems() {
     );
 
     // The pipe's read end is closed before the command has connected and printed.
-    let mut child = Command::new(bin_path("slotpool"))
-        .args(pool.nats.args_as(Role::Operator, "op"))
-        .args(["list", "requests"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running slotpool");
-    drop(child.stdout.take());
-    let out = child.wait_with_output().expect("waiting for slotpool");
+    let out = into_closed_pipe(&pool, &["list", "requests"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
@@ -431,4 +437,59 @@ async fn only_an_operator_may_ask_who_is_in_a_slot() {
         .expect("connecting as a client");
     let refused = ci.slot_occupants(&backing, slot).await;
     assert!(refused.is_err(), "a client was answered: {refused:?}");
+}
+
+/// `slotpool occupants` asks who is in a slot as the console does and prints it as a
+/// line (and a table of SSH logins, if any) or JSON; an unknown backing node or slot is a
+/// clear error, and a closed pipe no panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slotpool_occupants_says_who_is_in_a_slot() {
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, slot) = r.nodes[0].slot().expect("node id names its slot");
+    let slot = slot.to_string();
+
+    // The pool's agents run without slot users: nobody to count.
+    let out = slotpool(&pool, &["occupants", backing.as_str(), &slot]);
+    assert_eq!(
+        out,
+        format!("slot {slot} of {backing}: 0 processes, 0 SSH logins\n")
+    );
+    let out = slotpool(
+        &pool,
+        &["occupants", backing.as_str(), &slot, "--output", "json"],
+    );
+    let answer: slotpool_protocol::api::SlotOccupants =
+        serde_json::from_str(&out).expect("JSON occupants");
+    assert_eq!(answer, Default::default());
+
+    let fails = |args: &[&str]| {
+        let out = Command::new(bin_path("slotpool"))
+            .args(pool.nats.args_as(Role::Operator, "op"))
+            .arg("occupants")
+            .args(args)
+            .output()
+            .expect("running slotpool");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let unknown = "bn-01jq3m2f7h8g9k0m1n2p3q4r99";
+    let err = fails(&[unknown, "0"]);
+    assert!(
+        err.starts_with(&format!("error: asking who is in slot 0 of {unknown}: ")),
+        "{err}"
+    );
+    assert!(err.contains(&format!("no backing node {unknown}")), "{err}");
+    let err = fails(&[backing.as_str(), "9"]);
+    assert!(
+        err.contains("slot 9 does not exist: this node has 2 slots (0 to 1)"),
+        "{err}"
+    );
+    let err = fails(&["not-a-backing-id", "0"]);
+    assert!(err.starts_with("error: "), "{err}");
+
+    // The pipe's read end is closed before the answer is printed.
+    let out = into_closed_pipe(&pool, &["occupants", backing.as_str(), &slot]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -139,20 +139,24 @@ where
             _ = tick.tick() => {}
         }
         update(&mut state, Msg::Tick(now_ms()));
+        // Settled before drawing, and before the commands go: settling can ask a question
+        // (the slot pane now shows another slot).
+        commands.extend(state.settle());
         let mut quit = false;
         for command in commands {
             match command {
                 Command::Quit => quit = true,
-                Command::AskOccupants { backing_id, slot } => {
-                    ask_occupants(backing_id, slot, &client, &tx, &tracker)
-                }
+                Command::AskOccupants {
+                    backing_id,
+                    slot,
+                    ask,
+                } => ask_occupants(backing_id, slot, ask, &client, &tx, &tracker),
                 order => send_order(order, &client, &tx, &tracker),
             }
         }
         if quit {
             break Ok(());
         }
-        state.settle();
         if let Err(err) = terminal.draw(|frame| view::draw(frame, &state, &settings.theme)) {
             break Err(anyhow::Error::from(err).context("drawing"));
         }
@@ -174,6 +178,7 @@ where
 fn ask_occupants(
     backing_id: BackingId,
     slot: u32,
+    ask: u64,
     client: &Client,
     tx: &mpsc::Sender<Msg>,
     tracker: &TaskTracker,
@@ -184,13 +189,7 @@ fn ask_occupants(
             .slot_occupants(&backing_id, slot)
             .await
             .map_err(|err| err.to_string());
-        let _ = tx
-            .send(Msg::Occupants {
-                backing_id,
-                slot,
-                result,
-            })
-            .await;
+        let _ = tx.send(Msg::Occupants { ask, result }).await;
     });
 }
 

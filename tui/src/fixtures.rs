@@ -214,15 +214,16 @@ pub fn code(code: KeyCode) -> KeyEvent {
 }
 
 /// Presses `keys` one after the other, each meaning what it means in the prompt open at
-/// the time (as the event loop does), then settles.
+/// the time and settled before the next (as the event loop does).
 pub fn press(state: &mut State, keys: impl IntoIterator<Item = KeyEvent>) -> Vec<Command> {
     let mut out = Vec::new();
     for key in keys {
         if let Some(action) = keys::action(&key, &state.input) {
             out.extend(update(state, Msg::Action(action)));
         }
+        out.extend(state.settle());
     }
-    state.settle();
+    out.extend(state.settle());
     out
 }
 

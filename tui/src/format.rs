@@ -3,7 +3,6 @@
 //! (filters) and by the view; depends on nothing else in the console.
 
 use slotpool_protocol::model::{BackingState, IdleBehaviour, NodeState, RequestState};
-use slotpool_protocol::NodeId;
 
 pub fn state_name(s: BackingState) -> &'static str {
     match s {
@@ -55,15 +54,6 @@ pub fn fmt_duration(ms: u64) -> String {
     }
 }
 
-/// The backing id a node id names (`node-<ulid>_<slot>_<backing id>`).
-pub fn backing_of_node(node: &NodeId) -> Option<String> {
-    let rest = node.as_str().strip_prefix("node-")?;
-    let mut parts = rest.splitn(3, '_');
-    parts.next()?;
-    parts.next()?;
-    parts.next().map(str::to_string)
-}
-
 /// `HH:MM:SS` (UTC) of a timestamp.
 pub fn clock(ms: u64) -> String {
     let s = ms / 1000 % 86400;
@@ -75,12 +65,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_and_node_ids() {
+    fn durations() {
         assert_eq!(fmt_duration(42_000), "42s");
         assert_eq!(fmt_duration(303_000), "5m03s");
         assert_eq!(fmt_duration(7_500_000), "2h05m");
         assert_eq!(fmt_duration(3 * 86_400_000 + 4 * 3_600_000), "3d04h");
-        let n = NodeId::parse("node-01abc_3_bn-x_y").unwrap();
-        assert_eq!(backing_of_node(&n).as_deref(), Some("bn-x_y"));
     }
 }

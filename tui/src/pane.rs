@@ -311,13 +311,10 @@ fn pool_pane(state: &State, p: &PoolRow) -> Pane {
     pane
 }
 
-/// Who is in the node's slot, as its agent said when the pane was opened on it.
+/// Who is in the node's slot, as its agent answered the question asked for this node
+/// (an answer about the slot before, or an earlier node in it, is not shown).
 fn occupants(pane: &mut Pane, state: &State, n: &Node) {
-    let Some(o) = state
-        .occupancy
-        .as_ref()
-        .filter(|o| o.backing_id == n.backing_id && o.slot == n.slot)
-    else {
+    let Some(o) = state.occupancy.as_ref().filter(|o| o.node_id == n.id) else {
         pane.line(Tone::Dim, "who is in it: i i asks its agent");
         return;
     };

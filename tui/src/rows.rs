@@ -64,7 +64,9 @@ impl View {
 ///
 /// The selection follows what the operator selected, never an index: its row is found
 /// again by key and checked by identity (in the Backing view the backing node's id, as a
-/// seat is taken again by the next node launched into it). When that row goes away
+/// seat is taken again by the next node launched into it; in the Slots view the backing
+/// id and slot number, so a re-sort or a slot leaving the filter never moves it to
+/// another slot, and choosing another backing node starts afresh). When that row goes away
 /// nothing is selected (an order then has no target) until the operator moves; [`Gone`]
 /// remembers what it was, to say so and to select it again should it come back.
 #[derive(Clone, Debug, Default)]
@@ -138,6 +140,13 @@ impl ViewState {
         self.selected = i.min(self.rows.len().saturating_sub(1));
         self.selected_key = self.rows.get(self.selected).cloned();
         self.selected_id = self.selected_key.as_deref().and_then(id);
+        self.gone = None;
+    }
+
+    /// Selects the row of `key`, whose identity is `id`, at the next [`set_rows`].
+    pub fn choose(&mut self, key: String, id: Option<String>) {
+        self.selected_key = Some(key);
+        self.selected_id = id;
         self.gone = None;
     }
 
@@ -357,10 +366,13 @@ impl<'a> Facts<'a> {
     }
 
     /// What a row of `view` is, as the selection follows it: in the Backing view the
-    /// backing node's id (its key, the seat, outlives it), elsewhere the key.
+    /// backing node's id (its key, the seat, outlives it), in the Slots view the slot
+    /// (backing id and slot number, whoever is in it), elsewhere the key.
     pub fn identity(&self, view: View, key: &str) -> Option<String> {
         match view {
             View::Backing => self.mirror.backing(key).map(|b| b.id.to_string()),
+            View::Slots => slotpool_protocol::layout::parse_slot_key(key)
+                .map(|(backing, slot)| format!("slot {slot} of {backing}")),
             _ => Some(key.to_string()),
         }
     }

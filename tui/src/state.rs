@@ -11,7 +11,6 @@
 //! Pure: no NATS, no terminal, no clock. The time is whatever the last [`Msg::Tick`] said,
 //! so every timer here is computed from the records and that `now`.
 
-use crate::format::backing_of_node;
 use crate::history::History;
 use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
@@ -22,8 +21,8 @@ use crate::rows::{
 use crate::rules::Rules;
 use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, ProviderStatus,
-    RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, Node, NodeRequest, OperatorAction,
+    ProviderStatus, RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -46,10 +45,9 @@ pub enum Msg {
         what: String,
         result: Result<String, String>,
     },
-    /// The answer to [`Command::AskOccupants`].
+    /// The answer to [`Command::AskOccupants`] number `ask`.
     Occupants {
-        backing_id: BackingId,
-        slot: u32,
+        ask: u64,
         result: Result<SlotOccupants, String>,
     },
 }
@@ -67,18 +65,25 @@ pub enum Command {
         node_id: NodeId,
         reason: Option<String>,
     },
-    /// Ask (through a launcher) who is in slot `slot` of `backing_id`.
+    /// Ask (through a launcher) who is in slot `slot` of `backing_id`; the answer comes
+    /// back as [`Msg::Occupants`] with the same `ask`.
     AskOccupants {
         backing_id: BackingId,
         slot: u32,
+        ask: u64,
     },
 }
 
-/// Who is in a slot, as its agent last said (asked when the detail pane opens on it).
+/// Who is in a slot, as its agent last said: asked when the detail pane opens on a used
+/// slot, and again whenever the pane comes to show another slot or another node in it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Occupancy {
     pub backing_id: BackingId,
     pub slot: u32,
+    /// The node in the slot when it was asked.
+    pub node_id: NodeId,
+    /// Which question this is: an answer to any other (an earlier slot's) is dropped.
+    pub ask: u64,
     /// `None` while the question is out.
     pub answer: Option<Result<SlotOccupants, String>>,
 }
@@ -127,8 +132,10 @@ pub struct State {
     pub details: bool,
     /// Slots used and requests waiting per pool over the last minutes, for sparklines.
     pub history: History,
-    /// Who is in the slot the detail pane was last opened on.
+    /// Who is in the slot the detail pane shows.
     pub occupancy: Option<Occupancy>,
+    /// Questions of who is in a slot asked so far (numbers them).
+    asks: u64,
     mirror: Mirror,
     /// Derived by [`State::settle`].
     index: Index,
@@ -151,6 +158,7 @@ impl State {
             details: false,
             history: History::default(),
             occupancy: None,
+            asks: 0,
             mirror: Mirror::default(),
             index: Index::default(),
             dirty: true,
@@ -205,36 +213,52 @@ impl State {
         }
     }
 
-    /// Rebuilds the derived rows if anything changed since the last call.
-    pub fn settle(&mut self) {
-        if !self.dirty {
-            return;
+    /// Rebuilds the derived rows if anything changed since the last call; returns the
+    /// question of who is in the slot the detail pane now shows, if that is a new one.
+    pub fn settle(&mut self) -> Option<Command> {
+        if self.dirty {
+            self.rebuild();
         }
+        self.follow_slot_pane()
+    }
+
+    fn rebuild(&mut self) {
         self.dirty = false;
         self.index = Index::build(&self.mirror, &self.rules, self.now);
         // Out of `self` while the facts borrow it.
         let mut views = std::mem::take(&mut self.views);
-        let mut went_away = false;
+        let mut went_away = None;
         for view in View::ALL {
             let vs = &mut views[view.index()];
             let facts = self.facts();
             let keys = facts.keys(view, vs, self.focus.as_deref());
             let had_gone = vs.gone.is_some();
             rows::set_rows(view, vs, keys, |k| facts.identity(view, k));
-            went_away |= view == View::Backing
-                && !had_gone
-                && vs.gone.as_ref().is_some_and(|g| !facts.exists(view, g));
+            // A selection that orders act on (a backing node, a slot) just went away.
+            let orders = matches!(view, View::Backing | View::Slots);
+            // When both went, the current view's is the one said.
+            let said = went_away.is_some() && view != self.view;
+            let gone = vs.gone.as_ref().is_some_and(|g| !facts.exists(view, g));
+            if orders && !said && !had_gone && gone {
+                let what = if view == View::Slots {
+                    "slot"
+                } else {
+                    "backing node"
+                };
+                went_away = Some(format!("the selected {what} went away: select another"));
+            }
         }
         self.views = views;
-        if went_away {
-            self.set_status("the selected backing node went away: select another", false);
+        if let Some(text) = went_away {
+            self.set_status(text, false);
         }
         if self.focus.is_none() {
-            self.focus = self.views[View::Backing.index()]
+            let first = self.views[View::Backing.index()]
                 .selected_key
                 .as_ref()
                 .and_then(|k| self.mirror.backing(k))
                 .map(|b| b.id.to_string());
+            self.set_focus(first);
         }
         let page = self.page_rows().max(1);
         for vs in &mut self.views {
@@ -369,11 +393,51 @@ impl State {
         vs.select(to, |k| self.facts().identity(view, k));
         self.views[view.index()] = vs;
         if self.view == View::Backing {
-            self.focus = self.target_backing().map(|b| b.id.to_string());
-            self.dirty = true;
+            self.set_focus(self.target_backing().map(|b| b.id.to_string()));
         }
         let page = self.page_rows().max(1);
         rows::scroll_into_view(self.view_state_mut(), page);
+    }
+
+    /// Makes `id` the backing node the Slots view shows. Another node starts the Slots
+    /// view afresh on its first slot: a slot of the node before is never carried over.
+    fn set_focus(&mut self, id: Option<String>) {
+        if id != self.focus {
+            self.focus = id;
+            self.views[View::Slots.index()].reset_selection();
+        }
+        self.dirty = true;
+    }
+
+    /// The node in the slot the detail pane shows, while it is open on a used slot.
+    fn pane_node(&self) -> Option<Node> {
+        if !self.details || self.view != View::Slots {
+            return None;
+        }
+        let key = self.view_state().selected_key.as_deref()?;
+        self.slot_row(key)?.node
+    }
+
+    /// Asks who is in the slot the detail pane shows, unless that was asked already for
+    /// the same slot and node; the answer is taken only for the question asked last.
+    fn follow_slot_pane(&mut self) -> Option<Command> {
+        let n = self.pane_node()?;
+        if self.occupancy.as_ref().is_some_and(|o| o.node_id == n.id) {
+            return None;
+        }
+        self.asks += 1;
+        self.occupancy = Some(Occupancy {
+            backing_id: n.backing_id.clone(),
+            slot: n.slot,
+            node_id: n.id,
+            ask: self.asks,
+            answer: None,
+        });
+        Some(Command::AskOccupants {
+            backing_id: n.backing_id,
+            slot: n.slot,
+            ask: self.asks,
+        })
     }
 
     fn switch(&mut self, view: View) {
@@ -440,22 +504,9 @@ impl State {
             Action::Details => {
                 self.details = !self.details;
                 self.dirty = true;
-                if self.details && self.view == View::Slots {
-                    let node = (self.view_state().selected_key.as_deref())
-                        .and_then(|k| self.slot_row(k))
-                        .and_then(|s| s.node);
-                    if let Some(n) = node {
-                        self.occupancy = Some(Occupancy {
-                            backing_id: n.backing_id.clone(),
-                            slot: n.slot,
-                            answer: None,
-                        });
-                        return Some(Command::AskOccupants {
-                            backing_id: n.backing_id,
-                            slot: n.slot,
-                        });
-                    }
-                }
+                // Opened again, it asks again.
+                self.occupancy = None;
+                return self.follow_slot_pane();
             }
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
@@ -555,8 +606,7 @@ impl State {
             }
             View::Backing => {
                 if let Some(b) = self.target_backing() {
-                    self.focus = Some(b.id.to_string());
-                    self.views[View::Slots.index()].reset_selection();
+                    self.set_focus(Some(b.id.to_string()));
                     self.switch(View::Slots);
                 }
             }
@@ -566,15 +616,18 @@ impl State {
                 self.dirty = true;
             }
             View::Requests => {
-                // Show the backing node of the request's first node.
+                // Show the slot of the request's first node.
                 let node = self
                     .view_state()
                     .selected_key
                     .as_ref()
                     .and_then(|k| self.mirror.request(k))
                     .and_then(|r| r.nodes.first().cloned());
-                if let Some(id) = node.and_then(|n| backing_of_node(&n)) {
-                    self.focus = Some(id);
+                if let Some((backing, slot)) = node.and_then(|n| n.slot()) {
+                    self.set_focus(Some(backing.to_string()));
+                    let key = slotpool_protocol::layout::slot_key(&backing, slot);
+                    let id = self.facts().identity(View::Slots, &key);
+                    self.views[View::Slots.index()].choose(key, id);
                     self.switch(View::Slots);
                 }
             }
@@ -656,16 +709,8 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             }
             None
         }
-        Msg::Occupants {
-            backing_id,
-            slot,
-            result,
-        } => {
-            if let Some(o) = state
-                .occupancy
-                .as_mut()
-                .filter(|o| o.backing_id == backing_id && o.slot == slot)
-            {
+        Msg::Occupants { ask, result } => {
+            if let Some(o) = state.occupancy.as_mut().filter(|o| o.ask == ask) {
                 o.answer = Some(result);
                 state.dirty = true;
             }
@@ -676,8 +721,8 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
 
 /// Applies every message then settles: the convenient form for tests.
 pub fn apply_all(state: &mut State, msgs: impl IntoIterator<Item = Msg>) -> Vec<Command> {
-    let out = msgs.into_iter().filter_map(|m| update(state, m)).collect();
-    state.settle();
+    let mut out: Vec<Command> = msgs.into_iter().filter_map(|m| update(state, m)).collect();
+    out.extend(state.settle());
     out
 }
 

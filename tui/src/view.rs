@@ -1289,7 +1289,7 @@ mod tests {
         for _ in 0..4 {
             let commands = press(&mut state, [key('i')]);
             asked = commands.into_iter().find_map(|c| match c {
-                Command::AskOccupants { backing_id, slot } => Some((backing_id, slot)),
+                Command::AskOccupants { ask, .. } => Some(ask),
                 _ => None,
             });
             if asked.is_some() {
@@ -1297,7 +1297,7 @@ mod tests {
             }
             press(&mut state, [key('i'), key('j')]);
         }
-        let (backing_id, slot) = asked.expect("opening a used slot's pane asks who is in it");
+        let ask = asked.expect("opening a used slot's pane asks who is in it");
         assert!(screen(&state).contains("asking its agent"));
         let answer = SlotOccupants {
             processes: 3,
@@ -1310,8 +1310,7 @@ mod tests {
         apply_all(
             &mut state,
             [Msg::Occupants {
-                backing_id,
-                slot,
+                ask,
                 result: Ok(answer),
             }],
         );
@@ -1319,6 +1318,66 @@ mod tests {
         assert!(text.contains("in it: 3 processes · 1 SSH login"), "{text}");
         assert!(text.contains("sp1a2b3c4ds0@10.0.0.9:51234 since"), "{text}");
         insta::assert_snapshot!("slot_pane_occupants", text);
+    }
+
+    #[test]
+    fn slot_hidden_by_the_filter_after_its_release() {
+        let mut state = sample_state(80, 24);
+        let mut keys = vec![code(KeyCode::Enter), key('j'), key('j'), key('/')];
+        keys.extend("ci-job".chars().map(key));
+        keys.push(code(KeyCode::Enter));
+        press(&mut state, keys);
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: Bucket::Slots,
+                key: slotpool_protocol::layout::slot_key(&bid(0), 2),
+            }])],
+        );
+        let text = screen(&state);
+        assert!(
+            text.contains(&format!("slot 2 of {} is hidden by the filter", bid(0))),
+            "{text}"
+        );
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn the_slot_pane_follows_the_selection_to_the_next_slot() {
+        use crate::state::Command;
+        use slotpool_protocol::api::SlotOccupants;
+        let mut state = sample_state(100, 40);
+        let asks: Vec<u64> = press(
+            &mut state,
+            [code(KeyCode::Enter), key('i'), key('j'), key('j')],
+        )
+        .into_iter()
+        .filter_map(|c| match c {
+            Command::AskOccupants { ask, .. } => Some(ask),
+            _ => None,
+        })
+        .collect();
+        assert_eq!(
+            asks.len(),
+            2,
+            "slot 0 on open, slot 2 on the move: {asks:?}"
+        );
+        // The answer about slot 0 comes late: slot 2's pane still asks.
+        apply_all(
+            &mut state,
+            [Msg::Occupants {
+                ask: asks[0],
+                result: Ok(SlotOccupants {
+                    processes: 5,
+                    logins: vec![],
+                }),
+            }],
+        );
+        let text = screen(&state);
+        assert!(text.contains("_2_"), "{text}");
+        assert!(text.contains("asking its agent"), "{text}");
+        assert!(!text.contains("5 processes"), "{text}");
+        insta::assert_snapshot!(text);
     }
 
     #[test]

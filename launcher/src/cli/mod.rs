@@ -106,6 +106,12 @@ pub enum Command {
     Run(operator_cmds::OrderArgs),
     /// Operator: terminate a backing node now; its nodes fail with the reason.
     Kill(operator_cmds::OrderArgs),
+    /// Operator: who is in a slot now: its user's processes and open SSH logins, as the
+    /// slot's agent counts them.
+    #[command(after_help = "Examples:
+  slotpool occupants bn-01J... 2
+  slotpool occupants bn-01J... 2 --output json")]
+    Occupants(operator_cmds::OccupantsArgs),
     /// Cancel a waiting request.
     Cancel {
         request: String,
@@ -204,6 +210,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Drain(args) => operator_cmds::order(&cli.nats, OperatorAction::Drain, args).await,
         Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
         Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
+        Command::Occupants(args) => operator_cmds::occupants(&cli.nats, args).await,
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }

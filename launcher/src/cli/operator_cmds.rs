@@ -1,7 +1,8 @@
 //! Operator subcommands: hold, drain, run and kill a backing node; release a node with a
-//! reason. Each goes to the launchers' admin API and is recorded in the event log.
+//! reason. Each goes to the launchers' admin API and is recorded in the event log. And
+//! `occupants`, who is in a slot: a question, recorded nowhere.
 
-use super::output::state;
+use super::output::{age, print_table, state, time};
 use super::{NatsArgs, Output};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -21,6 +22,17 @@ pub struct OrderArgs {
     /// Do not ask for confirmation (kill only).
     #[arg(long, short = 'y')]
     pub yes: bool,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+#[derive(Debug, Args)]
+pub struct OccupantsArgs {
+    /// The backing node (`bn-...`, see `slotpool list backing`).
+    pub backing: String,
+    /// The slot's number on that node (0, 1, ...; `slotpool list nodes` shows each
+    /// node's).
+    pub slot: u32,
     #[arg(long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -84,4 +96,35 @@ pub async fn release_with_reason(
         all.not_found.extend(r.not_found);
     }
     Ok(all)
+}
+
+/// Who is in a slot: the launcher asks the backing node's agent, as the console's slot
+/// pane does.
+pub async fn occupants(nats: &NatsArgs, args: OccupantsArgs) -> anyhow::Result<ExitCode> {
+    let id = BackingId::parse(&args.backing)?;
+    let client = connect(nats).await?;
+    let slot = args.slot;
+    let occupants = client
+        .slot_occupants(&id, slot)
+        .await
+        .with_context(|| format!("asking who is in slot {slot} of {id}"))?;
+    match args.output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&occupants)?),
+        Output::Table => {
+            let (processes, logins) = (occupants.processes, occupants.logins.len());
+            println!(
+                "slot {slot} of {id}: {processes} process{}, {logins} SSH login{}",
+                if processes == 1 { "" } else { "es" },
+                if logins == 1 { "" } else { "s" },
+            );
+            if logins > 0 {
+                let rows: Vec<Vec<String>> = (occupants.logins.iter())
+                    .map(|l| vec![l.user.clone(), l.from.clone(), time(l.since), age(l.since)])
+                    .collect();
+                println!();
+                print_table(&["USER", "FROM", "SINCE", "AGE"], &rows);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }

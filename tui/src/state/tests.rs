@@ -672,3 +672,181 @@ fn i_opens_the_detail_pane_which_takes_rows_from_the_table() {
     press(&mut state, [key('i')]);
     assert_eq!(state.page_rows(), rows);
 }
+
+/// The slot key of slot `slot` of backing node `seat` of the sample.
+fn slot_of(seat: u32, slot: u32) -> String {
+    slotpool_protocol::layout::slot_key(&bid(seat), slot)
+}
+
+/// The sample's busy node released: its slots' records and its own go.
+fn busy_node_released() -> Msg {
+    let removed = |bucket, key: String| Change::Removed { bucket, key };
+    Msg::Feed(vec![
+        removed(Bucket::Slots, slot_of(0, 0)),
+        removed(Bucket::Slots, slot_of(0, 2)),
+        removed(Bucket::Backing, "cloud.main.0".into()),
+    ])
+}
+
+fn selected_slot(state: &State) -> Option<String> {
+    state.views[View::Slots.index()].selected_key.clone()
+}
+
+#[test]
+fn the_slots_view_selection_follows_the_slot_never_its_index() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // The busy node's slots: 0 and 2 used, 1 and 3 free. Select slot 2.
+    press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
+    assert_eq!(selected_slot(&state), Some(slot_of(0, 2)));
+    // Sorted by state, the free slots come first: the selection moves with slot 2.
+    press(&mut state, [key('s')]);
+    assert_eq!(state.view_state().rows[0], slot_of(0, 1));
+    assert_eq!(selected_slot(&state), Some(slot_of(0, 2)));
+    // Only the used slots (filtered by requestor): slot 0 (busy) and slot 2.
+    let mut msgs = vec![key('/')];
+    msgs.extend("ci-job".chars().map(key));
+    msgs.push(code(KeyCode::Enter));
+    press(&mut state, msgs);
+    assert_eq!(state.view_state().rows, vec![slot_of(0, 0), slot_of(0, 2)]);
+    // Slot 2's node is released: its row leaves the filtered table. Nothing is selected,
+    // never busy slot 0, which now has the row.
+    apply_all(
+        &mut state,
+        [Msg::Feed(vec![Change::Removed {
+            bucket: Bucket::Slots,
+            key: slot_of(0, 2),
+        }])],
+    );
+    assert_eq!(state.view_state().rows, vec![slot_of(0, 0)]);
+    assert_eq!(selected_slot(&state), None);
+    let (gone, hidden) = state.unshown().expect("the gone slot is remembered");
+    assert_eq!(gone.id, format!("slot 2 of {}", bid(0)));
+    assert!(hidden, "the free slot is there, hidden by the filter");
+    // X has no target: nothing is sent.
+    assert!(press(&mut state, [key('X'), code(KeyCode::Enter)]).is_empty());
+    assert_eq!(state.input, Input::None);
+    // Its backing node goes away: the slot is no longer there at all.
+    apply_all(&mut state, [busy_node_released()]);
+    press(&mut state, [code(KeyCode::Esc)]);
+    assert_eq!(state.view, View::Slots);
+    apply_all(&mut state, [Msg::Tick(NOW + 1)]);
+    let (gone, hidden) = state.unshown().expect("the gone slot is remembered");
+    assert_eq!(
+        (gone.id.as_str(), hidden),
+        (&*format!("slot 2 of {}", bid(0)), false)
+    );
+}
+
+#[test]
+fn a_selected_slot_whose_backing_node_goes_away_is_said_to_be_gone() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
+    apply_all(&mut state, [busy_node_released()]);
+    assert_eq!(selected_slot(&state), None);
+    let status = state.status.clone().expect("a status").text;
+    assert_eq!(status, "the selected slot went away: select another");
+    // No order lands on a slot of another node.
+    assert!(press(&mut state, [key('X'), code(KeyCode::Enter)]).is_empty());
+}
+
+#[test]
+fn another_backing_node_starts_the_slots_view_afresh() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // Slot 2 of the busy node, then back to the Backing view and down to the idle node.
+    press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);
+    press(&mut state, [code(KeyCode::Esc), key('j'), key('3')]);
+    assert_eq!(state.view, View::Slots);
+    assert_eq!(state.focused().unwrap().id, bid(1));
+    // The idle node's first slot, not a leftover of the busy node's.
+    assert_eq!(selected_slot(&state), Some(slot_of(1, 0)));
+    assert_eq!(state.unshown(), None);
+    // Back on the busy node: its first slot again.
+    press(&mut state, [key('2'), key('k'), code(KeyCode::Enter)]);
+    assert_eq!(selected_slot(&state), Some(slot_of(0, 0)));
+}
+
+#[test]
+fn enter_on_a_request_selects_its_nodes_slot() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // Slot 3 of the busy node is selected in the Slots view.
+    press(&mut state, [code(KeyCode::Enter), key('G')]);
+    assert_eq!(selected_slot(&state), Some(slot_of(0, 3)));
+    // The fulfilled request's node is in slot 0 of the busy node.
+    press(&mut state, [key('4')]);
+    let at = (state.view_state().rows.iter())
+        .position(|k| k == "req-01")
+        .expect("the fulfilled request's row");
+    state.views[View::Requests.index()].select(at, |k| Some(k.to_string()));
+    press(&mut state, [code(KeyCode::Enter)]);
+    assert_eq!(state.view, View::Slots);
+    assert_eq!(selected_slot(&state), Some(slot_of(0, 0)));
+}
+
+/// The question in `commands`, if any.
+fn asked(commands: &[Command]) -> Option<(BackingId, u32, u64)> {
+    commands.iter().find_map(|c| match c {
+        Command::AskOccupants {
+            backing_id,
+            slot,
+            ask,
+        } => Some((backing_id.clone(), *slot, *ask)),
+        _ => None,
+    })
+}
+
+#[test]
+fn the_slot_pane_asks_again_for_each_slot_it_shows_and_drops_stale_answers() {
+    use slotpool_protocol::api::SlotOccupants;
+    let mut state = loaded(rules(), sample(), 100, 40);
+    // Slot 0 of the busy node: opening the pane asks.
+    press(&mut state, [code(KeyCode::Enter)]);
+    let (b, slot, first) = asked(&press(&mut state, [key('i')])).expect("asked on open");
+    assert_eq!((b, slot), (bid(0), 0));
+    // A free slot: nobody to ask about.
+    assert_eq!(asked(&press(&mut state, [key('j')])), None);
+    // Slot 2, while the pane is open: asked again, about slot 2.
+    let (b, slot, second) = asked(&press(&mut state, [key('j')])).expect("asked on move");
+    assert_eq!((b, slot), (bid(0), 2));
+    assert_ne!(first, second);
+    // The late answer about slot 0 is not shown for slot 2.
+    let processes = |n| {
+        Ok(SlotOccupants {
+            processes: n,
+            logins: vec![],
+        })
+    };
+    apply_all(
+        &mut state,
+        [Msg::Occupants {
+            ask: first,
+            result: processes(7),
+        }],
+    );
+    let o = state.occupancy.clone().unwrap();
+    assert_eq!((o.slot, o.ask, o.answer), (2, second, None));
+    apply_all(
+        &mut state,
+        [Msg::Occupants {
+            ask: second,
+            result: processes(3),
+        }],
+    );
+    assert_eq!(state.occupancy.clone().unwrap().answer, Some(processes(3)));
+    // Nothing new to ask while the selection stays.
+    assert_eq!(asked(&apply_all(&mut state, [Msg::Tick(NOW + 1)])), None);
+    // Another node in slot 2 (the first released, the slot taken again): asked anew.
+    let busy = backing(0, BackingState::Ready, 4);
+    let mut next = node(&busy, 2, "ci-job-9", NOW);
+    next.id = NodeId::parse(&format!("node-01jq3m8x5v9k2c7t4r6y0a1b99_2_{}", bid(0))).unwrap();
+    let commands = apply_all(
+        &mut state,
+        [Msg::Feed(vec![put(Record::Slot(Box::new(next)))])],
+    );
+    let (_, slot, third) = asked(&commands).expect("asked about the new node");
+    assert_eq!(slot, 2);
+    assert!(third > second);
+    assert_eq!(state.occupancy.clone().unwrap().answer, None);
+    // Closed, it asks nothing; opened again, it asks again.
+    assert_eq!(asked(&press(&mut state, [key('i'), key('j')])), None);
+    assert!(asked(&press(&mut state, [key('k'), key('i')])).is_some());
+}
