@@ -140,6 +140,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             grace_time_ms: cases.below(3600) * SEC,
             min_retention_ms: cases.below(2) * cases.below(7200) * SEC,
             max_age_ms: 0,
+            min_ready: 0,
         };
         let b = backing(launched_at, idle_since);
         let obs = Observed {

@@ -184,6 +184,7 @@ pub fn rules() -> Rules {
             grace_time_ms: 300 * SEC,
             min_retention_ms: 0,
             max_age_ms: 24 * 3600 * SEC,
+            min_ready: 0,
         },
     );
     r.set_max_servers("cloud", "main", 4);

@@ -9,6 +9,7 @@ use crate::format::{idle_name, node_state_name, request_state_name, state_name};
 use crate::mirror::Mirror;
 use crate::rules::Rules;
 use slotpool_config::timing;
+use slotpool_protocol::layout::seat_key;
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, IdleBehaviour, Node, NodeRequest, RequestState,
 };
@@ -222,6 +223,8 @@ pub enum IdleTimer {
     Held,
     /// `drain`: released as soon as it is empty.
     Draining,
+    /// Empty but kept: its free slots are part of the label's `min-ready` (this many).
+    KeptWarm(u32),
 }
 
 /// The agent's heartbeat as the console judges it.
@@ -694,6 +697,9 @@ impl<'a> Facts<'a> {
                     return IdleTimer::None;
                 };
                 match self.rules.label(&b.provider, &b.pool, &b.label) {
+                    Some(r) if r.min_ready > 0 && self.free_ahead(b) < r.min_ready => {
+                        IdleTimer::KeptWarm(r.min_ready)
+                    }
                     Some(r) => {
                         let last_release = self.mirror.last_release(b.id.as_str());
                         let at = timing::release_at(b, last_release, self.now, &r.idle());
@@ -704,6 +710,29 @@ impl<'a> Facts<'a> {
             }
             _ => IdleTimer::None,
         }
+    }
+
+    /// The free slots `b` (empty) may count on once released, by the launcher's own
+    /// rule ([`timing::free_ahead`]): those of the other nodes of its label that take
+    /// slots, an empty one only when its seat comes first.
+    fn free_ahead(&self, b: &BackingNode) -> u32 {
+        let me = seat_key(&b.provider, &b.pool, b.seat);
+        let takers = self
+            .mirror
+            .backing_nodes()
+            .filter(|(key, o)| **key != me && o.label == b.label && self.takes_slots(o))
+            .map(|(key, o)| (key.as_str(), o.slots, self.used(o)));
+        timing::free_ahead(&me, takers)
+    }
+
+    /// Whether new slots may be handed out on `b`, as the launcher judges it: ready,
+    /// running (not held or drained) and its agent healthy and not draining.
+    fn takes_slots(&self, b: &BackingNode) -> bool {
+        b.state.takes_slots()
+            && b.idle == IdleBehaviour::Run
+            && self.mirror.agent(b.id.as_str()).is_some_and(|a| {
+                a.secret_sha256 == b.secret_sha256 && a.health.healthy && !a.draining
+            })
     }
 
     /// The view model of one Backing nodes row.

@@ -15,6 +15,9 @@ pub struct LabelRules {
     pub min_retention_ms: u64,
     /// Zero: no maximum age.
     pub max_age_ms: u64,
+    /// Free slots the launcher keeps ready for the label (`min-ready`, summed over the
+    /// pools serving it); 0: none.
+    pub min_ready: u32,
 }
 
 impl LabelRules {
@@ -59,6 +62,7 @@ impl Rules {
                             grace_time_ms: label.grace_time.as_millis() as u64,
                             min_retention_ms: label.min_retention_time.as_millis() as u64,
                             max_age_ms: label.max_age.as_millis() as u64,
+                            min_ready: config.min_ready(&label.name),
                         },
                     );
                 }

@@ -331,6 +331,7 @@ fn idle_text(row: &BackingRow) -> String {
         IdleTimer::ReleaseIn(ms) => format!("rel {}", fmt_duration(ms)),
         IdleTimer::IdleFor(ms) => format!("idle {}", fmt_duration(ms)),
         IdleTimer::Held => "never".into(),
+        IdleTimer::KeptWarm(_) => "warm".into(),
         IdleTimer::Draining => "at once".into(),
         IdleTimer::None => "-".into(),
     }
@@ -880,6 +881,9 @@ fn backing_detail<'a>(state: &State, r: &BackingRow, theme: &Theme) -> Vec<Line<
             fmt_duration(ms)
         )),
         IdleTimer::Held => timers.push("held: never released automatically".into()),
+        IdleTimer::KeptWarm(n) => timers.push(format!(
+            "empty: kept warm, its free slots are part of the label's min-ready {n}"
+        )),
         IdleTimer::Draining => timers.push("draining: released as soon as empty".into()),
         IdleTimer::None => {}
     }
@@ -1130,6 +1134,27 @@ mod tests {
         let mut state = state;
         press(&mut state, [key('j')]);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    #[test]
+    fn backing_view_an_empty_node_kept_for_min_ready() {
+        let mut r = rules();
+        r.insert(
+            "cloud",
+            "main",
+            "small",
+            crate::rules::LabelRules {
+                grace_time_ms: 300 * SEC,
+                min_retention_ms: 0,
+                max_age_ms: 0,
+                min_ready: 8,
+            },
+        );
+        let mut state = loaded(r, sample(), 80, 24);
+        press(&mut state, [key('j')]);
+        let text = screen(&state);
+        assert!(text.contains("kept warm"), "{text}");
+        insta::assert_snapshot!(text);
     }
 
     #[test]

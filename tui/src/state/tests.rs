@@ -73,6 +73,7 @@ fn idle_timer_counts_down_grace_time_and_respects_min_retention() {
             grace_time_ms: 300 * SEC,
             min_retention_ms: 7200 * SEC,
             max_age_ms: 0,
+            min_ready: 0,
         },
     );
     let state = loaded(r, vec![put(Record::Backing(Box::new(b.clone())))], 80, 24);
@@ -849,4 +850,47 @@ fn the_slot_pane_asks_again_for_each_slot_it_shows_and_drops_stale_answers() {
     // Closed, it asks nothing; opened again, it asks again.
     assert_eq!(asked(&press(&mut state, [key('i'), key('j')])), None);
     assert!(asked(&press(&mut state, [key('k'), key('i')])).is_some());
+}
+
+#[test]
+fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
+    // Two empty ready nodes of 2 slots, min-ready 2: as the launcher decides, the first
+    // seat is kept for the label's warm slots and the second one counts down.
+    let mut r = rules();
+    r.insert(
+        "cloud",
+        "main",
+        "small",
+        crate::rules::LabelRules {
+            grace_time_ms: 300 * SEC,
+            min_retention_ms: 0,
+            max_age_ms: 0,
+            min_ready: 2,
+        },
+    );
+    let mut changes = Vec::new();
+    for seat in [1, 2] {
+        let mut b = backing(seat, BackingState::Ready, 2);
+        b.idle_since = Some(NOW - 42 * SEC);
+        changes.push(put(Record::Agent(Box::new(agent(&b, NOW - SEC)))));
+        changes.push(put(Record::Backing(Box::new(b))));
+    }
+    let state = loaded(r.clone(), changes.clone(), 80, 24);
+    assert_eq!(
+        state.backing_row("cloud.main.1").unwrap().timer,
+        IdleTimer::KeptWarm(2)
+    );
+    assert_eq!(
+        state.backing_row("cloud.main.2").unwrap().timer,
+        IdleTimer::ReleaseIn((300 - 42) * SEC)
+    );
+    // The first node's agent draining: it takes no slots, so the second is kept.
+    let mut draining = agent(&backing(1, BackingState::Ready, 2), NOW - SEC);
+    draining.draining = true;
+    changes.push(put(Record::Agent(Box::new(draining))));
+    let state = loaded(r, changes, 80, 24);
+    assert_eq!(
+        state.backing_row("cloud.main.2").unwrap().timer,
+        IdleTimer::KeptWarm(2)
+    );
 }
