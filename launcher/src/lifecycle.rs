@@ -94,14 +94,19 @@ pub struct Observed {
 
 /// The free slots an empty node may count on being there once it is released: those of
 /// the other nodes of its label that take slots, where a node in use counts always and
-/// an empty one only when its seat key comes before `me`'s. Empty nodes are kept in seat
-/// key order, so of two empty nodes that could each go on the other's slots, only the
-/// later one goes: launchers deciding at once never release both and fall below
-/// `min-ready` (which would have the planner launch again, in a loop). `others`: (seat
-/// key, slots, slots in use) of every other node of the label that takes slots.
-pub fn free_ahead<'a>(me: &str, others: impl Iterator<Item = (&'a str, u32, u32)>) -> u32 {
+/// an empty one only when it comes before `me` (seat key, slots) in keeping order: the
+/// smallest first, then by seat key (as slots are packed, [`packing_rank`]), so the big
+/// empty nodes are the ones released. Of two empty nodes that could each go on the
+/// other's slots, only the later one goes: launchers deciding at once never release both
+/// and fall below `min-ready` (which would have the planner launch again, in a loop).
+/// `others`: (seat key, slots, slots in use) of every other node of the label that takes
+/// slots.
+///
+/// [`packing_rank`]: crate::world::capacity::packing_rank
+pub fn free_ahead<'a>(me: (&str, u32), others: impl Iterator<Item = (&'a str, u32, u32)>) -> u32 {
+    let (my_seat, my_slots) = me;
     others
-        .filter(|(seat, _, used)| *used > 0 || *seat < me)
+        .filter(|(seat, slots, used)| *used > 0 || (*slots, *seat) < (my_slots, my_seat))
         .map(|(_, slots, used)| slots.saturating_sub(used))
         .sum()
 }
@@ -502,9 +507,24 @@ mod tests {
         let empty_a = ("p.main.0", 4, 0);
         let empty_b = ("p.main.1", 4, 0);
         let busy_c = ("p.main.2", 4, 3);
-        assert_eq!(free_ahead("p.main.0", [empty_b, busy_c].into_iter()), 1);
-        assert_eq!(free_ahead("p.main.1", [empty_a, busy_c].into_iter()), 4 + 1);
+        assert_eq!(
+            free_ahead(("p.main.0", 4), [empty_b, busy_c].into_iter()),
+            1
+        );
+        assert_eq!(
+            free_ahead(("p.main.1", 4), [empty_a, busy_c].into_iter()),
+            4 + 1
+        );
         // min-ready 2: node 0 stays (1 free ahead), node 1 may go (5): never both.
+    }
+
+    #[test]
+    fn of_two_empty_nodes_the_bigger_counts_on_the_smaller() {
+        let big = ("p.main.0", 8, 0);
+        let small = ("p.main.1", 2, 0);
+        assert_eq!(free_ahead(("p.main.0", 8), [small].into_iter()), 2);
+        assert_eq!(free_ahead(("p.main.1", 2), [big].into_iter()), 0);
+        // min-ready 2: the 2-slot node stays, the 8-slot one (on a lower seat) may go.
     }
 
     #[test]
