@@ -26,7 +26,7 @@ async fn sizes(pool: &Pool) -> BTreeMap<String, (String, u32)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_waiting_request_gets_the_small_size_and_a_burst_the_big_one() {
-    let pool = Pool::start(4, 5, SIZED, 1).await;
+    let pool = Pool::start(8, 5, SIZED, 1).await;
 
     // One request: one 1-slot node (0.10), not a 4-slot one (0.30).
     let one = pool.fulfilled(&pool.submit(&["sized"]).await).await;
