@@ -172,54 +172,61 @@ pub fn choose_sizes(need: u32, sizes: &[SizeOffer], seats: usize) -> Vec<usize> 
     let mut best: Covers = vec![None; need + 1];
     best[0] = Some((Weight::default(), usize::MAX));
     for d in 1..=need {
-        best[d] = cheapest_step(sizes, |i| best[d.saturating_sub(sizes[i].slots as usize)]);
+        best[d] = cheapest_step(sizes, |i| {
+            best[d.saturating_sub(sizes[i].slots as usize)].map(|(w, _)| w)
+        });
     }
     let unbounded = unwind(&best, sizes, need);
     if unbounded.len() <= seats {
         return unbounded;
     }
-    // Too many nodes for the seats: the same with at most k nodes, k = 1..seats.
-    let mut at_most: Covers = best.iter().map(|_| None).collect();
-    at_most[0] = best[0];
-    let mut steps: Vec<Covers> = Vec::new();
+    // Too many nodes for the seats (so fewer seats than the need): the cheapest with at
+    // most k nodes, for k = 1..seats. Of each step only the size it added to a cover is
+    // kept for the walk back (`KEPT`: the cover with a node fewer was no dearer).
+    const KEPT: u16 = u16::MAX;
+    let mut weights: Vec<Option<Weight>> = best.iter().map(|_| None).collect();
+    weights[0] = Some(Weight::default());
+    let mut added: Vec<Vec<u16>> = Vec::with_capacity(seats);
     for _ in 0..seats {
-        let prev = at_most.clone();
+        let prev = weights.clone();
+        let mut step = vec![KEPT; need + 1];
         for d in 1..=need {
-            let added = cheapest_step(sizes, |i| prev[d.saturating_sub(sizes[i].slots as usize)]);
-            at_most[d] = match (prev[d], added) {
-                (Some(p), Some(a)) if p.0 <= a.0 => Some((p.0, usize::MAX - 1)),
-                (Some(p), None) => Some((p.0, usize::MAX - 1)),
-                (_, added) => added,
-            };
+            let with = cheapest_step(sizes, |i| prev[d.saturating_sub(sizes[i].slots as usize)]);
+            match (prev[d], with) {
+                (Some(kept), Some((w, _))) if kept <= w => {}
+                (_, Some((w, size))) => {
+                    weights[d] = Some(w);
+                    step[d] = u16::try_from(size).unwrap_or(KEPT);
+                }
+                (_, None) => {}
+            }
         }
-        steps.push(at_most.clone());
+        added.push(step);
     }
-    // Walk back: at step k, a cover either adds a node (its size) or is step k-1's.
     let mut out = Vec::new();
     let mut d = need;
-    for k in (0..seats).rev() {
+    for step in added.iter().rev() {
         if d == 0 {
             break;
         }
-        match steps[k][d] {
-            Some((_, size)) if size < sizes.len() => {
-                out.push(size);
-                d = d.saturating_sub(sizes[size].slots as usize);
-            }
-            _ => {}
+        if step[d] != KEPT {
+            let size = usize::from(step[d]);
+            out.push(size);
+            d = d.saturating_sub(sizes[size].slots as usize);
         }
     }
     out.sort_by_key(|i| std::cmp::Reverse(sizes[*i].slots));
     out
 }
 
-/// The cheapest of adding one node of each size to the cover `before(size)` gives.
+/// The cheapest of adding one node of each size to the cover `before(size)` weighs, with
+/// the size added.
 fn cheapest_step(
     sizes: &[SizeOffer],
-    before: impl Fn(usize) -> Option<(Weight, usize)>,
+    before: impl Fn(usize) -> Option<Weight>,
 ) -> Option<(Weight, usize)> {
     (0..sizes.len())
-        .filter_map(|i| before(i).map(|(w, _)| (w.plus(&sizes[i]), i)))
+        .filter_map(|i| before(i).map(|w| (w.plus(&sizes[i]), i)))
         .min()
 }
 
@@ -514,6 +521,11 @@ mod tests {
         assert_eq!(pick(10, 2), [8, 2]);
         assert_eq!(pick(12, 3), [8, 2, 2], "not 8 + 8");
         assert_eq!(pick(17, 3), [8, 8, 2]);
+        // A long queue and a bound on seats: 8x + 2y >= 2000 with x + y <= 300 nodes is
+        // cheapest at 234 eights and 64 twos.
+        let many = pick(2000, 300);
+        let count = |slots| many.iter().filter(|s| **s == slots).count();
+        assert_eq!((count(8), count(2)), (234, 64));
         // One size: as many as the need, as before sizes.
         let one = [SizeOffer { slots: 4, price: 4 }];
         assert_eq!(slots_of(&one, &choose_sizes(9, &one, 10)), [4, 4, 4]);
