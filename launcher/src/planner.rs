@@ -1,6 +1,7 @@
 //! Capacity planning: when unmet demand for a label exceeds the slots free or coming,
 //! take seats (create backing node records) in the pools serving it, lowest pool priority
-//! first, never more than a pool's `max-servers`.
+//! first, never more than a pool's `max-servers` (backing nodes of every size together),
+//! each of the size [`choose_sizes`] picks among the label's `sizes`.
 //!
 //! Every launcher plans from the same mirror and picks the lowest free seat, so two
 //! launchers planning at once race for the same seat key and one of them loses the
