@@ -1,6 +1,6 @@
 //! A label served by several backing sizes, against a real nats-server, a real launcher
 //! and local agents: the planner launches the size that covers what waits at the lowest
-//! price.
+//! price, and slots are taken from the smallest node first.
 
 use slotpool_protocol::model::BackingNode;
 use slotpool_tests::Pool;
@@ -25,7 +25,7 @@ async fn sizes(pool: &Pool) -> BTreeMap<String, (String, u32)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_waiting_request_gets_the_small_size_and_a_burst_the_big_one() {
+async fn the_small_size_for_one_request_the_big_one_for_a_burst_and_claims_on_the_small() {
     let pool = Pool::start(8, 5, SIZED, 1).await;
 
     // One request: one 1-slot node (0.10), not a 4-slot one (0.30).
@@ -57,4 +57,16 @@ async fn one_waiting_request_gets_the_small_size_and_a_burst_the_big_one() {
     for node in &burst.nodes {
         assert_eq!(pool.node(node).await.backing_id.to_string(), *big.0);
     }
+
+    // Packing: with the small node empty and the big one at 3 of 4, the next request
+    // takes the small node, so the big one is the one that drains.
+    pool.release_and_wait(&one.nodes).await;
+    pool.release_and_wait(&burst.nodes[..1]).await;
+    let next = pool.fulfilled(&pool.submit(&["sized"]).await).await;
+    assert_eq!(
+        pool.node(&next.nodes[0]).await.backing_id,
+        first,
+        "a slot on the smallest node first, not on the fuller big one"
+    );
+    assert_eq!(sizes(&pool).await.len(), 2, "nothing launched for it");
 }
