@@ -134,8 +134,11 @@ pub struct PoolConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LabelConfig {
     pub name: String,
-    pub backing_label: String,
-    pub max_parallel_jobs: u32,
+    /// The kinds of backing node that serve the label, as written (at least one, no
+    /// backing label twice): one for the single-size form (`backing-label` +
+    /// `max-parallel-jobs`), several for `sizes`, among which the planner picks by cost
+    /// and queue depth.
+    pub sizes: Vec<BackingSize>,
     pub grace_time: Duration,
     pub min_retention_time: Duration,
     /// Zero: no maximum age.
@@ -151,11 +154,39 @@ pub struct LabelConfig {
     /// Free slots of this label the pool keeps ready with no request waiting for them
     /// (`min-ready`): the planner launches backing nodes until that many are free or
     /// booting, and an idle backing node whose free slots are needed for it is kept past
-    /// its grace-time. At most `max-servers` x `max-parallel-jobs`.
+    /// its grace-time. At most `max-servers` x the largest size's `max-parallel-jobs`.
     pub min_ready: u32,
     /// Slots a backing node of this label hands out in its life (`max-uses`); after the
     /// last it is retired and released once empty. `None`: no limit.
     pub max_uses: Option<u32>,
+}
+
+/// One kind of backing node a label may be served by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackingSize {
+    /// What kind of machine it is (passed to the provider).
+    pub backing_label: String,
+    /// Slots each backing node of this size is carved into (`max-parallel-jobs`).
+    pub slots: u32,
+    /// What one backing node of this size costs an hour (`cost-per-hour`, in the
+    /// operator's money); `None` in the single-size form, which needs no choice.
+    pub cost_per_hour: Option<f64>,
+}
+
+impl LabelConfig {
+    /// The size with the most slots (of those, the first written).
+    pub fn largest(&self) -> &BackingSize {
+        self.sizes
+            .iter()
+            .rev()
+            .max_by_key(|s| s.slots)
+            .expect("a label has at least one size")
+    }
+
+    /// The size whose backing label is `backing_label`.
+    pub fn size(&self, backing_label: &str) -> Option<&BackingSize> {
+        self.sizes.iter().find(|s| s.backing_label == backing_label)
+    }
 }
 
 /// Where a label is served: a provider's pool.
@@ -217,11 +248,11 @@ impl Config {
     }
 
     /// The most nodes of `label` the configured pools could ever hold at once: each pool
-    /// serving it at `max-servers` backing nodes of `max-parallel-jobs` slots.
+    /// serving it at `max-servers` backing nodes of its largest size.
     pub fn max_nodes(&self, label: &str) -> u64 {
         self.sites(label)
             .iter()
-            .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.max_parallel_jobs))
+            .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.largest().slots))
             .sum()
     }
 
@@ -358,6 +389,154 @@ providers:
         assert!(err.contains("min-ready"), "{err}");
     }
 
+    /// GOOD with the label's `backing-label` and `max-parallel-jobs` (lines 11 and 12)
+    /// replaced by `with`.
+    fn sized(with: &str) -> String {
+        GOOD.replace(
+            "            backing-label: large-node\n            max-parallel-jobs: 4\n",
+            with,
+        )
+    }
+
+    const SIZES: &str = "            sizes:
+              - backing-label: vm-2
+                max-parallel-jobs: 2
+                cost-per-hour: 0.10
+              - backing-label: vm-8
+                max-parallel-jobs: 8
+                cost-per-hour: 0.36
+";
+
+    #[test]
+    fn a_label_takes_one_size_or_a_list_of_sizes_with_prices() {
+        let one = parse(GOOD).unwrap();
+        assert_eq!(
+            one.sites("small")[0].label.sizes,
+            vec![BackingSize {
+                backing_label: "large-node".into(),
+                slots: 4,
+                cost_per_hour: None
+            }]
+        );
+        let c = parse(&sized(SIZES)).unwrap();
+        let label = c.sites("small")[0].label;
+        assert_eq!(
+            label.sizes,
+            vec![
+                BackingSize {
+                    backing_label: "vm-2".into(),
+                    slots: 2,
+                    cost_per_hour: Some(0.10)
+                },
+                BackingSize {
+                    backing_label: "vm-8".into(),
+                    slots: 8,
+                    cost_per_hour: Some(0.36)
+                }
+            ]
+        );
+        assert_eq!(label.largest().backing_label, "vm-8");
+        assert_eq!(label.size("vm-2").map(|s| s.slots), Some(2));
+        assert_eq!(c.max_nodes("small"), 16, "2 servers of the largest size, 8");
+        let warm = sized(&format!("{SIZES}            min-ready: 17\n"));
+        let err = parse(&warm).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "pool.yaml:18:24: min-ready must be 0 to 16 (max-servers 2 x max-parallel-jobs 8)"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sizes_are_refused_where_written() {
+        let err = |text: &str| parse(text).unwrap_err().to_string();
+        // Both forms.
+        let both = GOOD.replace(
+            "            grace-time: 2\n",
+            &format!("            grace-time: 2\n{SIZES}"),
+        );
+        assert_eq!(
+            err(&both),
+            "pool.yaml:11:28: give either `backing-label` with `max-parallel-jobs` (one size) \
+             or a list of `sizes`, not both"
+        );
+        // Neither.
+        assert_eq!(
+            err(&sized("")),
+            "pool.yaml:10:13: missing field `backing-label` (or a list of `sizes`)"
+        );
+        // An empty list.
+        assert!(
+            err(&sized("            sizes: []\n"))
+                .starts_with("pool.yaml:11:20: sizes must list at least one size"),
+            "{}",
+            err(&sized("            sizes: []\n"))
+        );
+        // The same backing label twice.
+        let twice = sized(&SIZES.replace("vm-8", "vm-2"));
+        assert_eq!(
+            err(&twice),
+            "pool.yaml:15:32: backing-label \"vm-2\" is listed twice in the sizes of label \"small\""
+        );
+        // A cost that is not a positive number.
+        for (cost, got) in [("0", "0"), ("-0.5", "-0.5"), (".nan", "NaN")] {
+            let text = sized(&SIZES.replace("0.36", cost));
+            assert_eq!(
+                err(&text),
+                format!(
+                    "pool.yaml:17:32: cost-per-hour must be a positive number (what one \
+                     backing node of this size costs an hour), got {got}"
+                )
+            );
+        }
+        assert_eq!(
+            err(&sized(&SIZES.replace("0.36", "cheap"))),
+            "pool.yaml:17:32: cost-per-hour: expected a positive number (what one backing node \
+             of this size costs an hour), got \"cheap\""
+        );
+        // A size without its price, or with a bad slot count.
+        let unpriced = sized(&SIZES.replace("                cost-per-hour: 0.36\n", ""));
+        assert_eq!(
+            err(&unpriced),
+            "pool.yaml:15:17: missing field `cost-per-hour`"
+        );
+        assert!(err(&sized(
+            &SIZES.replace("max-parallel-jobs: 8", "max-parallel-jobs: 0")
+        ))
+        .starts_with("pool.yaml:16:36: max-parallel-jobs must be 1 to 1024, got 0"),);
+    }
+
+    #[test]
+    fn a_static_label_takes_one_size() {
+        let text = "\
+providers:
+  - name: lab
+    driver: static
+    static:
+      hosts:
+        - {name: h1, host: 10.0.0.1, secret-file: /s}
+    pools:
+      - name: main
+        max-servers: 1
+        labels:
+          - name: small
+            sizes:
+              - {backing-label: a, max-parallel-jobs: 2, cost-per-hour: 1}
+              - {backing-label: b, max-parallel-jobs: 4, cost-per-hour: 2}
+";
+        let err = parse(text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("pool.yaml:13:15: a static host has the slots its agent runs with"),
+            "{err}"
+        );
+        let one = text.replace(
+            "              - {backing-label: b, max-parallel-jobs: 4, cost-per-hour: 2}\n",
+            "",
+        );
+        assert_eq!(parse(&one).unwrap().sites("small")[0].label.sizes.len(), 1);
+    }
+
     #[test]
     fn max_uses_is_optional_and_at_least_one() {
         assert_eq!(parse(GOOD).unwrap().sites("small")[0].label.max_uses, None);
@@ -457,9 +636,15 @@ providers:
 
     #[test]
     fn a_missing_key_is_reported_where_its_mapping_starts() {
-        let text = GOOD.replace("            backing-label: large-node\n", "");
+        let text = GOOD.replace("            max-parallel-jobs: 4\n", "");
         let err = parse(&text).unwrap_err().to_string();
-        assert_eq!(err, "pool.yaml:10:13: missing field `backing-label`");
+        assert_eq!(err, "pool.yaml:10:13: missing field `max-parallel-jobs`");
+        let text = GOOD.replace(
+            "          - name: small\n",
+            "          - host-key-checking: false\n",
+        );
+        let err = parse(&text).unwrap_err().to_string();
+        assert_eq!(err, "pool.yaml:10:13: missing field `name`");
     }
 
     #[test]

@@ -86,15 +86,18 @@ pub(crate) struct RawPool {
     #[serde(default = "default_boot_timeout", deserialize_with = "seconds")]
     pub(crate) boot_timeout: u64,
     pub(crate) launch_retries: Option<Spanned<u32>>,
-    pub(crate) labels: Vec<RawLabel>,
+    pub(crate) labels: Vec<Spanned<RawLabel>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(crate) struct RawLabel {
     pub(crate) name: Spanned<String>,
-    pub(crate) backing_label: String,
-    pub(crate) max_parallel_jobs: Spanned<u32>,
+    /// The single-size form: one kind of backing node (with `max-parallel-jobs`).
+    pub(crate) backing_label: Option<Spanned<String>>,
+    pub(crate) max_parallel_jobs: Option<Spanned<u32>>,
+    /// The several-sizes form, instead of the two keys above.
+    pub(crate) sizes: Option<Spanned<Vec<RawSize>>>,
     #[serde(default = "default_grace_time", deserialize_with = "seconds")]
     pub(crate) grace_time: u64,
     #[serde(default, deserialize_with = "seconds")]
@@ -110,6 +113,15 @@ pub(crate) struct RawLabel {
     pub(crate) max_hold_time: Option<Spanned<Seconds>>,
     pub(crate) min_ready: Option<Spanned<u32>>,
     pub(crate) max_uses: Option<Spanned<u32>>,
+}
+
+/// One entry of a label's `sizes`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct RawSize {
+    pub(crate) backing_label: Spanned<String>,
+    pub(crate) max_parallel_jobs: Spanned<u32>,
+    pub(crate) cost_per_hour: Spanned<f64>,
 }
 
 #[derive(Debug, Deserialize)]

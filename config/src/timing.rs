@@ -57,14 +57,17 @@ pub fn release_at(
 
 /// The free slots an empty node may count on being there once it is released: those of
 /// the other nodes of its label that take slots, where a node in use counts always and
-/// an empty one only when its seat key comes before `me`'s. Empty nodes are kept in seat
-/// key order, so of two empty nodes that could each go on the other's slots, only the
-/// later one goes: launchers deciding at once never release both and fall below
-/// `min-ready` (which would have the planner launch again, in a loop). `others`: (seat
-/// key, slots, slots in use) of every other node of the label that takes slots.
-pub fn free_ahead<'a>(me: &str, others: impl Iterator<Item = (&'a str, u32, u32)>) -> u32 {
+/// an empty one only when it comes before `me` (seat key, slots) in keeping order: the
+/// smallest first, then by seat key (as the launcher packs slots), so the big
+/// empty nodes are the ones released. Of two empty nodes that could each go on the
+/// other's slots, only the later one goes: launchers deciding at once never release both
+/// and fall below `min-ready` (which would have the planner launch again, in a loop).
+/// `others`: (seat key, slots, slots in use) of every other node of the label that takes
+/// slots.
+pub fn free_ahead<'a>(me: (&str, u32), others: impl Iterator<Item = (&'a str, u32, u32)>) -> u32 {
+    let (my_seat, my_slots) = me;
     others
-        .filter(|(seat, _, used)| *used > 0 || *seat < me)
+        .filter(|(seat, slots, used)| *used > 0 || (*slots, *seat) < (my_slots, my_seat))
         .map(|(_, slots, used)| slots.saturating_sub(used))
         .sum()
 }

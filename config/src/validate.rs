@@ -123,6 +123,8 @@ fn expected(key: &str) -> Option<&'static str> {
         "launch-retries" => "a whole number of launch attempts (at least 1)",
         "min-ready" => "a whole number of free slots to keep ready (0 or more)",
         "max-uses" => "a whole number of jobs per backing node (at least 1)",
+        "cost-per-hour" => "a positive number (what one backing node of this size costs an hour)",
+        "sizes" => "a list of sizes, each with backing-label, max-parallel-jobs and cost-per-hour",
         "priority" => "a whole number (lower pools are tried first)",
         "cpu" => "a number of CPUs (e.g. 1.5)",
         "memory-mb" | "disk-mb" => "a whole number of MiB",
@@ -155,6 +157,14 @@ fn mapping_start(text: &str, path: &serde_path_to_error::Path) -> Option<(u64, u
     use serde_path_to_error::Segment;
     let mut node: Spanned<Node> = serde_saphyr::from_str(text).ok()?;
     for segment in path.iter() {
+        // The inside of a `Spanned` field is named `value`; the document has no such key.
+        if let Segment::Map { key } = segment {
+            let has_key =
+                matches!(&node.value, Node::Map(entries) if entries.iter().any(|(k, _)| k == key));
+            if key == "value" && !has_key {
+                continue;
+            }
+        }
         let next = match (segment, node.value) {
             (Segment::Map { key }, Node::Map(entries)) => {
                 entries.into_iter().find(|(k, _)| k == key)?.1
@@ -303,7 +313,7 @@ impl Validator<'_> {
         let create_limits = self.create_limits(&p)?;
         let mut pools = Vec::new();
         for pool in p.pools {
-            let pool = self.pool(pool)?;
+            let pool = self.pool(pool, p.driver.value)?;
             if pools.iter().any(|x: &PoolConfig| x.name == pool.name) {
                 return Err(ConfigError::Whole {
                     path: self.path.to_path_buf(),
@@ -523,7 +533,98 @@ impl Validator<'_> {
         })
     }
 
-    fn pool(&self, p: RawPool) -> Result<PoolConfig, ConfigError> {
+    /// The sizes of the label `l` (whose mapping is at `whole`): its `backing-label` and
+    /// `max-parallel-jobs`, or its list of `sizes`, never both.
+    fn sizes(
+        &self,
+        l: &RawLabel,
+        whole: &Spanned<()>,
+        driver: Driver,
+    ) -> Result<Vec<BackingSize>, ConfigError> {
+        let Some(raw) = &l.sizes else {
+            return match (&l.backing_label, &l.max_parallel_jobs) {
+                (Some(backing_label), Some(slots)) => Ok(vec![BackingSize {
+                    backing_label: backing_label.value.clone(),
+                    slots: self.slots(slots)?,
+                    cost_per_hour: None,
+                }]),
+                (None, _) => Err(self.at(
+                    whole,
+                    "missing field `backing-label` (or a list of `sizes`)",
+                )),
+                (Some(_), None) => Err(self.at(whole, "missing field `max-parallel-jobs`")),
+            };
+        };
+        if let Some(single) = l
+            .backing_label
+            .as_ref()
+            .map(|s| s.referenced)
+            .or(l.max_parallel_jobs.as_ref().map(|s| s.referenced))
+        {
+            return Err(self.at(
+                &Spanned::new((), single, single),
+                "give either `backing-label` with `max-parallel-jobs` (one size) or a list \
+                 of `sizes`, not both",
+            ));
+        }
+        if raw.value.is_empty() {
+            return Err(self.at(
+                raw,
+                "sizes must list at least one size (backing-label, max-parallel-jobs, \
+                 cost-per-hour)",
+            ));
+        }
+        if driver == Driver::Static && raw.value.len() > 1 {
+            return Err(self.at(
+                raw,
+                "a static host has the slots its agent runs with: a label of driver static \
+                 takes one size",
+            ));
+        }
+        let mut sizes: Vec<BackingSize> = Vec::new();
+        for size in &raw.value {
+            let backing_label = &size.backing_label;
+            if sizes.iter().any(|s| s.backing_label == backing_label.value) {
+                return Err(self.at(
+                    backing_label,
+                    format!(
+                        "backing-label {:?} is listed twice in the sizes of label {:?}",
+                        backing_label.value, l.name.value
+                    ),
+                ));
+            }
+            let cost = &size.cost_per_hour;
+            if !(cost.value.is_finite() && cost.value > 0.0) {
+                return Err(self.at(
+                    cost,
+                    format!(
+                        "cost-per-hour must be a positive number (what one backing node of \
+                         this size costs an hour), got {}",
+                        cost.value
+                    ),
+                ));
+            }
+            sizes.push(BackingSize {
+                backing_label: backing_label.value.clone(),
+                slots: self.slots(&size.max_parallel_jobs)?,
+                cost_per_hour: Some(cost.value),
+            });
+        }
+        Ok(sizes)
+    }
+
+    /// A `max-parallel-jobs`: 1 to 1024 slots.
+    fn slots(&self, slots: &Spanned<u32>) -> Result<u32, ConfigError> {
+        if slots.value == 0 || slots.value > 1024 {
+            return Err(self.at(
+                slots,
+                format!("max-parallel-jobs must be 1 to 1024, got {}", slots.value),
+            ));
+        }
+        Ok(slots.value)
+    }
+
+    fn pool(&self, p: RawPool, driver: Driver) -> Result<PoolConfig, ConfigError> {
         let name = self.name("pool", &p.name)?;
         if p.max_servers.value == 0 || p.max_servers.value > 100_000 {
             return Err(self.at(
@@ -549,6 +650,11 @@ impl Validator<'_> {
         }
         let mut labels: Vec<LabelConfig> = Vec::new();
         for l in p.labels {
+            let Spanned {
+                value: l,
+                referenced,
+                defined,
+            } = l;
             let label_name = self.name("label", &l.name)?;
             if labels.iter().any(|x| x.name == label_name) {
                 return Err(self.at(
@@ -556,15 +662,9 @@ impl Validator<'_> {
                     format!("label {label_name:?} is listed twice in pool {name:?}"),
                 ));
             }
-            if l.max_parallel_jobs.value == 0 || l.max_parallel_jobs.value > 1024 {
-                return Err(self.at(
-                    &l.max_parallel_jobs,
-                    format!(
-                        "max-parallel-jobs must be 1 to 1024, got {}",
-                        l.max_parallel_jobs.value
-                    ),
-                ));
-            }
+            let sizes = self.sizes(&l, &Spanned::new((), referenced, defined), driver)?;
+            let most_slots = sizes.iter().map(|s| s.slots).max().unwrap_or(0);
+            let slots_allowed = u64::from(p.max_servers.value) * u64::from(most_slots);
             let limits = match &l.limits {
                 None => SlotLimits::default(),
                 Some(raw) => self.limits(raw)?,
@@ -584,16 +684,13 @@ impl Validator<'_> {
                 None => None,
             };
             let min_ready = match &l.min_ready {
-                Some(m) if u64::from(m.value) > slots_allowed(&p.max_servers, &l) => {
+                Some(m) if u64::from(m.value) > slots_allowed => {
                     return Err(self.at(
                         m,
                         format!(
-                            "min-ready must be 0 to {} (max-servers {} x max-parallel-jobs {}), \
-                             got {}",
-                            slots_allowed(&p.max_servers, &l),
-                            p.max_servers.value,
-                            l.max_parallel_jobs.value,
-                            m.value
+                            "min-ready must be 0 to {slots_allowed} (max-servers {} x \
+                             max-parallel-jobs {most_slots}), got {}",
+                            p.max_servers.value, m.value
                         ),
                     ))
                 }
@@ -608,8 +705,7 @@ impl Validator<'_> {
             }
             labels.push(LabelConfig {
                 name: label_name,
-                backing_label: l.backing_label,
-                max_parallel_jobs: l.max_parallel_jobs.value,
+                sizes,
                 grace_time: Duration::from_secs(l.grace_time),
                 min_retention_time: Duration::from_secs(l.min_retention_time),
                 max_age: Duration::from_secs(l.max_age),
@@ -631,10 +727,4 @@ impl Validator<'_> {
             labels,
         })
     }
-}
-
-/// The most slots a label's pool can hold: `max-servers` backing nodes of
-/// `max-parallel-jobs` slots.
-fn slots_allowed(max_servers: &Spanned<u32>, l: &RawLabel) -> u64 {
-    u64::from(max_servers.value) * u64::from(l.max_parallel_jobs.value)
 }

@@ -122,7 +122,7 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
     let min_ready = shared.config.min_ready(&b.value.label);
     let free_ahead = if min_ready > 0 && used == 0 {
         lifecycle::free_ahead(
-            seat_key,
+            (seat_key, b.value.slots),
             world
                 .backing
                 .values()

@@ -490,9 +490,24 @@ mod tests {
         let empty_a = ("p.main.0", 4, 0);
         let empty_b = ("p.main.1", 4, 0);
         let busy_c = ("p.main.2", 4, 3);
-        assert_eq!(free_ahead("p.main.0", [empty_b, busy_c].into_iter()), 1);
-        assert_eq!(free_ahead("p.main.1", [empty_a, busy_c].into_iter()), 4 + 1);
+        assert_eq!(
+            free_ahead(("p.main.0", 4), [empty_b, busy_c].into_iter()),
+            1
+        );
+        assert_eq!(
+            free_ahead(("p.main.1", 4), [empty_a, busy_c].into_iter()),
+            4 + 1
+        );
         // min-ready 2: node 0 stays (1 free ahead), node 1 may go (5): never both.
+    }
+
+    #[test]
+    fn of_two_empty_nodes_the_bigger_counts_on_the_smaller() {
+        let big = ("p.main.0", 8, 0);
+        let small = ("p.main.1", 2, 0);
+        assert_eq!(free_ahead(("p.main.0", 8), [small].into_iter()), 2);
+        assert_eq!(free_ahead(("p.main.1", 2), [big].into_iter()), 0);
+        // min-ready 2: the 2-slot node stays, the 8-slot one (on a lower seat) may go.
     }
 
     #[test]

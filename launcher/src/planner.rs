@@ -1,6 +1,7 @@
 //! Capacity planning: when unmet demand for a label exceeds the slots free or coming,
 //! take seats (create backing node records) in the pools serving it, lowest pool priority
-//! first, never more than a pool's `max-servers`.
+//! first, never more than a pool's `max-servers` (backing nodes of every size together),
+//! each of the size [`choose_sizes`] picks among the label's `sizes`.
 //!
 //! Every launcher plans from the same mirror and picks the lowest free seat, so two
 //! launchers planning at once race for the same seat key and one of them loses the
@@ -10,7 +11,7 @@ use crate::backing;
 use crate::lifecycle::FAILED_SEAT_COOLDOWN;
 use crate::provider::FixedIdentity;
 use crate::shared::Shared;
-use slotpool_config::LabelSite;
+use slotpool_config::{BackingSize, LabelSite};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::store::{KvError, Versioned};
@@ -106,6 +107,142 @@ pub fn deficit(unmet: u32, coming: u32, min_ready: u32) -> i64 {
     i64::from(unmet) + i64::from(min_ready) - i64::from(coming)
 }
 
+/// One size a pool may launch for a label, as the planner weighs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeOffer {
+    /// Slots of a backing node of this size.
+    pub slots: u32,
+    /// What one costs an hour, in millionths of the configured money (whole numbers, so
+    /// that sums compare exactly). A size without a price (the single-size form, where
+    /// nothing is chosen) costs one unit a slot.
+    pub price: u64,
+}
+
+impl SizeOffer {
+    pub fn of(size: &BackingSize) -> SizeOffer {
+        SizeOffer {
+            slots: size.slots,
+            price: match size.cost_per_hour {
+                Some(cost) => (cost * 1e6).round() as u64,
+                None => u64::from(size.slots) * 1_000_000,
+            },
+        }
+    }
+}
+
+/// What a set of backing nodes costs, compared in this order: the price, then the slots
+/// it brings (beyond the need: waste), then how many nodes it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct Weight {
+    price: u64,
+    slots: u64,
+    nodes: u64,
+}
+
+impl Weight {
+    fn plus(self, size: &SizeOffer) -> Weight {
+        Weight {
+            price: self.price + size.price,
+            slots: self.slots + u64::from(size.slots),
+            nodes: self.nodes + 1,
+        }
+    }
+}
+
+/// A cheapest cover of every `need` from 0 up, by the last size added and the weight.
+type Covers = Vec<Option<(Weight, usize)>>;
+
+/// The sizes of the backing nodes to launch for `need` slots with at most `seats` nodes,
+/// as indexes into `sizes`, largest first: the cheapest set that covers `need` (of equal
+/// price, the one with the fewest slots to spare, then the fewest nodes); when `seats`
+/// cannot cover it, the cheapest of those covering the most. So 3 waiting take one
+/// 4-slot node rather than an 8-slot one or two 2-slot ones, and 20 take 8-slot nodes
+/// where those are cheapest a slot. Pure: the launcher and the simulator both ask it.
+pub fn choose_sizes(need: u32, sizes: &[SizeOffer], seats: usize) -> Vec<usize> {
+    let Some(most) = sizes.iter().map(|s| u64::from(s.slots)).max() else {
+        return Vec::new();
+    };
+    // More than the seats can hold cannot be covered: cover what they can.
+    let need = u64::from(need).min(seats as u64 * most) as usize;
+    if need == 0 {
+        return Vec::new();
+    }
+    // Without the seats' bound first: each cover of d is a cover of d - slots plus one
+    // node. When it takes no more nodes than there are seats, it is also the cheapest
+    // within them.
+    let mut best: Covers = vec![None; need + 1];
+    best[0] = Some((Weight::default(), usize::MAX));
+    for d in 1..=need {
+        best[d] = cheapest_step(sizes, |i| {
+            best[d.saturating_sub(sizes[i].slots as usize)].map(|(w, _)| w)
+        });
+    }
+    let unbounded = unwind(&best, sizes, need);
+    if unbounded.len() <= seats {
+        return unbounded;
+    }
+    // Too many nodes for the seats (so fewer seats than the need): the cheapest with at
+    // most k nodes, for k = 1..seats. Of each step only the size it added to a cover is
+    // kept for the walk back (`KEPT`: the cover with a node fewer was no dearer).
+    const KEPT: u16 = u16::MAX;
+    let mut weights: Vec<Option<Weight>> = best.iter().map(|_| None).collect();
+    weights[0] = Some(Weight::default());
+    let mut added: Vec<Vec<u16>> = Vec::with_capacity(seats);
+    for _ in 0..seats {
+        let prev = weights.clone();
+        let mut step = vec![KEPT; need + 1];
+        for d in 1..=need {
+            let with = cheapest_step(sizes, |i| prev[d.saturating_sub(sizes[i].slots as usize)]);
+            match (prev[d], with) {
+                (Some(kept), Some((w, _))) if kept <= w => {}
+                (_, Some((w, size))) => {
+                    weights[d] = Some(w);
+                    step[d] = u16::try_from(size).unwrap_or(KEPT);
+                }
+                (_, None) => {}
+            }
+        }
+        added.push(step);
+    }
+    let mut out = Vec::new();
+    let mut d = need;
+    for step in added.iter().rev() {
+        if d == 0 {
+            break;
+        }
+        if step[d] != KEPT {
+            let size = usize::from(step[d]);
+            out.push(size);
+            d = d.saturating_sub(sizes[size].slots as usize);
+        }
+    }
+    out.sort_by_key(|i| std::cmp::Reverse(sizes[*i].slots));
+    out
+}
+
+/// The cheapest of adding one node of each size to the cover `before(size)` weighs, with
+/// the size added.
+fn cheapest_step(
+    sizes: &[SizeOffer],
+    before: impl Fn(usize) -> Option<Weight>,
+) -> Option<(Weight, usize)> {
+    (0..sizes.len())
+        .filter_map(|i| before(i).map(|w| (w.plus(&sizes[i]), i)))
+        .min()
+}
+
+/// The sizes of the cover of `d` in `best`, largest first.
+fn unwind(best: &Covers, sizes: &[SizeOffer], mut d: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    while d > 0 {
+        let (_, size) = best[d].expect("every need has a cover");
+        out.push(size);
+        d = d.saturating_sub(sizes[size].slots as usize);
+    }
+    out.sort_by_key(|i| std::cmp::Reverse(sizes[*i].slots));
+    out
+}
+
 /// What the planner knows of one pool serving a label, in the order pools are tried.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SiteSeats {
@@ -113,34 +250,54 @@ pub struct SiteSeats {
     pub out_of_capacity: bool,
     /// Its seats that may be taken now ([`free_seats`]), lowest first.
     pub free: Vec<FreeSeat>,
-    /// Slots of each backing node launched there.
-    pub slots: u32,
+    /// The sizes the label may be launched in there (`LabelConfig::sizes`, in order).
+    pub sizes: Vec<SizeOffer>,
 }
 
-/// The seats to take for `deficit` slots, as (index into `sites`, seat): lowest pool
-/// priority first, each seat bringing its pool's slots, until the deficit is covered or
-/// every pool is full or out of capacity. Pure: the launcher writes the seats in this
-/// order (stopping at the first that another launcher takes), the simulator takes them.
-pub fn choose_seats(mut deficit: i64, sites: &[SiteSeats]) -> Vec<(usize, FreeSeat)> {
+/// A seat to take and the size to launch into it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    /// Index into the sites.
+    pub site: usize,
+    pub seat: FreeSeat,
+    /// Index into the site's sizes.
+    pub size: usize,
+}
+
+/// The seats to take for `deficit` slots: lowest pool priority first, each pool the
+/// sizes [`choose_sizes`] picks for what is still wanted and its free seats, until the
+/// deficit is covered or every pool is full or out of capacity. Pure: the launcher
+/// writes the seats in this order (stopping at the first that another launcher takes),
+/// the simulator takes them.
+pub fn choose_seats(deficit: i64, sites: &[SiteSeats]) -> Vec<Choice> {
+    let mut wanted = deficit;
     let mut chosen = Vec::new();
     for (index, site) in sites.iter().enumerate() {
+        if wanted <= 0 {
+            break;
+        }
         if site.out_of_capacity {
             continue;
         }
-        for free in &site.free {
-            if deficit <= 0 {
-                return chosen;
-            }
-            chosen.push((index, *free));
-            deficit -= site.slots as i64;
+        let need = u32::try_from(wanted).unwrap_or(u32::MAX);
+        let sizes = choose_sizes(need, &site.sizes, site.free.len());
+        for (seat, size) in site.free.iter().zip(sizes) {
+            chosen.push(Choice {
+                site: index,
+                seat: *seat,
+                size,
+            });
+            wanted -= i64::from(site.sizes[size].slots);
         }
     }
     chosen
 }
 
-/// The record of a seat taken for `label` in `site` at `now`: a backing node to launch.
+/// The record of a seat taken for `label` in `site` at `now`: a backing node of `size`
+/// to launch.
 pub fn requested_record(
     site: &LabelSite<'_>,
+    size: &BackingSize,
     seat: u32,
     identity: Option<&FixedIdentity>,
     now: u64,
@@ -154,8 +311,8 @@ pub fn requested_record(
         pool: site.pool.name.clone(),
         seat,
         label: site.label.name.clone(),
-        backing_label: site.label.backing_label.clone(),
-        slots: site.label.max_parallel_jobs,
+        backing_label: size.backing_label.clone(),
+        slots: size.slots,
         state: BackingState::Requested,
         idle: IdleBehaviour::Run,
         instance: None,
@@ -214,20 +371,26 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
                             now_ms(),
                         )
                     },
-                    slots: site.label.max_parallel_jobs,
+                    sizes: site.label.sizes.iter().map(SizeOffer::of).collect(),
                 }
             })
             .collect()
     };
-    for (index, free) in choose_seats(deficit, &seats) {
-        let site = &sites[index];
+    for Choice {
+        site,
+        seat: free,
+        size,
+    } in choose_seats(deficit, &seats)
+    {
+        let site = &sites[site];
         let provider = &site.provider.name;
         let pool = &site.pool.name;
         let identity = shared
             .providers
             .get(provider)
             .and_then(|p| p.fixed_identity(pool, free.seat));
-        let record = requested_record(site, free.seat, identity.as_ref(), now_ms());
+        let size = &site.label.sizes[size];
+        let record = requested_record(site, size, free.seat, identity.as_ref(), now_ms());
         let key = layout::seat_key(provider, pool, free.seat);
         let written = match free.reuse_revision {
             None => shared.bus.backing.create(&key, &record, None).await,
@@ -235,7 +398,7 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
         };
         match written {
             Ok(revision) => {
-                tracing::info!(seat = %key, backing_id = %record.id, %label, "requested a backing node");
+                tracing::info!(seat = %key, backing_id = %record.id, %label, backing_label = %record.backing_label, slots = record.slots, "requested a backing node");
                 shared.world().put_backing(Versioned {
                     key: key.clone(),
                     revision,
@@ -278,7 +441,7 @@ mod tests {
                     reuse_revision: None,
                 })
                 .collect(),
-            slots: 4,
+            sizes: vec![SizeOffer { slots: 4, price: 4 }],
         };
         assert_eq!(choose_seats(deficit(0, 0, 2), &[site(2)]).len(), 1);
         assert_eq!(
@@ -287,6 +450,123 @@ mod tests {
             "never beyond max-servers"
         );
         assert!(choose_seats(deficit(0, 4, 2), &[site(2)]).is_empty());
+    }
+
+    /// 2, 4 and 8 slots, a little cheaper a slot the bigger (0.10, 0.19, 0.36 an hour).
+    const SIZES: [SizeOffer; 3] = [
+        SizeOffer {
+            slots: 2,
+            price: 100_000,
+        },
+        SizeOffer {
+            slots: 4,
+            price: 190_000,
+        },
+        SizeOffer {
+            slots: 8,
+            price: 360_000,
+        },
+    ];
+
+    fn slots_of(sizes: &[SizeOffer], chosen: &[usize]) -> Vec<u32> {
+        chosen.iter().map(|i| sizes[*i].slots).collect()
+    }
+
+    #[test]
+    fn the_size_launched_follows_the_queue_and_the_price() {
+        let pick = |need, seats| slots_of(&SIZES, &choose_sizes(need, &SIZES, seats));
+        assert_eq!(pick(0, 10), Vec::<u32>::new());
+        assert_eq!(pick(1, 10), [2], "one waiting: the smallest");
+        assert_eq!(pick(2, 10), [2]);
+        assert_eq!(pick(3, 10), [4], "one 4-slot node, not an 8 nor two 2s");
+        assert_eq!(pick(5, 10), [4, 2]);
+        assert_eq!(pick(7, 10), [8], "0.36 for 8 slots, not 0.38 for 4 + 4");
+        assert_eq!(pick(8, 10), [8]);
+        assert_eq!(pick(20, 10), [8, 8, 4], "a burst: 8-slot nodes");
+        assert_eq!(pick(64, 10), [8; 8]);
+        // The seats bound the count: the cheapest of the covers with as few nodes.
+        assert_eq!(pick(10, 2), [8, 2]);
+        assert_eq!(pick(6, 1), [8]);
+        assert_eq!(pick(100, 3), [8, 8, 8], "all the seats can hold");
+        assert_eq!(pick(5, 0), Vec::<u32>::new(), "no seat, nothing");
+        // Of equal price, the least waste, then the fewest nodes.
+        let linear = [
+            SizeOffer { slots: 2, price: 2 },
+            SizeOffer { slots: 4, price: 4 },
+            SizeOffer { slots: 8, price: 8 },
+        ];
+        let pick = |need, seats| slots_of(&linear, &choose_sizes(need, &linear, seats));
+        assert_eq!(pick(3, 10), [4]);
+        assert_eq!(pick(20, 10), [8, 8, 4]);
+        assert_eq!(pick(16, 10), [8, 8]);
+        // A big node far cheaper a slot wins even for one request.
+        let bulk = [
+            SizeOffer {
+                slots: 2,
+                price: 10,
+            },
+            SizeOffer { slots: 8, price: 9 },
+        ];
+        assert_eq!(slots_of(&bulk, &choose_sizes(1, &bulk, 5)), [8]);
+        // Small nodes far cheaper a slot, but too few seats for them: the cheapest cover
+        // within the seats.
+        let retail = [
+            SizeOffer { slots: 2, price: 1 },
+            SizeOffer {
+                slots: 8,
+                price: 100,
+            },
+        ];
+        let pick = |need, seats| slots_of(&retail, &choose_sizes(need, &retail, seats));
+        assert_eq!(pick(10, 10), [2, 2, 2, 2, 2]);
+        assert_eq!(pick(10, 2), [8, 2]);
+        assert_eq!(pick(12, 3), [8, 2, 2], "not 8 + 8");
+        assert_eq!(pick(17, 3), [8, 8, 2]);
+        // A long queue and a bound on seats: 8x + 2y >= 2000 with x + y <= 300 nodes is
+        // cheapest at 234 eights and 64 twos.
+        let many = pick(2000, 300);
+        let count = |slots| many.iter().filter(|s| **s == slots).count();
+        assert_eq!((count(8), count(2)), (234, 64));
+        // One size: as many as the need, as before sizes.
+        let one = [SizeOffer { slots: 4, price: 4 }];
+        assert_eq!(slots_of(&one, &choose_sizes(9, &one, 10)), [4, 4, 4]);
+    }
+
+    #[test]
+    fn seats_are_taken_pool_by_pool_with_the_sizes_each_offers() {
+        let site = |free: u32, sizes: &[SizeOffer]| SiteSeats {
+            out_of_capacity: false,
+            free: (0..free)
+                .map(|seat| FreeSeat {
+                    seat,
+                    reuse_revision: None,
+                })
+                .collect(),
+            sizes: sizes.to_vec(),
+        };
+        let chosen = choose_seats(3, &[site(4, &SIZES)]);
+        assert_eq!(
+            chosen,
+            [Choice {
+                site: 0,
+                seat: FreeSeat {
+                    seat: 0,
+                    reuse_revision: None
+                },
+                size: 1
+            }]
+        );
+        // The first pool has one seat: an 8 there, the rest (12) in the next pool.
+        let chosen = choose_seats(20, &[site(1, &SIZES), site(9, &SIZES)]);
+        let got: Vec<(usize, u32, u32)> = chosen
+            .iter()
+            .map(|c| (c.site, c.seat.seat, SIZES[c.size].slots))
+            .collect();
+        assert_eq!(got, [(0, 0, 8), (1, 0, 8), (1, 1, 4)]);
+        let mut full = site(3, &SIZES);
+        full.out_of_capacity = true;
+        let chosen = choose_seats(1, &[full, site(3, &SIZES)]);
+        assert_eq!((chosen.len(), chosen[0].site), (1, 1));
     }
 
     #[test]

@@ -681,8 +681,9 @@ impl World {
     }
 
     /// Picks a free slot for `label` and reserves it, leaving one free slot for every
-    /// request ahead of `me` that waits for the label. Packs: the fullest usable backing
-    /// node first, so emptier ones can go idle and be released.
+    /// request ahead of `me` that waits for the label. Packs by
+    /// [`capacity::packing_rank`]: the smallest usable backing node first, then the
+    /// fullest, so big and emptier ones can go idle and be released.
     pub fn reserve_slot(&mut self, me: &QueuePosition, label: &str) -> Option<SlotRef> {
         self.reserve_slot_avoiding(me, label, |_| false)
     }
@@ -693,7 +694,7 @@ impl World {
     /// A request takes a slot when more are free than requests wait ahead of it for
     /// the label: it need not wait until those (which another launcher may drive) are
     /// seen to have claimed theirs, and they still find enough free. It takes from its
-    /// launcher's [`Lane`] (fullest node first, then seat key, then slot), passing over
+    /// launcher's [`Lane`] (by [`capacity::packing_rank`], then seat key, then slot), passing over
     /// one slot for each request ahead in the same lane; only when the lane has none
     /// left does it take from the others. So requests that two launchers claim for at
     /// the same time, each not yet seeing the other's, go for different slots.
@@ -738,7 +739,7 @@ impl World {
         self.free_slots_avoiding(b, |_| false).next()
     }
 
-    /// The free slots of `label` that `which` selects: fullest node first, then by seat
+    /// The free slots of `label` that `which` selects: by [`capacity::packing_rank`], then by seat
     /// key and slot, passing over those `avoid` names.
     fn free_slots_in<'a>(
         &'a self,
@@ -893,19 +894,22 @@ impl World {
                     .map(|b| &b.value)
                     .filter(|b| b.label == label)
             };
-            let fullest = nodes()
+            let first = nodes()
                 .filter(|b| {
                     self.takes_slots(b)
                         && self.used_count(&b.id) < b.slots
                         && self.first_free(b).is_some()
                 })
-                .map(|b| self.used_count(&b.id))
-                .max();
-            let picked = self
-                .capacity
-                .fullest_open(label)
-                .map(|seat| self.used_count(&self.backing[seat].value.id));
-            assert_eq!(picked, fullest, "not the fullest usable node of {label}");
+                .map(|b| capacity::packing_rank(b.slots, self.used_count(&b.id)))
+                .min();
+            let picked = self.capacity.first_open(label).map(|seat| {
+                let b = &self.backing[seat].value;
+                capacity::packing_rank(b.slots, self.used_count(&b.id))
+            });
+            assert_eq!(
+                picked, first,
+                "not the first usable node of {label} to pack"
+            );
             let coming: u32 = nodes()
                 .map(|b| match b.state {
                     BackingState::Requested | BackingState::Launching if b.out_of_capacity => 0,
@@ -1083,6 +1087,40 @@ mod tests {
             ("bn-b", 2),
             "a reserved slot is not handed out twice"
         );
+    }
+
+    #[test]
+    fn reserves_on_the_smallest_node_then_the_fullest() {
+        let mut w = World::default();
+        let mut big = backing("bn-big", "small", 8, BackingState::Ready);
+        big.key = "p.main.0".into();
+        let mut half = backing("bn-half", "small", 2, BackingState::Ready);
+        half.key = "p.main.1".into();
+        let mut empty = backing("bn-empty", "small", 2, BackingState::Ready);
+        empty.key = "p.main.2".into();
+        for b in [big, half, empty] {
+            w.put_agent(agent(b.value.id.as_str()));
+            w.put_backing(b);
+        }
+        for slot in 0..7 {
+            w.put_slot(node("bn-big", slot, "req-x", "small"));
+        }
+        w.put_slot(node("bn-half", 0, "req-x", "small"));
+        let order: Vec<String> = (1..=4)
+            .map(|n| {
+                let r = w
+                    .reserve_slot(&pos(100, n, &format!("req-{n}")), "small")
+                    .unwrap();
+                format!("{}/{}", r.backing_id, r.slot)
+            })
+            .collect();
+        assert_eq!(
+            order,
+            ["bn-half/1", "bn-empty/0", "bn-empty/1", "bn-big/7"],
+            "the 2-slot nodes first, the half-full one before the empty one; the 8-slot \
+             node, though fuller, last"
+        );
+        w.check_capacity_index();
     }
 
     #[test]

@@ -281,9 +281,10 @@ pub struct BackingNode {
     pub seat: u32,
     /// The label whose nodes it serves.
     pub label: String,
-    /// What kind of machine it is (the provider's label/flavour).
+    /// What kind of machine it is (the provider's label/flavour): of a label with several
+    /// sizes, the one the planner chose.
     pub backing_label: String,
-    /// Slots it is carved into (`max-parallel-jobs`).
+    /// Slots it is carved into (its size's `max-parallel-jobs`).
     pub slots: u32,
     pub state: BackingState,
     #[serde(default)]

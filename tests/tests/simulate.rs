@@ -132,3 +132,84 @@ fn simulate_generate_writes_a_trace_simulate_reads() {
     assert_eq!(r["jobs"], lines);
     assert_eq!(r["policy"], "nodepool");
 }
+
+/// A configuration with several sizes replayed on a shipped trace: the planner launches
+/// the small size for single jobs, each size is paid its own price, and `--sizes` builds
+/// the same pool; Nodepool's fixed size is the largest.
+#[test]
+fn simulate_replays_a_pool_with_sizes_and_prices() {
+    let day = trace("day-peak2.csv");
+    let pool = trace("sized-pool.yaml");
+    let r = json(&simulate(&[
+        day.to_str().unwrap(),
+        "--config",
+        pool.to_str().unwrap(),
+        "--compare",
+        "--output",
+        "json",
+    ]));
+    let (ours, theirs) = (&r[0], &r[1]);
+    let sizes = |r: &serde_json::Value| -> Vec<(String, u64)> {
+        r["sizes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|z| {
+                (
+                    z["backing_label"].as_str().unwrap().to_string(),
+                    z["launched"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    // Jobs one at a time want one slot each: the 2-slot size covers that cheapest.
+    let launched = sizes(ours);
+    assert_eq!(launched[0].0, "vm-2", "{launched:?}");
+    assert_eq!(
+        launched.iter().map(|s| s.1).sum::<u64>(),
+        ours["backing_nodes_launched"].as_u64().unwrap()
+    );
+    let fixed = sizes(theirs);
+    assert_eq!(fixed.len(), 1, "{fixed:?}");
+    assert_eq!(fixed[0].0, "vm-8");
+    // Each size is paid its price: cost = paid node-hours x cost-per-hour, summed.
+    for r in [ours, theirs] {
+        let mut cost = 0.0;
+        let mut paid = 0.0;
+        for z in r["sizes"].as_array().unwrap() {
+            let node_hours = z["paid_slot_hours"].as_f64().unwrap() / z["slots"].as_f64().unwrap();
+            let size_cost = node_hours * z["cost_per_hour"].as_f64().unwrap();
+            assert!(
+                (z["cost"].as_f64().unwrap() - size_cost).abs() < 1e-9,
+                "{z}"
+            );
+            cost += size_cost;
+            paid += z["paid_slot_hours"].as_f64().unwrap();
+        }
+        assert!((r["cost"].as_f64().unwrap() - cost).abs() < 1e-9, "{r}");
+        assert!(
+            (r["paid_slot_hours"].as_f64().unwrap() - paid).abs() < 1e-6,
+            "{r}"
+        );
+    }
+    assert!(
+        ours["cost"].as_f64().unwrap() < theirs["cost"].as_f64().unwrap(),
+        "right-sized nodes cost less than the fixed 8-slot ones"
+    );
+    // The synthetic pool with the same sizes decides the same.
+    let same = json(&simulate(&[
+        day.to_str().unwrap(),
+        "--sizes",
+        "2:0.10,4:0.19,8:0.36",
+        "--output",
+        "json",
+    ]));
+    for key in [
+        "paid_slot_hours",
+        "cost",
+        "backing_nodes_launched",
+        "wait_p99_secs",
+    ] {
+        assert_eq!(same[key], ours[key], "{key}");
+    }
+}

@@ -722,7 +722,7 @@ impl<'a> Facts<'a> {
             .backing_nodes()
             .filter(|(key, o)| **key != me && o.label == b.label && self.takes_slots(o))
             .map(|(key, o)| (key.as_str(), o.slots, self.used(o)));
-        timing::free_ahead(&me, takers)
+        timing::free_ahead((&me, b.slots), takers)
     }
 
     /// Whether new slots may be handed out on `b`, as the launcher judges it: ready,

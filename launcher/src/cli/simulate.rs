@@ -76,6 +76,11 @@ struct RunArgs {
     /// Slots per backing node (without --config).
     #[arg(long, default_value_t = 8)]
     slots_per_node: u32,
+    /// Several sizes of backing node for the planner to choose among, instead of
+    /// --slots-per-node (without --config): SLOTS:COST-PER-HOUR, comma-separated, e.g.
+    /// 2:0.10,4:0.19,8:0.36.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, conflicts_with = "slots_per_node")]
+    sizes: Vec<(u32, f64)>,
     /// Grace time of an empty backing node (without --config).
     #[arg(long, default_value_t = 60)]
     grace_secs: u64,
@@ -95,7 +100,7 @@ struct RunArgs {
     /// Chance that a launch is refused for capacity (asked again after the back-off).
     #[arg(long, default_value_t = 0.0)]
     capacity_error_rate: f64,
-    /// What one backing node costs an hour.
+    /// What one backing node costs an hour, when its size sets no cost-per-hour.
     #[arg(long, default_value_t = 1.0)]
     node_cost_per_hour: f64,
     /// The nodepool policy's cleanup interval.
@@ -110,6 +115,22 @@ struct RunArgs {
     svg: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     output: Output,
+}
+
+/// One `--sizes` entry: `SLOTS:COST-PER-HOUR`.
+fn parse_size(s: &str) -> Result<(u32, f64), String> {
+    let (slots, cost) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected SLOTS:COST-PER-HOUR, e.g. 8:0.36"))?;
+    let slots = slots
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: {slots:?} is not a whole number of slots"))?;
+    let cost = cost
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: {cost:?} is not a cost per hour"))?;
+    Ok((slots, cost))
 }
 
 impl DayArgs {
@@ -153,6 +174,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         Some(path) => Config::load(path)?,
         None => Synthetic {
             slots_per_node: a.slots_per_node,
+            sizes: a.sizes.clone(),
             grace_secs: a.grace_secs,
             max_servers: a.max_servers,
             min_ready: a.min_ready,
@@ -217,6 +239,13 @@ fn print_reports(reports: &[Report]) {
                 "{} / {}",
                 r.backing_nodes_launched, r.backing_nodes_released
             )
+        }),
+        row("launched by size", &|r| {
+            r.sizes
+                .iter()
+                .map(|z| format!("{} x{}", z.backing_label, z.launched))
+                .collect::<Vec<_>>()
+                .join(", ")
         }),
         row("wait p50 / p99 / max (s)", &|r| {
             format!(

@@ -4,6 +4,7 @@
 
 use super::{Policy, EPOCH_MS};
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// Width of the time bins the plot draws.
 pub const BIN_MS: u64 = 300_000;
@@ -14,8 +15,10 @@ pub struct Ledger {
     /// Slot-milliseconds paid and busy per bin.
     paid: Vec<f64>,
     busy: Vec<f64>,
-    /// Node-milliseconds paid in all.
-    node_ms: f64,
+    /// Money paid in all.
+    cost: f64,
+    /// By backing label: launches, slot-milliseconds and money paid.
+    by_size: BTreeMap<String, SizeReport>,
     launched: Vec<u32>,
     /// Backing nodes released (deleted) before the run ended.
     released: u32,
@@ -39,16 +42,42 @@ fn spread(bins: &mut Vec<f64>, from: u64, to: u64, weight: f64) {
     }
 }
 
+/// What kind of backing node a launch or a payment is for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeKind {
+    pub backing_label: String,
+    pub slots: u32,
+    /// What one costs an hour.
+    pub cost_per_hour: f64,
+}
+
 impl Ledger {
-    /// A backing node of `slots` slots was paid for from `from` to `to`.
-    pub fn paid(&mut self, from: u64, to: u64, slots: u32) {
-        spread(&mut self.paid, from, to, slots as f64);
-        self.node_ms += to.saturating_sub(from) as f64;
+    /// A backing node of `kind` was paid for from `from` to `to`.
+    pub fn paid(&mut self, from: u64, to: u64, kind: &NodeKind) {
+        spread(&mut self.paid, from, to, kind.slots as f64);
+        let hours = to.saturating_sub(from) as f64 / HOUR_MS as f64;
+        self.cost += hours * kind.cost_per_hour;
+        let size = self.size(kind);
+        size.paid_slot_hours += hours * kind.slots as f64;
+        size.cost += hours * kind.cost_per_hour;
     }
 
-    /// A backing node of `slots` slots, paid for from `from`, was released at `at`.
-    pub fn released(&mut self, from: u64, at: u64, slots: u32) {
-        self.paid(from, at, slots);
+    fn size(&mut self, kind: &NodeKind) -> &mut SizeReport {
+        self.by_size
+            .entry(kind.backing_label.clone())
+            .or_insert_with(|| SizeReport {
+                backing_label: kind.backing_label.clone(),
+                slots: kind.slots,
+                cost_per_hour: kind.cost_per_hour,
+                launched: 0,
+                paid_slot_hours: 0.0,
+                cost: 0.0,
+            })
+    }
+
+    /// A backing node of `kind`, paid for from `from`, was released at `at`.
+    pub fn released(&mut self, from: u64, at: u64, kind: &NodeKind) {
+        self.paid(from, at, kind);
         self.released += 1;
     }
 
@@ -57,7 +86,8 @@ impl Ledger {
         spread(&mut self.busy, from, to, nodes as f64);
     }
 
-    pub fn launched(&mut self, at: u64) {
+    pub fn launched(&mut self, at: u64, kind: &NodeKind) {
+        self.size(kind).launched += 1;
         let hour = ((at - EPOCH_MS) / HOUR_MS) as usize;
         if self.launched.len() <= hour {
             self.launched.resize(hour + 1, 0);
@@ -77,7 +107,7 @@ impl Ledger {
         self.unserved += n;
     }
 
-    pub fn report(&self, policy: Policy, node_cost_per_hour: f64) -> Report {
+    pub fn report(&self, policy: Policy) -> Report {
         let hours = |v: &[f64]| v.iter().sum::<f64>() / HOUR_MS as f64;
         let (paid, busy) = (hours(&self.paid), hours(&self.busy));
         let mut waits: Vec<u64> = self.waits.iter().map(|w| w.1).collect();
@@ -125,7 +155,12 @@ impl Ledger {
             paid_slot_hours: paid,
             busy_slot_hours: busy,
             efficiency: ratio(busy, paid),
-            cost: self.node_ms / HOUR_MS as f64 * node_cost_per_hour,
+            cost: self.cost,
+            sizes: {
+                let mut sizes: Vec<SizeReport> = self.by_size.values().cloned().collect();
+                sizes.sort_by(|a, b| (a.slots, &a.backing_label).cmp(&(b.slots, &b.backing_label)));
+                sizes
+            },
             backing_nodes_launched: self.launched.iter().sum(),
             backing_nodes_released: self.released,
             wait_p50_secs: quantile(&waits, 0.5),
@@ -170,8 +205,11 @@ pub struct Report {
     pub busy_slot_hours: f64,
     /// Busy ÷ paid.
     pub efficiency: f64,
-    /// Backing node hours × the provider's cost per hour.
+    /// Backing node hours × each node's cost per hour (its size's `cost-per-hour`, or
+    /// the simulated provider's price of a node without one).
     pub cost: f64,
+    /// What each size (backing label) was launched and paid, smallest first.
+    pub sizes: Vec<SizeReport>,
     pub backing_nodes_launched: u32,
     /// Of those, released before the run ended (the rest were still paid for then).
     pub backing_nodes_released: u32,
@@ -182,6 +220,17 @@ pub struct Report {
     /// For the plot; not in the JSON.
     #[serde(skip)]
     pub series: Series,
+}
+
+/// One size's share of a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SizeReport {
+    pub backing_label: String,
+    pub slots: u32,
+    pub cost_per_hour: f64,
+    pub launched: u32,
+    pub paid_slot_hours: f64,
+    pub cost: f64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -16,7 +16,8 @@ pub mod svg;
 pub mod trace;
 
 use crate::config::Config;
-use ledger::Report;
+use ledger::{NodeKind, Report};
+use slotpool_protocol::model::BackingNode;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use trace::Job;
@@ -44,7 +45,7 @@ pub struct Provider {
     pub boot_jitter_secs: f64,
     /// Chance that a launch is refused for capacity.
     pub capacity_error_rate: f64,
-    /// What one backing node costs an hour.
+    /// What one backing node costs an hour when its size has no `cost-per-hour`.
     pub node_cost_per_hour: f64,
 }
 
@@ -80,6 +81,20 @@ pub fn run(jobs: &[Job], setup: &Setup, policy: Policy) -> Result<Report, SimErr
     match policy {
         Policy::Slotpool => slotpool::run(jobs, setup),
         Policy::Nodepool => nodepool::run(jobs, setup),
+    }
+}
+
+/// What the backing node `b` is, for the ledger: its size's price from the
+/// configuration, or the simulated provider's `node_cost_per_hour` when the size has none.
+fn kind_of(setup: &Setup, b: &BackingNode) -> NodeKind {
+    let cost = setup
+        .config
+        .label_in(&b.provider, &b.pool, &b.label)
+        .and_then(|s| s.label.size(&b.backing_label)?.cost_per_hour);
+    NodeKind {
+        backing_label: b.backing_label.clone(),
+        slots: b.slots,
+        cost_per_hour: cost.unwrap_or(setup.provider.node_cost_per_hour),
     }
 }
 
@@ -143,6 +158,9 @@ impl<E> Events<E> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Synthetic {
     pub slots_per_node: u32,
+    /// Several sizes instead (slots, cost per hour), the planner choosing among them;
+    /// empty: one size of `slots_per_node`.
+    pub sizes: Vec<(u32, f64)>,
     pub grace_secs: u64,
     pub max_servers: u32,
     /// Free slots of each label kept ready (`min-ready`).
@@ -158,9 +176,22 @@ impl Synthetic {
         );
         for label in labels {
             out.push_str(&format!(
-                "          - name: {label}\n            backing-label: {label}-{}\n            max-parallel-jobs: {}\n            grace-time: {}\n            min-ready: {}\n",
-                self.slots_per_node, self.slots_per_node, self.grace_secs, self.min_ready
+                "          - name: {label}\n            grace-time: {}\n            min-ready: {}\n",
+                self.grace_secs, self.min_ready
             ));
+            if self.sizes.is_empty() {
+                out.push_str(&format!(
+                    "            backing-label: {label}-{0}\n            max-parallel-jobs: {0}\n",
+                    self.slots_per_node
+                ));
+            } else {
+                out.push_str("            sizes:\n");
+                for (slots, cost) in &self.sizes {
+                    out.push_str(&format!(
+                        "              - {{backing-label: {label}-{slots}, max-parallel-jobs: {slots}, cost-per-hour: {cost}}}\n"
+                    ));
+                }
+            }
         }
         out
     }
@@ -187,6 +218,7 @@ mod tests {
         Setup {
             config: Synthetic {
                 slots_per_node,
+                sizes: Vec::new(),
                 grace_secs: 60,
                 max_servers: 100,
                 min_ready: 0,
@@ -319,6 +351,7 @@ mod tests {
         let mut s = setup(2, &jobs, fixed_boot());
         s.config = Synthetic {
             slots_per_node: 2,
+            sizes: Vec::new(),
             grace_secs: 0,
             max_servers: 100,
             min_ready: 0,
@@ -342,6 +375,7 @@ mod tests {
             let mut s = setup(2, &jobs, fixed_boot());
             s.config = Synthetic {
                 slots_per_node: 2,
+                sizes: Vec::new(),
                 grace_secs: 0,
                 max_servers: 100,
                 min_ready,
@@ -379,6 +413,54 @@ mod tests {
         assert_eq!(r.backing_nodes_launched, 2);
         assert_eq!(r.wait_max_secs, 60.0);
         assert!(close(r.busy_slot_hours, 3.0 * 100.0 / SLOT_HOUR_SECS));
+    }
+
+    #[test]
+    fn sizes_follow_the_queue_and_each_is_paid_its_price() {
+        // One job: a 2-slot node (0.10 an hour). Later a node set of ten at once: an
+        // 8-slot node and a 2-slot one (0.46), not five 2-slot ones (0.50).
+        let jobs = [
+            job(0, 600),
+            Job {
+                arrival_ms: 1_000_000,
+                labels: vec!["small".into(); 10],
+                duration_ms: 600_000,
+            },
+        ];
+        let mut s = setup(2, &jobs, fixed_boot());
+        s.config = Synthetic {
+            slots_per_node: 8,
+            sizes: vec![(2, 0.10), (8, 0.36)],
+            grace_secs: 60,
+            max_servers: 100,
+            min_ready: 0,
+        }
+        .config(&jobs)
+        .unwrap();
+        let r = run(&jobs, &s, Policy::Slotpool).unwrap();
+        assert_eq!((r.unserved, r.backing_nodes_launched), (0, 3), "{r:?}");
+        let launched: Vec<(&str, u32)> = r
+            .sizes
+            .iter()
+            .map(|z| (z.backing_label.as_str(), z.launched))
+            .collect();
+        assert_eq!(launched, [("small-2", 2), ("small-8", 1)]);
+        // The first node 0..720 s; the two others 1000..1720 s.
+        assert!(
+            close(
+                r.paid_slot_hours,
+                (2.0 * 720.0 + 10.0 * 720.0) / SLOT_HOUR_SECS
+            ),
+            "{r:?}"
+        );
+        assert!(
+            close(r.cost, (0.10 * 720.0 + 0.46 * 720.0) / SLOT_HOUR_SECS),
+            "{r:?}"
+        );
+        // Nodepool's fixed size is the largest, at its price.
+        let theirs = run(&jobs, &s, Policy::Nodepool).unwrap();
+        assert_eq!(theirs.sizes.len(), 1, "{theirs:?}");
+        assert_eq!(theirs.sizes[0].backing_label, "small-8");
     }
 
     #[test]

@@ -1,10 +1,11 @@
-//! Nodepool's policy, for the comparison: backing nodes of one fixed size per label,
-//! launched when the waiting jobs want more slots than are free or booting; a job takes
-//! the first node with a free slot in creation order; a cleanup pass every
+//! Nodepool's policy, for the comparison: backing nodes of one fixed size per label (of
+//! a label with several sizes, the largest), launched when the waiting jobs want more
+//! slots than are free or booting; a job takes the first node with a free slot in
+//! creation order; a cleanup pass every
 //! `cleanup_interval_ms` releases the nodes that have been empty for the label's grace
 //! time. Not the launcher's code: this is the policy slotpool is measured against.
 
-use super::ledger::{Ledger, Report};
+use super::ledger::{Ledger, NodeKind, Report};
 use super::rng::Rng;
 use super::trace::Job;
 use super::{boot_ms, Events, Policy, Setup, SimError, EPOCH_MS};
@@ -23,6 +24,7 @@ enum Event {
 struct Node {
     id: u64,
     label: String,
+    kind: NodeKind,
     slots: u32,
     used: u32,
     ready: bool,
@@ -72,7 +74,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
                 } else {
                     let n = nodes.iter_mut().find(|n| n.id == id).expect("a node");
                     n.paid_from = Some(now);
-                    ledger.launched(now);
+                    ledger.launched(now, &n.kind);
                     events.at(now + boot_ms(&setup.provider, &mut rng), Event::Booted(id));
                 }
             }
@@ -87,7 +89,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
                     let idle =
                         n.ready && n.used == 0 && n.idle_since.is_some_and(|t| now >= t + grace);
                     if idle {
-                        ledger.released(n.paid_from.expect("ready"), now, n.slots);
+                        ledger.released(n.paid_from.expect("ready"), now, &n.kind);
                     }
                     !idle
                 });
@@ -152,7 +154,16 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
             let have: i64 = of_label().map(|n| (n.slots - n.used) as i64).sum();
             let count = of_label().count() as u32;
             let s = site(label);
-            let slots = s.label.max_parallel_jobs;
+            // One fixed size: of a label with several, the largest.
+            let size = s.label.largest();
+            let kind = NodeKind {
+                backing_label: size.backing_label.clone(),
+                slots: size.slots,
+                cost_per_hour: size
+                    .cost_per_hour
+                    .unwrap_or(setup.provider.node_cost_per_hour),
+            };
+            let slots = size.slots;
             let mut deficit = want - have;
             let mut room = s.pool.max_servers.saturating_sub(count);
             while deficit > 0 && room > 0 {
@@ -160,6 +171,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
                 nodes.push(Node {
                     id: next_id,
                     label: label.to_string(),
+                    kind: kind.clone(),
                     slots,
                     used: 0,
                     ready: false,
@@ -175,8 +187,8 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     ledger.unserved(waiting.len());
     for n in &nodes {
         if let Some(from) = n.paid_from {
-            ledger.paid(from, now, n.slots);
+            ledger.paid(from, now, &n.kind);
         }
     }
-    Ok(ledger.report(Policy::Nodepool, setup.provider.node_cost_per_hour))
+    Ok(ledger.report(Policy::Nodepool))
 }

@@ -1,14 +1,15 @@
-//! The launcher's own policy: requests decided by `request::plan::next`, seats by
-//! `planner::choose_seats`, backing nodes by `lifecycle::next`, free slots handed out
-//! fullest node first through the launcher's `CapacityIndex`. This module only carries
+//! The launcher's own policy: requests decided by `request::plan::next`, seats and their
+//! sizes by `planner::choose_seats`, backing nodes by `lifecycle::next`, free slots handed
+//! out smallest node first, then fullest (`capacity::packing_rank`), through the
+//! launcher's `CapacityIndex`. This module only carries
 //! the steps out on records it keeps, as the executors do on KV.
 
 use super::ledger::{Ledger, Report};
 use super::rng::Rng;
 use super::trace::Job;
-use super::{boot_ms, Events, Policy, Setup, SimError, EPOCH_MS};
+use super::{boot_ms, kind_of, Events, Policy, Setup, SimError, EPOCH_MS};
 use crate::lifecycle::{self, AgentSeen, Step};
-use crate::planner::{self, SiteSeats};
+use crate::planner::{self, Choice, SiteSeats, SizeOffer};
 use crate::request::plan::{self, NodeSeen, RequestStep, WaitCause};
 use crate::world::capacity::{self, CapacityIndex, Standing};
 use crate::world::SlotRef;
@@ -106,12 +107,11 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     sim.ledger.unserved(sim.waiting.len());
     for n in sim.nodes.values() {
         if let Some(from) = n.paid_from {
-            sim.ledger.paid(from, sim.now, n.record.value.slots);
+            sim.ledger
+                .paid(from, sim.now, &kind_of(setup, &n.record.value));
         }
     }
-    Ok(sim
-        .ledger
-        .report(Policy::Slotpool, setup.provider.node_cost_per_hour))
+    Ok(sim.ledger.report(Policy::Slotpool))
 }
 
 /// When a run stops even if something is still going on (a policy that never serves a
@@ -239,7 +239,7 @@ impl Sim<'_> {
         self.capacity.set(seat, standing);
     }
 
-    /// A free slot of `label`, fullest node first, other than those in `avoid`.
+    /// A free slot of `label`, in packing order, other than those in `avoid`.
     fn pick(&self, label: &str, avoid: &HashSet<String>) -> Option<SlotRef> {
         self.capacity.open_seats(label).find_map(|seat| {
             let n = self.nodes.get(seat)?;
@@ -432,14 +432,15 @@ impl Sim<'_> {
                                 self.now,
                             )
                         },
-                        slots: site.label.max_parallel_jobs,
+                        sizes: site.label.sizes.iter().map(SizeOffer::of).collect(),
                     }
                 })
                 .collect();
-            for (index, free) in planner::choose_seats(deficit, &seats) {
-                let site = &sites[index];
-                let record = planner::requested_record(site, free.seat, None, self.now);
-                let key = layout::seat_key(&site.provider.name, &site.pool.name, free.seat);
+            for Choice { site, seat, size } in planner::choose_seats(deficit, &seats) {
+                let site = &sites[site];
+                let size = &site.label.sizes[size];
+                let record = planner::requested_record(site, size, seat.seat, None, self.now);
+                let key = layout::seat_key(&site.provider.name, &site.pool.name, seat.seat);
                 self.nodes.insert(
                     key.clone(),
                     Node {
@@ -485,7 +486,10 @@ impl Sim<'_> {
                     && n.record.value.idle == IdleBehaviour::Run
             })
             .map(|(key, n)| (key.as_str(), n.record.value.slots, n.used.len() as u32));
-        (min_ready, lifecycle::free_ahead(seat, others))
+        (
+            min_ready,
+            lifecycle::free_ahead((seat, me.record.value.slots), others),
+        )
     }
 
     /// Carries out `lifecycle::next` for the node at `seat` until it waits.
@@ -540,7 +544,7 @@ impl Sim<'_> {
                             data: serde_json::Value::Null,
                         });
                         n.paid_from = Some(self.now);
-                        self.ledger.launched(self.now);
+                        self.ledger.launched(self.now, &kind_of(self.setup, b));
                         let boot = boot_ms(&self.setup.provider, &mut self.rng);
                         let attempt = b.attempts;
                         self.events.at(
@@ -568,7 +572,8 @@ impl Sim<'_> {
                 Step::FinishRelease | Step::Fail(_) | Step::CleanUp | Step::Forget => {
                     let n = self.nodes.remove(seat).expect("the node");
                     if let Some(from) = n.paid_from {
-                        self.ledger.released(from, self.now, n.record.value.slots);
+                        let kind = kind_of(self.setup, &n.record.value);
+                        self.ledger.released(from, self.now, &kind);
                     }
                     if matches!(step, Step::Fail(_)) && !n.used.is_empty() {
                         return Err(SimError::Unmodelled(format!("{step:?} with slots in use")));

@@ -1,5 +1,6 @@
 //! What every backing node offers its label, indexed by label, so that handing out a
-//! slot and planning cost a lookup instead of a walk over every backing node.
+//! slot and planning cost a lookup instead of a walk over every backing node; and the
+//! order slots are handed out in ([`packing_rank`]: smallest node first, then fullest).
 //!
 //! The [`World`](super::World) works out a node's [`Standing`] whenever something it
 //! depends on changes and hands it to [`CapacityIndex::set`]; this module only keeps the
@@ -51,16 +52,32 @@ impl Offer {
         }
     }
 
-    /// Where the node ranks among those with a slot to hand out: fullest first.
-    fn rank(&self) -> Option<Reverse<u32>> {
+    /// Where the node ranks among those with a slot to hand out ([`Rank`]).
+    fn rank(&self) -> Option<Rank> {
         match *self {
             Offer::Serving {
-                used, open: true, ..
-            } => Some(Reverse(used)),
+                slots,
+                used,
+                open: true,
+            } => Some(packing_rank(slots, used)),
             _ => None,
         }
     }
 }
+
+/// The order in which the nodes of a label with a slot to hand out are claimed from,
+/// lowest first (then by seat key).
+pub type Rank = (u32, Reverse<u32>);
+
+/// The packing rule, the one the launcher's claims and the simulator follow: the
+/// smallest node first (fewest slots), then the fullest. When load falls, the big nodes
+/// are the ones left empty, and lifecycle releases them after their grace-time; among
+/// nodes of one size, the fullest is filled, so the others empty.
+pub fn packing_rank(slots: u32, used: u32) -> Rank {
+    (slots, Reverse(used))
+}
+
+impl Offer {}
 
 /// A backing node's label and offer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,8 +89,8 @@ pub struct Standing {
 /// One label's totals.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct LabelCapacity {
-    /// Seats with a slot to hand out now, fullest first, then by seat key.
-    open: BTreeSet<(Reverse<u32>, String)>,
+    /// Seats with a slot to hand out now, in [`packing_rank`] order, then by seat key.
+    open: BTreeSet<(Rank, String)>,
     coming: u32,
 }
 
@@ -119,13 +136,13 @@ impl CapacityIndex {
         }
     }
 
-    /// The seat of the fullest node of `label` with a slot to hand out now.
-    pub fn fullest_open(&self, label: &str) -> Option<&str> {
+    /// The seat of the node of `label` a slot is claimed from first ([`packing_rank`]).
+    pub fn first_open(&self, label: &str) -> Option<&str> {
         let (_, seat) = self.by_label.get(label)?.open.first()?;
         Some(seat)
     }
 
-    /// The seats of `label` with a slot to hand out now, fullest first.
+    /// The seats of `label` with a slot to hand out now, in [`packing_rank`] order.
     pub fn open_seats<'a>(&'a self, label: &str) -> impl Iterator<Item = &'a str> + 'a {
         self.by_label
             .get(label)
@@ -167,16 +184,16 @@ mod tests {
                 offer: Offer::Booting { slots: 4 },
             }),
         );
-        assert_eq!(idx.fullest_open("small"), Some("s.b"));
+        assert_eq!(idx.first_open("small"), Some("s.b"));
         assert_eq!(idx.coming("small"), 3 + 1 + 4);
 
         idx.set("s.b", serving("small", 3, false)); // its last slot reserved
-        assert_eq!(idx.fullest_open("small"), Some("s.a"));
+        assert_eq!(idx.first_open("small"), Some("s.a"));
         assert_eq!(idx.coming("small"), 8, "reserved is not used");
 
         idx.set("s.a", serving("big", 1, true)); // a seat taken over by another label
-        assert_eq!(idx.fullest_open("small"), None);
-        assert_eq!(idx.fullest_open("big"), Some("s.a"));
+        assert_eq!(idx.first_open("small"), None);
+        assert_eq!(idx.first_open("big"), Some("s.a"));
         assert_eq!(idx.coming("small"), 1 + 4);
 
         for seat in ["s.a", "s.b", "s.c", "s.d"] {
@@ -186,10 +203,31 @@ mod tests {
     }
 
     #[test]
+    fn the_smallest_open_node_comes_first_then_the_fullest() {
+        let open = |slots, used| {
+            Some(Standing {
+                label: "small".into(),
+                offer: Offer::Serving {
+                    slots,
+                    used,
+                    open: true,
+                },
+            })
+        };
+        let mut idx = CapacityIndex::default();
+        idx.set("s.a", open(8, 7));
+        idx.set("s.b", open(2, 0));
+        idx.set("s.c", open(4, 3));
+        idx.set("s.d", open(2, 1));
+        let order: Vec<&str> = idx.open_seats("small").collect();
+        assert_eq!(order, ["s.d", "s.b", "s.c", "s.a"]);
+    }
+
+    #[test]
     fn ties_go_to_the_lowest_seat_key() {
         let mut idx = CapacityIndex::default();
         idx.set("s.b", serving("small", 2, true));
         idx.set("s.a", serving("small", 2, true));
-        assert_eq!(idx.fullest_open("small"), Some("s.a"));
+        assert_eq!(idx.first_open("small"), Some("s.a"));
     }
 }
