@@ -190,8 +190,7 @@ impl Worker {
                         tracing::info!(
                             back_at,
                             ?probe,
-                            "the heartbeats bucket could not take heartbeats until lately; \
-                             a missing heartbeat counts from then"
+                            "heartbeat clock restarted: a missing heartbeat counts from then"
                         );
                         continue;
                     }

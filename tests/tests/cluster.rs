@@ -8,7 +8,7 @@ use slotpool_protocol::model::Event;
 use slotpool_protocol::store::Placement;
 use slotpool_tests::chaos::{self, Load};
 use slotpool_tests::{
-    config_yaml_with, label, spawn_serve, wait_for, wait_for_some, wait_served, AgentsGuard,
+    config_yaml, label, spawn_serve, wait_for, wait_for_some, wait_served, AgentsGuard,
     NatsCluster, NatsServer,
 };
 use std::collections::HashSet;
@@ -57,17 +57,18 @@ async fn wait_fulfilments(load: &Load, more: usize, what: &str) {
     .await;
 }
 
-/// The placement of the slots and requests buckets once both have `replicas` current
-/// copies and a leader.
-async fn settled(bus: &Bus, replicas: usize) -> Placement {
+/// The placement of the slots and heartbeats buckets once they and the requests bucket
+/// have `replicas` current copies and a leader.
+async fn settled(bus: &Bus, replicas: usize) -> (Placement, Placement) {
     wait_for_some(
         format!("the buckets to have a leader and {replicas} current copies"),
         RECOVERY,
         || async {
             let slots = bus.slots.placement().await.ok()??;
             let requests = bus.requests.placement().await.ok()??;
+            let agents = bus.agents.placement().await.ok()??;
             let whole = |p: &Placement| p.leader.is_some() && p.current.len() == replicas;
-            (whole(&slots) && whole(&requests)).then_some(slots)
+            (whole(&slots) && whole(&requests) && whole(&agents)).then_some((slots, agents))
         },
     )
     .await
@@ -82,20 +83,14 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     let work_dir = dir.path().join("agents");
     let _agents = AgentsGuard(work_dir.clone());
     let config = dir.path().join("pool.yaml");
-    // The agents' heartbeats keep the shipped TTL (6 s): the heartbeats bucket may lose its
-    // leader with the slots bucket's, and an election on a loaded 2-core machine took
-    // 4.5 s, longer than the 2 s the other tests use. A heartbeat that cannot be written
-    // while the bucket elects its leader still counts as absent: see docs/protocol.md.
-    let agent_args = [
-        "--heartbeat-interval-ms",
-        "300",
-        "--heartbeat-ttl-secs",
-        "6",
-        "--isolation",
-        "none",
-    ];
-    let yaml = config_yaml_with(&work_dir, 3, 3, &label("small", 4, 30, &[]), &agent_args)
-        .replacen("launcher:\n", "launcher:\n  kv-replicas: 3\n", 1);
+    // The agents' heartbeats live 2 s, shorter than a bucket's leader election after a
+    // crash (4 s and more on a loaded 2-core machine): a heartbeat that could not be
+    // written while the heartbeats bucket had no leader must not fail its live backing node.
+    let yaml = config_yaml(&work_dir, 3, 3, &label("small", 4, 30, &[])).replacen(
+        "launcher:\n",
+        "launcher:\n  kv-replicas: 3\n",
+        1,
+    );
     std::fs::write(&config, yaml).expect("writing config");
     let log = dir.path().join("launcher.log");
     let launcher = spawn_serve("launcher", &cluster.serve_args(&config), &log);
@@ -105,7 +100,7 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
         .await
         .expect("client connects");
     wait_served(&client).await;
-    let placement = settled(&bus, 3).await;
+    let (placement, _) = settled(&bus, 3).await;
     eprintln!("slots bucket: {placement:?}");
 
     let load = Load::start(&client, 4, &["small"], Duration::from_millis(300), seed);
@@ -119,9 +114,24 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     eprintln!("killed {leader}, the slots bucket's leader");
     wait_fulfilments(&load, FULFILMENTS_PER_STEP, "after the leader died").await;
     cluster.resume(&leader).await;
+    let (_, heartbeats) = settled(&bus, 3).await;
+
+    // 2. The heartbeats bucket's leader dies: while it elects a new one, longer than a
+    // heartbeat lives, no agent's heartbeat is written, and the new leader expires them.
+    let leader = heartbeats.leader.expect("a leader");
+    let killed_heartbeats_leader = Instant::now();
+    cluster.crash(&leader);
+    eprintln!("killed {leader}, the heartbeats bucket's leader");
+    wait_fulfilments(
+        &load,
+        FULFILMENTS_PER_STEP,
+        "after the heartbeats bucket's leader died",
+    )
+    .await;
+    cluster.resume(&leader).await;
     settled(&bus, 3).await;
 
-    // 2. The server the launcher is connected to dies: it reconnects to another.
+    // 3. The server the launcher is connected to dies: it reconnects to another.
     let server = wait_for_some("the launcher's server", RECOVERY, || async {
         cluster.server_of(launcher.id())
     })
@@ -138,6 +148,42 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     let ended = Instant::now();
     let ledger = load.finish().await;
 
+    // 4. An agent dies: its backing node is still failed once its heartbeat is gone.
+    let (dead, pid) = chaos::running_agents(&work_dir)
+        .into_iter()
+        .next()
+        .expect("a running agent");
+    // SAFETY: a plain signal to an agent this test's launcher started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    eprintln!("killed agent {dead}");
+    // What KV holds of its heartbeat, said when it changes (for a failure's diagnosis).
+    let heartbeat_seen = std::sync::Mutex::new(None::<bool>);
+    wait_for(
+        format!("the backing node of the dead agent {dead} to fail"),
+        RECOVERY,
+        || async {
+            let failed = bus.events.list::<Event>().await.is_ok_and(|events| {
+                events.into_iter().filter_map(|e| e.ok()).any(|e| {
+                    e.value
+                        .backing_id
+                        .as_ref()
+                        .is_some_and(|b| b.as_str() == dead)
+                        && e.value.message.starts_with("failed:")
+                })
+            });
+            if let Ok(held) = bus.agents.get_bytes(&dead).await {
+                let held = held.map(|(revision, _)| revision);
+                let mut seen = heartbeat_seen.lock().expect("not poisoned");
+                if *seen != Some(held.is_some()) {
+                    *seen = Some(held.is_some());
+                    eprintln!("heartbeat of the dead agent in KV: {held:?}");
+                }
+            }
+            failed
+        },
+    )
+    .await;
+
     // Reads too wait while a bucket elects a leader. A client may not read KV: list as
     // the launcher.
     let operator = Client::from_bus(bus.clone());
@@ -153,7 +199,7 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     .into_iter()
     .filter_map(|e| e.ok().map(|e| e.value))
     .collect();
-    let live_failed = chaos::live_failures(&events, &HashSet::new());
+    let live_failed = chaos::live_failures(&events, &HashSet::from([dead]));
     let stall = |at| {
         ledger.stall_after(at).map_or("none".into(), |d: Duration| {
             format!("{:.2} s", d.as_secs_f64())
@@ -161,13 +207,15 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     };
     eprintln!(
         "cluster: {} requests, {} fulfilled, violations {}, live nodes failed {}; \
-         stall after the leader's death {}, after the launcher's server's death {}, \
+         stall after the leader's death {}, after the heartbeats leader's death {}, \
+         after the launcher's server's death {}, \
          longest gap with no fulfilment {:.2} s",
         verdict.requests,
         verdict.fulfilled,
         verdict.violations.len(),
         live_failed.len(),
         stall(killed_leader),
+        stall(killed_heartbeats_leader),
         stall(killed_server),
         ledger.longest_gap(started, ended).as_secs_f64()
     );
