@@ -171,6 +171,7 @@ impl Worker {
         let mut rx = self.sh.signals.subscribe(&seat_topic(&self.seat_key));
         let linger = self.sh.config.lease_ttl;
         let mut last_step = tokio::time::Instant::now();
+        let mut probed = false;
         loop {
             if lease.lost.is_cancelled() {
                 return false;
@@ -181,12 +182,15 @@ impl Worker {
             };
             let step = lifecycle::next(&b.value, &obs);
             tracing::trace!(?step, state = ?b.value.state, "step");
-            if matches!(step, Step::Fail(_)) && obs.agent == AgentSeen::Absent {
+            // One look at the heartbeats bucket per decision: a failure that still stands
+            // after the clock restarted does not wait on the bucket (an operator's kill).
+            if matches!(step, Step::Fail(_)) && obs.agent == AgentSeen::Absent && !probed {
                 let probe = self.probe_heartbeats(&b.value).await;
                 match self.sh.heartbeat_clock.apply(probe, now_ms()) {
                     Verdict::Confirmed => {}
                     Verdict::Alive => continue,
                     Verdict::Restart { back_at } => {
+                        probed = true;
                         tracing::info!(
                             back_at,
                             ?probe,
@@ -196,6 +200,7 @@ impl Worker {
                     }
                 }
             }
+            probed = false;
             let outcome = match self.carry_out(&b, step, &obs).await {
                 Ok(o) => o,
                 Err(KvError::Conflict { .. }) => {
