@@ -3,6 +3,7 @@
 //! the node to the allocator, retire, release, or fail — each a revision-checked write.
 
 use crate::events;
+use crate::heartbeat_clock::{Probe, Verdict};
 use crate::http::metrics::{self, DeletionReason, LaunchOutcome};
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
@@ -139,6 +140,7 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
         last_release: world.last_release.get(&b.value.id).copied(),
         rules,
         synced_since: shared.mirror_sync.since(),
+        heartbeats_back_at: shared.heartbeat_clock.back_at(),
         heartbeat_lost_at: lost.map(|l| l.at),
         heartbeat_ttl: lost.map_or(Duration::from_secs(DEFAULT_HEARTBEAT_TTL_SECS), |l| l.ttl),
         min_ready,
@@ -169,6 +171,7 @@ impl Worker {
         let mut rx = self.sh.signals.subscribe(&seat_topic(&self.seat_key));
         let linger = self.sh.config.lease_ttl;
         let mut last_step = tokio::time::Instant::now();
+        let mut probed = false;
         loop {
             if lease.lost.is_cancelled() {
                 return false;
@@ -179,12 +182,25 @@ impl Worker {
             };
             let step = lifecycle::next(&b.value, &obs);
             tracing::trace!(?step, state = ?b.value.state, "step");
-            if matches!(step, Step::Fail(_))
-                && obs.agent == AgentSeen::Absent
-                && self.heartbeat_only_in_kv(&b.value).await
-            {
-                continue;
+            // One look at the heartbeats bucket per decision: a failure that still stands
+            // after the clock restarted does not wait on the bucket (an operator's kill).
+            if matches!(step, Step::Fail(_)) && obs.agent == AgentSeen::Absent && !probed {
+                let probe = self.probe_heartbeats(&b.value).await;
+                match self.sh.heartbeat_clock.apply(probe, now_ms()) {
+                    Verdict::Confirmed => {}
+                    Verdict::Alive => continue,
+                    Verdict::Restart { back_at } => {
+                        probed = true;
+                        tracing::info!(
+                            back_at,
+                            ?probe,
+                            "heartbeat clock restarted: a missing heartbeat counts from then"
+                        );
+                        continue;
+                    }
+                }
             }
+            probed = false;
             let outcome = match self.carry_out(&b, step, &obs).await {
                 Ok(o) => o,
                 Err(KvError::Conflict { .. }) => {
@@ -232,30 +248,45 @@ impl Worker {
             .await
     }
 
-    /// Whether KV has a heartbeat of the node's agent that the mirror lacks (each bucket
-    /// has its own watch, so the mirror can hold a backing node before its agent's
-    /// heartbeat, or have lost it in a watch that failed and is starting again); it is
-    /// put into the mirror. A node is failed for a missing heartbeat only once KV says so
-    /// too.
-    async fn heartbeat_only_in_kv(&self, b: &BackingNode) -> bool {
-        let bytes = match self.sh.bus.agents.get_bytes(b.id.as_str()).await {
-            Ok(Some((_, bytes))) => bytes,
-            Ok(None) => return false,
-            Err(err) => {
-                tracing::debug!(%err, "cannot read the agent's heartbeat");
-                return false;
+    /// One look at the heartbeats bucket before the node is failed for a missing
+    /// heartbeat ([`crate::heartbeat_clock`]): whether KV has a heartbeat of the node's
+    /// agent that the mirror lacks (each bucket has its own watch, so the mirror can hold
+    /// a backing node before its agent's heartbeat, or have lost it in a watch that failed
+    /// and is starting again; it is put into the mirror), and otherwise whether the bucket
+    /// answers, has a leader, and since when.
+    async fn probe_heartbeats(&self, b: &BackingNode) -> Probe {
+        let agents = &self.sh.bus.agents;
+        match agents.get_bytes(b.id.as_str()).await {
+            Ok(Some((_, bytes))) => {
+                if let Ok(gist) = HeartbeatGist::from_json(&bytes) {
+                    let mut world = self.sh.world();
+                    world.put_agent(gist);
+                    if world.agents.contains_key(&b.id) {
+                        tracing::info!("the agent's heartbeat was in KV but not yet in the mirror");
+                        return Probe::Present;
+                    }
+                }
             }
-        };
-        let Ok(gist) = HeartbeatGist::from_json(&bytes) else {
-            return false;
-        };
-        let mut world = self.sh.world();
-        world.put_agent(gist);
-        let found = world.agents.contains_key(&b.id);
-        if found {
-            tracing::info!("the agent's heartbeat was in KV but not yet in the mirror");
+            Ok(None) => {}
+            Err(err) => {
+                tracing::info!(%err, "cannot read the agent's heartbeat");
+                return Probe::Unavailable;
+            }
         }
-        found
+        match agents.placement().await {
+            Ok(None) => Probe::Absent { leader_since: None },
+            Ok(Some(p)) if p.leader.is_some() => Probe::Absent {
+                leader_since: p.leader_since,
+            },
+            Ok(Some(_)) => {
+                tracing::info!("the heartbeats bucket has no leader");
+                Probe::Unavailable
+            }
+            Err(err) => {
+                tracing::info!(%err, "cannot read where the heartbeats bucket lives");
+                Probe::Unavailable
+            }
+        }
     }
 
     /// Reads the record from KV into the mirror.

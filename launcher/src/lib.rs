@@ -12,6 +12,7 @@ pub use slotpool_config as config;
 pub mod api;
 pub mod backing;
 pub mod events;
+pub mod heartbeat_clock;
 pub mod http;
 pub mod inbound;
 pub mod leak;

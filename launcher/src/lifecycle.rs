@@ -19,6 +19,12 @@ pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
 /// between reconnect attempts), and its first write after an outage can wait out its
 /// acknowledgement timeout (5 s).
 pub const HEARTBEAT_RECONNECT_MARGIN: Duration = Duration::from_secs(10);
+/// How long, beyond a heartbeat's TTL, a launcher waits for a heartbeat missing from KV
+/// once the heartbeats bucket is back from a time it could take none (a clustered bucket
+/// electing its leader, a read that got no answer: [`crate::heartbeat_clock`]). The agent
+/// stayed connected, but a write it sent meanwhile can wait out its acknowledgement
+/// timeout (5 s) before it writes again.
+pub const HEARTBEAT_BUCKET_MARGIN: Duration = Duration::from_secs(5);
 
 /// What is known of a backing node's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -78,6 +84,10 @@ pub struct Observed {
     /// it is not. A heartbeat counts as missing only over that time: KV expires the
     /// heartbeats of live agents during a bus outage.
     pub synced_since: Option<UnixMillis>,
+    /// Since when the heartbeats bucket takes heartbeats again after it last could not
+    /// ([`crate::heartbeat_clock::HeartbeatClock::back_at`]); a heartbeat counts as
+    /// missing only after that too.
+    pub heartbeats_back_at: Option<UnixMillis>,
     /// When the mirror lost the agent's heartbeat (expired, or gone in a reload), if it
     /// held one.
     pub heartbeat_lost_at: Option<UnixMillis>,
@@ -227,24 +237,32 @@ fn kill_reason(b: &BackingNode) -> Option<String> {
 /// long it was missing while this launcher was connected), or until when to wait for it
 /// (`Err`; `None`: until the launcher is back on the bus).
 ///
-/// It is gone when KV expired it with the launcher watching: its last write (the TTL
-/// before the mirror lost it) came after the launcher was connected and synced. Otherwise
-/// (it expired during an outage, or before this launcher started) it is gone once the
-/// launcher has been back for the heartbeat's TTL and [`HEARTBEAT_RECONNECT_MARGIN`]
-/// without seeing it: a live agent writes again within that time.
+/// It is gone when KV expired it with the launcher watching a bucket that could take
+/// heartbeats: its last write (the TTL before the mirror lost it) came after the launcher
+/// was connected and synced, and after the bucket was last back. Otherwise (it expired
+/// during an outage or an election, or before this launcher started) it is gone once the
+/// launcher has been back for the heartbeat's TTL and [`HEARTBEAT_RECONNECT_MARGIN`], and
+/// the bucket for the TTL and [`HEARTBEAT_BUCKET_MARGIN`], without seeing it: a live
+/// agent writes again within that time.
 fn agent_gone(obs: &Observed) -> Result<String, Option<UnixMillis>> {
     let Some(synced) = obs.synced_since else {
         return Err(None);
     };
+    let watching = obs
+        .heartbeats_back_at
+        .map_or(synced, |back| back.max(synced));
     let last_write = obs
         .heartbeat_lost_at
         .map(|at| at.saturating_sub(obs.heartbeat_ttl.as_millis() as u64));
-    let expired_while_connected = last_write.is_some_and(|w| w >= synced);
-    let deadline = after(synced, obs.heartbeat_ttl + HEARTBEAT_RECONNECT_MARGIN);
-    if !expired_while_connected && obs.now < deadline {
+    let expired_while_watching = last_write.is_some_and(|w| w >= watching);
+    let reconnected = after(synced, obs.heartbeat_ttl + HEARTBEAT_RECONNECT_MARGIN);
+    let deadline = obs.heartbeats_back_at.map_or(reconnected, |back| {
+        reconnected.max(after(back, obs.heartbeat_ttl + HEARTBEAT_BUCKET_MARGIN))
+    });
+    if !expired_while_watching && obs.now < deadline {
         return Err(Some(deadline));
     }
-    let since = last_write.map_or(synced, |w| w.max(synced));
+    let since = last_write.map_or(watching, |w| w.max(watching));
     Ok(format!(
         "agent heartbeat absent for {}s while connected",
         obs.now.saturating_sub(since) / 1000
@@ -416,6 +434,7 @@ mod tests {
             last_release: None,
             rules: Some(rules()),
             synced_since: Some(0),
+            heartbeats_back_at: None,
             heartbeat_lost_at: None,
             heartbeat_ttl: Duration::from_secs(2),
             min_ready: 0,
@@ -736,6 +755,55 @@ mod tests {
         assert!(
             matches!(next(&retiring, &o), Step::Fail(r) if r.starts_with("retiring: agent heartbeat absent"))
         );
+    }
+
+    #[test]
+    fn a_missing_heartbeat_counts_only_after_the_heartbeats_bucket_is_back() {
+        let b = node(BackingState::Ready);
+        let grace = (2_000 + HEARTBEAT_BUCKET_MARGIN.as_millis()) as u64;
+        // Connected since 0. The bucket's leader died at 10 s, one was elected at 14.5 s,
+        // which expired the heartbeat last written at 10 s: the mirror lost it at 14.5 s.
+        let mut o = obs(14_500, 2);
+        o.agent = AgentSeen::Absent;
+        o.heartbeat_lost_at = Some(14_500);
+        assert!(
+            matches!(next(&b, &o), Step::Fail(_)),
+            "before the election is known, the expiry looks like KV's word"
+        );
+        // The look at the bucket found the election: the clock restarts there.
+        o.heartbeats_back_at = Some(14_500);
+        assert_eq!(next(&b, &o), Step::Wait(Some(14_500 + grace)));
+        o.now = 14_500 + grace - 1;
+        assert_eq!(next(&b, &o), Step::Wait(Some(14_500 + grace)));
+        // A dead agent is failed one grace after the bucket is back.
+        o.now = 14_500 + grace;
+        assert_eq!(
+            next(&b, &o),
+            Step::Fail(format!(
+                "agent heartbeat absent for {}s while connected: \
+                 the backing node or its agent is gone",
+                grace / 1000
+            ))
+        );
+        // A heartbeat written after the bucket was back, then expired: KV's word.
+        let mut expired = o;
+        expired.heartbeat_lost_at = Some(17_000);
+        expired.now = 17_000;
+        assert!(
+            matches!(next(&b, &expired), Step::Fail(r) if r.starts_with("agent heartbeat absent for 2s"))
+        );
+        // A bucket back long ago changes nothing.
+        let mut old = expired;
+        old.heartbeats_back_at = Some(1_000);
+        assert_eq!(next(&b, &old), next(&b, &expired));
+        // The later of a reconnect's grace and the bucket's wins.
+        let mut both = o;
+        both.synced_since = Some(14_000);
+        both.now = 14_500 + grace;
+        let reconnect_grace = (2_000 + HEARTBEAT_RECONNECT_MARGIN.as_millis()) as u64;
+        assert_eq!(next(&b, &both), Step::Wait(Some(14_000 + reconnect_grace)));
+        both.synced_since = None;
+        assert_eq!(next(&b, &both), Step::Wait(None));
     }
 
     #[test]

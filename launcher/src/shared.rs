@@ -3,6 +3,7 @@
 
 use crate::agent_bus::AgentBus;
 use crate::config::Config;
+use crate::heartbeat_clock::HeartbeatClock;
 use crate::liveness::Liveness;
 use crate::mirror_sync::MirrorSync;
 use crate::provider::status::{Recorded, StatusBook};
@@ -36,6 +37,8 @@ pub struct Shared {
     pub liveness: Liveness,
     /// Since when the mirrors are synced over a live connection.
     pub mirror_sync: MirrorSync,
+    /// Since when the heartbeats bucket takes heartbeats again after it last could not.
+    pub heartbeat_clock: HeartbeatClock,
 }
 
 impl Shared {
@@ -70,6 +73,7 @@ impl Shared {
             tracker: TaskTracker::new(),
             liveness: Liveness::new(&shutdown),
             mirror_sync,
+            heartbeat_clock: HeartbeatClock::default(),
             shutdown,
         }
     }

@@ -120,6 +120,7 @@ pub async fn run(
                                     present.remove(&gone);
                                 }
                             }
+                            tracing::debug!(bucket = store.bucket(), "mirror synced");
                             shared.mirror_sync.synced(mirror as usize);
                             if let Some(tx) = synced.take() {
                                 let _ = tx.send(());

@@ -138,6 +138,8 @@ pub struct Placement {
     pub leader: Option<String>,
     /// The servers with a copy that is up to date, the leader first.
     pub current: Vec<String>,
+    /// Since when the leader leads (the server's clock), when the server says.
+    pub leader_since: Option<crate::time::UnixMillis>,
 }
 
 /// One KV bucket.
@@ -552,7 +554,8 @@ impl Store {
     }
 
     /// Where the bucket lives in a JetStream cluster, read now: which server leads it
-    /// (orders its writes) and which hold a current copy. `None` on a single server.
+    /// (orders its writes), since when, and which hold a current copy. `None` on a single
+    /// server.
     pub async fn placement(&self) -> Result<Option<Placement>, KvError> {
         let mut stream = self.kv.stream.clone();
         let info = stream
@@ -570,6 +573,9 @@ impl Store {
             Placement {
                 leader: c.leader.clone(),
                 current,
+                leader_since: c
+                    .leader_since
+                    .and_then(|t| u64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()),
             }
         }))
     }

@@ -82,10 +82,11 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     let work_dir = dir.path().join("agents");
     let _agents = AgentsGuard(work_dir.clone());
     let config = dir.path().join("pool.yaml");
-    // The agents' heartbeats keep the shipped TTL (6 s): the heartbeats bucket may lose its
-    // leader with the slots bucket's, and an election on a loaded 2-core machine took
-    // 4.5 s, longer than the 2 s the other tests use. A heartbeat that cannot be written
-    // while the bucket elects its leader still counts as absent: see docs/protocol.md.
+    // The agents' heartbeats keep the shipped TTL (6 s), longer than an election on a
+    // loaded 2-core machine (4.5 s). A launcher no longer fails a node for a heartbeat
+    // lost while the heartbeats bucket elected its leader (launcher/src/heartbeat_clock.rs,
+    // docs/protocol.md), but with a 2 s TTL and that bucket's leader killed too, this
+    // test met a release refused during the slots bucket's election in 4 runs of 13.
     let agent_args = [
         "--heartbeat-interval-ms",
         "300",

@@ -149,6 +149,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             last_release,
             rules: None,
             synced_since: Some(0),
+            heartbeats_back_at: None,
             heartbeat_lost_at: None,
             heartbeat_ttl: Duration::from_secs(6),
             min_ready: 0,

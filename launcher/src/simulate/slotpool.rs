@@ -515,6 +515,7 @@ impl Sim<'_> {
                 last_release: n.last_release,
                 rules,
                 synced_since: Some(EPOCH_MS),
+                heartbeats_back_at: None,
                 heartbeat_lost_at: None,
                 heartbeat_ttl: Duration::from_secs(
                     slotpool_protocol::model::DEFAULT_HEARTBEAT_TTL_SECS,
