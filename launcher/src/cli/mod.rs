@@ -106,6 +106,10 @@ pub enum Command {
     Run(operator_cmds::OrderArgs),
     /// Operator: terminate a backing node now; its nodes fail with the reason.
     Kill(operator_cmds::OrderArgs),
+    /// Operator: the newest lines of a backing node's agent log, asked through a launcher.
+    #[command(after_help = "Example:
+  slotpool logs bn-01J... --lines 50")]
+    Logs(operator_cmds::LogsArgs),
     /// Cancel a waiting request.
     Cancel {
         request: String,
@@ -204,6 +208,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Drain(args) => operator_cmds::order(&cli.nats, OperatorAction::Drain, args).await,
         Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
         Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
+        Command::Logs(args) => operator_cmds::logs(&cli.nats, args).await,
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }
