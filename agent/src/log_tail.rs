@@ -11,7 +11,9 @@ use slotpool_protocol::api::{LOG_TAIL_MAX_BYTES, LOG_TAIL_MAX_LINES};
 use slotpool_protocol::text::printable;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::format::{DefaultFields, Writer};
+use tracing_subscriber::fmt::{FormatFields, MakeWriter};
 
 /// Lines the ring keeps.
 pub const TAIL_LINES: usize = LOG_TAIL_MAX_LINES as usize;
@@ -59,6 +61,7 @@ impl LogTail {
         S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     {
         tracing_subscriber::fmt::layer()
+            .fmt_fields(TailFields::default())
             .with_writer(self.clone())
             .with_ansi(false)
             .with_target(true)
@@ -100,6 +103,19 @@ impl LogTail {
             .collect();
         out.reverse();
         out
+    }
+}
+
+/// The text log's field format under a type of its own. A span's fields are formatted
+/// once per field format type and kept in the span; two layers with the same type (this
+/// one and stderr's) would both append what a span records later (`op`, `slot`), and
+/// every such field would show twice, in both logs.
+#[derive(Debug, Default)]
+pub struct TailFields(DefaultFields);
+
+impl<'w> FormatFields<'w> for TailFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> std::fmt::Result {
+        self.0.format_fields(writer, fields)
     }
 }
 
@@ -211,5 +227,25 @@ mod tests {
         assert!(line.contains("slot prepared"), "{line}");
         assert!(line.contains("log_tail::tests"), "the target: {line}");
         assert!(!line.chars().any(char::is_control), "{line:?}");
+    }
+
+    #[test]
+    fn a_field_a_span_records_later_shows_once_in_the_tail_and_in_the_other_log() {
+        let (tail, stderr) = (LogTail::new(10, 10_000), LogTail::new(10, 10_000));
+        let subscriber = tracing_subscriber::registry().with(tail.layer()).with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .with_writer(stderr.clone()),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("command", op = tracing::field::Empty);
+            span.record("op", "open");
+            let _entered = span.entered();
+            tracing::info!("open to new slots");
+        });
+        for (log, lines) in [("tail", tail.newest(10)), ("other", stderr.newest(10))] {
+            assert_eq!(lines.len(), 1, "{log}: {lines:?}");
+            assert_eq!(lines[0].matches("op=").count(), 1, "{log}: {}", lines[0]);
+        }
     }
 }
