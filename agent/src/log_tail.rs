@@ -218,7 +218,8 @@ mod tests {
         let subscriber = tracing_subscriber::registry().with(tail.layer());
         tracing::subscriber::with_default(subscriber, || {
             let _span = tracing::info_span!("agent", backing_id = "bn-1").entered();
-            tracing::info!(user = "evil\x1b[2J\nforged", "slot prepared");
+            // With Display, as the agent logs names and paths: not quoted or escaped.
+            tracing::info!(user = %"ev\x1b[2J\r\nil\u{202e}", "slot prepared");
         });
         let lines = tail.newest(10);
         assert_eq!(lines.len(), 1, "{lines:?}");
@@ -226,7 +227,11 @@ mod tests {
         assert!(line.contains(" INFO agent{backing_id="), "{line}");
         assert!(line.contains("slot prepared"), "{line}");
         assert!(line.contains("log_tail::tests"), "the target: {line}");
-        assert!(!line.chars().any(char::is_control), "{line:?}");
+        assert!(line.ends_with(r"\u{d}\u{a}il\u{202e}"), "{line:?}");
+        assert!(
+            !line.contains(|c: char| c.is_control() || c == '\u{202e}'),
+            "{line:?}"
+        );
     }
 
     #[test]
