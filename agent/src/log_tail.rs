@@ -1,6 +1,6 @@
 //! The agent's newest log lines, kept in memory for the `log_tail` command: a log layer
-//! formats every event the log filter lets through as a text line (time, level, target,
-//! spans, message, fields, no colours) into a ring of at most [`TAIL_LINES`] lines and
+//! formats every event the log filter lets through as a compact text line (time, level,
+//! span names, target, message, fields, then the spans' fields; no colours) into a ring of at most [`TAIL_LINES`] lines and
 //! [`TAIL_BYTES`] bytes. Nothing is read from a file; the oldest lines go first.
 //!
 //! A slot's tenant can make the agent log text of its choosing (a user name, a path, an
@@ -62,6 +62,7 @@ impl LogTail {
     {
         tracing_subscriber::fmt::layer()
             .fmt_fields(TailFields::default())
+            .compact()
             .with_writer(self.clone())
             .with_ansi(false)
             .with_target(true)
@@ -224,10 +225,14 @@ mod tests {
         let lines = tail.newest(10);
         assert_eq!(lines.len(), 1, "{lines:?}");
         let line = &lines[0];
-        assert!(line.contains(" INFO agent{backing_id="), "{line}");
-        assert!(line.contains("slot prepared"), "{line}");
-        assert!(line.contains("log_tail::tests"), "the target: {line}");
-        assert!(line.ends_with(r"\u{d}\u{a}il\u{202e}"), "{line:?}");
+        // The message first, the spans' fields last: a line cut at a pane's edge keeps
+        // what happened.
+        assert!(
+            line.contains(" INFO agent: slotpool_agent::log_tail::tests: slot prepared user="),
+            "{line}"
+        );
+        assert!(line.ends_with("backing_id=\"bn-1\""), "{line}");
+        assert!(line.contains(r"\u{d}\u{a}il\u{202e}"), "{line:?}");
         assert!(
             !line.contains(|c: char| c.is_control() || c == '\u{202e}'),
             "{line:?}"
