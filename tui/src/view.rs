@@ -1359,9 +1359,8 @@ mod tests {
         assert_eq!(press(&mut state, [key('k')]), [ask(0)]);
         // A tenant's text in the agent's log: as the agent sends it (escaped), and raw,
         // as an agent of another version, or a forged one, might send it.
-        let b0 = "agent{backing_id=bn-01jq3m2f7h8g9k0m1n2p3q4r00}";
-        let raw = vec![
-            format!("2026-11-24T11:59:00.000001Z  INFO {b0}: slotpool_agent: slot users ready"),
+        let raw: Vec<String> = vec![
+            "2026-11-24T11:59:00.000001Z  INFO agent: slotpool_agent: agent starting slots=4 backing_id=bn-01jq3m2f7h8g9k0m1n2p3q4r00".into(),
             "2026-11-24T11:59:30.000002Z  WARN refusing prepare err=x\\u{1b}[2J\\u{a} FAKE".into(),
             "2026-11-24T11:59:59.000003Z  INFO slot prepared user=ev\u{1b}]0;own\u{7}\r\n\u{9b}2J\u{202e}il"
                 .into(),
