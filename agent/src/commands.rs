@@ -12,16 +12,20 @@
 //!   "port":22,"host_keys":["ssh-ed25519 AAAA..."]}}` (username with user isolation)
 //! - `release_slot` → `{"ok":{}}`
 //! - `close`, `open` → `{"ok":{"prepared":[<slot>, ...]}}`
+//! - `slot_occupants` → `{"ok":{"processes":3,"logins":[...]}}`
+//! - `log_tail` → `{"ok":{"lines":["<time>  INFO <spans>: <target>: <message> <fields>", ...]}}`
 //! - failures → `{"error":{"code":"<code>","message":"..."}}` with code `bad_request`
 //!   (malformed, slot out of range, an `ssh_public_key` that is not one plain key), `too_large`, `unavailable` (prepare while closed,
 //!   or of a dirty slot) or `internal` (slot held by another node, isolation failure,
 //!   a release that could not clean its slot, queue full)
 
+use crate::log_tail::LogTail;
 use crate::slots::{ReleaseOutcome, SlotError, Slots};
 use crate::ssh::SshInfo;
 use futures::{Stream, StreamExt};
 use slotpool_protocol::api::{
-    AgentCommand, ApiError, ErrorCode, Reply, SlotPrepared, SlotReleased, SlotsClosed,
+    AgentCommand, ApiError, ErrorCode, LogTail as LogLines, Reply, SlotPrepared, SlotReleased,
+    SlotsClosed,
 };
 use slotpool_protocol::connect::{Bus, Incoming};
 use slotpool_protocol::model::SlotLogin;
@@ -73,6 +77,7 @@ fn target(command: &AgentCommand) -> (&'static str, Option<(u32, &NodeId)>) {
         AgentCommand::Open => ("open", None),
         // Read-only: on the close/open lane, never behind a slot's slow release.
         AgentCommand::SlotOccupants { .. } => ("slot_occupants", None),
+        AgentCommand::LogTail { .. } => ("log_tail", None),
     }
 }
 
@@ -118,7 +123,7 @@ fn release_changes_heartbeat(result: &Result<ReleaseOutcome, SlotError>) -> bool
 }
 
 /// Carries out one command.
-async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
+async fn execute(slots: &Slots, ssh: &SshInfo, tail: &LogTail, command: AgentCommand) -> Done {
     match command {
         AgentCommand::PrepareSlot {
             slot,
@@ -196,6 +201,10 @@ async fn execute(slots: &Slots, ssh: &SshInfo, command: AgentCommand) -> Done {
         AgentCommand::SlotOccupants { slot } => {
             reply_with(slots.occupants(slot).await.map_err(|e| api_error(&e))).into()
         }
+        AgentCommand::LogTail { lines } => reply_with(Ok(LogLines {
+            lines: tail.newest(lines),
+        }))
+        .into(),
     }
 }
 
@@ -224,13 +233,14 @@ async fn slot_worker(
     mut jobs: mpsc::Receiver<Job>,
     slots: Slots,
     ssh: Arc<SshInfo>,
+    tail: LogTail,
     bus: Bus,
     poke: Arc<Notify>,
 ) {
     while let Some(job) = jobs.recv().await {
         let span = job.span;
         let done = async {
-            let done = execute(&slots, &ssh, job.command).await;
+            let done = execute(&slots, &ssh, &tail, job.command).await;
             respond(&bus, job.reply_to.as_deref(), &done.reply).await;
             done
         }
@@ -249,20 +259,21 @@ pub async fn serve(
     bus: &Bus,
     slots: &Slots,
     ssh: Arc<SshInfo>,
-    slot_count: u32,
+    tail: LogTail,
     commands: impl Stream<Item = Incoming>,
     poke: Arc<Notify>,
     shutdown: &CancellationToken,
 ) -> bool {
     let tracker = TaskTracker::new();
-    // Lanes 0..slot_count are the slots; the last one is for close/open.
-    let queues: Vec<mpsc::Sender<Job>> = (0..=slot_count)
+    // Lanes 0..count are the slots; the last one is for close/open.
+    let queues: Vec<mpsc::Sender<Job>> = (0..=slots.count())
         .map(|_| {
             let (tx, rx) = mpsc::channel(SLOT_QUEUE_DEPTH);
             tracker.spawn(slot_worker(
                 rx,
                 slots.clone(),
                 ssh.clone(),
+                tail.clone(),
                 bus.clone(),
                 poke.clone(),
             ));

@@ -28,6 +28,7 @@ pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
+pub mod log_tail;
 pub mod metrics;
 pub mod mounts;
 pub mod netns;
@@ -46,6 +47,7 @@ use config::{IsolationMode, ProbeConfig};
 use health::ProbeStatus;
 use heartbeat::Heartbeat;
 use isolation::{IsolationError, SlotIsolation, WorkspaceOnly};
+use log_tail::LogTail;
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::time::now_ms;
@@ -108,6 +110,7 @@ pub enum AgentError {
 pub async fn run(
     config: AgentConfig,
     bus: Bus,
+    tail: LogTail,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
     std::fs::create_dir_all(&config.work_dir).map_err(|error| AgentError::WorkDir {
@@ -195,7 +198,7 @@ pub async fn run(
             Arc::new(isolation)
         }
     };
-    run_with(config, bus, isolation, shutdown).await
+    run_with(config, bus, isolation, tail, shutdown).await
 }
 
 /// Runs the probe every interval until `shutdown`, recording its outcome and poking the
@@ -282,6 +285,7 @@ pub async fn run_with(
     config: AgentConfig,
     bus: Bus,
     isolation: Arc<dyn SlotIsolation>,
+    tail: LogTail,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
     let span = tracing::info_span!("agent", backing_id = %config.backing_id);
@@ -402,7 +406,7 @@ pub async fn run_with(
         );
 
         let ended =
-            commands::serve(&bus, &slots, ssh, config.slots, commands, poke, &shutdown).await;
+            commands::serve(&bus, &slots, ssh, tail, commands, poke, &shutdown).await;
 
         stop_beating.cancel();
         if let Err(err) = beating.await {

@@ -7,6 +7,7 @@
 use anyhow::Context;
 use clap::Parser;
 use slotpool_agent::config::{Args, DEFAULT_RUN_DIR, SECRET_ENV};
+use slotpool_agent::log_tail::LogTail;
 use slotpool_protocol::connect::Bus;
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -44,12 +45,15 @@ fn main() -> anyhow::Result<()> {
         return enter_slot();
     }
     let args = Args::parse();
-    slotpool_protocol::logging::init(
+    // The newest lines also stay in memory, for operators' `log_tail`.
+    let tail = LogTail::default();
+    slotpool_protocol::logging::init_with(
         args.log_format,
         tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         std::io::stderr,
         std::io::stderr().is_terminal(),
+        tail.layer(),
     );
 
     // Take the secret out of the environment before any thread or child process exists,
@@ -91,7 +95,7 @@ fn main() -> anyhow::Result<()> {
                 )
             })?
             .with_context(|| format!("connecting to NATS at {}", nats.url))?;
-        slotpool_agent::run(config, bus, shutdown)
+        slotpool_agent::run(config, bus, tail, shutdown)
             .await
             .context("agent failed")
     })

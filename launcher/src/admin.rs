@@ -1,6 +1,6 @@
 //! Operators' orders, served on `slotpool.admin.v2.<operator>.<action>`: hold, drain, run and kill a
-//! backing node, and release one node; and one question, who is in a slot
-//! (`slot_occupants`), relayed to the node's agent. An order is a revision-checked write of the backing
+//! backing node, and release one node; and two questions, relayed to the node's agent:
+//! who is in a slot (`slot_occupants`) and the agent's newest log lines (`log_tail`). An order is a revision-checked write of the backing
 //! node's record (its `idle` behaviour and `order`); the launcher that drives the node
 //! (whichever holds its lease) carries it out through the state machine, so orders survive
 //! a launcher restart. Every order is recorded in the event log with who (the operator's bus user name, from the subject: never what the message
@@ -11,8 +11,8 @@ use crate::inbound::{bad, decode, internal};
 use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, seat_topic, Shared};
 use slotpool_protocol::api::{
-    AgentCommand, ApiError, BackingOrder, ErrorCode, OrderTaken, ReleaseNodeOrder, Released,
-    SlotOccupants, SlotOccupantsQuery,
+    AgentCommand, ApiError, BackingOrder, ErrorCode, LogTail, LogTailQuery, OrderTaken,
+    ReleaseNodeOrder, Released, SlotOccupants, SlotOccupantsQuery,
 };
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::subjects;
@@ -214,27 +214,49 @@ pub async fn release_node(
     Ok(out)
 }
 
-/// How long a `slot_occupants` question waits for the agent.
-const OCCUPANTS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a question relayed to an agent (`slot_occupants`, `log_tail`) waits for it.
+const AGENT_QUESTION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves `slot_occupants`: asks the backing node's agent who is in the slot. Operators
 /// only (the subject is under `slotpool.admin`); not an order, so nothing is recorded.
 pub async fn slot_occupants(sh: &Arc<Shared>, msg: &Incoming) -> Result<SlotOccupants, ApiError> {
     let q: SlotOccupantsQuery =
         decode(msg, "slot_occupants question", |q: &SlotOccupantsQuery| q.v)?;
-    seat_of(sh, &q.backing_id).await?;
-    let asked = AgentCommand::SlotOccupants { slot: q.slot };
+    ask_agent(
+        sh,
+        &q.backing_id,
+        &AgentCommand::SlotOccupants { slot: q.slot },
+    )
+    .await
+}
+
+/// Serves `log_tail`: asks the backing node's agent for its newest log lines. Operators
+/// only, like [`slot_occupants`]; nothing is recorded.
+pub async fn log_tail(sh: &Arc<Shared>, msg: &Incoming) -> Result<LogTail, ApiError> {
+    let q: LogTailQuery = decode(msg, "log_tail question", |q: &LogTailQuery| q.v)?;
+    ask_agent(sh, &q.backing_id, &AgentCommand::LogTail { lines: q.lines }).await
+}
+
+/// Relays a read-only question to the agent of a known backing node (`not_found` for
+/// one with no record) and its answer back; an agent that does not answer is
+/// `unavailable`.
+async fn ask_agent<T: serde::de::DeserializeOwned>(
+    sh: &Arc<Shared>,
+    backing_id: &BackingId,
+    asked: &AgentCommand,
+) -> Result<T, ApiError> {
+    seat_of(sh, backing_id).await?;
     match sh
         .bus
-        .call(&subjects::agent(&q.backing_id), &asked, OCCUPANTS_TIMEOUT)
+        .call(&subjects::agent(backing_id), asked, AGENT_QUESTION_TIMEOUT)
         .await
     {
-        Ok(occupants) => Ok(occupants),
+        Ok(answer) => Ok(answer),
         Err(BusError::Api(err)) => Err(err),
         Err(err @ (BusError::NoResponders { .. } | BusError::Timeout { .. })) => {
             Err(ApiError::new(
                 ErrorCode::Unavailable,
-                format!("the agent of {} does not answer: {err}", q.backing_id),
+                format!("the agent of {backing_id} does not answer: {err}"),
             ))
         }
         Err(err) => Err(internal(err)),

@@ -45,6 +45,7 @@ pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
         served.push((subjects::admin_all(action), Op::Admin(action)));
     }
     served.push((subjects::SLOT_OCCUPANTS_ALL.to_string(), Op::SlotOccupants));
+    served.push((subjects::LOG_TAIL_ALL.to_string(), Op::LogTail));
     served.push((subjects::API_V1_ALL.to_string(), Op::Retired));
     served.push((subjects::ADMIN_V1_ALL.to_string(), Op::Retired));
     let mut streams = Vec::with_capacity(served.len());
@@ -75,6 +76,8 @@ enum Op {
     Admin(OperatorAction),
     /// An operator's question: who is in a slot.
     SlotOccupants,
+    /// An operator's question: an agent's newest log lines.
+    LogTail,
     /// A subject of API v1, answered with `unsupported_version`.
     Retired,
 }
@@ -130,6 +133,7 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
             .await
         }
         Op::SlotOccupants => respond(&sh, &reply_to, admin::slot_occupants(&sh, &msg).await).await,
+        Op::LogTail => respond(&sh, &reply_to, admin::log_tail(&sh, &msg).await).await,
         Op::Retired => unreachable!("a v1 subject has no caller"),
     };
     if let Err(err) = sent {

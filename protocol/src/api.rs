@@ -287,6 +287,34 @@ pub enum AgentCommand {
     /// Who is in slot `slot` now: replies [`SlotOccupants`]. Asked on demand (an
     /// operator's detail view), never part of the heartbeat.
     SlotOccupants { slot: u32 },
+    /// The newest `lines` lines of the agent's own log (at most [`LOG_TAIL_MAX_LINES`]):
+    /// replies [`LogTail`]. Read-only, asked on demand (an operator's detail view).
+    LogTail { lines: u32 },
+}
+
+/// Most lines a [`AgentCommand::LogTail`] answers, whatever it asks.
+pub const LOG_TAIL_MAX_LINES: u32 = 200;
+/// Most bytes of text a [`LogTail`] carries: with JSON's escaping it stays well under
+/// the bus's largest message (1 MiB by default).
+pub const LOG_TAIL_MAX_BYTES: usize = 48 * 1024;
+
+/// An operator's question on `slotpool.admin.v2.<operator>.log_tail`: the newest `lines`
+/// lines of backing node `backing_id`'s agent log. The launcher asks the node's agent
+/// ([`AgentCommand::LogTail`]) and relays its [`LogTail`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogTailQuery {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    pub backing_id: BackingId,
+    pub lines: u32,
+}
+
+/// Reply to [`AgentCommand::LogTail`]: log lines as the agent writes them (time, level,
+/// target, spans, message, fields), oldest first, with every control character escaped
+/// ([`crate::text::printable`]), so no line can move a terminal's cursor.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LogTail {
+    pub lines: Vec<String>,
 }
 
 /// An operator's question on `slotpool.admin.v2.<operator>.slot_occupants`: who is in

@@ -2,8 +2,9 @@
 
 use crate::api::{
     self, ApiError, BackingOrder, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive,
-    NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released, RequestStatus, SlotOccupants,
-    SlotOccupantsQuery, StillHeld, SubmitRequest, Submitted, WaitReleased,
+    LogTail, LogTailQuery, NodesQuery, OrderTaken, ReleaseNodeOrder, ReleaseNodes, Released,
+    RequestStatus, SlotOccupants, SlotOccupantsQuery, StillHeld, SubmitRequest, Submitted,
+    WaitReleased,
 };
 use crate::connect::{Bus, BusError, NatsOptions};
 use crate::layout;
@@ -295,6 +296,19 @@ impl Client {
         };
         self.bus
             .call(&subjects::slot_occupants(self.name()), &q, API_TIMEOUT)
+            .await
+    }
+
+    /// The newest `lines` lines of backing node `backing`'s agent log (operators only):
+    /// the launcher asks the node's agent.
+    pub async fn log_tail(&self, backing: &BackingId, lines: u32) -> Result<LogTail, BusError> {
+        let q = LogTailQuery {
+            v: crate::PROTOCOL_VERSION,
+            backing_id: backing.clone(),
+            lines,
+        };
+        self.bus
+            .call(&subjects::log_tail(self.name()), &q, API_TIMEOUT)
             .await
     }
 

@@ -221,6 +221,15 @@ pub mod subjects {
     pub const SLOT_OCCUPANTS: &str = "slot_occupants";
     /// Every operator's [`slot_occupants`] subject, for serving it.
     pub const SLOT_OCCUPANTS_ALL: &str = "slotpool.admin.v2.*.slot_occupants";
+    /// `operator`'s subject for asking a backing node's agent for its newest log lines
+    /// ([`crate::api::LogTailQuery`]); not an order, so nothing is recorded.
+    pub fn log_tail(operator: &UserName) -> String {
+        format!("slotpool.admin.v2.{operator}.{LOG_TAIL}")
+    }
+    /// The last token of [`log_tail`].
+    pub const LOG_TAIL: &str = "log_tail";
+    /// Every operator's [`log_tail`] subject, for serving it.
+    pub const LOG_TAIL_ALL: &str = "slotpool.admin.v2.*.log_tail";
     /// Every order `operator` may give (a permission pattern).
     pub fn admin_of(operator: &str) -> String {
         format!("slotpool.admin.v2.{operator}.>")

@@ -17,6 +17,7 @@ pub mod logging;
 pub mod model;
 pub mod ssh_key;
 pub mod store;
+pub mod text;
 pub mod time;
 
 pub use ids::{BackingId, EventId, LauncherId, NodeId, RequestId, UserName};

@@ -5,7 +5,9 @@
 //! so one request can be followed across processes.
 
 use tracing_subscriber::fmt::MakeWriter;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::{Identity, Layered, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogFormat {
@@ -32,20 +34,33 @@ pub fn init<W>(format: LogFormat, filter: EnvFilter, writer: W, ansi: bool)
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    init_with(format, filter, writer, ansi, Identity::new());
+}
+
+/// [`init`], with one more layer that sees every event the filter lets through (the
+/// agent keeps its newest lines in memory this way).
+pub fn init_with<W, L>(format: LogFormat, filter: EnvFilter, writer: W, ansi: bool, extra: L)
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+    L: Layer<Layered<EnvFilter, Registry>> + Send + Sync + 'static,
+{
+    let output = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_target(false)
         // A log whose reader has gone (`slotpool demo 2>&1 | head`) is dropped: reporting
         // that on the same stream would panic.
         .log_internal_errors(false);
+    let base = tracing_subscriber::registry().with(filter).with(extra);
     match format {
-        LogFormat::Text => builder.with_ansi(ansi).init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_span_list(true)
+        LogFormat::Text => base.with(output.with_ansi(ansi)).init(),
+        LogFormat::Json => base
+            .with(
+                output
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false)
+                    .with_span_list(true),
+            )
             .init(),
     }
 }

@@ -523,3 +523,43 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
     eprintln!("start-up with {NODES} backing nodes: median {:?}", times[1]);
     assert!(times[1] < Duration::from_secs(2), "{times:?}");
 }
+
+/// The backing node's detail pane shows its agent's newest log lines, asked of the real
+/// agent through the launcher when the pane opens; once the agent is gone, opening the
+/// pane again says it cannot be reached instead of waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_detail_pane_shows_the_agents_log_tail_and_says_when_it_cannot_be_reached() {
+    let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
+    let request = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (a, _) = request.nodes[0].slot().expect("node id names its slot");
+
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let console = Tmux::start(&console_command(&pool, log.path()), 200, 50);
+    console
+        .wait_screen("the ready backing node", |s| {
+            row_of(s, &a).is_some_and(|row| row.contains("ready"))
+        })
+        .await;
+    console.keys(&["i"]);
+    let screen = console
+        .wait_screen("the agent's log in the pane", |s| {
+            s.contains("agent log, newest first") && s.contains("slot prepared")
+        })
+        .await;
+    eprintln!("pane:\n{screen}");
+
+    let pid: i32 = std::fs::read_to_string(pool.agent_dir(a.as_str()).join("agent.pid"))
+        .expect("the agent's pid file")
+        .trim()
+        .parse()
+        .expect("a pid");
+    // SAFETY: kill has no memory preconditions; the pid is the pool's own agent.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    console.keys(&["i", "i"]);
+    let screen = console
+        .wait_screen("the pane saying the agent cannot be reached", |s| {
+            s.contains("agent log: cannot be reached")
+        })
+        .await;
+    eprintln!("agent gone:\n{screen}");
+}

@@ -493,3 +493,95 @@ async fn slotpool_occupants_says_who_is_in_a_slot() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// An operator reads a backing node's agent log through the launcher: the lines the agent
+/// logged (a slot prepared), newest last, as many as asked; a client may ask neither the
+/// launcher (the subject is an operator's) nor the agent itself (only launchers command
+/// agents).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_reads_an_agents_log_tail_and_a_client_is_refused() {
+    use slotpool_protocol::api::AgentCommand;
+    use slotpool_protocol::client::Client;
+    use slotpool_protocol::layout::subjects;
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, _) = r.nodes[0].slot().expect("node id names its slot");
+
+    let op = Client::connect(&pool.nats.options_as(Role::Operator, "op"))
+        .await
+        .expect("connecting as an operator");
+    let tail = op
+        .log_tail(&backing, 200)
+        .await
+        .expect("an operator's question is answered");
+    assert!(
+        tail.lines.iter().any(|l| l.contains("slot prepared")),
+        "{:#?}",
+        tail.lines
+    );
+    assert!(
+        tail.lines.iter().all(|l| !l.chars().any(char::is_control)),
+        "{:#?}",
+        tail.lines
+    );
+    let two = op.log_tail(&backing, 2).await.expect("a shorter tail");
+    assert_eq!(two.lines.len(), 2, "{two:?}");
+
+    let unknown = BackingId::parse("bn-01jq3m2f7h8g9k0m1n2p3q4r99").unwrap();
+    match op.log_tail(&unknown, 10).await {
+        Err(BusError::Api(e)) => assert_eq!(e.code, ErrorCode::NotFound, "{e:?}"),
+        other => panic!("an unknown backing node: {other:?}"),
+    }
+
+    let ci = Client::connect(&pool.nats.options_as(Role::Client, "ci"))
+        .await
+        .expect("connecting as a client");
+    let refused = ci.log_tail(&backing, 10).await;
+    assert!(refused.is_err(), "a client was answered: {refused:?}");
+    let direct: Result<slotpool_protocol::api::LogTail, _> = ci
+        .bus()
+        .call(
+            &subjects::agent(&backing),
+            &AgentCommand::LogTail { lines: 10 },
+            Duration::from_secs(3),
+        )
+        .await;
+    assert!(direct.is_err(), "the agent answered a client: {direct:?}");
+}
+
+/// `slotpool logs` prints a backing node's agent log tail, and ends quietly when its
+/// reader has gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slotpool_logs_prints_the_agent_log_tail_and_ends_quietly_on_a_closed_pipe() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let pool = Pool::start(1, 5, &label("small", 2, 30, &[]), 1).await;
+    let r = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let (backing, _) = r.nodes[0].slot().expect("node id names its slot");
+    let backing = backing.to_string();
+
+    let printed = slotpool(&pool, &["logs", &backing, "--lines", "200"]);
+    assert!(printed.contains("slot prepared"), "{printed}");
+    let three = slotpool(&pool, &["logs", &backing, "-n", "3"]);
+    assert_eq!(three.lines().count(), 3, "{three}");
+    let json = slotpool(&pool, &["logs", &backing, "-n", "3", "--output", "json"]);
+    let lines: Vec<String> = serde_json::from_str(&json).expect("a JSON list of lines");
+    assert_eq!(lines.len(), 3, "{json}");
+
+    let mut child = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["logs", &backing])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running slotpool");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("waiting for slotpool");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+        "slotpool logs | (closed): {:?}\n{stderr}",
+        out.status
+    );
+}

@@ -151,6 +151,9 @@ where
                     slot,
                     ask,
                 } => ask_occupants(backing_id, slot, ask, &client, &tx, &tracker),
+                Command::AskLogTail { backing_id, lines } => {
+                    ask_log_tail(backing_id, lines, &client, &tx, &tracker)
+                }
                 order => send_order(order, &client, &tx, &tracker),
             }
         }
@@ -193,6 +196,27 @@ fn ask_occupants(
     });
 }
 
+/// Asks for an agent's log tail off the event loop: a launcher answers within its own
+/// timeout (an agent that does not answer is `unavailable`), the client within
+/// `API_TIMEOUT`, so the pane says so rather than waiting for ever.
+fn ask_log_tail(
+    backing_id: BackingId,
+    lines: u32,
+    client: &Client,
+    tx: &mpsc::Sender<Msg>,
+    tracker: &TaskTracker,
+) {
+    let (client, tx) = (client.clone(), tx.clone());
+    tracker.spawn(async move {
+        let result = client
+            .log_tail(&backing_id, lines)
+            .await
+            .map(|tail| tail.lines)
+            .map_err(|err| err.to_string());
+        let _ = tx.send(Msg::LogTail { backing_id, result }).await;
+    });
+}
+
 fn send_order(command: Command, client: &Client, tx: &mpsc::Sender<Msg>, tracker: &TaskTracker) {
     let (client, tx) = (client.clone(), tx.clone());
     tracker.spawn(async move {
@@ -218,7 +242,7 @@ fn send_order(command: Command, client: &Client, tx: &mpsc::Sender<Msg>, tracker
                     }
                 }),
             ),
-            Command::Quit | Command::AskOccupants { .. } => return,
+            Command::Quit | Command::AskOccupants { .. } | Command::AskLogTail { .. } => return,
         };
         let result = result.map_err(|err| err.to_string());
         if let Err(err) = &result {

@@ -1,6 +1,7 @@
 //! The detail pane (`i`): everything about the selected row that the table has no room
 //! for. For a backing node: who holds each slot, its dirty slots, its last failure, its
-//! recent events and its whole record; for a pool: why requests wait (capacity held,
+//! recent events, its agent's newest log lines (asked of the agent when the pane opens on
+//! it) and its whole record; for a pool: why requests wait (capacity held,
 //! draining, failed, out of capacity, at max-servers), its provider's last error and the sparklines of its slots
 //! used and requests waiting; for a slot: who is in it (asked of its agent when the pane
 //! opens) and its record; for a request or an event: its record.
@@ -14,6 +15,7 @@ use serde::Serialize;
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, IdleBehaviour, Node, ProviderCall,
 };
+use slotpool_protocol::text::printable;
 
 /// Recent events shown for a backing node or a node.
 pub const RECENT_EVENTS: usize = 5;
@@ -420,8 +422,52 @@ fn backing_pane(state: &State, b: &BackingNode) -> Pane {
         pane.line(Tone::Error, "the provider reported no capacity for it");
     }
     events_of(&mut pane, state, |e| e.backing_id.as_ref() == Some(&b.id));
+    agent_log(&mut pane, state, b);
     record(&mut pane, state, b);
     pane
+}
+
+/// The newest lines of the node's agent log, newest first (the pane cuts at its bottom),
+/// with the date left out of each line's time. Control characters are shown escaped,
+/// whatever the agent sent: a slot's tenant can put text of its own into that log.
+fn agent_log(pane: &mut Pane, state: &State, b: &BackingNode) {
+    let Some(log) = state.agent_log.as_ref().filter(|l| l.backing_id == b.id) else {
+        return;
+    };
+    match &log.answer {
+        None => pane.line(Tone::Dim, "agent log: asking its agent…"),
+        Some(Err(err)) => pane.line(
+            Tone::Warn,
+            format!("agent log: cannot be reached: {}", printable(err)),
+        ),
+        Some(Ok(lines)) if lines.is_empty() => pane.line(Tone::Dim, "agent log: empty"),
+        Some(Ok(lines)) => {
+            pane.line(Tone::Heading, "agent log, newest first");
+            for l in lines.iter().rev() {
+                pane.line(Tone::Plain, format!("  {}", printable(without_date(l))));
+            }
+        }
+    }
+}
+
+/// A log line without the date of its leading RFC 3339 time
+/// (`2026-11-24T07:10:00.123456Z  INFO …` → `07:10:00.123456Z  INFO …`).
+fn without_date(line: &str) -> &str {
+    let b = line.as_bytes();
+    let dated = b.len() > 11
+        && b[..10].iter().enumerate().all(|(i, c)| {
+            if i == 4 || i == 7 {
+                *c == b'-'
+            } else {
+                c.is_ascii_digit()
+            }
+        })
+        && b[10] == b'T';
+    if dated {
+        &line[11..]
+    } else {
+        line
+    }
 }
 
 fn events_of(pane: &mut Pane, state: &State, about: impl Fn(&Event) -> bool) {

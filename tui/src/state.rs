@@ -50,6 +50,11 @@ pub enum Msg {
         ask: u64,
         result: Result<SlotOccupants, String>,
     },
+    /// The answer to [`Command::AskLogTail`]: the agent's lines, oldest first.
+    LogTail {
+        backing_id: BackingId,
+        result: Result<Vec<String>, String>,
+    },
 }
 
 /// What the reducer asks the event loop to do.
@@ -72,6 +77,23 @@ pub enum Command {
         slot: u32,
         ask: u64,
     },
+    /// Ask (through a launcher) for the newest `lines` lines of `backing_id`'s agent log.
+    AskLogTail {
+        backing_id: BackingId,
+        lines: u32,
+    },
+}
+
+/// Log lines the detail pane asks a backing node's agent for.
+pub const LOG_PANE_LINES: u32 = 10;
+
+/// A backing node's agent log tail, as its agent last said (asked when the detail pane
+/// opens on the node or the selection moves to another backing node).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentLog {
+    pub backing_id: BackingId,
+    /// `None` while the question is out; the lines oldest first.
+    pub answer: Option<Result<Vec<String>, String>>,
 }
 
 /// Who is in a slot, as its agent last said: asked when the detail pane opens on a used
@@ -136,6 +158,8 @@ pub struct State {
     pub occupancy: Option<Occupancy>,
     /// Questions of who is in a slot asked so far (numbers them).
     asks: u64,
+    /// The agent log tail of the backing node the detail pane shows.
+    pub agent_log: Option<AgentLog>,
     mirror: Mirror,
     /// Derived by [`State::settle`].
     index: Index,
@@ -159,6 +183,7 @@ impl State {
             history: History::default(),
             occupancy: None,
             asks: 0,
+            agent_log: None,
             mirror: Mirror::default(),
             index: Index::default(),
             dirty: true,
@@ -384,6 +409,28 @@ impl State {
         }
     }
 
+    /// Asks for the agent log of the backing node the detail pane shows, when the pane
+    /// has not asked for it yet: it was just opened, or the selection (or the view) moved
+    /// to another backing node.
+    fn ask_log_tail(&mut self) -> Option<Command> {
+        if !self.details || self.view != View::Backing {
+            return None;
+        }
+        let id = self.target_backing()?.id.clone();
+        if self.agent_log.as_ref().is_some_and(|l| l.backing_id == id) {
+            return None;
+        }
+        self.agent_log = Some(AgentLog {
+            backing_id: id.clone(),
+            answer: None,
+        });
+        self.dirty = true;
+        Some(Command::AskLogTail {
+            backing_id: id,
+            lines: LOG_PANE_LINES,
+        })
+    }
+
     fn move_selection(&mut self, delta: isize) {
         if self.view_state().rows.is_empty() {
             return;
@@ -504,8 +551,10 @@ impl State {
             Action::Details => {
                 self.details = !self.details;
                 self.dirty = true;
-                // Opened again, it asks again.
+                // Opened again, it asks again: who is in the slot, and the agent log tail
+                // (see `ask_log_tail`).
                 self.occupancy = None;
+                self.agent_log = None;
                 return self.follow_slot_pane();
             }
             Action::MoveDown => self.move_selection(1),
@@ -682,7 +731,7 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             state.link_up = up;
             None
         }
-        Msg::Action(action) => state.act(action),
+        Msg::Action(action) => state.act(action).or_else(|| state.ask_log_tail()),
         Msg::Resize(w, h) => {
             state.size = (w, h);
             state.dirty = true;
@@ -706,6 +755,17 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             match result {
                 Ok(msg) => state.set_status(format!("{what}: {msg}"), false),
                 Err(err) => state.set_status(format!("{what} failed: {err}"), true),
+            }
+            None
+        }
+        Msg::LogTail { backing_id, result } => {
+            if let Some(l) = state
+                .agent_log
+                .as_mut()
+                .filter(|l| l.backing_id == backing_id)
+            {
+                l.answer = Some(result);
+                state.dirty = true;
             }
             None
         }

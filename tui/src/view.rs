@@ -1406,6 +1406,74 @@ mod tests {
     }
 
     #[test]
+    fn the_backing_pane_shows_its_agents_log_tail_escaped_and_an_unreachable_agent() {
+        use crate::state::{Command, LOG_PANE_LINES};
+        let mut state = sample_state(100, 40);
+        let ask = |n: u32| Command::AskLogTail {
+            backing_id: bid(n),
+            lines: LOG_PANE_LINES,
+        };
+        // Opening the pane asks the selected node's agent; moving to another node asks
+        // that one's; a move that stays on it asks nothing more.
+        assert_eq!(press(&mut state, [key('i')]), [ask(0)]);
+        assert!(screen(&state).contains("agent log: asking its agent…"));
+        assert_eq!(press(&mut state, [key('j')]), [ask(1)]);
+        assert_eq!(press(&mut state, [key('s'), key('s')]), []);
+        // An answer about a node no longer shown is dropped; an agent that does not
+        // answer is said so.
+        apply_all(
+            &mut state,
+            [
+                Msg::LogTail {
+                    backing_id: bid(0),
+                    result: Ok(vec!["stale".into()]),
+                },
+                Msg::LogTail {
+                    backing_id: bid(1),
+                    result: Err("the agent of bn-01 does not answer".into()),
+                },
+            ],
+        );
+        let text = screen(&state);
+        assert!(!text.contains("stale"), "{text}");
+        assert!(
+            text.contains("agent log: cannot be reached: the agent of bn-01 does not answer"),
+            "{text}"
+        );
+        assert_eq!(press(&mut state, [key('k')]), [ask(0)]);
+        // A tenant's text in the agent's log: as the agent sends it (escaped), and raw,
+        // as an agent of another version, or a forged one, might send it.
+        let raw: Vec<String> = vec![
+            "2026-11-24T11:59:00.000001Z  INFO agent: slotpool_agent: agent starting slots=4 backing_id=bn-01jq3m2f7h8g9k0m1n2p3q4r00".into(),
+            "2026-11-24T11:59:30.000002Z  WARN refusing prepare err=x\\u{1b}[2J\\u{a} FAKE".into(),
+            "2026-11-24T11:59:59.000003Z  INFO slot prepared user=ev\u{1b}]0;own\u{7}\r\n\u{9b}2J\u{202e}il"
+                .into(),
+        ];
+        apply_all(
+            &mut state,
+            [Msg::LogTail {
+                backing_id: bid(0),
+                result: Ok(raw),
+            }],
+        );
+        let text = screen(&state);
+        assert!(text.contains("agent log, newest first"), "{text}");
+        assert!(
+            text.contains(r"11:59:59.000003Z  INFO slot prepared user=ev\u{1b}]0;own\u{7}\u{d}\u{a}\u{9b}2J\u{202e}il"),
+            "{text}"
+        );
+        assert!(text.contains(r"err=x\u{1b}[2J\u{a} FAKE"), "{text}");
+        let buffer = render(&state, &Theme::plain()).backend().buffer().clone();
+        assert!(
+            buffer.content().iter().all(|c| !c
+                .symbol()
+                .contains(|c: char| c.is_control() || c == '\u{202e}')),
+            "a control character or a bidi override reached the terminal"
+        );
+        insta::assert_snapshot!("backing_pane_agent_log", text);
+    }
+
+    #[test]
     fn slots_view() {
         let mut state = sample_state(80, 24);
         press(&mut state, [code(KeyCode::Enter), key('j'), key('j')]);

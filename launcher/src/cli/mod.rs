@@ -112,6 +112,10 @@ pub enum Command {
   slotpool occupants bn-01J... 2
   slotpool occupants bn-01J... 2 --output json")]
     Occupants(operator_cmds::OccupantsArgs),
+    /// Operator: the newest lines of a backing node's agent log, asked through a launcher.
+    #[command(after_help = "Example:
+  slotpool logs bn-01J... --lines 50")]
+    Logs(operator_cmds::LogsArgs),
     /// Cancel a waiting request.
     Cancel {
         request: String,
@@ -211,6 +215,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => operator_cmds::order(&cli.nats, OperatorAction::Run, args).await,
         Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
         Command::Occupants(args) => operator_cmds::occupants(&cli.nats, args).await,
+        Command::Logs(args) => operator_cmds::logs(&cli.nats, args).await,
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }

@@ -1,6 +1,7 @@
 //! Operator subcommands: hold, drain, run and kill a backing node; release a node with a
 //! reason. Each goes to the launchers' admin API and is recorded in the event log. And
-//! `occupants`, who is in a slot: a question, recorded nowhere.
+//! `occupants`, who is in a slot, and `logs`, a backing node's agent log tail: questions,
+//! recorded nowhere.
 
 use super::output::{age, print_table, state, time};
 use super::{NatsArgs, Output};
@@ -8,6 +9,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::model::OperatorAction;
+use slotpool_protocol::text::printable;
 use slotpool_protocol::{BackingId, NodeId};
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
@@ -33,6 +35,17 @@ pub struct OccupantsArgs {
     /// The slot's number on that node (0, 1, ...; `slotpool list nodes` shows each
     /// node's).
     pub slot: u32,
+    #[arg(long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// The backing node (`bn-...`, see `slotpool list backing`).
+    pub backing: String,
+    /// How many of the newest lines (the agent keeps and sends at most 200).
+    #[arg(long, short = 'n', default_value_t = 50)]
+    pub lines: u32,
     #[arg(long, value_enum, default_value_t)]
     pub output: Output,
 }
@@ -81,6 +94,33 @@ pub async fn order(
         ),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the newest lines of a backing node's agent log, oldest first. A line's control
+/// characters are shown escaped, whatever the agent sent: a slot's tenant can put text
+/// of its own into the agent's log.
+pub async fn logs(nats: &NatsArgs, args: LogsArgs) -> anyhow::Result<ExitCode> {
+    let id = BackingId::parse(&args.backing)?;
+    let client = connect(nats).await?;
+    let tail = client
+        .log_tail(&id, args.lines)
+        .await
+        .with_context(|| format!("asking the agent of {id} for its log"))?;
+    let lines: Vec<String> = tail
+        .lines
+        .iter()
+        .map(|l| printable(l).into_owned())
+        .collect();
+    let mut out = std::io::stdout().lock();
+    let written = match args.output {
+        Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&lines)?),
+        Output::Table => lines.iter().try_for_each(|l| writeln!(out, "{l}")),
+    };
+    match written.and_then(|()| out.flush()) {
+        // The reader had enough (`slotpool logs … | head`).
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
+        other => other.map(|()| ExitCode::SUCCESS).context("writing the log"),
+    }
 }
 
 /// Releases nodes as an operator (with a reason, recorded in the event log).

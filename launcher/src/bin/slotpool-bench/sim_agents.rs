@@ -9,7 +9,7 @@
 
 use futures::StreamExt;
 use slotpool_protocol::api::{
-    AgentCommand, ApiError, ErrorCode, Reply, SlotOccupants, SlotPrepared, SlotsClosed,
+    AgentCommand, ApiError, ErrorCode, LogTail, Reply, SlotOccupants, SlotPrepared, SlotsClosed,
 };
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
@@ -174,6 +174,7 @@ fn answer(
             }
             value(&SlotOccupants::default())
         }
+        AgentCommand::LogTail { .. } => value(&LogTail::default()),
     }
 }
 
