@@ -156,9 +156,22 @@ pub struct LabelConfig {
     /// booting, and an idle backing node whose free slots are needed for it is kept past
     /// its grace-time. At most `max-servers` x the largest size's `max-parallel-jobs`.
     pub min_ready: u32,
+    /// Free slots kept ready from the recent arrival rate (`warm-window`, `warm-lead`);
+    /// `None`: only `min-ready`.
+    pub warm: Option<Warm>,
     /// Slots a backing node of this label hands out in its life (`max-uses`); after the
     /// last it is retired and released once empty. `None`: no limit.
     pub max_uses: Option<u32>,
+}
+
+/// A label's predictive warm slots: keep ready what the requests of the last `window`
+/// say will arrive within the next `lead` (a boot time), beyond `min-ready`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Warm {
+    /// How far back arrivals are counted (`warm-window`).
+    pub window: Duration,
+    /// How far ahead the arrivals are kept ready for (`warm-lead`, default 60 s).
+    pub lead: Duration,
 }
 
 /// One kind of backing node a label may be served by.
@@ -254,6 +267,28 @@ impl Config {
             .iter()
             .map(|s| u64::from(s.pool.max_servers) * u64::from(s.label.largest().slots))
             .sum()
+    }
+
+    /// The predictive warm slots of `label` (the first pool serving it that sets
+    /// `warm-window`), with the most slots they may come to: `max-servers` x the largest
+    /// size of every pool serving it.
+    pub fn warm(&self, label: &str) -> Option<(Warm, u32)> {
+        let warm = self
+            .providers
+            .iter()
+            .flat_map(|p| p.pools.iter())
+            .flat_map(|p| p.labels.iter())
+            .filter(|l| l.name == label)
+            .find_map(|l| l.warm)?;
+        let bound = self
+            .providers
+            .iter()
+            .flat_map(|p| p.pools.iter())
+            .flat_map(|p| p.labels.iter().map(move |l| (p, l)))
+            .filter(|(_, l)| l.name == label)
+            .map(|(p, l)| u64::from(p.max_servers) * u64::from(l.largest().slots))
+            .sum::<u64>();
+        Some((warm, u32::try_from(bound).unwrap_or(u32::MAX)))
     }
 
     /// Free slots of `label` to keep ready: the sum of the `min-ready` of every pool
@@ -359,6 +394,42 @@ providers:
             "{GOOD}      - name: spare\n        max-servers: 3\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 2\n"
         );
         assert_eq!(parse(&second_pool).unwrap().max_nodes("small"), 8 + 6);
+    }
+
+    #[test]
+    fn warm_window_is_opt_in_and_validated_with_its_place() {
+        assert_eq!(parse(GOOD).unwrap().warm("small"), None);
+        let with = |keys: &str| GOOD.replace("grace-time: 2", &format!("grace-time: 2\n{keys}"));
+        let c = parse(&with("            warm-window: 10m")).unwrap();
+        assert_eq!(
+            c.warm("small"),
+            Some((
+                Warm {
+                    window: Duration::from_secs(600),
+                    lead: Duration::from_secs(60)
+                },
+                8
+            )),
+            "lead defaults to 60 s; bound 2 servers x 4 slots"
+        );
+        let err = parse(&with("            warm-lead: 30"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("pool.yaml:14:24: warm-lead needs warm-window"),
+            "{err}"
+        );
+        let err = parse(&with(
+            "            warm-window: 60\n            warm-lead: 120",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with(
+                "pool.yaml:15:24: warm-lead must be 1 to warm-window (60) seconds, got 120"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

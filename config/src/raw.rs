@@ -112,6 +112,8 @@ pub(crate) struct RawLabel {
     pub(crate) host_key_checking: bool,
     pub(crate) max_hold_time: Option<Spanned<Seconds>>,
     pub(crate) min_ready: Option<Spanned<u32>>,
+    pub(crate) warm_window: Option<Spanned<Seconds>>,
+    pub(crate) warm_lead: Option<Spanned<Seconds>>,
     pub(crate) max_uses: Option<Spanned<u32>>,
 }
 

@@ -105,6 +105,10 @@ fn first_line(s: &str) -> String {
 const DEFAULT_LEAK_SWEEP_INTERVAL: u64 = 300;
 const DEFAULT_LEAK_GRACE: u64 = 600;
 const MAX_LEAK_SECONDS: u64 = 7 * 24 * 3600;
+/// Longest `warm-window`: a day.
+const MAX_WARM_SECS: u64 = 24 * 3600;
+/// `warm-lead` when left out: a typical boot.
+const DEFAULT_WARM_LEAD: u64 = 60;
 
 /// What a key takes, with its unit, for the keys whose value has a type of its own.
 fn expected(key: &str) -> Option<&'static str> {
@@ -117,7 +121,9 @@ fn expected(key: &str) -> Option<&'static str> {
         | "max-age"
         | "max-hold-time"
         | "leak-sweep-interval"
-        | "leak-grace" => SECONDS_EXPECTED,
+        | "leak-grace"
+        | "warm-window"
+        | "warm-lead" => SECONDS_EXPECTED,
         "max-servers" => "a whole number of backing nodes (1 to 100000)",
         "max-parallel-jobs" => "a whole number of slots per backing node (1 to 1024)",
         "launch-retries" => "a whole number of launch attempts (at least 1)",
@@ -697,6 +703,42 @@ impl Validator<'_> {
                 Some(m) => m.value,
                 None => 0,
             };
+            let warm = match (&l.warm_window, &l.warm_lead) {
+                (None, Some(lead)) => {
+                    return Err(
+                        self.at(lead, "warm-lead needs warm-window (the arrivals it counts)")
+                    )
+                }
+                (None, None) => None,
+                (Some(w), lead) => {
+                    if w.value.0 == 0 || w.value.0 > MAX_WARM_SECS {
+                        return Err(self.at(
+                            w,
+                            format!(
+                                "warm-window must be 1 to {MAX_WARM_SECS} seconds, got {}",
+                                w.value.0
+                            ),
+                        ));
+                    }
+                    let lead = match lead {
+                        Some(d) if d.value.0 == 0 || d.value.0 > w.value.0 => {
+                            return Err(self.at(
+                                d,
+                                format!(
+                                    "warm-lead must be 1 to warm-window ({}) seconds, got {}",
+                                    w.value.0, d.value.0
+                                ),
+                            ))
+                        }
+                        Some(d) => d.value.0,
+                        None => DEFAULT_WARM_LEAD.min(w.value.0),
+                    };
+                    Some(Warm {
+                        window: Duration::from_secs(w.value.0),
+                        lead: Duration::from_secs(lead),
+                    })
+                }
+            };
             if let Some(m) = l.max_uses.as_ref().filter(|m| m.value == 0) {
                 return Err(self.at(
                     m,
@@ -714,6 +756,7 @@ impl Validator<'_> {
                 host_key_checking: l.host_key_checking,
                 max_hold_time,
                 min_ready,
+                warm,
                 max_uses: l.max_uses.map(|m| m.value),
             });
         }

@@ -8,6 +8,7 @@ use crate::http::metrics::{self, DeletionReason, LaunchOutcome};
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
 use crate::nodes;
+use crate::planner;
 use crate::provider::{LaunchSpec, Provider, ProviderError};
 use crate::shared::{label_topic, seat_topic, wait_for_change, Shared, Work};
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
@@ -120,7 +121,7 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
         .map(|s| Rules::of(&s));
     let lost = world.lost_heartbeats.get(&b.value.id);
     let used = world.used_count(&b.value.id);
-    let min_ready = shared.config.min_ready(&b.value.label);
+    let min_ready = planner::ready_now(&shared.config, &world, &b.value.label);
     let free_ahead = if min_ready > 0 && used == 0 {
         lifecycle::free_ahead(
             (seat_key, b.value.slots),

@@ -270,11 +270,12 @@ fn look_at_seat(shared: &Arc<Shared>, timers: &mut KeyTimers, seat: String) {
 }
 
 /// The label of the backing node at `seat`, when that label keeps slots ready
-/// (`min-ready`): a change of one of its nodes matters to the planner and to the others.
+/// (`min-ready`, `warm-window`): a change of one of its nodes matters to the planner and to the others.
 fn warm_label(shared: &Shared, seat: &str) -> Option<String> {
     let world = shared.world();
     let label = &world.backing.get(seat)?.value.label;
-    (shared.config.min_ready(label) > 0).then(|| label.clone())
+    (shared.config.min_ready(label) > 0 || shared.config.warm(label).is_some())
+        .then(|| label.clone())
 }
 
 /// The ready, empty backing nodes of `label`: those kept for its min-ready, which may

@@ -114,3 +114,25 @@ async fn min_ready_keeps_slots_warm_without_launching_and_releasing_in_a_loop() 
     );
     assert!(pool.backing().await.iter().all(|b| b.label != "cold"));
 }
+
+/// `warm-window`: a label with no `min-ready` keeps ready the slots its recent requests
+/// predict, counted from the request records in the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_window_keeps_slots_ready_for_the_recent_arrival_rate() {
+    // Window and lead alike: the mean is the arrivals of the window, one here, whose
+    // 0.9 quantile is 2 free slots.
+    let labels = label("warm", 2, 1, &["warm-window: 600", "warm-lead: 600"]);
+    let pool = Pool::start(4, 5, &labels, 1).await;
+    tokio::time::sleep(PAST_GRACE).await;
+    assert!(
+        pool.backing().await.iter().all(|b| b.label != "warm"),
+        "no arrival yet: nothing kept ready"
+    );
+    let r = pool.fulfilled(&pool.submit(&["warm"]).await).await;
+    wait_for("two free slots beyond the one held", LONG, || async {
+        free(&pool, "warm").await >= 2
+    })
+    .await;
+    assert_eq!(ready(&pool, "warm").await.len(), 2);
+    pool.release_and_wait(&r.nodes).await;
+}

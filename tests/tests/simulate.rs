@@ -213,3 +213,45 @@ fn simulate_replays_a_pool_with_sizes_and_prices() {
         assert_eq!(same[key], ours[key], "{key}");
     }
 }
+
+/// `--warm-window-secs` keeps ready the slots the recent arrivals say are coming within a
+/// boot, so on the synthetic day most jobs no longer wait a boot; off, the queue of now
+/// launches a node for each arrival and the p99 wait is that boot.
+#[test]
+fn simulate_keeps_predictive_warm_slots_from_the_arrival_rate() {
+    let day = |extra: &[&str]| {
+        let mut args = vec![
+            "--generate",
+            "6",
+            "--seed",
+            "1",
+            "--sizes",
+            "2:0.10,4:0.19,8:0.36",
+            "--output",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        json(&simulate(&args))
+    };
+    let off = day(&[]);
+    let on = day(&["--warm-window-secs", "600", "--warm-lead-secs", "60"]);
+    let p99 = |r: &serde_json::Value| r["wait_p99_secs"].as_f64().unwrap();
+    assert!(
+        p99(&off) >= 50.0,
+        "without it a job waits a boot: {}",
+        p99(&off)
+    );
+    assert!(
+        p99(&on) < 10.0,
+        "kept ready from the arrival rate: {}",
+        p99(&on)
+    );
+    assert!(
+        on["backing_nodes_launched"].as_u64() > off["backing_nodes_launched"].as_u64(),
+        "the warm slots are paid: {} against {}",
+        on["backing_nodes_launched"],
+        off["backing_nodes_launched"]
+    );
+    let err = simulate(&["--generate", "6", "--warm-lead-secs", "30"]);
+    assert!(!err.status.success());
+}

@@ -91,6 +91,14 @@ struct RunArgs {
     /// --config; a configuration file's `min-ready` is honoured).
     #[arg(long, default_value_t = 0)]
     min_ready: u32,
+    /// Keep ready, beyond --min-ready, the slots the arrivals of the last this many
+    /// seconds say will arrive within --warm-lead-secs (without --config; a configuration
+    /// file's `warm-window` is honoured).
+    #[arg(long)]
+    warm_window_secs: Option<u64>,
+    /// With --warm-window-secs: how far ahead arrivals are kept ready for (a boot time).
+    #[arg(long, default_value_t = 60, requires = "warm_window_secs")]
+    warm_lead_secs: u64,
     /// Seconds from a launch to the agent's first heartbeat.
     #[arg(long, default_value_t = 60.0)]
     boot_secs: f64,
@@ -178,6 +186,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             grace_secs: a.grace_secs,
             max_servers: a.max_servers,
             min_ready: a.min_ready,
+            warm: a.warm_window_secs.map(|w| (w, a.warm_lead_secs)),
         }
         .config(&jobs)
         .context("building the simulated pool")?,

@@ -165,6 +165,8 @@ pub struct Synthetic {
     pub max_servers: u32,
     /// Free slots of each label kept ready (`min-ready`).
     pub min_ready: u32,
+    /// Predictive warm slots (`warm-window`, `warm-lead`, seconds); `None`: off.
+    pub warm: Option<(u64, u64)>,
 }
 
 impl Synthetic {
@@ -179,6 +181,11 @@ impl Synthetic {
                 "          - name: {label}\n            grace-time: {}\n            min-ready: {}\n",
                 self.grace_secs, self.min_ready
             ));
+            if let Some((window, lead)) = self.warm {
+                out.push_str(&format!(
+                    "            warm-window: {window}\n            warm-lead: {lead}\n"
+                ));
+            }
             if self.sizes.is_empty() {
                 out.push_str(&format!(
                     "            backing-label: {label}-{0}\n            max-parallel-jobs: {0}\n",
@@ -222,6 +229,7 @@ mod tests {
                 grace_secs: 60,
                 max_servers: 100,
                 min_ready: 0,
+                warm: None,
             }
             .config(jobs)
             .unwrap(),
@@ -355,6 +363,7 @@ mod tests {
             grace_secs: 0,
             max_servers: 100,
             min_ready: 0,
+            warm: None,
         }
         .config(&jobs)
         .unwrap();
@@ -379,6 +388,7 @@ mod tests {
                 grace_secs: 0,
                 max_servers: 100,
                 min_ready,
+                warm: None,
             }
             .config(&jobs)
             .unwrap();
@@ -434,6 +444,7 @@ mod tests {
             grace_secs: 60,
             max_servers: 100,
             min_ready: 0,
+            warm: None,
         }
         .config(&jobs)
         .unwrap();

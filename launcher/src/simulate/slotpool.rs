@@ -70,12 +70,21 @@ struct Sim<'a> {
     ledger: Ledger,
     me: LauncherId,
     labels: Vec<String>,
+    /// The jobs by arrival time (ms since the epoch, index into `jobs`), for the
+    /// arrivals the predictive warm slots count.
+    by_arrival: Vec<(u64, usize)>,
 }
 
 pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     let mut labels: Vec<String> = jobs.iter().flat_map(|j| j.labels.clone()).collect();
     labels.sort();
     labels.dedup();
+    let mut by_arrival: Vec<(u64, usize)> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, j)| (EPOCH_MS + j.arrival_ms, i))
+        .collect();
+    by_arrival.sort_unstable();
     let mut sim = Sim {
         jobs,
         setup,
@@ -88,6 +97,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
         ledger: Ledger::default(),
         me: LauncherId::parse("launcher-sim").expect("a valid id"),
         labels,
+        by_arrival,
     };
     for (i, j) in jobs.iter().enumerate() {
         sim.events.at(EPOCH_MS + j.arrival_ms, Event::Arrive(i));
@@ -126,6 +136,26 @@ pub(crate) fn run_until(jobs: &[Job]) -> u64 {
 }
 
 impl Sim<'_> {
+    /// Free slots of `label` to keep ready now ([`planner::ready_target`]), from the
+    /// jobs that have arrived, as the launcher counts the requests of its mirror.
+    fn ready_target(&self, label: &str) -> u32 {
+        planner::ready_target(&self.setup.config, label, |warm| {
+            let since = self
+                .now
+                .saturating_sub(u64::try_from(warm.window.as_millis()).unwrap_or(u64::MAX));
+            let from = self.by_arrival.partition_point(|(t, _)| *t <= since);
+            let to = self.by_arrival.partition_point(|(t, _)| *t <= self.now);
+            planner::arrivals(
+                self.by_arrival[from..to]
+                    .iter()
+                    .map(|(t, i)| (self.jobs[*i].labels.as_slice(), *t)),
+                label,
+                warm.window,
+                self.now,
+            )
+        })
+    }
+
     fn handle(&mut self, event: Event) -> Result<(), SimError> {
         match event {
             Event::Arrive(job) => {
@@ -201,7 +231,7 @@ impl Sim<'_> {
         let Some(label) = self.nodes.get(seat).map(|n| n.record.value.label.clone()) else {
             return;
         };
-        if self.setup.config.min_ready(&label) == 0 {
+        if self.setup.config.min_ready(&label) == 0 && self.setup.config.warm(&label).is_none() {
             return;
         }
         let empty: Vec<String> = self
@@ -401,7 +431,7 @@ impl Sim<'_> {
             let deficit = planner::deficit(
                 unmet,
                 self.capacity.coming(&label),
-                self.setup.config.min_ready(&label),
+                self.ready_target(&label),
             );
             if deficit <= 0 {
                 continue;
@@ -471,7 +501,7 @@ impl Sim<'_> {
             return (0, 0);
         };
         let label = &me.record.value.label;
-        let min_ready = self.setup.config.min_ready(label);
+        let min_ready = self.ready_target(label);
         if min_ready == 0 || !me.used.is_empty() {
             return (min_ready, 0);
         }
