@@ -14,7 +14,6 @@ use ratatui::Terminal;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::connect::{Bus, Link, NatsOptions};
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::BackingId;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -150,9 +149,21 @@ where
                     backing_id,
                     slot,
                     ask,
-                } => ask_occupants(backing_id, slot, ask, &client, &tx, &tracker),
+                } => ask_agent(
+                    (&client, &tx, &tracker),
+                    move |c| async move { c.slot_occupants(&backing_id, slot).await },
+                    move |result| Msg::Occupants { ask, result },
+                ),
                 Command::AskLogTail { backing_id, lines } => {
-                    ask_log_tail(backing_id, lines, &client, &tx, &tracker)
+                    let asked = backing_id.clone();
+                    ask_agent(
+                        (&client, &tx, &tracker),
+                        move |c| async move { c.log_tail(&asked, lines).await },
+                        move |result| Msg::LogTail {
+                            backing_id,
+                            result: result.map(|tail| tail.lines),
+                        },
+                    )
                 }
                 order => send_order(order, &client, &tx, &tracker),
             }
@@ -178,42 +189,22 @@ where
     result.map(|()| outcome)
 }
 
-fn ask_occupants(
-    backing_id: BackingId,
-    slot: u32,
-    ask: u64,
-    client: &Client,
-    tx: &mpsc::Sender<Msg>,
-    tracker: &TaskTracker,
-) {
+/// Asks an agent a question through a launcher off the event loop, and hands the event
+/// loop the answer (or why there is none) as `answered` makes it: a launcher answers
+/// within its own timeout (an agent that does not answer is `unavailable`), the client
+/// within `API_TIMEOUT`, so a pane says so rather than waiting for ever.
+fn ask_agent<T, E, Q>(
+    (client, tx, tracker): (&Client, &mpsc::Sender<Msg>, &TaskTracker),
+    question: impl FnOnce(Client) -> Q + Send + 'static,
+    answered: impl FnOnce(Result<T, String>) -> Msg + Send + 'static,
+) where
+    Q: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    E: std::fmt::Display,
+{
     let (client, tx) = (client.clone(), tx.clone());
     tracker.spawn(async move {
-        let result = client
-            .slot_occupants(&backing_id, slot)
-            .await
-            .map_err(|err| err.to_string());
-        let _ = tx.send(Msg::Occupants { ask, result }).await;
-    });
-}
-
-/// Asks for an agent's log tail off the event loop: a launcher answers within its own
-/// timeout (an agent that does not answer is `unavailable`), the client within
-/// `API_TIMEOUT`, so the pane says so rather than waiting for ever.
-fn ask_log_tail(
-    backing_id: BackingId,
-    lines: u32,
-    client: &Client,
-    tx: &mpsc::Sender<Msg>,
-    tracker: &TaskTracker,
-) {
-    let (client, tx) = (client.clone(), tx.clone());
-    tracker.spawn(async move {
-        let result = client
-            .log_tail(&backing_id, lines)
-            .await
-            .map(|tail| tail.lines)
-            .map_err(|err| err.to_string());
-        let _ = tx.send(Msg::LogTail { backing_id, result }).await;
+        let result = question(client).await.map_err(|err| err.to_string());
+        let _ = tx.send(answered(result)).await;
     });
 }
 

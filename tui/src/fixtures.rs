@@ -191,6 +191,24 @@ pub fn rules() -> Rules {
     r
 }
 
+/// [`rules`] with label `small`'s timers set: a 300 s grace-time, `min_retention_s` and
+/// `min_ready`, and no max-age.
+pub fn small_rules(min_retention_s: u64, min_ready: u32) -> Rules {
+    let mut r = rules();
+    r.insert(
+        "cloud",
+        "main",
+        "small",
+        LabelRules {
+            grace_time_ms: 300 * SEC,
+            min_retention_ms: min_retention_s * SEC,
+            max_age_ms: 0,
+            min_ready,
+        },
+    );
+    r
+}
+
 /// A state with every bucket loaded and `changes` applied, at [`NOW`], size `w`×`h`.
 pub fn loaded(rules: Rules, changes: Vec<Change>, w: u16, h: u16) -> State {
     let mut state = State::new(rules, "nats://127.0.0.1:4222");

@@ -1138,18 +1138,7 @@ mod tests {
 
     #[test]
     fn backing_view_an_empty_node_kept_for_min_ready() {
-        let mut r = rules();
-        r.insert(
-            "cloud",
-            "main",
-            "small",
-            crate::rules::LabelRules {
-                grace_time_ms: 300 * SEC,
-                min_retention_ms: 0,
-                max_age_ms: 0,
-                min_ready: 8,
-            },
-        );
+        let r = small_rules(0, 8);
         let mut state = loaded(r, sample(), 80, 24);
         press(&mut state, [key('j')]);
         let text = screen(&state);

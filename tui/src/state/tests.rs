@@ -64,18 +64,7 @@ fn idle_timer_counts_down_grace_time_and_respects_min_retention() {
     );
 
     // min-retention later than grace-time: it wins.
-    let mut r = rules();
-    r.insert(
-        "cloud",
-        "main",
-        "small",
-        crate::rules::LabelRules {
-            grace_time_ms: 300 * SEC,
-            min_retention_ms: 7200 * SEC,
-            max_age_ms: 0,
-            min_ready: 0,
-        },
-    );
+    let r = small_rules(7200, 0);
     let state = loaded(r, vec![put(Record::Backing(Box::new(b.clone())))], 80, 24);
     let row = state.backing_row(key).unwrap();
     assert_eq!(row.timer, IdleTimer::ReleaseIn(3600 * SEC));
@@ -856,18 +845,7 @@ fn the_slot_pane_asks_again_for_each_slot_it_shows_and_drops_stale_answers() {
 fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
     // Two empty ready nodes of 2 slots, min-ready 2: as the launcher decides, the first
     // seat is kept for the label's warm slots and the second one counts down.
-    let mut r = rules();
-    r.insert(
-        "cloud",
-        "main",
-        "small",
-        crate::rules::LabelRules {
-            grace_time_ms: 300 * SEC,
-            min_retention_ms: 0,
-            max_age_ms: 0,
-            min_ready: 2,
-        },
-    );
+    let r = small_rules(0, 2);
     let mut changes = Vec::new();
     for seat in [1, 2] {
         let mut b = backing(seat, BackingState::Ready, 2);
