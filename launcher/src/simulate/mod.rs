@@ -412,6 +412,43 @@ mod tests {
         );
     }
 
+    /// `jobs` on 4-slot nodes with a 600 s grace-time and `max_uses`, if any.
+    fn with_max_uses(jobs: &[Job], max_uses: Option<u32>) -> Report {
+        let mut s = setup(4, jobs, fixed_boot());
+        let limit = max_uses.map_or(String::new(), |n| format!("            max-uses: {n}\n"));
+        let yaml = Synthetic {
+            slots_per_node: 4,
+            sizes: Vec::new(),
+            grace_secs: 600,
+            max_servers: 100,
+            min_ready: 0,
+            warm: None,
+        }
+        .yaml(&["small".into()])
+        .replace("min-ready: 0\n", &format!("min-ready: 0\n{limit}"));
+        s.config = Config::parse(std::path::Path::new("pool.yaml"), &yaml).unwrap();
+        run(jobs, &s, Policy::Slotpool).unwrap()
+    }
+
+    #[test]
+    fn max_uses_retires_a_node_after_its_jobs_as_the_launcher_does() {
+        // Four jobs one after another, each within the grace-time of the one before:
+        // without max-uses one node serves them all; with max-uses 2 it retires after two
+        // claims, and the third job waits for a second node's boot.
+        let jobs = [job(0, 10), job(100, 10), job(200, 10), job(300, 10)];
+        let unlimited = with_max_uses(&jobs, None);
+        assert_eq!(unlimited.backing_nodes_launched, 1, "{unlimited:?}");
+        let r = with_max_uses(&jobs, Some(2));
+        assert_eq!(r.unserved, 0, "{r:?}");
+        assert_eq!(r.backing_nodes_launched, 2, "{r:?}");
+        assert_eq!(r.wait_max_secs, 60.0, "the third job waits a boot: {r:?}");
+        // Three jobs at once on a node that may hand out two: the third is refused the
+        // node's free slot, as the launcher's claim is, and gets a node of its own.
+        let r = with_max_uses(&[job(0, 10), job(0, 10), job(0, 10)], Some(2));
+        assert_eq!(r.unserved, 0, "{r:?}");
+        assert_eq!(r.backing_nodes_launched, 2, "{r:?}");
+    }
+
     #[test]
     fn a_node_set_gets_all_its_labels_at_once() {
         let jobs = [Job {

@@ -274,6 +274,10 @@ impl Sim<'_> {
         self.capacity.open_seats(label).find_map(|seat| {
             let n = self.nodes.get(seat)?;
             let b = &n.record.value;
+            // A node that handed out max-uses slots refuses the claim (`SlotError::UsedUp`).
+            if self.max_uses(b).is_some_and(|max| b.uses >= max) {
+                return None;
+            }
             let slot = (0..b.slots)
                 .find(|s| !n.used.contains(s) && !avoid.contains(&layout::slot_key(&b.id, *s)))?;
             Some(SlotRef {
@@ -282,6 +286,12 @@ impl Sim<'_> {
                 slot,
             })
         })
+    }
+
+    /// The `max-uses` of `b`'s label, if it sets one.
+    fn max_uses(&self, b: &BackingNode) -> Option<u32> {
+        let site = self.setup.config.label_in(&b.provider, &b.pool, &b.label)?;
+        site.label.max_uses
     }
 
     /// Why each label without a free slot waits, as `request::observe` says it.
@@ -347,7 +357,16 @@ impl Sim<'_> {
                     RequestStep::Claim { slots, .. } => {
                         for (index, slot) in slots {
                             reserved.remove(&index);
+                            // Counted before the claim, only for a label with max-uses, as
+                            // `nodes::count_use` does.
+                            let counts = self
+                                .nodes
+                                .get(&slot.seat_key)
+                                .is_some_and(|n| self.max_uses(&n.record.value).is_some());
                             let n = self.nodes.get_mut(&slot.seat_key).expect("a reserved node");
+                            if counts {
+                                n.record.value.uses += 1;
+                            }
                             n.used.insert(slot.slot);
                             let key = slot.key();
                             touched.insert(slot.seat_key.clone());
