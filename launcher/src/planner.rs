@@ -499,6 +499,20 @@ pub async fn plan(shared: &Arc<Shared>, label: &str) {
 mod tests {
     use super::*;
 
+    /// A pool with seats `0..free` open (none reusing a record) offering `sizes`.
+    fn site(free: u32, sizes: &[SizeOffer]) -> SiteSeats {
+        SiteSeats {
+            out_of_capacity: false,
+            free: (0..free)
+                .map(|seat| FreeSeat {
+                    seat,
+                    reuse_revision: None,
+                })
+                .collect(),
+            sizes: sizes.to_vec(),
+        }
+    }
+
     fn warm(window: u64, lead: u64) -> Warm {
         Warm {
             window: Duration::from_secs(window),
@@ -589,16 +603,7 @@ mod tests {
         assert_eq!(deficit(0, 3, 2), -1, "three free or coming cover it");
         assert_eq!(deficit(1, 2, 2), 1, "a claim took one of them: one more");
         assert_eq!(deficit(3, 0, 0), 3);
-        let site = |free: u32| SiteSeats {
-            out_of_capacity: false,
-            free: (0..free)
-                .map(|seat| FreeSeat {
-                    seat,
-                    reuse_revision: None,
-                })
-                .collect(),
-            sizes: vec![SizeOffer { slots: 4, price: 4 }],
-        };
+        let site = |free: u32| site(free, &[SizeOffer { slots: 4, price: 4 }]);
         assert_eq!(choose_seats(deficit(0, 0, 2), &[site(2)]).len(), 1);
         assert_eq!(
             choose_seats(deficit(0, 0, 6), &[site(1)]).len(),
@@ -690,16 +695,6 @@ mod tests {
 
     #[test]
     fn seats_are_taken_pool_by_pool_with_the_sizes_each_offers() {
-        let site = |free: u32, sizes: &[SizeOffer]| SiteSeats {
-            out_of_capacity: false,
-            free: (0..free)
-                .map(|seat| FreeSeat {
-                    seat,
-                    reuse_revision: None,
-                })
-                .collect(),
-            sizes: sizes.to_vec(),
-        };
         let chosen = choose_seats(3, &[site(4, &SIZES)]);
         assert_eq!(
             chosen,

@@ -175,18 +175,18 @@ pub fn put(record: Record) -> Change {
 }
 
 pub fn rules() -> Rules {
+    with_small(LabelRules {
+        grace_time_ms: 300 * SEC,
+        min_retention_ms: 0,
+        max_age_ms: 24 * 3600 * SEC,
+        min_ready: 0,
+    })
+}
+
+/// Pool `cloud/main` of 4 backing nodes whose label `small` has `timers`.
+fn with_small(timers: LabelRules) -> Rules {
     let mut r = Rules::unknown();
-    r.insert(
-        "cloud",
-        "main",
-        "small",
-        LabelRules {
-            grace_time_ms: 300 * SEC,
-            min_retention_ms: 0,
-            max_age_ms: 24 * 3600 * SEC,
-            min_ready: 0,
-        },
-    );
+    r.insert("cloud", "main", "small", timers);
     r.set_max_servers("cloud", "main", 4);
     r
 }
@@ -194,19 +194,12 @@ pub fn rules() -> Rules {
 /// [`rules`] with label `small`'s timers set: a 300 s grace-time, `min_retention_s` and
 /// `min_ready`, and no max-age.
 pub fn small_rules(min_retention_s: u64, min_ready: u32) -> Rules {
-    let mut r = rules();
-    r.insert(
-        "cloud",
-        "main",
-        "small",
-        LabelRules {
-            grace_time_ms: 300 * SEC,
-            min_retention_ms: min_retention_s * SEC,
-            max_age_ms: 0,
-            min_ready,
-        },
-    );
-    r
+    with_small(LabelRules {
+        grace_time_ms: 300 * SEC,
+        min_retention_ms: min_retention_s * SEC,
+        max_age_ms: 0,
+        min_ready,
+    })
 }
 
 /// A state with every bucket loaded and `changes` applied, at [`NOW`], size `w`×`h`.

@@ -221,18 +221,21 @@ mod tests {
 
     const SLOT_HOUR_SECS: f64 = 3600.0;
 
+    /// A synthetic pool of one size, at most 100 backing nodes, no predictive warm slots.
+    fn synthetic(slots_per_node: u32, grace_secs: u64, min_ready: u32) -> Synthetic {
+        Synthetic {
+            slots_per_node,
+            sizes: Vec::new(),
+            grace_secs,
+            max_servers: 100,
+            min_ready,
+            warm: None,
+        }
+    }
+
     fn setup(slots_per_node: u32, jobs: &[Job], provider: Provider) -> Setup {
         Setup {
-            config: Synthetic {
-                slots_per_node,
-                sizes: Vec::new(),
-                grace_secs: 60,
-                max_servers: 100,
-                min_ready: 0,
-                warm: None,
-            }
-            .config(jobs)
-            .unwrap(),
+            config: synthetic(slots_per_node, 60, 0).config(jobs).unwrap(),
             provider,
             cleanup_interval_ms: 60_000,
             seed: 5,
@@ -357,16 +360,7 @@ mod tests {
     fn a_grace_time_of_zero_serves_the_waiting_jobs_before_releasing() {
         let jobs = [job(0, 100), job(30, 100)];
         let mut s = setup(2, &jobs, fixed_boot());
-        s.config = Synthetic {
-            slots_per_node: 2,
-            sizes: Vec::new(),
-            grace_secs: 0,
-            max_servers: 100,
-            min_ready: 0,
-            warm: None,
-        }
-        .config(&jobs)
-        .unwrap();
+        s.config = synthetic(2, 0, 0).config(&jobs).unwrap();
         let r = run(&jobs, &s, Policy::Slotpool).unwrap();
         assert_eq!((r.unserved, r.backing_nodes_launched), (0, 1), "{r:?}");
         // Ready at 60, both jobs run 60..160, released at once.
@@ -382,16 +376,7 @@ mod tests {
         let jobs = [job(300, 100), job(1000, 100), job(1010, 100)];
         let warm = |min_ready| {
             let mut s = setup(2, &jobs, fixed_boot());
-            s.config = Synthetic {
-                slots_per_node: 2,
-                sizes: Vec::new(),
-                grace_secs: 0,
-                max_servers: 100,
-                min_ready,
-                warm: None,
-            }
-            .config(&jobs)
-            .unwrap();
+            s.config = synthetic(2, 0, min_ready).config(&jobs).unwrap();
             run(&jobs, &s, Policy::Slotpool).unwrap()
         };
         let cold = warm(0);
@@ -416,16 +401,9 @@ mod tests {
     fn with_max_uses(jobs: &[Job], max_uses: Option<u32>) -> Report {
         let mut s = setup(4, jobs, fixed_boot());
         let limit = max_uses.map_or(String::new(), |n| format!("            max-uses: {n}\n"));
-        let yaml = Synthetic {
-            slots_per_node: 4,
-            sizes: Vec::new(),
-            grace_secs: 600,
-            max_servers: 100,
-            min_ready: 0,
-            warm: None,
-        }
-        .yaml(&["small".into()])
-        .replace("min-ready: 0\n", &format!("min-ready: 0\n{limit}"));
+        let yaml = synthetic(4, 600, 0)
+            .yaml(&["small".into()])
+            .replace("min-ready: 0\n", &format!("min-ready: 0\n{limit}"));
         s.config = Config::parse(std::path::Path::new("pool.yaml"), &yaml).unwrap();
         run(jobs, &s, Policy::Slotpool).unwrap()
     }
@@ -476,12 +454,8 @@ mod tests {
         ];
         let mut s = setup(2, &jobs, fixed_boot());
         s.config = Synthetic {
-            slots_per_node: 8,
             sizes: vec![(2, 0.10), (8, 0.36)],
-            grace_secs: 60,
-            max_servers: 100,
-            min_ready: 0,
-            warm: None,
+            ..synthetic(8, 60, 0)
         }
         .config(&jobs)
         .unwrap();
