@@ -5,6 +5,8 @@
 //! - [`raw`]: the file as written (serde types with spans);
 //! - [`validate`]: from the file to [`Config`], every error with file:line:col;
 //! - [`timing`]: when an idle backing node is released and when it reaches max-age;
+//! - [`warm`]: how many free slots of a label to keep ready, and the arrival log it
+//!   counts;
 //! - [`bus`]: how a program reaches the bus (NATS flags and environment variables).
 //!
 //! ```yaml
@@ -29,6 +31,7 @@ pub mod bus;
 mod raw;
 pub mod timing;
 mod validate;
+pub mod warm;
 
 use serde::Deserialize;
 use slotpool_protocol::api::SlotLimits;

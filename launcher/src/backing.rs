@@ -2,6 +2,7 @@
 //! carries out the steps of [`crate::lifecycle::next`]: launch, wait for the agent, hand
 //! the node to the allocator, retire, release, or fail — each a revision-checked write.
 
+use crate::config::warm;
 use crate::events;
 use crate::heartbeat_clock::{Probe, Verdict};
 use crate::http::metrics::{self, DeletionReason, LaunchOutcome};
@@ -106,7 +107,7 @@ pub fn due(shared: &Shared, seat_key: &str) -> Due {
 
 /// The record and what is observed of it now.
 fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, Observed)> {
-    let world = shared.world();
+    let mut world = shared.world();
     let b = world.backing.get(seat_key)?.clone();
     let agent = match world.agents.get(&b.value.id) {
         None => AgentSeen::Absent,
@@ -119,7 +120,7 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
         .config
         .label_in(&b.value.provider, &b.value.pool, &b.value.label)
         .map(|s| Rules::of(&s));
-    let lost = world.lost_heartbeats.get(&b.value.id);
+    let lost = world.lost_heartbeats.get(&b.value.id).copied();
     let used = world.used_count(&b.value.id);
     let min_ready = planner::ready_now(&shared.config, &world, &b.value.label);
     let free_ahead = if min_ready > 0 && used == 0 {
@@ -135,6 +136,16 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
     } else {
         0
     };
+    let now = now_ms();
+    let label = &b.value.label;
+    let waiting = world.wanting.get(label).map_or(0, |q| q.len() as u32);
+    if waiting > 0 && used == 0 && b.value.state == BackingState::Ready {
+        world
+            .kept_for_queue
+            .entry(label.clone())
+            .or_default()
+            .insert(seat_key.to_string());
+    }
     let obs = Observed {
         agent,
         used,
@@ -146,7 +157,9 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
         heartbeat_ttl: lost.map_or(Duration::from_secs(DEFAULT_HEARTBEAT_TTL_SECS), |l| l.ttl),
         min_ready,
         free_ahead,
-        now: now_ms(),
+        ready_falls_at: warm::ready_falls_at(&shared.config, label, &world.arrivals, now),
+        waiting,
+        now,
     };
     Some((b, obs))
 }

@@ -231,6 +231,12 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         }
         warm.sort();
         warm.dedup();
+        // Empty nodes kept while their label's queue waited: looked at again once it
+        // is empty (a request changed with every label it asks for).
+        for seat in queues_emptied(shared, &labels) {
+            shared.signals.bump(&shared::seat_topic(&seat));
+            look_at_seat(shared, &mut timers, seat);
+        }
         for label in warm {
             for seat in empty_seats(shared, &label) {
                 shared.signals.bump(&shared::seat_topic(&seat));
@@ -276,6 +282,19 @@ fn warm_label(shared: &Shared, seat: &str) -> Option<String> {
     let label = &world.backing.get(seat)?.value.label;
     (shared.config.min_ready(label) > 0 || shared.config.warm(label).is_some())
         .then(|| label.clone())
+}
+
+/// The seats kept for the queue of one of `labels` (`World::kept_for_queue`) whose
+/// queue is empty now.
+fn queues_emptied(shared: &Shared, labels: &[String]) -> Vec<String> {
+    let mut world = shared.world();
+    let mut seats = Vec::new();
+    for label in labels {
+        if !world.wanting.contains_key(label) {
+            seats.extend(world.kept_for_queue.remove(label).into_iter().flatten());
+        }
+    }
+    seats
 }
 
 /// The ready, empty backing nodes of `label`: those kept for its min-ready, which may

@@ -99,6 +99,15 @@ pub struct Observed {
     /// Free slots of the label on the ready nodes kept ahead of this one
     /// ([`free_ahead`]); asked only while `min_ready` is above 0.
     pub free_ahead: u32,
+    /// When `min_ready` may fall without any change being seen: the oldest arrival the
+    /// label's `warm-window` counts leaves the window then (`None`: no warm-window, or
+    /// nothing in it).
+    pub ready_falls_at: Option<UnixMillis>,
+    /// Requests of every launcher short of a node of this label (its queue,
+    /// `World::wanting`): an empty node is not idle while they wait, it is about to be
+    /// claimed (with a grace-time of 0, it would otherwise be released between becoming
+    /// ready and the claim, and the requests launch another).
+    pub waiting: u32,
     pub now: UnixMillis,
 }
 
@@ -365,10 +374,15 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
         IdleBehaviour::Drain => Step::Release("drained by an operator".into()),
         IdleBehaviour::Run => {
             let at = release_at(b, obs, &rules);
-            if obs.free_ahead < obs.min_ready {
-                // Its free slots keep the label's min-ready: kept, however long idle,
-                // until the nodes ahead of it have enough free (a change wakes it).
+            if obs.waiting > 0 {
+                // Requests of its label wait: one of them claims it next. The queue
+                // emptying wakes it (the supervisor looks at such nodes again).
                 Step::Wait(max_age)
+            } else if obs.free_ahead < obs.min_ready {
+                // Its free slots keep the label's min-ready: kept, however long idle,
+                // until the nodes ahead of it have enough free (a change wakes it), or
+                // until the arrivals that keep it leave the warm-window.
+                Step::Wait(min_opt(obs.ready_falls_at, max_age))
             } else if obs.now >= at {
                 Step::Release("idle for its grace-time".into())
             } else {
@@ -439,8 +453,53 @@ mod tests {
             heartbeat_ttl: Duration::from_secs(2),
             min_ready: 0,
             free_ahead: 0,
+            ready_falls_at: None,
+            waiting: 0,
             now,
         }
+    }
+
+    #[test]
+    fn an_empty_node_is_not_released_while_requests_of_its_label_wait() {
+        let b = node(BackingState::Ready); // idle since 10 s, grace 2 s
+        let waiting = |waiting| Observed {
+            waiting,
+            ..obs(60_000, 0)
+        };
+        assert_eq!(
+            next(&b, &waiting(1)),
+            Step::Wait(None),
+            "about to be claimed"
+        );
+        assert!(matches!(next(&b, &waiting(0)), Step::Release(_)));
+        // Grace-time 0: a node that has just become ready is not released before the
+        // request it was launched for claims it.
+        let mut fresh = node(BackingState::Ready);
+        fresh.idle_since = Some(60_000);
+        let zero = Observed {
+            rules: Some(Rules {
+                grace_time: Duration::ZERO,
+                ..rules()
+            }),
+            ..waiting(1)
+        };
+        assert_eq!(next(&fresh, &zero), Step::Wait(None));
+        assert!(matches!(
+            next(&fresh, &Observed { waiting: 0, ..zero }),
+            Step::Release(_)
+        ));
+    }
+
+    #[test]
+    fn a_node_kept_for_the_warm_window_is_looked_at_when_an_arrival_leaves_it() {
+        let b = node(BackingState::Ready);
+        let kept = Observed {
+            min_ready: 1,
+            free_ahead: 0,
+            ready_falls_at: Some(90_000),
+            ..obs(60_000, 0)
+        };
+        assert_eq!(next(&b, &kept), Step::Wait(Some(90_000)));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::lifecycle::FAILED_SEAT_COOLDOWN;
 use crate::provider::FixedIdentity;
 use crate::shared::Shared;
 use crate::world::World;
-use slotpool_config::{BackingSize, Config, LabelSite, Warm};
+use slotpool_config::{warm, BackingSize, Config, LabelSite};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::store::{KvError, Versioned};
@@ -20,7 +20,6 @@ use slotpool_protocol::time::{after, now_ms};
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// A seat to take: its index and, when reusing a failed seat, the revision it holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -109,79 +108,10 @@ pub fn deficit(unmet: u32, coming: u32, min_ready: u32) -> i64 {
     i64::from(unmet) + i64::from(min_ready) - i64::from(coming)
 }
 
-/// The share of the arrivals of one `warm-lead` the predictive warm slots cover: the
-/// 0.9 quantile of a Poisson count at the recent rate.
-pub const WARM_QUANTILE: f64 = 0.9;
-
-/// Slots to keep ready for the arrivals expected within the next `warm.lead`, from
-/// `arrivals` (node requests for the label) counted over the last `warm.window`: the
-/// [`WARM_QUANTILE`] of a Poisson count with mean arrivals x lead / window, at most
-/// `bound`. No arrivals: none. Pure: the launcher and the simulator both ask it.
-pub fn predicted_ready(arrivals: u32, warm: &Warm, bound: u32) -> u32 {
-    if arrivals == 0 || bound == 0 {
-        return 0;
-    }
-    let mean = f64::from(arrivals) * warm.lead.as_secs_f64() / warm.window.as_secs_f64();
-    if mean > 500.0 {
-        // e^-mean underflows: the normal approximation is close there.
-        let k = (mean + 1.2816 * mean.sqrt()).ceil();
-        return if k >= f64::from(bound) {
-            bound
-        } else {
-            k as u32
-        };
-    }
-    let (mut k, mut p) = (0u32, (-mean).exp());
-    let mut cdf = p;
-    while cdf < WARM_QUANTILE && k < bound {
-        k += 1;
-        p *= mean / f64::from(k);
-        cdf += p;
-    }
-    k
-}
-
-/// Node requests for `label` created in the last `window` before `now`, of requests
-/// given as their labels and creation time: the launcher passes the request records of
-/// its mirror (every launcher reads the same, so all decide the same), the simulator its
-/// jobs that have arrived.
-pub fn arrivals<'a>(
-    requests: impl Iterator<Item = (&'a [String], u64)>,
-    label: &str,
-    window: Duration,
-    now: u64,
-) -> u32 {
-    let since = now.saturating_sub(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
-    requests
-        .filter(|(_, created)| *created > since && *created <= now)
-        .map(|(labels, _)| labels.iter().filter(|l| *l == label).count() as u32)
-        .sum()
-}
-
-/// Free slots of `label` to keep ready: its `min-ready`, or, where it sets
-/// `warm-window`, the [`predicted_ready`] slots of the recent arrivals if more.
-/// `arrivals` is asked only for such a label.
-pub fn ready_target(config: &Config, label: &str, arrivals: impl FnOnce(&Warm) -> u32) -> u32 {
-    let min_ready = config.min_ready(label);
-    match config.warm(label) {
-        Some((warm, bound)) => min_ready.max(predicted_ready(arrivals(&warm), &warm, bound)),
-        None => min_ready,
-    }
-}
-
-/// [`ready_target`] from the launcher's mirror now.
+/// Free slots of `label` to keep ready ([`warm::ready_target`]), from the launcher's
+/// arrival log now.
 pub fn ready_now(config: &Config, world: &World, label: &str) -> u32 {
-    ready_target(config, label, |warm| {
-        arrivals(
-            world
-                .requests
-                .values()
-                .map(|r| (r.value.labels.as_slice(), r.value.created_at)),
-            label,
-            warm.window,
-            now_ms(),
-        )
-    })
+    warm::ready_from(config, label, &world.arrivals, now_ms())
 }
 
 /// One size a pool may launch for a label, as the planner weighs it.
@@ -511,85 +441,6 @@ mod tests {
                 .collect(),
             sizes: sizes.to_vec(),
         }
-    }
-
-    fn warm(window: u64, lead: u64) -> Warm {
-        Warm {
-            window: Duration::from_secs(window),
-            lead: Duration::from_secs(lead),
-        }
-    }
-
-    #[test]
-    fn predicted_ready_covers_the_arrivals_of_one_lead_at_the_recent_rate() {
-        let w = warm(600, 60);
-        assert_eq!(
-            predicted_ready(0, &w, 100),
-            0,
-            "nothing arrived: nothing kept"
-        );
-        // 60 in 10 minutes: a mean of 6 in a minute; P(N <= 9) = 0.916, P(N <= 8) = 0.847.
-        assert_eq!(predicted_ready(60, &w, 100), 9);
-        // 20 in 10 minutes: a mean of 2; P(N <= 4) = 0.947, P(N <= 3) = 0.857.
-        assert_eq!(predicted_ready(20, &w, 100), 4);
-        // One in 10 minutes: a mean of 0.1; P(N = 0) = 0.905.
-        assert_eq!(predicted_ready(1, &w, 100), 0);
-        assert_eq!(predicted_ready(60, &w, 5), 5, "bounded by the pool");
-        // A half lead halves the mean: 3; P(N <= 5) = 0.916.
-        assert_eq!(predicted_ready(60, &warm(600, 30), 100), 5);
-        // Huge rates take the normal approximation and stay bounded.
-        assert_eq!(predicted_ready(u32::MAX, &w, 1000), 1000);
-    }
-
-    #[test]
-    fn arrivals_count_the_node_requests_of_the_label_in_the_window() {
-        let small = vec!["small".to_string()];
-        let two = vec!["small".to_string(), "small".to_string()];
-        let big = vec!["big".to_string()];
-        let requests = [
-            (small.as_slice(), 1_000),
-            (two.as_slice(), 500_000),
-            (big.as_slice(), 550_000),
-            (small.as_slice(), 600_000),
-            (small.as_slice(), 700_000),
-        ];
-        let n = |now| {
-            arrivals(
-                requests.iter().copied(),
-                "small",
-                Duration::from_secs(300),
-                now,
-            )
-        };
-        // At 600 s the window is (300 s, 600 s]: two nodes of one request and one more.
-        assert_eq!(n(600_000), 3);
-        // Later requests are not counted, earlier ones leave the window.
-        assert_eq!(n(1_000_000), 0);
-        assert_eq!(n(700_000), 4);
-    }
-
-    #[test]
-    fn the_ready_target_is_min_ready_or_the_prediction_if_more() {
-        let yaml = |extra: &str| {
-            format!(
-                "providers:\n  - name: p\n    driver: exec\n    exec:\n      create: [\"true\"]\n      delete: [\"true\"]\n      list: [\"true\"]\n    pools:\n      - name: main\n        max-servers: 10\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 2\n            min-ready: 2\n{extra}"
-            )
-        };
-        let parse = |text: &str| Config::parse(std::path::Path::new("pool.yaml"), text).unwrap();
-        let off = parse(&yaml(""));
-        assert_eq!(ready_target(&off, "small", |_| panic!("not asked")), 2);
-        let on = parse(&yaml("            warm-window: 600\n"));
-        assert_eq!(
-            ready_target(&on, "small", |_| 0),
-            2,
-            "min-ready stays the floor"
-        );
-        assert_eq!(ready_target(&on, "small", |_| 60), 9);
-        assert_eq!(
-            ready_target(&on, "small", |_| 100_000),
-            20,
-            "10 servers x 2 slots"
-        );
     }
 
     #[test]

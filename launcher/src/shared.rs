@@ -2,6 +2,7 @@
 //! change signals, and the set of work items this process is driving.
 
 use crate::agent_bus::AgentBus;
+use crate::config::warm::Arrivals;
 use crate::config::Config;
 use crate::heartbeat_clock::HeartbeatClock;
 use crate::liveness::Liveness;
@@ -61,7 +62,7 @@ impl Shared {
             })
             .collect();
         Shared {
-            world: Mutex::new(World::of(id.clone())),
+            world: Mutex::new(World::of(id.clone(), Arrivals::of(&config))),
             id,
             bus,
             config,

@@ -16,6 +16,7 @@ pub mod capacity;
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
+use slotpool_config::warm::Arrivals;
 use slotpool_protocol::layout::{self, parse_slot_key, LeaseOf};
 use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
@@ -122,6 +123,13 @@ pub struct World {
     live_launchers: BTreeSet<LauncherId>,
     /// What each backing node offers its label.
     capacity: CapacityIndex,
+    /// Every request seen, finished or not, by label and creation time, for the labels
+    /// that set a `warm-window` ([`slotpool_config::warm`]); set up from the config.
+    pub arrivals: Arrivals,
+    /// Empty ready nodes a backing decision kept only because requests of their label
+    /// waited (`lifecycle::Observed::waiting`), by label: looked at again once the
+    /// label's queue is empty, since nothing else about them changes then.
+    pub kept_for_queue: HashMap<String, BTreeSet<String>>,
 }
 
 /// A heartbeat the mirror lost ([`World::lost_heartbeats`]).
@@ -134,10 +142,11 @@ pub struct LostHeartbeat {
 }
 
 impl World {
-    /// An empty mirror for launcher `me`.
-    pub fn of(me: LauncherId) -> World {
+    /// An empty mirror for launcher `me`, logging `arrivals`.
+    pub fn of(me: LauncherId, arrivals: Arrivals) -> World {
         World {
             me: Some(me),
+            arrivals,
             ..World::default()
         }
     }
@@ -148,6 +157,8 @@ impl World {
     // again later: a change older than what is held is ignored.
 
     pub fn put_request(&mut self, r: Versioned<NodeRequest>) {
+        self.arrivals
+            .note(r.value.id.as_str(), &r.value.labels, r.value.created_at);
         if self
             .requests
             .get(&r.value.id)
@@ -1203,7 +1214,10 @@ mod tests {
 
     #[test]
     fn one_queue_orders_the_requests_of_every_launcher() {
-        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         // Another launcher's request: more urgent, though newer.
@@ -1256,7 +1270,10 @@ mod tests {
 
     #[test]
     fn behind_another_launchers_request_a_request_takes_the_next_free_slot() {
-        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 2, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-b");
@@ -1276,7 +1293,7 @@ mod tests {
     #[test]
     fn launchers_in_different_lanes_go_for_different_slots() {
         let slot_for = |me: &str| {
-            let mut w = World::of(LauncherId::parse(me).unwrap());
+            let mut w = World::of(LauncherId::parse(me).unwrap(), Arrivals::default());
             w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
             w.put_agent(agent("bn-a"));
             live(&mut w, "launcher-a");
@@ -1289,7 +1306,10 @@ mod tests {
 
     #[test]
     fn requests_ahead_are_counted_in_their_own_launchers_lane() {
-        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-b");
@@ -1304,7 +1324,10 @@ mod tests {
 
     #[test]
     fn a_launcher_takes_other_lanes_slots_when_its_own_are_used() {
-        let mut w = World::of(LauncherId::parse("launcher-b").unwrap());
+        let mut w = World::of(
+            LauncherId::parse("launcher-b").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-a");
@@ -1316,7 +1339,10 @@ mod tests {
 
     #[test]
     fn a_node_set_short_of_several_labels_holds_no_queue_of_other_launchers() {
-        let mut w = World::of(LauncherId::parse("launcher-a").unwrap());
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-b");

@@ -141,6 +141,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             min_retention_ms: cases.below(2) * cases.below(7200) * SEC,
             max_age_ms: 0,
             min_ready: 0,
+            warm: None,
         };
         let b = backing(launched_at, idle_since);
         let obs = Observed {
@@ -154,6 +155,8 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             heartbeat_ttl: Duration::from_secs(6),
             min_ready: 0,
             free_ahead: 0,
+            ready_falls_at: None,
+            waiting: 0,
             now,
         };
         let rules = lifecycle::Rules {

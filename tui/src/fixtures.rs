@@ -180,6 +180,7 @@ pub fn rules() -> Rules {
         min_retention_ms: 0,
         max_age_ms: 24 * 3600 * SEC,
         min_ready: 0,
+        warm: None,
     })
 }
 
@@ -199,6 +200,7 @@ pub fn small_rules(min_retention_s: u64, min_ready: u32) -> Rules {
         min_retention_ms: min_retention_s * SEC,
         max_age_ms: 0,
         min_ready,
+        warm: None,
     })
 }
 

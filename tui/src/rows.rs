@@ -9,6 +9,7 @@ use crate::format::{idle_name, node_state_name, request_state_name, state_name};
 use crate::mirror::Mirror;
 use crate::rules::Rules;
 use slotpool_config::timing;
+use slotpool_config::warm::Arrivals;
 use slotpool_protocol::layout::seat_key;
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, IdleBehaviour, Node, NodeRequest, RequestState,
@@ -308,6 +309,8 @@ pub struct Index {
     pools: Vec<PoolRow>,
     used_by_backing: HashMap<String, u32>,
     backing_by_id: HashMap<String, String>,
+    /// The requests of the labels with a `warm-window`, as the launcher counts them.
+    arrivals: Arrivals,
 }
 
 impl Index {
@@ -325,10 +328,17 @@ impl Index {
             .backing_nodes()
             .map(|(k, b)| (b.id.to_string(), k.clone()))
             .collect();
+        let mut arrivals = rules.arrivals();
+        if !arrivals.is_empty() {
+            for (_, r) in mirror.requests() {
+                arrivals.note(r.id.as_str(), &r.labels, r.created_at);
+            }
+        }
         let mut index = Index {
             pools: Vec::new(),
             used_by_backing,
             backing_by_id,
+            arrivals,
         };
         index.pools = Facts {
             mirror,
@@ -696,9 +706,14 @@ impl<'a> Facts<'a> {
                 let Some(idle_since) = b.idle_since else {
                     return IdleTimer::None;
                 };
-                match self.rules.label(&b.provider, &b.pool, &b.label) {
-                    Some(r) if r.min_ready > 0 && self.free_ahead(b) < r.min_ready => {
-                        IdleTimer::KeptWarm(r.min_ready)
+                let rules = self.rules.label(&b.provider, &b.pool, &b.label);
+                let ready = rules.map_or(0, |r| {
+                    r.ready()
+                        .target(|warm| self.index.arrivals.count(&b.label, warm.window, self.now))
+                });
+                match rules {
+                    Some(_) if ready > 0 && self.free_ahead(b) < ready => {
+                        IdleTimer::KeptWarm(ready)
                     }
                     Some(r) => {
                         let last_release = self.mirror.last_release(b.id.as_str());

@@ -4,7 +4,8 @@
 //! console shows how long a node has been idle instead of when it will be released.
 
 use slotpool_config::timing::IdleRules;
-use slotpool_config::Config;
+use slotpool_config::warm::{Arrivals, WarmRule};
+use slotpool_config::{Config, Warm};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -18,9 +19,19 @@ pub struct LabelRules {
     /// Free slots the launcher keeps ready for the label (`min-ready`, summed over the
     /// pools serving it); 0: none.
     pub min_ready: u32,
+    /// The label's `warm-window`, with the most slots the pools serving it hold.
+    pub warm: Option<(Warm, u32)>,
 }
 
 impl LabelRules {
+    /// How many free slots the launcher keeps ready, as it decides it.
+    pub fn ready(&self) -> WarmRule {
+        WarmRule {
+            min_ready: self.min_ready,
+            warm: self.warm,
+        }
+    }
+
     /// These timers as the rule both the launcher and the console apply takes them.
     pub fn idle(&self) -> IdleRules {
         IdleRules {
@@ -63,6 +74,7 @@ impl Rules {
                             min_retention_ms: label.min_retention_time.as_millis() as u64,
                             max_age_ms: label.max_age.as_millis() as u64,
                             min_ready: config.min_ready(&label.name),
+                            warm: config.warm(&label.name),
                         },
                     );
                 }
@@ -104,5 +116,14 @@ impl Rules {
     /// Every configured (provider, pool, label).
     pub fn sites(&self) -> impl Iterator<Item = &Site> {
         self.labels.keys()
+    }
+
+    /// An empty log of the arrivals the labels with a `warm-window` count.
+    pub fn arrivals(&self) -> Arrivals {
+        Arrivals::counting(
+            self.labels
+                .iter()
+                .filter_map(|((_, _, label), r)| Some((label.clone(), r.warm?.0.window))),
+        )
     }
 }

@@ -882,7 +882,7 @@ fn backing_detail<'a>(state: &State, r: &BackingRow, theme: &Theme) -> Vec<Line<
         )),
         IdleTimer::Held => timers.push("held: never released automatically".into()),
         IdleTimer::KeptWarm(n) => timers.push(format!(
-            "empty: kept warm, its free slots are part of the label's min-ready {n}"
+            "empty: kept warm, its free slots are part of the {n} its label keeps ready"
         )),
         IdleTimer::Draining => timers.push("draining: released as soon as empty".into()),
         IdleTimer::None => {}

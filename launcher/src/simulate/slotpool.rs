@@ -13,6 +13,7 @@ use crate::planner::{self, Choice, SiteSeats, SizeOffer};
 use crate::request::plan::{self, NodeSeen, RequestStep, WaitCause};
 use crate::world::capacity::{self, CapacityIndex, Standing};
 use crate::world::SlotRef;
+use slotpool_config::warm::{self, Arrivals};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{
     BackingNode, BackingState, IdleBehaviour, Instance, NodeRequest, NodeState, RequestState,
@@ -70,21 +71,15 @@ struct Sim<'a> {
     ledger: Ledger,
     me: LauncherId,
     labels: Vec<String>,
-    /// The jobs by arrival time (ms since the epoch, index into `jobs`), for the
-    /// arrivals the predictive warm slots count.
-    by_arrival: Vec<(u64, usize)>,
+    /// The requests that have arrived, for the predictive warm slots, counted as the
+    /// launcher counts them.
+    arrivals: Arrivals,
 }
 
 pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
     let mut labels: Vec<String> = jobs.iter().flat_map(|j| j.labels.clone()).collect();
     labels.sort();
     labels.dedup();
-    let mut by_arrival: Vec<(u64, usize)> = jobs
-        .iter()
-        .enumerate()
-        .map(|(i, j)| (EPOCH_MS + j.arrival_ms, i))
-        .collect();
-    by_arrival.sort_unstable();
     let mut sim = Sim {
         jobs,
         setup,
@@ -97,7 +92,7 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
         ledger: Ledger::default(),
         me: LauncherId::parse("launcher-sim").expect("a valid id"),
         labels,
-        by_arrival,
+        arrivals: Arrivals::of(&setup.config),
     };
     for (i, j) in jobs.iter().enumerate() {
         sim.events.at(EPOCH_MS + j.arrival_ms, Event::Arrive(i));
@@ -136,30 +131,31 @@ pub(crate) fn run_until(jobs: &[Job]) -> u64 {
 }
 
 impl Sim<'_> {
-    /// Free slots of `label` to keep ready now ([`planner::ready_target`]), from the
-    /// jobs that have arrived, as the launcher counts the requests of its mirror.
+    /// Free slots of `label` to keep ready now ([`warm::ready_target`]), from the
+    /// requests that have arrived, as the launcher counts them.
     fn ready_target(&self, label: &str) -> u32 {
-        planner::ready_target(&self.setup.config, label, |warm| {
-            let since = self
-                .now
-                .saturating_sub(u64::try_from(warm.window.as_millis()).unwrap_or(u64::MAX));
-            let from = self.by_arrival.partition_point(|(t, _)| *t <= since);
-            let to = self.by_arrival.partition_point(|(t, _)| *t <= self.now);
-            planner::arrivals(
-                self.by_arrival[from..to]
-                    .iter()
-                    .map(|(t, i)| (self.jobs[*i].labels.as_slice(), *t)),
-                label,
-                warm.window,
-                self.now,
-            )
-        })
+        warm::ready_from(&self.setup.config, label, &self.arrivals, self.now)
+    }
+
+    /// Requests waiting for a node of `label` they have not got yet (the launcher's
+    /// queue of the label).
+    fn queued(&self, label: &str) -> u32 {
+        self.waiting
+            .iter()
+            .filter(|w| {
+                w.record.labels.iter().enumerate().any(|(index, l)| {
+                    l == label && !w.nodes.iter().any(|n| n.index == index as u32)
+                })
+            })
+            .count() as u32
     }
 
     fn handle(&mut self, event: Event) -> Result<(), SimError> {
         match event {
             Event::Arrive(job) => {
                 self.ledger.arrived(self.now);
+                self.arrivals
+                    .note(&format!("req-{job}"), &self.jobs[job].labels, self.now);
                 let record = NodeRequest {
                     v: slotpool_protocol::PROTOCOL_VERSION,
                     id: RequestId::parse(&format!("req-{job}")).expect("a valid id"),
@@ -545,6 +541,12 @@ impl Sim<'_> {
     fn step_node(&mut self, seat: &str) -> Result<(), SimError> {
         for _ in 0..MAX_STEPS {
             let (min_ready, free_ahead) = self.warm(seat);
+            let Some(label) = self.nodes.get(seat).map(|n| n.record.value.label.clone()) else {
+                return Ok(());
+            };
+            let waiting = self.queued(&label);
+            let ready_falls_at =
+                warm::ready_falls_at(&self.setup.config, &label, &self.arrivals, self.now);
             let Some(n) = self.nodes.get_mut(seat) else {
                 return Ok(());
             };
@@ -571,6 +573,8 @@ impl Sim<'_> {
                 ),
                 min_ready,
                 free_ahead,
+                ready_falls_at,
+                waiting,
                 now: self.now,
             };
             let step = lifecycle::next(b, &obs);

@@ -872,3 +872,46 @@ fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
         IdleTimer::KeptWarm(2)
     );
 }
+
+#[test]
+fn an_empty_node_kept_for_the_warm_window_says_warm_as_long_as_its_arrivals_count() {
+    // No min-ready; a warm-window of 10 minutes whose lead equals it: one arrival in the
+    // window (a request already finished: it counts all the same) keeps 2 slots ready.
+    let mut r = small_rules(0, 0);
+    let mut label = r.label("cloud", "main", "small").unwrap();
+    let window = std::time::Duration::from_secs(600);
+    label.warm = Some((
+        slotpool_config::Warm {
+            window,
+            lead: window,
+        },
+        8,
+    ));
+    r.insert("cloud", "main", "small", label);
+    let mut b = backing(1, BackingState::Ready, 2);
+    b.idle_since = Some(NOW - 42 * SEC);
+    let node = vec![
+        put(Record::Agent(Box::new(agent(&b, NOW - SEC)))),
+        put(Record::Backing(Box::new(b))),
+    ];
+    let arrived = |at| {
+        let mut done = request("req-w1", &["small"], RequestState::Fulfilled, at);
+        done.nodes_released_at = Some(at + SEC);
+        put(Record::Request(Box::new(done)))
+    };
+    let timer = |changes: Vec<Change>| {
+        loaded(r.clone(), changes, 80, 24)
+            .backing_row("cloud.main.1")
+            .unwrap()
+            .timer
+    };
+    let within = [node.clone(), vec![arrived(NOW - 60 * SEC)]].concat();
+    assert_eq!(timer(within), IdleTimer::KeptWarm(2));
+    let before = [node.clone(), vec![arrived(NOW - 700 * SEC)]].concat();
+    assert_eq!(
+        timer(before),
+        IdleTimer::ReleaseIn((300 - 42) * SEC),
+        "an arrival older than the window keeps nothing"
+    );
+    assert_eq!(timer(node), IdleTimer::ReleaseIn((300 - 42) * SEC));
+}
