@@ -217,6 +217,36 @@ async fn submit(
 ) -> Result<Submitted, ApiError> {
     let s: SubmitRequest = decode(msg, "submit request", |s: &SubmitRequest| s.v)?;
     validate(sh, &s)?;
+    let Some(wait_ms) = s.wait_ms else {
+        return accept(sh, caller, s).await;
+    };
+    // Asked to wait: the reply is the request once it ends or the wait is over, from
+    // the change signal taken before the request exists.
+    let id = s.id.clone().unwrap_or_else(RequestId::generate);
+    let changes = status::follow_from_now(sh, &id);
+    let accepted = accept(
+        sh,
+        caller,
+        SubmitRequest {
+            id: Some(id.clone()),
+            ..s
+        },
+    )
+    .await?;
+    let request = status::follow(sh, caller, &id, wait_ms, changes).await?;
+    Ok(Submitted {
+        request: Some(Box::new(request)),
+        ..accepted
+    })
+}
+
+/// Creates the request `s` asks for (or finds it made by an earlier submit of the same
+/// id) and starts working on it.
+async fn accept(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    s: SubmitRequest,
+) -> Result<Submitted, ApiError> {
     let now = now_ms();
     let req = NodeRequest {
         v: PROTOCOL_VERSION,
@@ -293,7 +323,10 @@ async fn submit(
             if mine {
                 request::spawn_started(sh, id.clone());
             }
-            Ok(Submitted { request_id: id })
+            Ok(Submitted {
+                request_id: id,
+                request: None,
+            })
         }
         // A retried submission with the same id: the first one stands.
         Err(KvError::Conflict { .. }) if s.id.is_some() => {
@@ -302,7 +335,10 @@ async fn submit(
                     if existing.value.labels == req.labels
                         && existing.value.client.as_ref() == Some(caller) =>
                 {
-                    Ok(Submitted { request_id: req.id })
+                    Ok(Submitted {
+                        request_id: req.id,
+                        request: None,
+                    })
                 }
                 Ok(_) => Err(bad(format!(
                     "request id {key} is already used by a different request"

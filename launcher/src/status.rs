@@ -16,6 +16,7 @@ use slotpool_protocol::connect::Incoming;
 use slotpool_protocol::model::{Node, NodeRequest};
 use slotpool_protocol::{RequestId, UserName};
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 fn deadline(wait_ms: u64) -> Instant {
@@ -29,20 +30,36 @@ pub async fn request(
     msg: &Incoming,
 ) -> Result<NodeRequest, ApiError> {
     let q: RequestStatus = decode(msg, "status request", |q: &RequestStatus| q.v)?;
-    let until = deadline(q.wait_ms);
-    // Subscribed before the first look, so a change in between still wakes the wait.
-    let mut changes = [sh.signals.subscribe(&request_topic(&q.request_id))];
+    let changes = follow_from_now(sh, &q.request_id);
+    follow(sh, caller, &q.request_id, q.wait_ms, changes).await
+}
+
+/// The change signal of request `id`, to [`follow`] it: taken before the first look at
+/// the request (or before the caller writes it), so a change in between still wakes it.
+pub fn follow_from_now(sh: &Shared, id: &RequestId) -> watch::Receiver<u64> {
+    sh.signals.subscribe(&request_topic(id))
+}
+
+/// The caller's request `id`, once it is final or `wait_ms` (at most [`MAX_WAIT_MS`])
+/// has passed; `changes` from [`follow_from_now`]. Woken by the mirror's change signal of
+/// the request, never by polling.
+pub async fn follow(
+    sh: &Shared,
+    caller: &UserName,
+    id: &RequestId,
+    wait_ms: u64,
+    changes: watch::Receiver<u64>,
+) -> Result<NodeRequest, ApiError> {
+    let until = deadline(wait_ms);
+    let mut changes = [changes];
     loop {
-        let req = current(sh, &q.request_id).await?;
+        let req = current(sh, id).await?;
         // Another client's request is answered like a missing one: its existence is
         // not the caller's business.
         let req = req
             .filter(|r| r.client.as_ref() == Some(caller))
             .ok_or_else(|| {
-                ApiError::new(
-                    ErrorCode::NotFound,
-                    format!("no request {} of {caller}", q.request_id),
-                )
+                ApiError::new(ErrorCode::NotFound, format!("no request {id} of {caller}"))
             })?;
         if req.state.is_final() || Instant::now() >= until || sh.shutdown.is_cancelled() {
             return Ok(req);

@@ -106,6 +106,12 @@ pub struct SubmitRequest {
     /// the request fails (while waiting) or its nodes are reclaimed (once fulfilled).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_alive_secs: Option<u64>,
+    /// Hold the reply until the request is final or this many milliseconds have passed
+    /// (at most [`MAX_WAIT_MS`]); the reply then carries the request as it stands
+    /// ([`Submitted::request`]), which spares the `status` call a client would make
+    /// next. Absent: the reply comes at once, with the id only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
 }
 
 /// Shortest keep-alive period a request may ask for.
@@ -140,6 +146,10 @@ pub const DEFAULT_PRIORITY: i32 = 100;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Submitted {
     pub request_id: RequestId,
+    /// With [`SubmitRequest::wait_ms`]: the request once it was final, or as it stood
+    /// when the wait was over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<Box<crate::model::NodeRequest>>,
 }
 
 /// `slotpool.api.v2.<client>.release`: return nodes. Releasing a node twice is not an error.

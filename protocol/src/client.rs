@@ -53,6 +53,22 @@ impl Client {
         Ok(s.request_id)
     }
 
+    /// Submits `req` and waits until the request is fulfilled, failed or canceled. The
+    /// submit itself is held open until the request ends (or [`WAIT_SLICE`] has passed,
+    /// and [`Client::wait`] follows it from there), so a request served at once costs one
+    /// call, not a submit and a `status`. The request gets an id of the client's if it
+    /// has none, so that sending the submit again (no launcher answered in time) is safe.
+    pub async fn submit_and_wait(&self, req: &SubmitRequest) -> Result<NodeRequest, BusError> {
+        let mut req = req.clone();
+        let id = req.id.get_or_insert_with(RequestId::generate).clone();
+        req.wait_ms = Some(WAIT_SLICE.as_millis() as u64);
+        let submitted: Submitted = self.call_read(ApiOp::Submit, &req, WAIT_SLICE).await?;
+        match submitted.request {
+            Some(r) if r.state.is_final() => Ok(*r),
+            _ => self.wait(&id, |_| {}).await,
+        }
+    }
+
     /// Renews the keep-alive of request `id` (submitted with `keep_alive_secs`) for
     /// another period from now. An [`ErrorCode::Ended`] error says the request is over
     /// (its keep-alive lapsed, or it failed, was canceled or its nodes were released):
@@ -376,10 +392,7 @@ impl RequestWatcher {
     /// Submits `req` (with an id chosen here unless it has one) and waits until it is
     /// fulfilled, failed or canceled.
     pub async fn submit_and_wait(&self, req: &SubmitRequest) -> Result<NodeRequest, BusError> {
-        let mut req = req.clone();
-        let id = req.id.get_or_insert_with(RequestId::generate).clone();
-        self.client.submit(&req).await?;
-        self.client.wait(&id, |_| {}).await
+        self.client.submit_and_wait(req).await
     }
 }
 
@@ -407,6 +420,7 @@ pub fn submission(labels: Vec<String>, requestor: impl Into<String>) -> SubmitRe
         timeout_secs: None,
         ssh_public_key: None,
         keep_alive_secs: None,
+        wait_ms: None,
     }
 }
 

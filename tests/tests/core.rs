@@ -636,6 +636,64 @@ async fn bad_input_gets_clear_errors_and_the_launcher_keeps_serving() {
     pool.fulfilled(&pool.submit(&["small"]).await).await;
 }
 
+/// A submit with `wait_ms` is answered once the request ends, with the request: one
+/// exchange where a client would otherwise submit, then ask `status`. A request that
+/// does not end within the wait is answered as it stands then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_that_waits_is_answered_with_the_request_once_it_ends() {
+    let pool = Pool::start(1, 5, &label("small", 1, 30, &[]), 1).await;
+    let bus = pool.client.bus();
+    let submit = subjects::api(pool.client.name(), subjects::ApiOp::Submit);
+    let call = |body: &'static str| {
+        let submit = submit.clone();
+        async move {
+            let r = bus
+                .call_raw(
+                    &submit,
+                    bytes::Bytes::from_static(body.as_bytes()),
+                    Duration::from_secs(20),
+                )
+                .await
+                .unwrap();
+            serde_json::from_slice::<serde_json::Value>(&r).unwrap()
+        }
+    };
+    // No backing node yet: the reply waits for one to boot and the slot to be prepared.
+    let v = call(r#"{"v":1,"id":"req-waits-1","labels":["small"],"requestor":"t","wait_ms":8000}"#)
+        .await;
+    assert_eq!(v["ok"]["request_id"], "req-waits-1", "{v}");
+    assert_eq!(v["ok"]["request"]["state"], "fulfilled", "{v}");
+    let node = v["ok"]["request"]["nodes"][0]
+        .as_str()
+        .expect("a node")
+        .to_string();
+    // The one slot is held: the next request waits, and is answered as it stands after
+    // its wait.
+    let v = call(r#"{"v":1,"id":"req-waits-2","labels":["small"],"requestor":"t","wait_ms":300}"#)
+        .await;
+    assert_eq!(v["ok"]["request"]["state"], "requested", "{v}");
+    // Without wait_ms the reply is the id alone, at once, as before.
+    let v = call(r#"{"v":1,"id":"req-waits-3","labels":["small"],"requestor":"t"}"#).await;
+    assert_eq!(
+        v["ok"],
+        serde_json::json!({"request_id": "req-waits-3"}),
+        "{v}"
+    );
+    // The typed client takes the same way; the held slot is given back for it.
+    pool.client
+        .release(vec![NodeId::parse(&node).unwrap()])
+        .await
+        .unwrap();
+    for id in ["req-waits-2", "req-waits-3"] {
+        let r = pool.fulfilled(&RequestId::parse(id).unwrap()).await;
+        pool.release_and_wait(&r.nodes).await;
+    }
+    let watcher = pool.client.watcher().await.unwrap();
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "t");
+    let done = watcher.submit_and_wait(&sub).await.unwrap();
+    assert_eq!(done.state, RequestState::Fulfilled);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_times_out_with_its_reason_and_can_be_canceled() {
     let pool = Pool::start(1, 5, &label("small", 1, 30, &[]), 1).await;
