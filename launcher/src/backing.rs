@@ -138,8 +138,13 @@ fn observe(shared: &Shared, seat_key: &str) -> Option<(Versioned<BackingNode>, O
     };
     let now = now_ms();
     let label = &b.value.label;
-    let waiting = world.wanting.get(label).map_or(0, |q| q.len() as u32);
-    if waiting > 0 && used == 0 && b.value.state == BackingState::Ready {
+    // Only a node that takes slots is about to be claimed by the label's queue: one held,
+    // drained, or whose agent is unhealthy is not kept for it.
+    let waiting = match world.wanting.get(label) {
+        Some(queue) if world.takes_slots(&b.value) => queue.len() as u32,
+        _ => 0,
+    };
+    if waiting > 0 && used == 0 {
         world
             .kept_for_queue
             .entry(label.clone())
