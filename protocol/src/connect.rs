@@ -545,7 +545,10 @@ mod tests {
             for name in [usual, longest.as_str()] {
                 let user = BusUser::new(role, name).unwrap();
                 let path = dir.path().join(format!("{role}-{}.creds", name.len()));
-                let minted = minter.mint(&user, None).unwrap();
+                // A launch mints its agent a credential that expires (30 days without
+                // max-age); the setup's users have none.
+                let expiry = (role == Role::Agent).then(|| Duration::from_secs(30 * 86_400));
+                let minted = minter.mint(&user, expiry).unwrap();
                 minted.write_private(&path).unwrap();
                 let connection = if role == Role::Agent {
                     format!("{connection}{name}")
