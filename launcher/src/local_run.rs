@@ -179,7 +179,9 @@ async fn start_server_with(
     let parent = std::process::id();
     // SAFETY: end_with_parent calls only async-signal-safe functions.
     unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || end_with_parent(parent));
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            end_with_parent(parent, libc::SIGKILL)
+        });
     }
     let mut cmd = tokio::process::Command::from(cmd);
     let mut child = cmd

@@ -3,7 +3,7 @@
 //! what it started dies with it when it is killed with SIGKILL, and the directory that
 //! one leaves, the next demo removes. Its simulated jobs go on after a bus outage.
 
-use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
+use slotpool_tests::{bin_path, nats_server_binary, ChildGuard, Tmux};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -115,6 +115,77 @@ fn a_killed_demos_processes_die_with_it_and_the_next_demo_removes_what_is_left()
         "the next demo says what it removed:\n{}",
         out.join("\n")
     );
+}
+
+/// On a terminal the demo shows the console; a demo killed with SIGKILL takes it along,
+/// with SIGTERM, on which the console gives the terminal back (here a shell's, which
+/// goes on after the demo, so the terminal stays open and sends no SIGHUP).
+#[test]
+fn a_killed_demos_console_ends_and_gives_the_terminal_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let command = format!(
+        "env TMPDIR={} SLOTPOOL_NATS_SERVER={} NO_COLOR=1 {} demo --jobs {JOBS} --hold-ms 500; \
+         sleep 600",
+        tmp.path().display(),
+        nats_server_binary().display(),
+        bin_path("slotpool").display(),
+    );
+    let terminal = Tmux::start(&command, 120, 40);
+    let on_screen = |what: &str, check: &dyn Fn(&str) -> bool| {
+        let deadline = Instant::now() + STARTED;
+        loop {
+            let screen = terminal.screen();
+            if check(&screen) {
+                return screen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the terminal did not show {what}:\n{screen}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // The console, showing a ready backing node.
+    on_screen("the console with a ready node", &|s| {
+        s.contains("1 Pools") && s.contains("ready")
+    });
+    let demo: u32 = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .find_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("slotpool-demo-")?
+                .parse()
+                .ok()
+        })
+        .expect("the demo's directory");
+    let dir = tmp.path().join(format!("slotpool-demo-{demo}"));
+    let _left = KillNaming(dir.clone());
+    assert!(
+        processes_naming(&dir)
+            .iter()
+            .any(|(_, cmdline)| cmdline.contains("slotpool-console")),
+        "the console runs, naming {}",
+        dir.display()
+    );
+
+    // SAFETY: a plain signal to the demo, whose pid its directory names.
+    assert_eq!(unsafe { libc::kill(demo as libc::pid_t, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !processes_naming(&dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left = processes_naming(&dir);
+    assert!(
+        left.is_empty(),
+        "left running after the demo was killed with SIGKILL: {left:#?}\n{}",
+        terminal.screen()
+    );
+    // The terminal's own screen again, with what the demo said before the console.
+    on_screen("the terminal's screen from before the console", &|s| {
+        s.contains("slotpool demo: NATS at") && !s.contains("1 Pools")
+    });
 }
 
 /// The demo's nats-server killed and, after [`OUTAGE`], started again on the same port

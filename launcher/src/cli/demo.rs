@@ -11,7 +11,9 @@ use clap::Args;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
 use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
-use slotpool_launcher::provider::local::{AgentLifetime, LocalProvider, STOP_GRACE};
+use slotpool_launcher::provider::local::{
+    end_with_parent, AgentLifetime, LocalProvider, STOP_GRACE,
+};
 use slotpool_launcher::{run, LauncherDeps, LauncherError};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
@@ -133,12 +135,20 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         let quiet = StderrToFile::redirect(&log)
             .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
         LOG_TO_STDERR.store(true, Ordering::Relaxed);
-        let mut child = Command::new(&console)
-            .args(&console_args)
+        let mut cmd = Command::new(&console);
+        cmd.args(&console_args)
             .arg("--config")
             .arg(&config_path)
             .stderr(quiet.original()?)
-            .kill_on_drop(true)
+            .kill_on_drop(true);
+        // A demo killed with SIGKILL takes the console with it: SIGTERM, on which the
+        // console gives the terminal back. Forked here, on the main thread.
+        let demo = std::process::id();
+        // SAFETY: end_with_parent calls only async-signal-safe functions.
+        unsafe {
+            cmd.pre_exec(move || end_with_parent(demo, libc::SIGTERM));
+        }
+        let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {}", console.display()))?;
         tokio::select! {

@@ -66,16 +66,16 @@ pub enum AgentLifetime {
     EndWithLauncher,
 }
 
-/// For a child's `pre_exec`: has the kernel send the child SIGKILL when the *thread* that
-/// forked it ends (`PR_SET_PDEATHSIG`), and ends the child at once if `parent` (the
+/// For a child's `pre_exec`: has the kernel send the child `signal` when the *thread*
+/// that forked it ends (`PR_SET_PDEATHSIG`), and ends the child at once if `parent` (the
 /// forking process's pid) is gone already. Fork only from a thread that lives as long as
 /// the child should: the main thread, or a tokio runtime worker (which ends with its
 /// runtime), never a blocking-pool thread, which ends after a while idle. Calls only
 /// async-signal-safe functions (prctl, getppid, _exit).
-pub fn end_with_parent(parent: u32) -> io::Result<()> {
+pub fn end_with_parent(parent: u32, signal: libc::c_int) -> io::Result<()> {
     // SAFETY: prctl and getppid touch no memory; _exit does not return.
     unsafe {
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
             return Err(io::Error::last_os_error());
         }
         // The parent may have died before prctl took effect.
@@ -271,7 +271,7 @@ impl Provider for LocalProvider {
                     return Err(io::Error::last_os_error());
                 }
                 if end_with_launcher {
-                    end_with_parent(launcher)?;
+                    end_with_parent(launcher, libc::SIGKILL)?;
                 }
                 Ok(())
             });
