@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 const STARTED: Duration = Duration::from_secs(90);
 /// From the stop to the demo's exit.
 const STOPPED: Duration = Duration::from_secs(60);
+/// From a demo's death to the end of what it started (the console stops on SIGTERM).
+const DEATH: Duration = Duration::from_secs(10);
 /// Simulated jobs each demo runs.
 const JOBS: u32 = 2;
 /// How long the demo's nats-server stays down in the outage test (the outage the demo's
@@ -78,11 +80,7 @@ fn a_killed_demos_processes_die_with_it_and_the_next_demo_removes_what_is_left()
     killed.assert_an_agent_runs();
     killed.signal(libc::SIGKILL);
     killed.exited();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !processes_naming(&killed.dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left = processes_naming(&killed.dir);
+    let left = left_after_the_death_signals(&killed.dir);
     assert!(
         left.is_empty(),
         "left running after the demo was killed with SIGKILL: {left:#?}"
@@ -172,11 +170,7 @@ fn a_killed_demos_console_ends_and_gives_the_terminal_back() {
 
     // SAFETY: a plain signal to the demo, whose pid its directory names.
     assert_eq!(unsafe { libc::kill(demo as libc::pid_t, libc::SIGKILL) }, 0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !processes_naming(&dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left = processes_naming(&dir);
+    let left = left_after_the_death_signals(&dir);
     assert!(
         left.is_empty(),
         "left running after the demo was killed with SIGKILL: {left:#?}\n{}",
@@ -245,6 +239,16 @@ fn the_demos_jobs_go_on_after_a_bus_outage() {
     }
     demo.signal(libc::SIGTERM);
     demo.stopped_cleanly();
+}
+
+/// What still names `dir` once the kernel's death signals, sent as a demo died, had
+/// [`DEATH`] to take effect: nothing, unless a process was spared.
+fn left_after_the_death_signals(dir: &Path) -> Vec<(i32, String)> {
+    let deadline = Instant::now() + DEATH;
+    while !processes_naming(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    processes_naming(dir)
 }
 
 /// The arguments of process `pid`.
