@@ -841,38 +841,6 @@ fn the_slot_pane_asks_again_for_each_slot_it_shows_and_drops_stale_answers() {
     assert!(asked(&press(&mut state, [key('k'), key('i')])).is_some());
 }
 
-#[test]
-fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
-    // Two empty ready nodes of 2 slots, min-ready 2: as the launcher decides, the first
-    // seat is kept for the label's warm slots and the second one counts down.
-    let r = small_rules(0, 2);
-    let mut changes = Vec::new();
-    for seat in [1, 2] {
-        let mut b = backing(seat, BackingState::Ready, 2);
-        b.idle_since = Some(NOW - 42 * SEC);
-        changes.push(put(Record::Agent(Box::new(agent(&b, NOW - SEC)))));
-        changes.push(put(Record::Backing(Box::new(b))));
-    }
-    let state = loaded(r.clone(), changes.clone(), 80, 24);
-    assert_eq!(
-        state.backing_row("cloud.main.1").unwrap().timer,
-        IdleTimer::KeptWarm(2)
-    );
-    assert_eq!(
-        state.backing_row("cloud.main.2").unwrap().timer,
-        IdleTimer::ReleaseIn((300 - 42) * SEC)
-    );
-    // The first node's agent draining: it takes no slots, so the second is kept.
-    let mut draining = agent(&backing(1, BackingState::Ready, 2), NOW - SEC);
-    draining.draining = true;
-    changes.push(put(Record::Agent(Box::new(draining))));
-    let state = loaded(r, changes, 80, 24);
-    assert_eq!(
-        state.backing_row("cloud.main.2").unwrap().timer,
-        IdleTimer::KeptWarm(2)
-    );
-}
-
 /// The log tail questions in `commands`: (backing node, question number).
 fn log_asks(commands: &[Command]) -> Vec<(BackingId, u64)> {
     commands
@@ -962,4 +930,36 @@ fn a_node_the_records_bring_into_the_pane_is_asked_about_without_a_key() {
     );
     let (b, slot, _) = asked(&commands).expect("asked about the first node's slot 0");
     assert_eq!((b, slot), (bid(0), 0));
+}
+
+#[test]
+fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
+    // Two empty ready nodes of 2 slots, min-ready 2: as the launcher decides, the first
+    // seat is kept for the label's warm slots and the second one counts down.
+    let r = small_rules(0, 2);
+    let mut changes = Vec::new();
+    for seat in [1, 2] {
+        let mut b = backing(seat, BackingState::Ready, 2);
+        b.idle_since = Some(NOW - 42 * SEC);
+        changes.push(put(Record::Agent(Box::new(agent(&b, NOW - SEC)))));
+        changes.push(put(Record::Backing(Box::new(b))));
+    }
+    let state = loaded(r.clone(), changes.clone(), 80, 24);
+    assert_eq!(
+        state.backing_row("cloud.main.1").unwrap().timer,
+        IdleTimer::KeptWarm(2)
+    );
+    assert_eq!(
+        state.backing_row("cloud.main.2").unwrap().timer,
+        IdleTimer::ReleaseIn((300 - 42) * SEC)
+    );
+    // The first node's agent draining: it takes no slots, so the second is kept.
+    let mut draining = agent(&backing(1, BackingState::Ready, 2), NOW - SEC);
+    draining.draining = true;
+    changes.push(put(Record::Agent(Box::new(draining))));
+    let state = loaded(r, changes, 80, 24);
+    assert_eq!(
+        state.backing_row("cloud.main.2").unwrap().timer,
+        IdleTimer::KeptWarm(2)
+    );
 }
