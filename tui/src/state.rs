@@ -500,35 +500,25 @@ impl State {
     fn pane_question(&mut self) -> Option<Command> {
         match self.pane_subject()? {
             PaneSubject::Log(backing_id) => {
-                let again = match &self.agent_log {
-                    Some(l) if l.backing_id == backing_id => {
-                        if l.asking.is_some() || self.now < l.asked_at + LOG_REFRESH_MS {
-                            return None;
-                        }
-                        true
-                    }
-                    _ => false,
-                };
-                self.asks += 1;
-                let (ask, now) = (self.asks, self.now);
-                match self.agent_log.as_mut().filter(|_| again) {
-                    Some(l) => {
-                        l.asking = Some(ask);
-                        l.asked_at = now;
-                    }
-                    None => {
-                        self.agent_log = Some(AgentLog {
-                            backing_id: backing_id.clone(),
-                            asking: Some(ask),
-                            asked_at: now,
-                            answer: None,
-                        })
-                    }
+                let now = self.now;
+                let shown = |l: &AgentLog| l.backing_id == backing_id;
+                let wait = |l: &AgentLog| l.asking.is_some() || now < l.asked_at + LOG_REFRESH_MS;
+                if self.agent_log.as_ref().is_some_and(|l| shown(l) && wait(l)) {
+                    return None;
                 }
+                // The same node's last lines stay on screen until the next answer.
+                let answer = self.agent_log.take().filter(shown).and_then(|l| l.answer);
+                self.asks += 1;
+                self.agent_log = Some(AgentLog {
+                    backing_id: backing_id.clone(),
+                    asking: Some(self.asks),
+                    asked_at: now,
+                    answer,
+                });
                 Some(Command::AskLogTail {
                     backing_id,
                     lines: LOG_PANE_LINES,
-                    ask,
+                    ask: self.asks,
                 })
             }
             PaneSubject::Slot {
