@@ -54,6 +54,9 @@ pub struct LauncherDeps {
     pub agent_bus: agent_bus::AgentBus,
     /// The `slotpool-agent` binary the local provider runs by default.
     pub agent_binary: PathBuf,
+    /// Whether the local provider's agents outlive this launcher (they do, but for the
+    /// demo's).
+    pub local_agents: provider::local::AgentLifetime,
     /// Where to serve `/metrics` and the probes (`--http`), bound already.
     pub http: Option<http::HttpListener>,
 }
@@ -80,9 +83,11 @@ pub async fn run(
     let mut providers = HashMap::new();
     for p in &config.providers {
         let built =
-            provider::build(p, &deps.agent_binary).map_err(|source| LauncherError::Provider {
-                name: p.name.clone(),
-                source,
+            provider::build(p, &deps.agent_binary, deps.local_agents).map_err(|source| {
+                LauncherError::Provider {
+                    name: p.name.clone(),
+                    source,
+                }
             })?;
         providers.insert(p.name.clone(), built);
     }

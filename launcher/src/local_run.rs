@@ -4,6 +4,7 @@
 //! `slotpool serve` never calls this module: a production launcher connects to a bus it
 //! is given.
 
+use crate::provider::local::end_with_parent;
 use rustix::process::{kill_process, Pid, Signal};
 use slotpool_protocol::connect::check_server_version;
 use std::path::{Path, PathBuf};
@@ -140,7 +141,9 @@ fn reported_url(dir: &Path, pid: u32, kind: &str) -> Option<String> {
 }
 
 /// Starts the server of [`server_command`] for an async caller and waits until it
-/// listens: returns the child (killed when dropped) and its `nats://` URL.
+/// listens: returns the child (killed when dropped) and its `nats://` URL. The server
+/// also dies with the thread that calls this ([`end_with_parent`]), even when this process
+/// is killed with SIGKILL: call it from the main thread or a runtime worker.
 pub async fn start_nats_server(
     binary: &Path,
     dir: &Path,
@@ -173,6 +176,13 @@ async fn start_server_with(
 ) -> Result<(tokio::process::Child, String), LocalBusError> {
     let mut cmd = server_command(binary, dir, config, None)?;
     cmd.args(more_args);
+    let parent = std::process::id();
+    // SAFETY: end_with_parent calls only async-signal-safe functions.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            end_with_parent(parent, libc::SIGKILL)
+        });
+    }
     let mut cmd = tokio::process::Command::from(cmd);
     let mut child = cmd
         .kill_on_drop(true)

@@ -480,6 +480,97 @@ mod tests {
         assert!(err.contains("2.9.10") && err.contains("2.11.0"), "{err}");
     }
 
+    /// nats-server's default `max_control_line`: a longer CONNECT line is refused.
+    const SERVER_CONTROL_LINE: usize = 4096;
+
+    /// The CONNECT line (without its CRLF) that slotpool's connection sends with `creds`,
+    /// named `name`, to a listener that plays a nats-server asking for authentication.
+    async fn connect_line(creds: &std::path::Path, name: &str) -> String {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let opts = NatsOptions {
+            url: format!("nats://{}", listener.local_addr().unwrap()),
+            creds: Some(creds.to_path_buf()),
+            name: name.into(),
+            ..Default::default()
+        };
+        let client = tokio::spawn(async move { Bus::connect(&opts).await.map(|_| ()) });
+        let (socket, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .expect("the client connects")
+            .unwrap();
+        let mut socket = BufReader::new(socket);
+        // A nonce as long as nats-server's (11 bytes, base64): the client signs it.
+        socket
+            .get_mut()
+            .write_all(
+                b"INFO {\"server_id\":\"NTEST\",\"server_name\":\"test\",\"version\":\"2.15.1\",\
+                  \"proto\":1,\"go\":\"go1.24\",\"host\":\"127.0.0.1\",\"port\":4222,\
+                  \"headers\":true,\"max_payload\":1048576,\"auth_required\":true,\
+                  \"nonce\":\"pKXBcCmYkgB0pXY\"}\r\n",
+            )
+            .await
+            .unwrap();
+        let mut line = String::new();
+        tokio::time::timeout(Duration::from_secs(10), socket.read_line(&mut line))
+            .await
+            .expect("the client sends CONNECT")
+            .unwrap();
+        client.abort();
+        assert!(line.starts_with("CONNECT {"), "{line}");
+        line.trim_end().to_string()
+    }
+
+    /// Every role's CONNECT line, as slotpool mints its credential and names its
+    /// connection, with a usual name and with the longest name a user may have, stays
+    /// under 3/4 of the server's limit: the JWT carries the role's permissions, so a
+    /// longer list of subjects would end in connections the server refuses.
+    #[tokio::test]
+    async fn every_roles_connect_line_stays_well_under_the_servers_limit() {
+        use crate::auth::{Installation, Role};
+        let margin = SERVER_CONTROL_LINE * 3 / 4;
+        let minter = Installation::generate().minter();
+        let dir = tempfile::tempdir().unwrap();
+        let longest = "n".repeat(crate::ids::MAX_ID_LEN);
+        let agent = "bn-01jq3m2f7h8g9k0m1n2p3q4r00";
+        // The connection names the programs give (an agent's names its backing node).
+        let cases = [
+            (Role::Launcher, "launcher-1", "slotpool-launcher"),
+            (Role::Operator, "alice", "slotpool-console"),
+            (Role::Client, "ci", "slotpool-cli"),
+            (Role::Agent, agent, "slotpool-agent-"),
+        ];
+        let mut sizes = Vec::new();
+        for (role, usual, connection) in cases {
+            for name in [usual, longest.as_str()] {
+                let user = BusUser::new(role, name).unwrap();
+                let path = dir.path().join(format!("{role}-{}.creds", name.len()));
+                // A launch mints its agent a credential that expires (30 days without
+                // max-age); the setup's users have none.
+                let expiry = (role == Role::Agent).then(|| Duration::from_secs(30 * 86_400));
+                let minted = minter.mint(&user, expiry).unwrap();
+                minted.write_private(&path).unwrap();
+                let connection = if role == Role::Agent {
+                    format!("{connection}{name}")
+                } else {
+                    connection.to_string()
+                };
+                let line = connect_line(&path, &connection).await;
+                sizes.push((role, name.len(), line.len()));
+            }
+        }
+        for (role, name, size) in &sizes {
+            let role = role.as_str();
+            eprintln!("{role:<8} named with {name:>3} bytes: CONNECT line of {size} bytes");
+        }
+        let over: Vec<_> = sizes.iter().filter(|(_, _, size)| *size > margin).collect();
+        assert!(
+            over.is_empty(),
+            "CONNECT lines over {margin} bytes (3/4 of nats-server's {SERVER_CONTROL_LINE}): \
+             {over:?}; all: {sizes:?}"
+        );
+    }
+
     #[test]
     fn no_responders_names_who_is_missing() {
         let agent = BusError::NoResponders {

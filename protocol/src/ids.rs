@@ -107,10 +107,13 @@ pub struct InvalidId {
     pub value: String,
 }
 
+/// The longest id (and bus user name).
+pub const MAX_ID_LEN: usize = 128;
+
 /// True when `s` can be used as one token of a KV key or NATS subject.
 pub fn is_key_token(s: &str) -> bool {
     !s.is_empty()
-        && s.len() <= 128
+        && s.len() <= MAX_ID_LEN
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }

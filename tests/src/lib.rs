@@ -11,6 +11,7 @@
 //! - [`prometheus::Prometheus`]: a real Prometheus scraping given targets.
 //! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
 //! - [`chaos`]: a request load that rides out failures, and the checks made after it.
+//! - [`Tmux`]: a terminal of its own, for the console and the demo on a terminal.
 //! - [`SlotAgent`]: one agent with user isolation, driven directly over NATS.
 //! - [`IsolationEnv`], [`Sshd`], [`ClientKey`]: unique user/cgroup names per test with a
 //!   guard that removes them, a private sshd on a loopback port, an ssh client key.
@@ -30,6 +31,7 @@ mod nats;
 mod pool;
 mod process;
 pub mod prometheus;
+mod tmux;
 mod wait;
 
 pub use agent::{
@@ -45,4 +47,5 @@ pub use pool::{
     AGENT_ARGS,
 };
 pub use process::{bin_path, workspace_root, ChildGuard};
+pub use tmux::Tmux;
 pub use wait::{next_within, wait_for, wait_for_some, POLL_INTERVAL};

@@ -8,105 +8,20 @@ use slotpool_protocol::model::{
     BackingNode, BackingState, IdleBehaviour, Node, NodeRequest, NodeState,
 };
 use slotpool_protocol::{BackingId, NodeId, RequestId};
-use slotpool_tests::{bin_path, label, wait_for, wait_for_some, NatsServer, Pool};
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
+use slotpool_tests::{bin_path, label, wait_for, wait_for_some, NatsServer, Pool, Tmux};
 use std::time::{Duration, Instant};
 
 const SOON: Duration = Duration::from_secs(20);
 
-/// A tmux server of our own (its own socket) running one session; killed on drop with
-/// everything in it.
-struct Tmux {
-    socket: String,
-    session: String,
-}
-
-impl Tmux {
-    fn start(command: &str, width: u16, height: u16) -> Tmux {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let n = N.fetch_add(1, Ordering::SeqCst);
-        let tmux = Tmux {
-            socket: format!("slotpool-test-{}-{n}", std::process::id()),
-            session: format!("console-{n}"),
-        };
-        let status = tmux
-            .cmd()
-            .args(["new-session", "-d", "-s", &tmux.session])
-            .args(["-x", &width.to_string(), "-y", &height.to_string()])
-            .arg(command)
-            .status()
-            .expect("running tmux (scripts/test.sh installs it)");
-        assert!(status.success(), "tmux new-session failed: {status}");
-        tmux
-    }
-
-    fn cmd(&self) -> Command {
-        let mut c = Command::new("tmux");
-        c.args(["-L", &self.socket, "-f", "/dev/null"]);
-        c
-    }
-
-    /// Sends tmux key names (`D`, `Tab`, `Enter`, `5`...).
-    fn keys(&self, keys: &[&str]) {
-        let status = self
-            .cmd()
-            .args(["send-keys", "-t", &self.session])
-            .args(keys)
-            .status()
-            .expect("tmux send-keys");
-        assert!(status.success());
-    }
-
-    fn screen(&self) -> String {
-        let out = self
-            .cmd()
-            .args(["capture-pane", "-p", "-t", &self.session])
-            .output()
-            .expect("tmux capture-pane");
-        String::from_utf8_lossy(&out.stdout).to_string()
-    }
-
-    /// Waits until the screen satisfies `check`; panics with the screen otherwise.
-    async fn wait_screen(&self, what: &str, check: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + SOON;
-        loop {
-            let screen = self.screen();
-            if check(&screen) {
-                return screen;
-            }
-            if Instant::now() > deadline {
-                panic!("timed out waiting for the console to show {what}; screen:\n{screen}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Presses `D` and confirms with Enter once the dialog names backing node `id`.
-    async fn drain(&self, id: &BackingId) {
-        self.keys(&["D"]);
-        self.wait_screen("the drain confirmation naming the node", |s| {
+/// Presses `D` and confirms with Enter once the dialog names backing node `id`.
+async fn drain(console: &Tmux, id: &BackingId) {
+    console.keys(&["D"]);
+    console
+        .wait_screen("the drain confirmation naming the node", |s| {
             s.contains(&format!("Drain backing node {id}")) && s.contains("Enter confirm")
         })
         .await;
-        self.keys(&["Enter"]);
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        // The server is gone already when the console quit; that is fine.
-        let _ = self
-            .cmd()
-            .arg("kill-server")
-            .stderr(std::process::Stdio::null())
-            .status();
-        // tmux may leave its socket file behind.
-        let dir = std::env::var("TMUX_TMPDIR").unwrap_or_else(|_| "/tmp".into());
-        // SAFETY: getuid has no preconditions.
-        let uid = unsafe { libc::getuid() };
-        let _ = std::fs::remove_file(format!("{dir}/tmux-{uid}/{}", self.socket));
-    }
+    console.keys(&["Enter"]);
 }
 
 /// The line of the screen that shows backing node `id`.
@@ -274,7 +189,7 @@ async fn a_drained_node_that_goes_away_leaves_nothing_selected() {
         other: (other, kept),
         ..
     } = two_busy_nodes().await;
-    console.drain(&drained).await;
+    drain(&console, &drained).await;
     console
         .wait_screen("the node draining", |s| {
             row_of(s, &drained).is_some_and(|row| row.contains("drain"))
@@ -348,7 +263,7 @@ async fn a_selected_slot_whose_row_goes_away_leaves_nothing_selected() {
         .await;
     // Drain it from its Slots view (the dialog names the backing node), then its node
     // comes back: the backing node is released and the slot's row goes away.
-    console.drain(&gone).await;
+    drain(&console, &gone).await;
     wait_for("the drain recorded", SOON, || async {
         (pool.backing().await.iter()).any(|b| b.id == gone && b.idle == IdleBehaviour::Drain)
     })
@@ -525,8 +440,8 @@ async fn console_starts_quickly_with_10000_backing_nodes() {
 }
 
 /// The backing node's detail pane shows its agent's newest log lines, asked of the real
-/// agent through the launcher when the pane opens; once the agent is gone, opening the
-/// pane again says it cannot be reached instead of waiting.
+/// agent through the launcher when the pane opens and again while it stays open: once the
+/// agent is gone, the open pane comes to say it cannot be reached, no key pressed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_detail_pane_shows_the_agents_log_tail_and_says_when_it_cannot_be_reached() {
     let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
@@ -555,7 +470,6 @@ async fn the_detail_pane_shows_the_agents_log_tail_and_says_when_it_cannot_be_re
         .expect("a pid");
     // SAFETY: kill has no memory preconditions; the pid is the pool's own agent.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    console.keys(&["i", "i"]);
     let screen = console
         .wait_screen("the pane saying the agent cannot be reached", |s| {
             s.contains("agent log: cannot be reached")

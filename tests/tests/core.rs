@@ -362,7 +362,8 @@ async fn forged_claims_are_freed_whatever_their_date_and_requests_live_as_long_a
 /// A node is claimed `ready`, with the workspace and login its agent's heartbeat names,
 /// before the agent prepares it. One claimed so by a launcher that died before the
 /// prepare is prepared by the launcher that takes the request over, before the request
-/// is fulfilled.
+/// is fulfilled. The local agent outlives the launcher killed with SIGKILL (unlike the
+/// demo's, a `slotpool serve`'s agents are not tied to it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_claimed_before_its_launcher_died_is_prepared_by_the_next_one() {
     let mut pool = Pool::start(1, 2, &label("small", 2, 30, &[]), 1).await;
@@ -370,6 +371,12 @@ async fn a_node_claimed_before_its_launcher_died_is_prepared_by_the_next_one() {
     pool.kill_launcher(0);
     // As the dead launcher left it: its request, and a node claimed on the other slot.
     let held = pool.nodes().await.pop().unwrap();
+    let pid_file = pool.agent_dir(held.backing_id.as_str()).join("agent.pid");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let slot = 1 - held.slot;
     // Straight from KV (the test's bus user is a launcher's): no launcher runs now.
     let mut request: NodeRequest = pool
@@ -417,6 +424,16 @@ async fn a_node_claimed_before_its_launcher_died_is_prepared_by_the_next_one() {
             .any(|s| s.slot == slot && s.node_id == node.id)
     })
     .await;
+    // The same agent process, which has lived on since its launcher's death.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit(") ")
+        .next()
+        .and_then(|rest| rest.chars().next());
+    assert!(
+        matches!(state, Some(s) if s != 'Z' && s != 'X'),
+        "the local agent {pid} died with its launcher: {stat:?}"
+    );
 }
 
 /// A slot is written once when its agent names its slots: claimed `ready`, prepared,

@@ -14,7 +14,7 @@ use slotpool_protocol::client::Client;
 use slotpool_protocol::connect::{Bus, BusError, NatsOptions};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{BackingState, IdleBehaviour, NodeState, OperatorAction};
-use slotpool_tests::{label, wait_for, Pool};
+use slotpool_tests::{label, wait_for, wait_for_some, Pool};
 use std::time::Duration;
 
 /// How long a request to a subject the server refuses is given before it counts as
@@ -206,11 +206,12 @@ async fn a_client_cannot_order_and_orders_are_recorded_under_the_real_operator()
     .unwrap()
     .into_result()
     .expect("the hold is taken");
-    let events = alice.list_events().await.unwrap();
-    let held = events
-        .iter()
-        .find(|e| e.message.contains("hold"))
-        .expect("the hold is in the event log");
+    // The launcher records the order off its reply's path: wait for it.
+    let held = wait_for_some("the hold in the event log", SOON, || async {
+        let events = alice.list_events().await.unwrap();
+        events.into_iter().find(|e| e.message.contains("hold"))
+    })
+    .await;
     assert_eq!(held.actor, "alice", "{held:?}");
     assert!(!held.message.contains("mallory"), "{held:?}");
     let b = pool.backing().await.pop().unwrap();

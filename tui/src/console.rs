@@ -138,8 +138,9 @@ where
             _ = tick.tick() => {}
         }
         update(&mut state, Msg::Tick(now_ms()));
-        // Settled before drawing, and before the commands go: settling can ask a question
-        // (the slot pane now shows another slot).
+        // Settled after every change, before drawing and before the commands go: settling
+        // asks what the detail pane now calls for (another node's log tail or slot's
+        // occupants, whatever moved the selection, or the log tail again on a tick).
         commands.extend(state.settle());
         let mut quit = false;
         for command in commands {
@@ -154,17 +155,18 @@ where
                     move |c| async move { c.slot_occupants(&backing_id, slot).await },
                     move |result| Msg::Occupants { ask, result },
                 ),
-                Command::AskLogTail { backing_id, lines } => {
-                    let asked = backing_id.clone();
-                    ask_agent(
-                        (&client, &tx, &tracker),
-                        move |c| async move { c.log_tail(&asked, lines).await },
-                        move |result| Msg::LogTail {
-                            backing_id,
-                            result: result.map(|tail| tail.lines),
-                        },
-                    )
-                }
+                Command::AskLogTail {
+                    backing_id,
+                    lines,
+                    ask,
+                } => ask_agent(
+                    (&client, &tx, &tracker),
+                    move |c| async move { c.log_tail(&backing_id, lines).await },
+                    move |result| Msg::LogTail {
+                        ask,
+                        result: result.map(|tail| tail.lines),
+                    },
+                ),
                 order => send_order(order, &client, &tx, &tracker),
             }
         }

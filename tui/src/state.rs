@@ -21,11 +21,24 @@ use crate::rows::{
 use crate::rules::Rules;
 use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, IdleBehaviour, Node, NodeRequest, OperatorAction,
-    ProviderStatus, RequestState,
+    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, ProviderStatus,
+    RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
+
+/// What the detail pane shows that it asks an agent about.
+#[derive(Clone, Debug, PartialEq)]
+enum PaneSubject {
+    /// A backing node, for its agent's log tail.
+    Log(BackingId),
+    /// A used slot, for who is in it, and the node in it.
+    Slot {
+        backing_id: BackingId,
+        slot: u32,
+        node_id: NodeId,
+    },
+}
 
 /// Everything that changes the state.
 #[derive(Clone, Debug)]
@@ -50,9 +63,10 @@ pub enum Msg {
         ask: u64,
         result: Result<SlotOccupants, String>,
     },
-    /// The answer to [`Command::AskLogTail`]: the agent's lines, oldest first.
+    /// The answer to [`Command::AskLogTail`] number `ask`: the agent's lines, oldest
+    /// first.
     LogTail {
-        backing_id: BackingId,
+        ask: u64,
         result: Result<Vec<String>, String>,
     },
 }
@@ -77,22 +91,36 @@ pub enum Command {
         slot: u32,
         ask: u64,
     },
-    /// Ask (through a launcher) for the newest `lines` lines of `backing_id`'s agent log.
+    /// Ask (through a launcher) for the newest `lines` lines of `backing_id`'s agent log;
+    /// the answer comes back as [`Msg::LogTail`] with the same `ask`.
     AskLogTail {
         backing_id: BackingId,
         lines: u32,
+        ask: u64,
     },
 }
 
 /// Log lines the detail pane asks a backing node's agent for.
 pub const LOG_PANE_LINES: u32 = 10;
 
-/// A backing node's agent log tail, as its agent last said (asked when the detail pane
-/// opens on the node or the selection moves to another backing node).
+/// How often the detail pane asks a backing node's agent for its log tail again while it
+/// stays open on the node: [`LOG_REFRESH_MS`] after the last question, once its answer
+/// came.
+pub const LOG_REFRESH_MS: UnixMillis = 2_000;
+
+/// A backing node's agent log tail, as its agent last said: asked when the detail pane
+/// comes to show the node (opened, or the selection moved to it by a key or by a change
+/// of the records), and again every [`LOG_REFRESH_MS`] while it stays there.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AgentLog {
     pub backing_id: BackingId,
-    /// `None` while the question is out; the lines oldest first.
+    /// The question out now, if any: an answer to any other (an earlier one, or one about
+    /// a node shown before) is dropped. One at a time.
+    pub asking: Option<u64>,
+    /// When the last question was asked (the `now` of then).
+    pub asked_at: UnixMillis,
+    /// The last answer, kept while the next question is out; `None` until the first.
+    /// The lines oldest first.
     pub answer: Option<Result<Vec<String>, String>>,
 }
 
@@ -156,7 +184,7 @@ pub struct State {
     pub history: History,
     /// Who is in the slot the detail pane shows.
     pub occupancy: Option<Occupancy>,
-    /// Questions of who is in a slot asked so far (numbers them).
+    /// Questions to agents asked so far (numbers them).
     asks: u64,
     /// The agent log tail of the backing node the detail pane shows.
     pub agent_log: Option<AgentLog>,
@@ -239,12 +267,18 @@ impl State {
     }
 
     /// Rebuilds the derived rows if anything changed since the last call; returns the
-    /// question of who is in the slot the detail pane now shows, if that is a new one.
+    /// question to an agent that what the detail pane shows now calls for, if any (see
+    /// [`State::pane_question`]). Called after every change of the state, whatever made
+    /// it: a key, a watch batch, a tick.
     pub fn settle(&mut self) -> Option<Command> {
-        if self.dirty {
-            self.rebuild();
+        // A rebuild that focuses the first backing node (one just appeared) leaves the
+        // Slots view's rows to a second one.
+        for _ in 0..2 {
+            if self.dirty {
+                self.rebuild();
+            }
         }
-        self.follow_slot_pane()
+        self.pane_question()
     }
 
     fn rebuild(&mut self) {
@@ -283,7 +317,9 @@ impl State {
                 .as_ref()
                 .and_then(|k| self.mirror.backing(k))
                 .map(|b| b.id.to_string());
-            self.set_focus(first);
+            if first.is_some() {
+                self.set_focus(first);
+            }
         }
         let page = self.page_rows().max(1);
         for vs in &mut self.views {
@@ -409,28 +445,6 @@ impl State {
         }
     }
 
-    /// Asks for the agent log of the backing node the detail pane shows, when the pane
-    /// has not asked for it yet: it was just opened, or the selection (or the view) moved
-    /// to another backing node.
-    fn ask_log_tail(&mut self) -> Option<Command> {
-        if !self.details || self.view != View::Backing {
-            return None;
-        }
-        let id = self.target_backing()?.id.clone();
-        if self.agent_log.as_ref().is_some_and(|l| l.backing_id == id) {
-            return None;
-        }
-        self.agent_log = Some(AgentLog {
-            backing_id: id.clone(),
-            answer: None,
-        });
-        self.dirty = true;
-        Some(Command::AskLogTail {
-            backing_id: id,
-            lines: LOG_PANE_LINES,
-        })
-    }
-
     fn move_selection(&mut self, delta: isize) {
         if self.view_state().rows.is_empty() {
             return;
@@ -456,35 +470,84 @@ impl State {
         self.dirty = true;
     }
 
-    /// The node in the slot the detail pane shows, while it is open on a used slot.
-    fn pane_node(&self) -> Option<Node> {
-        if !self.details || self.view != View::Slots {
+    /// What the open detail pane shows that only an agent can tell: the log tail of the
+    /// selected backing node (Backing view), or who is in the selected used slot (Slots
+    /// view).
+    fn pane_subject(&self) -> Option<PaneSubject> {
+        if !self.details {
             return None;
         }
-        let key = self.view_state().selected_key.as_deref()?;
-        self.slot_row(key)?.node
+        match self.view {
+            View::Backing => Some(PaneSubject::Log(self.target_backing()?.id.clone())),
+            View::Slots => {
+                let key = self.view_state().selected_key.as_deref()?;
+                let n = self.slot_row(key)?.node?;
+                Some(PaneSubject::Slot {
+                    backing_id: n.backing_id,
+                    slot: n.slot,
+                    node_id: n.id,
+                })
+            }
+            _ => None,
+        }
     }
 
-    /// Asks who is in the slot the detail pane shows, unless that was asked already for
-    /// the same slot and node; the answer is taken only for the question asked last.
-    fn follow_slot_pane(&mut self) -> Option<Command> {
-        let n = self.pane_node()?;
-        if self.occupancy.as_ref().is_some_and(|o| o.node_id == n.id) {
-            return None;
+    /// The question what the detail pane shows now calls for, against what it last asked:
+    /// a node or slot it has not asked about yet (whether a key, a watch batch or a tick
+    /// brought it there), or the log tail it shows, again, once the last answer is in and
+    /// [`LOG_REFRESH_MS`] have passed since that question. Answers are taken only for the
+    /// question asked last.
+    fn pane_question(&mut self) -> Option<Command> {
+        match self.pane_subject()? {
+            PaneSubject::Log(backing_id) => {
+                let now = self.now;
+                let shown = |l: &AgentLog| l.backing_id == backing_id;
+                let wait = |l: &AgentLog| l.asking.is_some() || now < l.asked_at + LOG_REFRESH_MS;
+                if self.agent_log.as_ref().is_some_and(|l| shown(l) && wait(l)) {
+                    return None;
+                }
+                // The same node's last lines stay on screen until the next answer.
+                let answer = self.agent_log.take().filter(shown).and_then(|l| l.answer);
+                self.asks += 1;
+                self.agent_log = Some(AgentLog {
+                    backing_id: backing_id.clone(),
+                    asking: Some(self.asks),
+                    asked_at: now,
+                    answer,
+                });
+                Some(Command::AskLogTail {
+                    backing_id,
+                    lines: LOG_PANE_LINES,
+                    ask: self.asks,
+                })
+            }
+            PaneSubject::Slot {
+                backing_id,
+                slot,
+                node_id,
+            } => {
+                if self
+                    .occupancy
+                    .as_ref()
+                    .is_some_and(|o| o.node_id == node_id)
+                {
+                    return None;
+                }
+                self.asks += 1;
+                self.occupancy = Some(Occupancy {
+                    backing_id: backing_id.clone(),
+                    slot,
+                    node_id,
+                    ask: self.asks,
+                    answer: None,
+                });
+                Some(Command::AskOccupants {
+                    backing_id,
+                    slot,
+                    ask: self.asks,
+                })
+            }
         }
-        self.asks += 1;
-        self.occupancy = Some(Occupancy {
-            backing_id: n.backing_id.clone(),
-            slot: n.slot,
-            node_id: n.id,
-            ask: self.asks,
-            answer: None,
-        });
-        Some(Command::AskOccupants {
-            backing_id: n.backing_id,
-            slot: n.slot,
-            ask: self.asks,
-        })
     }
 
     fn switch(&mut self, view: View) {
@@ -551,11 +614,9 @@ impl State {
             Action::Details => {
                 self.details = !self.details;
                 self.dirty = true;
-                // Opened again, it asks again: who is in the slot, and the agent log tail
-                // (see `ask_log_tail`).
+                // Opened again, it asks again (see `pane_question`).
                 self.occupancy = None;
                 self.agent_log = None;
-                return self.follow_slot_pane();
             }
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
@@ -731,7 +792,7 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             state.link_up = up;
             None
         }
-        Msg::Action(action) => state.act(action).or_else(|| state.ask_log_tail()),
+        Msg::Action(action) => state.act(action),
         Msg::Resize(w, h) => {
             state.size = (w, h);
             state.dirty = true;
@@ -758,12 +819,9 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             }
             None
         }
-        Msg::LogTail { backing_id, result } => {
-            if let Some(l) = state
-                .agent_log
-                .as_mut()
-                .filter(|l| l.backing_id == backing_id)
-            {
+        Msg::LogTail { ask, result } => {
+            if let Some(l) = state.agent_log.as_mut().filter(|l| l.asking == Some(ask)) {
+                l.asking = None;
                 l.answer = Some(result);
                 state.dirty = true;
             }

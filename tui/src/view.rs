@@ -1398,15 +1398,16 @@ mod tests {
     fn the_backing_pane_shows_its_agents_log_tail_escaped_and_an_unreachable_agent() {
         use crate::state::{Command, LOG_PANE_LINES};
         let mut state = sample_state(100, 40);
-        let ask = |n: u32| Command::AskLogTail {
+        let ask = |n: u32, ask: u64| Command::AskLogTail {
             backing_id: bid(n),
             lines: LOG_PANE_LINES,
+            ask,
         };
         // Opening the pane asks the selected node's agent; moving to another node asks
         // that one's; a move that stays on it asks nothing more.
-        assert_eq!(press(&mut state, [key('i')]), [ask(0)]);
+        assert_eq!(press(&mut state, [key('i')]), [ask(0, 1)]);
         assert!(screen(&state).contains("agent log: asking its agent…"));
-        assert_eq!(press(&mut state, [key('j')]), [ask(1)]);
+        assert_eq!(press(&mut state, [key('j')]), [ask(1, 2)]);
         assert_eq!(press(&mut state, [key('s'), key('s')]), []);
         // An answer about a node no longer shown is dropped; an agent that does not
         // answer is said so.
@@ -1414,11 +1415,11 @@ mod tests {
             &mut state,
             [
                 Msg::LogTail {
-                    backing_id: bid(0),
+                    ask: 1,
                     result: Ok(vec!["stale".into()]),
                 },
                 Msg::LogTail {
-                    backing_id: bid(1),
+                    ask: 2,
                     result: Err("the agent of bn-01 does not answer".into()),
                 },
             ],
@@ -1429,7 +1430,7 @@ mod tests {
             text.contains("agent log: cannot be reached: the agent of bn-01 does not answer"),
             "{text}"
         );
-        assert_eq!(press(&mut state, [key('k')]), [ask(0)]);
+        assert_eq!(press(&mut state, [key('k')]), [ask(0, 3)]);
         // A tenant's text in the agent's log: as the agent sends it (escaped), and raw,
         // as an agent of another version, or a forged one, might send it.
         let raw: Vec<String> = vec![
@@ -1441,7 +1442,7 @@ mod tests {
         apply_all(
             &mut state,
             [Msg::LogTail {
-                backing_id: bid(0),
+                ask: 3,
                 result: Ok(raw),
             }],
         );

@@ -11,7 +11,9 @@ use clap::Args;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
 use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
-use slotpool_launcher::provider::local::{LocalProvider, STOP_GRACE};
+use slotpool_launcher::provider::local::{
+    end_with_parent, AgentLifetime, LocalProvider, STOP_GRACE,
+};
 use slotpool_launcher::{run, LauncherDeps, LauncherError};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
@@ -54,6 +56,9 @@ pub struct DemoArgs {
     /// credentials of their own (`slotpool nats-setup` writes it).
     #[arg(long, value_name = "FILE")]
     pub agent_signing_key: Option<PathBuf>,
+    /// Panic once the first simulated job got its node: the test of the demo's panic path.
+    #[arg(long, hide = true)]
+    pub panic_after_first_job: bool,
 }
 
 const DEMO_CONFIG: &str = "\
@@ -130,12 +135,20 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         let quiet = StderrToFile::redirect(&log)
             .with_context(|| format!("redirecting the demo's log to {}", log.display()))?;
         LOG_TO_STDERR.store(true, Ordering::Relaxed);
-        let mut child = Command::new(&console)
-            .args(&console_args)
+        let mut cmd = Command::new(&console);
+        cmd.args(&console_args)
             .arg("--config")
             .arg(&config_path)
             .stderr(quiet.original()?)
-            .kill_on_drop(true)
+            .kill_on_drop(true);
+        // A demo killed with SIGKILL takes the console with it: SIGTERM, on which the
+        // console gives the terminal back. Forked here, on the main thread.
+        let demo = std::process::id();
+        // SAFETY: end_with_parent calls only async-signal-safe functions.
+        unsafe {
+            cmd.pre_exec(move || end_with_parent(demo, libc::SIGTERM));
+        }
+        let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {}", console.display()))?;
         tokio::select! {
@@ -269,14 +282,19 @@ async fn start(
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(url.clone(), minter),
         agent_binary: agent_binary.clone(),
+        // Even a demo killed with SIGKILL leaves no agent running.
+        local_agents: AgentLifetime::EndWithLauncher,
         http: None,
     };
     let launcher = tokio::spawn(run(config, bus.clone(), deps, shutdown.clone()));
     let client = Client::from_bus(jobs_bus);
     let load = tokio::spawn(load(
         client,
-        args.jobs,
-        Duration::from_millis(args.hold_ms),
+        Load {
+            jobs: args.jobs,
+            hold: Duration::from_millis(args.hold_ms),
+            panic_after_first_job: args.panic_after_first_job,
+        },
         shutdown.clone(),
     ));
     Ok(Started {
@@ -293,12 +311,24 @@ async fn start(
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(8);
 
+/// What the simulated jobs do.
+struct Load {
+    jobs: u32,
+    hold: Duration,
+    panic_after_first_job: bool,
+}
+
 /// Simulated CI jobs: each asks for a node, holds it a while, releases it, and again. A
 /// job whose submit fails (the bus is down, no launcher answers) tries again after a
 /// growing pause, so the load comes back with the bus.
-async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken) {
+async fn load(client: Client, how: Load, stop: CancellationToken) {
     let client = Arc::new(client);
     let mut tasks = Vec::new();
+    let Load {
+        jobs,
+        hold,
+        panic_after_first_job,
+    } = how;
     for job in 0..jobs {
         let (client, stop) = (client.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
@@ -329,6 +359,9 @@ async fn load(client: Client, jobs: u32, hold: Duration, stop: CancellationToken
                 match done {
                     Ok(r) if r.state == RequestState::Fulfilled => {
                         say(&format!("job {job}: got {} in {:.1} ms", r.nodes[0], started.elapsed().as_secs_f64() * 1000.0));
+                        if panic_after_first_job {
+                            panic!("slotpool demo: --panic-after-first-job");
+                        }
                         pause(&stop, hold).await;
                         // On the way out the launcher releases what is left; no need to wait.
                         tokio::select! { _ = stop.cancelled() => return, _ = client.release(r.nodes) => {} }

@@ -6,6 +6,7 @@ use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::config::Config;
 use slotpool_launcher::http::tls::TlsFiles;
 use slotpool_launcher::http::HttpListener;
+use slotpool_launcher::provider::local::AgentLifetime;
 use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::Minter;
 use slotpool_protocol::connect::Bus;
@@ -107,6 +108,8 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(agent_nats_url, minter),
         agent_binary: super::sibling_agent_binary(),
+        // Like VMs: a restarted launcher takes them up again.
+        local_agents: AgentLifetime::OutliveLauncher,
         http,
     };
     run(config, bus, deps, shutdown).await.context("launcher")?;

@@ -7,6 +7,8 @@
 //! VM would: neither a Ctrl-C at the launcher's terminal nor the launcher's death reaches
 //! it. (Under systemd, that needs `KillMode=process` or `mixed` on the launcher's unit.)
 //! While the launcher lives, a task waits on the agent so it never lingers as a zombie.
+//! The demo's launcher asks for the opposite ([`AgentLifetime::EndWithLauncher`]): its
+//! agents die with it, even when it is killed with SIGKILL.
 //!
 //! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, and its bus credential in
 //! `agent.creds` (mode 0600), never on its command line.
@@ -51,6 +53,39 @@ const LOG_FILE: &str = "agent.log";
 /// Where slots of local backing nodes are reached.
 const HOST: &str = "127.0.0.1";
 
+/// Whether local agents outlive the launcher that started them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AgentLifetime {
+    /// Like VMs: a launcher that stops or dies leaves them running, and a restarted one
+    /// takes them up again (`slotpool serve`).
+    #[default]
+    OutliveLauncher,
+    /// The kernel kills each (SIGKILL) when the launcher's thread that started it ends,
+    /// which a runtime worker does only with the process, however that ends (see
+    /// [`end_with_parent`]): the demo's, which must leave nothing behind.
+    EndWithLauncher,
+}
+
+/// For a child's `pre_exec`: has the kernel send the child `signal` when the *thread*
+/// that forked it ends (`PR_SET_PDEATHSIG`), and ends the child at once if `parent` (the
+/// forking process's pid) is gone already. Fork only from a thread that lives as long as
+/// the child should: the main thread, or a tokio runtime worker (which ends with its
+/// runtime), never a blocking-pool thread, which ends after a while idle. Calls only
+/// async-signal-safe functions (prctl, getppid, _exit).
+pub fn end_with_parent(parent: u32, signal: libc::c_int) -> io::Result<()> {
+    // SAFETY: prctl and getppid touch no memory; _exit does not return.
+    unsafe {
+        if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // The parent may have died before prctl took effect.
+        if libc::getppid() as u32 != parent {
+            libc::_exit(1);
+        }
+    }
+    Ok(())
+}
+
 /// Starts agents as local processes.
 #[derive(Debug)]
 pub struct LocalProvider {
@@ -58,6 +93,7 @@ pub struct LocalProvider {
     command: PathBuf,
     args: Vec<String>,
     work_dir: PathBuf,
+    lifetime: AgentLifetime,
 }
 
 impl LocalProvider {
@@ -68,7 +104,13 @@ impl LocalProvider {
             command,
             args,
             work_dir,
+            lifetime: AgentLifetime::default(),
         }
+    }
+
+    /// The same provider, whose agents live as `lifetime` says.
+    pub fn with_lifetime(self, lifetime: AgentLifetime) -> Self {
+        LocalProvider { lifetime, ..self }
     }
 
     fn failed(&self, message: String) -> ProviderError {
@@ -217,11 +259,19 @@ impl Provider for LocalProvider {
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err))
             .kill_on_drop(false);
-        // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+        let (end_with_launcher, launcher) = (
+            self.lifetime == AgentLifetime::EndWithLauncher,
+            std::process::id(),
+        );
+        // SAFETY: setsid and end_with_parent are async-signal-safe and touch no memory
+        // of the parent. This runs on a runtime worker (see `AgentLifetime`).
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 if libc::setsid() == -1 {
                     return Err(io::Error::last_os_error());
+                }
+                if end_with_launcher {
+                    end_with_parent(launcher, libc::SIGKILL)?;
                 }
                 Ok(())
             });

@@ -122,11 +122,13 @@ pub trait Provider: Send + Sync {
 
 /// The provider a config entry describes. `agent_default` is the agent binary the
 /// `local` driver runs when the config names none (the launcher passes the
-/// `slotpool-agent` next to its own executable). Static hosts' secret files are read here,
-/// so a missing one fails at startup.
+/// `slotpool-agent` next to its own executable), and `local_agents` whether its agents
+/// outlive the launcher. Static hosts' secret files are read here, so a missing one fails
+/// at startup.
 pub fn build(
     provider: &ProviderConfig,
     agent_default: &Path,
+    local_agents: local::AgentLifetime,
 ) -> Result<Arc<dyn Provider>, ProviderError> {
     let name = provider.name.as_str();
     let inner: Arc<dyn Provider> = match &provider.driver {
@@ -135,14 +137,17 @@ pub fn build(
             agent_command,
             agent_args,
             work_dir,
-        } => Arc::new(local::LocalProvider::new(
-            name,
-            agent_command
-                .clone()
-                .unwrap_or_else(|| agent_default.to_path_buf()),
-            agent_args.clone(),
-            work_dir.clone(),
-        )),
+        } => Arc::new(
+            local::LocalProvider::new(
+                name,
+                agent_command
+                    .clone()
+                    .unwrap_or_else(|| agent_default.to_path_buf()),
+                agent_args.clone(),
+                work_dir.clone(),
+            )
+            .with_lifetime(local_agents),
+        ),
         DriverConfig::Exec {
             create,
             delete,

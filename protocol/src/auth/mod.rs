@@ -164,18 +164,25 @@ pub fn permissions(user: &BusUser) -> Permissions {
                 subjects::ADMIN_V1_ALL.into(),
             ];
             publish.extend(open_buckets);
-            for b in ALL_BUCKETS {
-                let stream = format!("KV_{}", b.name);
-                publish.extend([
-                    format!("$JS.API.DIRECT.GET.{stream}.>"),
-                    format!("$JS.API.DIRECT.GET.{stream}"),
-                    format!("$JS.API.STREAM.MSG.GET.{stream}"),
-                    format!("$JS.API.CONSUMER.CREATE.{stream}"),
-                    format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
-                    format!("$JS.API.CONSUMER.INFO.{stream}.>"),
-                    format!("$JS.FC.{stream}.>"),
-                ]);
-            }
+            // Reads of every bucket: gets, watches (a consumer, its info and flow
+            // control). The token after each prefix is the stream, so a wildcard there
+            // stands for every stream of slotpool's account, which are its buckets and
+            // nothing else: only launchers may create streams, and they create only
+            // `ALL_BUCKETS`. One line per kind of read instead of one per bucket keeps
+            // the JWT, and so the CONNECT line, far below the server's 4 KiB limit
+            // (`max_control_line`); naming each bucket took 3.9 KiB for an operator
+            // named `alice`, and a long name went over it. `X.>` is exactly `X.*` (the
+            // stream alone) and `X.*.>` (the stream and what follows).
+            publish.extend(
+                [
+                    "$JS.API.DIRECT.GET.>",
+                    "$JS.API.STREAM.MSG.GET.*",
+                    "$JS.API.CONSUMER.CREATE.>",
+                    "$JS.API.CONSUMER.INFO.*.>",
+                    "$JS.FC.*.>",
+                ]
+                .map(String::from),
+            );
             Permissions {
                 publish,
                 subscribe: vec![inbox],
@@ -504,6 +511,59 @@ mod tests {
         assert!(p.responses);
     }
 
+    /// Whether the server lets `pattern` (a permission) cover `subject`.
+    fn matches(pattern: &str, subject: &str) -> bool {
+        let (p, s): (Vec<_>, Vec<_>) = (pattern.split('.').collect(), subject.split('.').collect());
+        p.iter().enumerate().all(|(i, t)| match *t {
+            ">" => s.len() > i,
+            "*" => i < s.len(),
+            t => s.get(i) == Some(&t),
+        }) && (p.last() == Some(&">") || p.len() == s.len())
+    }
+
+    #[test]
+    fn an_operator_reads_every_bucket_and_writes_none() {
+        let p = permissions(&user(Role::Operator, "alice"));
+        let may = |subject: &str| p.publish.iter().any(|pat| matches(pat, subject));
+        for b in ALL_BUCKETS {
+            let (stream, kv) = (format!("KV_{}", b.name), format!("$KV.{}", b.name));
+            for read in [
+                format!("$JS.API.STREAM.INFO.{stream}"),
+                format!("$JS.API.DIRECT.GET.{stream}"),
+                format!("$JS.API.DIRECT.GET.{stream}.{kv}.some-key"),
+                format!("$JS.API.STREAM.MSG.GET.{stream}"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}.c1.{kv}.>"),
+                format!("$JS.API.CONSUMER.INFO.{stream}.c1"),
+                format!("$JS.FC.{stream}.abc.1"),
+            ] {
+                assert!(may(&read), "the operator may not read with {read}");
+            }
+            for write in [
+                format!("{kv}.some-key"),
+                format!("$JS.API.STREAM.DELETE.{stream}"),
+                format!("$JS.API.STREAM.PURGE.{stream}"),
+                format!("$JS.API.STREAM.UPDATE.{stream}"),
+                format!("$JS.API.STREAM.CREATE.{stream}"),
+                format!("$JS.API.STREAM.MSG.DELETE.{stream}"),
+                format!("$JS.API.CONSUMER.DELETE.{stream}.c1"),
+                format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.c1"),
+            ] {
+                assert!(!may(&write), "the operator may write with {write}");
+            }
+        }
+        for other in [
+            "slotpool.admin.v2.bob.kill",
+            "slotpool.api.v2.ci.submit",
+            "slotpool.agent.v2.bn-1",
+            "$JS.API.STREAM.CREATE.KV_mine",
+            "$JS.API.ACCOUNT.PURGE",
+        ] {
+            assert!(!may(other), "the operator may publish on {other}");
+        }
+        assert!(may("slotpool.admin.v2.alice.kill"));
+    }
+
     #[test]
     fn an_agent_reads_its_own_slot_keys_and_no_other_key() {
         let p = permissions(&BusUser::agent(&BackingId::parse("bn-abc").unwrap()));
@@ -518,15 +578,6 @@ mod tests {
         );
         // What the server matches a read of another backing node's key, or of any other
         // bucket, against: none of the agent's subjects covers it.
-        let matches = |pattern: &str, subject: &str| {
-            let (p, s): (Vec<_>, Vec<_>) =
-                (pattern.split('.').collect(), subject.split('.').collect());
-            p.iter().enumerate().all(|(i, t)| match *t {
-                ">" => s.len() > i,
-                "*" => i < s.len(),
-                t => s.get(i) == Some(&t),
-            }) && (p.last() == Some(&">") || p.len() == s.len())
-        };
         let own = "$JS.API.DIRECT.GET.KV_slotpool_slots.$KV.slotpool_slots.bn-abc.3";
         assert!(p.publish.iter().any(|pat| matches(pat, own)));
         for other in [

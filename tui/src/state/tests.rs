@@ -841,6 +841,97 @@ fn the_slot_pane_asks_again_for_each_slot_it_shows_and_drops_stale_answers() {
     assert!(asked(&press(&mut state, [key('k'), key('i')])).is_some());
 }
 
+/// The log tail questions in `commands`: (backing node, question number).
+fn log_asks(commands: &[Command]) -> Vec<(BackingId, u64)> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::AskLogTail {
+                backing_id, ask, ..
+            } => Some((backing_id.clone(), *ask)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_backing_pane_asks_its_agents_log_again_while_open_one_question_at_a_time() {
+    let mut state = loaded(rules(), sample(), 100, 40);
+    let tick = |state: &mut State, at| log_asks(&apply_all(state, [Msg::Tick(at)]));
+    let answer = |state: &mut State, ask, line: &str| {
+        log_asks(&apply_all(
+            state,
+            [Msg::LogTail {
+                ask,
+                result: Ok(vec![line.to_string()]),
+            }],
+        ))
+    };
+    let shown = |state: &State| {
+        let log = state.agent_log.clone().unwrap();
+        (log.asking, log.answer.unwrap().unwrap().concat())
+    };
+    let asks = log_asks(&press(&mut state, [key('i')]));
+    let [(b, first)] = asks.as_slice() else {
+        panic!("opening the pane asks once: {asks:?}")
+    };
+    assert_eq!(*b, bid(0));
+    // Answered at once: asked again LOG_REFRESH_MS after the question, not before.
+    assert_eq!(tick(&mut state, NOW + 1), []);
+    assert_eq!(answer(&mut state, *first, "one"), []);
+    assert_eq!(tick(&mut state, NOW + LOG_REFRESH_MS - 1), []);
+    let asks = tick(&mut state, NOW + LOG_REFRESH_MS);
+    let [(b, second)] = asks.as_slice() else {
+        panic!("a tick asks again once answered: {asks:?}")
+    };
+    assert_eq!((b, second > first), (&bid(0), true));
+    // While that question is out, ticks ask nothing more, however long it takes; the
+    // lines shown stay, and a late answer to the first question neither replaces them
+    // nor ends the wait.
+    assert_eq!(tick(&mut state, NOW + 10 * LOG_REFRESH_MS), []);
+    assert_eq!(shown(&state), (Some(*second), "one".into()));
+    assert_eq!(answer(&mut state, *first, "late"), []);
+    assert_eq!(shown(&state), (Some(*second), "one".into()));
+    // A slow answer: the next question goes with it.
+    let asks = answer(&mut state, *second, "two");
+    assert_eq!(asks.len(), 1, "{asks:?}");
+    assert_eq!(shown(&state), (Some(asks[0].1), "two".into()));
+    // Closed, the pane asks nothing, however long.
+    press(&mut state, [key('i')]);
+    assert_eq!(tick(&mut state, NOW + 20 * LOG_REFRESH_MS), []);
+}
+
+#[test]
+fn a_node_the_records_bring_into_the_pane_is_asked_about_without_a_key() {
+    // The backing pane open before any node exists: the first one, selected as it
+    // appears, is asked for its log tail in the batch's settle.
+    let mut state = loaded(rules(), vec![], 100, 40);
+    assert_eq!(log_asks(&press(&mut state, [key('i')])), []);
+    let busy = backing(0, BackingState::Ready, 4);
+    let commands = apply_all(
+        &mut state,
+        [Msg::Feed(vec![put(Record::Backing(Box::new(
+            busy.clone(),
+        )))])],
+    );
+    assert_eq!(log_asks(&commands).len(), 1, "{commands:?}");
+    assert_eq!(log_asks(&commands)[0].0, bid(0));
+
+    // The slot pane open in the Slots view before any node exists: the first node's
+    // used first slot is asked about in the same settle that shows it.
+    let mut state = loaded(rules(), vec![], 100, 40);
+    assert_eq!(asked(&press(&mut state, [key('3'), key('i')])), None);
+    let commands = apply_all(
+        &mut state,
+        [Msg::Feed(vec![
+            put(Record::Backing(Box::new(busy.clone()))),
+            put(Record::Slot(Box::new(node(&busy, 0, "ci-job-1", NOW)))),
+        ])],
+    );
+    let (b, slot, _) = asked(&commands).expect("asked about the first node's slot 0");
+    assert_eq!((b, slot), (bid(0), 0));
+}
+
 #[test]
 fn an_empty_node_kept_for_min_ready_says_warm_not_a_countdown() {
     // Two empty ready nodes of 2 slots, min-ready 2: as the launcher decides, the first
