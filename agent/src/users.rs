@@ -20,6 +20,7 @@
 //! repeats until a scan finds none.
 
 use crate::isolation::IsolationError;
+use crate::step_clock::StepClock;
 use sha2::{Digest, Sha256};
 use slotpool_protocol::api::SlotSession;
 use slotpool_protocol::model::SlotNames;
@@ -437,9 +438,12 @@ pub fn renumber(etc: &Path, name: &str, id: u32) -> Result<(), IsolationError> {
             format!("uid {id} is below {MIN_SLOT_UID}"),
         ));
     }
+    let mut clock = StepClock::start();
     let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
+    clock.lap("agent_lock");
     let _locked = lock_passwd(etc, &["passwd", "group"])
         .map_err(IsolationError::new("locking the password database in", etc))?;
+    clock.lap("host_lock");
     let read = |file: &str| {
         std::fs::read_to_string(etc.join(file))
             .map_err(IsolationError::new("reading", &etc.join(file)))
@@ -463,10 +467,15 @@ pub fn renumber(etc: &Path, name: &str, id: u32) -> Result<(), IsolationError> {
     };
     // The group first: a crash between the two leaves the user with the old gid, which
     // no group names (the next warm-up finds the uid changed and makes the slot anew).
+    clock.lap("read");
     replace_db_file(etc, "group", &new_group)
         .map_err(IsolationError::new("writing", &etc.join("group")))?;
+    clock.lap("group");
     replace_db_file(etc, "passwd", &new_passwd)
-        .map_err(IsolationError::new("writing", &etc.join("passwd")))
+        .map_err(IsolationError::new("writing", &etc.join("passwd")))?;
+    clock.lap("passwd");
+    tracing::debug!(user = name, uid = id, steps = %clock.steps(), "renumber timed");
+    Ok(())
 }
 
 /// Every user whose name starts with `prefix`, from `<etc>/passwd`.
