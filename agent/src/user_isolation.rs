@@ -338,23 +338,38 @@ impl UserIsolation {
         clock: &mut StepClock,
     ) -> Result<UserInfo, IsolationError> {
         if let Some(kept) = users::lookup(user) {
-            let uid = self.next_uid(user)?;
-            clock.lap("next_uid");
-            let renumbered = users::renumber(&self.etc, user, uid);
-            clock.lap("renumber");
-            match renumbered {
-                Ok(()) => match users::lookup(user) {
-                    Some(info) if info.uid == uid && info.home == dir => return Ok(info),
-                    found => tracing::warn!(
-                        user,
-                        uid,
-                        ?found,
-                        "renumbered user reads back otherwise; making it anew"
-                    ),
-                },
-                Err(err) => {
-                    tracing::warn!(user, uid, old_uid = kept.uid, %err, "cannot renumber the slot user; making it anew")
+            let mut attempts = 0;
+            loop {
+                let uid = self.next_uid(user)?;
+                clock.lap("next_uid");
+                let renumbered = users::renumber(&self.etc, user, uid);
+                clock.lap("renumber");
+                match renumbered {
+                    Ok(()) => match users::lookup(user) {
+                        Some(info) if info.uid == uid && info.home == dir => return Ok(info),
+                        found => tracing::warn!(
+                            user,
+                            uid,
+                            ?found,
+                            "renumbered user reads back otherwise; making it anew"
+                        ),
+                    },
+                    // The id was taken meanwhile (a group with that gid, a user made by
+                    // another agent counting through the same range): the next one, as
+                    // `add_user` does. Still a uid no tenant of the slot had.
+                    Err(err)
+                        if err.error.kind() == std::io::ErrorKind::AlreadyExists
+                            && attempts < UID_ATTEMPTS =>
+                    {
+                        tracing::debug!(user, uid, %err, "id taken meanwhile; renumbering to the next");
+                        attempts += 1;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!(user, uid, old_uid = kept.uid, %err, "cannot renumber the slot user; making it anew")
+                    }
                 }
+                break;
             }
             users::remove(user)?;
         }
