@@ -581,7 +581,17 @@ fn renumber_batch(etc: &Path, batch: Vec<QueuedRenumber>) {
 
 /// Every user whose name starts with `prefix`, from `<etc>/passwd`.
 pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
-    std::fs::read_to_string(etc.join("passwd"))
+    names_with_prefix(&etc.join("passwd"), prefix)
+}
+
+/// Every group whose name starts with `prefix`, from `<etc>/group`.
+pub fn groups_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
+    names_with_prefix(&etc.join("group"), prefix)
+}
+
+/// The names (first field) of the lines of `file` that start with `prefix`.
+fn names_with_prefix(file: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_to_string(file)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(':').next())
@@ -886,19 +896,19 @@ mod tests {
         );
     }
 
-    fn passwd_dir() -> tempfile::TempDir {
+    /// An `etc` with these `passwd` and `group` files.
+    fn etc_with(passwd: &str, group: &str) -> tempfile::TempDir {
         let etc = tempfile::tempdir().unwrap();
-        std::fs::write(
-            etc.path().join("passwd"),
+        std::fs::write(etc.path().join("passwd"), passwd).unwrap();
+        std::fs::write(etc.path().join("group"), group).unwrap();
+        etc
+    }
+
+    fn passwd_dir() -> tempfile::TempDir {
+        etc_with(
             "root:x:0:0:root:/root:/bin/bash\nsp1s0:x:2000001:1001:slotpool slot 0 of bn-a:/w/slots/0:/bin/bash\nother:x:2000009:1002::/home/other:/bin/sh\n",
-        )
-        .unwrap();
-        std::fs::write(
-            etc.path().join("group"),
             "root:x:0:\nsp1s0:x:1001:\nother:x:1002:\n",
         )
-        .unwrap();
-        etc
     }
 
     #[test]
@@ -930,7 +940,6 @@ mod tests {
 
     #[test]
     fn renumbers_queued_meanwhile_go_into_one_rewrite() {
-        let etc = tempfile::tempdir().unwrap();
         let users: Vec<String> = (0..4).map(|s| format!("sp2s{s}")).collect();
         let mut passwd = String::from("root:x:0:0:root:/root:/bin/bash\n");
         let mut group = String::from("root:x:0:\n");
@@ -942,8 +951,7 @@ mod tests {
             ));
             group.push_str(&format!("{user}:x:{}:\n", 1100 + i));
         }
-        std::fs::write(etc.path().join("passwd"), &passwd).unwrap();
-        std::fs::write(etc.path().join("group"), &group).unwrap();
+        let etc = etc_with(&passwd, &group);
         let queued = |etc: &Path| queued_renumbers().iter().filter(|q| q.etc == etc).count();
         // While another renumber of the process is being written, four slots ask for theirs.
         let turn = PASSWD.lock().unwrap();
@@ -985,17 +993,10 @@ mod tests {
 
     #[test]
     fn a_batch_refuses_only_the_renumber_whose_id_is_taken() {
-        let etc = passwd_dir();
-        std::fs::write(
-            etc.path().join("passwd"),
+        let etc = etc_with(
             "sp1s0:x:2000001:1001::/w/0:/bin/bash\nsp1s1:x:2000002:1002::/w/1:/bin/bash\nsp1s2:x:2000003:1003::/w/2:/bin/bash\n",
-        )
-        .unwrap();
-        std::fs::write(
-            etc.path().join("group"),
             "sp1s0:x:1001:\nsp1s1:x:1002:\nsp1s2:x:1003:\n",
-        )
-        .unwrap();
+        );
         let queue = |name: &str, id: u32| QueuedRenumber {
             etc: etc.path().to_path_buf(),
             name: name.into(),
@@ -1152,16 +1153,18 @@ mod tests {
     }
 
     #[test]
-    fn passwd_listing_by_prefix() {
-        let etc = tempfile::tempdir().unwrap();
-        std::fs::write(
-            etc.path().join("passwd"),
+    fn passwd_and_group_listing_by_prefix() {
+        let etc = etc_with(
             "root:x:0:0::/root:/bin/sh\nspab12s0:x:1001:1001::/w:/bin/bash\nspab12s1:x:1002:1002::/w:/bin/bash\n",
-        )
-        .unwrap();
+            "root:x:0:\nspab12s0:x:1001:\nspabg:x:1003:\n",
+        );
         assert_eq!(
             users_with_prefix(etc.path(), "spab"),
             vec!["spab12s0", "spab12s1"]
+        );
+        assert_eq!(
+            groups_with_prefix(etc.path(), "spab"),
+            vec!["spab12s0", "spabg"]
         );
     }
 }

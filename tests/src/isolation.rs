@@ -161,7 +161,7 @@ impl Drop for IsolationEnv {
         }
         // Groups userdel left: it keeps a user's group whose gid is not the user's, as
         // an agent stopped between the two files of a renumber leaves them.
-        for group in groups_with_prefix(&self.user_prefix) {
+        for group in users::groups_with_prefix(Path::new("/etc"), &self.user_prefix) {
             let _ = Command::new("groupdel").arg(&group).status();
         }
         // Groups left by slots whose user is already gone.
@@ -178,17 +178,6 @@ impl Drop for IsolationEnv {
         remove_bus_guards(&self.user_prefix);
         remove_slot_namespaces(&self.run_dir.path().join("netns"));
     }
-}
-
-/// The groups of /etc/group whose name starts with `prefix`.
-fn groups_with_prefix(prefix: &str) -> Vec<String> {
-    std::fs::read_to_string("/etc/group")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(':').next())
-        .filter(|n| n.starts_with(prefix))
-        .map(str::to_string)
-        .collect()
 }
 
 /// Unmounts the slot namespaces agents left under `<run-dir>/netns` (an agent killed
