@@ -495,7 +495,10 @@ impl UserIsolation {
         let mut problems: Vec<String> = self.remove_image(slot, &ws);
         let mut budget = Budget::for_release();
         // A workspace image still mounted is not wiped through (the mount stays a reason).
-        if !self.image_mounted(&ws) {
+        // The removal just read the mounts: without a problem, nothing is mounted there
+        // now (it was not, or it was unmounted or detached), and the mounts are read again
+        // only after one (each read is an `nsenter` with --mount-namespace).
+        if problems.is_empty() || !self.image_mounted(&ws) {
             if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
                 problems.push(err.to_string());
             }
