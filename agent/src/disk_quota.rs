@@ -122,7 +122,8 @@ impl WorkspaceImages {
     }
 
     /// Unmounts `workspace` if something is mounted there and deletes the image of
-    /// `slot`; the problems met, for the slot's dirty reason (empty: all gone). The
+    /// `slot`; the problems met, for the slot's dirty reason (empty: nothing is mounted
+    /// on the workspace any more and the image is gone; release relies on it). The
     /// workspace directory itself stays.
     pub fn remove(&self, slot: u32, workspace: &Path) -> Vec<String> {
         let mut problems = Vec::new();

@@ -36,6 +36,7 @@ pub mod reconcile;
 pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
+pub mod step_clock;
 pub mod uid_range;
 pub mod user_isolation;
 pub mod users;

@@ -32,6 +32,7 @@
 //! restarted agent is open again.
 
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
+use crate::step_clock::StepClock;
 use slotpool_protocol::api::{SlotLimits, SlotOccupants};
 use slotpool_protocol::model::{SlotReport, DIRTY_REASON_MAX_CHARS};
 use slotpool_protocol::NodeId;
@@ -495,8 +496,11 @@ impl Slots {
         limits: SlotLimits,
     ) -> Result<PreparedSlot, SlotError> {
         let limits = crate::default_limits::with_defaults(limits, &self.default_limits);
+        let mut clock = StepClock::start();
         let _running = self.gate.read().await;
         let _slot = self.lock(slot).await?;
+        // A prepare of a slot being released or warmed waits here.
+        clock.lap("slot_lock");
         let plan = self.table().plan_prepare(slot, node_id)?;
         if plan == PreparePlan::Reuse {
             return Ok(PreparedSlot {
@@ -519,8 +523,12 @@ impl Slots {
                     isolation.prepare_warm(slot, &node, key.as_deref(), &limits)
                 })
                 .await;
+            clock.lap("prepare_warm");
             match warm {
-                Ok(workspace) => return Ok(self.prepared(slot, node_id, workspace)),
+                Ok(workspace) => {
+                    clock.log(slot, "prepare");
+                    return Ok(self.prepared(slot, node_id, workspace));
+                }
                 Err(err) => {
                     tracing::warn!(slot, %err, "warm slot could not be prepared; taking the full path");
                     self.table().mark_cold(slot);
@@ -533,6 +541,8 @@ impl Slots {
             isolation.create(slot, &node, ssh_public_key.as_deref(), &limits)
         })
         .await?;
+        clock.lap("create");
+        clock.log(slot, "prepare");
         Ok(self.prepared(slot, node_id, workspace))
     }
 
@@ -566,13 +576,17 @@ impl Slots {
     /// again in the background (the slot's lock passes straight to the warm-up). A slot
     /// that cannot be cleaned is marked dirty and the error is [`SlotError::Unclean`].
     pub async fn release(&self, slot: u32, node_id: &NodeId) -> Result<ReleaseOutcome, SlotError> {
+        let mut clock = StepClock::start();
         let lock = self.lock(slot).await?;
+        clock.lap("slot_lock");
         match self.table().plan_release(slot, node_id)? {
             ReleasePlan::KeepHolder(holder) => return Ok(ReleaseOutcome::HeldByOther(holder)),
             ReleasePlan::Destroy => {}
         }
         let isolation = self.isolation.clone();
         let result = blocking(slot, "release", move || isolation.release(slot)).await;
+        clock.lap("clean");
+        clock.log(slot, "release_reply");
         self.table().mark_released(slot);
         if let Err(err) = result {
             tracing::error!(slot, %err, "slot could not be cleaned: marking it dirty");

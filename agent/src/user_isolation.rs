@@ -64,6 +64,7 @@ use crate::isolation::{
 };
 use crate::netns::{NetnsError, SlotNetworks};
 use crate::shared_dirs;
+use crate::step_clock::StepClock;
 use crate::uid_range::UidAllocator;
 use crate::users::{self, UserInfo};
 use crate::wipe::Budget;
@@ -329,27 +330,53 @@ impl UserIsolation {
     /// The slot's user with a uid no tenant of this slot had: the user a release kept,
     /// given the next uid of the range ([`users::renumber`]), or a new one when there is
     /// none or it cannot be renumbered.
-    fn fresh_user(&self, user: &str, dir: &Path, slot: u32) -> Result<UserInfo, IsolationError> {
+    fn fresh_user(
+        &self,
+        user: &str,
+        dir: &Path,
+        slot: u32,
+        clock: &mut StepClock,
+    ) -> Result<UserInfo, IsolationError> {
         if let Some(kept) = users::lookup(user) {
-            let uid = self.next_uid(user)?;
-            match users::renumber(&self.etc, user, uid) {
-                Ok(()) => match users::lookup(user) {
-                    Some(info) if info.uid == uid && info.home == dir => return Ok(info),
-                    found => tracing::warn!(
-                        user,
-                        uid,
-                        ?found,
-                        "renumbered user reads back otherwise; making it anew"
-                    ),
-                },
-                Err(err) => {
-                    tracing::warn!(user, uid, old_uid = kept.uid, %err, "cannot renumber the slot user; making it anew")
+            let mut attempts = 0;
+            loop {
+                let uid = self.next_uid(user)?;
+                clock.lap("next_uid");
+                let renumbered = users::renumber(&self.etc, user, uid);
+                clock.lap("renumber");
+                match renumbered {
+                    Ok(()) => match users::lookup(user) {
+                        Some(info) if info.uid == uid && info.home == dir => return Ok(info),
+                        found => tracing::warn!(
+                            user,
+                            uid,
+                            ?found,
+                            "renumbered user reads back otherwise; making it anew"
+                        ),
+                    },
+                    // The id was taken meanwhile (a group with that gid, a user made by
+                    // another agent counting through the same range): the next one, as
+                    // `add_user` does. Still a uid no tenant of the slot had.
+                    Err(err)
+                        if err.error.kind() == std::io::ErrorKind::AlreadyExists
+                            && attempts < UID_ATTEMPTS =>
+                    {
+                        tracing::debug!(user, uid, %err, "id taken meanwhile; renumbering to the next");
+                        attempts += 1;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!(user, uid, old_uid = kept.uid, %err, "cannot renumber the slot user; making it anew")
+                    }
                 }
+                break;
             }
             users::remove(user)?;
         }
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
-        self.add_user(user, dir, &comment)
+        let added = self.add_user(user, dir, &comment);
+        clock.lap("useradd");
+        added
     }
 
     /// Empty workspace owned by the user, 0700: a file system of `disk_bytes` of its
@@ -434,27 +461,49 @@ impl UserIsolation {
     /// gone; the user too, unless `keep` says to keep it for the next tenancy (which
     /// gives it a new uid, see [`UserIsolation::fresh_user`]).
     fn clean(&self, slot: u32, keep: KeepUser) -> Result<(), IsolationError> {
+        let mut clock = StepClock::start();
+        let result = self.clean_timed(slot, keep, &mut clock);
+        clock.log(slot, "release");
+        result
+    }
+
+    /// [`UserIsolation::clean`], each step noted on `clock`.
+    fn clean_timed(
+        &self,
+        slot: u32,
+        keep: KeepUser,
+        clock: &mut StepClock,
+    ) -> Result<(), IsolationError> {
         let user = self.user(slot);
         let info = users::lookup(&user);
+        clock.lap("lookup");
         self.terminate(&user);
+        clock.lap("terminate");
         self.cgroups.kill_all(&user)?;
+        clock.lap("kill_cgroup");
         if let Some(info) = &info {
             users::kill_uid(&self.proc_root, info.uid, info.gid)?;
         }
+        clock.lap("kill_uid");
         // From here on no process of the slot exists: nothing can be re-created.
         self.users().remove(&slot);
         self.cgroups.remove(&user)?;
+        clock.lap("cgroup_remove");
         let ws = self.workspace(slot);
         // Whatever cannot be removed is a reason for the slot to be dirty; the user is
         // deleted then, so nobody logs in to what is left.
         let mut problems: Vec<String> = self.remove_image(slot, &ws);
         let mut budget = Budget::for_release();
         // A workspace image still mounted is not wiped through (the mount stays a reason).
-        if !self.image_mounted(&ws) {
+        // The removal just read the mounts: without a problem, nothing is mounted there
+        // now (it was not, or it was unmounted or detached), and the mounts are read again
+        // only after one (each read is an `nsenter` with --mount-namespace).
+        if problems.is_empty() || !self.image_mounted(&ws) {
             if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
                 problems.push(err.to_string());
             }
         }
+        clock.lap("wipe");
         if let Some(net) = &self.network {
             problems.extend(net.remove(slot));
         }
@@ -462,13 +511,16 @@ impl UserIsolation {
             for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
                 problems.push(err.to_string());
             }
+            clock.lap("shared_dirs");
             problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
+            clock.lap("ipc");
         }
         for file in self.per_user_files(&user) {
             if let Err(e) = fs::remove_file(&file) {
                 problems.push(format!("removing {}: {e}", file.display()));
             }
         }
+        clock.lap("spools");
         // A kept user has neither key nor password (the workspace is gone) and no
         // process: nobody can log in until a prepare after the warm-up. A slot that is
         // not clean loses its user, so nobody logs in to what is left.
@@ -476,12 +528,14 @@ impl UserIsolation {
         if !user_kept {
             users::remove(&user)?;
         }
+        clock.lap("user_remove");
         if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid), user_kept) {
             problems.push(format!("still present: {left}"));
             if user_kept {
                 users::remove(&user)?;
             }
         }
+        clock.lap("check");
         if !problems.is_empty() {
             return Err(IsolationError::new("verifying slot is clean", &ws)(
                 std::io::Error::other(problems.join("; ")),
@@ -493,6 +547,45 @@ impl UserIsolation {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(IsolationError::new("removing", &state)(e)),
         }
+        Ok(())
+    }
+
+    /// [`SlotIsolation::warm`], each step noted on `clock`.
+    fn warm_timed(&self, slot: u32, clock: &mut StepClock) -> Result<(), IsolationError> {
+        let user = self.user(slot);
+        let dir = self.workspace(slot);
+        let info = self.fresh_user(&user, &dir, slot, clock)?;
+        let disk_bytes = self.warm_disk_bytes;
+        self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
+        clock.lap("workspace");
+        self.cgroups.create(&user, &SlotLimits::default())?;
+        clock.lap("cgroup_create");
+        if let Some(net) = &self.network {
+            net.create(slot, info.uid, info.gid)
+                .map_err(|e| self.network_error(slot, e))?;
+            clock.lap("netns");
+        }
+        self.write_state(
+            slot,
+            &SlotState {
+                node_id: None,
+                user: user.clone(),
+                uid: Some(info.uid),
+                limits: SlotLimits::default(),
+                disk_bytes,
+            },
+        )?;
+        self.users().insert(
+            slot,
+            SlotUser {
+                user,
+                uid: info.uid,
+                gid: info.gid,
+                prepared: false,
+                disk_bytes,
+            },
+        );
+        clock.lap("state");
         Ok(())
     }
 
@@ -557,37 +650,10 @@ impl SlotIsolation for UserIsolation {
     }
 
     fn warm(&self, slot: u32) -> Result<(), IsolationError> {
-        let user = self.user(slot);
-        let dir = self.workspace(slot);
-        let info = self.fresh_user(&user, &dir, slot)?;
-        let disk_bytes = self.warm_disk_bytes;
-        self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
-        self.cgroups.create(&user, &SlotLimits::default())?;
-        if let Some(net) = &self.network {
-            net.create(slot, info.uid, info.gid)
-                .map_err(|e| self.network_error(slot, e))?;
-        }
-        self.write_state(
-            slot,
-            &SlotState {
-                node_id: None,
-                user: user.clone(),
-                uid: Some(info.uid),
-                limits: SlotLimits::default(),
-                disk_bytes,
-            },
-        )?;
-        self.users().insert(
-            slot,
-            SlotUser {
-                user,
-                uid: info.uid,
-                gid: info.gid,
-                prepared: false,
-                disk_bytes,
-            },
-        );
-        Ok(())
+        let mut clock = StepClock::start();
+        let result = self.warm_timed(slot, &mut clock);
+        clock.log(slot, "warm");
+        result
     }
 
     fn prepare_warm(

@@ -20,6 +20,7 @@
 //! repeats until a scan finds none.
 
 use crate::isolation::IsolationError;
+use crate::step_clock::StepClock;
 use sha2::{Digest, Sha256};
 use slotpool_protocol::api::SlotSession;
 use slotpool_protocol::model::SlotNames;
@@ -27,7 +28,7 @@ use std::ffi::CString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Longest a kill by uid keeps trying.
@@ -427,6 +428,11 @@ fn id_taken(text: &str, name: &str, field: usize, id: u32) -> bool {
 /// [`std::io::ErrorKind::AlreadyExists`] when a user has uid `id` or a group gid `id`, and
 /// [`std::io::ErrorKind::NotFound`] when the user or its group is missing; the caller then
 /// deletes and adds the user instead.
+///
+/// Renumbers asked for while another is being written wait in one queue and go into the
+/// next rewrite together: whoever takes the process's turn first writes every renumber
+/// of the same `etc` queued by then, so eight slots released at once cost one rewrite
+/// of each file, not eight one after the other.
 pub fn renumber(etc: &Path, name: &str, id: u32) -> Result<(), IsolationError> {
     let fail = |kind: std::io::ErrorKind, why: String| {
         IsolationError::new("renumbering user", Path::new(name))(std::io::Error::new(kind, why))
@@ -437,41 +443,155 @@ pub fn renumber(etc: &Path, name: &str, id: u32) -> Result<(), IsolationError> {
             format!("uid {id} is below {MIN_SLOT_UID}"),
         ));
     }
+    let outcome = Arc::new(OnceLock::new());
+    queued_renumbers().push(QueuedRenumber {
+        etc: etc.to_path_buf(),
+        name: name.to_string(),
+        id,
+        outcome: outcome.clone(),
+    });
     let _one_at_a_time = PASSWD.lock().unwrap_or_else(|e| e.into_inner());
-    let _locked = lock_passwd(etc, &["passwd", "group"])
-        .map_err(IsolationError::new("locking the password database in", etc))?;
-    let read = |file: &str| {
-        std::fs::read_to_string(etc.join(file))
-            .map_err(IsolationError::new("reading", &etc.join(file)))
-    };
-    let (passwd, group) = (read("passwd")?, read("group")?);
-    if id_taken(&passwd, name, 2, id) || id_taken(&group, name, 2, id) {
-        return Err(fail(
-            std::io::ErrorKind::AlreadyExists,
-            format!("uid or gid {id} is taken"),
-        ));
+    if outcome.get().is_none() {
+        // Not written by the turn before: this turn writes it, with every renumber of
+        // `etc` queued meanwhile.
+        let batch: Vec<QueuedRenumber> = {
+            let mut queue = queued_renumbers();
+            let (batch, rest) = std::mem::take(&mut *queue)
+                .into_iter()
+                .partition(|q| q.etc == etc);
+            *queue = rest;
+            batch
+        };
+        renumber_batch(etc, batch);
     }
-    let id_text = id.to_string();
-    let new_passwd =
-        with_field(&passwd, name, 2, &id_text).and_then(|t| with_field(&t, name, 3, &id_text));
-    let new_group = with_field(&group, name, 2, &id_text);
-    let (Some(new_passwd), Some(new_group)) = (new_passwd, new_group) else {
-        return Err(fail(
-            std::io::ErrorKind::NotFound,
-            "no such user and group".into(),
-        ));
+    match outcome.get() {
+        Some(Ok(())) => Ok(()),
+        Some(Err((action, path, kind, why))) => Err(IsolationError::new(action, path)(
+            std::io::Error::new(*kind, why.clone()),
+        )),
+        None => Err(fail(
+            std::io::ErrorKind::Other,
+            "the renumber was not written".into(),
+        )),
+    }
+}
+
+/// How a queued renumber ended; an error as (action, path, kind, message), for each
+/// waiting caller to make its own [`IsolationError`] of.
+type RenumberOutcome = Result<(), (&'static str, PathBuf, std::io::ErrorKind, String)>;
+
+/// A renumber waiting for the next rewrite of `etc`.
+struct QueuedRenumber {
+    etc: PathBuf,
+    name: String,
+    id: u32,
+    outcome: Arc<OnceLock<RenumberOutcome>>,
+}
+
+/// The renumbers waiting for the process's turn at the password database.
+static QUEUED_RENUMBERS: Mutex<Vec<QueuedRenumber>> = Mutex::new(Vec::new());
+
+fn queued_renumbers() -> std::sync::MutexGuard<'static, Vec<QueuedRenumber>> {
+    QUEUED_RENUMBERS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes the renumbers of `batch` (all of `etc`) in one rewrite of `group` and one of
+/// `passwd`, under the password database locks, and gives each its outcome: a renumber
+/// whose id is taken or whose user is missing fails alone; a lock or write failure
+/// fails every renumber of the batch. Called with [`PASSWD`] held.
+fn renumber_batch(etc: &Path, batch: Vec<QueuedRenumber>) {
+    let mut clock = StepClock::start();
+    let everyone = |batch: &[QueuedRenumber], outcome: RenumberOutcome| {
+        for q in batch {
+            let _ = q.outcome.set(outcome.clone());
+        }
     };
-    // The group first: a crash between the two leaves the user with the old gid, which
-    // no group names (the next warm-up finds the uid changed and makes the slot anew).
-    replace_db_file(etc, "group", &new_group)
-        .map_err(IsolationError::new("writing", &etc.join("group")))?;
-    replace_db_file(etc, "passwd", &new_passwd)
-        .map_err(IsolationError::new("writing", &etc.join("passwd")))
+    let as_outcome = |action: &'static str, path: &Path, e: std::io::Error| -> RenumberOutcome {
+        Err((action, path.to_path_buf(), e.kind(), e.to_string()))
+    };
+    let _locked = match lock_passwd(etc, &["passwd", "group"]) {
+        Ok(locked) => locked,
+        Err(e) => {
+            return everyone(
+                &batch,
+                as_outcome("locking the password database in", etc, e),
+            )
+        }
+    };
+    clock.lap("host_lock");
+    let read = |file: &str| std::fs::read_to_string(etc.join(file));
+    let (mut passwd, mut group) = match (read("passwd"), read("group")) {
+        (Ok(p), Ok(g)) => (p, g),
+        (Err(e), _) => return everyone(&batch, as_outcome("reading", &etc.join("passwd"), e)),
+        (_, Err(e)) => return everyone(&batch, as_outcome("reading", &etc.join("group"), e)),
+    };
+    clock.lap("read");
+    // Each renumber is checked against the files as the ones before it in the batch left
+    // them, so two of one batch can never end up with the same id.
+    let mut written = Vec::new();
+    for q in batch {
+        let refused = |kind: std::io::ErrorKind, why: &str| -> RenumberOutcome {
+            Err((
+                "renumbering user",
+                PathBuf::from(&q.name),
+                kind,
+                why.to_string(),
+            ))
+        };
+        if id_taken(&passwd, &q.name, 2, q.id) || id_taken(&group, &q.name, 2, q.id) {
+            let why = format!("uid or gid {} is taken", q.id);
+            let _ = q
+                .outcome
+                .set(refused(std::io::ErrorKind::AlreadyExists, &why));
+            continue;
+        }
+        let id_text = q.id.to_string();
+        let new_passwd = with_field(&passwd, &q.name, 2, &id_text)
+            .and_then(|t| with_field(&t, &q.name, 3, &id_text));
+        let new_group = with_field(&group, &q.name, 2, &id_text);
+        let (Some(new_passwd), Some(new_group)) = (new_passwd, new_group) else {
+            let _ = q.outcome.set(refused(
+                std::io::ErrorKind::NotFound,
+                "no such user and group",
+            ));
+            continue;
+        };
+        (passwd, group) = (new_passwd, new_group);
+        written.push(q);
+    }
+    if written.is_empty() {
+        return;
+    }
+    // The group first: a crash between the two leaves the users with their old gids,
+    // which no group names (the next warm-up finds the uid changed and makes the slot
+    // anew).
+    if let Err(e) = replace_db_file(etc, "group", &group) {
+        return everyone(&written, as_outcome("writing", &etc.join("group"), e));
+    }
+    clock.lap("group");
+    if let Err(e) = replace_db_file(etc, "passwd", &passwd) {
+        return everyone(&written, as_outcome("writing", &etc.join("passwd"), e));
+    }
+    clock.lap("passwd");
+    #[cfg(test)]
+    tests::note_rewrite(etc);
+    everyone(&written, Ok(()));
+    tracing::debug!(batch = written.len(), steps = %clock.steps(), "renumber timed");
 }
 
 /// Every user whose name starts with `prefix`, from `<etc>/passwd`.
 pub fn users_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
-    std::fs::read_to_string(etc.join("passwd"))
+    names_with_prefix(&etc.join("passwd"), prefix)
+}
+
+/// Every group whose name starts with `prefix`, from `<etc>/group`.
+pub fn groups_with_prefix(etc: &Path, prefix: &str) -> Vec<String> {
+    names_with_prefix(&etc.join("group"), prefix)
+}
+
+/// The names (first field) of the lines of `file` that start with `prefix`.
+fn names_with_prefix(file: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_to_string(file)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(':').next())
@@ -776,19 +896,19 @@ mod tests {
         );
     }
 
-    fn passwd_dir() -> tempfile::TempDir {
+    /// An `etc` with these `passwd` and `group` files.
+    fn etc_with(passwd: &str, group: &str) -> tempfile::TempDir {
         let etc = tempfile::tempdir().unwrap();
-        std::fs::write(
-            etc.path().join("passwd"),
+        std::fs::write(etc.path().join("passwd"), passwd).unwrap();
+        std::fs::write(etc.path().join("group"), group).unwrap();
+        etc
+    }
+
+    fn passwd_dir() -> tempfile::TempDir {
+        etc_with(
             "root:x:0:0:root:/root:/bin/bash\nsp1s0:x:2000001:1001:slotpool slot 0 of bn-a:/w/slots/0:/bin/bash\nother:x:2000009:1002::/home/other:/bin/sh\n",
-        )
-        .unwrap();
-        std::fs::write(
-            etc.path().join("group"),
             "root:x:0:\nsp1s0:x:1001:\nother:x:1002:\n",
         )
-        .unwrap();
-        etc
     }
 
     #[test]
@@ -809,6 +929,106 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left, [".pwd.lock", "group", "passwd"]);
+    }
+
+    /// The `etc` dirs of every rewrite of the password database, in order.
+    static REWRITES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    pub(super) fn note_rewrite(etc: &Path) {
+        REWRITES.lock().unwrap().push(etc.to_path_buf());
+    }
+
+    #[test]
+    fn renumbers_queued_meanwhile_go_into_one_rewrite() {
+        let users: Vec<String> = (0..4).map(|s| format!("sp2s{s}")).collect();
+        let mut passwd = String::from("root:x:0:0:root:/root:/bin/bash\n");
+        let mut group = String::from("root:x:0:\n");
+        for (i, user) in users.iter().enumerate() {
+            passwd.push_str(&format!(
+                "{user}:x:{}:{}::/w/{i}:/bin/bash\n",
+                2000100 + i,
+                1100 + i
+            ));
+            group.push_str(&format!("{user}:x:{}:\n", 1100 + i));
+        }
+        let etc = etc_with(&passwd, &group);
+        let queued = |etc: &Path| queued_renumbers().iter().filter(|q| q.etc == etc).count();
+        // While another renumber of the process is being written, four slots ask for theirs.
+        let turn = PASSWD.lock().unwrap();
+        let threads: Vec<_> = users
+            .iter()
+            .enumerate()
+            .map(|(i, user)| {
+                let (etc, user) = (etc.path().to_path_buf(), user.clone());
+                std::thread::spawn(move || renumber(&etc, &user, 2000200 + i as u32))
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while queued(etc.path()) < users.len() {
+            assert!(Instant::now() < deadline, "the renumbers never queued");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(turn);
+        for thread in threads {
+            thread.join().unwrap().unwrap();
+        }
+        let passwd = std::fs::read_to_string(etc.path().join("passwd")).unwrap();
+        let group = std::fs::read_to_string(etc.path().join("group")).unwrap();
+        for (i, user) in users.iter().enumerate() {
+            let id = 2000200 + i;
+            assert!(
+                passwd.contains(&format!("{user}:x:{id}:{id}::/w/{i}:")),
+                "{passwd}"
+            );
+            assert!(group.contains(&format!("{user}:x:{id}:")), "{group}");
+        }
+        let rewrites = REWRITES
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| *e == etc.path())
+            .count();
+        assert_eq!(rewrites, 1, "four renumbers queued together, one rewrite");
+    }
+
+    #[test]
+    fn a_batch_refuses_only_the_renumber_whose_id_is_taken() {
+        let etc = etc_with(
+            "sp1s0:x:2000001:1001::/w/0:/bin/bash\nsp1s1:x:2000002:1002::/w/1:/bin/bash\nsp1s2:x:2000003:1003::/w/2:/bin/bash\n",
+            "sp1s0:x:1001:\nsp1s1:x:1002:\nsp1s2:x:1003:\n",
+        );
+        let queue = |name: &str, id: u32| QueuedRenumber {
+            etc: etc.path().to_path_buf(),
+            name: name.into(),
+            id,
+            outcome: Arc::new(OnceLock::new()),
+        };
+        // The second asks for the id the first gets in the same batch; the third's user is
+        // missing.
+        let batch = vec![
+            queue("sp1s0", 2000010),
+            queue("sp1s1", 2000010),
+            queue("gone", 2000011),
+        ];
+        let outcomes: Vec<_> = batch.iter().map(|q| q.outcome.clone()).collect();
+        let _turn = PASSWD.lock().unwrap();
+        renumber_batch(etc.path(), batch);
+        let kinds: Vec<_> = outcomes
+            .iter()
+            .map(|o| o.get().unwrap().as_ref().err().map(|e| e.2))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                None,
+                Some(std::io::ErrorKind::AlreadyExists),
+                Some(std::io::ErrorKind::NotFound)
+            ]
+        );
+        assert_eq!(
+            std::fs::read_to_string(etc.path().join("passwd")).unwrap(),
+            "sp1s0:x:2000010:2000010::/w/0:/bin/bash\nsp1s1:x:2000002:1002::/w/1:/bin/bash\nsp1s2:x:2000003:1003::/w/2:/bin/bash\n"
+        );
     }
 
     #[test]
@@ -933,16 +1153,18 @@ mod tests {
     }
 
     #[test]
-    fn passwd_listing_by_prefix() {
-        let etc = tempfile::tempdir().unwrap();
-        std::fs::write(
-            etc.path().join("passwd"),
+    fn passwd_and_group_listing_by_prefix() {
+        let etc = etc_with(
             "root:x:0:0::/root:/bin/sh\nspab12s0:x:1001:1001::/w:/bin/bash\nspab12s1:x:1002:1002::/w:/bin/bash\n",
-        )
-        .unwrap();
+            "root:x:0:\nspab12s0:x:1001:\nspabg:x:1003:\n",
+        );
         assert_eq!(
             users_with_prefix(etc.path(), "spab"),
             vec!["spab12s0", "spab12s1"]
+        );
+        assert_eq!(
+            groups_with_prefix(etc.path(), "spab"),
+            vec!["spab12s0", "spabg"]
         );
     }
 }

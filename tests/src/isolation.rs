@@ -159,6 +159,11 @@ impl Drop for IsolationEnv {
                 eprintln!("cleanup: {err}");
             }
         }
+        // Groups userdel left: it keeps a user's group whose gid is not the user's, as
+        // an agent stopped between the two files of a renumber leaves them.
+        for group in users::groups_with_prefix(Path::new("/etc"), &self.user_prefix) {
+            let _ = Command::new("groupdel").arg(&group).status();
+        }
         // Groups left by slots whose user is already gone.
         for parent in self.parent_dirs() {
             if let Ok(entries) = std::fs::read_dir(&parent) {

@@ -466,6 +466,74 @@ async fn a_slot_gets_a_new_uid_for_every_tenancy() {
     );
 }
 
+/// A group made for a test with `groupadd`, deleted on drop (also when the test panics).
+struct TestGroup(String);
+
+impl TestGroup {
+    fn add(name: String, gid: u32) -> TestGroup {
+        let status = std::process::Command::new("groupadd")
+            .args(["--gid", &gid.to_string(), &name])
+            .status()
+            .unwrap();
+        assert!(status.success(), "groupadd {name} with gid {gid}: {status}");
+        TestGroup(name)
+    }
+}
+
+impl Drop for TestGroup {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("groupdel").arg(&self.0).status();
+    }
+}
+
+/// Where `user`'s line is in /etc/passwd.
+fn passwd_line(user: &str) -> usize {
+    std::fs::read_to_string("/etc/passwd")
+        .unwrap()
+        .lines()
+        .position(|l| l.split(':').next() == Some(user))
+        .unwrap_or_else(|| panic!("{user} is not in /etc/passwd"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_user_whose_next_id_is_taken_is_renumbered_to_the_one_after() {
+    let env = IsolationEnv::new();
+    let agent = SlotAgent::start(&env, 2, &[]).await;
+    for slot in 0..2 {
+        wait_for("both slots to be warm", LONG, || async { agent.warm(slot) }).await;
+    }
+    let (user, _) = login_of(&agent.prepare(0, "node-a", None).await.unwrap());
+    let (neighbour, _) = login_of(&agent.prepare(1, "node-n", None).await.unwrap());
+    let first = uid_of(&user).unwrap();
+    // The warm-ups made slot 0's user first, so its line comes before slot 1's.
+    assert!(passwd_line(&user) < passwd_line(&neighbour));
+    // The uid the next warm-up counts to is free, but a group has it as gid: the
+    // renumber to it is refused.
+    let next = (first + 1..)
+        .find(|uid| users::name_of(*uid).is_none())
+        .unwrap();
+    let _group = TestGroup::add(format!("{}g", env.user_prefix), next);
+    agent.release(0, "node-a").await.unwrap();
+    wait_for("slot 0 to be warm again", LONG, || async { agent.warm(0) }).await;
+    let (again, _) = login_of(&agent.prepare(0, "node-b", None).await.unwrap());
+    assert_eq!(again, user);
+    let uid = uid_of(&user).unwrap();
+    assert!(
+        uid > next,
+        "uid {uid}: neither the freed {first} nor the taken {next}"
+    );
+    assert_eq!(users::lookup(&user).unwrap().gid, uid);
+    // Renumbered in place to the id after, not deleted and made anew (which would have
+    // put its line last, after slot 1's user).
+    assert!(
+        passwd_line(&user) < passwd_line(&neighbour),
+        "slot 0's user was made anew:\n{}",
+        agent.log()
+    );
+    agent.release(0, "node-b").await.unwrap();
+    agent.release(1, "node-n").await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_asked_to_remove_its_slots_on_stop_leaves_no_user_or_cgroup() {
     let env = IsolationEnv::new();

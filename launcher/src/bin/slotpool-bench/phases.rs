@@ -401,7 +401,15 @@ pub async fn agent(
         .arg(&work_dir)
         .arg("--slots")
         .arg(slots.to_string())
-        .args(["--isolation", isolation, "--remove-slots-on-stop"])
+        // As the warm agents: no /proc hiding processes, a host-wide mount the agent
+        // would leave behind.
+        .args([
+            "--isolation",
+            isolation,
+            "--remove-slots-on-stop",
+            "--hide-processes",
+            "off",
+        ])
         .env("SLOTPOOL_AGENT_SECRET", "bench-agent-secret")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
