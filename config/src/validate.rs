@@ -10,18 +10,42 @@ use slotpool_protocol::ids::is_key_token;
 /// Longest `max-hold-time` a label may set: a year.
 const MAX_HOLD_TIME_SECS: u64 = 365 * 24 * 3600;
 
+/// How many YAML nodes a pool file may hold. The parser's default (250,000) guards
+/// against documents made to exhaust memory; a pool file is the operator's own, and a
+/// `static` provider listing some tens of thousands of hosts (each host a mapping of
+/// three keys, about seven nodes) is a legitimate one.
+pub(crate) const MAX_YAML_NODES: usize = 4_000_000;
+
+fn parser_options(max_nodes: usize) -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_nodes: max_nodes,
+            max_events: 4 * max_nodes,
+        },
+    }
+}
+
 /// Parses and validates `text`; errors name `path`, line and column.
 pub(crate) fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+    parse_within(path, text, MAX_YAML_NODES)
+}
+
+/// [`parse`], reading at most `max_nodes` YAML nodes.
+fn parse_within(path: &Path, text: &str, max_nodes: usize) -> Result<Config, ConfigError> {
     // Where in the document the parser stopped (`providers[0].pools[0].max-servers`), so
     // that a refused value is named by its key.
     let mut at = None;
-    let raw: Result<RawConfig, _> = serde_saphyr::with_deserializer_from_str(text, |de| {
-        serde_path_to_error::deserialize(de).map_err(|err| {
-            at = Some(err.path().clone());
-            err.into_inner()
-        })
-    });
-    let raw = raw.map_err(|err| parse_error(path, text, at.as_ref(), &err))?;
+    let raw: Result<RawConfig, _> = serde_saphyr::with_deserializer_from_str_with_options(
+        text,
+        parser_options(max_nodes),
+        |de| {
+            serde_path_to_error::deserialize(de).map_err(|err| {
+                at = Some(err.path().clone());
+                err.into_inner()
+            })
+        },
+    );
+    let raw = raw.map_err(|err| parse_error(path, text, at.as_ref(), &err, max_nodes))?;
     Validator { path }.config(raw)
 }
 
@@ -32,6 +56,7 @@ fn parse_error(
     text: &str,
     at: Option<&serde_path_to_error::Path>,
     err: &serde_saphyr::Error,
+    max_nodes: usize,
 ) -> ConfigError {
     use serde_saphyr::Error as E;
     let (mut line, mut column) = err
@@ -50,6 +75,13 @@ fn parse_error(
     });
     let mut message = first_line(&err.to_string());
     match (err.without_snippet(), key) {
+        (E::Budget { breach, .. }, _) => {
+            message = format!(
+                "the file is larger than slotpool reads: at most {max_nodes} YAML nodes \
+                 (values, keys, lists and mappings) and four times as many parser events \
+                 ({breach:?})"
+            );
+        }
         (E::InvalidScalar { .. } | E::SerdeInvalidType { .. }, Some(key)) => {
             let got = scalar_at(text, line, column);
             message = match expected(key) {
@@ -471,9 +503,11 @@ impl Validator<'_> {
             defined,
         } = raw;
         let raw = Spanned::new((), referenced, defined);
+        // Names seen, so that a list of tens of thousands of hosts is checked in one pass.
+        let mut names = std::collections::HashSet::new();
         for h in raw_hosts {
             let name = self.name("host", &h.name)?;
-            if hosts.iter().any(|x| x.name == name) {
+            if !names.insert(name.clone()) {
                 return Err(self.at(&h.name, format!("host {name:?} is listed twice")));
             }
             let pool = match (h.pool, pools) {
@@ -769,5 +803,50 @@ impl Validator<'_> {
             launch_retries,
             labels,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool file with a `static` provider of `n` hosts.
+    fn static_pool(n: usize) -> String {
+        let mut text = String::from(
+            "providers:\n  - name: fleet\n    driver: static\n    static:\n      hosts:\n",
+        );
+        for i in 0..n {
+            text.push_str(&format!(
+                "        - {{name: bn-{i:06}, host: 10.{}.{}.{}, secret-file: /etc/slotpool/secret}}\n",
+                (i >> 16) & 255,
+                (i >> 8) & 255,
+                i & 255
+            ));
+        }
+        text.push_str(&format!(
+            "    pools:\n      - name: main\n        max-servers: {n}\n        labels:\n          - name: small\n            backing-label: vm\n            max-parallel-jobs: 8\n"
+        ));
+        text
+    }
+
+    #[test]
+    fn a_file_past_the_parsers_budget_is_refused_saying_so() {
+        let text = static_pool(50);
+        let path = Path::new("pool.yaml");
+        assert!(parse_within(path, &text, 100_000).is_ok());
+        let err = parse_within(path, &text, 100).unwrap_err().to_string();
+        assert!(
+            err.starts_with("pool.yaml:")
+                && err.contains("larger than slotpool reads: at most 100 YAML nodes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_static_provider_of_sixty_thousand_hosts_is_read() {
+        // Past the YAML parser's default budget of 250,000 nodes; read in one pass (the
+        // duplicate check walked the hosts read so far for each one: minutes).
+        let config = parse(Path::new("pool.yaml"), &static_pool(60_000)).unwrap();
+        assert_eq!(config.sites("small")[0].pool.max_servers, 60_000);
     }
 }
