@@ -66,10 +66,12 @@ pub struct Args {
     /// Number of slots this node is carved into (valid slot indexes are 0..N).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub slots: u32,
-    /// Time between heartbeats, in milliseconds.
+    /// Time between heartbeats, in milliseconds. For a fleet of N backing nodes,
+    /// max(2000, N / 5), so that the bus takes at most 5,000 heartbeats a second.
     #[arg(long, value_name = "MS", default_value_t = 2000)]
     pub heartbeat_interval_ms: u64,
-    /// How long a heartbeat lives in KV, in whole seconds (>= 1, longer than the interval).
+    /// How long a heartbeat lives in KV, in whole seconds (>= 1, longer than the interval;
+    /// 3 x the interval).
     #[arg(long, value_name = "SECS", default_value_t = slotpool_protocol::model::DEFAULT_HEARTBEAT_TTL_SECS)]
     pub heartbeat_ttl_secs: u64,
     /// How slots are isolated: `users` (a Unix user and cgroup per slot; needs root; the

@@ -40,6 +40,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// The most backing nodes one pool may hold (`max-servers`); a larger fleet is several
+/// pools.
+pub const MAX_SERVERS: u32 = 100_000;
+
 /// A configuration problem, with where it is.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

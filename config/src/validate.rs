@@ -666,12 +666,12 @@ impl Validator<'_> {
 
     fn pool(&self, p: RawPool, driver: Driver) -> Result<PoolConfig, ConfigError> {
         let name = self.name("pool", &p.name)?;
-        if p.max_servers.value == 0 || p.max_servers.value > 100_000 {
+        if p.max_servers.value == 0 || p.max_servers.value > MAX_SERVERS {
             return Err(self.at(
                 &p.max_servers,
                 format!(
-                    "max-servers must be 1 to 100000, got {}",
-                    p.max_servers.value
+                    "max-servers must be 1 to {}, got {}",
+                    MAX_SERVERS, p.max_servers.value
                 ),
             ));
         }

@@ -497,7 +497,9 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
         let log = dir.join("scale-launcher.log");
         let started = Instant::now();
         let mut launcher = LauncherProcess::spawn(&config, url, procs::ANONYMOUS_BUS, &log)?;
-        let first = first_served(&client, &watcher, SCALE_LABEL, started).await?;
+        let first = launcher
+            .while_alive(first_served(&client, &watcher, SCALE_LABEL, started))
+            .await?;
         tokio::time::sleep(s.settle).await;
         launcher.check_alive()?;
 
@@ -532,8 +534,10 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
 
         let log = dir.join("scale-launcher-restarted.log");
         let restarted = Instant::now();
-        let launcher = LauncherProcess::spawn(&config, url, procs::ANONYMOUS_BUS, &log)?;
-        let again = first_served(&client, &watcher, SCALE_LABEL, restarted).await?;
+        let mut launcher = LauncherProcess::spawn(&config, url, procs::ANONYMOUS_BUS, &log)?;
+        let again = launcher
+            .while_alive(first_served(&client, &watcher, SCALE_LABEL, restarted))
+            .await?;
         launcher.crash().await;
         anyhow::Ok(Scale {
             backing_nodes: s.backing,
@@ -553,20 +557,43 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
     result
 }
 
+/// The pool and seat of the `i`th simulated backing node: pools of at most
+/// `max-servers`' bound, `main-0`, `main-1`, ...
+fn sim_seat(i: usize) -> (String, u32) {
+    let per_pool = slotpool_launcher::config::MAX_SERVERS as usize;
+    (format!("main-{}", i / per_pool), (i % per_pool) as u32)
+}
+
+/// The simulated host address of the `i`th simulated backing node.
+fn sim_host(i: usize) -> String {
+    format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255)
+}
+
 fn scale_config(ids: &[BackingId], secret_file: &Path, slots: u32) -> String {
     let mut hosts = String::new();
+    let mut pools: Vec<(String, usize)> = Vec::new();
     for (i, id) in ids.iter().enumerate() {
+        let (pool, _) = sim_seat(i);
         hosts.push_str(&format!(
-            "        - {{name: {id}, host: 10.{}.{}.{}, secret-file: {}}}\n",
-            (i >> 16) & 255,
-            (i >> 8) & 255,
-            i & 255,
+            "        - {{name: {id}, host: {}, pool: {pool}, secret-file: {}}}\n",
+            sim_host(i),
             secret_file.display()
         ));
+        match pools.last_mut() {
+            Some((name, n)) if *name == pool => *n += 1,
+            _ => pools.push((pool, 1)),
+        }
     }
+    let pools: String = pools
+        .iter()
+        .map(|(name, n)| {
+            format!(
+                "      - name: {name}\n        max-servers: {n}\n        labels:\n          - name: {SCALE_LABEL}\n            backing-label: sim-vm\n            max-parallel-jobs: {slots}\n            grace-time: 86400\n"
+            )
+        })
+        .collect();
     format!(
-        "launcher:\n  lease-ttl: 10\nproviders:\n  - name: sim\n    driver: static\n    static:\n      hosts:\n{hosts}    pools:\n      - name: main\n        max-servers: {}\n        labels:\n          - name: {SCALE_LABEL}\n            backing-label: sim-vm\n            max-parallel-jobs: {slots}\n            grace-time: 86400\n",
-        ids.len()
+        "launcher:\n  lease-ttl: 10\nproviders:\n  - name: sim\n    driver: static\n    static:\n      hosts:\n{hosts}    pools:\n{pools}"
     )
 }
 
@@ -581,12 +608,13 @@ async fn seed_backing(
     let digest = secret_digest(secret);
     for (chunk_no, chunk) in ids.chunks(512).enumerate() {
         let writes = chunk.iter().enumerate().map(|(j, id)| {
-            let seat = (chunk_no * 512 + j) as u32;
+            let (pool, seat) = sim_seat(chunk_no * 512 + j);
+            let host = sim_host(chunk_no * 512 + j);
             let record = BackingNode {
                 v: PROTOCOL_VERSION,
                 id: id.clone(),
                 provider: "sim".into(),
-                pool: "main".into(),
+                pool: pool.clone(),
                 seat,
                 label: SCALE_LABEL.into(),
                 backing_label: "sim-vm".into(),
@@ -595,12 +623,7 @@ async fn seed_backing(
                 idle: IdleBehaviour::Run,
                 instance: Some(Instance {
                     id: id.to_string(),
-                    host: format!(
-                        "10.{}.{}.{}",
-                        (seat >> 16) & 255,
-                        (seat >> 8) & 255,
-                        seat & 255
-                    ),
+                    host,
                     data: serde_json::Value::Null,
                 }),
                 secret_sha256: digest.clone(),
@@ -616,7 +639,7 @@ async fn seed_backing(
                 order: None,
                 updated_at: now,
             };
-            let key = layout::seat_key("sim", "main", seat);
+            let key = layout::seat_key("sim", &pool, seat);
             async move { bus.backing.create(&key, &record, None).await }
         });
         for written in futures::future::join_all(writes).await {

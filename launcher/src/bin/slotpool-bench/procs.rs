@@ -217,6 +217,22 @@ impl LauncherProcess {
         })
     }
 
+    /// Runs `work` unless the launcher exits first, which fails with its exit status (a
+    /// launcher that refused its config would otherwise leave `work` waiting for an answer).
+    pub async fn while_alive<T>(
+        &mut self,
+        work: impl std::future::Future<Output = anyhow::Result<T>>,
+    ) -> anyhow::Result<T> {
+        tokio::select! {
+            done = work => done,
+            status = self.child.wait() => bail!(
+                "the launcher exited with {}; see {}",
+                status?,
+                self.log.display()
+            ),
+        }
+    }
+
     /// Fails if the launcher has exited.
     pub fn check_alive(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.child.try_wait()? {
