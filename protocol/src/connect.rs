@@ -339,6 +339,34 @@ impl Bus {
     }
 }
 
+/// Logs what the NATS client reports beside the link going down and up: each can
+/// explain a stall seen elsewhere, and none is otherwise visible. A slow consumer means
+/// the client dropped messages of one of its subscriptions because its queue was full:
+/// a KV watch notices the gap at its next message, or at the server's next idle
+/// heartbeat (5 s) when the dropped message was the last, and starts again from the
+/// last one it delivered.
+fn log_event(event: &async_nats::Event) {
+    match event {
+        async_nats::Event::SlowConsumer(sid) => tracing::warn!(
+            subscription = sid,
+            "slow consumer: the NATS client dropped messages of a subscription whose queue was full"
+        ),
+        async_nats::Event::ServerError(err) => {
+            tracing::warn!(%err, "the NATS server reported an error")
+        }
+        async_nats::Event::ClientError(err) => {
+            tracing::warn!(%err, "the NATS client reported an error")
+        }
+        async_nats::Event::LameDuckMode => {
+            tracing::warn!("the NATS server is shutting down (lame duck mode)")
+        }
+        async_nats::Event::Draining | async_nats::Event::Closed => {
+            tracing::debug!(%event, "NATS connection")
+        }
+        async_nats::Event::Connected | async_nats::Event::Disconnected => {}
+    }
+}
+
 /// The bus user `opts` connect as. With slotpool credentials the name and role are the
 /// credentials' own; otherwise `act_as`, as a client.
 fn bus_user(opts: &NatsOptions) -> Result<BusUser, BusError> {
@@ -397,7 +425,7 @@ async fn connect_client(
                         link.send_replace(Link::Down);
                     }
                 }
-                _ => {}
+                other => log_event(&other),
             }
         }
     });

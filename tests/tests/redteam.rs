@@ -465,3 +465,31 @@ async fn an_api_v1_client_is_told_to_use_v2() {
     let message = v["error"]["message"].as_str().unwrap();
     assert!(message.contains("slotpool.api.v2."), "{message}");
 }
+
+/// What the server refuses is named in the log of the process it refused, not only in
+/// the error that process reports: a client reading the backing nodes' bucket, which no
+/// client may, sees the server's permissions violation in its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_refusal_is_named_in_the_refused_clients_log() {
+    let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
+    let out = tokio::task::spawn_blocking({
+        let args = pool.nats.args_as(Role::Client, "mallory");
+        move || {
+            std::process::Command::new(slotpool_tests::bin_path("slotpool"))
+                .args(args)
+                .args(["list", "backing"])
+                .env("SLOTPOOL_LOG", "warn")
+                .output()
+                .expect("running slotpool")
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a client listed the backing nodes");
+    assert!(
+        stderr.contains("the NATS server reported an error")
+            && stderr.contains("Permissions Violation"),
+        "the refusal is not in the client's log:\n{stderr}"
+    );
+}
