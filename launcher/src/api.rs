@@ -9,12 +9,14 @@
 use crate::admin;
 use crate::inbound::{bad, check_owner, decode, internal};
 use crate::nodes;
+use crate::nodes::SlotError;
 use crate::release::{self, Finish, Give};
 use crate::request::observe::{self, Memory};
 use crate::request::plan::{self, RequestStep};
 use crate::request::{self, exec};
-use crate::shared::Shared;
+use crate::shared::{request_topic, Shared};
 use crate::status;
+use crate::world::SlotRef;
 use futures::StreamExt;
 use slotpool_protocol::api::{
     ApiError, CancelRequest, Canceled, ErrorCode, KeepAlive, KeptAlive, ReleaseNodes, Released,
@@ -218,7 +220,7 @@ async fn submit(
     let s: SubmitRequest = decode(msg, "submit request", |s: &SubmitRequest| s.v)?;
     validate(sh, &s)?;
     let Some(wait_ms) = s.wait_ms else {
-        return accept(sh, caller, s).await;
+        return accept(sh, caller, s, None).await;
     };
     // Asked to wait: the reply is the request once it ends or the wait is over, from
     // the change signal taken before the request exists.
@@ -231,8 +233,12 @@ async fn submit(
             id: Some(id.clone()),
             ..s
         },
+        Some(wait_ms),
     )
     .await?;
+    if accepted.request.is_some() {
+        return Ok(accepted);
+    }
     let request = status::follow(sh, caller, &id, wait_ms, changes).await?;
     Ok(Submitted {
         request: Some(Box::new(request)),
@@ -240,14 +246,26 @@ async fn submit(
     })
 }
 
+/// The shortest `wait_ms` for which a submit is served before its request is recorded
+/// ([`serve_at_once`]): a client that waits less hears of its request sooner the usual
+/// way.
+const AT_ONCE_MIN_WAIT_MS: u64 = 1_000;
+/// How long [`serve_at_once`] waits for the agents' prepares, at most (and at most half
+/// the client's wait) before it leaves the request to its worker.
+const AT_ONCE_PREPARE_MS: u64 = 2_000;
+
 /// Creates the request `s` asks for (or finds it made by an earlier submit of the same
-/// id) and starts working on it.
+/// id) and starts working on it. A client that waits for the outcome (`wait_ms`) and
+/// finds a free slot for every label is served before the request is recorded
+/// ([`serve_at_once`]); the reply then carries the fulfilled request.
 async fn accept(
     sh: &Arc<Shared>,
     caller: &UserName,
     s: SubmitRequest,
+    wait_ms: Option<u64>,
 ) -> Result<Submitted, ApiError> {
     let now = now_ms();
+    let retried_id = s.id.is_some();
     let req = NodeRequest {
         v: PROTOCOL_VERSION,
         id: s.id.clone().unwrap_or_else(RequestId::generate),
@@ -270,7 +288,6 @@ async fn accept(
         fulfilled_at: None,
         hold_until: None,
     };
-    let key = req.id.to_string();
     // Free slots are claimed in the same round trip as the request is created (both
     // writes in flight at once): the worker starts with its slots claimed, ready to have
     // them prepared. A slot claimed for a request whose creation fails is given back;
@@ -283,70 +300,222 @@ async fn accept(
     // The plan is asked as the worker would ask it: for a new request with free slots,
     // it says claim them.
     let look = observe::look(sh, &req, &Memory::default());
-    let slots = match plan::next(&req, &look, now) {
-        RequestStep::Claim { slots, .. } => slots,
+    let (slots, every_label) = match plan::next(&req, &look, now) {
+        RequestStep::Claim { slots, missing } => (slots, missing.is_empty()),
         _ => {
             observe::unreserve(sh, &look);
-            Vec::new()
+            (Vec::new(), false)
         }
     };
+    let prepare_within = wait_ms
+        .filter(|ms| *ms >= AT_ONCE_MIN_WAIT_MS)
+        .map(|ms| Duration::from_millis((ms / 2).min(AT_ONCE_PREPARE_MS)));
+    if let (true, true, Some(within)) = (mine, every_label, prepare_within) {
+        return serve_at_once(sh, caller, req, &slots, within).await;
+    }
+    let key = req.id.to_string();
     let (created, claimed) = tokio::join!(
         sh.bus.requests.create(&key, &req, None),
         exec::claim(sh, &req, &slots)
     );
     let claimed: Vec<Versioned<Node>> = claimed.into_iter().filter_map(Result::ok).collect();
-    if created.is_err() {
-        if mine {
-            request::abandon(sh, &req.id);
-        }
-        for node in &claimed {
-            if let Err(err) = release::release(sh, Give::Slot(&node.key), Finish::Wait).await {
-                tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
+    let made = Made {
+        request: req,
+        claimed,
+        mirrored: false,
+        mine,
+        memory: Memory::default(),
+    };
+    made.recorded(sh, caller, created, retried_id).await
+}
+
+/// The submit fast path for a client that waits for the outcome, when a free slot is
+/// there for every label: the slots are claimed, their agents prepare them, and the
+/// request is created already fulfilled: one write on the request instead of two (the
+/// create, then the fulfilled update) and no worker. The request is still durable
+/// before the client hears of it. Claims made before their request exists are what the
+/// sweep gives back should this launcher die in between (a claim without a request).
+/// Whatever stops it half-way (a claim lost, a prepare refused, failed or slower than
+/// `prepare_within`) leaves the request to its worker, created `requested` with what was
+/// done (an agent answers a second prepare of the same node as it did the first).
+async fn serve_at_once(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    req: NodeRequest,
+    slots: &[(u32, SlotRef)],
+    prepare_within: Duration,
+) -> Result<Submitted, ApiError> {
+    let mut memory = Memory::default();
+    let mut claimed = Vec::new();
+    let mut every_slot = true;
+    for (claim, (_, slot)) in exec::claim(sh, &req, slots).await.into_iter().zip(slots) {
+        match claim {
+            Ok(node) => {
+                memory.claim_won();
+                claimed.push(node);
+            }
+            Err(SlotError::Kv(KvError::Conflict { .. }) | SlotError::UsedUp { .. }) => {
+                memory.claim_lost(slot.key(), now_ms());
+                every_slot = false;
+            }
+            Err(err) => {
+                tracing::warn!(slot = %slot.key(), %err, "cannot claim a slot; the request's worker looks again");
+                every_slot = false;
             }
         }
     }
-    match created {
-        Ok(revision) => {
-            tracing::debug!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, "request accepted");
-            let id = req.id.clone();
-            {
-                let mut world = sh.world();
-                world.put_request(Versioned {
-                    key,
-                    revision,
-                    value: req,
-                });
+    {
+        let mut world = sh.world();
+        for node in &claimed {
+            world.put_slot(node.clone());
+        }
+    }
+    let mut record = None;
+    if every_slot {
+        let keys: Vec<String> = claimed.iter().map(|n| n.key.clone()).collect();
+        let prepared = tokio::time::timeout(
+            prepare_within,
+            exec::prepare_all(sh, &req, &keys, &mut memory),
+        )
+        .await;
+        match prepared {
+            Ok(Ok(())) => {
+                let look = observe::look(sh, &req, &memory);
+                match plan::next(&req, &look, now_ms()) {
+                    RequestStep::Fulfil { nodes, hold_until } => {
+                        record = Some(exec::fulfilled(&req, nodes, hold_until));
+                    }
+                    _ => observe::unreserve(sh, &look),
+                }
+            }
+            Ok(Err(err)) => {
+                tracing::info!(request_id = %req.id, %err, "cannot prepare at once; the request's worker goes on");
+            }
+            Err(_) => tracing::info!(
+                request_id = %req.id,
+                within = ?prepare_within,
+                "the agents did not prepare in time; the request's worker goes on"
+            ),
+        }
+    }
+    let request = record.unwrap_or(req);
+    let created = sh
+        .bus
+        .requests
+        .create(request.id.as_str(), &request, None)
+        .await;
+    let made = Made {
+        request,
+        claimed,
+        mirrored: true,
+        mine: true,
+        memory,
+    };
+    made.recorded(sh, caller, created, true).await
+}
+
+/// A request about to be created by a submit, with what was done for it already.
+struct Made {
+    request: NodeRequest,
+    /// The nodes claimed for it (some may have been given back since).
+    claimed: Vec<Versioned<Node>>,
+    /// Whether the mirror has them already (and what became of them since).
+    mirrored: bool,
+    /// Whether this submit marked it driven here ([`request::begin`]).
+    mine: bool,
+    /// What its worker starts from.
+    memory: Memory,
+}
+
+impl Made {
+    /// What follows the request's create (`created`): the mirror gets it and its nodes,
+    /// and its worker starts unless it is fulfilled and not held; a create that failed
+    /// gives the claims back, and a retried submission of the same id (`retried_id`)
+    /// is answered with the first.
+    async fn recorded(
+        self,
+        sh: &Arc<Shared>,
+        caller: &UserName,
+        created: Result<u64, KvError>,
+        retried_id: bool,
+    ) -> Result<Submitted, ApiError> {
+        let Made {
+            request: req,
+            claimed,
+            mirrored,
+            mine,
+            memory,
+        } = self;
+        let key = req.id.to_string();
+        let revision = match created {
+            Ok(revision) => revision,
+            Err(err) => {
+                if mine {
+                    request::abandon(sh, &req.id);
+                }
+                // By node: a slot given back already may hold another's node by now.
+                for node in &claimed {
+                    if let Err(err) =
+                        release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
+                    {
+                        tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
+                    }
+                }
+                return match err {
+                    // A retried submission with the same id: the first one stands.
+                    KvError::Conflict { .. } if retried_id => {
+                        match sh.bus.requests.get::<NodeRequest>(&key).await {
+                            Ok(Some(existing))
+                                if existing.value.labels == req.labels
+                                    && existing.value.client.as_ref() == Some(caller) =>
+                            {
+                                Ok(Submitted {
+                                    request_id: req.id,
+                                    request: None,
+                                })
+                            }
+                            Ok(_) => Err(bad(format!(
+                                "request id {key} is already used by a different request"
+                            ))),
+                            Err(err) => Err(internal(err)),
+                        }
+                    }
+                    err => Err(internal(err)),
+                };
+            }
+        };
+        tracing::debug!(request_id = %req.id, labels = ?req.labels, requestor = %req.requestor, state = ?req.state, "request accepted");
+        let id = req.id.clone();
+        let fulfilled = req.state == RequestState::Fulfilled;
+        let held = req.hold_deadline().is_some();
+        {
+            let mut world = sh.world();
+            world.put_request(Versioned {
+                key,
+                revision,
+                value: req.clone(),
+            });
+            if !mirrored {
                 for node in claimed {
                     world.put_slot(node);
                 }
             }
-            if mine {
-                request::spawn_started(sh, id.clone());
-            }
-            Ok(Submitted {
-                request_id: id,
-                request: None,
-            })
         }
-        // A retried submission with the same id: the first one stands.
-        Err(KvError::Conflict { .. }) if s.id.is_some() => {
-            match sh.bus.requests.get::<NodeRequest>(&key).await {
-                Ok(Some(existing))
-                    if existing.value.labels == req.labels
-                        && existing.value.client.as_ref() == Some(caller) =>
-                {
-                    Ok(Submitted {
-                        request_id: req.id,
-                        request: None,
-                    })
-                }
-                Ok(_) => Err(bad(format!(
-                    "request id {key} is already used by a different request"
-                ))),
-                Err(err) => Err(internal(err)),
+        if fulfilled {
+            exec::note_fulfilled(&req);
+            sh.signals.bump(&request_topic(&id));
+        }
+        if mine {
+            if fulfilled && !held {
+                request::abandon(sh, &id);
+            } else {
+                request::spawn_remembering(sh, id.clone(), memory);
             }
         }
-        Err(err) => Err(internal(err)),
+        Ok(Submitted {
+            request_id: id,
+            request: fulfilled.then(|| Box::new(req)),
+        })
     }
 }
 

@@ -352,6 +352,15 @@ impl World {
 
     pub fn put_slot(&mut self, n: Versioned<Node>) {
         let key = n.key.clone();
+        // A record older than the slot's deletion (a claim given back meanwhile) would
+        // bring back a node nobody holds.
+        if self
+            .tombstones
+            .get(&key)
+            .is_some_and(|gone| *gone >= n.revision)
+        {
+            return;
+        }
         if !self.forget_unreadable_slot(&key, n.revision) {
             return;
         }
@@ -1548,6 +1557,22 @@ mod tests {
         w.remove_slot("bn-b.1", 8);
         assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 1)));
         assert_eq!(w.coming_capacity("small"), 3);
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn a_claim_older_than_its_slots_deletion_is_not_brought_back() {
+        let mut w = two_ready_nodes();
+        let mut claim = node("bn-a", 0, "req-z", "small");
+        claim.revision = 10;
+        w.put_slot(claim.clone());
+        w.remove_slot("bn-a.0", 12);
+        w.put_slot(claim.clone());
+        assert!(!w.slots.contains_key("bn-a.0"), "a stale claim came back");
+        assert!(w.nodes_of(&RequestId::parse("req-z").unwrap()).is_empty());
+        claim.revision = 13;
+        w.put_slot(claim);
+        assert!(w.slots.contains_key("bn-a.0"), "a newer claim is taken");
         w.check_capacity_index();
     }
 

@@ -300,6 +300,26 @@ async fn a_client_touches_only_its_own_requests_and_nobody_deletes_the_log() {
 /// node fails with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_node() {
+    forged_prepare_reply(Submit::Queued).await;
+}
+
+/// The same attack on a submit that waits for its outcome, which a launcher serves
+/// before it records the request when slots are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_prepare_reply_is_not_handed_out_to_a_waiting_submit() {
+    forged_prepare_reply(Submit::Waiting).await;
+}
+
+/// How the victim's request is submitted.
+#[derive(Clone, Copy, Debug)]
+enum Submit {
+    /// `submit`, answered with the id at once.
+    Queued,
+    /// `submit` with `wait_ms` (`Client::submit_and_wait`).
+    Waiting,
+}
+
+async fn forged_prepare_reply(how: Submit) {
     let pool = Pool::start(2, 5, &label("small", 2, 600, &[]), 1).await;
     let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
     let node = pool.node(&first.nodes[0]).await;
@@ -342,13 +362,19 @@ async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_nod
     // SAFETY: signalling the test's own child agent by its recorded pid.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let ci = client_as(&pool, Role::Client, "ci").await;
-    let id = ci
-        .submit(&slotpool_protocol::client::submission(
-            vec!["small".into()],
-            "victim",
-        ))
-        .await
-        .unwrap();
+    let mut sub = slotpool_protocol::client::submission(vec!["small".into()], "victim");
+    let id = slotpool_protocol::RequestId::generate();
+    sub.id = Some(id.clone());
+    let waiting = match how {
+        Submit::Queued => {
+            ci.submit(&sub).await.unwrap();
+            None
+        }
+        Submit::Waiting => {
+            let ci = ci.clone();
+            Some(tokio::spawn(async move { ci.submit_and_wait(&sub).await }))
+        }
+    };
     wait_for(
         "the backing node to fail for the forged reply",
         SOON,
@@ -379,6 +405,19 @@ async fn a_prepare_reply_that_disagrees_with_the_heartbeat_fails_the_backing_nod
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     answering.abort();
+    if let Some(waiting) = waiting {
+        // The request is served elsewhere (the pool launches another backing node),
+        // never with the forged login.
+        let served = tokio::time::timeout(SOON, waiting)
+            .await
+            .expect("the waiting submit is answered")
+            .unwrap()
+            .expect("the request is served");
+        for n in &served.nodes {
+            assert_ne!(pool.node(n).await.backing_id, target, "{served:?}");
+            assert_ne!(pool.node(n).await.login.port, Some(2222), "{served:?}");
+        }
+    }
 }
 
 /// `slotpool nats-setup` writes an installation nats-server accepts, with every secret

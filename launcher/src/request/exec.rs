@@ -127,30 +127,8 @@ pub async fn carry_out(
             result
         }
         RequestStep::Prepare { nodes, .. } => {
-            let claimed: Vec<Versioned<Node>> = {
-                let world = sh.world();
-                nodes
-                    .iter()
-                    .filter_map(|k| world.slots.get(k).cloned())
-                    .collect()
-            };
-            let prepared = futures::future::join_all(
-                claimed
-                    .into_iter()
-                    .map(|n| prepare(sh, n, r.ssh_public_key.clone())),
-            )
-            .await;
-            let mut result = Ok(After::Again);
-            for outcome in prepared {
-                match outcome {
-                    Ok(Some(id)) => {
-                        memory.prepared.insert(id);
-                    }
-                    Ok(None) => memory.refused_at = Some(now_ms()),
-                    Err(err) => result = Err(err),
-                }
-            }
-            result
+            prepare_all(sh, r, &nodes, memory).await?;
+            Ok(After::Again)
         }
         RequestStep::Pause { until } => Ok(After::Pause(until)),
         RequestStep::Wait {
@@ -165,22 +143,73 @@ pub async fn carry_out(
             Ok(After::Wait { missing, until })
         }
         RequestStep::Fulfil { nodes, hold_until } => {
-            let mut done = r.clone();
-            done.status = format!("fulfilled: {} node(s) ready", nodes.len());
-            done.nodes = nodes;
-            done.state = RequestState::Fulfilled;
-            done.fulfilled_at = Some(now_ms());
-            done.hold_until = hold_until;
+            let done = fulfilled(r, nodes, hold_until);
             // A hold with a deadline keeps this worker: its timer reclaims the nodes.
             let held = done.hold_deadline().is_some();
-            let (requestor, nodes) = (done.requestor.clone(), done.nodes.clone());
-            let (created_at, fulfilled_at) = (done.created_at, done.fulfilled_at);
+            let noted = done.clone();
             finish(sh, req, done).await?;
-            metrics::fulfilled(created_at, fulfilled_at.unwrap_or(created_at));
-            tracing::info!(%requestor, ?nodes, "fulfilled");
+            note_fulfilled(&noted);
             Ok(if held { After::Again } else { After::Stop })
         }
     }
+}
+
+/// Request `r` fulfilled with `nodes` (in label order), as [`RequestStep::Fulfil`] says.
+pub fn fulfilled(
+    r: &NodeRequest,
+    nodes: Vec<NodeId>,
+    hold_until: Option<UnixMillis>,
+) -> NodeRequest {
+    let mut done = r.clone();
+    done.status = format!("fulfilled: {} node(s) ready", nodes.len());
+    done.nodes = nodes;
+    done.state = RequestState::Fulfilled;
+    done.fulfilled_at = Some(now_ms());
+    done.updated_at = now_ms();
+    done.hold_until = hold_until;
+    done
+}
+
+/// Counts and logs a fulfilment once its write is acknowledged.
+pub fn note_fulfilled(done: &NodeRequest) {
+    metrics::fulfilled(
+        done.created_at,
+        done.fulfilled_at.unwrap_or(done.created_at),
+    );
+    tracing::info!(request_id = %done.id, requestor = %done.requestor, nodes = ?done.nodes, "fulfilled");
+}
+
+/// Has the agents prepare the claimed nodes in slots `keys` at once, noting in `memory`
+/// those prepared and when one was refused (its slot is given back then).
+pub async fn prepare_all(
+    sh: &Arc<Shared>,
+    r: &NodeRequest,
+    keys: &[String],
+    memory: &mut Memory,
+) -> Result<(), SlotError> {
+    let claimed: Vec<Versioned<Node>> = {
+        let world = sh.world();
+        keys.iter()
+            .filter_map(|k| world.slots.get(k).cloned())
+            .collect()
+    };
+    let prepared = futures::future::join_all(
+        claimed
+            .into_iter()
+            .map(|n| prepare(sh, n, r.ssh_public_key.clone())),
+    )
+    .await;
+    let mut result = Ok(());
+    for outcome in prepared {
+        match outcome {
+            Ok(Some(id)) => {
+                memory.prepared.insert(id);
+            }
+            Ok(None) => memory.refused_at = Some(now_ms()),
+            Err(err) => result = Err(err),
+        }
+    }
+    result
 }
 
 /// Claims reserved slots for request `r`, all at once, then gives up their

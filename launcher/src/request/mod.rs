@@ -17,6 +17,7 @@ mod worker;
 
 use crate::http::metrics;
 use crate::shared::{Shared, Work};
+use observe::Memory;
 use plan::Ownership;
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
@@ -64,13 +65,19 @@ pub fn spawn(shared: &Arc<Shared>, id: RequestId) {
 
 /// Starts the worker of a request marked with [`begin`].
 pub fn spawn_started(shared: &Arc<Shared>, id: RequestId) {
+    spawn_remembering(shared, id, Memory::default());
+}
+
+/// Starts the worker of a request marked with [`begin`], knowing what the submit fast
+/// path already did for it (nodes prepared, a prepare refused, claims lost).
+pub fn spawn_remembering(shared: &Arc<Shared>, id: RequestId, memory: Memory) {
     let key = work_key(&id);
     let sh = shared.clone();
     let span = tracing::info_span!("request", request_id = %id);
     shared.spawn_task(
         async move {
             match take(&sh, &id).await {
-                Ok(true) => drive(&sh, id).await,
+                Ok(true) => drive(&sh, id, memory).await,
                 Ok(false) => tracing::debug!("another launcher drives this request"),
                 Err(err) => tracing::warn!(%err, "cannot take the request over"),
             }
@@ -124,10 +131,12 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
     }
 }
 
-async fn drive(sh: &Arc<Shared>, id: RequestId) {
+async fn drive(sh: &Arc<Shared>, id: RequestId, memory: Memory) {
     let mut lost = sh.liveness.token();
+    let mut memory = Some(memory);
     loop {
-        if let Err(err) = worker::run(sh, &id, &lost).await {
+        let memory = memory.take().unwrap_or_default();
+        if let Err(err) = worker::run(sh, &id, &lost, memory).await {
             tracing::warn!(%err, "request worker stopped; another pass will resume it");
             return;
         }

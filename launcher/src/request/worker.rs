@@ -16,13 +16,13 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 /// Drives request `id` until it is final, taken over by another launcher, or `lost`
-/// (this launcher's liveness lease) is cancelled.
+/// (this launcher's liveness lease) is cancelled, starting from what `memory` holds.
 pub async fn run(
     sh: &Arc<Shared>,
     id: &RequestId,
     lost: &CancellationToken,
+    mut memory: Memory,
 ) -> Result<(), SlotError> {
-    let mut memory = Memory::default();
     let mut request_rx = sh.signals.subscribe(&request_topic(id));
     let mut label_rxs = Vec::new();
     let mut subscribed: Vec<String> = Vec::new();
