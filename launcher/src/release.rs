@@ -435,12 +435,18 @@ fn written_before(written_at: Option<UnixMillis>, cutoff: UnixMillis) -> bool {
 /// request, or a forged one.
 fn left_behind(node: &Node, request: Option<&NodeRequest>) -> bool {
     match request {
-        Some(r) => {
-            r.state.is_final()
-                && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id))
-        }
+        Some(r) => is_stray_of(node, r),
         None => true,
     }
+}
+
+/// Whether `node`, claimed under request `r`'s id, is not `r`'s to keep: `r` ended
+/// without it, or another client's submit claimed it under `r`'s id
+/// ([`crate::request::observe::claimed_for`]).
+pub fn is_stray_of(node: &Node, r: &NodeRequest) -> bool {
+    !crate::request::observe::claimed_for(r, node)
+        || (r.state.is_final()
+            && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id)))
 }
 
 #[cfg(test)]

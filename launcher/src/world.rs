@@ -1637,7 +1637,11 @@ mod tests {
         assert_eq!(w.coming_capacity("small"), 3);
         w.put_slot(node("bn-a", 0, "req-2", "small"));
         w.put_slot(node("bn-a", 1, "req-2", "small"));
-        w.put_slot(node("bn-b", 0, "req-2", "small"));
+        // A claim written over the deletion (revision 3) comes after it.
+        w.put_slot(Versioned {
+            revision: 4,
+            ..node("bn-b", 0, "req-2", "small")
+        });
         assert_eq!(peek(&mut w, "small"), None, "every slot in use");
         assert_eq!(w.coming_capacity("small"), 0);
     }

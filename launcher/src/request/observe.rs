@@ -84,6 +84,7 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
     let nodes: Vec<NodeSeen> = world
         .nodes_of(&r.id)
         .into_iter()
+        .filter(|n| claimed_for(r, &n.value))
         .map(|n| NodeSeen {
             index: n.value.index,
             id: n.value.id.clone(),
@@ -138,6 +139,16 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
         refused_at: memory.refused_at,
         waiting_since: memory.waiting_since,
     }
+}
+
+/// Whether `node`, claimed under request `r`'s id, was claimed for `r`: by a submit of
+/// `r`'s own client. A request id is the client's choice and may be known to another
+/// (printed in a job's log, say); a claim that another client's submit made under it
+/// (before its create failed: the id was taken) must never become one of `r`'s nodes,
+/// which would hand `r` a slot prepared with the other's key. Such a claim is its
+/// submit's to give back, or the sweep's ([`crate::release::sweep_left_behind`]).
+pub fn claimed_for(r: &NodeRequest, node: &slotpool_protocol::model::Node) -> bool {
+    node.client == r.client
 }
 
 /// The shortest `max-hold-time` of the labels of the nodes claimed for `r`, as the
@@ -240,6 +251,39 @@ pub fn ownership(world: &World, me: &LauncherId, r: &NodeRequest) -> plan::Owner
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_claimed_under_a_requests_id_by_another_client_is_not_the_requests() {
+        let mut r = crate::world::tests_support::request("req-1", &["small"]);
+        r.client = Some(slotpool_protocol::UserName::parse("ci").unwrap());
+        let backing = slotpool_protocol::BackingId::parse("bn-1").unwrap();
+        let mut node = slotpool_protocol::model::Node {
+            v: slotpool_protocol::PROTOCOL_VERSION,
+            id: NodeId::for_slot(&backing, 0),
+            request_id: r.id.clone(),
+            index: 0,
+            label: "small".into(),
+            backing_id: backing,
+            slot: 0,
+            state: slotpool_protocol::model::NodeState::Ready,
+            requestor: "t".into(),
+            client: r.client.clone(),
+            host: String::new(),
+            workspace: None,
+            attributes: Default::default(),
+            allocated_at: 0,
+            released_at: None,
+            failure: None,
+            login: Default::default(),
+        };
+        assert!(claimed_for(&r, &node));
+        node.client = Some(slotpool_protocol::UserName::parse("mallory").unwrap());
+        assert!(
+            !claimed_for(&r, &node),
+            "another client's claim under the id"
+        );
+        assert!(crate::release::is_stray_of(&node, &r));
+    }
 
     #[test]
     fn a_lost_claim_backs_off_longer_each_time_in_a_row() {
