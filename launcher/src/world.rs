@@ -979,6 +979,34 @@ pub mod tests_support {
             hold_until: None,
         }
     }
+    /// A ready node of `request` in slot `slot` of backing node `backing`, at revision 2.
+    pub fn node(backing: &str, slot: u32, request: &str, label: &str) -> Versioned<Node> {
+        let b = BackingId::parse(backing).unwrap();
+        Versioned {
+            key: layout::slot_key(&b, slot),
+            revision: 2,
+            value: Node {
+                v: 1,
+                id: NodeId::for_slot(&b, slot),
+                request_id: RequestId::parse(request).unwrap(),
+                index: 0,
+                label: label.into(),
+                backing_id: b.clone(),
+                slot,
+                state: slotpool_protocol::model::NodeState::Ready,
+                requestor: "t".into(),
+                client: None,
+                host: "h".into(),
+                workspace: None,
+                attributes: Default::default(),
+                allocated_at: 0,
+                released_at: None,
+                failure: None,
+                login: Default::default(),
+            },
+        }
+    }
+
     use slotpool_protocol::model::HealthGist;
 
     pub fn backing(
@@ -1056,36 +1084,8 @@ impl Lane {
 
 #[cfg(test)]
 mod tests {
-    use super::tests_support::{agent, backing, request};
+    use super::tests_support::{agent, backing, node, request};
     use super::*;
-    use slotpool_protocol::model::NodeState;
-
-    fn node(backing: &str, slot: u32, request: &str, label: &str) -> Versioned<Node> {
-        let b = BackingId::parse(backing).unwrap();
-        Versioned {
-            key: layout::slot_key(&b, slot),
-            revision: 2,
-            value: Node {
-                v: 1,
-                id: NodeId::for_slot(&b, slot),
-                request_id: RequestId::parse(request).unwrap(),
-                index: 0,
-                label: label.into(),
-                backing_id: b.clone(),
-                slot,
-                state: NodeState::Ready,
-                requestor: "t".into(),
-                client: None,
-                host: "h".into(),
-                workspace: None,
-                attributes: Default::default(),
-                allocated_at: 0,
-                released_at: None,
-                failure: None,
-                login: Default::default(),
-            },
-        }
-    }
 
     fn pos(p: i32, t: u64, id: &str) -> QueuePosition {
         (p, t, RequestId::parse(id).unwrap())

@@ -220,6 +220,23 @@ impl Pool {
         self.client.submit(&sub).await.expect("submit")
     }
 
+    /// The changes of request `id`'s record, from its value now (if any) on.
+    pub async fn request_changes(
+        &self,
+        id: &RequestId,
+    ) -> impl futures::Stream<
+        Item = Result<slotpool_protocol::store::Change, slotpool_protocol::store::KvError>,
+    > + Unpin {
+        use futures::StreamExt;
+        self.client
+            .bus()
+            .requests
+            .watch_keys(id.as_str())
+            .await
+            .expect("watching a request's record")
+            .boxed()
+    }
+
     /// Waits until the request is final and returns it.
     pub async fn wait_final(&self, id: &RequestId, timeout: Duration) -> NodeRequest {
         tokio::time::timeout(timeout, self.client.wait(id, |_| {}))

@@ -13,20 +13,6 @@ use std::time::Duration;
 
 const SOON: Duration = Duration::from_secs(20);
 
-/// The changes of one request's record, from its first write on.
-async fn request_writes(
-    pool: &Pool,
-    id: &RequestId,
-) -> impl futures::Stream<Item = Result<Change, KvError>> + Unpin {
-    pool.client
-        .bus()
-        .requests
-        .watch_keys(id.as_str())
-        .await
-        .unwrap()
-        .boxed()
-}
-
 /// The next write of the request, decoded.
 async fn next_write<S>(writes: &mut S, what: &str) -> NodeRequest
 where
@@ -84,7 +70,7 @@ async fn a_waiting_submit_with_a_free_slot_is_recorded_once_already_fulfilled() 
     let mut sub = submission(vec!["small".into()], "at-once");
     let id = RequestId::generate();
     sub.id = Some(id.clone());
-    let mut writes = request_writes(&pool, &id).await;
+    let mut writes = pool.request_changes(&id).await;
     let served = pool.client.submit_and_wait(&sub).await.unwrap();
     assert_eq!(served.state, RequestState::Fulfilled, "{served:?}");
     let first = next_write(&mut writes, "its creation").await;
@@ -116,7 +102,7 @@ async fn a_waiting_submit_whose_agent_is_slow_is_served_by_the_requests_worker()
     let mut sub = submission(vec!["small".into()], "slow-agent");
     let id = RequestId::generate();
     sub.id = Some(id.clone());
-    let mut writes = request_writes(&pool, &id).await;
+    let mut writes = pool.request_changes(&id).await;
     // SAFETY: pausing the test's own child agent by its recorded pid.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let waiting = {

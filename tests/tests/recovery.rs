@@ -9,7 +9,6 @@ use slotpool_protocol::model::{Lease, Node, NodeRequest, NodeState, RequestState
 use slotpool_protocol::store::Change;
 use slotpool_protocol::store::KvError;
 use slotpool_protocol::time::now_ms;
-use slotpool_protocol::RequestId;
 use slotpool_tests::{label, wait_for_some, Pool};
 use std::time::Duration;
 
@@ -33,20 +32,6 @@ where
     if found.is_err() {
         panic!("timed out after {PROMPT:?} waiting for {what}");
     }
-}
-
-/// The changes of one request's record.
-async fn watch_request(
-    pool: &Pool,
-    id: &RequestId,
-) -> impl futures::Stream<Item = Result<Change, KvError>> + Unpin {
-    pool.client
-        .bus()
-        .requests
-        .watch_keys(id.as_str())
-        .await
-        .unwrap()
-        .boxed()
 }
 
 /// Whether a change of a request's record makes it fulfilled.
@@ -117,7 +102,7 @@ async fn a_launcher_that_takes_its_liveness_back_drives_its_requests_at_once() {
         matches!(c, Change::Put { key: k, revision, .. } if *k == key && *revision > lease.revision)
     })
     .await;
-    let mut requests = watch_request(&pool, &waiting).await;
+    let mut requests = pool.request_changes(&waiting).await;
     pool.client.release(first.nodes.clone()).await.unwrap();
     wait_change(&mut requests, "the waiting request served", is_fulfilled).await;
 }
@@ -131,7 +116,7 @@ async fn a_failed_seat_is_launched_into_again_when_its_rest_ends() {
     let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
     let dead = pool.node(&first.nodes[0]).await.backing_id;
     let waiting = pool.submit(&["small"]).await;
-    let mut requests = watch_request(&pool, &waiting).await;
+    let mut requests = pool.request_changes(&waiting).await;
     let pid: i32 = std::fs::read_to_string(pool.agent_dir(dead.as_str()).join("agent.pid"))
         .unwrap()
         .trim()

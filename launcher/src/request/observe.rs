@@ -256,26 +256,8 @@ mod tests {
     fn a_node_claimed_under_a_requests_id_by_another_client_is_not_the_requests() {
         let mut r = crate::world::tests_support::request("req-1", &["small"]);
         r.client = Some(slotpool_protocol::UserName::parse("ci").unwrap());
-        let backing = slotpool_protocol::BackingId::parse("bn-1").unwrap();
-        let mut node = slotpool_protocol::model::Node {
-            v: slotpool_protocol::PROTOCOL_VERSION,
-            id: NodeId::for_slot(&backing, 0),
-            request_id: r.id.clone(),
-            index: 0,
-            label: "small".into(),
-            backing_id: backing,
-            slot: 0,
-            state: slotpool_protocol::model::NodeState::Ready,
-            requestor: "t".into(),
-            client: r.client.clone(),
-            host: String::new(),
-            workspace: None,
-            attributes: Default::default(),
-            allocated_at: 0,
-            released_at: None,
-            failure: None,
-            login: Default::default(),
-        };
+        let mut node = crate::world::tests_support::node("bn-1", 0, "req-1", "small").value;
+        node.client = r.client.clone();
         assert!(claimed_for(&r, &node));
         node.client = Some(slotpool_protocol::UserName::parse("mallory").unwrap());
         assert!(
