@@ -453,34 +453,41 @@ impl Made {
                 if mine {
                     request::abandon(sh, &req.id);
                 }
-                // By node: a slot given back already may hold another's node by now.
-                for node in &claimed {
-                    if let Err(err) =
-                        release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
-                    {
-                        tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
-                    }
-                }
-                return match err {
-                    // A retried submission with the same id: the first one stands.
+                // A retried submission with the same id: the first one stands.
+                // `Some`: the id is taken, by the record read (gone since: `None`).
+                let first = match &err {
                     KvError::Conflict { .. } if retried_id => {
                         match sh.bus.requests.get::<NodeRequest>(&key).await {
-                            Ok(Some(existing))
-                                if existing.value.labels == req.labels
-                                    && existing.value.client.as_ref() == Some(caller) =>
-                            {
-                                Ok(Submitted {
-                                    request_id: req.id,
-                                    request: None,
-                                })
-                            }
-                            Ok(_) => Err(bad(format!(
-                                "request id {key} is already used by a different request"
-                            ))),
-                            Err(err) => Err(internal(err)),
+                            Ok(existing) => Some(existing.map(|e| e.value)),
+                            Err(err) => return Err(internal(err)),
                         }
                     }
-                    err => Err(internal(err)),
+                    _ => None,
+                };
+                let same = first.as_ref().and_then(Option::as_ref).filter(|first| {
+                    first.labels == req.labels && first.client.as_ref() == Some(caller)
+                });
+                // The claims are the first one's to use while it waits (its driver takes
+                // them or gives them back); otherwise given back here, by node: a slot
+                // given back already may hold another's node by now.
+                if !same.is_some_and(|first| first.state == RequestState::Requested) {
+                    for node in &claimed {
+                        if let Err(err) =
+                            release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
+                        {
+                            tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
+                        }
+                    }
+                }
+                return match (same, first.is_some(), err) {
+                    (Some(_), _, _) => Ok(Submitted {
+                        request_id: req.id,
+                        request: None,
+                    }),
+                    (None, true, _) => Err(bad(format!(
+                        "request id {key} is already used by a different request"
+                    ))),
+                    (None, false, err) => Err(internal(err)),
                 };
             }
         };

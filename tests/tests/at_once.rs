@@ -129,3 +129,54 @@ async fn a_waiting_submit_whose_agent_is_slow_is_served_by_the_requests_worker()
     assert_eq!(held.len(), 1, "slots held for the request: {held:?}");
     assert_eq!(held[0].id, served.nodes[0]);
 }
+
+/// A submit sent again under the id of a request already served is answered with that
+/// request, and one under a taken id with other labels, or from another client, is
+/// refused; none of them leaves a slot claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_under_a_taken_id_gets_the_first_request_or_a_refusal_and_holds_nothing() {
+    let pool = warm_pool().await;
+    let mut sub = submission(vec!["small".into()], "first");
+    let id = RequestId::generate();
+    sub.id = Some(id.clone());
+    let first = pool.client.submit_and_wait(&sub).await.unwrap();
+    assert_eq!(first.state, RequestState::Fulfilled, "{first:?}");
+    let again = pool.client.submit_and_wait(&sub).await.unwrap();
+    assert_eq!(again.nodes, first.nodes, "sent again: {again:?}");
+    let mut other_labels = submission(vec!["small".into(), "small".into()], "first");
+    other_labels.id = Some(id.clone());
+    let refused = pool.client.submit_and_wait(&other_labels).await;
+    assert!(
+        refused.as_ref().is_err_and(|e| e
+            .to_string()
+            .contains("already used by a different request")),
+        "{refused:?}"
+    );
+    let mallory = slotpool_protocol::client::Client::connect(
+        &pool
+            .nats
+            .options_as(slotpool_protocol::auth::Role::Client, "mallory"),
+    )
+    .await
+    .unwrap();
+    let refused = mallory.submit_and_wait(&sub).await;
+    assert!(
+        refused.is_err(),
+        "another client's submit under the id: {refused:?}"
+    );
+    slotpool_tests::wait_for(
+        "only the first request's node held under its id",
+        SOON,
+        || async {
+            let held: Vec<_> = pool
+                .nodes()
+                .await
+                .into_iter()
+                .filter(|n| n.request_id == id)
+                .map(|n| n.id)
+                .collect();
+            held == first.nodes
+        },
+    )
+    .await;
+}

@@ -145,10 +145,12 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
 /// `r`'s own client. A request id is the client's choice and may be known to another
 /// (printed in a job's log, say); a claim that another client's submit made under it
 /// (before its create failed: the id was taken) must never become one of `r`'s nodes,
-/// which would hand `r` a slot prepared with the other's key. Such a claim is its
-/// submit's to give back, or the sweep's ([`crate::release::sweep_left_behind`]).
+/// which would hand `r` a slot prepared with the other's key. Nor is a claim whose label
+/// is not the one `r` asks for at its index (a submit of the same id with other labels).
+/// Such a claim is its submit's to give back, or the sweep's
+/// ([`crate::release::sweep_left_behind`]).
 pub fn claimed_for(r: &NodeRequest, node: &slotpool_protocol::model::Node) -> bool {
-    node.client == r.client
+    node.client == r.client && r.labels.get(node.index as usize) == Some(&node.label)
 }
 
 /// The shortest `max-hold-time` of the labels of the nodes claimed for `r`, as the
@@ -265,6 +267,18 @@ mod tests {
             "another client's claim under the id"
         );
         assert!(crate::release::is_stray_of(&node, &r));
+        node.client = r.client.clone();
+        node.label = "big".into();
+        assert!(
+            !claimed_for(&r, &node),
+            "a claim for another label at the index"
+        );
+        node.label = "small".into();
+        node.index = 1;
+        assert!(
+            !claimed_for(&r, &node),
+            "a claim for an index the request has not"
+        );
     }
 
     #[test]
