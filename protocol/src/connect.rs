@@ -351,6 +351,10 @@ fn log_event(event: &async_nats::Event) {
             subscription = sid,
             "slow consumer: the NATS client dropped messages of a subscription whose queue was full"
         ),
+        async_nats::Event::ServerError(err) if is_watch_cleanup(err) => tracing::debug!(
+            %err,
+            "the NATS server refused to delete an ended watch's consumer; it expires by itself"
+        ),
         async_nats::Event::ServerError(err) => {
             tracing::warn!(%err, "the NATS server reported an error")
         }
@@ -365,6 +369,15 @@ fn log_event(event: &async_nats::Event) {
         }
         async_nats::Event::Connected | async_nats::Event::Disconnected => {}
     }
+}
+
+/// Whether `err` is the server refusing a `CONSUMER.DELETE`: the NATS client deletes a
+/// KV watch's ephemeral consumer when the watch ends, and a role that may not delete
+/// consumers (an operator, a client, an agent: deleting would let them end a
+/// launcher's watches) is refused; the server drops the idle consumer by itself.
+fn is_watch_cleanup(err: &async_nats::ServerError) -> bool {
+    matches!(err, async_nats::ServerError::Other(text)
+        if text.contains("Permissions Violation") && text.contains("$JS.API.CONSUMER.DELETE."))
 }
 
 /// The bus user `opts` connect as. With slotpool credentials the name and role are the
@@ -547,6 +560,23 @@ mod tests {
         client.abort();
         assert!(line.starts_with("CONNECT {"), "{line}");
         line.trim_end().to_string()
+    }
+
+    #[test]
+    fn only_a_refused_watch_cleanup_is_not_worth_a_warning() {
+        let cleanup = async_nats::ServerError::Other(
+            "Permissions Violation for Publish to \"$JS.API.CONSUMER.DELETE.KV_slotpool_requests.3LOZ0svs\""
+                .into(),
+        );
+        assert!(is_watch_cleanup(&cleanup));
+        let read = async_nats::ServerError::Other(
+            "Permissions Violation for Publish to \"$JS.API.STREAM.INFO.KV_slotpool_backing\""
+                .into(),
+        );
+        assert!(!is_watch_cleanup(&read));
+        assert!(!is_watch_cleanup(
+            &async_nats::ServerError::AuthorizationViolation
+        ));
     }
 
     /// Every role's CONNECT line, as slotpool mints its credential and names its
