@@ -9,7 +9,6 @@
 use crate::admin;
 use crate::inbound::{bad, check_owner, decode, internal};
 use crate::nodes;
-use crate::nodes::SlotError;
 use crate::release::{self, Finish, Give};
 use crate::request::observe::{self, Memory};
 use crate::request::plan::{self, RequestStep};
@@ -322,7 +321,6 @@ async fn accept(
     let made = Made {
         request: req,
         claimed,
-        mirrored: false,
         mine,
         memory: Memory::default(),
     };
@@ -346,33 +344,13 @@ async fn serve_at_once(
     prepare_within: Duration,
 ) -> Result<Submitted, ApiError> {
     let mut memory = Memory::default();
-    let mut claimed = Vec::new();
-    let mut every_slot = true;
-    for (claim, (_, slot)) in exec::claim(sh, &req, slots).await.into_iter().zip(slots) {
-        match claim {
-            Ok(node) => {
-                memory.claim_won();
-                claimed.push(node);
-            }
-            Err(SlotError::Kv(KvError::Conflict { .. }) | SlotError::UsedUp { .. }) => {
-                memory.claim_lost(slot.key(), now_ms());
-                every_slot = false;
-            }
-            Err(err) => {
-                tracing::warn!(slot = %slot.key(), %err, "cannot claim a slot; the request's worker looks again");
-                every_slot = false;
-            }
-        }
-    }
-    {
-        let mut world = sh.world();
-        for node in &claimed {
-            world.put_slot(node.clone());
-        }
+    let claimed = exec::claim_noting(sh, &req, slots, &mut memory).await;
+    if let Some(err) = &claimed.error {
+        tracing::warn!(request_id = %req.id, %err, "cannot claim a slot; the request's worker looks again");
     }
     let mut record = None;
-    if every_slot {
-        let keys: Vec<String> = claimed.iter().map(|n| n.key.clone()).collect();
+    if !claimed.short {
+        let keys: Vec<String> = claimed.won.iter().map(|n| n.key.clone()).collect();
         let prepared = tokio::time::timeout(
             prepare_within,
             exec::prepare_all(sh, &req, &keys, &mut memory),
@@ -406,8 +384,7 @@ async fn serve_at_once(
         .await;
     let made = Made {
         request,
-        claimed,
-        mirrored: true,
+        claimed: claimed.won,
         mine: true,
         memory,
     };
@@ -417,10 +394,9 @@ async fn serve_at_once(
 /// A request about to be created by a submit, with what was done for it already.
 struct Made {
     request: NodeRequest,
-    /// The nodes claimed for it (some may have been given back since).
+    /// The nodes claimed for it (some may have been given back since: the mirror
+    /// refuses a record older than the slot's deletion).
     claimed: Vec<Versioned<Node>>,
-    /// Whether the mirror has them already (and what became of them since).
-    mirrored: bool,
     /// Whether this submit marked it driven here ([`request::begin`]).
     mine: bool,
     /// What its worker starts from.
@@ -442,7 +418,6 @@ impl Made {
         let Made {
             request: req,
             claimed,
-            mirrored,
             mine,
             memory,
         } = self;
@@ -470,7 +445,9 @@ impl Made {
                 // The claims are the first one's to use while it waits (its driver takes
                 // them or gives them back); otherwise given back here, by node: a slot
                 // given back already may hold another's node by now.
-                if !same.is_some_and(|first| first.state == RequestState::Requested) {
+                let keep_claims = same.is_some_and(|first| first.state == RequestState::Requested);
+                let same = same.is_some();
+                if !keep_claims {
                     for node in &claimed {
                         if let Err(err) =
                             release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
@@ -479,15 +456,15 @@ impl Made {
                         }
                     }
                 }
-                return match (same, first.is_some(), err) {
-                    (Some(_), _, _) => Ok(Submitted {
+                return match first {
+                    Some(_) if same => Ok(Submitted {
                         request_id: req.id,
                         request: None,
                     }),
-                    (None, true, _) => Err(bad(format!(
+                    Some(_) => Err(bad(format!(
                         "request id {key} is already used by a different request"
                     ))),
-                    (None, false, err) => Err(internal(err)),
+                    None => Err(internal(err)),
                 };
             }
         };
@@ -502,10 +479,8 @@ impl Made {
                 revision,
                 value: req.clone(),
             });
-            if !mirrored {
-                for node in claimed {
-                    world.put_slot(node);
-                }
+            for node in claimed {
+                world.put_slot(node);
             }
         }
         if fulfilled {

@@ -4,6 +4,7 @@
 //! worker. Against a real nats-server, launcher and local agents.
 
 use futures::StreamExt;
+use slotpool_protocol::api::SubmitRequest;
 use slotpool_protocol::client::submission;
 use slotpool_protocol::model::{NodeRequest, RequestState};
 use slotpool_protocol::store::{Change, KvError};
@@ -12,6 +13,14 @@ use slotpool_tests::{label, Pool};
 use std::time::Duration;
 
 const SOON: Duration = Duration::from_secs(20);
+
+/// A submission for `labels` under an id of the client's, and that id.
+fn with_id(labels: &[&str], requestor: &str) -> (SubmitRequest, RequestId) {
+    let mut sub = submission(labels.iter().map(|l| l.to_string()).collect(), requestor);
+    let id = RequestId::generate();
+    sub.id = Some(id.clone());
+    (sub, id)
+}
 
 /// The next write of the request, decoded.
 async fn next_write<S>(writes: &mut S, what: &str) -> NodeRequest
@@ -67,9 +76,7 @@ async fn agent_pid(pool: &Pool) -> i32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_submit_with_a_free_slot_is_recorded_once_already_fulfilled() {
     let pool = warm_pool().await;
-    let mut sub = submission(vec!["small".into()], "at-once");
-    let id = RequestId::generate();
-    sub.id = Some(id.clone());
+    let (sub, id) = with_id(&["small"], "at-once");
     let mut writes = pool.request_changes(&id).await;
     let served = pool.client.submit_and_wait(&sub).await.unwrap();
     assert_eq!(served.state, RequestState::Fulfilled, "{served:?}");
@@ -99,9 +106,7 @@ async fn a_waiting_submit_with_a_free_slot_is_recorded_once_already_fulfilled() 
 async fn a_waiting_submit_whose_agent_is_slow_is_served_by_the_requests_worker() {
     let pool = warm_pool().await;
     let pid = agent_pid(&pool).await;
-    let mut sub = submission(vec!["small".into()], "slow-agent");
-    let id = RequestId::generate();
-    sub.id = Some(id.clone());
+    let (sub, id) = with_id(&["small"], "slow-agent");
     let mut writes = pool.request_changes(&id).await;
     // SAFETY: pausing the test's own child agent by its recorded pid.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -136,9 +141,7 @@ async fn a_waiting_submit_whose_agent_is_slow_is_served_by_the_requests_worker()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_submit_under_a_taken_id_gets_the_first_request_or_a_refusal_and_holds_nothing() {
     let pool = warm_pool().await;
-    let mut sub = submission(vec!["small".into()], "first");
-    let id = RequestId::generate();
-    sub.id = Some(id.clone());
+    let (sub, id) = with_id(&["small"], "first");
     let first = pool.client.submit_and_wait(&sub).await.unwrap();
     assert_eq!(first.state, RequestState::Fulfilled, "{first:?}");
     let again = pool.client.submit_and_wait(&sub).await.unwrap();

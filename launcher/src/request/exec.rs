@@ -104,27 +104,8 @@ pub async fn carry_out(
             // Leave the queue for the labels claimed now: the requests behind this one
             // need not wait for its claims and prepares.
             set_waiting(sh, &position(r), missing);
-            let claims = claim(sh, r, &slots).await;
-            let mut result = Ok(After::Again);
-            let mut world = sh.world();
-            for (claim, (_, slot)) in claims.into_iter().zip(&slots) {
-                match claim {
-                    Ok(node) => {
-                        memory.claim_won();
-                        world.put_slot(node)
-                    }
-                    // Lost to another launcher (or the key holds a record this one
-                    // cannot read): the next look passes over it for a while.
-                    Err(SlotError::Kv(KvError::Conflict { .. })) => {
-                        memory.claim_lost(slot.key(), now_ms())
-                    }
-                    // Its node handed out its max-uses: it retires, and the next look
-                    // passes over it.
-                    Err(SlotError::UsedUp { .. }) => memory.claim_lost(slot.key(), now_ms()),
-                    Err(err) => result = Err(err),
-                }
-            }
-            result
+            let claimed = claim_noting(sh, r, &slots, memory).await;
+            claimed.error.map_or(Ok(After::Again), Err)
         }
         RequestStep::Prepare { nodes, .. } => {
             prepare_all(sh, r, &nodes, memory).await?;
@@ -160,12 +141,13 @@ pub fn fulfilled(
     nodes: Vec<NodeId>,
     hold_until: Option<UnixMillis>,
 ) -> NodeRequest {
+    let now = now_ms();
     let mut done = r.clone();
     done.status = format!("fulfilled: {} node(s) ready", nodes.len());
     done.nodes = nodes;
     done.state = RequestState::Fulfilled;
-    done.fulfilled_at = Some(now_ms());
-    done.updated_at = now_ms();
+    done.fulfilled_at = Some(now);
+    done.updated_at = now;
     done.hold_until = hold_until;
     done
 }
@@ -231,6 +213,52 @@ pub async fn claim(
         world.unreserve(slot);
     }
     claims
+}
+
+/// What a batch of claims came to ([`claim_noting`]).
+pub struct Claimed {
+    /// The nodes claimed, in the mirror now.
+    pub won: Vec<Versioned<Node>>,
+    /// Whether a claim was not won.
+    pub short: bool,
+    /// The last error other than a claim lost.
+    pub error: Option<SlotError>,
+}
+
+/// Claims reserved slots for request `r` ([`claim`]), puts the nodes won into the
+/// mirror, and notes in `memory` the claims won and lost.
+pub async fn claim_noting(
+    sh: &Shared,
+    r: &NodeRequest,
+    slots: &[(u32, SlotRef)],
+    memory: &mut Memory,
+) -> Claimed {
+    let claims = claim(sh, r, slots).await;
+    let mut claimed = Claimed {
+        won: Vec::new(),
+        short: false,
+        error: None,
+    };
+    let mut world = sh.world();
+    for (claim, (_, slot)) in claims.into_iter().zip(slots) {
+        match claim {
+            Ok(node) => {
+                memory.claim_won();
+                world.put_slot(node.clone());
+                claimed.won.push(node);
+                continue;
+            }
+            // Lost to another launcher (or the key holds a record this one cannot
+            // read), or its node handed out its max-uses (it retires): the next look
+            // passes over it for a while.
+            Err(SlotError::Kv(KvError::Conflict { .. }) | SlotError::UsedUp { .. }) => {
+                memory.claim_lost(slot.key(), now_ms())
+            }
+            Err(err) => claimed.error = Some(err),
+        }
+        claimed.short = true;
+    }
+    claimed
 }
 
 /// Has the agent prepare a claimed node: the node's id when it did, None when it

@@ -133,10 +133,10 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
 
 async fn drive(sh: &Arc<Shared>, id: RequestId, memory: Memory) {
     let mut lost = sh.liveness.token();
-    let mut memory = Some(memory);
+    let mut memory = memory;
     loop {
-        let memory = memory.take().unwrap_or_default();
-        if let Err(err) = worker::run(sh, &id, &lost, memory).await {
+        // What the submit did counts for the first run only.
+        if let Err(err) = worker::run(sh, &id, &lost, std::mem::take(&mut memory)).await {
             tracing::warn!(%err, "request worker stopped; another pass will resume it");
             return;
         }
