@@ -14,7 +14,7 @@
 # by the staged binary (`slotpool completions SHELL`, `slotpool man DIR`).
 #
 # Package metadata is in [package.metadata.deb] and [package.metadata.generate-rpm] of
-# launcher/Cargo.toml (package `slotpool`) and agent/Cargo.toml (`slotpool-agent`); units,
+# cli/Cargo.toml (package `slotpool`) and agent/Cargo.toml (`slotpool-agent`); units,
 # default configuration and maintainer scripts are in packaging/. The tools come from
 # packaging/tools.sh.
 #
@@ -50,7 +50,7 @@ export PATH="$tools:$PATH"
 
 if [ -n "$build" ]; then
     step "cargo build --profile $profile (slotpool, slotpool-agent)"
-    cargo build --profile "$profile" -p slotpool-launcher -p slotpool-agent --bins
+    cargo build --profile "$profile" -p slotpool-cli -p slotpool-agent --bins
 fi
 
 target_dir="${CARGO_TARGET_DIR:-$repo/target}"
@@ -88,7 +88,7 @@ if [ -n "$fast" ]; then
     deb_args=(--fast)
     rpm_args=(--payload-compress gzip)
 fi
-for crate in launcher agent; do
+for crate in cli agent; do
     step "cargo deb -p slotpool-$crate"
     CARGO_TARGET_DIR="$stage" cargo deb --quiet -p "slotpool-$crate" --no-build --no-strip "${deb_args[@]}" --output "$out/"
     step "cargo generate-rpm ($crate)"

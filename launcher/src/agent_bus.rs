@@ -11,7 +11,7 @@ use std::time::Duration;
 /// How long an agent's credential lasts when its label has no max-age. A backing node
 /// that outlives it loses its bus connection, so its heartbeat stops and it is replaced:
 /// set max-age below this for long-lived pools.
-pub const AGENT_CREDENTIAL_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
+pub(crate) const AGENT_CREDENTIAL_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// Slack added to a label's max-age: the time to launch and boot before max-age counts,
 /// and to drain after it.
@@ -35,7 +35,7 @@ impl AgentBus {
     /// A credential for the agent of `backing`, valid for a node retired at `max_age`
     /// (zero: no limit). `None` when this launcher mints none (an anonymous development
     /// bus): the agent then connects with the URL alone.
-    pub fn credential(
+    pub(crate) fn credential(
         &self,
         backing: &BackingId,
         max_age: Duration,

@@ -3,34 +3,31 @@
 //!
 //! All state is in NATS JetStream KV; this process keeps only a mirror of it
 //! ([`world::World`]) and the set of work items it holds leases on. `run` is the whole
-//! daemon; `main.rs` only parses arguments.
+//! daemon; the `slotpool` binary (the `cli` crate) only parses arguments.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod agent_bus;
 /// The pool configuration (its own crate, shared with the console).
-pub use slotpool_config as config;
-pub mod api;
-pub mod backing;
-pub mod events;
-pub mod heartbeat_clock;
+pub(crate) use slotpool_config as config;
+pub(crate) mod api;
+pub(crate) mod backing;
+pub(crate) mod events;
+pub(crate) mod heartbeat_clock;
 pub mod http;
-pub mod inbound;
-pub mod leak;
-pub mod lease;
+pub(crate) mod inbound;
+pub(crate) mod leak;
+pub(crate) mod lease;
 pub mod lifecycle;
-pub mod liveness;
-pub mod local_run;
-pub mod mirror_sync;
-pub mod nodes;
+pub(crate) mod liveness;
+pub(crate) mod mirror_sync;
+pub(crate) mod nodes;
 pub mod planner;
 pub mod provider;
-pub mod release;
+pub(crate) mod release;
 pub mod request;
-pub mod setup;
-pub mod shared;
-pub mod simulate;
-pub mod status;
-pub mod watch;
+pub(crate) mod shared;
+pub(crate) mod status;
+pub(crate) mod watch;
 pub mod world;
 
 use crate::config::Config;

@@ -8,7 +8,7 @@ use slotpool_protocol::time::{after, UnixMillis};
 use std::time::Duration;
 
 /// How long a failed backing node's record is kept for operators to see.
-pub const FAILED_RETENTION: Duration = Duration::from_secs(600);
+pub(crate) const FAILED_RETENTION: Duration = Duration::from_secs(600);
 /// How long a failed seat rests before the planner launches into it again (quota back-off).
 pub const FAILED_SEAT_COOLDOWN: Duration = Duration::from_secs(10);
 /// How long after a launch refused for capacity the launcher asks the provider again.
@@ -18,13 +18,13 @@ pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
 /// agent may come back up to 4 s after the launcher (the NATS client's longest pause
 /// between reconnect attempts), and its first write after an outage can wait out its
 /// acknowledgement timeout (5 s).
-pub const HEARTBEAT_RECONNECT_MARGIN: Duration = Duration::from_secs(10);
+pub(crate) const HEARTBEAT_RECONNECT_MARGIN: Duration = Duration::from_secs(10);
 /// How long, beyond a heartbeat's TTL, a launcher waits for a heartbeat missing from KV
 /// once the heartbeats bucket is back from a time it could take none (a clustered bucket
 /// electing its leader, a read that got no answer: [`crate::heartbeat_clock`]). The agent
 /// stayed connected, but a write it sent meanwhile can wait out its acknowledgement
 /// timeout (5 s) before it writes again.
-pub const HEARTBEAT_BUCKET_MARGIN: Duration = Duration::from_secs(5);
+pub(crate) const HEARTBEAT_BUCKET_MARGIN: Duration = Duration::from_secs(5);
 
 /// What is known of a backing node's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -116,7 +116,7 @@ pub use slotpool_config::timing::free_ahead;
 /// Why a backing node's instance is given back, or the node failed (`/metrics` counts
 /// each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeletionReason {
+pub(crate) enum DeletionReason {
     /// Idle for its grace-time.
     Grace,
     /// Retired at its max-age, then released once empty.
@@ -135,7 +135,11 @@ pub enum DeletionReason {
 }
 
 /// Why `step` gives `b` back, if it does: a release or a failure.
-pub fn deletion_reason(b: &BackingNode, step: &Step, obs: &Observed) -> Option<DeletionReason> {
+pub(crate) fn deletion_reason(
+    b: &BackingNode,
+    step: &Step,
+    obs: &Observed,
+) -> Option<DeletionReason> {
     Some(match step {
         Step::Fail(_) if b.kill_ordered() => DeletionReason::Kill,
         Step::Fail(_) => DeletionReason::Failure,
@@ -189,7 +193,7 @@ fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
 }
 
 /// When the node reaches max-age, if it has one ([`timing::max_age_at`]).
-pub fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
+pub(crate) fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
     timing::max_age_at(b, &rules.idle())
 }
 

@@ -60,7 +60,7 @@ fn rest_end(b: &BackingNode) -> Option<u64> {
 
 /// When the first seat serving `label` that rests now ends its rest, while the label's
 /// demand is unmet: the supervisor plans the label again then, rather than at its resync.
-pub fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
+pub(crate) fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
     let world = shared.world();
     let min_ready = ready_now(&shared.config, &world, label);
     if deficit(
@@ -110,7 +110,7 @@ pub fn deficit(unmet: u32, coming: u32, min_ready: u32) -> i64 {
 
 /// Free slots of `label` to keep ready ([`warm::ready_target`]), from the launcher's
 /// arrival log now.
-pub fn ready_now(config: &Config, world: &World, label: &str) -> u32 {
+pub(crate) fn ready_now(config: &Config, world: &World, label: &str) -> u32 {
     warm::ready_from(config, label, &world.arrivals, now_ms())
 }
 
@@ -165,7 +165,7 @@ type Covers = Vec<Option<(Weight, usize)>>;
 /// cannot cover it, the cheapest of those covering the most. So 3 waiting take one
 /// 4-slot node rather than an 8-slot one or two 2-slot ones, and 20 take 8-slot nodes
 /// where those are cheapest a slot. Pure: the launcher and the simulator both ask it.
-pub fn choose_sizes(need: u32, sizes: &[SizeOffer], seats: usize) -> Vec<usize> {
+pub(crate) fn choose_sizes(need: u32, sizes: &[SizeOffer], seats: usize) -> Vec<usize> {
     let Some(most) = sizes.iter().map(|s| u64::from(s.slots)).max() else {
         return Vec::new();
     };
@@ -341,7 +341,7 @@ pub fn requested_record(
 }
 
 /// Takes as many seats as the label's unmet demand and its `min-ready` need.
-pub async fn plan(shared: &Arc<Shared>, label: &str) {
+pub(crate) async fn plan(shared: &Arc<Shared>, label: &str) {
     let deficit = {
         let world = shared.world();
         deficit(

@@ -1,7 +1,7 @@
 //! A real nats-server with JetStream, one per test.
 
 use crate::process::{workspace_root, ChildGuard};
-use slotpool_launcher::local_run;
+use slotpool_local_run as local_run;
 use slotpool_protocol::auth::setup::{self, SetupFiles, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::connect::{Bus, NatsOptions};

@@ -5,9 +5,9 @@
 //! nodes launched and released and the same efficiency, within the tolerances below.
 
 use futures::StreamExt;
-use slotpool_launcher::simulate::trace::{self, Job};
 use slotpool_protocol::model::BackingNode;
 use slotpool_protocol::store::Change;
+use slotpool_simulate::trace::{self, Job};
 use slotpool_tests::{bin_path, label, wait_for, Pool};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

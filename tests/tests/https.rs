@@ -5,7 +5,7 @@
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore};
-use slotpool_launcher::setup::pki::{self, Pki, PkiPlan};
+use slotpool_cli::pki::{self, Pki, PkiPlan};
 use slotpool_tests::{label, wait_for_some, Pool, AGENT_ARGS};
 use std::net::SocketAddr;
 use std::path::Path;

@@ -1,8 +1,8 @@
 //! TLS between slotpool and nats-server with the PKI that `slotpool nats-setup` makes
-//! (`slotpool_launcher::setup::pki`): a real nats-server with JetStream that requires a
+//! (`slotpool_cli::pki`): a real nats-server with JetStream that requires a
 //! client certificate from that CA.
 
-use slotpool_launcher::setup::pki::{self, Pki, PkiPlan};
+use slotpool_cli::pki::{self, Pki, PkiPlan};
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::connect::{Bus, BusError, NatsOptions};
 use slotpool_tests::NatsServer;

@@ -45,7 +45,7 @@ impl LaunchOutcome {
     }
 }
 
-pub use crate::lifecycle::DeletionReason;
+pub(crate) use crate::lifecycle::DeletionReason;
 
 impl DeletionReason {
     const ALL: [DeletionReason; 7] = [

@@ -11,9 +11,9 @@
 //! Served with hyper's HTTP/1 connection handling directly: a few read-only routes do
 //! not need a framework's router or middleware.
 
-pub mod api;
-pub mod metrics;
-pub mod stream;
+pub(crate) mod api;
+pub(crate) mod metrics;
+pub(crate) mod stream;
 pub mod tls;
 
 use crate::shared::Shared;
@@ -88,14 +88,14 @@ impl HttpListener {
         })
     }
 
-    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+    pub(crate) fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
     }
 }
 
 /// Serves `http` until the launcher shuts down; connections open then are finished
 /// gracefully (a request in flight is answered, then the connection closes).
-pub async fn serve(shared: Arc<Shared>, http: HttpListener) {
+pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {
     if let Ok(addr) = http.local_addr() {
         let scheme = if http.tls.is_some() { "https" } else { "http" };
         tracing::info!("http listening on {addr} ({scheme})");

@@ -55,7 +55,7 @@ const KEY: &str = "--http-tls-key";
 const CLIENT_CA: &str = "--http-client-ca";
 
 /// Reads and checks `files`: the acceptor every connection is handed to.
-pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
+pub(crate) fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = certificates(CERT, &files.cert)?;
     let key = private_key(&files.key)?;

@@ -109,7 +109,7 @@ impl LocalProvider {
     }
 
     /// The same provider, whose agents live as `lifetime` says.
-    pub fn with_lifetime(self, lifetime: AgentLifetime) -> Self {
+    pub(crate) fn with_lifetime(self, lifetime: AgentLifetime) -> Self {
         LocalProvider { lifetime, ..self }
     }
 

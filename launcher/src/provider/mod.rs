@@ -16,11 +16,11 @@
 //! the launcher wraps each in [`status::Recorded`], which keeps the provider's last error
 //! in KV for operators.
 
-pub mod exec;
-pub mod limit;
+pub(crate) mod exec;
+pub(crate) mod limit;
 pub mod local;
-pub mod static_hosts;
-pub mod status;
+pub(crate) mod static_hosts;
+pub(crate) mod status;
 
 use crate::config::{DriverConfig, ProviderConfig};
 use crate::http::metrics::ProviderErrorKind;
@@ -88,7 +88,7 @@ pub enum ProviderError {
 
 impl ProviderError {
     /// Its kind, as `/metrics` counts it.
-    pub fn kind(&self) -> ProviderErrorKind {
+    pub(crate) fn kind(&self) -> ProviderErrorKind {
         match self {
             ProviderError::Failed { .. } => ProviderErrorKind::Failed,
             ProviderError::Timeout { .. } => ProviderErrorKind::Timeout,
@@ -125,7 +125,7 @@ pub trait Provider: Send + Sync {
 /// `slotpool-agent` next to its own executable), and `local_agents` whether its agents
 /// outlive the launcher. Static hosts' secret files are read here, so a missing one fails
 /// at startup.
-pub fn build(
+pub(crate) fn build(
     provider: &ProviderConfig,
     agent_default: &Path,
     local_agents: local::AgentLifetime,

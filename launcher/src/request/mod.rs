@@ -10,8 +10,8 @@
 //! Resumable: everything it has done is in KV (slots name their request), so a worker
 //! that takes a request over from a dead launcher adopts the slots already claimed.
 
-pub mod exec;
-pub mod observe;
+pub(crate) mod exec;
+pub(crate) mod observe;
 pub mod plan;
 mod worker;
 

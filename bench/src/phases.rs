@@ -386,7 +386,7 @@ pub async fn agent(
     isolation: &str,
     window: Duration,
 ) -> anyhow::Result<Agent> {
-    let binary = slotpool_launcher::local_run::sibling_binary("slotpool-agent");
+    let binary = slotpool_local_run::sibling_binary("slotpool-agent");
     let id = BackingId::parse("bn-bench-agent").expect("valid id");
     let work_dir = dir.join("idle-agent");
     std::fs::create_dir_all(&work_dir)?;
@@ -433,7 +433,7 @@ pub async fn agent(
     // Let start-up work settle before measuring.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = procs::usage_over(pid, window).await;
-    slotpool_launcher::local_run::stop_child(&mut child).await;
+    slotpool_local_run::stop_child(&mut child).await;
     Ok(Agent { slots, idle: idle? })
 }
 
@@ -560,7 +560,7 @@ pub async fn scale(url: &str, dir: &Path, s: &ScaleSettings) -> anyhow::Result<S
 /// The pool and seat of the `i`th simulated backing node: pools of at most
 /// `max-servers`' bound, `main-0`, `main-1`, ...
 fn sim_seat(i: usize) -> (String, u32) {
-    let per_pool = slotpool_launcher::config::MAX_SERVERS as usize;
+    let per_pool = slotpool_config::MAX_SERVERS as usize;
     (format!("main-{}", i / per_pool), (i % per_pool) as u32)
 }
 

@@ -2,10 +2,11 @@
 //! own module; this one only wires them up.
 
 mod client_cmds;
-pub mod demo;
+mod demo;
 mod nats_setup;
 mod operator_cmds;
 mod output;
+pub mod pki;
 mod serve;
 mod simulate;
 
@@ -223,7 +224,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config {
             command: ConfigCommand::Validate { file },
         } => {
-            let config = slotpool_launcher::config::Config::load(&file)?;
+            let config = slotpool_config::Config::load(&file)?;
             let labels = config.label_names().join(", ");
             println!(
                 "{}: ok ({} provider(s); labels: {labels})",
@@ -284,7 +285,7 @@ pub fn sibling_agent_binary() -> PathBuf {
     sibling_binary("slotpool-agent")
 }
 
-pub use slotpool_launcher::local_run::sibling_binary;
+pub use slotpool_local_run::sibling_binary;
 
 /// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.
 pub async fn stop_signal() {

@@ -2,8 +2,8 @@
 
 use super::NatsArgs;
 use anyhow::Context;
+use slotpool_config::Config;
 use slotpool_launcher::agent_bus::AgentBus;
-use slotpool_launcher::config::Config;
 use slotpool_launcher::http::tls::TlsFiles;
 use slotpool_launcher::http::HttpListener;
 use slotpool_launcher::provider::local::AgentLifetime;

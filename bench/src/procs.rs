@@ -192,7 +192,7 @@ impl LauncherProcess {
         args: &[S],
         log: &Path,
     ) -> anyhow::Result<LauncherProcess> {
-        let exe = slotpool_launcher::local_run::sibling_binary("slotpool");
+        let exe = slotpool_local_run::sibling_binary("slotpool");
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let child = Command::new(exe)

@@ -29,11 +29,11 @@ use anyhow::Context;
 use clap::Args;
 use phases::Throughput;
 use serde::Serialize;
-use slotpool_launcher::local_run::{
+use slotpool_cli::pki::{self, PkiPlan};
+use slotpool_launcher::provider::local::LocalProvider;
+use slotpool_local_run::{
     find_nats_server, sibling_binary, start_monitored_nats_server, start_nats_server, stop_child,
 };
-use slotpool_launcher::provider::local::LocalProvider;
-use slotpool_launcher::setup::pki::{self, PkiPlan};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Role};
 use slotpool_protocol::client::{Client, RequestWatcher};

@@ -1,9 +1,7 @@
 //! `slotpool`: the launcher daemon and the command-line client.
 
 use clap::Parser;
-mod cli;
-
-use cli::Cli;
+use slotpool_cli::{self as cli, Cli};
 
 /// mimalloc instead of glibc's malloc: under load the launcher allocates and frees many
 /// short-lived buffers (messages, records, task states), and glibc's malloc and free

@@ -5,10 +5,10 @@ use super::output::print_table;
 use super::Output;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
-use slotpool_launcher::config::Config;
-use slotpool_launcher::simulate::ledger::Report;
-use slotpool_launcher::simulate::trace::{self, Diurnal, Job};
-use slotpool_launcher::simulate::{self, Policy, Provider, Setup, Synthetic};
+use slotpool_config::Config;
+use slotpool_simulate::ledger::Report;
+use slotpool_simulate::trace::{self, Diurnal, Job};
+use slotpool_simulate::{self as simulate, Policy, Provider, Setup, Synthetic};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

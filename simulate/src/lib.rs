@@ -15,8 +15,8 @@ pub mod slotpool;
 pub mod svg;
 pub mod trace;
 
-use crate::config::Config;
 use ledger::{NodeKind, Report};
+use slotpool_config::Config;
 use slotpool_protocol::model::BackingNode;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -204,7 +204,7 @@ impl Synthetic {
     }
 
     /// The configuration for the labels of `jobs`.
-    pub fn config(&self, jobs: &[Job]) -> Result<Config, crate::config::ConfigError> {
+    pub fn config(&self, jobs: &[Job]) -> Result<Config, slotpool_config::ConfigError> {
         let mut labels: Vec<String> = jobs.iter().flat_map(|j| j.labels.clone()).collect();
         labels.sort();
         labels.dedup();

@@ -8,13 +8,13 @@
 
 use anyhow::{bail, Context};
 use clap::Args;
+use slotpool_config::Config;
 use slotpool_launcher::agent_bus::AgentBus;
-use slotpool_launcher::config::Config;
-use slotpool_launcher::local_run::{find_nats_server, start_nats_server, stop_child};
 use slotpool_launcher::provider::local::{
     end_with_parent, AgentLifetime, LocalProvider, STOP_GRACE,
 };
 use slotpool_launcher::{run, LauncherDeps, LauncherError};
+use slotpool_local_run::{find_nats_server, start_nats_server, stop_child};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::client::{submission, Client};

@@ -2,9 +2,9 @@
 //! (see [`slotpool_protocol::auth::setup`] for the files), and `slotpool nats-setup
 //! mint` for one more credential later.
 
+use crate::pki::{self, PkiPlan};
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use slotpool_launcher::setup::pki::{self, PkiPlan};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::BackingId;

@@ -8,12 +8,12 @@ use super::ledger::{Ledger, Report};
 use super::rng::Rng;
 use super::trace::Job;
 use super::{boot_ms, kind_of, Events, Policy, Setup, SimError, EPOCH_MS};
-use crate::lifecycle::{self, AgentSeen, Step};
-use crate::planner::{self, Choice, SiteSeats, SizeOffer};
-use crate::request::plan::{self, NodeSeen, RequestStep, WaitCause};
-use crate::world::capacity::{self, CapacityIndex, Standing};
-use crate::world::SlotRef;
 use slotpool_config::warm::{self, Arrivals};
+use slotpool_launcher::lifecycle::{self, AgentSeen, Step};
+use slotpool_launcher::planner::{self, Choice, SiteSeats, SizeOffer};
+use slotpool_launcher::request::plan::{self, NodeSeen, RequestStep, WaitCause};
+use slotpool_launcher::world::capacity::{self, CapacityIndex, Standing};
+use slotpool_launcher::world::SlotRef;
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{
     BackingNode, BackingState, IdleBehaviour, Instance, NodeRequest, NodeState, RequestState,
