@@ -30,6 +30,7 @@ pub mod heartbeat;
 pub mod isolation;
 pub mod log_tail;
 pub mod metrics;
+pub mod metrics_http;
 pub mod mounts;
 pub mod netns;
 pub mod reconcile;
@@ -102,7 +103,7 @@ pub enum AgentError {
     #[error("--slot-disk-quota-mb: {0}")]
     DiskQuota(disk_quota::QuotaUnavailable),
     #[error("--metrics: {0}")]
-    Metrics(metrics::MetricsError),
+    Metrics(metrics_http::MetricsError),
     #[error("hiding processes (--hide-processes): {0}")]
     HideProcesses(mounts::MountError),
 }
@@ -345,11 +346,11 @@ pub async fn run_with(
             ));
         }
         if let Some((addr, token_file)) = &config.metrics {
-            let listener = metrics::MetricsListener::bind(*addr, token_file.as_deref())
+            let listener = metrics_http::MetricsListener::bind(*addr, token_file.as_deref())
                 .await
                 .map_err(AgentError::Metrics)?;
             tasks.push(tokio::spawn(
-                metrics::serve(listener, slots.clone(), background.clone()).in_current_span(),
+                metrics_http::serve(listener, slots.clone(), background.clone()).in_current_span(),
             ));
         }
         slots.warm_free_slots();

@@ -5,9 +5,9 @@
 use crate::config::warm;
 use crate::events;
 use crate::heartbeat_clock::{Probe, Verdict};
-use crate::http::metrics::{self, DeletionReason, LaunchOutcome};
 use crate::lease::{self, LeaseGuard};
 use crate::lifecycle::{self, AgentSeen, Observed, Rules, Step};
+use crate::metrics::{self, DeletionReason, LaunchOutcome};
 use crate::nodes;
 use crate::planner;
 use crate::provider::{LaunchSpec, Provider, ProviderError};

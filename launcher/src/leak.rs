@@ -19,8 +19,8 @@
 //! before deleting anything.
 
 use crate::events;
-use crate::http::metrics;
 use crate::lease;
+use crate::metrics;
 use crate::provider::{ListedInstance, Provider};
 use crate::shared::Shared;
 use slotpool_protocol::layout;

@@ -19,6 +19,7 @@ pub(crate) mod leak;
 pub(crate) mod lease;
 pub mod lifecycle;
 pub(crate) mod liveness;
+pub(crate) mod metrics;
 pub(crate) mod mirror_sync;
 pub(crate) mod nodes;
 pub mod planner;
@@ -248,7 +249,9 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
         labels.sort();
         labels.dedup();
         for label in labels {
-            planner::plan(shared, &label).await;
+            for seat in planner::plan(shared, &label).await {
+                backing::spawn(shared, seat);
+            }
             match planner::rest_ends_at(shared, &label) {
                 Some(at) => rests.schedule(label, at),
                 None => rests.cancel(&label),

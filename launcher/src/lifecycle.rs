@@ -2,6 +2,7 @@
 //! what was last written) and what is observed now, [`next`] says the one step to take.
 //! Unit tested without NATS; the backing worker carries the steps out.
 
+use crate::metrics::DeletionReason;
 use slotpool_config::timing::{self, IdleRules};
 use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::time::{after, UnixMillis};
@@ -112,27 +113,6 @@ pub struct Observed {
 }
 
 pub use slotpool_config::timing::free_ahead;
-
-/// Why a backing node's instance is given back, or the node failed (`/metrics` counts
-/// each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DeletionReason {
-    /// Idle for its grace-time.
-    Grace,
-    /// Retired at its max-age, then released once empty.
-    MaxAge,
-    /// Retired for another reason (its agent shutting down, its label gone), then
-    /// released once empty.
-    Retired,
-    /// Drained by an operator.
-    Drain,
-    /// Killed by an operator.
-    Kill,
-    /// Failed: its launch, its boot or its agent.
-    Failure,
-    /// An instance no backing node records, found by the leak sweep.
-    Leak,
-}
 
 /// Why `step` gives `b` back, if it does: a release or a failure.
 pub(crate) fn deletion_reason(

@@ -7,7 +7,6 @@
 //! launchers planning at once race for the same seat key and one of them loses the
 //! create: demand is not met twice.
 
-use crate::backing;
 use crate::lifecycle::FAILED_SEAT_COOLDOWN;
 use crate::provider::FixedIdentity;
 use crate::shared::Shared;
@@ -19,7 +18,6 @@ use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{after, now_ms};
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
 use std::collections::HashSet;
-use std::sync::Arc;
 
 /// A seat to take: its index and, when reusing a failed seat, the revision it holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -340,8 +338,11 @@ pub fn requested_record(
     }
 }
 
-/// Takes as many seats as the label's unmet demand and its `min-ready` need.
-pub(crate) async fn plan(shared: &Arc<Shared>, label: &str) {
+/// Takes as many seats as the label's unmet demand and its `min-ready` need, and returns
+/// the keys of the seats it took: their backing nodes are `requested`, for the caller to
+/// start a backing worker on each.
+pub(crate) async fn plan(shared: &Shared, label: &str) -> Vec<String> {
+    let mut taken = Vec::new();
     let deficit = {
         let world = shared.world();
         deficit(
@@ -351,7 +352,7 @@ pub(crate) async fn plan(shared: &Arc<Shared>, label: &str) {
         )
     };
     if deficit <= 0 {
-        return;
+        return taken;
     }
     let sites = shared.config.sites(label);
     let seats: Vec<SiteSeats> = {
@@ -411,18 +412,19 @@ pub(crate) async fn plan(shared: &Arc<Shared>, label: &str) {
                     revision,
                     value: record,
                 });
-                backing::spawn(shared, key);
+                taken.push(key);
             }
             Err(KvError::Conflict { .. }) => {
                 // Another launcher took it; the watch will show its capacity.
-                return;
+                break;
             }
             Err(err) => {
                 tracing::warn!(seat = %key, %err, "cannot take a seat");
-                return;
+                break;
             }
         }
     }
+    taken
 }
 
 #[cfg(test)]

@@ -440,11 +440,23 @@ fn left_behind(node: &Node, request: Option<&NodeRequest>) -> bool {
     }
 }
 
+/// Whether `node`, claimed under request `r`'s id, was claimed for `r`: by a submit of
+/// `r`'s own client. A request id is the client's choice and may be known to another
+/// (printed in a job's log, say); a claim that another client's submit made under it
+/// (before its create failed: the id was taken) must never become one of `r`'s nodes,
+/// which would hand `r` a slot prepared with the other's key. Nor is a claim whose label
+/// is not the one `r` asks for at its index (a submit of the same id with other labels).
+/// Such a claim is its submit's to give back, or the sweep's
+/// ([`sweep_left_behind`]).
+pub(crate) fn claimed_for(r: &NodeRequest, node: &Node) -> bool {
+    node.client == r.client && r.labels.get(node.index as usize) == Some(&node.label)
+}
+
 /// Whether `node`, claimed under request `r`'s id, is not `r`'s to keep: `r` ended
 /// without it, or another client's submit claimed it under `r`'s id
-/// ([`crate::request::observe::claimed_for`]).
+/// ([`claimed_for`]).
 pub fn is_stray_of(node: &Node, r: &NodeRequest) -> bool {
-    !crate::request::observe::claimed_for(r, node)
+    !claimed_for(r, node)
         || (r.state.is_final()
             && !(r.state == RequestState::Fulfilled && r.nodes.contains(&node.id)))
 }
@@ -453,6 +465,33 @@ pub fn is_stray_of(node: &Node, r: &NodeRequest) -> bool {
 mod tests {
     use super::*;
     use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
+
+    #[test]
+    fn a_node_claimed_under_a_requests_id_by_another_client_is_not_the_requests() {
+        let mut r = crate::world::tests_support::request("req-1", &["small"]);
+        r.client = Some(slotpool_protocol::UserName::parse("ci").unwrap());
+        let mut node = crate::world::tests_support::node("bn-1", 0, "req-1", "small").value;
+        node.client = r.client.clone();
+        assert!(claimed_for(&r, &node));
+        node.client = Some(slotpool_protocol::UserName::parse("mallory").unwrap());
+        assert!(
+            !claimed_for(&r, &node),
+            "another client's claim under the id"
+        );
+        assert!(is_stray_of(&node, &r));
+        node.client = r.client.clone();
+        node.label = "big".into();
+        assert!(
+            !claimed_for(&r, &node),
+            "a claim for another label at the index"
+        );
+        node.label = "small".into();
+        node.index = 1;
+        assert!(
+            !claimed_for(&r, &node),
+            "a claim for an index the request has not"
+        );
+    }
 
     #[test]
     fn retries_start_at_a_second_and_double_to_thirty_with_jitter() {

@@ -1,290 +1,26 @@
-//! Every metric `/metrics` serves, defined here and nowhere else.
+//! Every metric `/metrics` serves, named and described here and nowhere else.
 //!
 //! Two kinds, named apart in the README ("Monitoring"):
 //! - **pool-wide** gauges, computed at scrape time from this launcher's mirror of KV
 //!   ([`crate::world::World`]): every launcher serves the same values;
 //! - **per-process** counters and the allocation and boot histograms, for what this
-//!   launcher did ([`PROCESS`]), bumped by one-line calls where it happens, read only
+//!   launcher did ([`crate::metrics::PROCESS`]), bumped where it happens, read only
 //!   when scraped.
-//!
-//! Labels come from the configuration (provider, pool, label), never from a backing
-//! node or a request, so the number of series does not grow with the pool.
 
+use crate::metrics::{
+    place, with, DeletionReason, Family, Labels, LaunchOutcome, ProviderCall, ProviderErrorKind,
+    PROCESS,
+};
 use crate::shared::Shared;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use slotpool_protocol::model::{BackingNode, BackingState};
+use slotpool_protocol::model::BackingState;
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-
-/// How a launch attempt ended ([`launch`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LaunchOutcome {
-    /// The provider created the instance.
-    Launched,
-    /// The provider was out of capacity; asked again after a back-off.
-    Capacity,
-    /// Any other error.
-    Failed,
-}
-
-impl LaunchOutcome {
-    const ALL: [LaunchOutcome; 3] = [Self::Launched, Self::Capacity, Self::Failed];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Launched => "launched",
-            Self::Capacity => "capacity",
-            Self::Failed => "failed",
-        }
-    }
-}
-
-pub(crate) use crate::lifecycle::DeletionReason;
-
-impl DeletionReason {
-    const ALL: [DeletionReason; 7] = [
-        Self::Grace,
-        Self::MaxAge,
-        Self::Retired,
-        Self::Drain,
-        Self::Kill,
-        Self::Failure,
-        Self::Leak,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Grace => "grace",
-            Self::MaxAge => "max-age",
-            Self::Retired => "retired",
-            Self::Drain => "drain",
-            Self::Kill => "kill",
-            Self::Failure => "failure",
-            Self::Leak => "leak",
-        }
-    }
-}
-
-/// A provider call ([`provider_error`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProviderCall {
-    Launch,
-    Delete,
-    List,
-}
-
-impl ProviderCall {
-    const ALL: [ProviderCall; 3] = [Self::Launch, Self::Delete, Self::List];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Launch => "launch",
-            Self::Delete => "delete",
-            Self::List => "list",
-        }
-    }
-}
-
-/// How a provider call failed ([`provider_error`]): the kinds of the provider's errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProviderErrorKind {
-    Failed,
-    Timeout,
-    Capacity,
-}
-
-impl ProviderErrorKind {
-    const ALL: [ProviderErrorKind; 3] = [Self::Failed, Self::Timeout, Self::Capacity];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Failed => "failed",
-            Self::Timeout => "timeout",
-            Self::Capacity => "capacity",
-        }
-    }
-}
-
-/// Upper bounds (seconds) of the allocation-latency buckets: a warm slot is handed out
-/// in milliseconds, a cold one waits for a backing node to boot (minutes).
-const LATENCY_BOUNDS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-];
-
-/// Upper bounds (seconds) of the boot-time buckets: a local process is up in a second,
-/// a cloud machine in one to a few minutes.
-const BOOT_BOUNDS: &[f64] = &[
-    0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
-];
-
-/// Most buckets a [`Histogram`] has, the one above every bound included.
-const MAX_BUCKETS: usize = 16;
-
-/// A histogram of durations as atomics, so observing one costs three atomic adds.
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// Per bound, the last one for everything above them.
-    buckets: [AtomicU64; MAX_BUCKETS],
-    count: AtomicU64,
-    sum_ms: AtomicU64,
-}
-
-impl Histogram {
-    const fn new(bounds: &'static [f64]) -> Self {
-        assert!(bounds.len() < MAX_BUCKETS);
-        Histogram {
-            bounds,
-            buckets: [const { AtomicU64::new(0) }; MAX_BUCKETS],
-            count: AtomicU64::new(0),
-            sum_ms: AtomicU64::new(0),
-        }
-    }
-
-    fn observe_ms(&self, ms: u64) {
-        let secs = ms as f64 / 1000.0;
-        let bucket = self
-            .bounds
-            .iter()
-            .position(|bound| secs <= *bound)
-            .unwrap_or(self.bounds.len());
-        self.buckets[bucket].fetch_add(1, Relaxed);
-        self.sum_ms.fetch_add(ms, Relaxed);
-        self.count.fetch_add(1, Relaxed);
-    }
-
-    fn encode(
-        &self,
-        encoder: &mut DescriptorEncoder,
-        name: &str,
-        help: &str,
-    ) -> Result<(), std::fmt::Error> {
-        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
-        let buckets: Vec<(f64, u64)> = self
-            .bounds
-            .iter()
-            .copied()
-            .chain([f64::INFINITY])
-            .zip(self.buckets.iter().map(|b| b.load(Relaxed)))
-            .collect();
-        family.encode_histogram::<NoLabelSet>(
-            self.sum_ms.load(Relaxed) as f64 / 1000.0,
-            self.count.load(Relaxed),
-            &buckets,
-            None,
-        )
-    }
-}
-
-/// The counter families whose labels come from the configuration (provider, pool,
-/// label): few, and kept in one map.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Family {
-    Launches,
-    Deletions,
-    ProviderErrors,
-}
-
-/// This process's counters, read only when scraped.
-pub struct Process {
-    /// Counts by family and label set; an event is rare (a launch, a deletion, a
-    /// provider error), so a lock is cheap here.
-    counts: Mutex<BTreeMap<(Family, Labels), u64>>,
-    lease_takeovers: AtomicU64,
-    allocation: Histogram,
-    boot: Histogram,
-}
-
-/// The counters of this process.
-pub static PROCESS: Process = Process {
-    counts: Mutex::new(BTreeMap::new()),
-    lease_takeovers: AtomicU64::new(0),
-    allocation: Histogram::new(LATENCY_BOUNDS),
-    boot: Histogram::new(BOOT_BOUNDS),
-};
-
-impl Process {
-    fn add(&self, family: Family, labels: Labels) {
-        *self
-            .counts
-            .lock()
-            .expect("metrics lock")
-            .entry((family, labels))
-            .or_default() += 1;
-    }
-}
-
-fn place(b: &BackingNode) -> Labels {
-    vec![
-        ("provider", b.provider.clone()),
-        ("pool", b.pool.clone()),
-        ("label", b.label.clone()),
-    ]
-}
-
-fn with(mut labels: Labels, name: &'static str, value: &str) -> Labels {
-    labels.push((name, value.to_string()));
-    labels
-}
-
-/// A launch attempt of `b` ended with `outcome`.
-pub fn launch(b: &BackingNode, outcome: LaunchOutcome) {
-    PROCESS.add(
-        Family::Launches,
-        with(place(b), "outcome", outcome.as_str()),
-    );
-}
-
-/// `b`'s instance is being given back (or `b` failed) for `reason`.
-pub fn deletion(b: &BackingNode, reason: DeletionReason) {
-    PROCESS.add(Family::Deletions, with(place(b), "reason", reason.as_str()));
-}
-
-/// An instance of `provider` found by the leak sweep is being deleted.
-pub fn leak_deletion(provider: &str) {
-    let labels = vec![
-        ("provider", provider.to_string()),
-        ("pool", String::new()),
-        ("label", String::new()),
-        ("reason", DeletionReason::Leak.as_str().to_string()),
-    ];
-    PROCESS.add(Family::Deletions, labels);
-}
-
-/// A `call` to `provider` failed with an error of `kind`.
-pub fn provider_error(provider: &str, call: ProviderCall, kind: ProviderErrorKind) {
-    let labels = vec![
-        ("provider", provider.to_string()),
-        ("call", call.as_str().to_string()),
-        ("kind", kind.as_str().to_string()),
-    ];
-    PROCESS.add(Family::ProviderErrors, labels);
-}
-
-/// This launcher took over a request whose owner's liveness lease had lapsed.
-pub fn lease_takeover() {
-    PROCESS.lease_takeovers.fetch_add(1, Relaxed);
-}
-
-/// A request submitted at `created_at` was fulfilled at `fulfilled_at`.
-pub fn fulfilled(created_at: UnixMillis, fulfilled_at: UnixMillis) {
-    PROCESS
-        .allocation
-        .observe_ms(fulfilled_at.saturating_sub(created_at));
-}
-
-/// A backing node whose launch started at `launched_at` had its agent report in at
-/// `ready_at`.
-pub fn booted(launched_at: UnixMillis, ready_at: UnixMillis) {
-    PROCESS
-        .boot
-        .observe_ms(ready_at.saturating_sub(launched_at));
-}
+use std::sync::Arc;
 
 /// The registry `/metrics` encodes: one collector that reads the mirror and the counters
 /// when scraped.
@@ -301,8 +37,6 @@ impl std::fmt::Debug for Collector {
         f.write_str("slotpool collector")
     }
 }
-
-type Labels = Vec<(&'static str, String)>;
 
 /// The pool-wide values, read from the mirror under its lock in one pass.
 #[derive(Default)]
@@ -461,14 +195,7 @@ impl Collector {
                 }
             }
         }
-        counts.extend(
-            PROCESS
-                .counts
-                .lock()
-                .expect("metrics lock")
-                .iter()
-                .map(|(k, v)| (k.clone(), *v)),
-        );
+        counts.extend(PROCESS.counts());
         counts
     }
 }
@@ -612,7 +339,7 @@ impl prometheus_client::collector::Collector for Collector {
             &mut encoder,
             "lease_takeovers",
             "Requests this launcher took over because their owner's liveness lease had lapsed (this launcher).",
-            PROCESS.lease_takeovers.load(Relaxed),
+            PROCESS.lease_takeovers(),
         )?;
         PROCESS.allocation.encode(
             &mut encoder,
@@ -625,23 +352,5 @@ impl prometheus_client::collector::Collector for Collector {
             "Time from a backing node's launch to its agent's first heartbeat (backing nodes this launcher marked ready).",
         )?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_duration_lands_in_the_first_bucket_that_holds_it() {
-        let h = Histogram::new(LATENCY_BOUNDS);
-        h.observe_ms(300); // 0.3 s: the 0.5 s bucket
-        h.observe_ms(1_000_000); // above every bound
-        let grew: Vec<usize> = (0..MAX_BUCKETS)
-            .filter(|i| h.buckets[*i].load(Relaxed) > 0)
-            .collect();
-        assert_eq!(grew, vec![6, LATENCY_BOUNDS.len()]);
-        assert_eq!(h.count.load(Relaxed), 2);
-        assert_eq!(h.sum_ms.load(Relaxed), 1_000_300);
     }
 }

@@ -7,7 +7,7 @@
 
 use super::{FixedIdentity, LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use crate::config::CreateLimits;
-use crate::http::metrics::{self, ProviderCall};
+use crate::metrics::{self, ProviderCall};
 use slotpool_protocol::model::Instance;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

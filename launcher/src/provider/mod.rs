@@ -23,7 +23,7 @@ pub(crate) mod static_hosts;
 pub(crate) mod status;
 
 use crate::config::{DriverConfig, ProviderConfig};
-use crate::http::metrics::ProviderErrorKind;
+use crate::metrics::ProviderErrorKind;
 use slotpool_protocol::auth::Credentials;
 use slotpool_protocol::model::{Attributes, Instance};
 use slotpool_protocol::BackingId;

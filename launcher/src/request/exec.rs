@@ -4,7 +4,7 @@
 
 use super::observe::{position, Memory};
 use super::plan::RequestStep;
-use crate::http::metrics;
+use crate::metrics;
 use crate::nodes::{self, SlotError};
 use crate::release::{self, Finish, Give};
 use crate::shared::{label_topic, request_topic, Shared};

@@ -15,7 +15,7 @@ pub(crate) mod observe;
 pub mod plan;
 mod worker;
 
-use crate::http::metrics;
+use crate::metrics;
 use crate::shared::{Shared, Work};
 use observe::Memory;
 use plan::Ownership;

@@ -4,6 +4,7 @@
 //! them or by [`unreserve`].
 
 use super::plan::{self, NodeSeen, Observed, UnknownLabel, WaitCause};
+use crate::release::claimed_for;
 use crate::shared::Shared;
 use crate::world::{QueuePosition, World};
 use slotpool_protocol::layout;
@@ -141,18 +142,6 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
     }
 }
 
-/// Whether `node`, claimed under request `r`'s id, was claimed for `r`: by a submit of
-/// `r`'s own client. A request id is the client's choice and may be known to another
-/// (printed in a job's log, say); a claim that another client's submit made under it
-/// (before its create failed: the id was taken) must never become one of `r`'s nodes,
-/// which would hand `r` a slot prepared with the other's key. Nor is a claim whose label
-/// is not the one `r` asks for at its index (a submit of the same id with other labels).
-/// Such a claim is its submit's to give back, or the sweep's
-/// ([`crate::release::sweep_left_behind`]).
-pub fn claimed_for(r: &NodeRequest, node: &slotpool_protocol::model::Node) -> bool {
-    node.client == r.client && r.labels.get(node.index as usize) == Some(&node.label)
-}
-
 /// The shortest `max-hold-time` of the labels of the nodes claimed for `r`, as the
 /// pool each node's backing node belongs to configures it.
 fn max_hold(sh: &Shared, world: &World, r: &NodeRequest) -> Option<std::time::Duration> {
@@ -253,33 +242,6 @@ pub fn ownership(world: &World, me: &LauncherId, r: &NodeRequest) -> plan::Owner
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_node_claimed_under_a_requests_id_by_another_client_is_not_the_requests() {
-        let mut r = crate::world::tests_support::request("req-1", &["small"]);
-        r.client = Some(slotpool_protocol::UserName::parse("ci").unwrap());
-        let mut node = crate::world::tests_support::node("bn-1", 0, "req-1", "small").value;
-        node.client = r.client.clone();
-        assert!(claimed_for(&r, &node));
-        node.client = Some(slotpool_protocol::UserName::parse("mallory").unwrap());
-        assert!(
-            !claimed_for(&r, &node),
-            "another client's claim under the id"
-        );
-        assert!(crate::release::is_stray_of(&node, &r));
-        node.client = r.client.clone();
-        node.label = "big".into();
-        assert!(
-            !claimed_for(&r, &node),
-            "a claim for another label at the index"
-        );
-        node.label = "small".into();
-        node.index = 1;
-        assert!(
-            !claimed_for(&r, &node),
-            "a claim for an index the request has not"
-        );
-    }
 
     #[test]
     fn a_lost_claim_backs_off_longer_each_time_in_a_row() {
