@@ -428,26 +428,26 @@ impl Made {
                 if mine {
                     request::abandon(sh, &req.id);
                 }
-                // A retried submission with the same id: the first one stands.
-                // `Some`: the id is taken, by the record read (gone since: `None`).
-                let first = match &err {
-                    KvError::Conflict { .. } if retried_id => {
-                        match sh.bus.requests.get::<NodeRequest>(&key).await {
-                            Ok(existing) => Some(existing.map(|e| e.value)),
-                            Err(err) => return Err(internal(err)),
-                        }
-                    }
-                    _ => None,
+                let read = if reads_holder(&err, retried_id) {
+                    Some(
+                        sh.bus
+                            .requests
+                            .get::<NodeRequest>(&key)
+                            .await
+                            .map_err(internal)?,
+                    )
+                } else {
+                    None
                 };
-                let same = first.as_ref().and_then(Option::as_ref).filter(|first| {
-                    first.labels == req.labels && first.client.as_ref() == Some(caller)
-                });
-                // The claims are the first one's to use while it waits (its driver takes
-                // them or gives them back); otherwise given back here, by node: a slot
-                // given back already may hold another's node by now.
-                let keep_claims = same.is_some_and(|first| first.state == RequestState::Requested);
-                let same = same.is_some();
-                if !keep_claims {
+                let holder = match &read {
+                    None => Holder::NotRead,
+                    Some(None) => Holder::Gone,
+                    Some(Some(first)) => Holder::Found(&first.value),
+                };
+                let decided = create_failed(holder, &req, caller);
+                if !decided.keep_claims {
+                    // Given back by node: a slot given back already may hold another's
+                    // node by now.
                     for node in &claimed {
                         if let Err(err) =
                             release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
@@ -456,15 +456,15 @@ impl Made {
                         }
                     }
                 }
-                return match first {
-                    Some(_) if same => Ok(Submitted {
+                return match decided.answer {
+                    FailedAnswer::TheFirst => Ok(Submitted {
                         request_id: req.id,
                         request: None,
                     }),
-                    Some(_) => Err(bad(format!(
+                    FailedAnswer::IdTaken => Err(bad(format!(
                         "request id {key} is already used by a different request"
                     ))),
-                    None => Err(internal(err)),
+                    FailedAnswer::Error => Err(internal(err)),
                 };
             }
         };
@@ -498,6 +498,70 @@ impl Made {
             request_id: id,
             request: fulfilled.then(|| Box::new(req)),
         })
+    }
+}
+
+/// Whether a submit whose create failed reads the request that holds the id: only on a
+/// conflict for an id the client chose (a retried submission); a generated id is new.
+fn reads_holder(err: &KvError, retried_id: bool) -> bool {
+    matches!(err, KvError::Conflict { .. }) && retried_id
+}
+
+/// What a submit whose create failed learnt of the request holding the id.
+#[derive(Clone, Copy, Debug)]
+enum Holder<'a> {
+    /// Not read ([`reads_holder`]).
+    NotRead,
+    /// Read, and gone since the create failed.
+    Gone,
+    Found(&'a NodeRequest),
+}
+
+/// What a submit whose create failed answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailedAnswer {
+    /// The request it retries: a submission of the same id, labels and client.
+    TheFirst,
+    /// Another request (or one gone since) holds the id: a bad request.
+    IdTaken,
+    /// The create's own error.
+    Error,
+}
+
+/// The decision on a create that failed ([`create_failed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CreateFailed {
+    answer: FailedAnswer,
+    /// Whether the slots claimed for this submit stay claimed: they are the first
+    /// request's to use while it waits (its driver takes them or gives them back);
+    /// otherwise this submit gives them back.
+    keep_claims: bool,
+}
+
+/// What a submit of `req` by `caller` whose create failed answers and does with its
+/// claims, given what it learnt of the request that holds the id. A retried submission
+/// (the same id, labels and client) is answered with the first request; any other
+/// holder makes the id taken.
+fn create_failed(holder: Holder<'_>, req: &NodeRequest, caller: &UserName) -> CreateFailed {
+    let first = match holder {
+        Holder::NotRead => {
+            return CreateFailed {
+                answer: FailedAnswer::Error,
+                keep_claims: false,
+            }
+        }
+        Holder::Gone => None,
+        Holder::Found(first) => Some(first),
+    };
+    match first.filter(|f| f.labels == req.labels && f.client.as_ref() == Some(caller)) {
+        Some(same) => CreateFailed {
+            answer: FailedAnswer::TheFirst,
+            keep_claims: same.state == RequestState::Requested,
+        },
+        None => CreateFailed {
+            answer: FailedAnswer::IdTaken,
+            keep_claims: false,
+        },
     }
 }
 
@@ -675,5 +739,102 @@ async fn keep_alive(
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(internal(err)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::world::tests_support::request;
+
+    fn user(name: &str) -> UserName {
+        UserName::parse(name).unwrap()
+    }
+
+    #[test]
+    fn only_a_conflict_on_an_id_the_client_chose_is_worth_a_read() {
+        let kv = |conflict| {
+            let (bucket, key) = ("requests".to_string(), "r".to_string());
+            if conflict {
+                KvError::Conflict { bucket, key }
+            } else {
+                KvError::Timeout { bucket, key }
+            }
+        };
+        // (conflict, retried id) -> read the holder
+        for (conflict, retried, reads) in [
+            (true, true, true),
+            (true, false, false),
+            (false, true, false),
+            (false, false, false),
+        ] {
+            assert_eq!(
+                reads_holder(&kv(conflict), retried),
+                reads,
+                "{conflict} {retried}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failed_create_answers_the_first_request_only_for_the_same_submission() {
+        let mut req = request("req-1", &["small", "big"]);
+        req.client = Some(user("ci"));
+        let caller = user("ci");
+        let first = |f: &dyn Fn(&mut NodeRequest)| {
+            let mut r = req.clone();
+            f(&mut r);
+            r
+        };
+        let waiting = first(&|_| {});
+        let fulfilled = first(&|r| r.state = RequestState::Fulfilled);
+        let failed = first(&|r| r.state = RequestState::Failed);
+        let other_labels = first(&|r| r.labels = vec!["small".into()]);
+        let reordered = first(&|r| r.labels = vec!["big".into(), "small".into()]);
+        let other_client = first(&|r| r.client = Some(user("mallory")));
+        let no_client = first(&|r| r.client = None);
+        use FailedAnswer::*;
+        // holder -> (answer, claims kept)
+        let cases: [(&str, Holder, FailedAnswer, bool); 9] = [
+            ("not read", Holder::NotRead, Error, false),
+            ("gone since", Holder::Gone, IdTaken, false),
+            ("the same, waiting", Holder::Found(&waiting), TheFirst, true),
+            (
+                "the same, fulfilled",
+                Holder::Found(&fulfilled),
+                TheFirst,
+                false,
+            ),
+            ("the same, failed", Holder::Found(&failed), TheFirst, false),
+            ("other labels", Holder::Found(&other_labels), IdTaken, false),
+            (
+                "labels in another order",
+                Holder::Found(&reordered),
+                IdTaken,
+                false,
+            ),
+            (
+                "another client",
+                Holder::Found(&other_client),
+                IdTaken,
+                false,
+            ),
+            ("no client", Holder::Found(&no_client), IdTaken, false),
+        ];
+        for (what, holder, answer, keep_claims) in cases {
+            assert_eq!(
+                create_failed(holder, &req, &caller),
+                CreateFailed {
+                    answer,
+                    keep_claims
+                },
+                "{what}"
+            );
+        }
+        assert_eq!(
+            create_failed(Holder::Found(&waiting), &req, &user("mallory")).answer,
+            IdTaken,
+            "another caller retrying the id"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! Since when the heartbeats bucket has been able to take and deliver heartbeats, as far as
 //! this launcher knows: a heartbeat missing from KV counts only over that time
-//! ([`crate::lifecycle`]).
+//! ([`crate::backing::lifecycle`]).
 //!
 //! The connection and the mirror's watch are covered by [`crate::mirror_sync::MirrorSync`].
 //! A clustered bucket electing its leader is not: the launcher stays connected, its watch

@@ -10,19 +10,16 @@ pub mod agent_bus;
 /// The pool configuration (its own crate, shared with the console).
 pub(crate) use slotpool_config as config;
 pub(crate) mod api;
-pub(crate) mod backing;
+pub mod backing;
 pub(crate) mod events;
 pub(crate) mod heartbeat_clock;
 pub mod http;
 pub(crate) mod inbound;
-pub(crate) mod leak;
 pub(crate) mod lease;
-pub mod lifecycle;
 pub(crate) mod liveness;
 pub(crate) mod metrics;
 pub(crate) mod mirror_sync;
 pub(crate) mod nodes;
-pub mod planner;
 pub mod provider;
 pub(crate) mod release;
 pub mod request;
@@ -134,7 +131,7 @@ pub async fn run(
     shared
         .tracker
         .spawn(lease::keep_alive(shared.clone(), liveness));
-    leak::spawn(&shared);
+    backing::leak::spawn(&shared);
     let api = {
         let sh = shared.clone();
         shared.tracker.spawn(async move { api::serve(sh).await })
@@ -142,9 +139,16 @@ pub async fn run(
     // The supervisor runs on the runtime's workers: `run` may be polled outside them
     // (`block_on`), and waking that thread for every change the watches report would
     // cost a futex call and a context switch each time.
+    let plans = Arc::new(PlanQueue::default());
+    {
+        let (sh, plans) = (shared.clone(), plans.clone());
+        shared
+            .tracker
+            .spawn(async move { plan_labels(&sh, &plans).await });
+    }
     let supervisor = {
         let sh = shared.clone();
-        tokio::spawn(async move { supervise(&sh, dirty_rx).await })
+        tokio::spawn(async move { supervise(&sh, dirty_rx, &plans).await })
     };
     if let Err(err) = supervisor.await {
         if err.is_panic() {
@@ -159,20 +163,22 @@ pub async fn run(
 }
 
 /// Looks at every work item the watches mark dirty (and all of them now and then) and
-/// starts a worker for those nobody drives.
-async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirty>) {
+/// starts a worker for those nobody drives; labels go to the planner's task ([`plan_labels`]),
+/// so the supervisor never waits for the planner's writes.
+async fn supervise(
+    shared: &Arc<Shared>,
+    mut dirty: mpsc::UnboundedReceiver<Dirty>,
+    plans: &PlanQueue,
+) {
     let mut resync = tokio::time::interval(RESYNC_INTERVAL);
     let mut timers = KeyTimers::default();
     // Slots seen marked releasing, by key: looked at again once their release should be
     // done ([`release::finish_left_behind`]).
     let mut releases = KeyTimers::default();
-    // Labels with unmet demand and a seat resting, by label: planned again when the rest
-    // ends.
-    let mut rests = KeyTimers::default();
     let mut synced = shared.mirror_sync.subscribe();
     loop {
         let mut batch: HashSet<Dirty> = HashSet::new();
-        let next_timer = [timers.next(), releases.next(), rests.next()]
+        let next_timer = [timers.next(), releases.next()]
             .into_iter()
             .flatten()
             .min()
@@ -198,7 +204,6 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 for key in releases.take_due(now) {
                     release::finish_left_behind(shared, &key);
                 }
-                batch.extend(rests.take_due(now).into_iter().map(Dirty::Label));
             }
         }
         while let Ok(d) = dirty.try_recv() {
@@ -246,18 +251,62 @@ async fn supervise(shared: &Arc<Shared>, mut dirty: mpsc::UnboundedReceiver<Dirt
                 look_at_seat(shared, &mut timers, seat);
             }
         }
-        labels.sort();
-        labels.dedup();
+        plans.ask(labels);
+        shared.signals.prune();
+    }
+}
+
+/// The labels waiting for the planner's task: one entry per label, however often it is
+/// asked for (so at most as many as the configuration names), and the task's wake-up.
+#[derive(Default)]
+struct PlanQueue {
+    labels: std::sync::Mutex<BTreeSet<String>>,
+    wake: tokio::sync::Notify,
+}
+
+impl PlanQueue {
+    fn ask(&self, labels: Vec<String>) {
+        if labels.is_empty() {
+            return;
+        }
+        self.labels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(labels);
+        self.wake.notify_one();
+    }
+
+    fn take(&self) -> BTreeSet<String> {
+        std::mem::take(&mut *self.labels.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// The planner's task: plans each label asked for ([`backing::planner::plan`]), one at a
+/// time (labels sharing a pool would otherwise race for its seats), and starts a backing
+/// worker on each seat taken. A label with unmet demand and a seat resting is planned
+/// again when the rest ends.
+async fn plan_labels(shared: &Arc<Shared>, plans: &PlanQueue) {
+    let mut rests = KeyTimers::default();
+    loop {
+        let next_rest = rests
+            .next()
+            .map(|at| tokio::time::Instant::now() + slotpool_protocol::time::until(at));
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            _ = plans.wake.notified() => {}
+            _ = sleep_until(next_rest) => {}
+        }
+        let mut labels = plans.take();
+        labels.extend(rests.take_due(slotpool_protocol::time::now_ms()));
         for label in labels {
-            for seat in planner::plan(shared, &label).await {
+            for seat in backing::planner::plan(shared, &label).await {
                 backing::spawn(shared, seat);
             }
-            match planner::rest_ends_at(shared, &label) {
+            match backing::planner::rest_ends_at(shared, &label) {
                 Some(at) => rests.schedule(label, at),
                 None => rests.cancel(&label),
             }
         }
-        shared.signals.prune();
     }
 }
 

@@ -1,5 +1,5 @@
 //! Since when this launcher has been connected to the bus with every mirror synced: the
-//! only time over which it judges a heartbeat missing ([`crate::lifecycle`]). While the
+//! only time over which it judges a heartbeat missing ([`crate::backing::lifecycle`]). While the
 //! connection is down, or a mirror reloads after a reconnect, the mirror says nothing
 //! about which agents are alive.
 

@@ -9,7 +9,7 @@ use super::ledger::{Ledger, NodeKind, Report};
 use super::rng::Rng;
 use super::trace::Job;
 use super::{boot_ms, Events, Policy, Setup, SimError, EPOCH_MS};
-use slotpool_launcher::lifecycle::CAPACITY_BACKOFF;
+use slotpool_launcher::provider::CAPACITY_BACKOFF;
 use std::collections::{HashMap, HashSet};
 
 enum Event {

@@ -9,8 +9,8 @@ use super::rng::Rng;
 use super::trace::Job;
 use super::{boot_ms, kind_of, Events, Policy, Setup, SimError, EPOCH_MS};
 use slotpool_config::warm::{self, Arrivals};
-use slotpool_launcher::lifecycle::{self, AgentSeen, Step};
-use slotpool_launcher::planner::{self, Choice, SiteSeats, SizeOffer};
+use slotpool_launcher::backing::lifecycle::{self, AgentSeen, Step};
+use slotpool_launcher::backing::planner::{self, Choice, SiteSeats, SizeOffer};
 use slotpool_launcher::request::plan::{self, NodeSeen, RequestStep, WaitCause};
 use slotpool_launcher::world::capacity::{self, CapacityIndex, Standing};
 use slotpool_launcher::world::SlotRef;
@@ -301,7 +301,7 @@ impl Sim<'_> {
                         provider: b.provider.clone(),
                         backing_label: b.backing_label.clone(),
                         failure: b.failure.clone(),
-                        backoff: lifecycle::CAPACITY_BACKOFF,
+                        backoff: slotpool_launcher::provider::CAPACITY_BACKOFF,
                     }
                 } else {
                     WaitCause::Booting {

@@ -2,7 +2,7 @@
 //! (`RESYNC_INTERVAL`, 15 s): each is awaited with a deadline well below it.
 
 use futures::StreamExt;
-use slotpool_launcher::lifecycle::FAILED_SEAT_COOLDOWN;
+use slotpool_launcher::backing::lifecycle::FAILED_SEAT_COOLDOWN;
 use slotpool_protocol::layout::slot_key;
 use slotpool_protocol::model::BackingState;
 use slotpool_protocol::model::{Lease, Node, NodeRequest, NodeState, RequestState};

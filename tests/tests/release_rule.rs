@@ -4,7 +4,7 @@
 //! node's `idle_since`), by driving the console's state with watch changes and the
 //! launcher's lifecycle with the same observations.
 
-use slotpool_launcher::lifecycle::{self, AgentSeen, Observed};
+use slotpool_launcher::backing::lifecycle::{self, AgentSeen, Observed};
 use slotpool_protocol::layout::{seat_key, slot_key};
 use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
 use slotpool_protocol::{BackingId, NodeId, RequestId};
@@ -164,6 +164,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             min_retention_time: Duration::from_millis(label.min_retention_ms),
             max_age: Duration::ZERO,
             boot_timeout: Duration::from_secs(60),
+            launch_timeout: Duration::from_secs(60),
             launch_retries: 1,
             max_uses: None,
         };

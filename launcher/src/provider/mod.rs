@@ -8,7 +8,7 @@
 //!   the agent's heartbeat itself, up to `boot-timeout`);
 //! - `delete` is idempotent: deleting an instance that is already gone is not an error;
 //! - `list` returns the instances this provider created, with the backing id each was
-//!   launched for when it can tell (the leak sweep, [`crate::leak`], deletes those no
+//!   launched for when it can tell (the leak sweep, [`crate::backing::leak`], deletes those no
 //!   backing record owns; a relaunch deletes every one listed for its backing id).
 //!
 //! [`build`] wraps every provider in [`limit::Limited`], which applies the provider's
@@ -30,6 +30,10 @@ use slotpool_protocol::BackingId;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How long after a launch refused for capacity (a quota, a sold-out region) the launcher
+/// asks the provider again; meanwhile the pool counts as out of capacity.
+pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
 
 /// What the launcher asks a provider to start.
 #[derive(Clone, Debug)]

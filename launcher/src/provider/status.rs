@@ -9,8 +9,8 @@
 //! launchers write the record; a conflict is read again and written over: last writer
 //! wins, as befits a status record that decides nothing.
 
+use super::CAPACITY_BACKOFF;
 use super::{FixedIdentity, LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
-use crate::lifecycle::CAPACITY_BACKOFF;
 use futures::StreamExt;
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{Instance, ProviderCall, ProviderStatus};

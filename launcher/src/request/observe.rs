@@ -185,7 +185,7 @@ fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
                 provider: b.provider.clone(),
                 backing_label: b.backing_label.clone(),
                 failure: b.failure.clone(),
-                backoff: crate::lifecycle::CAPACITY_BACKOFF,
+                backoff: crate::provider::CAPACITY_BACKOFF,
             };
         }
         return WaitCause::Booting {

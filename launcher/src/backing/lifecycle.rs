@@ -1,10 +1,14 @@
 //! The backing node state machine as a pure function: given the record (desired state and
 //! what was last written) and what is observed now, [`next`] says the one step to take.
-//! Unit tested without NATS; the backing worker carries the steps out.
+//! A launch's retries and time-out are decided here too: [`next`] says when to launch
+//! again and for how long, `attempt` what an attempt writes first, `after_attempt`
+//! what its end writes. Unit tested without NATS; the backing worker carries the steps
+//! out.
 
-use crate::metrics::DeletionReason;
+use crate::metrics::{DeletionReason, LaunchOutcome, ProviderErrorKind};
+use crate::provider::CAPACITY_BACKOFF;
 use slotpool_config::timing::{self, IdleRules};
-use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour};
+use slotpool_protocol::model::{Attributes, BackingNode, BackingState, IdleBehaviour, Instance};
 use slotpool_protocol::time::{after, UnixMillis};
 use std::time::Duration;
 
@@ -12,8 +16,6 @@ use std::time::Duration;
 pub(crate) const FAILED_RETENTION: Duration = Duration::from_secs(600);
 /// How long a failed seat rests before the planner launches into it again (quota back-off).
 pub const FAILED_SEAT_COOLDOWN: Duration = Duration::from_secs(10);
-/// How long after a launch refused for capacity the launcher asks the provider again.
-pub const CAPACITY_BACKOFF: Duration = Duration::from_secs(10);
 /// How long, beyond a heartbeat's TTL, a launcher back on the bus (connected, mirrors
 /// synced) waits for a heartbeat missing from KV before it takes the agent for gone. An
 /// agent may come back up to 4 s after the launcher (the NATS client's longest pause
@@ -46,6 +48,8 @@ pub struct Rules {
     pub min_retention_time: Duration,
     pub max_age: Duration,
     pub boot_timeout: Duration,
+    /// How long the provider may take to launch an instance (`launch-timeout`).
+    pub launch_timeout: Duration,
     pub launch_retries: u32,
     /// Slots a node hands out in its life (`max-uses`); `None`: no limit.
     pub max_uses: Option<u32>,
@@ -59,6 +63,7 @@ impl Rules {
             min_retention_time: site.label.min_retention_time,
             max_age: site.label.max_age,
             boot_timeout: site.pool.boot_timeout,
+            launch_timeout: site.pool.launch_timeout,
             launch_retries: site.pool.launch_retries,
             max_uses: site.label.max_uses,
         }
@@ -144,8 +149,10 @@ pub(crate) fn deletion_reason(
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Start a launch attempt (the first, or a retry after `reason`).
+    /// Ask the provider for an instance, within `timeout` (`launch-timeout`).
     Launch {
         retry_reason: Option<String>,
+        timeout: Duration,
     },
     BecomeReady,
     /// Record when the node became empty (or that it is in use again).
@@ -163,6 +170,106 @@ pub enum Step {
     Forget,
     /// Nothing to do until something changes or the time (if any) comes.
     Wait(Option<UnixMillis>),
+}
+
+/// The record of a new launch attempt of `b`, written before the provider is asked:
+/// `launching`, with the new instance's secret digest and every trace of an earlier
+/// attempt cleared. An attempt after a refusal for capacity is not counted against
+/// `launch-retries` (the provider said nothing about the node, only about its quota).
+pub(crate) fn attempt(b: &BackingNode, secret_sha256: String, now: UnixMillis) -> BackingNode {
+    BackingNode {
+        state: BackingState::Launching,
+        attempts: if b.out_of_capacity {
+            b.attempts
+        } else {
+            b.attempts + 1
+        },
+        out_of_capacity: false,
+        launched_at: Some(now),
+        instance: None,
+        failure: None,
+        ready_at: None,
+        idle_since: None,
+        secret_sha256,
+        ..b.clone()
+    }
+}
+
+/// How a launch attempt ended, in the lifecycle's terms.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum AttemptEnd {
+    Launched {
+        instance: Instance,
+        attributes: Attributes,
+    },
+    /// The provider's error, and its kind.
+    Refused {
+        error: String,
+        kind: ProviderErrorKind,
+    },
+}
+
+/// What the end of an attempt writes and means ([`after_attempt`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Ended {
+    /// The attempt's record after it: with its instance, or with why it failed.
+    pub record: BackingNode,
+    /// How `/metrics` counts it.
+    pub counted: LaunchOutcome,
+    /// Whether instances the provider lists for the node but no record names are
+    /// deleted first: a launch that timed out may have started one.
+    pub delete_unrecorded: bool,
+    /// What the event log says.
+    pub note: String,
+}
+
+/// What the end of the attempt recorded in `b` (by [`attempt`]) writes. A failed
+/// attempt is decided on by [`next`] from the record: launched again (after
+/// [`CAPACITY_BACKOFF`] when refused for capacity, uncounted) or failed once
+/// `launch-retries` are used.
+pub(crate) fn after_attempt(b: &BackingNode, end: AttemptEnd) -> Ended {
+    match end {
+        AttemptEnd::Launched {
+            instance,
+            attributes,
+        } => Ended {
+            note: format!(
+                "launched on {} (attempt {}); waiting for its agent",
+                instance.host, b.attempts
+            ),
+            record: BackingNode {
+                instance: Some(instance),
+                attributes,
+                ..b.clone()
+            },
+            counted: LaunchOutcome::Launched,
+            delete_unrecorded: false,
+        },
+        AttemptEnd::Refused { error, kind } => {
+            let capacity = kind == ProviderErrorKind::Capacity;
+            Ended {
+                note: if capacity {
+                    format!(
+                        "provider out of capacity, asking again in {}s: {error}",
+                        CAPACITY_BACKOFF.as_secs()
+                    )
+                } else {
+                    format!("launch attempt {} failed: {error}", b.attempts)
+                },
+                record: BackingNode {
+                    failure: Some(error),
+                    out_of_capacity: capacity,
+                    ..b.clone()
+                },
+                counted: if capacity {
+                    LaunchOutcome::Capacity
+                } else {
+                    LaunchOutcome::Failed
+                },
+                delete_unrecorded: kind == ProviderErrorKind::Timeout,
+            }
+        }
+    }
 }
 
 fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
@@ -191,7 +298,13 @@ pub fn next(b: &BackingNode, obs: &Observed) -> Step {
         }
     }
     match b.state {
-        Requested => Step::Launch { retry_reason: None },
+        Requested => match obs.rules {
+            Some(rules) => Step::Launch {
+                retry_reason: None,
+                timeout: rules.launch_timeout,
+            },
+            None => Step::Fail("its label is no longer in the config".into()),
+        },
         Launching => launching(b, obs),
         Ready => ready(b, obs),
         Retiring => match obs.agent {
@@ -273,6 +386,7 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
         if b.attempts < rules.launch_retries {
             Step::Launch {
                 retry_reason: Some(reason),
+                timeout: rules.launch_timeout,
             }
         } else {
             Step::Fail(format!(
@@ -292,6 +406,7 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
         }
         return Step::Launch {
             retry_reason: b.failure.clone(),
+            timeout: rules.launch_timeout,
         };
     }
     if b.instance.is_none() {
@@ -388,6 +503,7 @@ mod tests {
             min_retention_time: Duration::ZERO,
             max_age: Duration::ZERO,
             boot_timeout: Duration::from_secs(10),
+            launch_timeout: Duration::from_secs(30),
             launch_retries: 2,
             max_uses: None,
         }
@@ -588,7 +704,8 @@ mod tests {
         assert_eq!(
             next(&b, &obs(1_000 + backoff, 0)),
             Step::Launch {
-                retry_reason: Some("quota exceeded".into())
+                retry_reason: Some("quota exceeded".into()),
+                timeout: rules().launch_timeout,
             }
         );
     }
@@ -857,12 +974,125 @@ mod tests {
         assert_eq!(next(&b, &o), Step::Wait(Some(11_000)));
         o.now = 11_000;
         assert!(
-            matches!(next(&b, &o), Step::Launch { retry_reason: Some(r) } if r.contains("did not report"))
+            matches!(next(&b, &o), Step::Launch { retry_reason: Some(r), .. } if r.contains("did not report"))
         );
         b.attempts = 2;
         assert!(matches!(next(&b, &o), Step::Fail(r) if r.contains("attempt 2 of 2")));
         o.agent = AgentSeen::Up { draining: false };
         assert_eq!(next(&b, &o), Step::BecomeReady);
+    }
+
+    #[test]
+    fn a_requested_node_launches_within_its_pools_launch_timeout_or_fails_without_a_label() {
+        let b = node(BackingState::Requested);
+        let mut o = obs(5_000, 0);
+        assert_eq!(
+            next(&b, &o),
+            Step::Launch {
+                retry_reason: None,
+                timeout: Duration::from_secs(30),
+            }
+        );
+        o.rules = None;
+        assert!(
+            matches!(next(&b, &o), Step::Fail(r) if r.contains("no longer in the config")),
+            "no machine is made for a label the configuration dropped"
+        );
+    }
+
+    #[test]
+    fn an_attempt_counts_against_launch_retries_unless_the_last_was_refused_for_capacity() {
+        // (attempts, refused for capacity) -> attempts counted after the new one
+        for (attempts, capacity, counted) in
+            [(0, false, 1), (1, false, 2), (1, true, 1), (2, true, 2)]
+        {
+            let mut b = node(BackingState::Launching);
+            b.attempts = attempts;
+            b.out_of_capacity = capacity;
+            b.failure = Some("earlier".into());
+            let a = attempt(&b, "digest".into(), 7_000);
+            assert_eq!(
+                a.attempts, counted,
+                "attempts {attempts}, capacity {capacity}"
+            );
+            assert_eq!(a.state, BackingState::Launching);
+            assert_eq!(
+                (
+                    a.launched_at,
+                    a.instance,
+                    a.failure,
+                    a.ready_at,
+                    a.idle_since
+                ),
+                (Some(7_000), None, None, None, None),
+                "nothing of the earlier attempt is left"
+            );
+            assert!(!a.out_of_capacity);
+            assert_eq!(a.secret_sha256, "digest");
+        }
+    }
+
+    #[test]
+    fn the_end_of_an_attempt_decides_what_is_written_counted_and_cleaned_up() {
+        let mut b = attempt(&node(BackingState::Requested), "d".into(), 1_000);
+        b.attempts = 2;
+        let refused = |kind| AttemptEnd::Refused {
+            error: "no".into(),
+            kind,
+        };
+        // end -> (instance recorded, failure, out of capacity, counted, unrecorded deleted)
+        let cases = [
+            (
+                AttemptEnd::Launched {
+                    instance: Instance {
+                        id: "i-1".into(),
+                        host: "h".into(),
+                        data: serde_json::Value::Null,
+                    },
+                    attributes: Default::default(),
+                },
+                (true, None, false, LaunchOutcome::Launched, false),
+            ),
+            (
+                refused(ProviderErrorKind::Capacity),
+                (false, Some("no"), true, LaunchOutcome::Capacity, false),
+            ),
+            (
+                refused(ProviderErrorKind::Timeout),
+                (false, Some("no"), false, LaunchOutcome::Failed, true),
+            ),
+            (
+                refused(ProviderErrorKind::Failed),
+                (false, Some("no"), false, LaunchOutcome::Failed, false),
+            ),
+        ];
+        for (end, want) in cases {
+            let e = after_attempt(&b, end.clone());
+            let got = (
+                e.record.instance.is_some(),
+                e.record.failure.as_deref(),
+                e.record.out_of_capacity,
+                e.counted,
+                e.delete_unrecorded,
+            );
+            assert_eq!(got, want, "{end:?}");
+            assert_eq!(e.record.attempts, 2, "the end of an attempt counts nothing");
+            assert_eq!(e.record.state, BackingState::Launching);
+        }
+        // What `next` then does with the record: a capacity refusal waits out the
+        // back-off and is not counted; a failure is retried until launch-retries.
+        let capacity = after_attempt(&b, refused(ProviderErrorKind::Capacity)).record;
+        assert!(matches!(
+            next(&capacity, &obs(1_000, 0)),
+            Step::Wait(Some(_))
+        ));
+        let relaunched = attempt(&capacity, "d".into(), 20_000);
+        assert_eq!(relaunched.attempts, 2);
+        let failed = after_attempt(&b, refused(ProviderErrorKind::Failed)).record;
+        assert!(
+            matches!(next(&failed, &obs(1_000, 0)), Step::Fail(r) if r.contains("attempt 2 of 2")),
+            "launch-retries 2 are used"
+        );
     }
 
     #[test]
@@ -875,7 +1105,8 @@ mod tests {
         assert_eq!(
             next(&b, &o),
             Step::Launch {
-                retry_reason: Some("quota exceeded".into())
+                retry_reason: Some("quota exceeded".into()),
+                timeout: rules().launch_timeout,
             }
         );
     }

@@ -7,7 +7,7 @@
 //! launchers planning at once race for the same seat key and one of them loses the
 //! create: demand is not met twice.
 
-use crate::lifecycle::FAILED_SEAT_COOLDOWN;
+use super::lifecycle::FAILED_SEAT_COOLDOWN;
 use crate::provider::FixedIdentity;
 use crate::shared::Shared;
 use crate::world::World;
