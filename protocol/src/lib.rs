@@ -15,6 +15,7 @@ pub mod ids;
 pub mod layout;
 pub mod logging;
 pub mod model;
+pub mod provider;
 pub mod ssh_key;
 pub mod store;
 pub mod text;

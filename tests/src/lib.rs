@@ -9,6 +9,9 @@
 //!   tests never sleep to synchronise.
 //! - [`metrics`]: a launcher's `--http` listener read back, `/metrics` parsed.
 //! - [`prometheus::Prometheus`]: a real Prometheus scraping given targets.
+//! - [`Moto`]: moto's EC2 API server on a free port, one per test, and
+//!   [`ec2_proxy::Ec2Proxy`] in front of it, losing answers and answering with EC2's
+//!   errors, for the EC2 provider's tests.
 //! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
 //! - [`chaos`]: a request load that rides out failures, and the checks made after it.
 //! - [`Tmux`]: a terminal of its own, for the console and the demo on a terminal.
@@ -25,8 +28,10 @@
 
 mod agent;
 pub mod chaos;
+pub mod ec2_proxy;
 mod isolation;
 pub mod metrics;
+mod moto;
 mod nats;
 mod pool;
 mod process;
@@ -41,6 +46,7 @@ pub use isolation::{
     in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,
     unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd, UnmountOnDrop, SSHD,
 };
+pub use moto::{moto_server_binary, Moto, MOTO_START_TIMEOUT};
 pub use nats::{nats_server_binary, NatsCluster, NatsServer, NATS_START_TIMEOUT};
 pub use pool::{
     config_yaml, config_yaml_with, kill_agents, label, spawn_serve, wait_served, AgentsGuard, Pool,

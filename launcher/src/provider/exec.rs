@@ -1,5 +1,6 @@
-//! Driver `exec`: backing nodes are created, deleted and listed by commands you provide,
-//! so a small wrapper around `openstack`, `aws` or `gcloud` plugs in.
+//! Driver `exec`: backing nodes are created, deleted and listed by commands you provide
+//! (a wrapper around `openstack`, `aws` or `gcloud`, or a provider such as
+//! `slotpool-provider-ec2`), each run with one JSON document on stdin and one on stdout.
 //!
 //! ```yaml
 //! driver: exec
@@ -9,55 +10,18 @@
 //!   list:   [/usr/local/bin/pool-vm, list]
 //! ```
 //!
-//! Each command is run directly (no shell) with the arguments given, in a process group of
-//! its own. It talks JSON: one document on stdin, one on stdout. Anything for humans goes
-//! to stderr. Unknown fields are ignored both ways, so fields can be added later.
-//!
-//! **create** gets on stdin
-//!
-//! ```json
-//! {"v": 2, "backing_id": "bn-…", "secret": "…", "provider": "cloud", "pool": "main",
-//!  "backing_label": "large-node", "slots": 8, "nats_url": "nats://10.0.0.1:4222",
-//!  "nats_credentials": "-----BEGIN NATS USER JWT-----\n…"}
-//! ```
-//!
-//! It must start a machine whose agent runs with `--backing-id <backing_id>`,
-//! `--slots <slots>`, `--nats <nats_url>`, the secret (in `SLOTPOOL_AGENT_SECRET` or a
-//! `--secret-file`; never on a command line) and, when `nats_credentials` is present,
-//! that text as its `--creds` file (mode 0600, owned by the agent's user, e.g. through
-//! cloud-init's `write_files`; never on a command line or in world-readable user data),
-//! then print one JSON object and exit 0:
-//!
-//! ```json
-//! {"id": "i-0abc", "host": "10.0.0.7", "data": {"zone": "a"}, "attributes": {"cpu": 16}}
-//! ```
-//!
-//! `id` (the provider's instance id) and `host` (where slots are reached) are required and
-//! non-empty. `data` (any JSON, default null) is kept and handed back to delete.
-//! `attributes` (an object, default empty) is copied onto the nodes of this machine. It
-//! should return once the machine exists; the launcher then waits for the agent itself.
-//!
-//! **delete** gets on stdin `{"v": 2, "id": "i-0abc", "host": "10.0.0.7", "data": {…}}`
-//! (what create printed). It must exit 0 once the machine is deleted, and also when it
-//! was already gone. Its stdout is ignored.
-//!
-//! **list** gets an empty stdin and must print a JSON array of the machines it created:
-//! `[{"id": "i-0abc", "host": "10.0.0.7", "data": {…}, "backing_id": "bn-…"}]`; `data`
-//! and `backing_id` (the id the machine was created for, e.g. from a tag) are optional.
-//! The launcher uses it to find and delete leaked machines.
-//!
-//! **Failures.** Exit code 75 (`EX_TEMPFAIL`) means out of quota or capacity: the
-//! launcher backs off and tries again later. Any other non-zero exit is a failure; the
-//! error shows the command, its exit status and the last 20 lines of its stderr. Output
-//! that is not the JSON described is a failure too. create may take the pool's
-//! `launch-timeout`, delete and list 60 seconds; after that the command's whole process
-//! group is killed (SIGKILL). A command must not leave background processes holding its
-//! stdout or stderr open: the launcher reads them to the end.
+//! The contract (messages, exit codes, time limits, versions) is described once, in
+//! docs/providers.md; its messages are `slotpool_protocol::provider`'s types. This module
+//! runs the commands: no shell, a process group of its own killed whole at the time
+//! limit, stdout and stderr read to the end, the last [`STDERR_LINES`] lines of stderr
+//! quoted in errors.
 
 use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use rustix::process::{kill_process_group, Pid, Signal};
-use serde::{Deserialize, Serialize};
-use slotpool_protocol::model::{Attributes, Instance};
+use slotpool_protocol::model::Instance;
+use slotpool_protocol::provider::{
+    CreateRequest, Created, DeleteRequest, ListedMachine, CONTRACT_VERSION,
+};
 use slotpool_protocol::BackingId;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -65,14 +29,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// How long delete and list commands may run.
 pub const DELETE_LIST_TIMEOUT: Duration = Duration::from_secs(60);
-/// The exit code that means "out of capacity, try later" (`EX_TEMPFAIL`).
-pub const EXIT_CAPACITY: i32 = 75;
+pub use slotpool_protocol::provider::EXIT_CAPACITY;
 /// Lines of stderr quoted in an error.
 const STDERR_LINES: usize = 20;
 /// Characters of unparsable stdout quoted in an error.
 const STDOUT_QUOTE: usize = 200;
-/// The version of the JSON sent to commands.
-const CONTRACT_VERSION: u32 = 2;
 
 /// Runs the configured commands.
 #[derive(Debug)]
@@ -81,50 +42,6 @@ pub struct ExecProvider {
     create: Vec<String>,
     delete: Vec<String>,
     list: Vec<String>,
-}
-
-#[derive(Serialize)]
-struct CreateInput<'a> {
-    v: u32,
-    backing_id: &'a str,
-    secret: &'a str,
-    provider: &'a str,
-    pool: &'a str,
-    backing_label: &'a str,
-    slots: u32,
-    nats_url: &'a str,
-    /// The agent's own bus credential (a `.creds` file's text), minted for this backing
-    /// node alone (contract v2).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    nats_credentials: Option<&'a str>,
-}
-
-#[derive(Deserialize)]
-struct CreateOutput {
-    id: String,
-    host: String,
-    #[serde(default)]
-    data: serde_json::Value,
-    #[serde(default)]
-    attributes: Attributes,
-}
-
-#[derive(Serialize)]
-struct DeleteInput<'a> {
-    v: u32,
-    id: &'a str,
-    host: &'a str,
-    data: &'a serde_json::Value,
-}
-
-#[derive(Deserialize)]
-struct ListItem {
-    id: String,
-    host: String,
-    #[serde(default)]
-    data: serde_json::Value,
-    #[serde(default)]
-    backing_id: Option<String>,
 }
 
 impl ExecProvider {
@@ -254,20 +171,20 @@ impl Provider for ExecProvider {
     }
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<Launched, ProviderError> {
-        let input = serde_json::to_vec(&CreateInput {
+        let input = serde_json::to_vec(&CreateRequest {
             v: CONTRACT_VERSION,
-            backing_id: spec.backing_id.as_str(),
-            secret: &spec.secret,
-            provider: &spec.provider,
-            pool: &spec.pool,
-            backing_label: &spec.backing_label,
+            backing_id: spec.backing_id.to_string(),
+            secret: spec.secret.clone(),
+            provider: spec.provider.clone(),
+            pool: spec.pool.clone(),
+            backing_label: spec.backing_label.clone(),
             slots: spec.slots,
-            nats_url: &spec.nats_url,
-            nats_credentials: spec.credentials.as_ref().map(|c| c.text()),
+            nats_url: spec.nats_url.clone(),
+            nats_credentials: spec.credentials.as_ref().map(|c| c.text().to_string()),
         })
         .expect("serializable");
         let out = self.run(&self.create, &input, spec.timeout).await?;
-        let created: CreateOutput = self.parse(&self.create, &out)?;
+        let created: Created = self.parse(&self.create, &out)?;
         if created.id.is_empty() || created.host.is_empty() {
             return Err(self.failed(format!(
                 "`{}` printed an empty \"id\" or \"host\"",
@@ -285,11 +202,11 @@ impl Provider for ExecProvider {
     }
 
     async fn delete(&self, instance: &Instance) -> Result<(), ProviderError> {
-        let input = serde_json::to_vec(&DeleteInput {
+        let input = serde_json::to_vec(&DeleteRequest {
             v: CONTRACT_VERSION,
-            id: &instance.id,
-            host: &instance.host,
-            data: &instance.data,
+            id: instance.id.clone(),
+            host: instance.host.clone(),
+            data: instance.data.clone(),
         })
         .expect("serializable");
         self.run(&self.delete, &input, DELETE_LIST_TIMEOUT).await?;
@@ -298,7 +215,7 @@ impl Provider for ExecProvider {
 
     async fn list(&self) -> Result<Vec<ListedInstance>, ProviderError> {
         let out = self.run(&self.list, b"", DELETE_LIST_TIMEOUT).await?;
-        let items: Vec<ListItem> = self.parse(&self.list, &out)?;
+        let items: Vec<ListedMachine> = self.parse(&self.list, &out)?;
         items
             .into_iter()
             .map(|item| {
