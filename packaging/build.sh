@@ -3,6 +3,7 @@
 #
 #   slotpool_<version>-1_<arch>.deb        slotpool-<version>-1.<arch>.rpm
 #   slotpool-agent_<version>-1_<arch>.deb  slotpool-agent-<version>-1.<arch>.rpm
+#   slotpool-provider-ec2_<version>-1_<arch>.deb  slotpool-provider-ec2-<version>-1.<arch>.rpm
 #
 #   packaging/build.sh                   release binaries (cargo build --release)
 #   packaging/build.sh --profile dev     debug binaries, as the tests use
@@ -14,7 +15,8 @@
 # by the staged binary (`slotpool completions SHELL`, `slotpool man DIR`).
 #
 # Package metadata is in [package.metadata.deb] and [package.metadata.generate-rpm] of
-# cli/Cargo.toml (package `slotpool`) and agent/Cargo.toml (`slotpool-agent`); units,
+# cli/Cargo.toml (package `slotpool`), agent/Cargo.toml (`slotpool-agent`) and
+# provider-ec2/Cargo.toml (`slotpool-provider-ec2`); units,
 # default configuration and maintainer scripts are in packaging/. The tools come from
 # packaging/tools.sh.
 #
@@ -49,8 +51,8 @@ tools="$(packaging/tools.sh)"
 export PATH="$tools:$PATH"
 
 if [ -n "$build" ]; then
-    step "cargo build --profile $profile (slotpool, slotpool-agent)"
-    cargo build --profile "$profile" -p slotpool-cli -p slotpool-agent --bins
+    step "cargo build --profile $profile (slotpool, slotpool-agent, slotpool-provider-ec2)"
+    cargo build --profile "$profile" -p slotpool-cli -p slotpool-agent -p slotpool-provider-ec2 --bins
 fi
 
 target_dir="${CARGO_TARGET_DIR:-$repo/target}"
@@ -66,7 +68,7 @@ step "staging stripped binaries from $profile_dir"
 rm -rf "$stage"
 rm -f "$out"/slotpool*.deb "$out"/slotpool*.rpm
 mkdir -p "$stage/release"
-for bin in slotpool slotpool-agent; do
+for bin in slotpool slotpool-agent slotpool-provider-ec2; do
     [ -x "$profile_dir/$bin" ] ||
         { echo "packaging/build.sh: $profile_dir/$bin is missing: build it, or drop --no-build" >&2; exit 1; }
     strip --strip-unneeded -o "$stage/release/$bin" "$profile_dir/$bin"
@@ -88,7 +90,7 @@ if [ -n "$fast" ]; then
     deb_args=(--fast)
     rpm_args=(--payload-compress gzip)
 fi
-for crate in cli agent; do
+for crate in cli agent provider-ec2; do
     step "cargo deb -p slotpool-$crate"
     CARGO_TARGET_DIR="$stage" cargo deb --quiet -p "slotpool-$crate" --no-build --no-strip "${deb_args[@]}" --output "$out/"
     step "cargo generate-rpm ($crate)"

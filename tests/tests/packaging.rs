@@ -3,7 +3,8 @@
 //! removed and purged; the .rpms are checked with rpm's query tools.
 //!
 //! This test changes the machine: it needs root (CI runs as root) and it installs and
-//! purges the `slotpool` and `slotpool-agent` packages, whatever was installed before.
+//! purges the `slotpool`, `slotpool-agent` and `slotpool-provider-ec2` packages, whatever
+//! was installed before. The installed EC2 provider is run against a moto server.
 //! It fails, never skips, when it cannot. The packaging tools come from
 //! `packaging/tools.sh` (scripts/test.sh runs it before the tests). The packages are
 //! built from the binaries next to this test (`cargo build --workspace --bins`), so no
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 #[path = "packaging/systemd_units.rs"]
 mod systemd_units;
 
-const DEB_PACKAGES: [&str; 2] = ["slotpool", "slotpool-agent"];
+const DEB_PACKAGES: [&str; 3] = ["slotpool", "slotpool-agent", "slotpool-provider-ec2"];
 /// How long dpkg may wait for another dpkg or apt on the machine to let go of its lock.
 const DPKG_LOCK_TIMEOUT: Duration = Duration::from_secs(300);
 const UNIT_DIR: &str = "/usr/lib/systemd/system";
@@ -72,6 +73,7 @@ fn build_packages(dir: &Path) -> Packages {
     let out = dir.join("packages");
     let bin_dir = bin_path("slotpool").parent().unwrap().to_path_buf();
     bin_path("slotpool-agent");
+    bin_path("slotpool-provider-ec2");
     let output = Command::new(workspace_root().join("packaging/build.sh"))
         .arg("--fast")
         .arg("--bin-dir")
@@ -103,12 +105,14 @@ fn build_packages(dir: &Path) -> Packages {
             .collect()
     };
     let (debs, rpms) = (names(&packages.debs), names(&packages.rpms));
-    assert_eq!(debs.len(), 2, "two .debs expected, got {debs:?}");
-    assert_eq!(rpms.len(), 2, "two .rpms expected, got {rpms:?}");
+    assert_eq!(debs.len(), 3, "three .debs expected, got {debs:?}");
+    assert_eq!(rpms.len(), 3, "three .rpms expected, got {rpms:?}");
     assert!(debs[0].starts_with(&format!("slotpool-agent_{VERSION}-")));
-    assert!(debs[1].starts_with(&format!("slotpool_{VERSION}-")));
+    assert!(debs[1].starts_with(&format!("slotpool-provider-ec2_{VERSION}-")));
+    assert!(debs[2].starts_with(&format!("slotpool_{VERSION}-")));
     assert!(rpms[0].starts_with(&format!("slotpool-{VERSION}-")));
     assert!(rpms[1].starts_with(&format!("slotpool-agent-{VERSION}-")));
+    assert!(rpms[2].starts_with(&format!("slotpool-provider-ec2-{VERSION}-")));
     packages
 }
 
@@ -130,6 +134,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     for (bin, name) in [
         ("/usr/bin/slotpool", "slotpool"),
         ("/usr/bin/slotpool-agent", "slotpool-agent"),
+        ("/usr/bin/slotpool-provider-ec2", "slotpool-provider-ec2"),
     ] {
         let out = run(bin, &["--version"]);
         assert_ok(bin, &out);
@@ -177,6 +182,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     assert!(bash.contains("complete -F _slotpool"), "{bash}");
 
     check_agent_env_file(tmp);
+    check_ec2_provider(tmp);
     check_units(tmp);
     check_users_and_modes();
 
@@ -188,6 +194,15 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
             "{file} not a conffile:\n{conffiles}"
         );
     }
+    let out = run(
+        "dpkg-query",
+        &["-W", "-f=${Conffiles}", "slotpool-provider-ec2"],
+    );
+    assert!(
+        stdout(&out).contains("/etc/slotpool/ec2.yaml"),
+        "ec2.yaml not a conffile:\n{}",
+        text(&out)
+    );
 
     // State the services would have made, which purge must remove too.
     fs::create_dir_all("/var/lib/slotpool/agent/slots/0").unwrap();
@@ -196,7 +211,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     fs::write("/etc/slotpool/agent.secret", "s3cret").unwrap();
 
     // Remove: binaries and units go, configuration stays.
-    let output = dpkg(&["-r", "slotpool", "slotpool-agent"]);
+    let output = dpkg(&["-r", "slotpool", "slotpool-agent", "slotpool-provider-ec2"]);
     assert_ok("dpkg -r", &output);
     for name in DEB_PACKAGES {
         assert_eq!(
@@ -208,6 +223,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     for gone in [
         "/usr/bin/slotpool",
         "/usr/bin/slotpool-agent",
+        "/usr/bin/slotpool-provider-ec2",
         "/usr/lib/systemd/system/slotpool.service",
         "/usr/lib/systemd/system/slotpool-agent.service",
     ] {
@@ -219,7 +235,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     assert!(Path::new("/etc/slotpool/pool.yaml").exists());
 
     // Purge: nothing is left.
-    let output = dpkg(&["-P", "slotpool", "slotpool-agent"]);
+    let output = dpkg(&["-P", "slotpool", "slotpool-agent", "slotpool-provider-ec2"]);
     assert_ok("dpkg -P", &output);
     assert!(
         !String::from_utf8_lossy(&output.stderr).contains("warning"),
@@ -262,6 +278,55 @@ fn check_agent_env_file(tmp: &Path) {
         "slotpool-agent with agent.env should stop at the missing secret file:\n{}",
         text(&out)
     );
+}
+
+/// The installed EC2 provider reads its installed example configuration, also as the
+/// user the launcher runs as, and lists an EC2 server's instances (moto's, on loopback)
+/// with it.
+fn check_ec2_provider(tmp: &Path) {
+    let bin = "/usr/bin/slotpool-provider-ec2";
+    let config = "/etc/slotpool/ec2.yaml";
+    let out = run(
+        "runuser",
+        &[
+            "-u",
+            "slotpool",
+            "--",
+            bin,
+            "--config",
+            config,
+            "check-config",
+        ],
+    );
+    assert_ok(
+        "slotpool-provider-ec2 check-config as the slotpool user",
+        &out,
+    );
+    assert!(
+        stdout(&out).contains("/etc/slotpool/ec2.yaml: ok"),
+        "{}",
+        text(&out)
+    );
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let moto = runtime.block_on(slotpool_tests::Moto::start());
+    let pointed = tmp.join("ec2.yaml");
+    let example = fs::read_to_string(config).unwrap();
+    fs::write(
+        &pointed,
+        format!("{example}\nendpoint-url: {}\n", moto.url()),
+    )
+    .unwrap();
+    let out = Command::new(bin)
+        .arg("--config")
+        .arg(&pointed)
+        .arg("list")
+        .envs(slotpool_tests::Moto::aws_env())
+        .output()
+        .unwrap();
+    assert_ok("slotpool-provider-ec2 list", &out);
+    assert_eq!(stdout(&out).trim(), "[]", "{}", text(&out));
+    drop(moto);
 }
 
 /// `KEY=value` lines, with optional double quotes around the value, as systemd reads them.
@@ -338,6 +403,7 @@ fn check_users_and_modes() {
     for (path, mode, owner) in [
         ("/etc/slotpool", 0o755, (0, 0)),
         ("/etc/slotpool/pool.yaml", 0o644, (0, 0)),
+        ("/etc/slotpool/ec2.yaml", 0o644, (0, 0)),
         ("/etc/slotpool/launcher.env", 0o600, (0, 0)),
         ("/etc/slotpool/agent.env", 0o600, (0, 0)),
         ("/var/lib/slotpool", 0o755, (0, 0)),
@@ -346,6 +412,7 @@ fn check_users_and_modes() {
         ("/var/lib/slotpool/agent", 0o755, (0, 0)),
         ("/usr/bin/slotpool", 0o755, (0, 0)),
         ("/usr/bin/slotpool-agent", 0o755, (0, 0)),
+        ("/usr/bin/slotpool-provider-ec2", 0o755, (0, 0)),
         ("/usr/lib/systemd/system/slotpool.service", 0o644, (0, 0)),
         (
             "/usr/lib/systemd/system/slotpool-agent.service",
@@ -416,6 +483,19 @@ fn check_rpms(packages: &Packages) {
                 "disable --now slotpool-agent.service",
                 "nft delete table inet",
             ][..],
+        ),
+        (
+            &packages.rpms[2],
+            "slotpool-provider-ec2",
+            &[
+                ("-rw-r--r--", "/etc/slotpool/ec2.yaml"),
+                ("-rwxr-xr-x", "/usr/bin/slotpool-provider-ec2"),
+                (
+                    "-rw-r--r--",
+                    "/usr/share/doc/slotpool-provider-ec2/providers.md",
+                ),
+            ][..],
+            &[][..],
         ),
     ] {
         let rpm = rpm.to_str().unwrap();
