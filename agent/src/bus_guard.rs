@@ -6,12 +6,21 @@
 //! stops. One table per agent (`slotpool_<namespace>`), replaced as a whole in one nft
 //! transaction, so a restarted agent never stacks rules and agents never touch each
 //! other's.
+//!
+//! The same table closes the cloud's instance metadata service ([`METADATA_V4`],
+//! [`METADATA_V6`]) to slot users: on a cloud instance it hands out the instance's user
+//! data (which carries this agent's secret and bus credential, docs/providers.md) and the
+//! instance role's credentials to any local process that asks.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
 
 /// The port a NATS URL without one uses.
 const NATS_DEFAULT_PORT: u16 = 4222;
+/// The instance metadata service's address on EC2 (and GCE, Azure, OpenStack).
+pub const METADATA_V4: &str = "169.254.169.254";
+/// EC2's metadata service on IPv6.
+pub const METADATA_V6: &str = "fd00:ec2::254";
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -61,7 +70,8 @@ pub fn ports_of(urls: &str) -> Result<Vec<u16>, GuardError> {
 }
 
 /// The nft script that (re)creates `table`: a filter on locally made connections that
-/// rejects TCP to `ports` from uids `first..=last`.
+/// rejects TCP to `ports` (on any address), and anything to the instance metadata
+/// service, from uids `first..=last`.
 pub fn script(table: &str, first: u32, last: u32, ports: &[u16]) -> String {
     let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
     format!(
@@ -71,6 +81,8 @@ pub fn script(table: &str, first: u32, last: u32, ports: &[u16]) -> String {
          \x20 chain output {{\n\
          \x20   type filter hook output priority 0; policy accept;\n\
          \x20   meta skuid {first}-{last} tcp dport {{ {} }} reject with tcp reset\n\
+         \x20   meta skuid {first}-{last} ip daddr {METADATA_V4} reject\n\
+         \x20   meta skuid {first}-{last} ip6 daddr {METADATA_V6} reject\n\
          \x20 }}\n\
          }}\n",
         ports.join(", ")
@@ -173,5 +185,32 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("policy accept"));
+        assert!(
+            s.contains("meta skuid 2000000-2999999 ip daddr 169.254.169.254 reject\n"),
+            "{s}"
+        );
+        assert!(
+            s.contains("meta skuid 2000000-2999999 ip6 daddr fd00:ec2::254 reject\n"),
+            "{s}"
+        );
+    }
+
+    /// nft itself accepts the script (`nft -c`: checked, not applied).
+    #[test]
+    fn nft_accepts_the_script() {
+        let s = script("slotpool_check", 2_000_000, 2_999_999, &[4222]);
+        let mut child = Command::new("nft")
+            .args(["-c", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("nft (nftables) is needed by this test: apt-get install nftables");
+        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "nft -c refused the script:\n{s}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
