@@ -7,6 +7,7 @@ mod nats_setup;
 mod operator_cmds;
 mod output;
 pub mod pki;
+mod provider_check;
 mod serve;
 mod simulate;
 
@@ -143,6 +144,11 @@ pub enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Provider tools.
+    Provider {
+        #[command(subcommand)]
+        command: ProviderCommand,
+    },
     /// Run everything locally: a NATS server, a launcher, local agents and some load.
     #[command(after_help = "Examples:
   slotpool demo                            with the console on a terminal, until you quit it
@@ -173,6 +179,18 @@ The packages install them.")]
         /// Where to write them.
         dir: PathBuf,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ProviderCommand {
+    /// Drive an exec provider's create, list and delete as the launcher does and say
+    /// what breaks the contract (docs/providers.md). It creates a real machine and
+    /// deletes what it made.
+    #[command(after_help = "Examples:
+  slotpool provider check --backing-label large-node -- \\
+      slotpool-provider-ec2 --config /etc/slotpool/ec2.yaml
+  slotpool provider check --backing-label vm -- /usr/local/bin/pool-vm")]
+    Check(provider_check::CheckArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -221,6 +239,9 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             client_cmds::cancel(&cli.nats, &request, output).await
         }
         Command::List { what, output } => client_cmds::list(&cli.nats, what, output).await,
+        Command::Provider {
+            command: ProviderCommand::Check(args),
+        } => provider_check::run(args).await,
         Command::Config {
             command: ConfigCommand::Validate { file },
         } => {

@@ -569,3 +569,42 @@ async fn bad_input_and_bad_configuration_get_clear_errors() {
     );
     assert!(cloud.instances().await.is_empty());
 }
+
+/// `slotpool provider check` finds nothing wrong with the EC2 provider, and leaves no
+/// instance behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slotpool_provider_check_passes_on_the_ec2_provider() {
+    let cloud = Cloud::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        "ec2.yaml",
+        &cloud.moto.url(),
+        "it-check",
+        &cloud.image,
+        "",
+        "",
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(slotpool_tests::bin_path("slotpool"))
+            .args(["provider", "check", "--backing-label", "vm", "--"])
+            .arg(PROVIDER)
+            .arg("--config")
+            .arg(&config)
+            .envs(slotpool_tests::Moto::aws_env())
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = shown(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("8 checks, 0 failed"),
+        "{text}"
+    );
+    assert!(
+        cloud.live().await.is_empty(),
+        "the check left instances behind"
+    );
+}

@@ -16,7 +16,7 @@
 //! the launcher wraps each in [`status::Recorded`], which keeps the provider's last error
 //! in KV for operators.
 
-pub(crate) mod exec;
+pub mod exec;
 pub(crate) mod limit;
 pub mod local;
 pub(crate) mod static_hosts;
