@@ -4,6 +4,7 @@
 //! them or by [`unreserve`].
 
 use super::plan::{self, NodeSeen, Observed, UnknownLabel, WaitCause};
+use crate::config::Config;
 use crate::release::claimed_for;
 use crate::shared::Shared;
 use crate::world::{QueuePosition, World};
@@ -67,21 +68,32 @@ pub fn position(r: &NodeRequest) -> QueuePosition {
 /// Looks at the mirror for request `r`, reserving a free slot for every label without
 /// a node that can have one now (in the queue's order).
 pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
+    let now = slotpool_protocol::time::now_ms();
+    look_in(&mut sh.world(), &sh.config, &sh.id, r, memory, now)
+}
+
+/// [`look`] at `world` under `config`, for launcher `me`, at `now`: pure, so that the
+/// scheduler's tests drive it without a bus.
+pub fn look_in(
+    world: &mut World,
+    config: &Config,
+    me: &LauncherId,
+    r: &NodeRequest,
+    memory: &Memory,
+    now: UnixMillis,
+) -> Observed {
     let unknown = r
         .labels
         .iter()
-        .find(|l| sh.config.sites(l).is_empty())
+        .find(|l| config.sites(l).is_empty())
         .map(|label| UnknownLabel {
             label: label.clone(),
-            served: sh
-                .config
+            served: config
                 .label_names()
                 .into_iter()
                 .map(String::from)
                 .collect(),
         });
-    let now = slotpool_protocol::time::now_ms();
-    let mut world = sh.world();
     let nodes: Vec<NodeSeen> = world
         .nodes_of(&r.id)
         .into_iter()
@@ -115,8 +127,8 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
                     reserved.insert(index, slot);
                 }
                 None if !causes.contains_key(label) => {
-                    causes.insert(label.clone(), wait_cause(sh, &world, label));
-                    if let Some(why) = launch_failure(&world, r, label) {
+                    causes.insert(label.clone(), wait_cause(config, world, label));
+                    if let Some(why) = launch_failure(world, r, label) {
                         launch_failures.insert(label.clone(), why);
                     }
                 }
@@ -124,14 +136,14 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
             }
         }
     }
-    let max_hold = if r.labels.iter().any(|l| sh.config.hold_limited(l)) {
-        max_hold(sh, &world, r)
+    let max_hold = if r.labels.iter().any(|l| config.hold_limited(l)) {
+        max_hold(config, world, r)
     } else {
         None
     };
     Observed {
         max_hold,
-        me: sh.id.clone(),
+        me: me.clone(),
         nodes,
         reserved,
         unknown,
@@ -144,13 +156,13 @@ pub fn look(sh: &Shared, r: &NodeRequest, memory: &Memory) -> Observed {
 
 /// The shortest `max-hold-time` of the labels of the nodes claimed for `r`, as the
 /// pool each node's backing node belongs to configures it.
-fn max_hold(sh: &Shared, world: &World, r: &NodeRequest) -> Option<std::time::Duration> {
+fn max_hold(config: &Config, world: &World, r: &NodeRequest) -> Option<std::time::Duration> {
     world
         .nodes_of(&r.id)
         .into_iter()
         .filter_map(|n| {
             let b = &world.backing_by_id(&n.value.backing_id)?.value;
-            sh.config
+            config
                 .label_in(&b.provider, &b.pool, &n.value.label)?
                 .label
                 .max_hold_time
@@ -169,7 +181,7 @@ pub fn unreserve(sh: &Shared, obs: &Observed) {
     }
 }
 
-fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
+fn wait_cause(config: &Config, world: &World, label: &str) -> WaitCause {
     let booting = || {
         world.backing.values().map(|b| &b.value).filter(|b| {
             b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
@@ -193,7 +205,7 @@ fn wait_cause(sh: &Shared, world: &World, label: &str) -> WaitCause {
         };
     }
     let full =
-        sh.config.sites(label).iter().all(|s| {
+        config.sites(label).iter().all(|s| {
             world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers
         });
     if full {

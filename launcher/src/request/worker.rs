@@ -7,7 +7,7 @@ use super::observe::{self, position, Memory};
 use super::plan::{self, RequestStep};
 use crate::nodes::SlotError;
 use crate::shared::{label_topic, request_topic, wait_for_change, Shared};
-use crate::world::QueuePosition;
+use crate::world::{QueuePosition, World};
 use slotpool_protocol::model::NodeRequest;
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{now_ms, until, UnixMillis};
@@ -128,8 +128,16 @@ fn instant_of(at: UnixMillis) -> tokio::time::Instant {
 /// Whether a slot for any waiting label is free now (checked with the world lock),
 /// other than those passed over after a lost claim.
 fn could_progress(sh: &Shared, pos: &QueuePosition, memory: &Memory) -> bool {
-    let now = now_ms();
-    let mut world = sh.world();
+    could_progress_in(&mut sh.world(), pos, memory, now_ms())
+}
+
+/// [`could_progress`] at `world`, at `now`.
+pub(crate) fn could_progress_in(
+    world: &mut World,
+    pos: &QueuePosition,
+    memory: &Memory,
+    now: UnixMillis,
+) -> bool {
     let labels = world.waiting.get(pos).cloned().unwrap_or_default();
     for label in labels {
         let lost = |key: &str| memory.lost_claims.get(key).is_some_and(|t| *t > now);
