@@ -28,6 +28,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bus;
+pub mod hold;
 mod raw;
 pub mod timing;
 mod validate;

@@ -193,20 +193,23 @@ fn validate(sh: &Shared, s: &SubmitRequest) -> Result<(), ApiError> {
             format!("unknown label {unknown:?}; this pool serves: {known}"),
         ));
     }
-    // A node set larger than every pool serving a label could ever hold would wait (or
-    // hold slots) for ever: refused now.
+    // A node set the pools serving its labels could never hold at once would wait (or
+    // hold slots) for ever: refused now, with what it would need.
     let mut wanted: std::collections::BTreeMap<&str, u64> = Default::default();
     for label in &s.labels {
         *wanted.entry(label.as_str()).or_default() += 1;
     }
-    for (label, count) in wanted {
+    for (label, count) in &wanted {
         let most = sh.config.max_nodes(label);
-        if count > most {
+        if *count > most {
             return Err(bad(format!(
                 "{count} nodes of label {label:?} asked for in one request; the pools serving \
                  it hold at most {most} at once (max-servers x max-parallel-jobs)"
             )));
         }
+    }
+    if let Err(cannot) = sh.config.hold_at_once(&wanted) {
+        return Err(bad(cannot.to_string()));
     }
     Ok(())
 }
