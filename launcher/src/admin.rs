@@ -9,7 +9,7 @@
 use crate::events::{self, Subject};
 use crate::inbound::{bad, decode, internal};
 use crate::release::{self, Finish, Give};
-use crate::shared::{label_topic, seat_topic, Shared};
+use crate::shared::{seat_topic, Shared};
 use slotpool_protocol::api::{
     AgentCommand, ApiError, BackingOrder, ErrorCode, LogTail, LogTailQuery, OrderTaken,
     ReleaseNodeOrder, Released, SlotOccupants, SlotOccupantsQuery,
@@ -106,14 +106,12 @@ pub async fn order_backing(
                     Subject::backing(&next.id),
                     format!("{} on {}: {message}", describe(&order), next.id),
                 );
-                let label = next.label.clone();
                 sh.world().put_backing(Versioned {
                     key: seat.clone(),
                     revision,
                     value: next.clone(),
                 });
                 sh.signals.bump(&seat_topic(&seat));
-                sh.signals.bump(&label_topic(&label));
                 return Ok(taken(&next, message));
             }
             Err(KvError::Conflict { .. }) => continue,

@@ -344,7 +344,7 @@ fn queues_emptied(shared: &Shared, labels: &[String]) -> Vec<String> {
     let mut world = shared.world();
     let mut seats = Vec::new();
     for label in labels {
-        if !world.wanting.contains_key(label) {
+        if !world.queue().is_waited_for(label) {
             seats.extend(world.kept_for_queue.remove(label).into_iter().flatten());
         }
     }

@@ -14,6 +14,7 @@ use slotpool_protocol::time::UnixMillis;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// How a launch attempt ended ([`launch`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,6 +136,12 @@ const BOOT_BOUNDS: &[f64] = &[
     0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
 ];
 
+/// Upper bounds (seconds) of a supervisor pass's duration: a pass takes well under a
+/// millisecond unless it plans (a few KV writes).
+const PASS_BOUNDS: &[f64] = &[
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0,
+];
+
 /// Most buckets a [`Histogram`] has, the one above every bound included.
 const MAX_BUCKETS: usize = 16;
 
@@ -144,7 +151,7 @@ pub struct Histogram {
     /// Per bound, the last one for everything above them.
     buckets: [AtomicU64; MAX_BUCKETS],
     count: AtomicU64,
-    sum_ms: AtomicU64,
+    sum_us: AtomicU64,
 }
 
 impl Histogram {
@@ -154,19 +161,24 @@ impl Histogram {
             bounds,
             buckets: [const { AtomicU64::new(0) }; MAX_BUCKETS],
             count: AtomicU64::new(0),
-            sum_ms: AtomicU64::new(0),
+            sum_us: AtomicU64::new(0),
         }
     }
 
     fn observe_ms(&self, ms: u64) {
-        let secs = ms as f64 / 1000.0;
+        self.observe(Duration::from_millis(ms));
+    }
+
+    fn observe(&self, took: Duration) {
+        let secs = took.as_secs_f64();
         let bucket = self
             .bounds
             .iter()
             .position(|bound| secs <= *bound)
             .unwrap_or(self.bounds.len());
         self.buckets[bucket].fetch_add(1, Relaxed);
-        self.sum_ms.fetch_add(ms, Relaxed);
+        self.sum_us
+            .fetch_add(u64::try_from(took.as_micros()).unwrap_or(u64::MAX), Relaxed);
         self.count.fetch_add(1, Relaxed);
     }
 
@@ -185,7 +197,7 @@ impl Histogram {
             .zip(self.buckets.iter().map(|b| b.load(Relaxed)))
             .collect();
         family.encode_histogram::<NoLabelSet>(
-            self.sum_ms.load(Relaxed) as f64 / 1000.0,
+            self.sum_us.load(Relaxed) as f64 / 1_000_000.0,
             self.count.load(Relaxed),
             &buckets,
             None,
@@ -208,6 +220,10 @@ pub struct Process {
     /// provider error), so a lock is cheap here.
     counts: Mutex<BTreeMap<(Family, Labels), u64>>,
     lease_takeovers: AtomicU64,
+    worker_spins: AtomicU64,
+    /// When the supervisor last finished a pass (Unix ms; 0: not yet).
+    last_pass_ms: AtomicU64,
+    pub(crate) pass: Histogram,
     pub(crate) allocation: Histogram,
     pub(crate) boot: Histogram,
 }
@@ -216,6 +232,9 @@ pub struct Process {
 pub static PROCESS: Process = Process {
     counts: Mutex::new(BTreeMap::new()),
     lease_takeovers: AtomicU64::new(0),
+    worker_spins: AtomicU64::new(0),
+    last_pass_ms: AtomicU64::new(0),
+    pass: Histogram::new(PASS_BOUNDS),
     allocation: Histogram::new(LATENCY_BOUNDS),
     boot: Histogram::new(BOOT_BOUNDS),
 };
@@ -233,6 +252,11 @@ impl Process {
     /// The labelled counts so far.
     pub(crate) fn counts(&self) -> BTreeMap<(Family, Labels), u64> {
         self.counts.lock().expect("metrics lock").clone()
+    }
+
+    /// Request workers paused for stepping their bound ([`worker_spin`]).
+    pub(crate) fn worker_spins(&self) -> u64 {
+        self.worker_spins.load(Relaxed)
     }
 
     /// Requests taken over so far ([`lease_takeover`]).
@@ -296,6 +320,29 @@ pub fn lease_takeover() {
     PROCESS.lease_takeovers.fetch_add(1, Relaxed);
 }
 
+/// A request worker took `request::worker::STEP_BOUND` steps without waiting.
+pub fn worker_spin() {
+    PROCESS.worker_spins.fetch_add(1, Relaxed);
+}
+
+/// The supervisor finished a pass that took `took`, at `at`.
+pub fn pass_done(took: Duration, at: UnixMillis) {
+    PROCESS.pass.observe(took);
+    PROCESS.last_pass_ms.store(at, Relaxed);
+}
+
+/// When the supervisor last finished a pass, if it has.
+pub fn last_pass() -> Option<UnixMillis> {
+    Some(PROCESS.last_pass_ms.load(Relaxed)).filter(|ms| *ms > 0)
+}
+
+/// How long ago at `now` the supervisor last finished a pass (since `started`, before
+/// its first).
+pub fn pass_age(now: UnixMillis, started: UnixMillis) -> Duration {
+    let last = PROCESS.last_pass_ms.load(Relaxed).max(started);
+    Duration::from_millis(now.saturating_sub(last))
+}
+
 /// A request submitted at `created_at` was fulfilled at `fulfilled_at`.
 pub fn fulfilled(created_at: UnixMillis, fulfilled_at: UnixMillis) {
     PROCESS
@@ -325,6 +372,6 @@ mod tests {
             .collect();
         assert_eq!(grew, vec![6, LATENCY_BOUNDS.len()]);
         assert_eq!(h.count.load(Relaxed), 2);
-        assert_eq!(h.sum_ms.load(Relaxed), 1_000_300);
+        assert_eq!(h.sum_us.load(Relaxed), 1_000_300_000);
     }
 }

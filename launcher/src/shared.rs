@@ -2,7 +2,6 @@
 //! change signals, and the set of work items this process is driving.
 
 use crate::agent_bus::AgentBus;
-use crate::config::warm::Arrivals;
 use crate::config::Config;
 use crate::heartbeat_clock::HeartbeatClock;
 use crate::liveness::Liveness;
@@ -62,7 +61,7 @@ impl Shared {
             })
             .collect();
         Shared {
-            world: Mutex::new(World::of(id.clone(), Arrivals::of(&config))),
+            world: Mutex::new(World::for_config(id.clone(), &config)),
             id,
             bus,
             config,
@@ -90,9 +89,14 @@ impl Shared {
         self.tracker.spawn(Box::pin(task));
     }
 
-    /// The KV mirror. Hold the guard briefly and never across an await.
-    pub fn world(&self) -> MutexGuard<'_, World> {
-        self.world.lock().unwrap_or_else(|p| p.into_inner())
+    /// The KV mirror. Hold the guard briefly and never across an await. When the
+    /// guard goes, the requests of this launcher that a change made under it lets claim
+    /// now are woken ([`World::take_wakes`]).
+    pub fn world(&self) -> WorldGuard<'_> {
+        WorldGuard {
+            world: Some(self.world.lock().unwrap_or_else(|p| p.into_inner())),
+            signals: &self.signals,
+        }
     }
 
     /// Marks `work` as driven by this process; false if a worker already drives it.
@@ -118,6 +122,39 @@ impl Shared {
     }
 }
 
+/// The world's lock ([`Shared::world`]): on its way out it wakes the request workers
+/// the changes made under it concern, after letting go of the lock.
+pub struct WorldGuard<'a> {
+    world: Option<MutexGuard<'a, World>>,
+    signals: &'a Signals,
+}
+
+impl std::ops::Deref for WorldGuard<'_> {
+    type Target = World;
+    fn deref(&self) -> &World {
+        self.world.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for WorldGuard<'_> {
+    fn deref_mut(&mut self) -> &mut World {
+        self.world.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for WorldGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut world) = self.world.take() else {
+            return;
+        };
+        let wakes = world.take_wakes(slotpool_protocol::time::now_ms());
+        drop(world);
+        for id in wakes {
+            self.signals.bump(&request_topic(&id));
+        }
+    }
+}
+
 /// A work item one worker of this process drives at a time.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Work {
@@ -130,8 +167,9 @@ pub enum Work {
 }
 
 /// What changed in the mirror, as workers wait for it and the supervisor looks at it:
-/// a request, a seat (its backing node or its agent), the capacity of a label, or a slot
-/// (by its key) marked releasing.
+/// a request (or, for a waiting request, a slot it could now claim: [`WorldGuard`]), a
+/// seat (its backing node or its agent), a label's capacity or demand (for the
+/// supervisor's planner only), or a slot (by its key) marked releasing.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Topic {
     Request(RequestId),
@@ -177,9 +215,6 @@ pub fn request_topic(id: &RequestId) -> Topic {
 }
 pub fn seat_topic(seat_key: &str) -> Topic {
     Topic::Seat(seat_key.to_string())
-}
-pub fn label_topic(label: &str) -> Topic {
-    Topic::Label(label.to_string())
 }
 
 /// Waits until any of `rxs` changes, `deadline` passes, or `stop` is cancelled.

@@ -6,7 +6,7 @@
 //! expired key is announced by a marker that lives about a second: a watch that resumed
 //! would miss it). [`crate::mirror_sync::MirrorSync`] hears when each mirror is synced.
 
-use crate::shared::{label_topic, request_topic, seat_topic, Shared, Topic};
+use crate::shared::{request_topic, seat_topic, Shared, Topic};
 use crate::world::World;
 use futures::StreamExt;
 use slotpool_protocol::layout::{self, LeaseOf};
@@ -271,9 +271,6 @@ impl Effects {
         if !ended_before {
             for label in &r.labels {
                 self.todo.push(Dirty::Label(label.clone()));
-                if r.state.is_final() {
-                    self.wake.push(label_topic(label));
-                }
             }
         }
         if r.state == RequestState::Requested || r.hold_deadline().is_some() {
@@ -296,7 +293,6 @@ impl Effects {
 
     fn backing(&mut self, seat: &str, b: &BackingNode) {
         self.wake.push(seat_topic(seat));
-        self.wake.push(label_topic(&b.label));
         self.todo.push(Dirty::Seat(seat.to_string()));
         self.todo.push(Dirty::Label(b.label.clone()));
     }
@@ -306,9 +302,6 @@ impl Effects {
         if let Some(seat) = world.seat_of.get(id) {
             self.wake.push(seat_topic(seat));
             self.todo.push(Dirty::Seat(seat.clone()));
-            if let Some(b) = world.backing.get(seat) {
-                self.wake.push(label_topic(&b.value.label));
-            }
         }
     }
 
@@ -444,14 +437,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
         }
         Record::Slot(n) => {
             fx.slot(world, &n.value);
-            let (request, label) = (n.value.request_id.clone(), n.value.label.clone());
-            let queued = world.is_short_of(&request, &label);
             world.put_slot(n);
-            // A request of another launcher got its node: the requests queued behind
-            // it for the label may go on.
-            if queued && !world.is_short_of(&request, &label) {
-                fx.wake.push(label_topic(&label));
-            }
         }
         Record::Backing(b) => {
             fx.backing(&b.key, &b.value);
@@ -500,14 +486,12 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                         fx.wake.push(seat_topic(seat));
                         fx.todo.push(Dirty::Seat(seat.clone()));
                     }
-                    fx.wake.push(label_topic(&old.label));
                     fx.wake.push(request_topic(&old.request_id));
                 }
                 world.remove_slot(key, revision);
             }
             Mirror::Backing => {
                 if let Some(old) = world.backing.get(key) {
-                    fx.wake.push(label_topic(&old.value.label));
                     fx.todo.push(Dirty::Label(old.value.label.clone()));
                 }
                 fx.wake.push(seat_topic(key));

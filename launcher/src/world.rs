@@ -12,11 +12,15 @@
 
 mod agent;
 pub mod capacity;
+pub mod queue;
 
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
+pub use queue::QueuePosition;
+use queue::{Entry, Queue, SET_PATIENCE_MS};
 use slotpool_config::warm::Arrivals;
+use slotpool_config::Config;
 use slotpool_protocol::layout::{self, parse_slot_key, LeaseOf};
 use slotpool_protocol::model::{
     BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
@@ -48,9 +52,6 @@ impl SlotRef {
         layout::slot_key(&self.backing_id, self.slot)
     }
 }
-
-/// Order in which waiting requests get slots: priority, then age, then id.
-pub type QueuePosition = (i32, UnixMillis, RequestId);
 
 #[derive(Default)]
 pub struct World {
@@ -85,8 +86,6 @@ pub struct World {
     /// Slot key → revision of its tombstone, for free slots whose deletion was seen: a
     /// claim writes over it in one round trip ([`slotpool_protocol::store::Store::create_over`]).
     pub tombstones: HashMap<String, u64>,
-    /// Requests of this launcher waiting for a slot, by queue position → labels still needed.
-    pub waiting: BTreeMap<QueuePosition, Vec<String>>,
     /// Requests not yet fulfilled, failed or canceled: fulfilled ones holding their
     /// nodes stay in `requests`, and demand must not be counted by walking all of them.
     pub open_requests: HashSet<RequestId>,
@@ -111,13 +110,16 @@ pub struct World {
     /// Heartbeat key (a backing id) → the same, for agents' heartbeats: how old the last
     /// one is (`/metrics`).
     pub heartbeat_written: HashMap<String, (u64, UnixMillis)>,
-    /// The one queue of every launcher's requests: by label, the open requests still
-    /// short of a node of it, in queue order, with their owners.
-    pub wanting: HashMap<String, BTreeMap<QueuePosition, Option<LauncherId>>>,
-    /// Where each open request stands in `wanting`, to update it without a walk.
-    wants_of: HashMap<RequestId, (QueuePosition, Vec<String>)>,
-    /// This launcher: its own requests are ordered by `waiting`, which its workers keep
-    /// exactly; `wanting` orders them behind other launchers' requests.
+    /// The one queue of every launcher's requests ([`queue`]).
+    queue: Queue,
+    /// Labels whose free slots or queue changed since the last [`World::take_wakes`].
+    touched: BTreeSet<String>,
+    /// The pools serving each label, for what can still be launched
+    /// ([`World::attainable`]).
+    pools: PoolBook,
+    /// Seats taken (by a backing record, readable or not), by pool (`provider.pool`).
+    seats_taken: HashMap<String, u32>,
+    /// This launcher.
     pub me: Option<LauncherId>,
     /// The launchers holding their liveness lease, for [`World::lane`].
     live_launchers: BTreeSet<LauncherId>,
@@ -130,6 +132,46 @@ pub struct World {
     /// waited (`lifecycle::Observed::waiting`), by label: looked at again once the
     /// label's queue is empty, since nothing else about them changes then.
     pub kept_for_queue: HashMap<String, BTreeSet<String>>,
+}
+
+/// The pools serving each label, as the configuration has them: what
+/// [`World::attainable`] counts as still launchable.
+#[derive(Debug, Default)]
+pub struct PoolBook {
+    /// Label → (pool key `provider.pool`, max-servers, slots of the label's largest
+    /// size there).
+    sites: HashMap<String, Vec<(String, u32, u32)>>,
+}
+
+impl PoolBook {
+    pub fn of(config: &Config) -> PoolBook {
+        let mut sites: HashMap<String, Vec<(String, u32, u32)>> = HashMap::new();
+        for provider in &config.providers {
+            for pool in &provider.pools {
+                for label in &pool.labels {
+                    sites.entry(label.name.clone()).or_default().push((
+                        format!("{}.{}", provider.name, pool.name),
+                        pool.max_servers,
+                        label.largest().slots,
+                    ));
+                }
+            }
+        }
+        PoolBook { sites }
+    }
+
+    fn sites<'a>(&'a self, label: &str) -> impl Iterator<Item = (&'a str, u32, u32)> + 'a {
+        self.sites
+            .get(label)
+            .into_iter()
+            .flatten()
+            .map(|(pool, max, slots)| (pool.as_str(), *max, *slots))
+    }
+}
+
+/// The key of backing node `b`'s pool in [`PoolBook`] and `World::seats_taken`.
+fn pool_key(b: &BackingNode) -> String {
+    format!("{}.{}", b.provider, b.pool)
 }
 
 /// A heartbeat the mirror lost ([`World::lost_heartbeats`]).
@@ -148,6 +190,14 @@ impl World {
             me: Some(me),
             arrivals,
             ..World::default()
+        }
+    }
+
+    /// An empty mirror for launcher `me` under `config`.
+    pub fn for_config(me: LauncherId, config: &Config) -> World {
+        World {
+            pools: PoolBook::of(config),
+            ..World::of(me, Arrivals::of(config))
         }
     }
 
@@ -385,6 +435,7 @@ impl World {
         self.tombstones.remove(&key);
         let backing = n.value.backing_id.clone();
         let request = n.value.request_id.clone();
+        self.touched.insert(n.value.label.clone());
         self.slots.insert(key, n);
         self.restand_backing(&backing);
         self.requeue(&request);
@@ -436,61 +487,43 @@ impl World {
             }
         }
         self.restand_backing(&node.backing_id);
+        self.touched.insert(node.label);
         self.requeue(&node.request_id);
     }
 
-    /// Brings request `id`'s place in `wanting` up to date: one entry per label it is
-    /// still short of, while it is open.
+    /// Brings request `id`'s place in the [`queue`] up to date: for every label it is
+    /// still short of, how many nodes it needs, while it is open.
     fn requeue(&mut self, id: &RequestId) {
-        if let Some((pos, labels)) = self.wants_of.remove(id) {
-            for label in labels {
-                if let Some(queue) = self.wanting.get_mut(&label) {
-                    queue.remove(&pos);
-                    if queue.is_empty() {
-                        self.wanting.remove(&label);
-                    }
-                }
-            }
-        }
         let Some(r) = self
             .requests
             .get(id)
             .filter(|_| self.open_requests.contains(id))
         else {
+            let changed = self.queue.remove(id);
+            self.touched.extend(changed);
             return;
         };
         let r = &r.value;
-        let mut short: Vec<String> = Vec::new();
+        let mut needs: Vec<(String, u32)> = Vec::new();
         for label in &r.labels {
-            if short.contains(label) {
+            if needs.iter().any(|(l, _)| l == label) {
                 continue;
             }
-            let want = r.labels.iter().filter(|l| *l == label).count();
+            let want = r.labels.iter().filter(|l| *l == label).count() as u32;
             let have = self
                 .nodes_of(id)
                 .iter()
                 .filter(|n| &n.value.label == label)
-                .count();
+                .count() as u32;
             if have < want {
-                short.push(label.clone());
+                needs.push((label.clone(), want - have));
             }
         }
-        // A node set short of several labels claims nothing until all of them can be
-        // had at once (request::plan), so it stands in no label's queue: standing in
-        // one would hold that label's free slots from the requests of other launchers
-        // while the set waits for another label, which is what the all-or-nothing rule
-        // is there to prevent. It waits in its own launcher's `waiting` only.
-        if short.len() != 1 {
-            return;
-        }
         let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
-        for label in &short {
-            self.wanting
-                .entry(label.clone())
-                .or_default()
-                .insert(pos.clone(), r.owner.clone());
-        }
-        self.wants_of.insert(id.clone(), (pos, short));
+        let changed = self
+            .queue
+            .put(id, pos, r.owner.clone(), r.labels.len() > 1, needs);
+        self.touched.extend(changed);
     }
 
     pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
@@ -508,7 +541,11 @@ impl World {
             if old.value.id != b.value.id {
                 self.seat_of.remove(&old.value.id);
             }
+            self.touched.insert(old.value.label.clone());
+        } else {
+            *self.seats_taken.entry(pool_key(&b.value)).or_default() += 1;
         }
+        self.touched.insert(b.value.label.clone());
         self.seat_of.insert(b.value.id.clone(), b.key.clone());
         let seat = b.key.clone();
         self.backing.insert(b.key.clone(), b);
@@ -531,6 +568,8 @@ impl World {
             return;
         }
         if let Some(old) = self.backing.remove(key) {
+            self.touched.insert(old.value.label.clone());
+            self.take_seat_back(&pool_key(&old.value));
             self.seat_of.remove(&old.value.id);
             self.lost_heartbeats.remove(&old.value.id);
             for slot in 0..old.value.slots {
@@ -557,21 +596,50 @@ impl World {
         self.lost_heartbeats.remove(&id);
         self.agents.insert(id.clone(), hb.into());
         self.restand_backing(&id);
+        self.touch_backing(&id);
         true
     }
 
     pub fn put_lease(&mut self, lease: Versioned<Lease>) {
         if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(&lease.key) {
-            self.live_launchers.insert(id);
+            if self.live_launchers.insert(id) {
+                self.touch_every_queue();
+            }
         }
         self.leases.insert(lease.key.clone(), lease);
     }
 
     pub fn remove_lease(&mut self, key: &str) {
         if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(key) {
-            self.live_launchers.remove(&id);
+            if self.live_launchers.remove(&id) {
+                self.touch_every_queue();
+            }
         }
         self.leases.remove(key);
+    }
+
+    /// Every queue's order of who stands changes with the launchers alive.
+    fn touch_every_queue(&mut self) {
+        let labels: Vec<String> = self.queue.labels().map(String::from).collect();
+        self.touched.extend(labels);
+    }
+
+    /// The label of backing node `id` has new capacity to look at.
+    fn touch_backing(&mut self, id: &BackingId) {
+        if let Some(b) = self.backing_by_id(id) {
+            let label = b.value.label.clone();
+            self.touched.insert(label);
+        }
+    }
+
+    /// A seat of pool `pool` is free again.
+    fn take_seat_back(&mut self, pool: &str) {
+        if let Some(n) = self.seats_taken.get_mut(pool) {
+            *n -= 1;
+            if *n == 0 {
+                self.seats_taken.remove(pool);
+            }
+        }
     }
 
     pub fn remove_agent(&mut self, key: &str) {
@@ -586,6 +654,7 @@ impl World {
                     },
                 );
                 self.restand_backing(&id);
+                self.touch_backing(&id);
             }
         }
     }
@@ -642,30 +711,6 @@ impl World {
             .unwrap_or_default()
     }
 
-    /// The queue entries ahead of `me` waiting for `label`, one per slot each waits
-    /// for: this launcher's requests (`waiting`, as `None`), and those of another live
-    /// launcher (`wanting`, as that launcher), so that priority and age order the
-    /// requests of all launchers alike.
-    fn ahead_of<'a>(
-        &'a self,
-        me: &QueuePosition,
-        label: &'a str,
-    ) -> impl Iterator<Item = Option<&'a LauncherId>> + 'a {
-        let me = me.clone();
-        let mine = self
-            .waiting
-            .range(..me.clone())
-            .flat_map(move |(_, labels)| labels.iter().filter(move |l| *l == label).map(|_| None));
-        let others = self
-            .wanting
-            .get(label)
-            .into_iter()
-            .flat_map(move |queue| queue.range(..me.clone()))
-            .filter(|(_, owner)| self.drives_elsewhere(owner.as_ref()))
-            .map(|(_, owner)| owner.as_ref());
-        mine.chain(others)
-    }
-
     /// This launcher's [`Lane`]: its place among the live launchers, by id.
     fn lane(&self) -> Lane {
         match &self.me {
@@ -686,54 +731,168 @@ impl World {
         Lane { index, count }
     }
 
-    /// Whether request `id` stands in the queue for `label`.
-    pub fn is_short_of(&self, id: &RequestId, label: &str) -> bool {
-        self.wants_of
-            .get(id)
-            .is_some_and(|(_, labels)| labels.iter().any(|l| l == label))
+    /// The one queue of every launcher's requests.
+    pub fn queue(&self) -> &Queue {
+        &self.queue
     }
 
-    /// Whether a request owned by `owner` is driven by another launcher, alive now.
-    fn drives_elsewhere(&self, owner: Option<&LauncherId>) -> bool {
+    /// Whether request `id` stands in the queue for `label`.
+    pub fn is_short_of(&self, id: &RequestId, label: &str) -> bool {
+        self.queue.is_short_of(id, label)
+    }
+
+    /// Whether a request driven by `owner` is driven by this launcher or another alive
+    /// now: a request whose launcher is gone waits for a launcher to take it over.
+    fn driven(&self, owner: Option<&LauncherId>) -> bool {
         owner.is_some_and(|o| {
-            Some(o) != self.me.as_ref() && self.leases.contains_key(&layout::launcher_lease_key(o))
+            Some(o) == self.me.as_ref() || self.leases.contains_key(&layout::launcher_lease_key(o))
         })
     }
 
-    /// Picks a free slot for `label` and reserves it, leaving one free slot for every
-    /// request ahead of `me` that waits for the label. Packs by
+    /// Whether the queue entry at `pos` keeps the free slots it needs from the requests
+    /// behind it at `now` ([`queue`]: a single node at once, a node set once it waited
+    /// its patience and can be held at all).
+    fn stands(&self, pos: &QueuePosition, e: &Entry, now: UnixMillis) -> bool {
+        if !self.driven(e.owner.as_ref()) {
+            return false;
+        }
+        if !e.set {
+            return true;
+        }
+        now >= pos.1.saturating_add(SET_PATIENCE_MS)
+            && self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
+                needs
+                    .iter()
+                    .all(|(label, need)| *need <= self.attainable(label))
+            })
+    }
+
+    /// The most slots of `label` one request could hold at once: those of its backing
+    /// nodes taking slots or booting, and of those still launchable into the free seats
+    /// of the pools serving it (at the largest size).
+    pub fn attainable(&self, label: &str) -> u32 {
+        let launchable: u32 = self
+            .pools
+            .sites(label)
+            .map(|(pool, max_servers, slots)| {
+                let taken = self.seats_taken.get(pool).copied().unwrap_or(0);
+                max_servers.saturating_sub(taken).saturating_mul(slots)
+            })
+            .fold(0u32, u32::saturating_add);
+        self.capacity.total(label).saturating_add(launchable)
+    }
+
+    /// Whether `need` slots of `label` are free for the request at `pos` at `now`,
+    /// beyond what the standing requests ahead of it need (counting every slot not in
+    /// use: an upper bound of what can be handed out).
+    fn fits(&self, pos: &QueuePosition, label: &str, need: u32, now: UnixMillis) -> bool {
+        let mut avail = self.capacity.free(label);
+        if avail < need {
+            return false;
+        }
+        for (p, e) in self.queue.ahead(label, pos) {
+            if self.stands(p, e, now) {
+                avail = avail.saturating_sub(e.need);
+                if avail < need {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Marks every label as changed, for the next [`World::take_wakes`] (after a start
+    /// or a reload).
+    pub fn touch_all(&mut self) {
+        self.touch_every_queue();
+    }
+
+    /// This launcher's requests that could claim now, for every label whose free slots
+    /// or queue changed since the last call: each changed label's queue is walked from
+    /// its head until the standing requests have used up its free slots, and a request
+    /// of this launcher is named when all it needs fits ([`queue`]).
+    pub fn take_wakes(&mut self, now: UnixMillis) -> Vec<RequestId> {
+        if self.touched.is_empty() {
+            return Vec::new();
+        }
+        let mut touched = std::mem::take(&mut self.touched);
+        // A set that needs a touched label may stand differently in its other queues.
+        let linked = self.queue.linked_labels(&touched);
+        touched.extend(linked);
+        let mut wake: Vec<RequestId> = Vec::new();
+        for label in &touched {
+            let mut avail = self.capacity.free(label);
+            for (pos, e) in self.queue.of_label(label) {
+                if avail == 0 {
+                    break;
+                }
+                let mine = e.owner.is_some() && e.owner == self.me;
+                if mine && e.need <= avail && !wake.contains(&pos.2) {
+                    let rest_fits = self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
+                        needs
+                            .iter()
+                            .filter(|(l, _)| l != label)
+                            .all(|(l, need)| self.fits(pos, l, *need, now))
+                    });
+                    if rest_fits {
+                        wake.push(pos.2.clone());
+                    }
+                }
+                if self.stands(pos, e, now) {
+                    avail = avail.saturating_sub(e.need);
+                }
+            }
+        }
+        wake
+    }
+
+    /// Picks a free slot for `label` and reserves it, leaving the free slots that the
+    /// standing requests ahead of `me` need ([`queue`]). Packs by
     /// [`capacity::packing_rank`]: the smallest usable backing node first, then the
     /// fullest, so big and emptier ones can go idle and be released.
-    pub fn reserve_slot(&mut self, me: &QueuePosition, label: &str) -> Option<SlotRef> {
-        self.reserve_slot_avoiding(me, label, |_| false)
+    pub fn reserve_slot(
+        &mut self,
+        me: &QueuePosition,
+        label: &str,
+        now: UnixMillis,
+    ) -> Option<SlotRef> {
+        self.reserve_slot_avoiding(me, label, |_| false, now)
     }
 
     /// [`World::reserve_slot`], passing over the slot keys `avoid` names (slots whose
     /// claim just lost a race: the mirror has not caught up with the winner yet).
     ///
-    /// A request takes a slot when more are free than requests wait ahead of it for
-    /// the label: it need not wait until those (which another launcher may drive) are
-    /// seen to have claimed theirs, and they still find enough free. It takes from its
-    /// launcher's [`Lane`] (by [`capacity::packing_rank`], then seat key, then slot), passing over
-    /// one slot for each request ahead in the same lane; only when the lane has none
-    /// left does it take from the others. So requests that two launchers claim for at
-    /// the same time, each not yet seeing the other's, go for different slots.
+    /// A request takes a slot when more are free than the standing requests ahead of
+    /// it need of the label: it need not wait until those (which another launcher may
+    /// drive) are seen to have claimed theirs, and they still find enough free. It
+    /// takes from its launcher's [`Lane`] (by [`capacity::packing_rank`], then seat
+    /// key, then slot), passing over one slot for each slot needed ahead in the same
+    /// lane; only when the lane has none left does it take from the others. So requests
+    /// that two launchers claim for at the same time, each not yet seeing the other's,
+    /// go for different slots. Costs O(free slots + node sets not standing ahead).
     pub fn reserve_slot_avoiding(
         &mut self,
         me: &QueuePosition,
         label: &str,
         avoid: impl Fn(&str) -> bool,
+        now: UnixMillis,
     ) -> Option<SlotRef> {
         let r = {
             let (lane, avoid): (Lane, &dyn Fn(&str) -> bool) = (self.lane(), &avoid);
-            // One free slot for each request ahead and one for this one, counted side by
-            // side so that a long queue costs no more than the free slots there are.
+            // The free slots the standing requests ahead need, and one for this one,
+            // counted side by side so that a long queue costs no more than the free
+            // slots there are.
             let mut free = self.free_slots_in(label, avoid, |_| true);
             let mut in_my_lane = 0;
-            for owner in self.ahead_of(me, label) {
-                free.next()?;
-                if owner.is_none_or(|o| self.lane_of(o) == lane) {
-                    in_my_lane += 1;
+            for (pos, e) in self.queue.ahead(label, me) {
+                if !self.stands(pos, e, now) {
+                    continue;
+                }
+                for _ in 0..e.need {
+                    free.next()?;
+                }
+                if e.owner.as_ref().is_none_or(|o| self.lane_of(o) == lane) {
+                    in_my_lane += e.need as usize;
                 }
             }
             let last = free.next()?;
@@ -804,47 +963,11 @@ impl World {
         }
     }
 
-    /// Records the labels the request at `me` still waits for (none: it left the queue).
-    /// Returns the labels it stopped waiting for: the requests behind it that want them
-    /// must be woken, or they would sleep on behind an entry that is gone.
-    pub fn set_waiting(&mut self, me: &QueuePosition, labels: Vec<String>) -> Vec<String> {
-        let old = if labels.is_empty() {
-            self.waiting.remove(me)
-        } else {
-            self.waiting.insert(me.clone(), labels.clone())
-        };
-        let mut freed: Vec<String> = old
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|l| !labels.contains(l))
-            .collect();
-        freed.sort();
-        freed.dedup();
-        freed
-    }
-
     // ---- capacity ---------------------------------------------------------------------
 
     /// Slots wanted for `label` by unfinished requests and not yet claimed.
     pub fn unmet_demand(&self, label: &str) -> u32 {
-        let mut n = 0u32;
-        for r in self
-            .open_requests
-            .iter()
-            .filter_map(|id| self.requests.get(id))
-        {
-            let want = r.value.labels.iter().filter(|l| *l == label).count() as u32;
-            if want == 0 {
-                continue;
-            }
-            let have = self
-                .nodes_of(&r.value.id)
-                .iter()
-                .filter(|n| n.value.label == label)
-                .count() as u32;
-            n += want.saturating_sub(have);
-        }
-        n
+        self.queue.demand(label)
     }
 
     /// Slots of `label` free now or soon (on backing nodes still booting, unless their
@@ -1099,9 +1222,9 @@ mod tests {
         w.put_agent(agent("bn-a"));
         w.put_agent(agent("bn-b"));
         w.put_slot(node("bn-b", 0, "req-x", "small"));
-        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small", 0).unwrap();
         assert_eq!((r.backing_id.as_str(), r.slot), ("bn-b", 1));
-        let r2 = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        let r2 = w.reserve_slot(&pos(100, 1, "req-1"), "small", 0).unwrap();
         assert_eq!(
             (r2.backing_id.as_str(), r2.slot),
             ("bn-b", 2),
@@ -1129,7 +1252,7 @@ mod tests {
         let order: Vec<String> = (1..=4)
             .map(|n| {
                 let r = w
-                    .reserve_slot(&pos(100, n, &format!("req-{n}")), "small")
+                    .reserve_slot(&pos(100, n, &format!("req-{n}")), "small", 0)
                     .unwrap();
                 format!("{}/{}", r.backing_id, r.slot)
             })
@@ -1150,14 +1273,14 @@ mod tests {
         let mut a = agent("bn-a");
         a.dirty_slots = vec![0, 2];
         w.put_agent(a);
-        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small").unwrap();
+        let r = w.reserve_slot(&pos(100, 1, "req-1"), "small", 0).unwrap();
         assert_eq!(r.slot, 1);
-        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small", 0), None);
         let mut unhealthy = agent("bn-a");
         unhealthy.health.healthy = false;
         w.put_agent(unhealthy);
         w.unreserve(&r);
-        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small", 0), None);
     }
 
     #[test]
@@ -1172,7 +1295,7 @@ mod tests {
         let mut bad = agent("bn-c");
         bad.secret_sha256 = "other".into();
         w.put_agent(bad);
-        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small", 0), None);
         assert_eq!(
             w.coming_capacity("small"),
             4,
@@ -1182,13 +1305,17 @@ mod tests {
 
     #[test]
     fn a_request_ahead_in_the_queue_goes_first() {
-        let mut w = World::default();
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
         w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
         w.put_agent(agent("bn-a"));
-        w.waiting
-            .insert(pos(50, 9, "req-urgent"), vec!["small".into()]);
-        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small"), None);
-        assert!(w.reserve_slot(&pos(50, 9, "req-urgent"), "small").is_some());
+        w.put_request(open_request("req-urgent", 50, 9, "launcher-a"));
+        assert_eq!(w.reserve_slot(&pos(100, 1, "req-1"), "small", 0), None);
+        assert!(w
+            .reserve_slot(&pos(50, 9, "req-urgent"), "small", 0)
+            .is_some());
     }
 
     fn open_request(
@@ -1233,15 +1360,16 @@ mod tests {
         w.put_request(open_request("req-urgent", 10, 9, "launcher-b"));
         let mine = pos(100, 1, "req-mine");
         assert!(
-            w.reserve_slot(&mine, "small").is_some(),
+            w.reserve_slot(&mine, "small", 0).is_some(),
             "its launcher is not alive: it does not hold the queue"
         );
         w.reserved.clear();
         w.restand_backing(&BackingId::parse("bn-a").unwrap());
         live(&mut w, "launcher-b");
-        assert_eq!(w.reserve_slot(&mine, "small"), None, "it goes first");
+        assert_eq!(w.reserve_slot(&mine, "small", 0), None, "it goes first");
         assert!(
-            w.reserve_slot(&pos(5, 20, "req-first"), "small").is_some(),
+            w.reserve_slot(&pos(5, 20, "req-first"), "small", 0)
+                .is_some(),
             "a request ahead of it does not wait"
         );
         w.reserved.clear();
@@ -1249,22 +1377,19 @@ mod tests {
         // Its node came: it is out of the queue (and the slot is taken).
         w.put_slot(node("bn-a", 0, "req-urgent", "small"));
         assert!(!w.is_short_of(&RequestId::parse("req-urgent").unwrap(), "small"));
-        assert!(w.wanting.is_empty());
+        assert_eq!(w.queue().labels().count(), 0);
         let mut done = open_request("req-urgent", 10, 9, "launcher-b");
         done.revision = 2;
         done.value.state = RequestState::Fulfilled;
         w.put_request(done);
         w.remove_slot("bn-a.0", 3);
-        assert!(w.reserve_slot(&mine, "small").is_some());
-        // This launcher's own requests are ordered by `waiting` alone.
-        w.put_request(open_request("req-own", 1, 1, "launcher-a"));
-        assert!(
-            w.reserve_slot(&pos(100, 5, "req-x"), "small").is_none(),
-            "slot reserved"
-        );
+        assert!(w.reserve_slot(&mine, "small", 0).is_some());
+        // This launcher's own open requests stand in the one queue too.
         w.reserved.clear();
         w.restand_backing(&BackingId::parse("bn-a").unwrap());
-        assert!(w.reserve_slot(&pos(100, 5, "req-x"), "small").is_some());
+        w.put_request(open_request("req-own", 1, 1, "launcher-a"));
+        assert!(w.reserve_slot(&pos(100, 5, "req-x"), "small", 0).is_none());
+        assert!(w.reserve_slot(&pos(1, 1, "req-own"), "small", 0).is_some());
     }
 
     #[test]
@@ -1287,13 +1412,15 @@ mod tests {
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-b");
         w.put_request(open_request("req-first", 100, 1, "launcher-b"));
-        let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
+        let r = w
+            .reserve_slot(&pos(100, 5, "req-later"), "small", 0)
+            .unwrap();
         assert_eq!(
             r.slot, 0,
             "slot 1, in launcher-b's lane, stays free for its request ahead"
         );
         assert_eq!(
-            w.reserve_slot(&pos(100, 6, "req-last"), "small"),
+            w.reserve_slot(&pos(100, 6, "req-last"), "small", 0),
             None,
             "no slot left for a third"
         );
@@ -1307,7 +1434,7 @@ mod tests {
             w.put_agent(agent("bn-a"));
             live(&mut w, "launcher-a");
             live(&mut w, "launcher-b");
-            let r = w.reserve_slot(&pos(100, 5, "req-1"), "small").unwrap();
+            let r = w.reserve_slot(&pos(100, 5, "req-1"), "small", 0).unwrap();
             r.slot
         };
         assert_eq!((slot_for("launcher-a"), slot_for("launcher-b")), (0, 1));
@@ -1323,8 +1450,10 @@ mod tests {
         w.put_agent(agent("bn-a"));
         live(&mut w, "launcher-b");
         w.put_request(open_request("req-b", 100, 1, "launcher-b"));
-        w.waiting.insert(pos(100, 2, "req-a"), vec!["small".into()]);
-        let r = w.reserve_slot(&pos(100, 5, "req-later"), "small").unwrap();
+        w.put_request(open_request("req-a", 100, 2, "launcher-a"));
+        let r = w
+            .reserve_slot(&pos(100, 5, "req-later"), "small", 0)
+            .unwrap();
         assert_eq!(
             r.slot, 2,
             "slot 0 is left to this launcher's request ahead, slot 1 to launcher-b's"
@@ -1342,12 +1471,12 @@ mod tests {
         live(&mut w, "launcher-a");
         w.put_slot(node("bn-a", 1, "req-x", "small"));
         w.put_slot(node("bn-a", 3, "req-y", "small"));
-        let r = w.reserve_slot(&pos(100, 5, "req-1"), "small").unwrap();
+        let r = w.reserve_slot(&pos(100, 5, "req-1"), "small", 0).unwrap();
         assert_eq!(r.slot, 0, "its own lane (1, 3) is used: the first other");
     }
 
     #[test]
-    fn a_node_set_short_of_several_labels_holds_no_queue_of_other_launchers() {
+    fn a_node_set_stands_once_it_waited_its_patience_and_can_be_held() {
         let mut w = World::of(
             LauncherId::parse("launcher-a").unwrap(),
             Arrivals::default(),
@@ -1358,35 +1487,64 @@ mod tests {
         let mut set = open_request("req-set", 10, 1, "launcher-b");
         set.value.labels = vec!["small".into(), "big".into()];
         w.put_request(set);
-        assert!(!w.is_short_of(&RequestId::parse("req-set").unwrap(), "small"));
+        assert!(w.is_short_of(&RequestId::parse("req-set").unwrap(), "small"));
+        let later = pos(100, 5, "req-later");
+        let due = 1 + SET_PATIENCE_MS;
+        let takes = |w: &mut World, now| {
+            let r = w.reserve_slot(&later, "small", now);
+            if let Some(r) = &r {
+                w.unreserve(r);
+            }
+            r.is_some()
+        };
         assert!(
-            w.reserve_slot(&pos(100, 5, "req-later"), "small").is_some(),
-            "a set waiting for two labels does not keep a later request from a free slot"
+            takes(&mut w, due - 1),
+            "a set that has not waited its patience keeps nothing from a later request"
         );
-        // Short of one label only, it stands in that label's queue.
-        w.reserved.clear();
-        w.restand_backing(&BackingId::parse("bn-a").unwrap());
-        let mut one = open_request("req-set", 10, 1, "launcher-b");
-        one.revision = 2;
-        one.value.labels = vec!["small".into()];
-        w.put_request(one);
-        assert_eq!(w.reserve_slot(&pos(100, 5, "req-later"), "small"), None);
+        assert!(
+            takes(&mut w, due),
+            "nor one that no node of a label it needs could ever hold"
+        );
+        let mut big = backing("bn-b", "big", 1, BackingState::Ready);
+        big.key = "p.main.bn-b".into();
+        w.put_backing(big);
+        w.put_agent(agent("bn-b"));
+        assert!(
+            !takes(&mut w, due),
+            "now it stands: the later request waits"
+        );
+        assert!(takes(&mut w, due - 1), "but not before its patience");
+        // Held, the big node can hold nothing: the set stands no more.
+        let mut held = backing("bn-b", "big", 1, BackingState::Ready);
+        held.key = "p.main.bn-b".into();
+        held.revision = 2;
+        held.value.idle = IdleBehaviour::Hold;
+        w.put_backing(held);
+        assert!(takes(&mut w, due));
     }
 
     #[test]
-    fn leaving_the_queue_names_the_labels_others_may_now_take() {
-        let mut w = World::default();
-        let me = pos(100, 1, "req-1");
-        let both = vec!["big".to_string(), "small".to_string(), "small".to_string()];
-        assert!(w.set_waiting(&me, both).is_empty());
-        assert_eq!(w.set_waiting(&me, vec!["small".into()]), vec!["big"]);
-        assert_eq!(w.ahead_of(&pos(100, 2, "req-2"), "small").count(), 1);
-        assert_eq!(w.set_waiting(&me, vec![]), vec!["small"]);
-        assert_eq!(w.ahead_of(&pos(100, 2, "req-2"), "small").count(), 0);
-        assert!(
-            w.set_waiting(&me, vec![]).is_empty(),
-            "nothing left to free"
+    fn a_change_wakes_only_this_launchers_requests_that_can_claim() {
+        let me = LauncherId::parse("launcher-a").unwrap();
+        let mut w = World::of(me, Arrivals::default());
+        live(&mut w, "launcher-b");
+        w.put_backing(backing("bn-a", "small", 2, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.put_slot(node("bn-a", 0, "req-x", "small"));
+        w.put_slot(node("bn-a", 1, "req-y", "small"));
+        w.put_request(open_request("req-theirs", 100, 1, "launcher-b"));
+        w.put_request(open_request("req-1", 100, 2, "launcher-a"));
+        w.put_request(open_request("req-2", 100, 3, "launcher-a"));
+        assert!(w.take_wakes(0).is_empty(), "a full node: nobody can claim");
+        w.remove_slot("bn-a.0", 5);
+        assert_eq!(
+            w.take_wakes(0),
+            Vec::<RequestId>::new(),
+            "one slot free: launcher-b's request ahead takes it"
         );
+        w.remove_slot("bn-a.1", 6);
+        assert_eq!(w.take_wakes(0), vec![RequestId::parse("req-1").unwrap()]);
+        assert!(w.take_wakes(0).is_empty(), "nothing changed since");
     }
 
     /// Revision `revision` of request `id` in `state` (nodes released when fulfilled).
@@ -1427,7 +1585,7 @@ mod tests {
             assert!(!w.request_delivered(&id, 2));
         }
         assert!(w.requests.is_empty());
-        assert!(w.open_requests.is_empty() && w.wanting.is_empty());
+        assert!(w.open_requests.is_empty() && w.queue().labels().count() == 0);
         assert!(w.request_written.is_empty());
         assert!(w.finished.is_empty());
         // Finished by another launcher: the watch brings it, and nothing stays.
@@ -1465,7 +1623,7 @@ mod tests {
     /// The node a request at the back of the queue would get now, as (backing id, slot);
     /// the reservation is given back.
     fn peek(w: &mut World, label: &str) -> Option<(String, u32)> {
-        let r = w.reserve_slot(&pos(100, 1, "req-peek"), label)?;
+        let r = w.reserve_slot(&pos(100, 1, "req-peek"), label, 0)?;
         w.unreserve(&r);
         w.check_capacity_index();
         Some((r.backing_id.to_string(), r.slot))
@@ -1540,7 +1698,7 @@ mod tests {
         assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
         assert_eq!(w.coming_capacity("small"), 2, "never counted as free");
         assert!(
-            w.reserve_slot_avoiding(&pos(100, 1, "req-1"), "small", |k| k == "bn-a.0")
+            w.reserve_slot_avoiding(&pos(100, 1, "req-1"), "small", |k| k == "bn-a.0", 0)
                 .is_some_and(|r| r.key() == "bn-a.1"),
             "a slot passed over moves the claim on to the node's next free one"
         );
@@ -1615,10 +1773,10 @@ mod tests {
     fn the_index_follows_slots_and_reservations() {
         let mut w = two_ready_nodes();
         let me = pos(100, 1, "req-1");
-        let first = w.reserve_slot(&me, "small").unwrap();
+        let first = w.reserve_slot(&me, "small", 0).unwrap();
         assert_eq!((first.backing_id.as_str(), first.slot), ("bn-b", 1));
         w.check_capacity_index();
-        let second = w.reserve_slot(&me, "small").unwrap();
+        let second = w.reserve_slot(&me, "small", 0).unwrap();
         assert_eq!(
             (second.backing_id.as_str(), second.slot),
             ("bn-a", 0),
@@ -1709,7 +1867,7 @@ mod tests {
                 }
                 6 => w.remove_slot(&layout::slot_key(&backing_id, slot), revision),
                 7 => {
-                    if let Some(r) = w.reserve_slot(&pos(100, step, "req-r"), label) {
+                    if let Some(r) = w.reserve_slot(&pos(100, step, "req-r"), label, 0) {
                         assert!(!w
                             .used
                             .get(&r.backing_id)

@@ -6,7 +6,7 @@ use crate::events;
 use crate::metrics::{self, DeletionReason, ProviderErrorKind};
 use crate::nodes;
 use crate::provider::{LaunchSpec, Provider, CAPACITY_BACKOFF};
-use crate::shared::{label_topic, Shared};
+use crate::shared::Shared;
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState};
@@ -173,14 +173,12 @@ impl Executor {
             .backing
             .update(&b.key, &n, b.revision, None)
             .await?;
-        let label = n.label.clone();
         let written = Versioned {
             key: b.key.clone(),
             revision,
             value: n,
         };
         self.sh.world().put_backing(written.clone());
-        self.sh.signals.bump(&label_topic(&label));
         Ok(written)
     }
 

@@ -110,7 +110,7 @@ pub struct Observed {
     /// nothing in it).
     pub ready_falls_at: Option<UnixMillis>,
     /// Requests of every launcher short of a node of this label (its queue,
-    /// `World::wanting`): an empty node is not idle while they wait, it is about to be
+    /// `World::queue`): an empty node is not idle while they wait, it is about to be
     /// claimed (with a grace-time of 0, it would otherwise be released between becoming
     /// ready and the claim, and the requests launch another).
     pub waiting: u32,

@@ -48,9 +48,10 @@ pub(super) fn observe(
     let label = &b.value.label;
     // Only a node that takes slots is about to be claimed by the label's queue: one held,
     // drained, or whose agent is unhealthy is not kept for it.
-    let waiting = match world.wanting.get(label) {
-        Some(queue) if world.takes_slots(&b.value) => queue.len() as u32,
-        _ => 0,
+    let waiting = if world.takes_slots(&b.value) {
+        world.queue().len(label) as u32
+    } else {
+        0
     };
     if waiting > 0 && used == 0 {
         world

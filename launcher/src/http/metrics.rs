@@ -150,10 +150,15 @@ impl Collector {
                     .or_default() += i64::from(n);
             }
         }
-        for (label, queue) in &world.wanting {
-            if let Some(oldest) = queue.keys().map(|(_, created, _)| *created).min() {
+        let queue = world.queue();
+        for label in queue.labels() {
+            if let Some(oldest) = queue
+                .of_label(label)
+                .map(|((_, created, _), _)| *created)
+                .min()
+            {
                 view.waiting
-                    .insert(label.clone(), (queue.len() as i64, oldest));
+                    .insert(label.to_string(), (queue.len(label) as i64, oldest));
             }
         }
         for label in config.label_names() {
@@ -340,6 +345,12 @@ impl prometheus_client::collector::Collector for Collector {
             "lease_takeovers",
             "Requests this launcher took over because their owner's liveness lease had lapsed (this launcher).",
             PROCESS.lease_takeovers(),
+        )?;
+        counter(
+            &mut encoder,
+            "request_worker_spins",
+            "Times a request worker stepped its bound without waiting and was paused: a scheduling bug, never expected (this launcher).",
+            PROCESS.worker_spins(),
         )?;
         PROCESS.allocation.encode(
             &mut encoder,

@@ -2,13 +2,13 @@
 //! agent calls and the releases. Each step is one idempotent piece of work; a conflict
 //! (someone wrote first) comes back as an error the worker answers by looking again.
 
-use super::observe::{position, Memory};
+use super::observe::Memory;
 use super::plan::RequestStep;
 use crate::metrics;
 use crate::nodes::{self, SlotError};
 use crate::release::{self, Finish, Give};
-use crate::shared::{label_topic, request_topic, Shared};
-use crate::world::{QueuePosition, SlotRef};
+use crate::shared::{request_topic, Shared};
+use crate::world::SlotRef;
 use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
 use slotpool_protocol::model::{Node, NodeRequest, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
@@ -26,11 +26,8 @@ pub enum After {
     Stop,
     /// Look again at this time (or when this launcher loses its lease).
     Pause(UnixMillis),
-    /// Wait for a slot of `missing`, a change of the request, or `until`.
-    Wait {
-        missing: Vec<String>,
-        until: Option<UnixMillis>,
-    },
+    /// Wait for a change of the request (or a slot it could claim), or `until`.
+    Wait { until: Option<UnixMillis> },
 }
 
 /// Carries out `step` for `req`, remembering what the plan needs to know next time.
@@ -52,10 +49,7 @@ pub async fn carry_out(
         }
         RequestStep::Hold { strays, until } => {
             give_back_all(sh, &strays).await;
-            Ok(After::Wait {
-                missing: Vec::new(),
-                until: Some(until),
-            })
+            Ok(After::Wait { until: Some(until) })
         }
         RequestStep::Reclaim {
             reason,
@@ -100,10 +94,9 @@ pub async fn carry_out(
             }
             Ok(After::Again)
         }
-        RequestStep::Claim { slots, missing } => {
-            // Leave the queue for the labels claimed now: the requests behind this one
-            // need not wait for its claims and prepares.
-            set_waiting(sh, &position(r), missing);
+        RequestStep::Claim { slots, .. } => {
+            // The claims won leave the queue as they enter the mirror: the requests
+            // behind this one need not wait for its prepares.
             let claimed = claim_noting(sh, r, &slots, memory).await;
             claimed.error.map_or(Ok(After::Again), Err)
         }
@@ -112,16 +105,12 @@ pub async fn carry_out(
             Ok(After::Again)
         }
         RequestStep::Pause { until } => Ok(After::Pause(until)),
-        RequestStep::Wait {
-            missing,
-            until,
-            status,
-        } => {
+        RequestStep::Wait { until, status, .. } => {
             memory.waiting_since.get_or_insert_with(now_ms);
             if let Some(status) = status {
                 set_status(sh, req, status).await?;
             }
-            Ok(After::Wait { missing, until })
+            Ok(After::Wait { until })
         }
         RequestStep::Fulfil { nodes, hold_until } => {
             let done = fulfilled(r, nodes, hold_until);
@@ -295,15 +284,6 @@ async fn give_back_all(sh: &Arc<Shared>, keys: &[String]) {
         if let Err(err) = release::release(sh, Give::Slot(key), Finish::Wait).await {
             tracing::warn!(slot = %key, %err, "cannot release a slot of an ended request");
         }
-    }
-}
-
-/// Records the labels the request still waits for, and wakes the requests queued behind
-/// it for every label it no longer blocks.
-pub fn set_waiting(sh: &Shared, pos: &QueuePosition, missing: Vec<String>) {
-    let freed = sh.world().set_waiting(pos, missing);
-    for label in freed {
-        sh.signals.bump(&label_topic(&label));
     }
 }
 

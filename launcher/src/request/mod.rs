@@ -11,9 +11,11 @@
 //! that takes a request over from a dead launcher adopts the slots already claimed.
 
 pub(crate) mod exec;
+#[cfg(test)]
+mod model;
 pub(crate) mod observe;
 pub mod plan;
-mod worker;
+pub(crate) mod worker;
 
 use crate::metrics;
 use crate::shared::{Shared, Work};

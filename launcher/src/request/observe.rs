@@ -88,11 +88,7 @@ pub fn look_in(
         .find(|l| config.sites(l).is_empty())
         .map(|label| UnknownLabel {
             label: label.clone(),
-            served: config
-                .label_names()
-                .into_iter()
-                .map(String::from)
-                .collect(),
+            served: config.label_names().into_iter().map(String::from).collect(),
         });
     let nodes: Vec<NodeSeen> = world
         .nodes_of(&r.id)
@@ -122,7 +118,7 @@ pub fn look_in(
                     .get(key)
                     .is_some_and(|until| *until > now)
             };
-            match world.reserve_slot_avoiding(&pos, label, lost) {
+            match world.reserve_slot_avoiding(&pos, label, lost, now) {
                 Some(slot) => {
                     reserved.insert(index, slot);
                 }
@@ -204,10 +200,10 @@ fn wait_cause(config: &Config, world: &World, label: &str) -> WaitCause {
             backing_label: b.backing_label.clone(),
         };
     }
-    let full =
-        config.sites(label).iter().all(|s| {
-            world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers
-        });
+    let full = config
+        .sites(label)
+        .iter()
+        .all(|s| world.seats_of(&s.provider.name, &s.pool.name).len() as u32 >= s.pool.max_servers);
     if full {
         WaitCause::PoolsFull
     } else {

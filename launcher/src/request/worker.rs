@@ -3,11 +3,11 @@
 //! request needs this worker no more.
 
 use super::exec::{self, After};
-use super::observe::{self, position, Memory};
+use super::observe::{self, Memory};
 use super::plan::{self, RequestStep};
+use crate::metrics;
 use crate::nodes::SlotError;
-use crate::shared::{label_topic, request_topic, wait_for_change, Shared};
-use crate::world::{QueuePosition, World};
+use crate::shared::{request_topic, wait_for_change, Shared};
 use slotpool_protocol::model::NodeRequest;
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{now_ms, until, UnixMillis};
@@ -15,8 +15,22 @@ use slotpool_protocol::RequestId;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
+/// Steps a worker may take in a row without waiting before it counts as spinning: it
+/// is logged, counted (`slotpool_request_worker_spins_total`) and paused for
+/// [`SPIN_PAUSE`]. A step that does not wait wrote something (a claim, a prepare, a
+/// release, a lost claim's retry); a request needs a handful.
+pub const STEP_BOUND: u32 = 200;
+
+/// How long a spinning worker pauses.
+const SPIN_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Drives request `id` until it is final, taken over by another launcher, or `lost`
 /// (this launcher's liveness lease) is cancelled, starting from what `memory` holds.
+///
+/// Each step looks, asks and carries out once; a step that waits sleeps until its
+/// request's topic is bumped (the request changed, or a slot it could claim now freed:
+/// [`crate::shared::WorldGuard`]) or its deadline comes. It never looks again on its
+/// own: a request that cannot progress costs nothing until something changes for it.
 pub async fn run(
     sh: &Arc<Shared>,
     id: &RequestId,
@@ -24,75 +38,69 @@ pub async fn run(
     mut memory: Memory,
 ) -> Result<(), SlotError> {
     let mut request_rx = sh.signals.subscribe(&request_topic(id));
-    let mut label_rxs = Vec::new();
-    let mut subscribed: Vec<String> = Vec::new();
-    let mut queued: Option<QueuePosition> = None;
-    let result = loop {
+    let mut steps = 0u32;
+    loop {
         if lost.is_cancelled() {
-            break Ok(());
+            return Ok(());
         }
-        let req = match current(sh, id).await {
-            Ok(Some(req)) => req,
-            Ok(None) => break Ok(()),
-            Err(err) => break Err(err),
+        // From here on, a change that concerns the request wakes it, so the wait below
+        // never sleeps through what the look misses.
+        request_rx.mark_unchanged();
+        steps += 1;
+        if steps > STEP_BOUND {
+            metrics::worker_spin();
+            tracing::warn!(
+                steps = STEP_BOUND,
+                "request worker took its steps without waiting; pausing"
+            );
+            steps = 0;
+            tokio::select! {
+                _ = tokio::time::sleep(SPIN_PAUSE) => {}
+                _ = lost.cancelled() => return Ok(()),
+            }
+        }
+        // A worker that never waits still lets the others run.
+        tokio::task::consume_budget().await;
+        let req = match current(sh, id).await? {
+            Some(req) => req,
+            None => return Ok(()),
         };
-        let pos = position(&req.value);
         let obs = observe::look(sh, &req.value, &memory);
         let step = plan::next(&req.value, &obs, now_ms());
         if !matches!(step, RequestStep::Claim { .. }) {
             observe::unreserve(sh, &obs);
         }
-        // A step may join the queue; whatever ends this worker, it leaves it.
-        if !matches!(step, RequestStep::Leave) {
-            queued = Some(pos.clone());
-        }
-        let still_missing = step.missing().to_vec();
         let after = match exec::carry_out(sh, &req, step, &mut memory).await {
             Ok(after) => after,
             Err(SlotError::Kv(KvError::Conflict { .. })) => After::Again,
-            Err(err) => break Err(err),
+            Err(err) => return Err(err),
         };
-        exec::set_waiting(sh, &pos, still_missing);
         match after {
-            After::Stop => break Ok(()),
+            After::Stop => return Ok(()),
             After::Again => continue,
             After::Pause(at) => {
+                steps = 0;
                 tokio::select! {
                     _ = tokio::time::sleep(until(at)) => {}
                     _ = lost.cancelled() => {}
                 }
             }
-            After::Wait { missing, until: at } => {
+            After::Wait { until: at } => {
+                steps = 0;
                 // A slot passed over after a lost claim may be tried again then.
                 let at = match (at, memory.next_retry(now_ms())) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
-                if subscribed != missing {
-                    label_rxs = missing
-                        .iter()
-                        .map(|l| sh.signals.subscribe(&label_topic(l)))
-                        .collect();
-                    subscribed = missing.clone();
-                }
-                let mut rxs = label_rxs.clone();
-                rxs.push(request_rx.clone());
-                for rx in rxs.iter_mut() {
-                    rx.mark_unchanged();
-                }
-                // Re-check after subscribing so a change in between is not missed.
-                if could_progress(sh, &pos, &memory) {
-                    continue;
-                }
-                wait_for_change(&mut rxs, at.map(instant_of), lost).await;
-                request_rx.mark_unchanged();
+                wait_for_change(
+                    std::slice::from_mut(&mut request_rx),
+                    at.map(instant_of),
+                    lost,
+                )
+                .await;
             }
         }
-    };
-    if let Some(pos) = queued {
-        exec::set_waiting(sh, &pos, Vec::new());
     }
-    result
 }
 
 /// The request as the mirror has it. A finished request has left the mirror; while
@@ -123,28 +131,4 @@ async fn current(sh: &Shared, id: &RequestId) -> Result<Option<Versioned<NodeReq
 /// The monotonic instant of wall-clock time `at`.
 fn instant_of(at: UnixMillis) -> tokio::time::Instant {
     tokio::time::Instant::now() + until(at)
-}
-
-/// Whether a slot for any waiting label is free now (checked with the world lock),
-/// other than those passed over after a lost claim.
-fn could_progress(sh: &Shared, pos: &QueuePosition, memory: &Memory) -> bool {
-    could_progress_in(&mut sh.world(), pos, memory, now_ms())
-}
-
-/// [`could_progress`] at `world`, at `now`.
-pub(crate) fn could_progress_in(
-    world: &mut World,
-    pos: &QueuePosition,
-    memory: &Memory,
-    now: UnixMillis,
-) -> bool {
-    let labels = world.waiting.get(pos).cloned().unwrap_or_default();
-    for label in labels {
-        let lost = |key: &str| memory.lost_claims.get(key).is_some_and(|t| *t > now);
-        if let Some(slot) = world.reserve_slot_avoiding(pos, &label, lost) {
-            world.unreserve(&slot);
-            return true;
-        }
-    }
-    false
 }

@@ -52,6 +52,22 @@ impl Offer {
         }
     }
 
+    /// Slots free now: not in use (dirty and reserved slots count as free here).
+    fn free(&self) -> u32 {
+        match *self {
+            Offer::Serving { slots, used, .. } => slots.saturating_sub(used),
+            _ => 0,
+        }
+    }
+
+    /// Slots the node has or will have: all of them, unless it offers nothing.
+    fn total(&self) -> u32 {
+        match *self {
+            Offer::Booting { slots } | Offer::Serving { slots, .. } => slots,
+            Offer::Nothing => 0,
+        }
+    }
+
     /// Where the node ranks among those with a slot to hand out ([`Rank`]).
     fn rank(&self) -> Option<Rank> {
         match *self {
@@ -92,6 +108,10 @@ struct LabelCapacity {
     /// Seats with a slot to hand out now, in [`packing_rank`] order, then by seat key.
     open: BTreeSet<(Rank, String)>,
     coming: u32,
+    /// Slots not in use on the nodes taking slots ([`Offer::free`]).
+    free: u32,
+    /// Slots of the nodes taking slots or booting, in use or not ([`Offer::total`]).
+    total: u32,
 }
 
 /// Standings by seat key, and their sums by label.
@@ -112,9 +132,12 @@ impl CapacityIndex {
         }
         if let Some(new) = standing {
             let (coming, rank) = (new.offer.coming(), new.offer.rank());
-            if coming > 0 || rank.is_some() {
+            let (free, total) = (new.offer.free(), new.offer.total());
+            if coming > 0 || rank.is_some() || total > 0 {
                 let label = self.by_label.entry(new.label.clone()).or_default();
                 label.coming += coming;
+                label.free += free;
+                label.total += total;
                 if let Some(rank) = rank {
                     label.open.insert((rank, seat.to_string()));
                 }
@@ -128,10 +151,12 @@ impl CapacityIndex {
             return;
         };
         label.coming -= old.offer.coming();
+        label.free -= old.offer.free();
+        label.total -= old.offer.total();
         if let Some(rank) = old.offer.rank() {
             label.open.remove(&(rank, seat.to_string()));
         }
-        if label.open.is_empty() && label.coming == 0 {
+        if label.open.is_empty() && label.coming == 0 && label.total == 0 {
             self.by_label.remove(&old.label);
         }
     }
@@ -153,6 +178,18 @@ impl CapacityIndex {
     /// Slots of `label` free now or soon.
     pub fn coming(&self, label: &str) -> u32 {
         self.by_label.get(label).map_or(0, |l| l.coming)
+    }
+
+    /// Slots of `label` not in use on the nodes taking slots: at least as many as can
+    /// be handed out now (dirty and reserved slots count here).
+    pub fn free(&self, label: &str) -> u32 {
+        self.by_label.get(label).map_or(0, |l| l.free)
+    }
+
+    /// Slots of `label` on the nodes taking slots or booting, in use or not: the most
+    /// a request can ever hold of them without another launch.
+    pub fn total(&self, label: &str) -> u32 {
+        self.by_label.get(label).map_or(0, |l| l.total)
     }
 }
 
@@ -186,6 +223,8 @@ mod tests {
         );
         assert_eq!(idx.first_open("small"), Some("s.b"));
         assert_eq!(idx.coming("small"), 3 + 1 + 4);
+        assert_eq!(idx.free("small"), 3 + 1);
+        assert_eq!(idx.total("small"), 4 * 4);
 
         idx.set("s.b", serving("small", 3, false)); // its last slot reserved
         assert_eq!(idx.first_open("small"), Some("s.a"));
