@@ -308,6 +308,44 @@ pub fn sibling_agent_binary() -> PathBuf {
 
 pub use slotpool_local_run::sibling_binary;
 
+/// How long `slotpool serve` may take to stop after SIGTERM or Ctrl-C before it exits
+/// anyway.
+pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Takes SIGINT and SIGTERM on a thread of its own, so that they are heard even when
+/// every worker of the runtime is busy (a task that never yields): the first cancels
+/// `shutdown`, and if the process is still there [`STOP_GRACE`] later, or at a second
+/// signal, it exits at once (status 1).
+pub fn stop_on_signals(shutdown: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .context("taking SIGINT and SIGTERM")?;
+    std::thread::Builder::new()
+        .name("stop-signals".into())
+        .spawn(move || {
+            let mut signals = signals.forever();
+            if signals.next().is_none() {
+                return;
+            }
+            shutdown.cancel();
+            std::thread::spawn(|| {
+                std::thread::sleep(STOP_GRACE);
+                eprintln!(
+                    "still stopping after {}s: exiting now",
+                    STOP_GRACE.as_secs()
+                );
+                std::process::exit(1);
+            });
+            if signals.next().is_some() {
+                eprintln!("second stop signal: exiting now");
+                std::process::exit(1);
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
+}
+
 /// Resolves on the first Ctrl-C or SIGTERM; a second Ctrl-C exits at once.
 pub async fn stop_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -99,11 +99,11 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
         .or_else(|| config.agent_nats_url.clone())
         .unwrap_or_else(|| nats.url.clone());
     let shutdown = CancellationToken::new();
-    let stopper = shutdown.clone();
+    super::stop_on_signals(shutdown.clone())?;
+    let stopping = shutdown.clone();
     tokio::spawn(async move {
-        super::stop_signal().await;
+        stopping.cancelled().await;
         tracing::info!("stopping: finishing steps in flight and releasing leases");
-        stopper.cancel();
     });
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(agent_nats_url, minter),

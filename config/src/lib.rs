@@ -74,6 +74,9 @@ pub struct Config {
     /// Copies of each bucket the launcher creates: 1 on a single nats-server, 3 on a
     /// three-server JetStream cluster (so one server may fail), 5 at most.
     pub kv_replicas: usize,
+    /// How long a launcher's supervisor may go without finishing a pass before its
+    /// `/readyz` says it is stalled (`stall-after`, default 60 s).
+    pub stall_after: Duration,
     pub providers: Vec<ProviderConfig>,
 }
 

@@ -22,6 +22,7 @@ pub(crate) struct RawLauncher {
     pub(crate) lease_ttl: Option<Spanned<Seconds>>,
     pub(crate) agent_nats_url: Option<String>,
     pub(crate) kv_replicas: Option<Spanned<u64>>,
+    pub(crate) stall_after: Option<Spanned<Seconds>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -139,6 +139,8 @@ const DEFAULT_LEAK_GRACE: u64 = 600;
 const MAX_LEAK_SECONDS: u64 = 7 * 24 * 3600;
 /// Longest `warm-window`: a day.
 const MAX_WARM_SECS: u64 = 24 * 3600;
+/// Shortest `stall-after`: a launcher's supervisor passes at least every resync (15 s).
+const MIN_STALL_AFTER_SECS: u64 = 20;
 /// `warm-lead` when left out: a typical boot.
 const DEFAULT_WARM_LEAD: u64 = 60;
 
@@ -146,6 +148,7 @@ const DEFAULT_WARM_LEAD: u64 = 60;
 fn expected(key: &str) -> Option<&'static str> {
     Some(match key {
         "lease-ttl"
+        | "stall-after"
         | "launch-timeout"
         | "boot-timeout"
         | "grace-time"
@@ -323,6 +326,20 @@ impl Validator<'_> {
             Some(s) => s.value as usize,
             None => 1,
         };
+        let stall_after = match &raw.launcher.stall_after {
+            Some(s) if s.value.0 < MIN_STALL_AFTER_SECS || s.value.0 > 3600 => {
+                return Err(self.at(
+                    s,
+                    format!(
+                        "stall-after must be {MIN_STALL_AFTER_SECS} to 3600 seconds (a launcher \
+                         passes at least every 15 s), got {}",
+                        s.value.0
+                    ),
+                ))
+            }
+            Some(s) => Duration::from_secs(s.value.0),
+            None => Duration::from_secs(60),
+        };
         if raw.providers.is_empty() {
             return Err(ConfigError::Whole {
                 path: self.path.to_path_buf(),
@@ -342,6 +359,7 @@ impl Validator<'_> {
             lease_ttl,
             agent_nats_url: raw.launcher.agent_nats_url,
             kv_replicas,
+            stall_after,
             providers,
         })
     }

@@ -206,6 +206,8 @@ async fn supervise(
                 }
             }
         }
+        let started = std::time::Instant::now();
+        stall_for_tests();
         while let Ok(d) = dirty.try_recv() {
             batch.insert(d);
         }
@@ -253,6 +255,19 @@ async fn supervise(
         }
         plans.ask(labels);
         shared.signals.prune();
+        metrics::pass_done(started.elapsed(), slotpool_protocol::time::now_ms());
+    }
+}
+
+/// Debug builds only, for the tests of what a stalled launcher shows: while the file
+/// named by `SLOTPOOL_TEST_STALL_FILE` exists, the supervisor blocks the thread it runs
+/// on, as a task that never yields would.
+fn stall_for_tests() {
+    #[cfg(debug_assertions)]
+    if let Some(path) = std::env::var_os("SLOTPOOL_TEST_STALL_FILE") {
+        while std::path::Path::new(&path).exists() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

@@ -20,6 +20,8 @@ use tokio_util::task::TaskTracker;
 /// The launcher process's shared state.
 pub struct Shared {
     pub id: LauncherId,
+    /// When this launcher started (Unix ms).
+    pub started_at: slotpool_protocol::time::UnixMillis,
     pub bus: Bus,
     pub config: Config,
     pub providers: HashMap<String, Arc<dyn Provider>>,
@@ -63,6 +65,7 @@ impl Shared {
         Shared {
             world: Mutex::new(World::for_config(id.clone(), &config)),
             id,
+            started_at: slotpool_protocol::time::now_ms(),
             bus,
             config,
             providers,

@@ -801,16 +801,28 @@ impl World {
         true
     }
 
+    /// Requests of a live launcher waiting for `label` since `min_age` ms before `now`
+    /// that the free slots could serve now in the queue's order ([`World::each_fitting`]):
+    /// one that stays means no launcher acts on it. Asked when metrics are scraped.
+    pub fn servable_waiting(&self, label: &str, now: UnixMillis, min_age: u64) -> u32 {
+        let mut servable = 0;
+        self.each_fitting(label, now, |pos, e| {
+            if now.saturating_sub(pos.1) >= min_age && self.driven(e.owner.as_ref()) {
+                servable += 1;
+            }
+        });
+        servable
+    }
+
     /// Marks every label as changed, for the next [`World::take_wakes`] (after a start
     /// or a reload).
     pub fn touch_all(&mut self) {
         self.touch_every_queue();
     }
 
-    /// This launcher's requests that could claim now, for every label whose free slots
-    /// or queue changed since the last call: each changed label's queue is walked from
-    /// its head until the standing requests have used up its free slots, and a request
-    /// of this launcher is named when all it needs fits ([`queue`]).
+    /// This launcher's requests that could claim now ([`World::each_fitting`]), for
+    /// every label whose free slots or queue changed since the last call (and the labels
+    /// of the sets waiting for one of those).
     pub fn take_wakes(&mut self, now: UnixMillis) -> Vec<RequestId> {
         if self.touched.is_empty() {
             return Vec::new();
@@ -821,29 +833,45 @@ impl World {
         touched.extend(linked);
         let mut wake: Vec<RequestId> = Vec::new();
         for label in &touched {
-            let mut avail = self.capacity.free(label);
-            for (pos, e) in self.queue.of_label(label) {
-                if avail == 0 {
-                    break;
+            self.each_fitting(label, now, |pos, e| {
+                if e.owner.is_some() && e.owner == self.me && !wake.contains(&pos.2) {
+                    wake.push(pos.2.clone());
                 }
-                let mine = e.owner.is_some() && e.owner == self.me;
-                if mine && e.need <= avail && !wake.contains(&pos.2) {
-                    let rest_fits = self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
-                        needs
-                            .iter()
-                            .filter(|(l, _)| l != label)
-                            .all(|(l, need)| self.fits(pos, l, *need, now))
-                    });
-                    if rest_fits {
-                        wake.push(pos.2.clone());
-                    }
-                }
-                if self.stands(pos, e, now) {
-                    avail = avail.saturating_sub(e.need);
-                }
-            }
+            });
         }
         wake
+    }
+
+    /// Calls `visit` with each request of `label`'s queue that the free slots could
+    /// serve now in the queue's order (all it needs, of every label, fits): a walk from
+    /// the head that ends where the standing requests have used up the free slots.
+    /// Counts every slot not in use as free (an upper bound of what can be handed out).
+    fn each_fitting(
+        &self,
+        label: &str,
+        now: UnixMillis,
+        mut visit: impl FnMut(&QueuePosition, &Entry),
+    ) {
+        let mut avail = self.capacity.free(label);
+        for (pos, e) in self.queue.of_label(label) {
+            if avail == 0 {
+                break;
+            }
+            if e.need <= avail {
+                let rest_fits = self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
+                    needs
+                        .iter()
+                        .filter(|(l, _)| l != label)
+                        .all(|(l, need)| self.fits(pos, l, *need, now))
+                });
+                if rest_fits {
+                    visit(pos, e);
+                }
+            }
+            if self.stands(pos, e, now) {
+                avail = avail.saturating_sub(e.need);
+            }
+        }
     }
 
     /// Picks a free slot for `label` and reserves it, leaving the free slots that the

@@ -59,6 +59,34 @@ fn the_alert_rules_pass_promtool() {
     );
 }
 
+/// The alerts that say a launcher stopped deciding fire on the series a stalled
+/// launcher serves (tests/tests/stall.rs shows that it serves them) and stay quiet on a
+/// healthy one's: `promtool test rules` over synthetic series.
+#[test]
+fn the_stall_alerts_fire_on_a_stalled_launcher_only() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tests =
+        std::fs::read_to_string(workspace_root().join("tests/fixtures/alerts-stall.test.yml"))
+            .expect("the alert tests")
+            .replace("RULES", &alert_rules().display().to_string());
+    let path = dir.path().join("alerts.test.yml");
+    std::fs::write(&path, tests).expect("writing the alert tests");
+    let out = Command::new(PROMTOOL)
+        .arg("test")
+        .arg("rules")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|err| {
+            panic!("cannot run {PROMTOOL} ({err}): install Debian's prometheus package")
+        });
+    assert!(
+        out.status.success(),
+        "promtool test rules failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_metric_the_dashboard_and_the_alerts_use_is_served() {
     let rules = std::fs::read_to_string(alert_rules()).expect("the alert rules");

@@ -8,8 +8,8 @@
 //!   when scraped.
 
 use crate::metrics::{
-    place, with, DeletionReason, Family, Labels, LaunchOutcome, ProviderCall, ProviderErrorKind,
-    PROCESS,
+    pass_age, place, with, DeletionReason, Family, Labels, LaunchOutcome, ProviderCall,
+    ProviderErrorKind, PROCESS,
 };
 use crate::shared::Shared;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -21,6 +21,10 @@ use slotpool_protocol::model::BackingState;
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+/// How long a request must have waited before `slotpool_requests_servable_waiting`
+/// counts it: under load a slot is free for a moment before the request behind takes it.
+const SERVABLE_AFTER_MS: u64 = 30_000;
 
 /// The registry `/metrics` encodes: one collector that reads the mirror and the counters
 /// when scraped.
@@ -44,6 +48,8 @@ struct PoolView {
     backing: BTreeMap<Labels, i64>,
     slots: BTreeMap<Labels, i64>,
     waiting: BTreeMap<String, (i64, UnixMillis)>,
+    /// Per label: requests waiting over [`SERVABLE_AFTER_MS`] that fit the free slots.
+    servable: BTreeMap<String, u32>,
     /// Per provider and pool: seats waiting out a capacity back-off.
     backoff: BTreeMap<Labels, i64>,
     /// Per provider, pool and label: the oldest heartbeat of a ready or retiring
@@ -163,6 +169,10 @@ impl Collector {
         }
         for label in config.label_names() {
             view.waiting.entry(label.to_string()).or_insert((0, 0));
+            view.servable.insert(
+                label.to_string(),
+                world.servable_waiting(label, now, SERVABLE_AFTER_MS),
+            );
         }
         view
     }
@@ -229,6 +239,15 @@ fn counters(
         ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: i64,
+) -> Result<(), std::fmt::Error> {
+    ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)
 }
 
 fn counter(
@@ -356,6 +375,25 @@ impl prometheus_client::collector::Collector for Collector {
             &mut encoder,
             "allocation_seconds",
             "Time from a request's submission to its fulfilment (requests this launcher fulfilled).",
+        )?;
+        PROCESS.pass.encode(
+            &mut encoder,
+            "launcher_pass_seconds",
+            "How long each pass of this launcher's supervisor took: the work the changes and the resync hand it (this launcher).",
+        )?;
+        gauge(
+            &mut encoder,
+            "launcher_pass_age_seconds",
+            "Seconds since this launcher's supervisor last finished a pass; it passes at least every resync (15 s), so a growing age is a stalled launcher (this launcher).",
+            pass_age(now, self.0.started_at).as_secs() as i64,
+        )?;
+        gauges(
+            &mut encoder,
+            "requests_servable_waiting",
+            "Requests waiting over 30 s that the free slots could serve now in the queue's order: one that stays means no launcher acts on it (pool-wide, from KV).",
+            view.servable
+                .iter()
+                .map(|(l, n)| (vec![("label", l.clone())], i64::from(*n))),
         )?;
         PROCESS.boot.encode(
             &mut encoder,

@@ -287,11 +287,19 @@ impl State {
     }
 
     /// Why this launcher is not ready to serve, if it is not.
-    fn not_ready(&self) -> Option<&'static str> {
+    fn not_ready(&self) -> Option<String> {
+        let now = slotpool_protocol::time::now_ms();
+        let pass_age = crate::metrics::pass_age(now, self.shared.started_at);
         if !self.shared.bus.is_connected() {
-            Some("not connected to NATS")
+            Some("not connected to NATS".into())
         } else if self.shared.mirror_sync.since().is_none() {
-            Some("mirrors of KV not synced")
+            Some("mirrors of KV not synced".into())
+        } else if pass_age > self.shared.config.stall_after {
+            Some(format!(
+                "stalled: the supervisor has not finished a pass for {}s (more than {}s)",
+                pass_age.as_secs(),
+                self.shared.config.stall_after.as_secs()
+            ))
         } else {
             None
         }
