@@ -464,7 +464,10 @@ impl Drop for Leftovers {
 /// Kills every process whose command line names the demo's directory (each agent's
 /// whole process group), then removes the directory. Safe to call more than once.
 pub fn clean_up_now() {
-    let Some(dir) = LEFTOVERS.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+    // Held until the directory is gone: a second caller (two threads panicking at once)
+    // waits for the first to finish before it finds nothing to do and exits.
+    let mut leftovers = LEFTOVERS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dir) = leftovers.take() else {
         return;
     };
     let killed = remove_demo_dir(&dir);
