@@ -114,6 +114,10 @@ pub struct World {
     queue: Queue,
     /// Labels whose free slots or queue changed since the last [`World::take_wakes`].
     touched: BTreeSet<String>,
+    /// Labels whose backing nodes or agents changed since then: why a request of theirs
+    /// waits may have changed (a node booting, a provider out of capacity), which its
+    /// status says.
+    causes_touched: BTreeSet<String>,
     /// The pools serving each label, for what can still be launched
     /// ([`World::attainable`]).
     pools: PoolBook,
@@ -542,10 +546,12 @@ impl World {
                 self.seat_of.remove(&old.value.id);
             }
             self.touched.insert(old.value.label.clone());
+            self.causes_touched.insert(old.value.label.clone());
         } else {
             *self.seats_taken.entry(pool_key(&b.value)).or_default() += 1;
         }
         self.touched.insert(b.value.label.clone());
+        self.causes_touched.insert(b.value.label.clone());
         self.seat_of.insert(b.value.id.clone(), b.key.clone());
         let seat = b.key.clone();
         self.backing.insert(b.key.clone(), b);
@@ -569,6 +575,7 @@ impl World {
         }
         if let Some(old) = self.backing.remove(key) {
             self.touched.insert(old.value.label.clone());
+            self.causes_touched.insert(old.value.label.clone());
             self.take_seat_back(&pool_key(&old.value));
             self.seat_of.remove(&old.value.id);
             self.lost_heartbeats.remove(&old.value.id);
@@ -624,11 +631,13 @@ impl World {
         self.touched.extend(labels);
     }
 
-    /// The label of backing node `id` has new capacity to look at.
+    /// The label of backing node `id` has new capacity to look at, and perhaps a new
+    /// reason to wait.
     fn touch_backing(&mut self, id: &BackingId) {
         if let Some(b) = self.backing_by_id(id) {
             let label = b.value.label.clone();
-            self.touched.insert(label);
+            self.touched.insert(label.clone());
+            self.causes_touched.insert(label);
         }
     }
 
@@ -822,24 +831,34 @@ impl World {
 
     /// This launcher's requests that could claim now ([`World::each_fitting`]), for
     /// every label whose free slots or queue changed since the last call (and the labels
-    /// of the sets waiting for one of those).
+    /// of the sets waiting for one of those); and all of its requests waiting for a label
+    /// whose backing nodes or agents changed (their status may say something new).
     pub fn take_wakes(&mut self, now: UnixMillis) -> Vec<RequestId> {
-        if self.touched.is_empty() {
+        if self.touched.is_empty() && self.causes_touched.is_empty() {
             return Vec::new();
+        }
+        let mut wake: HashSet<RequestId> = HashSet::new();
+        // A change of a label's backing nodes (rare, unlike its slots) may change why
+        // its requests wait: every one of this launcher's is woken to say so.
+        for label in std::mem::take(&mut self.causes_touched) {
+            for (pos, e) in self.queue.of_label(&label) {
+                if e.owner.is_some() && e.owner == self.me {
+                    wake.insert(pos.2.clone());
+                }
+            }
         }
         let mut touched = std::mem::take(&mut self.touched);
         // A set that needs a touched label may stand differently in its other queues.
         let linked = self.queue.linked_labels(&touched);
         touched.extend(linked);
-        let mut wake: Vec<RequestId> = Vec::new();
         for label in &touched {
             self.each_fitting(label, now, |pos, e| {
-                if e.owner.is_some() && e.owner == self.me && !wake.contains(&pos.2) {
-                    wake.push(pos.2.clone());
+                if e.owner.is_some() && e.owner == self.me {
+                    wake.insert(pos.2.clone());
                 }
             });
         }
-        wake
+        wake.into_iter().collect()
     }
 
     /// Calls `visit` with each request of `label`'s queue that the free slots could
@@ -1372,6 +1391,7 @@ mod tests {
                 v: 1,
                 holder: LauncherId::parse(launcher).unwrap(),
                 acquired_at: 0,
+                passed_at: None,
             },
         });
     }
@@ -1563,6 +1583,16 @@ mod tests {
         w.put_request(open_request("req-theirs", 100, 1, "launcher-b"));
         w.put_request(open_request("req-1", 100, 2, "launcher-a"));
         w.put_request(open_request("req-2", 100, 3, "launcher-a"));
+        let mut woken = w.take_wakes(0);
+        woken.sort();
+        assert_eq!(
+            woken,
+            [
+                RequestId::parse("req-1").unwrap(),
+                RequestId::parse("req-2").unwrap()
+            ],
+            "a new backing node: every request of its label looks (and says why it waits)"
+        );
         assert!(w.take_wakes(0).is_empty(), "a full node: nobody can claim");
         w.remove_slot("bn-a.0", 5);
         assert_eq!(
