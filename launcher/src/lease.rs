@@ -29,10 +29,11 @@ pub struct LeaseGuard {
 /// Tries to take the lease `key`; `Ok(None)` when another launcher holds it.
 pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuard>, KvError> {
     let ttl = shared.config.lease_ttl;
-    let lease = Lease {
+    let mut lease = Lease {
         v: slotpool_protocol::PROTOCOL_VERSION,
         holder: shared.id.clone(),
         acquired_at: now_ms(),
+        passed_at: crate::metrics::last_pass(),
     };
     let revision = match shared.bus.leases.create(key, &lease, Some(ttl)).await {
         Ok(rev) => rev,
@@ -57,20 +58,28 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
                 _ = l.cancelled() => return,
                 _ = tokio::time::sleep(period) => {}
             }
+            let sent = Lease {
+                passed_at: crate::metrics::last_pass(),
+                ..lease.clone()
+            };
             match sh
                 .bus
                 .leases
-                .update(&k, &lease, rev.load(Ordering::SeqCst), Some(ttl))
+                .update(&k, &sent, rev.load(Ordering::SeqCst), Some(ttl))
                 .await
             {
-                Ok(new) => rev.store(new, Ordering::SeqCst),
+                Ok(new) => {
+                    rev.store(new, Ordering::SeqCst);
+                    lease = sent;
+                }
                 // A timed-out write may have landed; the next renewal will tell.
                 Err(KvError::Timeout { .. }) => continue,
                 // Still ours when the record is the one we wrote: an earlier renewal
                 // that timed out had landed after all.
                 Err(err @ KvError::Conflict { .. }) => match sh.bus.leases.get::<Lease>(&k).await {
-                    Ok(Some(now)) if now.value == lease => {
+                    Ok(Some(now)) if now.value == lease || now.value == sent => {
                         rev.store(now.revision, Ordering::SeqCst);
+                        lease = now.value;
                     }
                     _ => {
                         tracing::warn!(lease = %k, %err, "lease lost; stopping its work");

@@ -65,6 +65,8 @@ pub enum LauncherError {
     },
     #[error(transparent)]
     Bus(#[from] slotpool_protocol::connect::BusError),
+    #[error("starting the http listener's thread: {0}")]
+    Http(std::io::Error),
 }
 
 /// Runs the launcher until `shutdown` is cancelled; returns once its tasks have ended and
@@ -99,9 +101,10 @@ pub async fn run(
     shared
         .tracker
         .spawn(shared.provider_status.clone().watch(shutdown.clone()));
-    if let Some(listener) = deps.http {
-        shared.tracker.spawn(http::serve(shared.clone(), listener));
-    }
+    let http = match deps.http {
+        Some(listener) => Some(http::spawn(shared.clone(), listener).map_err(LauncherError::Http)?),
+        None => None,
+    };
 
     let (dirty_tx, dirty_rx) = mpsc::unbounded_channel();
     let mut synced = Vec::new();
@@ -157,6 +160,9 @@ pub async fn run(
     }
     shared.tracker.close();
     shared.tracker.wait().await;
+    if let Some(http) = http {
+        let _ = tokio::task::spawn_blocking(move || http.join()).await;
+    }
     api.await.ok().transpose()?;
     tracing::info!("launcher stopped");
     Ok(())

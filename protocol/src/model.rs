@@ -586,6 +586,10 @@ pub struct Lease {
     pub v: u32,
     pub holder: LauncherId,
     pub acquired_at: UnixMillis,
+    /// When the holder's supervisor last finished a pass, as of the lease's last
+    /// renewal: how an operator sees that a launcher still decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passed_at: Option<UnixMillis>,
 }
 
 /// Which provider call failed.

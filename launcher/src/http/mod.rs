@@ -93,6 +93,41 @@ impl HttpListener {
     }
 }
 
+/// Serves `http` on a thread and runtime of its own until the launcher shuts down
+/// ([`serve`]): the probes and `/metrics` answer even when every worker of the
+/// launcher's runtime is busy, so a stalled launcher says so instead of not answering.
+pub fn spawn(
+    shared: Arc<Shared>,
+    http: HttpListener,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let listener = http.listener.into_std()?;
+    let (token, tls) = (http.token, http.tls);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        let http = HttpListener {
+                            listener,
+                            token,
+                            tls,
+                        };
+                        serve(shared.clone(), http).await;
+                        // The connections' tasks run on this runtime: it is driven until
+                        // they and the launcher's other tasks have ended (streams close
+                        // with the position to resume from).
+                        shared.tracker.wait().await;
+                    }
+                    Err(err) => tracing::error!(%err, "http: cannot take over the listener"),
+                }
+            })
+        })
+}
+
 /// Serves `http` until the launcher shuts down; connections open then are finished
 /// gracefully (a request in flight is answered, then the connection closes).
 pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {

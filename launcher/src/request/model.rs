@@ -178,6 +178,7 @@ impl Model {
                             v: 1,
                             holder: other.clone(),
                             acquired_at: 0,
+                            passed_at: None,
                         },
                     });
                 }
