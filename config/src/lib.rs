@@ -48,10 +48,12 @@ pub const MAX_SERVERS: u32 = 100_000;
 /// A configuration problem, with where it is.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading {path}: {source}")]
+    /// The file cannot be read. The io error is part of the message, not a source, so
+    /// that a chain printed with `{:#}` says it once.
+    #[error("reading {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}:{line}:{column}: {message}")]
     At {
@@ -224,9 +226,9 @@ pub struct LabelSite<'a> {
 impl Config {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         Config::parse(path, &text)
     }
@@ -714,6 +716,69 @@ providers:
         assert_eq!(grace("1h 30m"), Duration::from_secs(5400));
         let c = parse(&format!("launcher: {{lease-ttl: 30s}}\n{GOOD}")).unwrap();
         assert_eq!(c.lease_ttl, Duration::from_secs(30));
+    }
+
+    /// What `config validate` says of the mistakes people make: each names where it is
+    /// and what to do, in slotpool's words rather than the parser's.
+    #[test]
+    fn common_mistakes_are_named_where_they_are() {
+        let cases = [
+            // A key given twice: where the first one is, not the parser's options.
+            (
+                GOOD.replace("        max-servers: 2\n", "        max-servers: 2\n        max-servers: 3\n"),
+                "pool.yaml:9:9: `max-servers` is given twice in this mapping (first at line 8)",
+            ),
+            // A pool name given twice: where the second is.
+            (
+                GOOD.replace(
+                    "    pools:\n",
+                    "    pools:\n      - name: main\n        max-servers: 1\n        labels: [{name: x, backing-label: y, max-parallel-jobs: 1}]\n",
+                ),
+                "pool.yaml:10:15: provider \"local\": pool \"main\" is defined twice",
+            ),
+            // A key dedented out of its mapping: which line, and how to indent it.
+            (
+                GOOD.replace("        max-servers: 2\n", "      max-servers: 2\n"),
+                "pool.yaml:7:9: missing field `max-servers`: line 8 has `max-servers:` at column 7, but this mapping's keys are at column 9: indent it like them",
+            ),
+            // A tab: where it is, not where the scalar before it began.
+            (
+                GOOD.replace("        max-servers: 2\n", "\tmax-servers: 2\n"),
+                "pool.yaml:8:1: a tab: YAML indents with spaces only",
+            ),
+            // Nothing at all.
+            (
+                "# nothing yet\n\n".to_string(),
+                "pool.yaml: the file is empty: a pool file needs at least `providers:` (see examples/pool.yaml)",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert_eq!(err, want, "for:\n{text}");
+        }
+    }
+
+    /// A file that cannot be read says why once (the io error is no source of its own, so
+    /// `{:#}` does not repeat it).
+    #[test]
+    fn a_missing_file_says_why_once() {
+        let err =
+            anyhow_like_chain(&Config::load(Path::new("/nonexistent/pool.yaml")).unwrap_err());
+        assert_eq!(
+            err,
+            "reading /nonexistent/pool.yaml: No such file or directory (os error 2)"
+        );
+    }
+
+    /// The error and its sources, joined as `anyhow`'s `{:#}` joins them.
+    fn anyhow_like_chain(err: &dyn std::error::Error) -> String {
+        let mut out = err.to_string();
+        let mut source = err.source();
+        while let Some(s) = source {
+            out.push_str(&format!(": {s}"));
+            source = s.source();
+        }
+        out
     }
 
     #[test]

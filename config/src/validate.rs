@@ -32,6 +32,15 @@ pub(crate) fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
 
 /// [`parse`], reading at most `max_nodes` YAML nodes.
 fn parse_within(path: &Path, text: &str, max_nodes: usize) -> Result<Config, ConfigError> {
+    let blank = |l: &str| l.trim().is_empty() || l.trim_start().starts_with('#');
+    if text.lines().all(blank) {
+        return Err(ConfigError::Whole {
+            path: path.to_path_buf(),
+            message: "the file is empty: a pool file needs at least `providers:` (see \
+                      examples/pool.yaml)"
+                .into(),
+        });
+    }
     // Where in the document the parser stopped (`providers[0].pools[0].max-servers`), so
     // that a refused value is named by its key.
     let mut at = None;
@@ -74,6 +83,27 @@ fn parse_error(
             })
     });
     let mut message = first_line(&err.to_string());
+    // The parser's own words where a reader needs others: a duplicate key says where the
+    // first one is (not how to configure the parser), a tab says where it is (not where
+    // the scalar before it began).
+    if let Some(rest) = message.strip_prefix("duplicate mapping key: ") {
+        let dup = rest
+            .split(", set DuplicateKeyPolicy")
+            .next()
+            .unwrap_or(rest)
+            .trim();
+        message = match earlier_key(text, line, column, dup) {
+            Some(first) => {
+                format!("`{dup}` is given twice in this mapping (first at line {first})")
+            }
+            None => format!("`{dup}` is given twice in this mapping"),
+        };
+    } else if message.contains("found a tab") || message.contains("tab character") {
+        if let Some((l, c)) = first_tab(text, line) {
+            (line, column) = (l, c);
+            message = "a tab: YAML indents with spaces only".into();
+        }
+    }
     match (err.without_snippet(), key) {
         (E::Budget { breach, .. }, _) => {
             message = format!(
@@ -98,9 +128,15 @@ fn parse_error(
         (E::SerdeInvalidValue { .. } | E::Message { .. }, Some(key)) => {
             message = format!("{key}: {message}");
         }
-        (E::SerdeMissingField { .. }, _) => {
+        (E::SerdeMissingField { field, .. }, _) => {
             if let Some((l, c)) = at.and_then(|p| mapping_start(text, p)) {
                 (line, column) = (l, c);
+            }
+            if let Some((kl, kc)) = misindented(text, line, column, field) {
+                message = format!(
+                    "{message}: line {kl} has `{field}:` at column {kc}, but this mapping's \
+                     keys are at column {column}: indent it like them"
+                );
             }
         }
         _ => {}
@@ -118,6 +154,64 @@ fn parse_error(
             message,
         }
     }
+}
+
+/// The line (1-based) of an earlier `key:` at `column` before `line`, in the same
+/// mapping as far as indentation tells.
+fn earlier_key(text: &str, line: u64, column: u64, key: &str) -> Option<u64> {
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = column.saturating_sub(1) as usize;
+    for l in (0..(line as usize).saturating_sub(1).min(lines.len())).rev() {
+        let this = lines[l];
+        let start = this.len() - this.trim_start_matches([' ', '-']).len();
+        let body = &this[start..];
+        if body.starts_with(&format!("{key}:")) && start == indent {
+            return Some(l as u64 + 1);
+        }
+        // Left of the mapping's keys: out of the mapping.
+        if !body.is_empty() && !body.starts_with('#') && start < indent {
+            return None;
+        }
+    }
+    None
+}
+
+/// The first tab at or after `line` (1-based), else anywhere: (line, column).
+fn first_tab(text: &str, line: u64) -> Option<(u64, u64)> {
+    let find = |skip: usize| {
+        text.lines().enumerate().skip(skip).find_map(|(i, l)| {
+            l.find('\t')
+                .map(|at| (i as u64 + 1, l[..at].chars().count() as u64 + 1))
+        })
+    };
+    find(line.saturating_sub(1) as usize).or_else(|| find(0))
+}
+
+/// A `field:` key near the mapping whose keys start at `line`:`column` that is indented
+/// otherwise (a key written at the wrong level is read as part of another mapping, and
+/// this one misses it): (line, column) of it. Looks from the mapping's start to the
+/// next line indented less than the mapping's parent.
+fn misindented(text: &str, line: u64, column: u64, field: &str) -> Option<(u64, u64)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let first = line.saturating_sub(1) as usize;
+    let keys_at = column.saturating_sub(1) as usize;
+    for (i, l) in lines.iter().enumerate().skip(first) {
+        let start = l.len() - l.trim_start_matches([' ', '-']).len();
+        let body = &l[start..];
+        if body.is_empty() || body.starts_with('#') {
+            continue;
+        }
+        // Dedented, or indented by one space: a nested mapping's own keys (two spaces
+        // in, or more) are not this one's.
+        if body.starts_with(&format!("{field}:")) && start != keys_at && start < keys_at + 2 {
+            return Some((i as u64 + 1, start as u64 + 1));
+        }
+        // Two levels out (left of the mapping's parent): another part of the file.
+        if i > first && start + 4 <= keys_at {
+            return None;
+        }
+    }
+    None
 }
 
 /// The parser's message without its own "error: line L column C: " prefix.
@@ -369,14 +463,16 @@ impl Validator<'_> {
         let create_limits = self.create_limits(&p)?;
         let mut pools = Vec::new();
         for pool in p.pools {
-            let pool = self.pool(pool, p.driver.value)?;
-            if pools.iter().any(|x: &PoolConfig| x.name == pool.name) {
-                return Err(ConfigError::Whole {
-                    path: self.path.to_path_buf(),
-                    message: format!("provider {name:?}: pool {:?} is defined twice", pool.name),
-                });
+            if pools.iter().any(|x: &PoolConfig| x.name == pool.name.value) {
+                return Err(self.at(
+                    &pool.name,
+                    format!(
+                        "provider {name:?}: pool {:?} is defined twice",
+                        pool.name.value
+                    ),
+                ));
             }
-            pools.push(pool);
+            pools.push(self.pool(pool, p.driver.value)?);
         }
         if pools.is_empty() {
             return Err(self.at(&p.name, format!("provider {name:?} has no pools")));
