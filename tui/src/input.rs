@@ -21,6 +21,12 @@ pub enum Action {
     Help,
     /// Open or close the detail pane of the selected row.
     Details,
+    /// Scroll the detail pane a line down or up.
+    PaneLineDown,
+    PaneLineUp,
+    /// Scroll the detail pane a page down or up.
+    PanePageDown,
+    PanePageUp,
     MoveUp,
     MoveDown,
     PageUp,
@@ -78,7 +84,13 @@ pub enum Input {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum PendingOrder {
-    Kill(BackingId),
+    /// Kill a backing node; `used` is how many of its `slots` hold a node when the
+    /// order was asked for: the jobs that fail.
+    Kill {
+        id: BackingId,
+        used: u32,
+        slots: u32,
+    },
     /// Hold, drain or run a backing node; `state` is how it stands when the order was
     /// asked for (its slots in use, what the order does to it now), so the dialog names
     /// the node it will hit.
@@ -93,8 +105,16 @@ pub enum PendingOrder {
 impl PendingOrder {
     pub fn describe(&self) -> String {
         match self {
-            PendingOrder::Kill(id) => {
-                format!("Kill backing node {id} now? Its slots fail and their requestors see why.")
+            PendingOrder::Kill { id, used, slots } => {
+                let fail = match used {
+                    0 => "No job runs on it.".to_string(),
+                    1 => "1 job fails: its node fails and its requestor sees why.".to_string(),
+                    n => format!("{n} jobs fail: their nodes fail and their requestors see why."),
+                };
+                format!(
+                    "Kill backing node {id} now ({used} of {slots} slots in use)? {fail} \
+                     It is deleted at once."
+                )
             }
             PendingOrder::Idle { action, id, state } => {
                 let does = match action {

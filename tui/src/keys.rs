@@ -21,6 +21,12 @@ pub fn action(key: &KeyEvent, input: &Input) -> Option<Action> {
             KeyCode::Char(c) if !ctrl => Some(Action::TypeChar(c)),
             _ => None,
         },
+        Input::None if key.modifiers.contains(KeyModifiers::SHIFT) && key.code == KeyCode::Down => {
+            Some(Action::PaneLineDown)
+        }
+        Input::None if key.modifiers.contains(KeyModifiers::SHIFT) && key.code == KeyCode::Up => {
+            Some(Action::PaneLineUp)
+        }
         Input::None => table_action(key.code, ctrl),
     }
 }
@@ -31,6 +37,8 @@ fn table_action(code: KeyCode, ctrl: bool) -> Option<Action> {
         KeyCode::Char('q') => Action::Quit,
         KeyCode::Char('?') => Action::Help,
         KeyCode::Char('i') => Action::Details,
+        KeyCode::Char(']') => Action::PanePageDown,
+        KeyCode::Char('[') => Action::PanePageUp,
         KeyCode::Down | KeyCode::Char('j') => Action::MoveDown,
         KeyCode::Up | KeyCode::Char('k') => Action::MoveUp,
         KeyCode::PageDown => Action::PageDown,
@@ -88,6 +96,16 @@ mod tests {
             (press(KeyCode::Esc), Some(Action::Back)),
             (press(KeyCode::Enter), Some(Action::Open)),
             (press(KeyCode::Char('X')), Some(Action::Release)),
+            (press(KeyCode::Char(']')), Some(Action::PanePageDown)),
+            (press(KeyCode::Char('[')), Some(Action::PanePageUp)),
+            (
+                KeyEvent::new(KeyCode::Down, KeyModifiers::SHIFT),
+                Some(Action::PaneLineDown),
+            ),
+            (
+                KeyEvent::new(KeyCode::Up, KeyModifiers::SHIFT),
+                Some(Action::PaneLineUp),
+            ),
             (ctrl('c'), Some(Action::Quit)),
         ];
         for (key, want) in cases {
@@ -103,7 +121,11 @@ mod tests {
                 before: String::new(),
             },
             Input::Confirm {
-                order: PendingOrder::Kill(BackingId::parse("bn-x").unwrap()),
+                order: PendingOrder::Kill {
+                    id: BackingId::parse("bn-x").unwrap(),
+                    used: 0,
+                    slots: 1,
+                },
                 reason: String::new(),
             },
         ];

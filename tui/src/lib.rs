@@ -17,7 +17,7 @@
 //! - [`theme`]: colours, or none under `NO_COLOR`.
 //!
 //! The console never writes state: it reads the buckets and sends operator orders
-//! (`slotpool.admin.v1.*`) through the client.
+//! (`slotpool.admin.v2.<operator>.*`) through the client.
 
 #![forbid(unsafe_code)]
 

@@ -21,8 +21,8 @@ use crate::rows::{
 use crate::rules::Rules;
 use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, IdleBehaviour, NodeRequest, OperatorAction, ProviderStatus,
-    RequestState,
+    AgentHeartbeat, BackingNode, BackingState, Event, IdleBehaviour, NodeRequest, OperatorAction,
+    ProviderStatus, RequestState,
 };
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{BackingId, NodeId};
@@ -138,6 +138,21 @@ pub struct Occupancy {
     pub answer: Option<Result<SlotOccupants, String>>,
 }
 
+/// The header's figures (see [`State::totals`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Live backing nodes: requested, launching, ready or retiring.
+    pub backing: usize,
+    /// Failed backing nodes whose record is still kept.
+    pub failed: usize,
+    /// Slots holding a node, on live backing nodes.
+    pub used: u32,
+    /// Slots of the live backing nodes.
+    pub slots: u32,
+    /// Requests waiting.
+    pub waiting: usize,
+}
+
 /// How long the status line shows a message, and an error.
 pub const STATUS_MS: UnixMillis = 5_000;
 pub const STATUS_ERROR_MS: UnixMillis = 15_000;
@@ -180,6 +195,16 @@ pub struct State {
     pub focus: Option<String>,
     /// Whether the detail pane of the selected row is open (`i`).
     pub details: bool,
+    /// The detail pane's first line shown (scrolled with `]` `[` and Shift-↓ ↑); back to
+    /// the top whenever the pane comes to show another row.
+    pub pane_scroll: usize,
+    /// The row the pane showed at the last settle (view and selected key), to know when
+    /// it shows another.
+    pane_row: Option<(View, Option<String>)>,
+    /// The operator changed the current view's filter: when it hides the selected row,
+    /// the first row shown is selected at the next rebuild (a filter that leaves one
+    /// row selects it).
+    filter_changed: bool,
     /// Slots used and requests waiting per pool over the last minutes, for sparklines.
     pub history: History,
     /// Who is in the slot the detail pane shows.
@@ -208,6 +233,9 @@ impl State {
             size: (80, 24),
             focus: None,
             details: false,
+            pane_scroll: 0,
+            pane_row: None,
+            filter_changed: false,
             history: History::default(),
             occupancy: None,
             asks: 0,
@@ -244,16 +272,39 @@ impl State {
         table_rows(self.size, self.details) as usize
     }
 
-    /// Totals for the header: backing nodes, slots used, slots total, waiting requests.
-    pub fn totals(&self) -> (usize, u32, u32, usize) {
-        let used = self.mirror.slot_count() as u32;
-        let total = self.mirror.backing_nodes().map(|(_, b)| b.slots).sum();
-        let waiting = self
+    /// Totals for the header. Only live backing nodes count (requested, launching,
+    /// ready, retiring): a failed or killed node's record stays in KV until it is
+    /// cleaned up, but its slots are no capacity, and the slots its nodes held count
+    /// no longer as used.
+    pub fn totals(&self) -> Totals {
+        let live = |b: &BackingNode| {
+            !matches!(
+                b.state,
+                BackingState::Failed | BackingState::Releasing | BackingState::Gone
+            )
+        };
+        let mut totals = Totals::default();
+        let mut live_ids = std::collections::HashSet::new();
+        for (_, b) in self.mirror.backing_nodes() {
+            if live(b) {
+                totals.backing += 1;
+                totals.slots += b.slots;
+                live_ids.insert(b.id.as_str());
+            } else if b.state == BackingState::Failed {
+                totals.failed += 1;
+            }
+        }
+        totals.used = self
+            .mirror
+            .slots()
+            .filter(|n| live_ids.contains(n.backing_id.as_str()))
+            .count() as u32;
+        totals.waiting = self
             .mirror
             .requests()
             .filter(|(_, r)| r.state == RequestState::Requested)
             .count();
-        (self.mirror.backing_count(), used, total, waiting)
+        totals
     }
 
     /// What the rows are derived from, as of the last settle.
@@ -277,6 +328,11 @@ impl State {
             if self.dirty {
                 self.rebuild();
             }
+        }
+        let row = Some((self.view, self.view_state().selected_key.clone()));
+        if row != self.pane_row {
+            self.pane_row = row;
+            self.pane_scroll = 0;
         }
         self.pane_question()
     }
@@ -308,6 +364,18 @@ impl State {
             }
         }
         self.views = views;
+        if std::mem::take(&mut self.filter_changed) {
+            let view = self.view;
+            let vs = &mut self.views[view.index()];
+            if vs.selected_key.is_none() && !vs.rows.is_empty() {
+                let mut vs = std::mem::take(vs);
+                vs.select(0, |k| self.facts().identity(view, k));
+                self.views[view.index()] = vs;
+                if view == View::Backing {
+                    self.set_focus(self.target_backing().map(|b| b.id.to_string()));
+                }
+            }
+        }
         if let Some(text) = went_away {
             self.set_status(text, false);
         }
@@ -445,6 +513,24 @@ impl State {
         }
     }
 
+    /// Lines of text the open detail pane shows at once (inside its border, below its
+    /// sparklines), at least one.
+    pub fn pane_page(&self) -> usize {
+        let inner = crate::layout::pane_lines(self.size, true).saturating_sub(2) as usize;
+        let sparks = crate::pane::build(self).sparks.len();
+        inner.saturating_sub(sparks).max(1)
+    }
+
+    /// Scrolls the open detail pane by `delta` lines, within its text.
+    fn scroll_pane(&mut self, delta: isize) {
+        if !self.details {
+            return;
+        }
+        let lines = crate::pane::build(self).lines.len();
+        let last = lines.saturating_sub(self.pane_page());
+        self.pane_scroll = self.pane_scroll.saturating_add_signed(delta).min(last);
+    }
+
     fn move_selection(&mut self, delta: isize) {
         if self.view_state().rows.is_empty() {
             return;
@@ -574,6 +660,7 @@ impl State {
             Taken::Filter(text) => {
                 self.view_state_mut().filter = text;
                 self.dirty = true;
+                self.filter_changed = true;
                 None
             }
             Taken::Canceled => {
@@ -581,7 +668,7 @@ impl State {
                 None
             }
             Taken::Confirmed { order, reason } => Some(match order {
-                PendingOrder::Kill(backing_id) => {
+                PendingOrder::Kill { id: backing_id, .. } => {
                     self.set_status(format!("kill {backing_id}: sent"), false);
                     Command::Order {
                         action: OperatorAction::Kill,
@@ -614,10 +701,15 @@ impl State {
             Action::Details => {
                 self.details = !self.details;
                 self.dirty = true;
+                self.pane_scroll = 0;
                 // Opened again, it asks again (see `pane_question`).
                 self.occupancy = None;
                 self.agent_log = None;
             }
+            Action::PaneLineDown => self.scroll_pane(1),
+            Action::PaneLineUp => self.scroll_pane(-1),
+            Action::PanePageDown => self.scroll_pane(self.pane_page() as isize),
+            Action::PanePageUp => self.scroll_pane(-(self.pane_page() as isize)),
             Action::MoveDown => self.move_selection(1),
             Action::MoveUp => self.move_selection(-1),
             Action::PageDown => self.move_selection(page),
@@ -664,8 +756,13 @@ impl State {
             Action::Run => return self.backing_order(OperatorAction::Run),
             Action::Kill => match self.target_backing() {
                 Some(b) => {
+                    let key = slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat);
                     self.input = Input::Confirm {
-                        order: PendingOrder::Kill(b.id.clone()),
+                        order: PendingOrder::Kill {
+                            id: b.id.clone(),
+                            used: self.backing_row(&key).map_or(0, |r| r.used),
+                            slots: b.slots,
+                        },
                         reason: String::new(),
                     }
                 }

@@ -43,7 +43,13 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
     ])
     .areas(body);
     if state.details {
-        draw_pane(frame, pane, &crate::pane::build(state), theme);
+        draw_pane(
+            frame,
+            pane,
+            &crate::pane::build(state),
+            state.pane_scroll,
+            theme,
+        );
     }
     match state.view {
         View::Pools => draw_pools(frame, body, state, theme),
@@ -73,14 +79,25 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         frame.render_widget(Paragraph::new(text).style(theme.banner()), area);
         return;
     }
-    let (nodes, used, total, waiting) = state.totals();
-    let mut spans = vec![Span::styled(" slotpool console ", theme.title())];
+    let t = state.totals();
+    // Narrower than WIDE, the title makes room for the figures and the endpoint.
+    let title = if area.width < WIDE {
+        " slotpool "
+    } else {
+        " slotpool console "
+    };
+    let mut spans = vec![Span::styled(title, theme.title())];
     if !state.loaded() {
         spans.push(Span::styled("loading… ", theme.warn()));
     }
+    spans.push(Span::raw(format!("│ {} backing", t.backing)));
+    if t.failed > 0 {
+        spans.push(Span::raw(", "));
+        spans.push(Span::styled(format!("{} failed", t.failed), theme.error()));
+    }
     spans.push(Span::raw(format!(
-        "│ {nodes} backing · {used}/{total} slots · {waiting} waiting │ {}",
-        state.endpoint
+        " · {}/{} slots · {} waiting │ {}",
+        t.used, t.slots, t.waiting, state.endpoint
     )));
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
 }
@@ -90,7 +107,7 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
 fn draw_tabs(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let vs = state.view_state();
     let sort = state.view.sorts()[vs.sort.min(state.view.sorts().len() - 1)];
-    let mut right = format!("  sort:{sort}{}", if vs.reverse { "↓" } else { "" });
+    let mut right = format!("  sort:{sort}{}", sort_mark(state).1);
     if let Some(pool) = &vs.pool {
         right.push_str(&format!(" pool:{pool}"));
     }
@@ -440,11 +457,27 @@ fn draw_backing(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
 }
 
 /// The detail pane: a box titled with the row, its sparklines (one line each, the label
-/// on the left) and its lines, cut at the box's edges.
-fn draw_pane(frame: &mut Frame, area: Rect, pane: &Pane, theme: &Theme) {
+/// on the left) and its lines from `scroll` on, cut at the box's edges. When the lines do
+/// not fit, the bottom border says which are shown and how to scroll.
+fn draw_pane(frame: &mut Frame, area: Rect, pane: &Pane, scroll: usize, theme: &Theme) {
+    let text_rows = area
+        .height
+        .saturating_sub(2)
+        .saturating_sub(pane.sparks.len() as u16) as usize;
+    let scroll = scroll.min(pane.lines.len().saturating_sub(text_rows.max(1)));
+    let bottom = if pane.lines.len() > text_rows {
+        let last = (scroll + text_rows).min(pane.lines.len());
+        format!(
+            " lines {}-{last} of {} · ] [ scroll · i closes ",
+            scroll + 1,
+            pane.lines.len()
+        )
+    } else {
+        " i closes ".to_string()
+    };
     let block = Block::bordered()
         .title(pane.title.clone())
-        .title_bottom(" i closes ")
+        .title_bottom(bottom)
         .border_style(theme.dim());
     let inner = block.inner(area);
     frame.render_widget(block, area);
@@ -485,7 +518,7 @@ fn draw_pane(frame: &mut Frame, area: Rect, pane: &Pane, theme: &Theme) {
             Line::from(Span::styled(format!(" {}", l.text), style))
         })
         .collect();
-    frame.render_widget(Paragraph::new(lines), rest);
+    frame.render_widget(Paragraph::new(lines).scroll((scroll as u16, 0)), rest);
 }
 
 fn pool_states(p: &PoolRow) -> String {
@@ -713,10 +746,11 @@ pub use crate::format::clock;
 fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
     let wide = area.width >= WIDE;
     let id_width = if wide { 29 } else { 12 };
+    let actor_width = if wide { 24 } else { 12 };
     let cols = [
         col("TIME UTC", 9, 0),
         col("KIND", 8, 2),
-        col("ACTOR", if wide { 24 } else { 12 }, 3),
+        col("ACTOR", actor_width as u16, 3),
         col("BACKING", id_width as u16, 1),
         fill("MESSAGE", 12, 0),
     ];
@@ -730,7 +764,8 @@ fn draw_events(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
             let cells = vec![
                 Cell::from(clock(e.at)),
                 Cell::from(Span::styled(kind, style)),
-                Cell::from(e.actor.clone()),
+                // A launcher's id keeps its random end, not the prefix all share.
+                Cell::from(short_id(&e.actor, actor_width)),
                 Cell::from(
                     e.backing_id
                         .as_ref()
@@ -1005,6 +1040,7 @@ pub const HELP: &[(&str, &str)] = &[
     ("K", "kill the backing node now (confirms)"),
     ("X", "release the selected slot (confirms)"),
     ("i", "details: record, slots, events, why waiting"),
+    ("] [  Shift-↓ ↑", "scroll the details a page or a line"),
     ("?", "this help"),
     ("q  Ctrl-c", "quit"),
 ];
@@ -1494,6 +1530,30 @@ mod tests {
         let mut state = sample_state(80, 24);
         press(&mut state, [key('5')]);
         insta::assert_snapshot!(screen(&state));
+    }
+
+    /// Launcher ids share their prefix: at 80 columns the ACTOR column keeps their
+    /// random ends, so two launchers' events are told apart.
+    #[test]
+    fn launcher_ids_keep_their_random_end_at_80x24() {
+        let b = bid(0);
+        let changes = [
+            "launcher-01jq3kz0a1b2c3d4e5f6g7h8j9",
+            "launcher-01jq3kz0a1b2c3d4e5f6g7zzzz",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(i, actor)| {
+            let mut e = event(i as u32, NOW - SEC, EventKind::Backing, &b, "ready");
+            e.actor = actor.to_string();
+            put(Record::Event(Box::new(e)))
+        })
+        .collect();
+        let mut state = loaded(Rules::unknown(), changes, 80, 24);
+        press(&mut state, [key('5')]);
+        let text = screen(&state);
+        assert!(text.contains("…4e5f6g7h8j9"), "{text}");
+        assert!(text.contains("…4e5f6g7zzzz"), "{text}");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use super::*;
 use crate::fixtures::*;
 use crate::mirror::{Bucket, Record, EVENT_HISTORY};
 use crate::rows::Heartbeat;
-use crossterm::event::KeyCode;
+use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use slotpool_protocol::model::{BackingState, EventKind, IdleBehaviour};
 
 fn selected_backing(state: &State) -> String {
@@ -1005,4 +1005,101 @@ fn an_empty_node_kept_for_the_warm_window_says_warm_as_long_as_its_arrivals_coun
         "an arrival older than the window keeps nothing"
     );
     assert_eq!(timer(node), IdleTimer::ReleaseIn((300 - 42) * SEC));
+}
+
+#[test]
+fn the_kill_dialog_counts_the_jobs_that_fail() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    // The busy node holds two of its four slots.
+    press(&mut state, [key('K')]);
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("no confirmation: {:?}", state.input)
+    };
+    assert_eq!(
+        order,
+        &PendingOrder::Kill {
+            id: bid(0),
+            used: 2,
+            slots: 4
+        }
+    );
+    let asked = order.describe();
+    assert!(asked.contains("(2 of 4 slots in use)"), "{asked}");
+    assert!(asked.contains("2 jobs fail"), "{asked}");
+    // The idle node: nothing runs there.
+    press(&mut state, [code(KeyCode::Esc), key('j'), key('K')]);
+    let Input::Confirm { order, .. } = &state.input else {
+        panic!("no confirmation")
+    };
+    assert!(
+        order.describe().contains("No job runs on it"),
+        "{}",
+        order.describe()
+    );
+}
+
+#[test]
+fn the_totals_count_live_backing_nodes_only() {
+    // The sample: busy (4 slots, 2 used), idle (4), failed (4), launching (4).
+    let state = loaded(rules(), sample(), 80, 24);
+    let t = state.totals();
+    assert_eq!((t.backing, t.failed), (3, 1));
+    assert_eq!((t.used, t.slots), (2, 12));
+    assert_eq!(t.waiting, 1);
+    // Killed (failed): its slots and its nodes' slots leave the totals at once.
+    let mut killed = backing(0, BackingState::Failed, 4);
+    killed.failure = Some("killed by alice: bad disk".into());
+    let mut changes = sample();
+    changes.push(put(Record::Backing(Box::new(killed))));
+    let state = loaded(rules(), changes, 80, 24);
+    let t = state.totals();
+    assert_eq!((t.backing, t.failed), (2, 2));
+    assert_eq!((t.used, t.slots), (0, 8));
+}
+
+#[test]
+fn a_filter_that_hides_the_selection_selects_the_first_row_left() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    assert_eq!(selected_backing(&state), "cloud.main.0");
+    // Seat 3 alone matches: it is selected, so an order has a target at once.
+    let mut keys = vec![key('/')];
+    keys.extend("4r03".chars().map(key));
+    keys.push(code(KeyCode::Enter));
+    press(&mut state, keys);
+    assert_eq!(state.view_state().rows, vec!["cloud.main.3".to_string()]);
+    assert_eq!(selected_backing(&state), "cloud.main.3");
+    // A filter that keeps the selection keeps it.
+    let mut state = loaded(rules(), sample(), 80, 24);
+    let mut keys = vec![key('/')];
+    keys.extend("small".chars().map(key));
+    press(&mut state, keys);
+    assert_eq!(selected_backing(&state), "cloud.main.0");
+}
+
+#[test]
+fn the_detail_pane_scrolls_to_its_last_line_and_back_to_the_top_on_another_row() {
+    let mut state = loaded(rules(), sample(), 80, 24);
+    press(&mut state, [key('i')]);
+    let lines = crate::pane::build(&state).lines.len();
+    let page = state.pane_page();
+    assert!(
+        lines > page,
+        "the busy node's pane fits at 80x24: {lines} lines, {page} shown"
+    );
+    press(&mut state, [key(']')]);
+    assert_eq!(state.pane_scroll, page);
+    for _ in 0..lines {
+        press(&mut state, [key(']')]);
+    }
+    assert_eq!(state.pane_scroll, lines - page, "scrolled past the end");
+    press(
+        &mut state,
+        [KeyEvent::new(KeyCode::Up, KeyModifiers::SHIFT)],
+    );
+    assert_eq!(state.pane_scroll, lines - page - 1);
+    press(&mut state, [key('[')]);
+    assert_eq!(state.pane_scroll, (lines - page - 1).saturating_sub(page));
+    // Another row: from the top.
+    press(&mut state, [key(']'), key('j')]);
+    assert_eq!(state.pane_scroll, 0);
 }
