@@ -36,6 +36,7 @@ const FLOOR_BUCKET: BucketSpec = BucketSpec {
     max_value_size: 64 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 
 /// Options for an anonymous bus without TLS at `url`.

@@ -175,7 +175,10 @@ impl Bus {
         }
         let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
         for spec in ALL_BUCKETS {
-            let store = Store::open(&js, spec, replicas.unwrap_or(1)).await?;
+            let mut store = Store::open(&js, spec, replicas.unwrap_or(1)).await?;
+            if replicas.is_some() {
+                store.apply_discard(spec).await?;
+            }
             match replicas {
                 Some(wanted) if store.replicas() != wanted => {
                     return Err(BusError::Replicas {

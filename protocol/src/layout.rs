@@ -14,6 +14,7 @@ pub const REQUESTS: BucketSpec = BucketSpec {
     max_value_size: 64 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 /// Slots in use, key = `<backing id>.<slot index>`, value = the [`crate::model::Node`]
 /// holding it. Created only if absent: this is what makes double-booking impossible.
@@ -24,6 +25,7 @@ pub const SLOTS: BucketSpec = BucketSpec {
     max_value_size: 64 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 /// Backing nodes, key = `<provider>.<pool>.<seat>`. A pool has `max-servers` seats, so a
 /// pool can never hold more backing nodes than that, whatever several launchers do.
@@ -34,6 +36,7 @@ pub const BACKING: BucketSpec = BucketSpec {
     max_value_size: 64 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 /// Agent heartbeats, key = backing id, each with a TTL so a dead agent's entry expires.
 pub const AGENTS: BucketSpec = BucketSpec {
@@ -43,6 +46,7 @@ pub const AGENTS: BucketSpec = BucketSpec {
     max_value_size: 64 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 /// Launcher leases, key = `launcher.<launcher id>`, `backing.<provider>.<pool>.<seat>` or
 /// `sweep.<provider>`; also each provider's last error, key = `provider.<provider>`
@@ -54,6 +58,7 @@ pub const LEASES: BucketSpec = BucketSpec {
     max_value_size: 4 * 1024,
     max_age_secs: 0,
     max_bytes: -1,
+    discard_old: false,
 };
 
 /// The event log ([`crate::model::Event`]), key = event id (time-ordered). Written once
@@ -65,6 +70,7 @@ pub const EVENTS: BucketSpec = BucketSpec {
     max_value_size: 16 * 1024,
     max_age_secs: 24 * 3600,
     max_bytes: 64 * 1024 * 1024,
+    discard_old: true,
 };
 
 /// Every bucket, for creating them all at start-up.

@@ -127,8 +127,12 @@ pub struct BucketSpec {
     pub max_value_size: i32,
     /// Values older than this many seconds are dropped (0: kept until deleted).
     pub max_age_secs: u64,
-    /// Oldest values are dropped beyond this many bytes (-1: no limit).
+    /// Beyond this many bytes (-1: no limit), the oldest values are dropped when
+    /// `discard_old`, and new writes are refused otherwise (a KV bucket's default).
     pub max_bytes: i64,
+    /// Whether a full bucket drops its oldest values (`discard: old`) rather than
+    /// refusing new ones: for a log, whose newest entries matter most.
+    pub discard_old: bool,
 }
 
 /// Where a bucket lives in a JetStream cluster ([`Store::placement`]).
@@ -220,6 +224,32 @@ impl Store {
     /// How many copies of the bucket the servers keep, as read when it was opened.
     pub fn replicas(&self) -> usize {
         self.kv.stream.cached_info().config.num_replicas
+    }
+
+    /// Whether the bucket, as read when it was opened, drops its oldest values when full.
+    pub fn discards_old(&self) -> bool {
+        self.kv.stream.cached_info().config.discard == jetstream::stream::DiscardPolicy::Old
+    }
+
+    /// Makes a full bucket drop its oldest values (`discard: old`) when `spec` says so
+    /// and the bucket does not yet: a KV bucket is created refusing new writes when full.
+    /// Done by launchers, the only role that may edit streams.
+    pub async fn apply_discard(&mut self, spec: BucketSpec) -> Result<(), KvError> {
+        if !spec.discard_old || self.discards_old() {
+            return Ok(());
+        }
+        let mut config = self.kv.stream.cached_info().config.clone();
+        config.discard = jetstream::stream::DiscardPolicy::Old;
+        self.js
+            .update_stream(&config)
+            .await
+            .map_err(|err| transport(self.bucket, "", format!("setting discard: old: {err}")))?;
+        self.kv = self
+            .js
+            .get_key_value(self.bucket)
+            .await
+            .map_err(|err| transport(self.bucket, "", format!("reopening: {err}")))?;
+        Ok(())
     }
 
     fn subject(&self, key: &str) -> String {

@@ -631,3 +631,35 @@ async fn a_write_that_timed_out_but_landed_counts_as_done() {
         now.revision
     );
 }
+
+/// The event log is a log: once full (64 MiB) it drops its oldest entries and goes on
+/// taking new ones (`discard: old`, set by a launcher's connection), as docs/protocol.md
+/// §6 says. A KV bucket is created refusing new writes when full instead, so without the
+/// launcher's setting the writes past the limit fail here.
+#[tokio::test]
+async fn the_event_log_drops_its_oldest_entries_when_full() {
+    let nats = NatsServer::start().await;
+    let bus = Bus::connect_replicated(&nats.options(), 1)
+        .await
+        .expect("connecting as a launcher");
+    assert!(
+        bus.events.discards_old(),
+        "the events bucket refuses new writes when full"
+    );
+    // 16 KiB values (the bucket's largest) past its 64 MiB.
+    let spec = slotpool_protocol::layout::EVENTS;
+    let value = json!({"pad": "x".repeat(spec.max_value_size as usize - 64)});
+    let writes = (spec.max_bytes / i64::from(spec.max_value_size)) as usize + 200;
+    for n in 0..writes {
+        bus.events
+            .put(&format!("evt-{n:06}"), &value, None)
+            .await
+            .unwrap_or_else(|err| panic!("write {n} of {writes} into the event log: {err}"));
+    }
+    assert!(
+        bus.events.get_bytes("evt-000000").await.unwrap().is_none(),
+        "the oldest entry is still there"
+    );
+    let last = format!("evt-{:06}", writes - 1);
+    assert!(bus.events.get_bytes(&last).await.unwrap().is_some());
+}
