@@ -3,7 +3,7 @@
 use super::NatsArgs;
 use anyhow::Context;
 use slotpool_config::Config;
-use slotpool_launcher::agent_bus::AgentBus;
+use slotpool_launcher::agent_bus::{AgentBus, LocalTls};
 use slotpool_launcher::http::tls::TlsFiles;
 use slotpool_launcher::http::HttpListener;
 use slotpool_launcher::provider::local::AgentLifetime;
@@ -16,10 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    #[arg(long, short)]
+    #[arg(long, short, env = "SLOTPOOL_CONFIG")]
     pub config: PathBuf,
     /// NATS URL handed to agents this launcher starts (default: --nats).
-    #[arg(long)]
+    #[arg(long, env = "SLOTPOOL_AGENT_NATS", value_name = "URL")]
     pub agent_nats: Option<String>,
     /// The installation's signing key (`agent-signing.json` from `slotpool nats-setup`):
     /// each backing node launched gets a bus credential of its own, minted with it.
@@ -33,24 +33,39 @@ pub struct ServeArgs {
     /// Serve `/metrics`, `/healthz`, `/readyz` and the read-only JSON API (`/api/v1/`)
     /// over HTTP on this IP:PORT (off by default). Port 0 picks a free port; the log says
     /// which ("http listening on").
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, env = "SLOTPOOL_HTTP", value_name = "ADDR")]
     pub http: Option<std::net::SocketAddr>,
     /// A file holding the bearer token HTTP clients must send (`Authorization: Bearer
     /// …`) for `/metrics` and the API. Required for an --http address that is not
     /// loopback.
-    #[arg(long, value_name = "FILE", requires = "http")]
+    #[arg(
+        long,
+        env = "SLOTPOOL_HTTP_TOKEN_FILE",
+        value_name = "FILE",
+        requires = "http"
+    )]
     pub http_token_file: Option<PathBuf>,
     /// Serve HTTPS only, with this certificate chain (PEM, the server's certificate
     /// first); needs --http-tls-key.
-    #[arg(long, value_name = "FILE", requires_all = ["http", "http_tls_key"])]
+    #[arg(long, env = "SLOTPOOL_HTTP_TLS_CERT", value_name = "FILE", requires_all = ["http", "http_tls_key"])]
     pub http_tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --http-tls-cert.
-    #[arg(long, value_name = "FILE", requires = "http_tls_cert")]
+    #[arg(
+        long,
+        env = "SLOTPOOL_HTTP_TLS_KEY",
+        value_name = "FILE",
+        requires = "http_tls_cert"
+    )]
     pub http_tls_key: Option<PathBuf>,
     /// Require every HTTPS client to show a certificate issued by a CA in this file
     /// (PEM). Such a client needs no bearer token, and the listener may then be exposed
     /// without --http-token-file; with one, clients need both.
-    #[arg(long, value_name = "FILE", requires = "http_tls_cert")]
+    #[arg(
+        long,
+        env = "SLOTPOOL_HTTP_CLIENT_CA",
+        value_name = "FILE",
+        requires = "http_tls_cert"
+    )]
     pub http_client_ca: Option<PathBuf>,
 }
 
@@ -106,7 +121,11 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
         tracing::info!("stopping: finishing steps in flight and releasing leases");
     });
     let deps = LauncherDeps {
-        agent_bus: AgentBus::new(agent_nats_url, minter),
+        agent_bus: AgentBus::new(agent_nats_url, minter).with_local_tls(LocalTls {
+            ca: absolute(&nats.tls_ca)?,
+            cert: absolute(&nats.tls_cert)?,
+            key: absolute(&nats.tls_key)?,
+        }),
         agent_binary: super::sibling_agent_binary(),
         // Like VMs: a restarted launcher takes them up again.
         local_agents: AgentLifetime::OutliveLauncher,
@@ -114,4 +133,11 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
     };
     run(config, bus, deps, shutdown).await.context("launcher")?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `path` made absolute: a local agent runs in a directory of its own.
+fn absolute(path: &Option<PathBuf>) -> anyhow::Result<Option<PathBuf>> {
+    path.as_deref()
+        .map(|p| std::path::absolute(p).with_context(|| format!("resolving {}", p.display())))
+        .transpose()
 }

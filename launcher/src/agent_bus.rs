@@ -5,6 +5,7 @@
 
 use slotpool_protocol::auth::{AuthError, BusUser, Credentials, Minter};
 use slotpool_protocol::BackingId;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +23,37 @@ const CREDENTIAL_SLACK: Duration = Duration::from_secs(6 * 3600);
 pub struct AgentBus {
     pub url: String,
     minter: Option<Arc<Minter>>,
+    /// The TLS files of agents on the launcher's own host (the `local` provider's).
+    pub local_tls: LocalTls,
+}
+
+/// The TLS files an agent on the launcher's own host uses: the launcher's own `--tls-ca`,
+/// `--tls-cert` and `--tls-key`, which such an agent, running as the same user, can read.
+/// A server that asks for client certificates (`slotpool nats-setup`'s default) refuses
+/// an agent without them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalTls {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl LocalTls {
+    /// The agent's options for these files.
+    pub fn args(&self) -> Vec<std::ffi::OsString> {
+        let mut args = Vec::new();
+        for (flag, file) in [
+            ("--tls-ca", &self.ca),
+            ("--tls-cert", &self.cert),
+            ("--tls-key", &self.key),
+        ] {
+            if let Some(file) = file {
+                args.push(flag.into());
+                args.push(file.into());
+            }
+        }
+        args
+    }
 }
 
 impl AgentBus {
@@ -29,7 +61,13 @@ impl AgentBus {
         AgentBus {
             url,
             minter: minter.map(Arc::new),
+            local_tls: LocalTls::default(),
         }
+    }
+
+    /// The same, with the TLS files of agents on the launcher's own host.
+    pub fn with_local_tls(self, local_tls: LocalTls) -> AgentBus {
+        AgentBus { local_tls, ..self }
     }
 
     /// A credential for the agent of `backing`, valid for a node retired at `max_age`

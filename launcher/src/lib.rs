@@ -79,13 +79,16 @@ pub async fn run(
 ) -> Result<(), LauncherError> {
     let mut providers = HashMap::new();
     for p in &config.providers {
-        let built =
-            provider::build(p, &deps.agent_binary, deps.local_agents).map_err(|source| {
-                LauncherError::Provider {
-                    name: p.name.clone(),
-                    source,
-                }
-            })?;
+        let built = provider::build(
+            p,
+            &deps.agent_binary,
+            deps.local_agents,
+            &deps.agent_bus.local_tls,
+        )
+        .map_err(|source| LauncherError::Provider {
+            name: p.name.clone(),
+            source,
+        })?;
         providers.insert(p.name.clone(), built);
     }
     let shared = Arc::new(Shared::new(

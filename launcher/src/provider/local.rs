@@ -11,7 +11,8 @@
 //! agents die with it, even when it is killed with SIGKILL.
 //!
 //! The secret goes to the agent in `SLOTPOOL_AGENT_SECRET`, and its bus credential in
-//! `agent.creds` (mode 0600), never on its command line.
+//! `agent.creds` (mode 0600), never on its command line. It gets the launcher's own TLS
+//! files ([`crate::agent_bus::LocalTls`]), for a server that asks for client certificates.
 //!
 //! `list` names the agents of the pid files and, found through `/proc`, those started
 //! with a directory of the work dir whose launch ended before it wrote `agent.pid`.
@@ -94,6 +95,7 @@ pub struct LocalProvider {
     args: Vec<String>,
     work_dir: PathBuf,
     lifetime: AgentLifetime,
+    tls: crate::agent_bus::LocalTls,
 }
 
 impl LocalProvider {
@@ -105,7 +107,13 @@ impl LocalProvider {
             args,
             work_dir,
             lifetime: AgentLifetime::default(),
+            tls: Default::default(),
         }
+    }
+
+    /// The same provider, whose agents reach the bus with these TLS files.
+    pub fn with_tls(self, tls: crate::agent_bus::LocalTls) -> Self {
+        LocalProvider { tls, ..self }
     }
 
     /// The same provider, whose agents live as `lifetime` says.
@@ -252,6 +260,7 @@ impl Provider for LocalProvider {
             .arg(&dir)
             .arg("--slots")
             .arg(spec.slots.to_string())
+            .args(self.tls.args())
             .args(&self.args)
             .env(SECRET_ENV, &spec.secret)
             .current_dir(&dir)

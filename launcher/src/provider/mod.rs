@@ -133,6 +133,7 @@ pub(crate) fn build(
     provider: &ProviderConfig,
     agent_default: &Path,
     local_agents: local::AgentLifetime,
+    local_tls: &crate::agent_bus::LocalTls,
 ) -> Result<Arc<dyn Provider>, ProviderError> {
     let name = provider.name.as_str();
     let inner: Arc<dyn Provider> = match &provider.driver {
@@ -150,7 +151,8 @@ pub(crate) fn build(
                 agent_args.clone(),
                 work_dir.clone(),
             )
-            .with_lifetime(local_agents),
+            .with_lifetime(local_agents)
+            .with_tls(local_tls.clone()),
         ),
         DriverConfig::Exec {
             create,
