@@ -11,7 +11,8 @@
 # python3 with venv (for nats-server, see
 # scripts/nats-server.sh, unless SLOTPOOL_NATS_SERVER points at a nats-server >= 2.11; and
 # for moto's EC2 server, which the EC2 provider's tests run: scripts/moto-server.sh,
-# unless SLOTPOOL_MOTO_SERVER points at a moto_server).
+# unless SLOTPOOL_MOTO_SERVER points at a moto_server; and for nats-py, which runs the
+# docs' Python examples: scripts/nats-py.sh).
 # Runs as root: the isolation tests create users and cgroups and start their own sshd
 # (Debian's openssh-server, installed here when missing) on a loopback port, and the
 # packaging test installs and purges slotpool's .debs.
@@ -41,6 +42,12 @@ step "moto"
 SLOTPOOL_MOTO_SERVER="$(scripts/moto-server.sh)"
 export SLOTPOOL_MOTO_SERVER
 step "using $SLOTPOOL_MOTO_SERVER"
+
+# The docs' Python examples run against a real installation (tests/tests/docs_python.rs).
+step "nats-py"
+SLOTPOOL_NATS_PY="$(scripts/nats-py.sh)"
+export SLOTPOOL_NATS_PY
+step "using $SLOTPOOL_NATS_PY ($("$SLOTPOOL_NATS_PY" -c 'import importlib.metadata as m; print("nats-py", m.version("nats-py"))'))"
 
 step "openssh-server"
 if [ ! -x /usr/sbin/sshd ] || ! command -v ssh-keyscan >/dev/null; then

@@ -1,4 +1,4 @@
-//! Serving [`AgentCommand`]s from launchers on `slotpool.agent.v1.<backing id>`.
+//! Serving [`AgentCommand`]s from launchers on `slotpool.agent.v2.<backing id>`.
 //!
 //! Each slot has its own queue and worker task (a "lane"), and `close`/`open` share one
 //! more, so commands for different slots run concurrently while commands for one slot

@@ -9,7 +9,7 @@
 //!   [`users`] (names, useradd/userdel, kill by uid) and [`cgroup`] (v2/v1 drivers);
 //! - [`enter`]: the placement socket and the `enter-slot` helper sshd runs for logins;
 //! - [`slots`]: who holds which slot, the prepare/release rules, dirty slots;
-//! - [`commands`]: serving `slotpool.agent.v1.<backing id>`;
+//! - [`commands`]: serving `slotpool.agent.v2.<backing id>`;
 //! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
 //! - [`reconcile`]: at start, releasing the prepared slots whose node is gone from KV.

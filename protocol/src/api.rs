@@ -273,7 +273,7 @@ pub struct ReleaseNodeOrder {
     pub reason: Option<String>,
 }
 
-/// Commands a launcher sends to an agent on `slotpool.agent.v1.<backing id>`.
+/// Commands a launcher sends to an agent on `slotpool.agent.v2.<backing id>`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum AgentCommand {

@@ -13,7 +13,7 @@ use crate::shared::Shared;
 use futures::{SinkExt, Stream, StreamExt};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use slotpool_protocol::model::{BackingNode, Event, Node, NodeRequest};
 use slotpool_protocol::store::{Change, KvError, Store};
@@ -37,7 +37,7 @@ const PING_EVERY: Duration = Duration::from_secs(20);
 const CLOSE_LIMIT: Duration = Duration::from_secs(5);
 
 /// What a change is about: the bucket it comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     Event,
@@ -294,7 +294,23 @@ impl Filter {
     }
 }
 
-/// One message of the stream.
+/// One message of the stream, as a client reads it (docs/http.md; its examples are
+/// decoded with this type). What the server writes is [`Out`]; a unit test holds the two
+/// to the same fields.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChangeMessage {
+    pub kind: Kind,
+    pub key: String,
+    pub revision: u64,
+    pub cursor: String,
+    #[serde(default)]
+    pub record: Option<serde_json::Value>,
+    #[serde(default)]
+    pub removed: bool,
+}
+
+/// One message of the stream, as the server writes it.
 #[derive(Serialize)]
 struct Out<'a> {
     kind: Kind,
@@ -527,6 +543,28 @@ fn lost_events(kind: Kind, last: u64, revision: u64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_the_server_writes_a_client_reads_as_a_message() {
+        let record = RawValue::from_string(r#"{"v":1}"#.into()).unwrap();
+        for (record, removed) in [(Some(&*record), false), (None, true)] {
+            let out = Out {
+                kind: Kind::Request,
+                key: "req-1",
+                revision: 7,
+                cursor: "1.7.0.0".into(),
+                record,
+                removed,
+            };
+            let read: ChangeMessage = serde_json::from_str(&serde_json::to_string(&out).unwrap())
+                .expect("a stream message decodes as ChangeMessage");
+            assert_eq!(
+                (read.kind, read.revision, read.removed),
+                (Kind::Request, 7, removed)
+            );
+            assert_eq!(read.record.is_some(), !removed);
+        }
+    }
 
     #[test]
     fn a_cursor_reads_back_what_it_writes() {
