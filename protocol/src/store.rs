@@ -566,8 +566,13 @@ impl Store {
             }
         };
         drop(changes);
-        // Ephemeral consumers linger on the server for minutes; a lister removes its own.
-        let _ = self.kv.stream.delete_consumer(&name).await;
+        // Ephemeral consumers linger on the server for minutes; a lister removes its own,
+        // without waiting: a role that may not delete consumers (operators, clients) gets
+        // no answer, and `slotpool list` waited out the request's timeout (5 s) per bucket.
+        let stream = self.kv.stream.clone();
+        tokio::spawn(async move {
+            let _ = stream.delete_consumer(&name).await;
+        });
         result.map(|()| out.into_values().collect())
     }
 
