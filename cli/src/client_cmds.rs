@@ -21,7 +21,7 @@ const RELEASE_WAIT: Duration = Duration::from_secs(60);
 #[derive(Debug, Args)]
 pub struct RequestArgs {
     /// Label of the nodes wanted; repeat for a mixed node set (`--label small --label big`).
-    #[arg(long = "label", required = true)]
+    #[arg(long = "label", required = true, add = super::complete::label())]
     pub labels: Vec<String>,
     /// How many nodes of each label.
     #[arg(long, default_value_t = 1)]
@@ -39,7 +39,7 @@ pub struct RequestArgs {
     #[arg(long)]
     pub timeout: Option<u64>,
     /// An SSH public key file to install for the nodes' users.
-    #[arg(long)]
+    #[arg(long, env = "SLOTPOOL_SSH_KEY", value_name = "FILE")]
     pub ssh_key: Option<PathBuf>,
     /// Hold the nodes only while this command runs: ask for a keep-alive of SECS
     /// seconds, wait for the nodes (implies --wait), print them, then stay in the
@@ -52,8 +52,9 @@ pub struct RequestArgs {
     pub output: Output,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum ListWhat {
+    #[default]
     Nodes,
     Backing,
     Requests,
@@ -120,6 +121,11 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
             eprintln!("fulfilled in {:.1} ms", took.as_secs_f64() * 1000.0);
             print_nodes(args.output, &nodes);
             std::io::stdout().flush().ok();
+            for n in &nodes {
+                if let Some(login) = login_line(n) {
+                    eprintln!("{}: {login}", n.id);
+                }
+            }
             if args.keep_alive.is_none() {
                 return Ok(ExitCode::SUCCESS);
             }
@@ -142,7 +148,7 @@ pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitC
                 state(&done.state),
                 done.failure.as_deref().unwrap_or(&done.status)
             );
-            Ok(ExitCode::from(2))
+            Ok(ExitCode::from(super::exit::REQUEST_ENDED))
         }
     }
 }
@@ -168,6 +174,13 @@ async fn keep_renewing(client: &Client, id: &RequestId, secs: u64) -> anyhow::Er
             Err(err) => tracing::warn!(%err, "keep-alive renewal failed; trying again"),
         }
     }
+}
+
+/// How to log in to `n`: `ssh -p PORT USER@HOST`, when it has a user and a port.
+fn login_line(n: &Node) -> Option<String> {
+    let user = n.login.username.as_deref()?;
+    let port = n.login.port?;
+    Some(format!("ssh -p {port} {user}@{}", n.host))
 }
 
 async fn fetch_nodes(client: &Client, ids: &[NodeId]) -> anyhow::Result<Vec<Node>> {
@@ -256,7 +269,7 @@ pub async fn release(
     Ok(if released.not_found.is_empty() {
         ExitCode::SUCCESS
     } else {
-        ExitCode::from(3)
+        ExitCode::from(super::exit::NOT_FOUND)
     })
 }
 
@@ -271,19 +284,136 @@ pub async fn cancel(nats: &NatsArgs, request: &str, output: Output) -> anyhow::R
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Result<ExitCode> {
+/// What `slotpool list` keeps: each filter given must match.
+#[derive(Debug, Default, Args)]
+pub struct ListFilter {
+    /// Only of this label (nodes, backing nodes, requests).
+    #[arg(long, add = super::complete::label())]
+    pub label: Option<String>,
+    /// Only in this state, as the STATE column says it (`ready`, `failed`, `requested`…).
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Only of this pool, `POOL` or `PROVIDER/POOL` (backing nodes, and the nodes on them).
+    #[arg(long, value_name = "POOL")]
+    pub pool: Option<String>,
+    /// Only of this client, the bus user who asked (nodes, requests).
+    #[arg(long)]
+    pub client: Option<String>,
+    /// Requests: also the finished ones (failed, canceled, reclaimed, or whose nodes were
+    /// all returned), kept an hour. Without it, requests waiting or holding nodes now.
+    #[arg(long)]
+    pub finished: bool,
+    /// At most N rows: the newest requests and events, the first nodes and backing nodes.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+}
+
+impl ListFilter {
+    /// Refuses a filter that does not apply to `what`.
+    fn check(&self, what: ListWhat) -> anyhow::Result<()> {
+        let applies = |flag: &str, given: bool, to: &[ListWhat]| {
+            if given && !to.contains(&what) {
+                let name = what.to_possible_value().expect("no variant is skipped");
+                anyhow::bail!("{flag} does not apply to `list {}`", name.get_name());
+            }
+            Ok(())
+        };
+        use ListWhat::*;
+        applies("--label", self.label.is_some(), &[Nodes, Backing, Requests])?;
+        applies("--state", self.state.is_some(), &[Nodes, Backing, Requests])?;
+        applies("--pool", self.pool.is_some(), &[Nodes, Backing])?;
+        applies("--client", self.client.is_some(), &[Nodes, Requests])?;
+        applies("--finished", self.finished, &[Requests])?;
+        Ok(())
+    }
+
+    fn label(&self, label: &str) -> bool {
+        self.label.as_deref().is_none_or(|l| l == label)
+    }
+
+    fn state<S: serde::Serialize>(&self, s: &S) -> bool {
+        self.state
+            .as_deref()
+            .is_none_or(|want| state(s).eq_ignore_ascii_case(want))
+    }
+
+    fn client(&self, client: Option<&slotpool_protocol::UserName>) -> bool {
+        self.client
+            .as_deref()
+            .is_none_or(|c| client.is_some_and(|have| have.as_str() == c))
+    }
+
+    fn pool(&self, provider: &str, pool: &str) -> bool {
+        self.pool
+            .as_deref()
+            .is_none_or(|want| match want.split_once('/') {
+                Some((p, name)) => p == provider && name == pool,
+                None => want == pool,
+            })
+    }
+
+    /// The first `limit` of `items` (all without one).
+    fn first<T>(&self, items: &mut Vec<T>) {
+        if let Some(n) = self.limit {
+            items.truncate(n);
+        }
+    }
+
+    /// The last `limit` of `items`, oldest first (all without one).
+    fn newest<T>(&self, items: &mut Vec<T>) {
+        if let Some(n) = self.limit {
+            let drop = items.len().saturating_sub(n);
+            items.drain(..drop);
+        }
+    }
+}
+
+/// Whether a request is over: ended, or fulfilled with every node returned.
+fn finished(r: &NodeRequest) -> bool {
+    match r.state {
+        RequestState::Requested => false,
+        RequestState::Fulfilled => r.nodes_released_at.is_some(),
+        _ => true,
+    }
+}
+
+pub async fn list(
+    nats: &NatsArgs,
+    what: ListWhat,
+    filter: ListFilter,
+    output: Output,
+) -> anyhow::Result<ExitCode> {
+    filter.check(what)?;
     let client = connect(nats).await?;
     match what {
         ListWhat::Nodes => {
             let mut nodes = client.list_nodes().await?;
+            if filter.pool.is_some() {
+                let backing = client.list_backing().await?;
+                nodes.retain(|n| {
+                    backing
+                        .iter()
+                        .any(|b| b.id == n.backing_id && filter.pool(&b.provider, &b.pool))
+                });
+            }
+            nodes.retain(|n| {
+                filter.label(&n.label) && filter.state(&n.state) && filter.client(n.client.as_ref())
+            });
             nodes.sort_by(|a, b| (&a.backing_id, a.slot).cmp(&(&b.backing_id, b.slot)));
+            filter.first(&mut nodes);
             print_nodes(output, &nodes);
         }
         ListWhat::Backing => {
             let mut backing = client.list_backing().await?;
+            backing.retain(|b| {
+                filter.label(&b.label)
+                    && filter.state(&b.state)
+                    && filter.pool(&b.provider, &b.pool)
+            });
             backing.sort_by(|a, b| {
                 (&a.provider, &a.pool, a.seat).cmp(&(&b.provider, &b.pool, b.seat))
             });
+            filter.first(&mut backing);
             let used = used_slots(&client.list_nodes().await?);
             let rows = backing
                 .iter()
@@ -308,7 +438,7 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
                 output,
                 &backing,
                 &[
-                    "BACKING", "POOL", "LABEL", "STATE", "IDLE", "SLOTS", "HOST", "AGE", "REASON",
+                    "BACKING", "POOL", "LABEL", "STATE", "MODE", "SLOTS", "HOST", "AGE", "REASON",
                 ],
                 rows,
             );
@@ -340,7 +470,8 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
             );
         }
         ListWhat::Events => {
-            let events = client.list_events().await?;
+            let mut events = client.list_events().await?;
+            filter.newest(&mut events);
             let rows = events
                 .iter()
                 .map(|e| {
@@ -367,7 +498,14 @@ pub async fn list(nats: &NatsArgs, what: ListWhat, output: Output) -> anyhow::Re
         }
         ListWhat::Requests => {
             let mut requests: Vec<NodeRequest> = client.list_requests().await?;
+            requests.retain(|r| {
+                (filter.finished || !finished(r))
+                    && r.labels.iter().any(|l| filter.label(l))
+                    && filter.state(&r.state)
+                    && filter.client(r.client.as_ref())
+            });
             requests.sort_by_key(|r| r.created_at);
+            filter.newest(&mut requests);
             let rows = requests
                 .iter()
                 .map(|r| {

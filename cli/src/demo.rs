@@ -56,9 +56,35 @@ pub struct DemoArgs {
     /// credentials of their own (`slotpool nats-setup` writes it).
     #[arg(long, value_name = "FILE")]
     pub agent_signing_key: Option<PathBuf>,
+    /// How the local agents isolate their slots: `users` (a Unix user, cgroup and
+    /// workspace per slot, with an sshd of the demo's own to log in to them; root only)
+    /// or `none` (a directory per slot, nothing to log in to). Default: `users` as root
+    /// when sshd is installed, else `none`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub isolation: Option<Isolation>,
     /// Panic once the first simulated job got its node: the test of the demo's panic path.
     #[arg(long, hide = true)]
     pub panic_after_first_job: bool,
+}
+
+/// The demo's slots (see [`DemoArgs::isolation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Isolation {
+    Users,
+    None,
+}
+
+/// Where Debian's openssh-server puts sshd.
+const SSHD: &str = "/usr/sbin/sshd";
+
+/// The sshd drop-in the agent package ships: the demo's sshd runs slot logins through
+/// the agent the same way.
+const SLOT_LOGINS: &str = include_str!("../../packaging/etc/sshd/slotpool-slots.conf");
+
+/// The environment file a second terminal sources to reach the demo: in the temporary
+/// directory, at a name that does not change, so the README can say it.
+pub fn env_file() -> PathBuf {
+    std::env::temp_dir().join("slotpool-demo.env")
 }
 
 const DEMO_CONFIG: &str = "\
@@ -69,7 +95,7 @@ providers:
     driver: local
     local:
       work-dir: WORK_DIR
-      agent-args: [--isolation, none, --remove-slots-on-stop]
+      agent-args: AGENT_ARGS
     pools:
       - name: main
         max-servers: 3
@@ -100,7 +126,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             if interrupt.recv().await.is_some() {
                 log_line("slotpool demo: second interrupt: killing what is left and exiting now");
                 clean_up_now();
-                std::process::exit(130);
+                std::process::exit(i32::from(super::exit::INTERRUPTED));
             }
         }
     });
@@ -109,7 +135,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         started = start(&args, nats, &dir, &shutdown) => started?,
         _ = shutdown.cancelled() => {
             say("slotpool demo: stopped while starting");
-            return Ok(ExitCode::from(130));
+            return Ok(ExitCode::from(super::exit::INTERRUPTED));
         }
     };
     let Started {
@@ -119,6 +145,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         config_path,
         console_args,
         agent_binary,
+        sshd,
     } = started;
 
     let stop = async {
@@ -176,6 +203,10 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
             "slotpool demo: cannot stop every local agent: {err}"
         ));
     }
+    if let Some(mut child) = sshd {
+        say("slotpool demo: stopping: its sshd");
+        stop_child(&mut child).await;
+    }
     if let Some(mut child) = server {
         say("slotpool demo: stopping: nats-server");
         stop_child(&mut child).await;
@@ -194,6 +225,8 @@ struct Started {
     config_path: PathBuf,
     console_args: Vec<String>,
     agent_binary: PathBuf,
+    /// The sshd of the slots' logins (isolation `users`).
+    sshd: Option<tokio::process::Child>,
 }
 
 /// Starts the demo's nats-server (unless `--connect`), its launcher and its jobs.
@@ -208,6 +241,7 @@ async fn start(
     // The demo's own bus runs with authentication on, as a real one must: the launcher,
     // the load generator (a client) and the console (an operator) each log in with the
     // credentials of their role, and each local agent with its own.
+    let mut you = None;
     let (url, launcher_opts, client_opts, console_args, minter) = if args.connect {
         let minter = match &args.agent_signing_key {
             Some(path) => Some(Minter::load(path).context("loading --agent-signing-key")?),
@@ -232,6 +266,9 @@ async fn start(
                 BusUser::new(Role::Launcher, "demo-launcher")?,
                 BusUser::new(Role::Client, "demo-jobs")?,
                 BusUser::new(Role::Operator, "demo-operator")?,
+                // Whoever sources the demo's env file: an operator, who may ask for
+                // nodes and see everything.
+                BusUser::new(Role::Operator, "you")?,
             ],
             ..Default::default()
         })
@@ -246,6 +283,7 @@ async fn start(
             ..Default::default()
         };
         let operator = creds(Role::Operator, "demo-operator").expect("written");
+        you = creds(Role::Operator, "you");
         (
             url.clone(),
             opts("slotpool-demo", creds(Role::Launcher, "demo-launcher")),
@@ -263,11 +301,22 @@ async fn start(
         "slotpool demo: NATS at {url} (authentication on), state in {}",
         dir.display()
     ));
+    let agent_binary = super::sibling_agent_binary();
+    if !agent_binary.is_file() {
+        bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
+    }
+    let slots = SlotMode::choose(args.isolation, dir, &agent_binary).await?;
     let config_path = dir.join("demo.yaml");
     std::fs::write(
         &config_path,
-        DEMO_CONFIG.replace("WORK_DIR", &work_dir.display().to_string()),
+        DEMO_CONFIG
+            .replace("WORK_DIR", &work_dir.display().to_string())
+            .replace("AGENT_ARGS", &serde_json::to_string(&slots.agent_args)?),
     )?;
+    if !args.connect {
+        let key = slots.login_key.as_deref();
+        write_env_file(dir, &url, you.as_deref(), key)?;
+    }
     let config = Config::load(&config_path)?;
     let bus = Bus::connect(&launcher_opts)
         .await
@@ -275,10 +324,6 @@ async fn start(
     let jobs_bus = Bus::connect(&client_opts)
         .await
         .context("connecting the demo's jobs to NATS")?;
-    let agent_binary = super::sibling_agent_binary();
-    if !agent_binary.is_file() {
-        bail!("the demo needs the slotpool-agent binary next to slotpool ({}): build it with `cargo build --release --bins`", agent_binary.display());
-    }
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(url.clone(), minter),
         agent_binary: agent_binary.clone(),
@@ -304,7 +349,248 @@ async fn start(
         config_path,
         console_args,
         agent_binary,
+        sshd: slots.sshd,
     })
+}
+
+/// How the demo's slots are made, and the sshd that logs in to them.
+struct SlotMode {
+    /// The local agents' arguments.
+    agent_args: Vec<String>,
+    sshd: Option<tokio::process::Child>,
+    /// The private key of the SSH key pair the env file names.
+    login_key: Option<PathBuf>,
+}
+
+impl SlotMode {
+    /// Users and an sshd as root with sshd installed (or when asked), else directories.
+    async fn choose(
+        asked: Option<Isolation>,
+        dir: &Path,
+        agent_binary: &Path,
+    ) -> anyhow::Result<SlotMode> {
+        // SAFETY: geteuid cannot fail and touches no memory.
+        let root = unsafe { libc::geteuid() } == 0;
+        let sshd_installed = Path::new(SSHD).is_file();
+        let users = match asked {
+            Some(Isolation::Users) if !root => {
+                bail!("--isolation users makes a Unix user per slot: run the demo as root")
+            }
+            Some(Isolation::Users) if !sshd_installed => {
+                bail!("--isolation users logs in through sshd: install openssh-server ({SSHD})")
+            }
+            Some(Isolation::Users) => true,
+            Some(Isolation::None) => false,
+            None => root && sshd_installed,
+        };
+        let mut agent_args: Vec<String> = ["--remove-slots-on-stop"].map(String::from).into();
+        if !users {
+            agent_args.extend(["--isolation", "none"].map(String::from));
+            say(if root {
+                "slotpool demo: slots are directories (--isolation none): nothing to log in to"
+            } else {
+                "slotpool demo: slots are directories: SSH logins into slots need root (a Unix user per slot)"
+            });
+            return Ok(SlotMode {
+                agent_args,
+                sshd: None,
+                login_key: None,
+            });
+        }
+        let (sshd, port, prefix) = start_sshd(dir, agent_binary).await?;
+        let login_key = dir.join("you_ed25519");
+        ssh_keygen(&login_key, "slotpool-demo").await?;
+        let pid = std::process::id();
+        agent_args.extend(
+            [
+                "--isolation",
+                "users",
+                "--user-prefix",
+                &prefix,
+                "--cgroup-parent",
+                &format!("slotpool-demo-{pid}"),
+                "--run-dir",
+                &dir.join("run").display().to_string(),
+                "--ssh-port",
+                &port.to_string(),
+                "--ssh-host-keys-dir",
+                &dir.join("sshd").display().to_string(),
+                // Hiding processes mounts /proc where logins live: the host's own here.
+                "--hide-processes",
+                "off",
+            ]
+            .map(String::from),
+        );
+        if !command_exists("nft") {
+            // Keeping slot users off the bus needs nftables; the demo's bus wants
+            // credentials anyway.
+            agent_args.extend(["--bus-guard", "off"].map(String::from));
+        }
+        say(&format!(
+            "slotpool demo: slots are Unix users ({prefix}…) with a cgroup and workspace each; its sshd listens on 127.0.0.1:{port}"
+        ));
+        Ok(SlotMode {
+            agent_args,
+            sshd: Some(sshd),
+            login_key: Some(login_key),
+        })
+    }
+}
+
+/// The slot users' name prefix of this demo: its pid, so that the next demo can tell an
+/// abandoned demo's users apart.
+fn user_prefix(pid: u32) -> String {
+    format!("sd{pid}")
+}
+
+fn command_exists(name: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(name).is_file()))
+}
+
+/// `ssh-keygen` of an ed25519 key pair without a passphrase at `path`.
+async fn ssh_keygen(path: &Path, comment: &str) -> anyhow::Result<()> {
+    let status = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f"])
+        .arg(path)
+        .stdin(Stdio::null())
+        .status()
+        .await
+        .context("running ssh-keygen (openssh-client)")?;
+    if !status.success() {
+        bail!("ssh-keygen -f {} failed: {status}", path.display());
+    }
+    Ok(())
+}
+
+/// Starts an sshd of the demo's own on a free loopback port, for the slot users only,
+/// every login run through the agent as the shipped drop-in does; returns it, its port
+/// and the slot users' prefix.
+async fn start_sshd(
+    dir: &Path,
+    agent_binary: &Path,
+) -> anyhow::Result<(tokio::process::Child, u16, String)> {
+    use std::os::unix::fs::PermissionsExt;
+    let prefix = user_prefix(std::process::id());
+    let sshd_dir = dir.join("sshd");
+    std::fs::create_dir_all(&sshd_dir)?;
+    // Slot users run the agent at login and reach its placement sockets: a copy of the
+    // agent they can run (the build's may be under a 0700 home), a run dir they reach.
+    for d in [dir, &sshd_dir] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let agent = sshd_dir.join("slotpool-agent");
+    std::fs::copy(agent_binary, &agent)
+        .with_context(|| format!("copying {}", agent_binary.display()))?;
+    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755))?;
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run)?;
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))?;
+    let host_key = sshd_dir.join("ssh_host_ed25519_key");
+    ssh_keygen(&host_key, "slotpool-demo-host").await?;
+    // sshd insists on its privilege separation directory.
+    std::fs::create_dir_all("/run/sshd").context("creating /run/sshd")?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let logins = SLOT_LOGINS
+        .replace("Match User sp*", &format!("Match User {prefix}*"))
+        .replace(
+            "/usr/bin/slotpool-agent enter-slot",
+            &format!("{} enter-slot --run-dir {}", agent.display(), run.display()),
+        );
+    let config = sshd_dir.join("sshd_config");
+    std::fs::write(
+        &config,
+        format!(
+            "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
+             UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
+             PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
+             StrictModes yes\nAllowUsers {prefix}*\n{logins}",
+            key = host_key.display(),
+            pid = sshd_dir.join("sshd.pid").display(),
+        ),
+    )?;
+    let log = std::fs::File::create(sshd_dir.join("sshd.log"))?;
+    let mut cmd = Command::new(SSHD);
+    cmd.arg("-D")
+        .arg("-e")
+        .arg("-f")
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true);
+    let demo = std::process::id();
+    // SAFETY: end_with_parent calls only async-signal-safe functions.
+    unsafe {
+        cmd.pre_exec(move || end_with_parent(demo, libc::SIGKILL));
+    }
+    let mut child = cmd.spawn().context("starting sshd")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "sshd exited at start ({status}); its log: {}",
+                sshd_dir.join("sshd.log").display()
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!("sshd did not listen on 127.0.0.1:{port} within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok((child, port, prefix))
+}
+
+/// Writes [`env_file`]: the environment that points `slotpool` and any client at the
+/// demo's bus, as the demo's own operator `you`, with the demo's binaries on PATH and
+/// the SSH key its requests install. Prints it too.
+fn write_env_file(
+    dir: &Path,
+    url: &str,
+    creds: Option<&Path>,
+    login_key: Option<&Path>,
+) -> anyhow::Result<()> {
+    let bin = std::env::current_exe()?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let mut text = format!(
+        "# The slotpool demo in {dir} (pid {pid}): source this file to reach it.\n\
+         export SLOTPOOL_NATS_URL={url}\n",
+        dir = dir.display(),
+        pid = std::process::id(),
+    );
+    if let Some(creds) = creds {
+        text.push_str(&format!("export SLOTPOOL_NATS_CREDS={}\n", creds.display()));
+    }
+    if let Some(key) = login_key {
+        text.push_str(&format!(
+            "export SLOTPOOL_SSH_KEY={}.pub\nexport SLOTPOOL_DEMO_SSH_KEY={}\n",
+            key.display(),
+            key.display()
+        ));
+    }
+    text.push_str(&format!("export PATH=\"{}:$PATH\"\n", bin.display()));
+    let path = env_file();
+    std::fs::write(&path, &text).with_context(|| format!("writing {}", path.display()))?;
+    say(&format!(
+        "slotpool demo: in another terminal, `. {}` and then `slotpool request --label small --wait`; it holds:\n{}",
+        path.display(),
+        text.trim_end()
+    ));
+    Ok(())
+}
+
+/// Removes [`env_file`] if it is this demo's (it names `dir`).
+fn remove_env_file(dir: &Path) {
+    let path = env_file();
+    let ours =
+        std::fs::read_to_string(&path).is_ok_and(|t| t.contains(&format!("{}/", dir.display())));
+    if ours {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// The first wait after a failed submit; it doubles up to [`RETRY_MAX`].
@@ -470,6 +756,7 @@ pub fn clean_up_now() {
     let Some(dir) = leftovers.take() else {
         return;
     };
+    remove_env_file(&dir);
     let killed = remove_demo_dir(&dir);
     if killed > 0 {
         log_line(&format!(
@@ -512,11 +799,47 @@ fn clean_up_abandoned(temp: &Path) {
             continue;
         }
         let dir = entry.path();
+        remove_env_file(&dir);
         let killed = remove_demo_dir(&dir);
+        remove_slot_users(pid);
         say(&format!(
             "slotpool demo: removed what an earlier demo (pid {pid}, gone) left: {killed} process(es) and {}",
             dir.display()
         ));
+    }
+}
+
+/// The slot users and cgroups an abandoned demo (pid `pid`, killed with SIGKILL: its
+/// agents could not remove their slots) left: users named with its prefix and made by
+/// an agent (their comment says `slotpool slot`), and its cgroup parent.
+fn remove_slot_users(pid: u32) {
+    let prefix = user_prefix(pid);
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    for line in passwd.lines() {
+        let fields: Vec<&str> = line.split(':').collect();
+        if fields.len() > 4
+            && fields[0].starts_with(&prefix)
+            && fields[4].starts_with("slotpool slot")
+        {
+            let _ = std::process::Command::new("pkill")
+                .args(["-KILL", "-u", fields[0]])
+                .status();
+            let _ = std::process::Command::new("userdel")
+                .args(["--remove", fields[0]])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+    if let Ok(mounts) = std::fs::read_dir("/sys/fs/cgroup") {
+        let parent = format!("slotpool-demo-{pid}");
+        for hierarchy in mounts.flatten() {
+            let at = hierarchy.path().join(&parent);
+            for slot in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+                let _ = std::fs::remove_dir(slot.path());
+            }
+            let _ = std::fs::remove_dir(&at);
+        }
+        let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(&parent));
     }
 }
 

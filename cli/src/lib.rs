@@ -2,6 +2,7 @@
 //! own module; this one only wires them up.
 
 mod client_cmds;
+mod complete;
 mod demo;
 mod nats_setup;
 mod operator_cmds;
@@ -86,7 +87,7 @@ pub enum Command {
     /// Return nodes to the pool. With --reason, as an operator: the release is recorded
     /// in the event log with who and why.
     Release {
-        #[arg(required = true)]
+        #[arg(required = true, add = complete::node())]
         nodes: Vec<String>,
         /// Why (makes this an operator's release, recorded in the event log).
         #[arg(long)]
@@ -120,19 +121,25 @@ pub enum Command {
     Logs(operator_cmds::LogsArgs),
     /// Cancel a waiting request.
     Cancel {
+        #[arg(add = complete::request())]
         request: String,
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
     /// List nodes, backing nodes, requests, recent events or providers' last errors.
     #[command(after_help = "Examples:
-  slotpool list backing
-  slotpool list events | head -20
-  slotpool list providers
-  slotpool list requests --output json | jq '.[] | select(.state == \"waiting\")'")]
+  slotpool list                                     the nodes in use
+  slotpool list backing --pool main --state ready
+  slotpool list requests --label small              waiting or holding nodes now
+  slotpool list requests --finished --limit 20      the newest 20, finished ones too
+  slotpool list events --limit 20
+  slotpool list providers")]
     List {
-        #[arg(value_enum)]
+        /// What to list (default: nodes, the slots in use).
+        #[arg(value_enum, default_value_t)]
         what: client_cmds::ListWhat,
+        #[command(flatten)]
+        filter: client_cmds::ListFilter,
         #[arg(long, value_enum, default_value_t)]
         output: Output,
     },
@@ -162,7 +169,9 @@ pub enum Command {
   slotpool simulate generate --peak 2 --seed 1 > day.csv
   slotpool simulate my-history.jsonl --config /etc/slotpool/pool.yaml --output json")]
     Simulate(simulate::SimulateArgs),
-    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell). It asks
+    /// `slotpool` as you type, which completes live backing nodes, nodes, requests and
+    /// labels from the bus the environment points at (SLOTPOOL_NATS_URL, ...).
     #[command(after_help = "Examples:
   slotpool completions bash > ~/.local/share/bash-completion/completions/slotpool
   slotpool completions zsh > ~/.zfunc/_slotpool
@@ -201,6 +210,47 @@ pub enum ConfigCommand {
     Validate { file: PathBuf },
 }
 
+/// The exit statuses of `slotpool`, written once: the code returns these, and every
+/// `--help` and manual page lists them.
+pub mod exit {
+    /// A request waited for (`request --wait`) ended without nodes: failed, canceled or
+    /// reclaimed.
+    pub const REQUEST_ENDED: u8 = 2;
+    /// `release`: some nodes were not found (already released?).
+    pub const NOT_FOUND: u8 = 3;
+    /// Stopped by a second interrupt.
+    pub const INTERRUPTED: u8 = 130;
+
+    /// Every status and its meaning.
+    pub const ALL: [(u8, &str); 5] = [
+        (0, "success"),
+        (1, "an error (the message on stderr says which), or a kill not confirmed"),
+        (
+            REQUEST_ENDED,
+            "a usage error; or the request `request --wait` waited for failed, was canceled or reclaimed",
+        ),
+        (NOT_FOUND, "`release`: some nodes were not found (already released?)"),
+        (INTERRUPTED, "stopped by a second Ctrl-C"),
+    ];
+}
+
+/// The command tree as `slotpool` runs it: [`Cli`]'s, with the exit statuses at the end
+/// of every command's help.
+pub fn command() -> clap::Command {
+    fn with_exit(cmd: clap::Command) -> clap::Command {
+        let mut text = String::from("Exit status:");
+        for (code, meaning) in exit::ALL {
+            text.push_str(&format!("\n  {code:<4} {meaning}"));
+        }
+        let help = match cmd.get_after_help() {
+            Some(before) => format!("{before}\n\n{text}"),
+            None => text,
+        };
+        cmd.after_help(help).mut_subcommands(with_exit)
+    }
+    with_exit(Cli::command())
+}
+
 /// Whether the command is a long-running one whose log is its output (`serve`, `demo`),
 /// rather than one that prints a result and exits.
 pub fn is_daemon(cli: &Cli) -> bool {
@@ -211,12 +261,9 @@ pub fn init_tracing(cli: &Cli) {
     let default = if is_daemon(cli) { "info" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_new(cli.log.as_deref().unwrap_or(default))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    slotpool_protocol::logging::init(
-        cli.log_format,
-        filter,
-        std::io::stderr,
-        std::io::stderr().is_terminal(),
-    );
+    // The demo's log goes to a file while its console shows: no colour escapes there.
+    let colour = std::io::stderr().is_terminal() && !matches!(cli.command, Command::Demo(_));
+    slotpool_protocol::logging::init(cli.log_format, filter, std::io::stderr, colour);
 }
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -238,7 +285,11 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }
-        Command::List { what, output } => client_cmds::list(&cli.nats, what, output).await,
+        Command::List {
+            what,
+            filter,
+            output,
+        } => client_cmds::list(&cli.nats, what, filter, output).await,
         Command::Provider {
             command: ProviderCommand::Check(args),
         } => provider_check::run(args).await,
@@ -256,12 +307,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Demo(args) => demo::run_demo(args, &cli.nats).await,
         Command::Completions { shell } => {
-            clap_complete::generate(
-                shell,
-                &mut Cli::command(),
-                "slotpool",
-                &mut std::io::stdout(),
-            );
+            complete::write_script(shell, &mut std::io::stdout())?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Man { dir } => {
@@ -273,11 +319,13 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Writes `slotpool.1` and `slotpool-<command>.1` for each command into `dir`.
+/// Writes `slotpool.1` and `slotpool-<command>.1` for each command into `dir`, each with
+/// EXIT STATUS, ENVIRONMENT and SEE ALSO sections.
 fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
     use anyhow::Context;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut cmd = Cli::command();
+    // `help` has no page of its own (every page is the help): no page names one.
+    let mut cmd = Cli::command().disable_help_subcommand(true);
     // Building names every command for its page: `slotpool-config-validate`.
     cmd.build();
     let mut pages = vec![cmd];
@@ -293,12 +341,55 @@ fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
             .to_string();
         let path = dir.join(format!("{name}.1"));
         let mut out = Vec::new();
+        let extra = man_sections(&page, &name);
         clap_mangen::Man::new(page)
             .render(&mut out)
             .with_context(|| format!("rendering {}", path.display()))?;
+        out.extend_from_slice(extra.as_bytes());
         std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The roff of a page's EXIT STATUS, ENVIRONMENT (the variables its options read, its
+/// parents' included) and SEE ALSO sections.
+fn man_sections(page: &clap::Command, name: &str) -> String {
+    let escape = |s: &str| s.replace('\\', "\\\\").replace('-', "\\-");
+    let mut out = String::from(".SH \"EXIT STATUS\"\n");
+    for (code, meaning) in exit::ALL {
+        out.push_str(&format!(".TP\n{code}\n{}\n", escape(meaning)));
+    }
+    let mut vars: Vec<(String, String)> = page
+        .get_arguments()
+        .filter_map(|a| {
+            let var = a.get_env()?.to_string_lossy().to_string();
+            let flag = a.get_long().map(|l| format!("\\-\\-{}", escape(l)))?;
+            Some((var, flag))
+        })
+        .collect();
+    vars.sort();
+    vars.dedup();
+    if !vars.is_empty() {
+        out.push_str(".SH ENVIRONMENT\n");
+        for (var, flag) in vars {
+            out.push_str(&format!(".TP\n\\fB{}\\fR\nas {flag}\n", escape(&var)));
+        }
+    }
+    out.push_str(".SH \"SEE ALSO\"\n");
+    let mut see: Vec<String> = Vec::new();
+    if name != "slotpool" {
+        see.push("\\fBslotpool\\fR(1)".into());
+    }
+    see.extend(
+        page.get_subcommands()
+            .map(|c| format!("\\fB{}\\-{}\\fR(1)", escape(name), escape(c.get_name()))),
+    );
+    if !see.is_empty() {
+        out.push_str(&see.join(", "));
+        out.push_str("\n.PP\n");
+    }
+    out.push_str("slotpool\\-console \\-\\-help; the guides in slotpool's docs/: cli.md, configuration.md, operations.md, protocol.md.\n");
+    out
 }
 
 /// The `slotpool-agent` binary next to the running executable.
@@ -357,7 +448,7 @@ pub async fn stop_signal() {
     tokio::spawn(async {
         if tokio::signal::ctrl_c().await.is_ok() {
             eprintln!("second interrupt: exiting now");
-            std::process::exit(130);
+            std::process::exit(i32::from(exit::INTERRUPTED));
         }
     });
 }

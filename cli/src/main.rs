@@ -1,6 +1,6 @@
 //! `slotpool`: the launcher daemon and the command-line client.
 
-use clap::Parser;
+use clap::FromArgMatches;
 use slotpool_cli::{self as cli, Cli};
 
 /// mimalloc instead of glibc's malloc: under load the launcher allocates and frees many
@@ -10,7 +10,13 @@ use slotpool_cli::{self as cli, Cli};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    let args = Cli::parse();
+    // `COMPLETE=<shell> slotpool -- …`: the shell asks for completions (live names from
+    // the bus); answers and exits.
+    clap_complete::CompleteEnv::with_factory(cli::command).complete();
+    let args = match cli::command().try_get_matches() {
+        Ok(matches) => Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit()),
+        Err(e) => e.exit(),
+    };
     if !matches!(args.command, cli::Command::Demo(_)) {
         // Like every Unix tool: `slotpool list requests | head` ends quietly when `head`
         // has read enough, instead of panicking on the closed pipe (Rust ignores SIGPIPE

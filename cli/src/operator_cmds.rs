@@ -17,6 +17,7 @@ use std::process::ExitCode;
 #[derive(Debug, Args)]
 pub struct OrderArgs {
     /// The backing node (`bn-...`, see `slotpool list backing`).
+    #[arg(add = super::complete::backing())]
     pub backing: String,
     /// Why (recorded with the order and shown to operators and requestors).
     #[arg(long)]
@@ -31,6 +32,7 @@ pub struct OrderArgs {
 #[derive(Debug, Args)]
 pub struct OccupantsArgs {
     /// The backing node (`bn-...`, see `slotpool list backing`).
+    #[arg(add = super::complete::backing())]
     pub backing: String,
     /// The slot's number on that node (0, 1, ...; `slotpool list nodes` shows each
     /// node's).
@@ -42,6 +44,7 @@ pub struct OccupantsArgs {
 #[derive(Debug, Args)]
 pub struct LogsArgs {
     /// The backing node (`bn-...`, see `slotpool list backing`).
+    #[arg(add = super::complete::backing())]
     pub backing: String,
     /// How many of the newest lines (the agent keeps and sends at most 200).
     #[arg(long, short = 'n', default_value_t = 50)]

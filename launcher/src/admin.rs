@@ -97,8 +97,30 @@ pub async fn order_backing(
             .await
         {
             Ok(revision) => {
-                let used = sh.world().used_count(&next.id);
-                let message = outcome_message(&next, used);
+                let (used, last_release) = {
+                    let world = sh.world();
+                    (
+                        world.used_count(&next.id),
+                        world.last_release.get(&next.id).copied(),
+                    )
+                };
+                let now = now_ms();
+                // An empty node run again after its grace-time ran out while it was held
+                // is released at once: say so rather than "after grace-time".
+                let released_now = used == 0
+                    && next.idle == IdleBehaviour::Run
+                    && next.idle_since.is_some()
+                    && sh
+                        .config
+                        .sites(&next.label)
+                        .iter()
+                        .find(|s| s.provider.name == next.provider && s.pool.name == next.pool)
+                        .is_some_and(|s| {
+                            let rules = s.label.idle_rules();
+                            slotpool_config::timing::release_at(&next, last_release, now, &rules)
+                                <= now
+                        });
+                let message = outcome_message(&next, used, released_now);
                 tracing::info!(backing_id = %next.id, order = %describe(&order), "operator order taken");
                 events::operator(
                     sh,
@@ -121,7 +143,7 @@ pub async fn order_backing(
 }
 
 /// What happens next, in words.
-fn outcome_message(b: &BackingNode, used: u32) -> String {
+fn outcome_message(b: &BackingNode, used: u32, released_now: bool) -> String {
     let in_use = format!("{used} of {} slots in use", b.slots);
     if b.kill_ordered() {
         return format!("killed: it is deleted now and its {used} nodes fail");
@@ -136,6 +158,9 @@ fn outcome_message(b: &BackingNode, used: u32) -> String {
                 "draining: takes no new slots; released once its {used} slots in use are returned"
             )
         }
+        IdleBehaviour::Run if released_now => "running: empty and idle past its grace-time: \
+            released now, unless a request takes a slot first"
+            .into(),
         IdleBehaviour::Run => {
             format!(
                 "running: takes slots again and is released after grace-time when idle ({in_use})"

@@ -3,7 +3,7 @@
 //! what it started dies with it when it is killed with SIGKILL, and the directory that
 //! one leaves, the next demo removes. Its simulated jobs go on after a bus outage.
 
-use slotpool_tests::{bin_path, nats_server_binary, ChildGuard, Tmux};
+use slotpool_tests::{bin_path, nats_server_binary, workspace_root, ChildGuard, Tmux};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -122,8 +122,8 @@ fn a_killed_demos_processes_die_with_it_and_the_next_demo_removes_what_is_left()
 fn a_killed_demos_console_ends_and_gives_the_terminal_back() {
     let tmp = tempfile::tempdir().unwrap();
     let command = format!(
-        "env TMPDIR={} SLOTPOOL_NATS_SERVER={} NO_COLOR=1 {} demo --jobs {JOBS} --hold-ms 500; \
-         sleep 600",
+        "env TMPDIR={} SLOTPOOL_NATS_SERVER={} NO_COLOR=1 {} demo --jobs {JOBS} --hold-ms 500 \
+         --isolation none; sleep 600",
         tmp.path().display(),
         nats_server_binary().display(),
         bin_path("slotpool").display(),
@@ -180,6 +180,100 @@ fn a_killed_demos_console_ends_and_gives_the_terminal_back() {
     on_screen("the terminal's screen from before the console", &|s| {
         s.contains("slotpool demo: NATS at") && !s.contains("1 Pools")
     });
+}
+
+/// The README's second terminal, as it is written there: source the env file the demo
+/// wrote, ask for a node, list the nodes, log in to the node over SSH and give it back.
+/// As root the demo's slots are Unix users with an sshd of its own; when it stops, its
+/// slot users and its env file are gone.
+#[test]
+fn the_readmes_second_terminal_gets_a_node_and_logs_in_to_it() {
+    slotpool_tests::require_root();
+    let tmp = tempfile::tempdir().unwrap();
+    let demo = RunningDemo::start(tmp.path(), "demo", true, &["--isolation", "users"]);
+    let env_file = tmp.path().join("slotpool-demo.env");
+    assert!(
+        env_file.is_file(),
+        "the demo wrote no {}",
+        env_file.display()
+    );
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let block: Vec<String> = readme
+        .split("```sh\n")
+        .find(|b| b.starts_with(". /tmp/slotpool-demo.env"))
+        .expect("the README's second terminal")
+        .split("```")
+        .next()
+        .unwrap()
+        .lines()
+        .map(|l| {
+            l.split("  #")
+                .next()
+                .unwrap()
+                .trim()
+                .replace("/tmp/", &format!("{}/", tmp.path().display()))
+        })
+        .collect();
+    let run = |script: &str| {
+        let out = Command::new("bash")
+            .args(["-euc", script])
+            .env_remove("SLOTPOOL_NATS_URL")
+            .env_remove("SLOTPOOL_NATS_CREDS")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "`{script}` failed:\n{text}");
+        text
+    };
+    // The binaries come from the env file's PATH: the demo's own.
+    let asked = run(&format!("{}\n{}", block[0], block[1]));
+    let login = asked
+        .lines()
+        .find_map(|l| l.split_once(": ssh -p "))
+        .unwrap_or_else(|| panic!("`{}` printed no login:\n{asked}", block[1]));
+    let node = login.0.to_string();
+    let (port, user_host) = login.1.split_once(' ').unwrap();
+    let user = user_host.split('@').next().unwrap();
+    let listed = run(&format!("{}\n{}", block[0], block[2]));
+    assert!(
+        listed.contains(&node),
+        "`{}` does not show {node}:\n{listed}",
+        block[2]
+    );
+    let ssh = block[3]
+        .replace("<port>", port)
+        .replace("<user>", user)
+        .replace(
+            "ssh ",
+            "ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null ",
+        );
+    run(&format!("{}\n{ssh}", block[0]));
+    let whoami = run(&format!(
+        "{}\n{}",
+        block[0],
+        ssh.replace(" hostname", " id -un")
+    ));
+    assert!(
+        whoami.lines().any(|l| l.trim() == user),
+        "logged in as someone else:\n{whoami}"
+    );
+    run(&format!(
+        "{}\n{}",
+        block[0],
+        block[4].replace("<node>", &node)
+    ));
+    demo.signal(libc::SIGTERM);
+    demo.stopped_cleanly();
+    assert!(!env_file.exists(), "the env file outlived the demo");
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    assert!(
+        !passwd.lines().any(|l| l.starts_with(user)),
+        "the slot user {user} outlived the demo"
+    );
 }
 
 /// The demo's nats-server killed and, after [`OUTAGE`], started again on the same port
@@ -282,8 +376,13 @@ impl RunningDemo {
         let mut cmd = Command::new(bin_path("slotpool"));
         cmd.args(["demo", "--no-console", "--hold-ms", "500", "--jobs"])
             .arg(JOBS.to_string())
-            .args(more)
-            .env("SLOTPOOL_NATS_SERVER", nats_server_binary())
+            .args(more);
+        // Slots as directories unless the test asks for users: a Unix user per slot is
+        // for the test of logins.
+        if !more.contains(&"--isolation") {
+            cmd.args(["--isolation", "none"]);
+        }
+        cmd.env("SLOTPOOL_NATS_SERVER", nats_server_binary())
             .env("TMPDIR", tmp)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -177,7 +177,10 @@ async fn hold_survives_a_launcher_restart_and_run_releases_after_grace_time() {
         (BackingState::Ready, IdleBehaviour::Hold),
         "a held node was released"
     );
-    slotpool(&pool, &["run", a.id.as_str()]);
+    // Empty and idle past its grace-time: running it again releases it at once, and the
+    // order's answer says so (not "released after grace-time").
+    let said = slotpool(&pool, &["run", a.id.as_str()]);
+    assert!(said.contains("released now"), "{said}");
     wait_for("the node released once running again", SOON, || {
         gone(&pool, &a.id)
     })
@@ -361,6 +364,77 @@ async fn list_backing_and_list_events_show_orders_times_and_backing_ids() {
         "TIME is UTC to the second: {order}"
     );
     assert_eq!(cells[4], a.id.as_str(), "{order}");
+
+    // Completion of live names: what the shell's script asks (`COMPLETE=<shell>`), with
+    // the bus the environment names.
+    let complete = |words: &[&str]| {
+        let out = Command::new(bin_path("slotpool"))
+            .env("COMPLETE", "fish")
+            .env("SLOTPOOL_NATS_URL", pool.nats.url())
+            .env("SLOTPOOL_NATS_CREDS", pool.nats.creds(Role::Operator, "op"))
+            .arg("--")
+            .args(words)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let offered = complete(&["slotpool", "hold", "bn-"]);
+    assert!(offered.contains(a.id.as_str()), "backing ids: {offered}");
+    let offered = complete(&["slotpool", "release", "node-"]);
+    assert!(offered.contains(r.nodes[0].as_str()), "node ids: {offered}");
+    let offered = complete(&["slotpool", "request", "--label", "sm"]);
+    assert!(
+        offered.lines().any(|l| l.starts_with("small")),
+        "labels: {offered}"
+    );
+
+    // `list` filters, and a column named as the console names it (MODE).
+    assert!(
+        backing.lines().next().unwrap().contains(" MODE "),
+        "{backing}"
+    );
+    let held = slotpool(
+        &pool,
+        &[
+            "list",
+            "backing",
+            "--pool",
+            "local/main",
+            "--state",
+            "ready",
+        ],
+    );
+    assert!(held.contains(a.id.as_str()), "{held}");
+    let none = slotpool(&pool, &["list", "backing", "--pool", "other"]);
+    assert_eq!(none.lines().count(), 1, "{none}");
+    let nodes = slotpool(&pool, &["list"]);
+    assert!(
+        nodes.contains(r.nodes[0].as_str()),
+        "`list` lists the nodes: {nodes}"
+    );
+    let requests = slotpool(&pool, &["list", "requests", "--label", "small"]);
+    assert!(
+        requests.contains(r.id.as_str()),
+        "a request holding a node: {requests}"
+    );
+    pool.client.release(r.nodes.clone()).await.unwrap();
+    wait_for("the request to be over", SOON, || async {
+        !slotpool(&pool, &["list", "requests"]).contains(r.id.as_str())
+    })
+    .await;
+    let finished = slotpool(&pool, &["list", "requests", "--finished", "--limit", "1"]);
+    assert!(finished.contains(r.id.as_str()), "{finished}");
+    let out = Command::new(bin_path("slotpool"))
+        .args(pool.nats.args_as(Role::Operator, "op"))
+        .args(["list", "events", "--label", "small"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--label does not apply to `list events`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `--help` keeps the NATS options apart from a command's own and shows examples; the
@@ -385,12 +459,16 @@ fn the_cli_documents_itself() {
     let creds = help.find("--creds").expect("--creds");
     assert!(own < nats && nats < creds, "{help}");
     assert!(help.contains("\nExample:\n  slotpool hold bn-"), "{help}");
+    // Every status the code returns, in every --help.
+    assert!(help.contains("\nExit status:\n  0    success"), "{help}");
+    assert!(help.contains("\n  3    `release`"), "{help}");
     assert!(!help.contains("--actor"), "{help}");
     let (ok, _, err) = run(&["hold", "bn-x", "--actor", "bob"]);
     assert!(!ok && err.contains("--actor"), "{err}");
 
     let (ok, bash, _) = run(&["completions", "bash"]);
-    assert!(ok && bash.contains("complete -F _slotpool"), "{bash}");
+    // The script asks `slotpool` as the shell completes (live names, see the list test).
+    assert!(ok && bash.contains("_clap_complete_slotpool"), "{bash}");
     let dir = tempfile::tempdir().unwrap();
     let (ok, _, err) = run(&["man", dir.path().to_str().unwrap()]);
     assert!(ok, "{err}");
@@ -402,6 +480,28 @@ fn the_cli_documents_itself() {
         let text = std::fs::read_to_string(dir.path().join(page)).unwrap();
         let title = format!(".TH {} 1", page.trim_end_matches(".1"));
         assert!(text.contains(&title), "{page}: {text}");
+        for section in [".SH \"EXIT STATUS\"", ".SH \"SEE ALSO\""] {
+            assert!(text.contains(section), "{page} has no {section}");
+        }
+    }
+    let request = std::fs::read_to_string(dir.path().join("slotpool-request.1")).unwrap();
+    assert!(request.contains(".SH ENVIRONMENT") && request.contains("SLOTPOOL_SSH_KEY"));
+    // Every page a page names exists (`slotpool-help(1)` did not).
+    for entry in std::fs::read_dir(dir.path()).unwrap().flatten() {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for named in text.split("\\fB").skip(1) {
+            let Some((page, rest)) = named.split_once("\\fR") else {
+                continue;
+            };
+            if rest.starts_with("(1)") {
+                let file = format!("{}.1", page.replace("\\-", "-"));
+                assert!(
+                    dir.path().join(&file).exists(),
+                    "{} names {file}, which is not written",
+                    entry.path().display()
+                );
+            }
+        }
     }
 }
 

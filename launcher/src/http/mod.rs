@@ -13,7 +13,8 @@
 
 pub(crate) mod api;
 pub(crate) mod metrics;
-pub(crate) mod stream;
+// Public for its message type, which tests/tests/docs.rs decodes docs/http.md's examples with.
+pub mod stream;
 pub mod tls;
 
 use crate::shared::Shared;
