@@ -1140,3 +1140,35 @@ fn every_picture_is_drawn_from_its_source() {
     eprintln!("diagram labels found in their pictures: {checked}");
     assert!(checked > 20);
 }
+
+#[test]
+fn the_exit_statuses_the_docs_give_are_the_programs() {
+    let out = std::process::Command::new(bin_path("slotpool"))
+        .arg("--help")
+        .output()
+        .expect("slotpool --help");
+    let help = String::from_utf8_lossy(&out.stdout).to_string();
+    let from_help: BTreeSet<(String, String)> = help
+        .split("Exit status:\n")
+        .nth(1)
+        .expect("`slotpool --help` lists the exit statuses")
+        .lines()
+        .filter_map(|l| {
+            let (code, meaning) = l.trim().split_once(' ')?;
+            Some((code.to_string(), meaning.trim().to_string()))
+        })
+        .collect();
+    let cli = read(&repo().join("docs/cli.md"));
+    let table = cli
+        .split("**Exit statuses**")
+        .nth(1)
+        .expect("docs/cli.md's exit statuses");
+    let from_docs: BTreeSet<(String, String)> = tables(table)[0]
+        .1
+        .iter()
+        .skip(2)
+        .map(|r| (r[0].clone(), r[1].clone()))
+        .collect();
+    assert_eq!(from_docs, from_help);
+    eprintln!("exit statuses checked: {}", from_help.len());
+}
