@@ -893,7 +893,7 @@ const LEVELS: [&str; 11] = [
 
 /// The keys the parser takes at `level`: it names them when it refuses an unknown one.
 fn schema_keys(level: &str) -> BTreeSet<String> {
-    use slotpool_launcher::config::Config;
+    use slotpool_config::Config;
     let file = Path::new("pool.yaml");
     Config::parse(file, &pool_file(level, ""))
         .unwrap_or_else(|e| panic!("the probe pool file does not validate: {e}"));
@@ -983,7 +983,7 @@ fn the_configuration_page_and_the_example_name_exactly_the_keys_the_parser_takes
             "docs/configuration.md: a table of keys under {heading:?}, which is no level of the file: {keys:?}"
         ));
     }
-    slotpool_launcher::config::Config::parse(Path::new("examples/pool.yaml"), &example)
+    slotpool_config::Config::parse(Path::new("examples/pool.yaml"), &example)
         .unwrap_or_else(|e| panic!("examples/pool.yaml does not validate: {e}"));
     eprintln!(
         "pool-file keys checked: {checked} (in {} levels)",
