@@ -179,7 +179,8 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
         assert!(Path::new(file).is_file(), "{file} not installed");
     }
     let bash = fs::read_to_string(&docs[0]).unwrap();
-    assert!(bash.contains("complete -F _slotpool"), "{bash}");
+    // The script asks the installed `slotpool` as the shell completes (live names).
+    assert!(bash.contains("-F _clap_complete_slotpool slotpool"), "{bash}");
 
     check_agent_env_file(tmp);
     check_ec2_provider(tmp);
