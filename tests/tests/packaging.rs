@@ -180,7 +180,10 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
     }
     let bash = fs::read_to_string(&docs[0]).unwrap();
     // The script asks the installed `slotpool` as the shell completes (live names).
-    assert!(bash.contains("-F _clap_complete_slotpool slotpool"), "{bash}");
+    assert!(
+        bash.contains("-F _clap_complete_slotpool slotpool"),
+        "{bash}"
+    );
 
     check_agent_env_file(tmp);
     check_ec2_provider(tmp);
