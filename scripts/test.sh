@@ -94,7 +94,7 @@ need_command() {
     fi
 }
 
-# Users-mode agents keep slot users off the bus with nftables (agent/src/bus_guard.rs).
+# Users-mode agents keep slot users off the bus with nftables (agent/src/isolation/bus_guard.rs).
 need_command nft nftables "keeping slot users off the bus"
 # The console's end-to-end test runs slotpool-console in tmux.
 need_command tmux tmux "the console's end-to-end test"

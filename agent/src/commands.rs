@@ -19,6 +19,7 @@
 //!   or of a dirty slot) or `internal` (slot held by another node, isolation failure,
 //!   a release that could not clean its slot, queue full)
 
+use crate::isolation::Limits;
 use crate::log_tail::LogTail;
 use crate::slots::{ReleaseOutcome, SlotError, Slots};
 use crate::ssh::SshInfo;
@@ -141,6 +142,7 @@ async fn execute(slots: &Slots, ssh: &SshInfo, tail: &LogTail, command: AgentCom
                 .into();
             }
             let started = std::time::Instant::now();
+            let limits = Limits::from(&limits);
             let result = slots.prepare(slot, &node_id, ssh_public_key, limits).await;
             crate::metrics::prepared(started.elapsed());
             match &result {

@@ -4,8 +4,9 @@
 //! The secret never comes from argv (it would show in `ps`): only from the environment
 //! ([`SECRET_ENV`]) or a file (`--secret-file`), and only its SHA-256 is kept.
 
-use crate::uid_range::UidRange;
+use crate::isolation::uid_range::UidRange;
 use clap::Parser;
+use slotpool_config::bus::NatsArgs;
 use slotpool_protocol::connect::NatsOptions;
 use slotpool_protocol::{model, BackingId};
 use std::path::{Path, PathBuf};
@@ -22,33 +23,8 @@ pub struct Args {
     /// spans) for a log system.
     #[arg(long, env = "SLOTPOOL_LOG_FORMAT", default_value = "text")]
     pub log_format: slotpool_protocol::logging::LogFormat,
-    /// NATS server URL(s), comma-separated.
-    #[arg(
-        long,
-        env = "SLOTPOOL_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub nats: String,
-    /// NATS credentials file (JWT + NKey): this backing node's own, minted by the
-    /// launcher at launch or by `slotpool nats-setup --static-agent` (keep it 0600).
-    #[arg(long, env = "SLOTPOOL_NATS_CREDS", value_name = "FILE")]
-    pub creds: Option<PathBuf>,
-    /// NATS user (with --password), for a server with plain user logins.
-    #[arg(long, env = "SLOTPOOL_NATS_USER")]
-    pub user: Option<String>,
-    #[arg(long, env = "SLOTPOOL_NATS_PASSWORD", hide_env_values = true)]
-    pub password: Option<String>,
-    #[arg(long, env = "SLOTPOOL_NATS_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
-    /// CA bundle to trust for TLS.
-    #[arg(long, env = "SLOTPOOL_NATS_TLS_CA", value_name = "FILE")]
-    pub tls_ca: Option<PathBuf>,
-    /// Client certificate for mutual TLS (with --tls-key).
-    #[arg(long, env = "SLOTPOOL_NATS_TLS_CERT", value_name = "FILE")]
-    pub tls_cert: Option<PathBuf>,
-    /// Client key for mutual TLS (with --tls-cert).
-    #[arg(long, env = "SLOTPOOL_NATS_TLS_KEY", value_name = "FILE")]
-    pub tls_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// The backing node this agent runs on (given by the launcher at launch).
     #[arg(long, env = "SLOTPOOL_BACKING_ID", value_name = "ID")]
     pub backing_id: String,
@@ -85,7 +61,7 @@ pub struct Args {
     /// uids of slot users, FIRST-LAST: handed out in order and wrapping only at the end,
     /// so a slot's next user never gets the uid just freed. Agents sharing a host need
     /// ranges of their own.
-    #[arg(long, value_name = "FIRST-LAST", default_value = crate::uid_range::DEFAULT_RANGE)]
+    #[arg(long, value_name = "FIRST-LAST", default_value = crate::isolation::uid_range::DEFAULT_RANGE)]
     pub slot_uid_range: String,
     /// In users mode, keep slot users off the bus: an nftables table rejects TCP from the
     /// slot uid range to the port of every --nats URL (needs `nft`). `off` leaves the
@@ -99,10 +75,10 @@ pub struct Args {
     pub slot_netns: Switch,
     /// IPv4 block the slots' veth pairs are numbered from (a /30 per slot); agents
     /// sharing a host need blocks of their own.
-    #[arg(long, value_name = "CIDR", default_value = crate::netns::DEFAULT_RANGE)]
+    #[arg(long, value_name = "CIDR", default_value = crate::isolation::netns::DEFAULT_RANGE)]
     pub slot_netns_range: String,
     /// Most processes and threads of a slot whose label sets no `limits.pids`.
-    #[arg(long, value_name = "N", default_value_t = crate::default_limits::DEFAULT_PIDS_MAX)]
+    #[arg(long, value_name = "N", default_value_t = crate::isolation::default_limits::DEFAULT_PIDS_MAX)]
     pub default_pids_max: u32,
     /// Memory of a slot whose label sets no `limits.memory-mb`, in MiB; `auto`: 90% of
     /// the host's memory divided by --slots.
@@ -233,17 +209,17 @@ pub struct AgentConfig {
     pub bus_guard_ports: Option<Vec<u16>>,
     /// The block of the slots' veth addresses, when every slot has a network namespace
     /// of its own (users mode with --slot-netns on).
-    pub slot_netns: Option<crate::netns::AddressRange>,
+    pub slot_netns: Option<crate::isolation::netns::AddressRange>,
     pub run_dir: PathBuf,
     pub ssh_port: u16,
     pub ssh_host_keys_dir: PathBuf,
     pub probe: Option<ProbeConfig>,
     pub thresholds: crate::health::Thresholds,
-    /// Limits of a slot whose label sets none (see [`crate::default_limits`]).
-    pub default_limits: crate::default_limits::DefaultLimits,
+    /// Limits of a slot whose label sets none (see [`crate::isolation::default_limits`]).
+    pub default_limits: crate::isolation::default_limits::DefaultLimits,
     /// Hide other users' processes in /proc (users mode with --hide-processes on).
     pub hide_processes: Option<HideProcesses>,
-    /// Where the agent's mounts go (see [`crate::mounts`]).
+    /// Where the agent's mounts go (see [`crate::isolation::mounts`]).
     pub mount_namespace: Option<PathBuf>,
     /// Where to serve `/metrics` (`--metrics`), and the token file guarding it.
     pub metrics: Option<(std::net::SocketAddr, Option<PathBuf>)>,
@@ -267,7 +243,7 @@ pub enum Switch {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("--bus-guard: {0}")]
-    BusGuard(crate::bus_guard::GuardError),
+    BusGuard(crate::isolation::bus_guard::GuardError),
     #[error("invalid --backing-id: {0}")]
     BackingId(slotpool_protocol::ids::InvalidId),
     #[error("no agent secret: set {SECRET_ENV} or pass --secret-file")]
@@ -306,7 +282,7 @@ pub enum ConfigError {
     #[error("--slot-term-grace-ms must be 0 to {MAX_TERM_GRACE_MS} (a release answers the launcher within 30 s), got {0}")]
     TermGrace(u64),
     #[error("--slot-uid-range: {0}")]
-    UidRange(crate::uid_range::UidError),
+    UidRange(crate::isolation::uid_range::UidError),
     #[error("--slot-netns-range: {0}")]
     NetnsRange(String),
     #[error("--slot-netns on needs --isolation users")]
@@ -357,7 +333,7 @@ impl Args {
         if isolation == IsolationMode::Users && !running_as_root {
             return Err(ConfigError::UsersNeedRoot);
         }
-        if !crate::users::valid_prefix(&self.user_prefix) {
+        if !crate::isolation::passwd::valid_prefix(&self.user_prefix) {
             return Err(ConfigError::UserPrefix(self.user_prefix));
         }
         let parent_ok = !self.cgroup_parent.is_empty()
@@ -372,16 +348,17 @@ impl Args {
         }
         let slot_uids = UidRange::parse(&self.slot_uid_range).map_err(ConfigError::UidRange)?;
         let bus_guard_ports = match (isolation, self.bus_guard) {
-            (IsolationMode::Users, Switch::On) => {
-                Some(crate::bus_guard::ports_of(&self.nats).map_err(ConfigError::BusGuard)?)
-            }
+            (IsolationMode::Users, Switch::On) => Some(
+                crate::isolation::bus_guard::ports_of(&self.nats.url)
+                    .map_err(ConfigError::BusGuard)?,
+            ),
             _ => None,
         };
         let slot_netns = match (isolation, self.slot_netns) {
             (_, Switch::Off) => None,
             (IsolationMode::None, Switch::On) => return Err(ConfigError::NetnsNeedsUsers),
             (IsolationMode::Users, Switch::On) => {
-                let range = crate::netns::AddressRange::parse(&self.slot_netns_range)
+                let range = crate::isolation::netns::AddressRange::parse(&self.slot_netns_range)
                     .map_err(ConfigError::NetnsRange)?;
                 if range.capacity() < self.slots {
                     return Err(ConfigError::NetnsRange(format!(
@@ -407,7 +384,7 @@ impl Args {
                 return Err(ConfigError::DiskQuotaNeedsUsers);
             }
         }
-        let default_limits = crate::default_limits::DefaultLimits {
+        let default_limits = crate::isolation::default_limits::DefaultLimits {
             pids: self.default_pids_max,
             memory: self
                 .default_memory_max_mb
@@ -430,7 +407,7 @@ impl Args {
         });
         Ok(AgentConfig {
             secret_sha256: model::secret_digest(&secret),
-            namespace: crate::users::namespace(&self.user_prefix, backing_id.as_str()),
+            namespace: crate::isolation::passwd::namespace(&self.user_prefix, backing_id.as_str()),
             backing_id,
             work_dir: self.work_dir,
             slots: self.slots,
@@ -464,25 +441,14 @@ impl Args {
         self,
         secret_env: Option<std::ffi::OsString>,
     ) -> Result<AgentConfig, ConfigError> {
-        // SAFETY: geteuid cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
+        let root = rustix::process::geteuid().is_root();
         self.into_config_as(secret_env, root)
     }
 
     /// How to reach NATS; the connection is named after the backing node.
     pub fn nats_options(&self) -> NatsOptions {
-        NatsOptions {
-            url: self.nats.clone(),
-            creds: self.creds.clone(),
-            user: self.user.clone(),
-            password: self.password.clone(),
-            token: self.token.clone(),
-            tls_ca: self.tls_ca.clone(),
-            tls_cert: self.tls_cert.clone(),
-            tls_key: self.tls_key.clone(),
-            name: format!("slotpool-agent-{}", self.backing_id),
-            ..NatsOptions::default()
-        }
+        self.nats
+            .options(&format!("slotpool-agent-{}", self.backing_id))
     }
 }
 
@@ -544,9 +510,9 @@ mod tests {
         assert_eq!(c.secret_sha256, model::secret_digest("s3cret"));
         assert_eq!(
             c.default_limits,
-            crate::default_limits::DefaultLimits {
+            crate::isolation::default_limits::DefaultLimits {
                 pids: 4096,
-                memory: crate::default_limits::MemoryDefault::Auto,
+                memory: crate::isolation::default_limits::MemoryDefault::Auto,
                 disk_mb: None,
             }
         );
@@ -622,7 +588,7 @@ mod tests {
         assert_eq!(c.default_limits.pids, 64);
         assert_eq!(
             c.default_limits.memory,
-            crate::default_limits::MemoryDefault::Mib(512)
+            crate::isolation::default_limits::MemoryDefault::Mib(512)
         );
     }
 
@@ -698,7 +664,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             c.slot_netns.map(|r| r.to_string()).as_deref(),
-            Some(crate::netns::DEFAULT_RANGE)
+            Some(crate::isolation::netns::DEFAULT_RANGE)
         );
         let on_none = ["--slot-netns", "on", "--isolation", "none"];
         assert!(matches!(
@@ -733,7 +699,10 @@ mod tests {
             .into_config_as(env_secret(), false)
             .unwrap();
         assert_eq!(c.isolation, IsolationMode::None);
-        assert_eq!(c.slot_uids.to_string(), crate::uid_range::DEFAULT_RANGE);
+        assert_eq!(
+            c.slot_uids.to_string(),
+            crate::isolation::uid_range::DEFAULT_RANGE
+        );
         let c = args(&["--slot-uid-range", "3000000-3000999"])
             .into_config_as(env_secret(), true)
             .unwrap();

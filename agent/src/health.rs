@@ -9,8 +9,6 @@
 //! reason; launchers hand out no new slots on it until it is healthy again.
 
 use slotpool_protocol::model::Health;
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 /// Why one health figure could not be read.
@@ -87,21 +85,11 @@ pub fn disk_space(path: &Path) -> Result<DiskSpace, HealthError> {
         path: path.to_path_buf(),
         error,
     };
-    let c_path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| statvfs_error(std::io::ErrorKind::InvalidInput.into()))?;
-    // SAFETY: `c_path` is a valid NUL-terminated string and `stat` a writable statvfs that
-    // lives across the call; statvfs does not keep either pointer.
-    let stat = unsafe {
-        let mut stat: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(c_path.as_ptr(), &mut stat) != 0 {
-            return Err(statvfs_error(std::io::Error::last_os_error()));
-        }
-        stat
-    };
-    let block = stat.f_frsize as u64;
+    let stat = rustix::fs::statvfs(path).map_err(|e| statvfs_error(e.into()))?;
+    let block = stat.f_frsize;
     Ok(DiskSpace {
-        total_kb: (stat.f_blocks as u64).saturating_mul(block) / 1024,
-        available_kb: (stat.f_bavail as u64).saturating_mul(block) / 1024,
+        total_kb: stat.f_blocks.saturating_mul(block) / 1024,
+        available_kb: stat.f_bavail.saturating_mul(block) / 1024,
     })
 }
 
@@ -225,16 +213,18 @@ fn keep<T>(errors: &mut Vec<HealthError>, result: Result<T, HealthError>) -> Opt
     result.map_err(|err| errors.push(err)).ok()
 }
 
-/// This machine's host name (`gethostname(2)`), or `"unknown"`.
+/// This machine's host name (the node name `uname(2)` reports, as `gethostname(2)`
+/// does), or `"unknown"`.
 pub fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is writable for its whole length; gethostname writes at most that.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "unknown".to_string();
+    let name = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    if name.is_empty() {
+        "unknown".to_string()
+    } else {
+        name
     }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 #[cfg(test)]

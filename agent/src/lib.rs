@@ -4,11 +4,13 @@
 //! Code map:
 //! - [`config`]: flags and the validated [`AgentConfig`];
 //! - [`health`]: figures from `/proc` and `statvfs`;
-//! - [`isolation`]: the [`isolation::SlotIsolation`] trait and its mode-`none` impl;
-//! - [`user_isolation`]: mode `users`, a Unix user and a cgroup per slot, built from
-//!   [`users`] (names, useradd/userdel, kill by uid) and [`cgroup`] (v2/v1 drivers);
-//! - [`enter`]: the placement socket and the `enter-slot` helper sshd runs for logins;
+//! - [`isolation`]: the [`isolation::SlotIsolation`] trait, its mode-`none` impl and, in
+//!   its submodules, mode `users` and the mechanisms it is built from (users, `/proc`,
+//!   cgroups, disk quotas, mounts, network namespaces, the bus guard, the placement
+//!   socket and the `enter-slot` helper sshd runs for logins);
 //! - [`slots`]: who holds which slot, the prepare/release rules, dirty slots;
+//! - [`stack`]: the isolation the configuration asks for, and the slot table, bus guard
+//!   and placement socket around it, set up and taken down in one step each;
 //! - [`commands`]: serving `slotpool.agent.v2.<backing id>`;
 //! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
@@ -18,49 +20,39 @@
 //! when the slots bucket no longer holds the node it prepared the slot for; otherwise the
 //! launcher decides when a slot is released.
 
-pub mod bus_guard;
-pub mod cgroup;
 pub mod commands;
 pub mod config;
-pub mod default_limits;
-pub mod disk_quota;
-pub mod enter;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
 pub mod log_tail;
 pub mod metrics;
 pub mod metrics_http;
-pub mod mounts;
-pub mod netns;
 pub mod reconcile;
-pub mod shared_dirs;
 pub mod slots;
 pub mod ssh;
+pub mod stack;
 pub mod step_clock;
-pub mod uid_range;
-pub mod user_isolation;
-pub mod users;
-pub mod wipe;
 
 pub use config::{AgentConfig, Args};
 
-use config::{IsolationMode, ProbeConfig};
+use isolation::{bus_guard, disk_quota, enter, mounts, netns, uid_range};
+
+use config::ProbeConfig;
 use health::ProbeStatus;
 use heartbeat::Heartbeat;
-use isolation::{IsolationError, SlotIsolation, WorkspaceOnly};
+use isolation::{IsolationError, SlotIsolation};
 use log_tail::LogTail;
 use slotpool_protocol::connect::{Bus, BusError};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::time::now_ms;
-use slots::Slots;
+use stack::SlotStack;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
-use user_isolation::UserIsolation;
 
 /// Longest wait for the command subscription to be set up.
 pub const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -70,7 +62,7 @@ pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// (only while some slot is prepared).
 pub const PLACEMENT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// Where cgroup mounts are looked up.
-const PROC_ROOT: &str = "/proc";
+pub(crate) const PROC_ROOT: &str = "/proc";
 
 /// Why the agent stopped.
 #[derive(Debug, thiserror::Error)]
@@ -119,87 +111,7 @@ pub async fn run(
         path: config.work_dir.clone(),
         error,
     })?;
-    let isolation: Arc<dyn SlotIsolation> = match config.isolation {
-        IsolationMode::None => {
-            tracing::warn!(
-                "ISOLATION IS OFF (--isolation none): slots share one user, see each other's \
-                 files and processes and have no resource limits; use this for development only"
-            );
-            Arc::new(WorkspaceOnly::new(&config.work_dir).map_err(AgentError::Slots)?)
-        }
-        IsolationMode::Users => {
-            let layout =
-                cgroup::detect(std::path::Path::new(PROC_ROOT)).map_err(AgentError::Isolation)?;
-            tracing::info!(
-                ?layout,
-                parent = config.cgroup_parent,
-                "cgroup layout detected"
-            );
-            let driver = cgroup::driver(&layout, &config.cgroup_parent);
-            let uids = uid_range::UidAllocator::open(&config.work_dir, config.slot_uids)
-                .map_err(AgentError::Uids)?;
-            tracing::info!(range = %config.slot_uids, "slot uids");
-            let shared = shared_dirs::of_host();
-            tracing::info!(dirs = ?shared, "shared directories cleaned of a slot user's entries at release");
-            let mounts = mounts::MountNamespace::new(config.mount_namespace.clone());
-            if let Some(hide) = config.hide_processes {
-                let mounted = mounts
-                    .hide_processes(hide.exempt_gid)
-                    .map_err(AgentError::HideProcesses)?;
-                tracing::info!(
-                    exempt_gid = hide.exempt_gid,
-                    mounted,
-                    "slot users see only their own processes in /proc"
-                );
-            } else {
-                tracing::warn!(
-                    "PROCESSES NOT HIDDEN (--hide-processes off): every slot sees the command lines of the others' processes"
-                );
-            }
-            let images = disk_quota::WorkspaceImages::new(&config.work_dir, mounts)
-                .map_err(AgentError::Isolation)?;
-            let default_disk = config.default_limits.disk_bytes();
-            match (images.available(), default_disk) {
-                (Err(why), Some(_)) => return Err(AgentError::DiskQuota(why)),
-                (Err(why), None) => {
-                    tracing::info!(%why, "labels asking for a disk quota will fail to prepare")
-                }
-                (Ok(()), _) => tracing::info!(
-                    default_mb = config.default_limits.disk_mb,
-                    "per-slot disk quotas available"
-                ),
-            }
-            let mut isolation = UserIsolation::new(
-                &config.work_dir,
-                config.namespace.clone(),
-                config.backing_id.to_string(),
-                driver,
-                uids,
-                shared,
-            )
-            .map_err(AgentError::Isolation)?
-            .with_disk_quotas(images, default_disk)
-            .with_term_grace(config.slot_term_grace);
-            match config.slot_netns {
-                Some(range) => {
-                    let networks = netns::SlotNetworks::new(
-                        config.run_dir.join("netns").join(&config.namespace),
-                        config.namespace.clone(),
-                        range,
-                        config.bus_guard_ports.clone().unwrap_or_default(),
-                    )
-                    .map_err(AgentError::Netns)?;
-                    tracing::info!(%range, "every slot gets a network namespace of its own");
-                    isolation = isolation.with_network(networks);
-                }
-                None => tracing::info!(
-                    "slots share the host's network namespace (--slot-netns off): a service \
-                     on loopback in one slot is reachable from the others"
-                ),
-            }
-            Arc::new(isolation)
-        }
-    };
+    let isolation = stack::isolation_of(&config)?;
     run_with(config, bus, isolation, tail, shutdown).await
 }
 
@@ -240,46 +152,6 @@ async fn probe_loop(
     }
 }
 
-/// Moves stray slot processes into their cgroups every [`PLACEMENT_SWEEP_INTERVAL`]
-/// while some slot is prepared (free slots, warm or not, have no processes to place).
-async fn sweep_loop(slots: Slots, shutdown: CancellationToken) {
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(PLACEMENT_SWEEP_INTERVAL) => {}
-        }
-        if slots.reports().is_empty() {
-            continue;
-        }
-        let iso = slots.isolation().clone();
-        match tokio::task::spawn_blocking(move || iso.sweep()).await {
-            Ok(0) => {}
-            Ok(moved) => tracing::info!(
-                moved,
-                "placement sweep moved slot processes into their cgroups"
-            ),
-            Err(err) => tracing::warn!(%err, "placement sweep failed"),
-        }
-    }
-}
-
-/// The default slot limits for this host (its memory read once, from `/proc/meminfo`).
-fn resolve_default_limits(
-    config: &AgentConfig,
-) -> Result<slotpool_protocol::api::SlotLimits, AgentError> {
-    let path = std::path::Path::new(PROC_ROOT).join("meminfo");
-    let memory = std::fs::read_to_string(&path)
-        .map_err(|e| e.to_string())
-        .and_then(|text| {
-            health::parse_meminfo(&text).ok_or_else(|| "no MemTotal or MemAvailable".into())
-        })
-        .map_err(|message| AgentError::DefaultLimits {
-            path: path.clone(),
-            message,
-        })?;
-    Ok(config.default_limits.resolve(memory.total_kb, config.slots))
-}
-
 /// Runs the agent with the given isolation until `shutdown` is cancelled: recovers the
 /// slots prepared before a restart, subscribes to commands, heartbeats at once and then
 /// every interval, and on shutdown writes a last heartbeat with `draining: true`.
@@ -293,58 +165,14 @@ pub async fn run_with(
     let span = tracing::info_span!("agent", backing_id = %config.backing_id);
     async move {
         let started_at = now_ms();
-        let default_limits = resolve_default_limits(&config)?;
-        tracing::info!(?default_limits, "limits of slots whose label sets none");
-        let slots = Slots::recover(isolation.clone(), config.slots)
-            .await
-            .and_then(|s| s.with_dirty_dir(config.work_dir.join("dirty")))
-            .map_err(AgentError::Slots)?
-            .with_default_limits(default_limits);
-        let released = reconcile::reconcile(&slots, &bus.slots, &config.backing_id).await;
-        if !released.is_empty() {
-            tracing::info!(?released, "released the slots of nodes gone while the agent was down");
-        }
+        let background = shutdown.child_token();
+        let stack = SlotStack::start(&config, isolation, &bus, &background).await?;
+        let slots = stack.slots.clone();
         let ssh = Arc::new(ssh::SshInfo {
             port: config.ssh_port,
             host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),
         });
-        let guard = match &config.bus_guard_ports {
-            Some(ports) => {
-                let (first, last) = (config.slot_uids.first, config.slot_uids.last);
-                let table = format!("slotpool_{}", config.namespace);
-                let guard = tokio::task::spawn_blocking({
-                    let ports = ports.clone();
-                    move || bus_guard::BusGuard::install(&table, first, last, &ports)
-                })
-                .await
-                .expect("the bus guard task does not panic")
-                .map_err(AgentError::BusGuard)?;
-                Some(guard)
-            }
-            None => {
-                if config.isolation == IsolationMode::Users {
-                    tracing::warn!(
-                        "BUS GUARD OFF (--bus-guard off): every slot can reach the NATS port"
-                    );
-                }
-                None
-            }
-        };
-        let background = shutdown.child_token();
         let mut tasks = Vec::new();
-        if config.isolation == IsolationMode::Users {
-            let listener =
-                enter::bind(&config.run_dir, &config.namespace).map_err(AgentError::Enter)?;
-            let path = enter::socket_path(&config.run_dir, &config.namespace);
-            tracing::info!(socket = %path.display(), "login placement socket ready");
-            tasks.push(tokio::spawn(
-                enter::serve(listener, path, isolation.clone(), background.clone())
-                    .in_current_span(),
-            ));
-            tasks.push(tokio::spawn(
-                sweep_loop(slots.clone(), background.clone()).in_current_span(),
-            ));
-        }
         if let Some((addr, token_file)) = &config.metrics {
             let listener = metrics_http::MetricsListener::bind(*addr, token_file.as_deref())
                 .await
@@ -427,36 +255,7 @@ pub async fn run_with(
                 tracing::warn!(%err, "background task failed");
             }
         }
-        // Let warm-ups finish, so none races the kill below or leaves a half-made slot.
-        slots.warm_ups_done().await;
-        // No slot process outlives the agent; workspaces stay for a restarted agent.
-        let iso = isolation.clone();
-        match tokio::task::spawn_blocking(move || iso.stop_all()).await {
-            Ok(Ok(())) => tracing::info!("slot processes stopped"),
-            Ok(Err(err)) => tracing::error!(%err, "cannot stop every slot process"),
-            Err(err) => tracing::error!(%err, "stopping slot processes failed"),
-        }
-        if config.remove_slots_on_stop {
-            let iso = isolation.clone();
-            let count = config.slots;
-            match tokio::task::spawn_blocking(move || iso.remove_all(count)).await {
-                Ok(problems) if problems.is_empty() => tracing::info!("slots removed"),
-                Ok(problems) => {
-                    for err in problems {
-                        tracing::error!(%err, "cannot remove a slot");
-                    }
-                }
-                Err(err) => tracing::error!(%err, "removing the slots failed"),
-            }
-        }
-        if let Some(guard) = guard {
-            let table = guard.table().to_string();
-            match tokio::task::spawn_blocking(move || guard.remove()).await {
-                Ok(Ok(())) => tracing::info!(table, "bus guard removed"),
-                Ok(Err(err)) => tracing::warn!(%err, "cannot remove the bus guard"),
-                Err(err) => tracing::warn!(%err, "removing the bus guard failed"),
-            }
-        }
+        stack.stop(&config).await;
         // Without a connection nothing can leave: do not wait for one.
         if bus.is_connected() {
             match tokio::time::timeout(FLUSH_TIMEOUT, bus.flush()).await {

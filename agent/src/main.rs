@@ -2,7 +2,7 @@
 //! agent itself is [`slotpool_agent::run`].
 //!
 //! `slotpool-agent enter-slot [--run-dir DIR]` is the login helper sshd runs for slot
-//! users (see [`slotpool_agent::enter`]); it never connects to NATS.
+//! users (see [`slotpool_agent::isolation::enter`]); it never connects to NATS.
 
 use anyhow::Context;
 use clap::Parser;
@@ -33,7 +33,7 @@ struct EnterArgs {
 fn enter_slot() -> anyhow::Result<()> {
     let args = EnterArgs::parse_from(std::env::args_os().skip(1));
     let command = std::env::var("SSH_ORIGINAL_COMMAND").ok();
-    let err = slotpool_agent::enter::enter_slot(&args.run_dir, command);
+    let err = slotpool_agent::isolation::enter::enter_slot(&args.run_dir, command);
     Err(anyhow::Error::new(err).context("login refused"))
 }
 

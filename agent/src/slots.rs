@@ -31,9 +31,10 @@
 //! per slot, so they are answered in order.) The closed flag is kept in memory only: a
 //! restarted agent is open again.
 
+use crate::isolation::Limits;
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
 use crate::step_clock::StepClock;
-use slotpool_protocol::api::{SlotLimits, SlotOccupants};
+use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::{SlotReport, DIRTY_REASON_MAX_CHARS};
 use slotpool_protocol::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -254,8 +255,8 @@ pub struct Slots {
     /// The warm-ups running in the background.
     warming: TaskTracker,
     /// Limits a prepare gets for what its label leaves unset (see
-    /// [`crate::default_limits`]).
-    default_limits: SlotLimits,
+    /// [`crate::isolation::default_limits`]).
+    default_limits: Limits,
 }
 
 impl Slots {
@@ -285,12 +286,12 @@ impl Slots {
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                 .collect(),
             warming: TaskTracker::new(),
-            default_limits: SlotLimits::default(),
+            default_limits: Limits::default(),
         })
     }
 
     /// Gives every prepare `defaults` for the limits its label leaves unset.
-    pub fn with_default_limits(mut self, defaults: SlotLimits) -> Slots {
+    pub fn with_default_limits(mut self, defaults: Limits) -> Slots {
         self.default_limits = defaults;
         self
     }
@@ -493,9 +494,9 @@ impl Slots {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<String>,
-        limits: SlotLimits,
+        limits: Limits,
     ) -> Result<PreparedSlot, SlotError> {
-        let limits = crate::default_limits::with_defaults(limits, &self.default_limits);
+        let limits = crate::isolation::default_limits::with_defaults(limits, &self.default_limits);
         let mut clock = StepClock::start();
         let _running = self.gate.read().await;
         let _slot = self.lock(slot).await?;
@@ -639,7 +640,7 @@ mod tests {
     use super::*;
     use crate::isolation::WorkspaceOnly;
 
-    const L: SlotLimits = SlotLimits {
+    const L: Limits = Limits {
         cpu_millis: None,
         memory_bytes: None,
         pids: None,
@@ -799,7 +800,7 @@ mod tests {
             slot: u32,
             node_id: &NodeId,
             key: Option<&str>,
-            limits: &SlotLimits,
+            limits: &Limits,
         ) -> Result<PathBuf, IsolationError> {
             self.inner.create(slot, node_id, key, limits)
         }
@@ -811,7 +812,7 @@ mod tests {
             slot: u32,
             node_id: &NodeId,
             key: Option<&str>,
-            limits: &SlotLimits,
+            limits: &Limits,
         ) -> Result<PathBuf, IsolationError> {
             self.inner.prepare_warm(slot, node_id, key, limits)
         }
@@ -981,7 +982,7 @@ mod tests {
             slot: u32,
             node_id: &NodeId,
             key: Option<&str>,
-            limits: &SlotLimits,
+            limits: &Limits,
         ) -> Result<PathBuf, IsolationError> {
             self.record("create", slot);
             self.iso().create(slot, node_id, key, limits)
@@ -1001,7 +1002,7 @@ mod tests {
             slot: u32,
             node_id: &NodeId,
             key: Option<&str>,
-            limits: &SlotLimits,
+            limits: &Limits,
         ) -> Result<PathBuf, IsolationError> {
             self.record("prepare_warm", slot);
             if self

@@ -1,7 +1,7 @@
 //! Client subcommands: request, release, cancel, list.
 
 use super::output::{age, print, state, time};
-use super::{NatsArgs, Output};
+use super::{NatsClientArgs, Output};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use slotpool_protocol::api::{ApiError, ErrorCode};
@@ -64,13 +64,13 @@ pub enum ListWhat {
     Providers,
 }
 
-async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
+async fn connect(nats: &NatsClientArgs) -> anyhow::Result<Client> {
     Client::connect(&nats.options("slotpool-cli"))
         .await
-        .with_context(|| format!("connecting to NATS at {}", nats.url))
+        .with_context(|| format!("connecting to NATS at {}", nats.bus.url))
 }
 
-pub async fn request(nats: &NatsArgs, args: RequestArgs) -> anyhow::Result<ExitCode> {
+pub async fn request(nats: &NatsClientArgs, args: RequestArgs) -> anyhow::Result<ExitCode> {
     let client = connect(nats).await?;
     let labels: Vec<String> = args
         .labels
@@ -223,7 +223,7 @@ fn print_nodes(output: Output, nodes: &[Node]) {
 }
 
 pub async fn release(
-    nats: &NatsArgs,
+    nats: &NatsClientArgs,
     nodes: Vec<String>,
     reason: Option<String>,
     wait: bool,
@@ -273,7 +273,11 @@ pub async fn release(
     })
 }
 
-pub async fn cancel(nats: &NatsArgs, request: &str, output: Output) -> anyhow::Result<ExitCode> {
+pub async fn cancel(
+    nats: &NatsClientArgs,
+    request: &str,
+    output: Output,
+) -> anyhow::Result<ExitCode> {
     let id = RequestId::parse(request)?;
     let client = connect(nats).await?;
     let canceled = client.cancel(id).await?;
@@ -378,7 +382,7 @@ fn finished(r: &NodeRequest) -> bool {
 }
 
 pub async fn list(
-    nats: &NatsArgs,
+    nats: &NatsClientArgs,
     what: ListWhat,
     filter: ListFilter,
     output: Output,

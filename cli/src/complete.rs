@@ -18,7 +18,7 @@ const ASK_LIMIT: Duration = Duration::from_secs(1);
 #[derive(Parser)]
 struct FromEnv {
     #[command(flatten)]
-    nats: super::NatsArgs,
+    nats: super::NatsClientArgs,
 }
 
 /// Asks the bus with `list`, then keeps the names starting with what is typed.

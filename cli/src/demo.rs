@@ -8,6 +8,7 @@
 
 use anyhow::{bail, Context};
 use clap::Args;
+use rustix::process::Signal;
 use slotpool_config::Config;
 use slotpool_launcher::agent_bus::AgentBus;
 use slotpool_launcher::provider::local::{
@@ -21,7 +22,7 @@ use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::{Bus, NatsOptions};
 use slotpool_protocol::model::RequestState;
 use std::io::IsTerminal;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,7 +109,7 @@ providers:
             node-attributes: {demo: true}
 ";
 
-pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<ExitCode> {
+pub async fn run_demo(args: DemoArgs, nats: &super::NatsClientArgs) -> anyhow::Result<ExitCode> {
     let dir = tempfile_dir()?;
     // From here on, every way out (a return, an error, a panic, a second Ctrl-C) stops
     // what the demo started and removes its directory.
@@ -173,7 +174,7 @@ pub async fn run_demo(args: DemoArgs, nats: &super::NatsArgs) -> anyhow::Result<
         let demo = std::process::id();
         // SAFETY: end_with_parent calls only async-signal-safe functions.
         unsafe {
-            cmd.pre_exec(move || end_with_parent(demo, libc::SIGTERM));
+            cmd.pre_exec(move || end_with_parent(demo, Signal::TERM));
         }
         let mut child = cmd
             .spawn()
@@ -232,7 +233,7 @@ struct Started {
 /// Starts the demo's nats-server (unless `--connect`), its launcher and its jobs.
 async fn start(
     args: &DemoArgs,
-    nats: &super::NatsArgs,
+    nats: &super::NatsClientArgs,
     dir: &Path,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Started> {
@@ -247,12 +248,12 @@ async fn start(
             Some(path) => Some(Minter::load(path).context("loading --agent-signing-key")?),
             None => None,
         };
-        let mut console_args = vec!["--nats".to_string(), nats.url.clone()];
-        if let Some(creds) = &nats.creds {
+        let mut console_args = vec!["--nats".to_string(), nats.bus.url.clone()];
+        if let Some(creds) = &nats.bus.creds {
             console_args.extend(["--creds".to_string(), creds.display().to_string()]);
         }
         (
-            nats.url.clone(),
+            nats.bus.url.clone(),
             nats.options("slotpool-demo"),
             nats.options("slotpool-demo-load"),
             console_args,
@@ -524,7 +525,7 @@ async fn start_sshd(
     let demo = std::process::id();
     // SAFETY: end_with_parent calls only async-signal-safe functions.
     unsafe {
-        cmd.pre_exec(move || end_with_parent(demo, libc::SIGKILL));
+        cmd.pre_exec(move || end_with_parent(demo, Signal::KILL));
     }
     let mut child = cmd.spawn().context("starting sshd")?;
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -789,8 +790,7 @@ fn clean_up_abandoned(temp: &Path) {
         }
         // Only a directory of this user's own: anyone can make `slotpool-demo-<pid>` in
         // a shared temp directory, to have a demo kill what its command lines name.
-        // SAFETY: geteuid cannot fail and touches no memory.
-        let me_uid = unsafe { libc::geteuid() };
+        let me_uid = rustix::process::geteuid().as_raw();
         let owned = entry.metadata().is_ok_and(|m| {
             use std::os::unix::fs::MetadataExt;
             m.is_dir() && m.uid() == me_uid
@@ -846,15 +846,14 @@ fn remove_slot_users(pid: u32) {
 /// Kills the processes naming `dir` and removes it; returns how many were killed.
 fn remove_demo_dir(dir: &Path) -> usize {
     let pids = processes_naming(dir);
-    for &pid in &pids {
-        // SAFETY: plain kill/getpgid calls on pids just read from /proc; a local agent
-        // leads its own process group (it is started in a session of its own).
-        unsafe {
-            if libc::getpgid(pid) == pid {
-                libc::kill(-pid, libc::SIGKILL);
-            }
-            libc::kill(pid, libc::SIGKILL);
+    use rustix::process::{getpgid, kill_process, kill_process_group, Pid, Signal};
+    for pid in pids.iter().filter_map(|&p| Pid::from_raw(p)) {
+        // A local agent leads its own process group (it is started in a session of its
+        // own): the whole group goes.
+        if getpgid(Some(pid)) == Ok(pid) {
+            let _ = kill_process_group(pid, Signal::KILL);
         }
+        let _ = kill_process(pid, Signal::KILL);
     }
     let _ = std::fs::remove_dir_all(dir);
     pids.len()
@@ -899,19 +898,9 @@ struct StderrToFile {
 
 impl StderrToFile {
     fn redirect(path: &Path) -> std::io::Result<StderrToFile> {
-        use std::os::fd::AsRawFd;
         let file = std::fs::File::create(path)?;
-        // SAFETY: dup of our own stderr; the new descriptor is owned by `saved` at once.
-        let saved = unsafe { libc::dup(2) };
-        if saved < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `saved` is a fresh descriptor nobody else owns.
-        let saved = unsafe { OwnedFd::from_raw_fd(saved) };
-        // SAFETY: replaces fd 2 with a copy of the open file.
-        if unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let saved = rustix::io::dup(std::io::stderr())?;
+        rustix::stdio::dup2_stderr(&file)?;
         Ok(StderrToFile { saved })
     }
 
@@ -923,9 +912,7 @@ impl StderrToFile {
 
 impl Drop for StderrToFile {
     fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
-        // SAFETY: puts the saved descriptor back on fd 2.
-        unsafe { libc::dup2(self.saved.as_raw_fd(), 2) };
+        let _ = rustix::stdio::dup2_stderr(&self.saved);
     }
 }
 

@@ -36,7 +36,7 @@ The NATS options apply to every command; each also reads an environment variable
 )]
 pub struct Cli {
     #[command(flatten, next_help_heading = "NATS options")]
-    pub nats: NatsArgs,
+    pub nats: NatsClientArgs,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `slotpool_launcher=debug`.
     /// Default: `info` for `serve` and `demo`, `warn` for the commands that print results
     /// (their stderr stays quiet unless something is wrong).
@@ -65,7 +65,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-pub use slotpool_config::bus::NatsArgs;
+pub use slotpool_config::bus::NatsClientArgs;
 use slotpool_protocol::logging::LogFormat;
 
 #[derive(Debug, Clone, Copy, Default, ValueEnum)]

@@ -4,7 +4,7 @@
 //! recorded nowhere.
 
 use super::output::{age, print_table, state, time};
-use super::{NatsArgs, Output};
+use super::{NatsClientArgs, Output};
 use anyhow::{bail, Context};
 use clap::Args;
 use slotpool_protocol::client::Client;
@@ -53,10 +53,10 @@ pub struct LogsArgs {
     pub output: Output,
 }
 
-async fn connect(nats: &NatsArgs) -> anyhow::Result<Client> {
+async fn connect(nats: &NatsClientArgs) -> anyhow::Result<Client> {
     Client::connect(&nats.options("slotpool-operator"))
         .await
-        .with_context(|| format!("connecting to NATS at {}", nats.url))
+        .with_context(|| format!("connecting to NATS at {}", nats.bus.url))
 }
 
 /// Asks on the terminal; refuses without a terminal (pass `--yes` in scripts).
@@ -72,7 +72,7 @@ fn confirm(question: &str) -> anyhow::Result<bool> {
 }
 
 pub async fn order(
-    nats: &NatsArgs,
+    nats: &NatsClientArgs,
     action: OperatorAction,
     args: OrderArgs,
 ) -> anyhow::Result<ExitCode> {
@@ -102,7 +102,7 @@ pub async fn order(
 /// Prints the newest lines of a backing node's agent log, oldest first. A line's control
 /// characters are shown escaped, whatever the agent sent: a slot's tenant can put text
 /// of its own into the agent's log.
-pub async fn logs(nats: &NatsArgs, args: LogsArgs) -> anyhow::Result<ExitCode> {
+pub async fn logs(nats: &NatsClientArgs, args: LogsArgs) -> anyhow::Result<ExitCode> {
     let id = BackingId::parse(&args.backing)?;
     let client = connect(nats).await?;
     let tail = client
@@ -143,7 +143,7 @@ pub async fn release_with_reason(
 
 /// Who is in a slot: the launcher asks the backing node's agent, as the console's slot
 /// pane does.
-pub async fn occupants(nats: &NatsArgs, args: OccupantsArgs) -> anyhow::Result<ExitCode> {
+pub async fn occupants(nats: &NatsClientArgs, args: OccupantsArgs) -> anyhow::Result<ExitCode> {
     let id = BackingId::parse(&args.backing)?;
     let client = connect(nats).await?;
     let slot = args.slot;

@@ -1,6 +1,6 @@
 //! `slotpool serve`: the launcher daemon.
 
-use super::NatsArgs;
+use super::NatsClientArgs;
 use anyhow::Context;
 use slotpool_config::Config;
 use slotpool_launcher::agent_bus::{AgentBus, LocalTls};
@@ -69,7 +69,7 @@ pub struct ServeArgs {
     pub http_client_ca: Option<PathBuf>,
 }
 
-pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
+pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = Config::load(&args.config)?;
     let http = match args.http {
         Some(addr) => {
@@ -112,7 +112,7 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
     let agent_nats_url = args
         .agent_nats
         .or_else(|| config.agent_nats_url.clone())
-        .unwrap_or_else(|| nats.url.clone());
+        .unwrap_or_else(|| nats.bus.url.clone());
     let shutdown = CancellationToken::new();
     super::stop_on_signals(shutdown.clone())?;
     let stopping = shutdown.clone();
@@ -122,9 +122,9 @@ pub async fn serve(nats: &NatsArgs, args: ServeArgs) -> anyhow::Result<ExitCode>
     });
     let deps = LauncherDeps {
         agent_bus: AgentBus::new(agent_nats_url, minter).with_local_tls(LocalTls {
-            ca: absolute(&nats.tls_ca)?,
-            cert: absolute(&nats.tls_cert)?,
-            key: absolute(&nats.tls_key)?,
+            ca: absolute(&nats.bus.tls_ca)?,
+            cert: absolute(&nats.bus.tls_cert)?,
+            key: absolute(&nats.bus.tls_key)?,
         }),
         agent_binary: super::sibling_agent_binary(),
         // Like VMs: a restarted launcher takes them up again.

@@ -182,7 +182,7 @@ async fn start_server_with(
     // SAFETY: end_with_parent calls only async-signal-safe functions.
     unsafe {
         std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-            end_with_parent(parent, libc::SIGKILL)
+            end_with_parent(parent, Signal::KILL)
         });
     }
     let mut cmd = tokio::process::Command::from(cmd);

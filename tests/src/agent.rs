@@ -286,8 +286,11 @@ impl Drop for SlotAgent {
         // Workspace images a failed test or a killed agent left mounted.
         unmount_all_under(&self.work_dir());
         // What a test's jobs left may be too deep for the temp dir's recursive removal.
-        let mut budget = slotpool_agent::wipe::Budget::new(u64::MAX, Duration::from_secs(600));
-        if let Err(err) = slotpool_agent::wipe::remove_path(&self.work_dir(), &mut budget) {
+        let mut budget =
+            slotpool_agent::isolation::wipe::Budget::new(u64::MAX, Duration::from_secs(600));
+        if let Err(err) =
+            slotpool_agent::isolation::wipe::remove_path(&self.work_dir(), &mut budget)
+        {
             eprintln!("cleanup: {err}");
         }
     }
@@ -295,7 +298,7 @@ impl Drop for SlotAgent {
 
 /// The uid of a user name, if the user exists.
 pub fn uid_of(user: &str) -> Option<u32> {
-    slotpool_agent::users::lookup(user).map(|i| i.uid)
+    slotpool_agent::isolation::passwd::lookup(user).map(|i| i.uid)
 }
 
 /// Whether `path` exists (as anything, symlinks included).

@@ -2,8 +2,8 @@
 //! with a guard that removes them, and a private sshd on a loopback port.
 
 use crate::process::{bin_path, ChildGuard};
-use slotpool_agent::cgroup::{self, CgroupLayout};
-use slotpool_agent::users;
+use slotpool_agent::isolation::cgroup::{self, CgroupLayout};
+use slotpool_agent::isolation::{passwd, procs};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -133,7 +133,7 @@ impl IsolationEnv {
 
     /// The users of this environment that exist now.
     pub fn users(&self) -> Vec<String> {
-        users::users_with_prefix(Path::new("/etc"), &self.user_prefix)
+        passwd::users_with_prefix(Path::new("/etc"), &self.user_prefix)
     }
 }
 
@@ -147,21 +147,21 @@ impl Drop for IsolationEnv {
     fn drop(&mut self) {
         let cgroups = self.cgroups();
         for name in self.users() {
-            if let Some(info) = users::lookup(&name) {
-                if let Err(err) = users::kill_uid(Path::new("/proc"), info.uid, info.gid) {
+            if let Some(info) = passwd::lookup(&name) {
+                if let Err(err) = procs::kill_uid(Path::new("/proc"), info.uid, info.gid) {
                     eprintln!("cleanup: {err}");
                 }
             }
             if let Err(err) = cgroups.kill_all(&name) {
                 eprintln!("cleanup: {err}");
             }
-            if let Err(err) = users::remove(&name) {
+            if let Err(err) = passwd::remove(&name) {
                 eprintln!("cleanup: {err}");
             }
         }
         // Groups userdel left: it keeps a user's group whose gid is not the user's, as
         // an agent stopped between the two files of a renumber leaves them.
-        for group in users::groups_with_prefix(Path::new("/etc"), &self.user_prefix) {
+        for group in passwd::groups_with_prefix(Path::new("/etc"), &self.user_prefix) {
             let _ = Command::new("groupdel").arg(&group).status();
         }
         // Groups left by slots whose user is already gone.
@@ -221,7 +221,7 @@ fn remove_bus_guards(user_prefix: &str) {
     }
 }
 
-pub use slotpool_agent::mounts::in_namespace;
+pub use slotpool_agent::isolation::mounts::in_namespace;
 
 /// A private mount namespace (`unshare -m --propagation private`) held open by a
 /// sleeping process, killed on drop: once the agent and sshd in it are gone too, the

@@ -1,7 +1,7 @@
 //! Per-slot isolation and backing node health, end to end and as root: real agents with
 //! `--isolation users`, a real sshd on a loopback port, real logins.
 
-use slotpool_agent::users;
+use slotpool_agent::isolation::{passwd, procs};
 use slotpool_protocol::api::ErrorCode;
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
@@ -96,8 +96,8 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     );
     let ws_a = PathBuf::from(a.workspace.clone().unwrap());
     let ws_b = PathBuf::from(b.workspace.clone().unwrap());
-    let info_a = users::lookup(&user_a).expect("slot user a exists");
-    let info_b = users::lookup(&user_b).expect("slot user b exists");
+    let info_a = passwd::lookup(&user_a).expect("slot user a exists");
+    let info_b = passwd::lookup(&user_b).expect("slot user b exists");
 
     // The requester logs in with its key, as the slot's user, in the slot's home.
     let (ok, out, err) = key.ssh(
@@ -117,7 +117,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     );
     assert!(ok, "login as {user_b} failed: {err}");
     assert_eq!(
-        users::ipc_objects_of(Path::new("/proc"), info_b.uid).len(),
+        procs::ipc_objects_of(Path::new("/proc"), info_b.uid).len(),
         3,
         "the job made its IPC objects"
     );
@@ -143,7 +143,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         "a's daemon in a's cgroup",
         Duration::from_secs(10),
         || async {
-            let procs = users::processes_of(Path::new("/proc"), info_a.uid);
+            let procs = procs::processes_of(Path::new("/proc"), info_a.uid);
             let inside = cgroups.procs(&user_a).unwrap_or_default();
             procs.into_iter().find(|p| {
                 inside.contains(p)
@@ -176,17 +176,17 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     assert!(!alive(daemon), "the setsid daemon is gone after release");
     for (user, info, ws) in [(&user_a, &info_a, &ws_a), (&user_b, &info_b, &ws_b)] {
         assert!(
-            users::processes_of(Path::new("/proc"), info.uid).is_empty(),
+            procs::processes_of(Path::new("/proc"), info.uid).is_empty(),
             "processes of {user} left"
         );
         assert!(wiped(ws), "workspace {} not empty", ws.display());
         for trace in traces(user) {
             assert!(!trace.exists(), "{} left", trace.display());
         }
-        let ipc = users::ipc_objects_of(Path::new("/proc"), info.uid);
+        let ipc = procs::ipc_objects_of(Path::new("/proc"), info.uid);
         assert!(ipc.is_empty(), "IPC objects of {user} left: {ipc:?}");
         wait_for("the slot to be warm again", LONG, || async {
-            users::lookup(user).is_some() && ws.is_dir()
+            passwd::lookup(user).is_some() && ws.is_dir()
         })
         .await;
         assert!(wiped(ws), "warm workspace {} not empty", ws.display());
@@ -201,8 +201,8 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     let c = node(&pool, &again.nodes[0]).await;
     let user_c = c.login.username.clone().unwrap();
     assert!(user_c == user_a || user_c == user_b, "{user_c}");
-    let uid_c = users::lookup(&user_c).unwrap().uid;
-    assert!(users::processes_of(Path::new("/proc"), uid_c).is_empty());
+    let uid_c = passwd::lookup(&user_c).unwrap().uid;
+    assert!(procs::processes_of(Path::new("/proc"), uid_c).is_empty());
     let (ok, out, err) = key.ssh(
         sshd.port,
         &user_c,
@@ -233,7 +233,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         "setsid nohup sleep 1000 >/dev/null 2>&1 < /dev/null & echo started",
     );
     assert!(ok, "{err}");
-    assert!(!users::processes_of(Path::new("/proc"), uid_c).is_empty());
+    assert!(!procs::processes_of(Path::new("/proc"), uid_c).is_empty());
     let pid: i32 = std::fs::read_to_string(pool.agent_dir(c.backing_id.as_str()).join("agent.pid"))
         .unwrap()
         .trim()
@@ -274,7 +274,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         !alive(pid)
     })
     .await;
-    let left = users::processes_of(Path::new("/proc"), uid_c);
+    let left = procs::processes_of(Path::new("/proc"), uid_c);
     if !left.is_empty() {
         let mut log = String::new();
         std::io::Read::read_to_string(&mut agent_log, &mut log).unwrap();
@@ -316,7 +316,7 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
     assert_eq!((a.slot, b.slot), (0, 0), "both agents use slot 0");
     let (ua, ub) = (a.login.username.unwrap(), b.login.username.unwrap());
     assert_ne!(ua, ub);
-    let (ia, ib) = (users::lookup(&ua).unwrap(), users::lookup(&ub).unwrap());
+    let (ia, ib) = (passwd::lookup(&ua).unwrap(), passwd::lookup(&ub).unwrap());
     assert_ne!(ia.uid, ib.uid);
     assert_ne!(a.workspace, b.workspace);
     let cgroups = env.cgroups();
@@ -335,7 +335,7 @@ async fn two_agents_on_one_host_with_the_same_slot_numbers_do_not_collide() {
     .unwrap();
     pool.release_and_wait(&request.nodes[..1]).await;
     assert!(wiped(Path::new(a.workspace.as_deref().unwrap())));
-    assert_eq!(users::lookup(&ub).map(|i| i.uid), Some(ib.uid));
+    assert_eq!(passwd::lookup(&ub).map(|i| i.uid), Some(ib.uid));
     assert!(ws_b.join("output").is_file());
     pool.release_and_wait(&request.nodes[1..]).await;
     assert!(wiped(ws_b));
@@ -454,7 +454,7 @@ async fn a_slot_gets_a_new_uid_for_every_tenancy() {
         if !uids.is_empty() {
             // The user the release kept, given a new uid and gid in place (no userdel
             // and useradd on the way from one tenant to the next).
-            let gid = users::lookup(&user).unwrap().gid;
+            let gid = passwd::lookup(&user).unwrap().gid;
             assert_eq!(gid, uid, "the kept user is renumbered, uid and gid alike");
         }
         uids.push(uid);
@@ -510,7 +510,7 @@ async fn a_kept_user_whose_next_id_is_taken_is_renumbered_to_the_one_after() {
     // The uid the next warm-up counts to is free, but a group has it as gid: the
     // renumber to it is refused.
     let next = (first + 1..)
-        .find(|uid| users::name_of(*uid).is_none())
+        .find(|uid| passwd::name_of(*uid).is_none())
         .unwrap();
     let _group = TestGroup::add(format!("{}g", env.user_prefix), next);
     agent.release(0, "node-a").await.unwrap();
@@ -522,7 +522,7 @@ async fn a_kept_user_whose_next_id_is_taken_is_renumbered_to_the_one_after() {
         uid > next,
         "uid {uid}: neither the freed {first} nor the taken {next}"
     );
-    assert_eq!(users::lookup(&user).unwrap().gid, uid);
+    assert_eq!(passwd::lookup(&user).unwrap().gid, uid);
     // Renumbered in place to the id after, not deleted and made anew (which would have
     // put its line last, after slot 1's user).
     assert!(
@@ -578,7 +578,7 @@ async fn an_agent_asked_to_remove_its_slots_on_stop_leaves_no_user_or_cgroup() {
 
 /// The user-name namespace of a slot user (its name without `s<slot>`).
 fn namespace(env: &IsolationEnv, user: &str) -> String {
-    let (ns, _) = users::split_user_name(user).expect("a slot user name");
+    let (ns, _) = passwd::split_user_name(user).expect("a slot user name");
     assert!(ns.starts_with(&env.user_prefix));
     ns.to_string()
 }
@@ -917,8 +917,8 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
 
     agent.release(0, "node-a").await.unwrap();
     agent.release(1, "node-b").await.unwrap();
-    let uid = users::lookup(&user_a).map(|i| i.uid);
-    assert!(uid.is_none_or(|uid| users::processes_of(Path::new("/proc"), uid).is_empty()));
+    let uid = passwd::lookup(&user_a).map(|i| i.uid);
+    assert!(uid.is_none_or(|uid| procs::processes_of(Path::new("/proc"), uid).is_empty()));
     assert!(cgroups.procs(&user_a).unwrap().is_empty());
 }
 
@@ -927,9 +927,9 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
 /// group is killed through `cgroup.kill` and removed with its parent.
 struct V2Group {
     /// What the agent builds for a v2 layout.
-    driver: Box<dyn slotpool_agent::cgroup::CgroupDriver>,
+    driver: Box<dyn slotpool_agent::isolation::cgroup::CgroupDriver>,
     /// The same group through the concrete v2 driver, to pick the kill method.
-    v2: slotpool_agent::cgroup::CgroupV2,
+    v2: slotpool_agent::isolation::cgroup::CgroupV2,
     parent: PathBuf,
     name: String,
     children: Vec<std::process::Child>,
@@ -940,7 +940,7 @@ impl V2Group {
     /// `/proc/self/mountinfo` as `cgroup::detect` finds mounts. Panics when there is no
     /// cgroup2 mount: the test never skips.
     fn new() -> V2Group {
-        use slotpool_agent::cgroup::{self, CgroupLayout};
+        use slotpool_agent::isolation::cgroup::{self, CgroupLayout};
         slotpool_tests::require_root();
         let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         let mount = cgroup::parse_mountinfo(&text)
@@ -1012,12 +1012,12 @@ fn the_v2_driver_kills_everything_in_a_real_cgroup2_group() {
 /// The same with the freezer, the v2 path of kernels without `cgroup.kill`.
 #[test]
 fn the_v2_driver_kills_everything_in_a_real_cgroup2_group_by_freezing() {
-    kill_in_a_real_v2_group(Some(slotpool_agent::cgroup::V2Kill::Freeze));
+    kill_in_a_real_v2_group(Some(slotpool_agent::isolation::cgroup::V2Kill::Freeze));
 }
 
 /// Starts the processes in a [`V2Group`], kills them with the driver's `kill_all` (or
 /// `how`), checks none is left and removes the group.
-fn kill_in_a_real_v2_group(how: Option<slotpool_agent::cgroup::V2Kill>) {
+fn kill_in_a_real_v2_group(how: Option<slotpool_agent::isolation::cgroup::V2Kill>) {
     use std::io::Write;
     use std::process::{Command, Stdio};
     let mut group = V2Group::new();
@@ -1189,7 +1189,7 @@ fn host_address() -> std::net::Ipv4Addr {
 /// What the agent of `namespace` in `env` may have left of slot network namespaces: its
 /// veths (`ip -o link`), its slot tables (`nft list tables`) and namespace mounts.
 fn network_leftovers(env: &IsolationEnv, namespace: &str) -> Vec<String> {
-    let veth = slotpool_agent::netns::veth_name(namespace, 0);
+    let veth = slotpool_agent::isolation::netns::veth_name(namespace, 0);
     let veth_prefix = &veth[..veth.len() - 1];
     let run = |cmd: &[&str]| {
         let out = std::process::Command::new(cmd[0])
@@ -1286,7 +1286,7 @@ fn accept_within(listener: &std::net::TcpListener, within: Duration) -> Option<S
 async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     let env = IsolationEnv::new();
     let (sshd, key, agent, range) = netns_env(&env, 2).await;
-    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let namespace = passwd::namespace(&env.user_prefix, agent.backing.as_str());
     let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
 
@@ -1366,7 +1366,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     // new ones for the slot's next user: one veth and one table per slot, never more.
     // (Namespace inode numbers are reused at once; interface indexes are not.)
     let veth_index = |slot: u32| {
-        let veth = slotpool_agent::netns::veth_name(&namespace, slot);
+        let veth = slotpool_agent::isolation::netns::veth_name(&namespace, slot);
         std::fs::read_to_string(format!("/sys/class/net/{veth}/ifindex"))
     };
     let before = veth_index(0).unwrap();
@@ -1390,7 +1390,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     // Nothing of the test is left on the host (the kernel deletes a namespace's veth
     // pair shortly after its last reference goes).
     wait_for("no veth or table of the test", LONG, || async {
-        let veth = slotpool_agent::netns::veth_name(&namespace, 0);
+        let veth = slotpool_agent::isolation::netns::veth_name(&namespace, 0);
         let links = std::process::Command::new("ip")
             .args(["-o", "link"])
             .output()
@@ -1583,7 +1583,7 @@ async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
         .prepare(0, "node-a", Some(&key.public()))
         .await
         .unwrap();
-    let namespace = users::namespace(&env.user_prefix, agent.backing.as_str());
+    let namespace = passwd::namespace(&env.user_prefix, agent.backing.as_str());
     let net = env.run_dir.path().join(format!("netns/{namespace}/0.net"));
     rustix::mount::mount_bind("/proc/self/ns/net", &net).expect("stacking a mount");
     let err = agent.release(0, "node-a").await.unwrap_err().to_string();
@@ -1673,7 +1673,7 @@ async fn release_sends_sigterm_before_it_kills_a_slots_processes() {
         std::fs::read_to_string(&mark).unwrap()
     );
     assert!(
-        users::processes_of(Path::new("/proc"), uid).is_empty(),
+        procs::processes_of(Path::new("/proc"), uid).is_empty(),
         "the process that ignores SIGTERM outlived the release"
     );
 }

@@ -57,8 +57,12 @@ fn slot_users_cannot_reach_the_instance_metadata_service() {
         rustix::process::geteuid().is_root(),
         "this test needs root (a network namespace, nftables)"
     );
-    let script =
-        slotpool_agent::bus_guard::script("slotpool_mdtest", 2_000_000, 2_999_999, &[4222]);
+    let script = slotpool_agent::isolation::bus_guard::script(
+        "slotpool_mdtest",
+        2_000_000,
+        2_999_999,
+        &[4222],
+    );
     let got = try_metadata(&script);
     assert_eq!(
         got, "root connected\nother connected\nslot refused\n",

@@ -37,7 +37,7 @@ fn run_in_slot(sshd: &Sshd, key: &ClientKey, user: &str, command: &str) -> Strin
 /// Mounts under `dir` in the test's (the host's) namespace.
 fn mounts_under(dir: &Path) -> Vec<String> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    slotpool_agent::cgroup::parse_mountinfo(&text)
+    slotpool_agent::isolation::cgroup::parse_mountinfo(&text)
         .into_iter()
         .filter(|m| m.mount_point.starts_with(dir))
         .map(|m| m.mount_point.display().to_string())

@@ -215,7 +215,7 @@ async fn prepare_release_times_and_idle_memory() {
 #[ignore = "a benchmark: run by hand as root"]
 fn slot_netns_create_and_remove_times() {
     use rand::Rng;
-    use slotpool_agent::netns::{AddressRange, SlotNetworks};
+    use slotpool_agent::isolation::netns::{AddressRange, SlotNetworks};
     slotpool_tests::require_root();
     let run = tempfile::tempdir().unwrap();
     let namespace = format!("sptb{:08x}", rand::rng().random::<u32>());

@@ -4,7 +4,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use slotpool_config::bus::NatsArgs;
+use slotpool_config::bus::NatsClientArgs;
 use slotpool_config::Config;
 use slotpool_tui::{run_console, Rules, Settings, Theme};
 use std::path::PathBuf;
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 )]
 struct Args {
     #[command(flatten)]
-    nats: NatsArgs,
+    nats: NatsClientArgs,
     /// The launcher's config file: with it the console shows exact release, min-retention
     /// and max-age countdowns and each pool's max-servers; without it, idle times only.
     #[arg(long, short, env = "SLOTPOOL_CONFIG")]

@@ -73,16 +73,12 @@ pub enum AgentLifetime {
 /// the child should: the main thread, or a tokio runtime worker (which ends with its
 /// runtime), never a blocking-pool thread, which ends after a while idle. Calls only
 /// async-signal-safe functions (prctl, getppid, _exit).
-pub fn end_with_parent(parent: u32, signal: libc::c_int) -> io::Result<()> {
-    // SAFETY: prctl and getppid touch no memory; _exit does not return.
-    unsafe {
-        if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // The parent may have died before prctl took effect.
-        if libc::getppid() as u32 != parent {
-            libc::_exit(1);
-        }
+pub fn end_with_parent(parent: u32, signal: Signal) -> io::Result<()> {
+    rustix::process::set_parent_process_death_signal(Some(signal))?;
+    // The parent may have died before prctl took effect.
+    if rustix::process::getppid().map(|p| p.as_raw_nonzero().get() as u32) != Some(parent) {
+        // SAFETY: _exit ends this (forked) process at once; it touches no memory.
+        unsafe { libc::_exit(1) };
     }
     Ok(())
 }
@@ -276,11 +272,9 @@ impl Provider for LocalProvider {
         // of the parent. This runs on a runtime worker (see `AgentLifetime`).
         unsafe {
             cmd.pre_exec(move || {
-                if libc::setsid() == -1 {
-                    return Err(io::Error::last_os_error());
-                }
+                rustix::process::setsid()?;
                 if end_with_launcher {
-                    end_with_parent(launcher, libc::SIGKILL)?;
+                    end_with_parent(launcher, Signal::KILL)?;
                 }
                 Ok(())
             });

@@ -11,13 +11,13 @@
 //! daemons included, are in the cgroup. When the agent does not answer, the login is
 //! refused: a login never runs outside its slot's limits.
 //!
-//! When slots have network namespaces ([`crate::netns`]) the answer is `ok netns` with
+//! When slots have network namespaces ([`crate::isolation::netns`]) the answer is `ok netns` with
 //! the slot's user and network namespaces attached (`SCM_RIGHTS`): the helper joins the
 //! user namespace, then the network namespace, then execs; a helper that cannot join
 //! refuses the login rather than run it in the host's network.
 
+use crate::isolation::passwd;
 use crate::isolation::SlotIsolation;
-use crate::users;
 use std::ffi::CString;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 /// The agent's answer when the login was placed.
 const OK: &str = "ok\n";
 /// The agent's answer when the login was placed and must join the two namespaces sent
-/// with it (user, then network: see [`crate::netns`]).
+/// with it (user, then network: see [`crate::isolation::netns`]).
 const OK_NETNS: &str = "ok netns\n";
 
 /// Longest the helper waits for the agent's answer.
@@ -264,12 +264,11 @@ pub enum EnterSlotError {
 /// The helper: has the agent place this process in its slot's cgroup, then replaces
 /// itself with the user's shell (running `command` if given). Returns only on error.
 pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    let Some(name) = users::name_of(uid) else {
+    let uid = rustix::process::getuid().as_raw();
+    let Some(name) = passwd::name_of(uid) else {
         return EnterSlotError::NoUser(uid);
     };
-    let Some((namespace, _slot)) = users::split_user_name(&name) else {
+    let Some((namespace, _slot)) = passwd::split_user_name(&name) else {
         return EnterSlotError::NotSlotUser(name);
     };
     let path = socket_path(run_dir, namespace);
@@ -282,7 +281,7 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
         Ok(a) => a,
         Err(error) => return EnterSlotError::Agent { path, error },
     };
-    let shell = users::lookup(&name)
+    let shell = passwd::lookup(&name)
         .map(|u| u.shell)
         .filter(|s| !s.as_os_str().is_empty())
         .unwrap_or_else(|| PathBuf::from("/bin/sh"));

@@ -13,8 +13,8 @@
 //!
 //! **Warm-up** ([`SlotIsolation::warm`], on a slot a release just verified clean, or one
 //! wiped first) gives the user the release kept the next uid of the range
-//! ([`crate::users::renumber`]) or creates it (`useradd`, name from
-//! [`crate::users::user_name`]), makes the empty workspace and the cgroup (no limits),
+//! ([`crate::isolation::passwd::renumber`]) or creates it (`useradd`, name from
+//! [`crate::isolation::passwd::user_name`]), makes the empty workspace and the cgroup (no limits),
 //! and writes the state file without a node. Nobody can use a warm slot: the user has no
 //! password and no key, so no login is possible, and no process of it can exist (release
 //! killed them all before the user got its new uid).
@@ -26,7 +26,7 @@
 //!
 //! **Placement.** Every process of a slot must end up in the slot's cgroup:
 //! - SSH logins go through `slotpool-agent enter-slot` (sshd `ForceCommand`; see
-//!   [`crate::enter`]): the helper, running as the slot user, asks the agent over a Unix
+//!   [`crate::isolation::enter`]): the helper, running as the slot user, asks the agent over a Unix
 //!   socket to move it into the cgroup (the agent trusts only `SO_PEERCRED`), then execs
 //!   the user's shell or command, so everything the login starts inherits the cgroup.
 //! - A sweep ([`SlotIsolation::sweep`], every [`crate::PLACEMENT_SWEEP_INTERVAL`]) moves
@@ -38,8 +38,8 @@
 //! by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
-//! cgroup, the workspace (with the key; see [`crate::wipe`]), what the uid owns in the
-//! host's shared directories ([`crate::shared_dirs`]), its System V IPC objects, the
+//! cgroup, the workspace (with the key; see [`crate::isolation::wipe`]), what the uid owns in the
+//! host's shared directories ([`crate::isolation::shared_dirs`]), its System V IPC objects, the
 //! user's crontab, at jobs and mail, and **verifies** the slot is clean (no process, IPC
 //! object or shared-directory entry of the uid, no cgroup, no workspace, no crontab)
 //! before reporting success. It keeps the user for the warm-up to renumber; a slot that
@@ -48,28 +48,30 @@
 //! the slot becomes dirty with the reasons.
 //!
 //! **Disk quota.** A slot with a disk limit (its label's, or the agent's default) has a
-//! file-system image of that size mounted as its workspace ([`crate::disk_quota`]); the
+//! file-system image of that size mounted as its workspace ([`crate::isolation::disk_quota`]); the
 //! warm-up makes it at the default size, and a prepare asking for another size makes it
 //! again (the workspace is empty then). Release unmounts and deletes it before the wipe.
 //!
 //! **uids.** Each warm-up makes the user with the next uid of the agent's range
-//! ([`crate::uid_range`]), never the uid just freed, so nothing the old uid may still own
+//! ([`crate::isolation::uid_range`]), never the uid just freed, so nothing the old uid may still own
 //! somewhere passes to the next tenant of the slot.
 
-use crate::cgroup::CgroupDriver;
-use crate::disk_quota::WorkspaceImages;
+use super::passwd::{self, UserInfo};
+use super::procs;
+use super::Limits;
+use crate::isolation::cgroup::CgroupDriver;
+use crate::isolation::disk_quota::WorkspaceImages;
+use crate::isolation::netns::{NetnsError, SlotNetworks};
+use crate::isolation::shared_dirs;
+use crate::isolation::uid_range::UidAllocator;
+use crate::isolation::wipe::Budget;
 use crate::isolation::{
     is_empty_dir, make_private_dir, remove_if_present, with_newline, workspace_template,
     write_file, FoundSlot, IsolationError, SlotIsolation,
 };
-use crate::netns::{NetnsError, SlotNetworks};
-use crate::shared_dirs;
 use crate::step_clock::StepClock;
-use crate::uid_range::UidAllocator;
-use crate::users::{self, UserInfo};
-use crate::wipe::Budget;
 use serde::{Deserialize, Serialize};
-use slotpool_protocol::api::{SlotLimits, SlotOccupants};
+use slotpool_protocol::api::SlotOccupants;
 use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
 use std::collections::BTreeMap;
@@ -107,7 +109,7 @@ struct SlotState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     uid: Option<u32>,
     #[serde(default)]
-    limits: SlotLimits,
+    limits: Limits,
     /// Size of the workspace's image; none when the workspace is a plain directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     disk_bytes: Option<u64>,
@@ -146,13 +148,13 @@ pub struct UserIsolation {
     /// Where the password database is (`/etc`).
     etc: PathBuf,
     /// World-writable directories and spools, cleaned of the uid's entries at release
-    /// (see [`crate::shared_dirs`]).
+    /// (see [`crate::isolation::shared_dirs`]).
     shared_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
     users: Mutex<BTreeMap<u32, SlotUser>>,
-    /// A network namespace per slot (`--slot-netns on`), see [`crate::netns`].
+    /// A network namespace per slot (`--slot-netns on`), see [`crate::isolation::netns`].
     network: Option<SlotNetworks>,
-    /// Quota'd workspaces (see [`crate::disk_quota`]); `None`: none can be made.
+    /// Quota'd workspaces (see [`crate::isolation::disk_quota`]); `None`: none can be made.
     images: Option<WorkspaceImages>,
     /// The disk limit warm slots are made with (the default limit).
     warm_disk_bytes: Option<u64>,
@@ -259,7 +261,7 @@ impl UserIsolation {
     }
 
     fn user(&self, slot: u32) -> String {
-        users::user_name(&self.namespace, slot)
+        passwd::user_name(&self.namespace, slot)
     }
 
     fn state_file(&self, slot: u32) -> PathBuf {
@@ -297,10 +299,10 @@ impl UserIsolation {
         fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
     }
 
-    /// The next uid of the range no user has (see [`crate::uid_range`]).
+    /// The next uid of the range no user has (see [`crate::isolation::uid_range`]).
     fn next_uid(&self, user: &str) -> Result<u32, IsolationError> {
         self.uids
-            .allocate(|uid| users::name_of(uid).is_some())
+            .allocate(|uid| passwd::name_of(uid).is_some())
             .map_err(|e| {
                 IsolationError::new("allocating a uid for", Path::new(user))(std::io::Error::other(
                     e,
@@ -308,12 +310,12 @@ impl UserIsolation {
             })
     }
 
-    /// Creates the slot's user with the next uid of the range (see [`crate::uid_range`]).
+    /// Creates the slot's user with the next uid of the range (see [`crate::isolation::uid_range`]).
     fn add_user(&self, user: &str, dir: &Path, comment: &str) -> Result<UserInfo, IsolationError> {
         let mut attempts = 0;
         loop {
             let uid = self.next_uid(user)?;
-            match users::add(user, uid, dir, SLOT_SHELL, comment) {
+            match passwd::add(user, uid, dir, SLOT_SHELL, comment) {
                 // Taken meanwhile (by another agent given an overlapping range): the next.
                 Err(err)
                     if err.error.kind() == std::io::ErrorKind::AlreadyExists
@@ -328,7 +330,7 @@ impl UserIsolation {
     }
 
     /// The slot's user with a uid no tenant of this slot had: the user a release kept,
-    /// given the next uid of the range ([`users::renumber`]), or a new one when there is
+    /// given the next uid of the range ([`passwd::renumber`]), or a new one when there is
     /// none or it cannot be renumbered.
     fn fresh_user(
         &self,
@@ -337,15 +339,15 @@ impl UserIsolation {
         slot: u32,
         clock: &mut StepClock,
     ) -> Result<UserInfo, IsolationError> {
-        if let Some(kept) = users::lookup(user) {
+        if let Some(kept) = passwd::lookup(user) {
             let mut attempts = 0;
             loop {
                 let uid = self.next_uid(user)?;
                 clock.lap("next_uid");
-                let renumbered = users::renumber(&self.etc, user, uid);
+                let renumbered = passwd::renumber(&self.etc, user, uid);
                 clock.lap("renumber");
                 match renumbered {
-                    Ok(()) => match users::lookup(user) {
+                    Ok(()) => match passwd::lookup(user) {
                         Some(info) if info.uid == uid && info.home == dir => return Ok(info),
                         found => tracing::warn!(
                             user,
@@ -371,7 +373,7 @@ impl UserIsolation {
                 }
                 break;
             }
-            users::remove(user)?;
+            passwd::remove(user)?;
         }
         let comment = format!("slotpool slot {slot} of {}", self.backing_id);
         let added = self.add_user(user, dir, &comment);
@@ -445,7 +447,7 @@ impl UserIsolation {
                 ws.display()
             ));
         }
-        let procs = users::processes_of(&self.proc_root, info.uid);
+        let procs = procs::processes_of(&self.proc_root, info.uid);
         if !procs.is_empty() {
             return Err(format!("processes {procs:?} of uid {}", info.uid));
         }
@@ -475,14 +477,14 @@ impl UserIsolation {
         clock: &mut StepClock,
     ) -> Result<(), IsolationError> {
         let user = self.user(slot);
-        let info = users::lookup(&user);
+        let info = passwd::lookup(&user);
         clock.lap("lookup");
         self.terminate(&user);
         clock.lap("terminate");
         self.cgroups.kill_all(&user)?;
         clock.lap("kill_cgroup");
         if let Some(info) = &info {
-            users::kill_uid(&self.proc_root, info.uid, info.gid)?;
+            procs::kill_uid(&self.proc_root, info.uid, info.gid)?;
         }
         clock.lap("kill_uid");
         // From here on no process of the slot exists: nothing can be re-created.
@@ -499,7 +501,7 @@ impl UserIsolation {
         // now (it was not, or it was unmounted or detached), and the mounts are read again
         // only after one (each read is an `nsenter` with --mount-namespace).
         if problems.is_empty() || !self.image_mounted(&ws) {
-            if let Err(err) = crate::wipe::remove_path(&ws, &mut budget) {
+            if let Err(err) = crate::isolation::wipe::remove_path(&ws, &mut budget) {
                 problems.push(err.to_string());
             }
         }
@@ -512,7 +514,7 @@ impl UserIsolation {
                 problems.push(err.to_string());
             }
             clock.lap("shared_dirs");
-            problems.extend(users::remove_ipc_of(&self.proc_root, info.uid));
+            problems.extend(procs::remove_ipc_of(&self.proc_root, info.uid));
             clock.lap("ipc");
         }
         for file in self.per_user_files(&user) {
@@ -526,13 +528,13 @@ impl UserIsolation {
         // not clean loses its user, so nobody logs in to what is left.
         let user_kept = keep == KeepUser::IfClean && problems.is_empty();
         if !user_kept {
-            users::remove(&user)?;
+            passwd::remove(&user)?;
         }
         clock.lap("user_remove");
         if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid), user_kept) {
             problems.push(format!("still present: {left}"));
             if user_kept {
-                users::remove(&user)?;
+                passwd::remove(&user)?;
             }
         }
         clock.lap("check");
@@ -558,7 +560,7 @@ impl UserIsolation {
         let disk_bytes = self.warm_disk_bytes;
         self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         clock.lap("workspace");
-        self.cgroups.create(&user, &SlotLimits::default())?;
+        self.cgroups.create(&user, &Limits::default())?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
             net.create(slot, info.uid, info.gid)
@@ -571,7 +573,7 @@ impl UserIsolation {
                 node_id: None,
                 user: user.clone(),
                 uid: Some(info.uid),
-                limits: SlotLimits::default(),
+                limits: Limits::default(),
                 disk_bytes,
             },
         )?;
@@ -595,7 +597,7 @@ impl UserIsolation {
         let user = self.user(slot);
         let mut left = Vec::new();
         if let Some(uid) = uid {
-            let procs = users::processes_of(&self.proc_root, uid);
+            let procs = procs::processes_of(&self.proc_root, uid);
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
             }
@@ -603,7 +605,7 @@ impl UserIsolation {
             if !owned.is_empty() {
                 left.push(format!("entries {owned:?} of uid {uid}"));
             }
-            let ipc = users::ipc_objects_of(&self.proc_root, uid);
+            let ipc = procs::ipc_objects_of(&self.proc_root, uid);
             if !ipc.is_empty() {
                 left.push(format!("System V IPC objects {ipc:?} of uid {uid}"));
             }
@@ -626,7 +628,7 @@ impl UserIsolation {
         if let Some(net) = &self.network {
             left.extend(net.leftovers(slot));
         }
-        if !user_kept && users::lookup(&user).is_some() {
+        if !user_kept && passwd::lookup(&user).is_some() {
             left.push(format!("user {user}"));
         }
         (!left.is_empty()).then(|| left.join(", "))
@@ -645,7 +647,7 @@ impl SlotIsolation for UserIsolation {
     fn slot_names(&self) -> SlotNames {
         SlotNames {
             workspace: workspace_template(&self.slots_dir),
-            username: Some(users::user_name_template(&self.namespace)),
+            username: Some(passwd::user_name_template(&self.namespace)),
         }
     }
 
@@ -661,7 +663,7 @@ impl SlotIsolation for UserIsolation {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
-        limits: &SlotLimits,
+        limits: &Limits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
         let not_warm = |why: String| {
@@ -670,7 +672,7 @@ impl SlotIsolation for UserIsolation {
         let Some(warm) = self.users().get(&slot).cloned() else {
             return Err(not_warm("the slot is not warm".into()));
         };
-        match users::lookup(&warm.user) {
+        match passwd::lookup(&warm.user) {
             Some(info) if info.uid == warm.uid => {}
             Some(info) => {
                 return Err(not_warm(format!(
@@ -742,7 +744,7 @@ impl SlotIsolation for UserIsolation {
                     continue;
                 }
             };
-            let Some(info) = users::lookup(&state.user) else {
+            let Some(info) = passwd::lookup(&state.user) else {
                 tracing::warn!(
                     slot,
                     user = state.user,
@@ -813,8 +815,8 @@ impl SlotIsolation for UserIsolation {
             return SlotOccupants::default();
         };
         SlotOccupants {
-            processes: users::processes_of(&self.proc_root, uid).len() as u32,
-            logins: users::ssh_sessions(&self.proc_root, uid, &user),
+            processes: procs::processes_of(&self.proc_root, uid).len() as u32,
+            logins: procs::ssh_sessions(&self.proc_root, uid, &user),
         }
     }
 
@@ -849,7 +851,7 @@ impl SlotIsolation for UserIsolation {
         let uids: Vec<u32> = prepared.iter().map(|(_, u)| u.uid).collect();
         // One scan of /proc for every slot; a slot's cgroup is read only when it has
         // processes.
-        let procs = users::processes_of_any(&self.proc_root, &uids);
+        let procs = procs::processes_of_any(&self.proc_root, &uids);
         let mut moved = 0;
         for (slot, u) in prepared {
             let mut pids = procs.iter().filter(|(uid, _)| *uid == u.uid).peekable();
@@ -905,7 +907,7 @@ impl SlotIsolation for UserIsolation {
             let result = self
                 .cgroups
                 .kill_all(&u.user)
-                .and_then(|()| users::kill_uid(&self.proc_root, u.uid, u.gid));
+                .and_then(|()| procs::kill_uid(&self.proc_root, u.uid, u.gid));
             if let Err(err) = result {
                 tracing::warn!(user = u.user, %err, "cannot stop slot processes");
                 first_error.get_or_insert(err);

@@ -8,13 +8,13 @@
 //!
 //! The disk quota default (`--slot-disk-quota-mb`) is off unless configured: a slot
 //! whose label sets no `limits.disk-mb` then writes its workspace on the host's file
-//! system, as before (see [`crate::disk_quota`]).
+//! system, as before (see [`crate::isolation::disk_quota`]).
 //!
 //! The memory default `auto` is [`AUTO_MEMORY_PERCENT`] of the host's `MemTotal` shared
 //! evenly among the slots: full slots together stay below the host's memory, leaving the
 //! rest to the agent, sshd and the system, and no slot can take another's share.
 
-use slotpool_protocol::api::SlotLimits;
+use super::Limits;
 use std::str::FromStr;
 
 /// Default of `--default-pids-max`: plenty for builds (`make -j`, test runners), far
@@ -60,7 +60,7 @@ pub struct DefaultLimits {
 impl DefaultLimits {
     /// The limits a prepare without them gets, on a host with `mem_total_kb` of memory
     /// carved into `slots` slots (`slots` at least 1). Never 0 bytes.
-    pub fn resolve(&self, mem_total_kb: u64, slots: u32) -> SlotLimits {
+    pub fn resolve(&self, mem_total_kb: u64, slots: u32) -> Limits {
         let memory_bytes = match self.memory {
             MemoryDefault::Mib(mib) => mib.saturating_mul(1024 * 1024),
             MemoryDefault::Auto => {
@@ -68,7 +68,7 @@ impl DefaultLimits {
                     / u64::from(slots.max(1))
             }
         };
-        SlotLimits {
+        Limits {
             cpu_millis: None,
             memory_bytes: Some(memory_bytes.max(1024 * 1024)),
             pids: Some(self.pids),
@@ -83,8 +83,8 @@ impl DefaultLimits {
 }
 
 /// `limits` with every limit it leaves unset taken from `defaults`.
-pub fn with_defaults(limits: SlotLimits, defaults: &SlotLimits) -> SlotLimits {
-    SlotLimits {
+pub fn with_defaults(limits: Limits, defaults: &Limits) -> Limits {
+    Limits {
         cpu_millis: limits.cpu_millis.or(defaults.cpu_millis),
         memory_bytes: limits.memory_bytes.or(defaults.memory_bytes),
         pids: limits.pids.or(defaults.pids),
@@ -130,14 +130,14 @@ mod tests {
 
     #[test]
     fn the_labels_own_limits_win() {
-        let defaults = SlotLimits {
+        let defaults = Limits {
             cpu_millis: None,
             memory_bytes: Some(1 << 30),
             pids: Some(4096),
             disk_bytes: Some(1 << 30),
         };
-        assert_eq!(with_defaults(SlotLimits::default(), &defaults), defaults);
-        let label = SlotLimits {
+        assert_eq!(with_defaults(Limits::default(), &defaults), defaults);
+        let label = Limits {
             cpu_millis: Some(1500),
             memory_bytes: None,
             pids: Some(64),
@@ -145,7 +145,7 @@ mod tests {
         };
         assert_eq!(
             with_defaults(label, &defaults),
-            SlotLimits {
+            Limits {
                 cpu_millis: Some(1500),
                 memory_bytes: Some(1 << 30),
                 pids: Some(64),

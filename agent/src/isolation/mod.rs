@@ -2,8 +2,21 @@
 //!
 //! An implementation only does the mechanics for one slot; who may hold a slot is decided
 //! in [`crate::slots`]. [`WorkspaceOnly`] (isolation mode `none`) gives each slot a
-//! private directory and nothing else; [`crate::user_isolation::UserIsolation`] (mode
-//! `users`) gives each slot its own Unix user and cgroup.
+//! private directory and nothing else; [`user_isolation::UserIsolation`] (mode `users`)
+//! gives each slot its own Unix user and cgroup, built from the mechanisms beside it:
+//!
+//! - [`passwd`]: slot users' names, and creating, deleting and renumbering them in the
+//!   password database; [`procs`]: their processes, IPC objects and SSH logins, found in
+//!   `/proc`, and the kill by uid; [`uid_range`]: the never-reused uids they get;
+//! - [`cgroup`]: the v2/v1 drivers of a slot's cgroup and its limits, and
+//!   [`default_limits`], the limits of a slot whose label sets none;
+//! - [`disk_quota`]: a workspace as a filesystem image of its own; [`mounts`]: the agent's
+//!   mount namespace and the `/proc` that hides other users' processes;
+//! - [`netns`]: a network namespace per slot; [`bus_guard`]: the nftables table that keeps
+//!   slot users off the bus;
+//! - [`wipe`]: removing a job-controlled tree without following a link; [`shared_dirs`]:
+//!   a slot user's entries in the host's shared directories;
+//! - [`enter`]: the placement socket and the `enter-slot` helper sshd runs for logins.
 //!
 //! On-disk layout of mode `none` under the work dir:
 //!
@@ -26,7 +39,20 @@
 //! only adds the key and the marker. A warm slot is one whose empty workspace exists
 //! and whose marker names no node; one with anything in it is cold and wiped before use.
 
-use crate::wipe::{Budget, WipeError};
+pub mod bus_guard;
+pub mod cgroup;
+pub mod default_limits;
+pub mod disk_quota;
+pub mod enter;
+pub mod mounts;
+pub mod netns;
+pub mod passwd;
+pub mod procs;
+pub mod shared_dirs;
+pub mod uid_range;
+pub mod user_isolation;
+pub mod wipe;
+
 use slotpool_protocol::api::{SlotLimits, SlotOccupants};
 use slotpool_protocol::model::SlotNames;
 use slotpool_protocol::NodeId;
@@ -34,6 +60,38 @@ use std::fs;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use wipe::{Budget, WipeError};
+
+/// What a slot may use, as the isolation applies it: the wire's `SlotLimits`, converted
+/// where a prepare command comes in (`commands.rs`), with the agent's defaults for what
+/// the label leaves unset ([`default_limits`]). Kept in the state file of a slot of mode
+/// `users`, in the same shape as the wire's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// CPU time in thousandths of a CPU (1500 = one and a half CPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u32>,
+    /// Memory (RAM) in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Most processes and threads at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u32>,
+    /// Size of the workspace's own file system in bytes (a disk quota).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+}
+
+impl From<&SlotLimits> for Limits {
+    fn from(l: &SlotLimits) -> Limits {
+        Limits {
+            cpu_millis: l.cpu_millis,
+            memory_bytes: l.memory_bytes,
+            pids: l.pids,
+            disk_bytes: l.disk_bytes,
+        }
+    }
+}
 
 /// The directory, next to `slots/`, of the node markers of mode `none`.
 const MARKERS_DIR: &str = "markers";
@@ -120,7 +178,7 @@ pub trait SlotIsolation: Send + Sync + 'static {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
-        limits: &SlotLimits,
+        limits: &Limits,
     ) -> Result<PathBuf, IsolationError> {
         self.destroy(slot)?;
         self.warm(slot)?;
@@ -148,7 +206,7 @@ pub trait SlotIsolation: Send + Sync + 'static {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
-        limits: &SlotLimits,
+        limits: &Limits,
     ) -> Result<PathBuf, IsolationError>;
 
     /// Removes everything of the slot's previous use and checks it is gone (mode `none`
@@ -181,7 +239,7 @@ pub trait SlotIsolation: Send + Sync + 'static {
     }
 
     /// The user and network namespaces a login of `slot` joins (in that order), when
-    /// slots have network namespaces of their own (see [`crate::netns`]).
+    /// slots have network namespaces of their own (see [`crate::isolation::netns`]).
     fn network_namespaces(
         &self,
         _slot: u32,
@@ -300,7 +358,7 @@ impl SlotIsolation for WorkspaceOnly {
         slot: u32,
         node_id: &NodeId,
         ssh_public_key: Option<&str>,
-        _limits: &SlotLimits,
+        _limits: &Limits,
     ) -> Result<PathBuf, IsolationError> {
         let dir = self.workspace(slot);
         if !fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
@@ -426,7 +484,7 @@ fn empty_dir(dir: &Path) -> Result<(), IsolationError> {
     let mut budget = Budget::for_release();
     for entry in entries {
         let entry = entry.map_err(IsolationError::new("listing", dir))?;
-        crate::wipe::remove_entry(dir, &entry.file_name(), &mut budget).map_err(wipe_error)?;
+        wipe::remove_entry(dir, &entry.file_name(), &mut budget).map_err(wipe_error)?;
     }
     if is_empty_dir(dir) {
         Ok(())
@@ -444,9 +502,9 @@ pub(crate) fn is_empty_dir(dir: &Path) -> bool {
 }
 
 /// Removes a file, a symlink or a directory tree (without recursion, following nothing:
-/// see [`crate::wipe`]) within a release's [`Budget`]; fine when there is nothing.
+/// see [`crate::isolation::wipe`]) within a release's [`Budget`]; fine when there is nothing.
 pub(crate) fn remove_if_present(path: &Path) -> Result<(), IsolationError> {
-    crate::wipe::remove_path(path, &mut Budget::for_release())
+    wipe::remove_path(path, &mut Budget::for_release())
         .map(|_| ())
         .map_err(wipe_error)
 }
@@ -495,6 +553,25 @@ pub(crate) fn write_file(path: &Path, contents: &str, mode: u32) -> Result<(), I
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_keep_the_wires_shape_in_the_state_file() {
+        let wire = SlotLimits {
+            cpu_millis: Some(1500),
+            memory_bytes: Some(1 << 30),
+            pids: Some(64),
+            disk_bytes: Some(1 << 32),
+        };
+        for wire in [wire, SlotLimits::default()] {
+            let limits = Limits::from(&wire);
+            assert_eq!(
+                serde_json::to_value(limits).unwrap(),
+                serde_json::to_value(wire).unwrap()
+            );
+            let back: Limits = serde_json::from_value(serde_json::to_value(wire).unwrap()).unwrap();
+            assert_eq!(back, limits, "a state file written before reads the same");
+        }
+    }
     use std::os::unix::fs::MetadataExt;
 
     fn node(s: &str) -> NodeId {
@@ -527,7 +604,7 @@ mod tests {
                 3,
                 &node("node-a"),
                 Some("ssh-ed25519 AAAA me"),
-                &SlotLimits::default(),
+                &Limits::default(),
             )
             .unwrap();
         assert_eq!(ws, work.path().join("slots/3"));
@@ -559,14 +636,14 @@ mod tests {
                 0,
                 &node("node-a"),
                 Some("ssh-ed25519 K"),
-                &SlotLimits::default(),
+                &Limits::default(),
             )
             .unwrap();
         fs::create_dir_all(ws.join("deep/er")).unwrap();
         fs::write(ws.join("deep/er/file"), "x").unwrap();
         fs::write(ws.join(".hidden"), "x").unwrap();
         let ws = iso
-            .create(0, &node("node-b"), None, &SlotLimits::default())
+            .create(0, &node("node-b"), None, &Limits::default())
             .unwrap();
         assert!(entries(&ws).is_empty(), "{:?}", entries(&ws));
         iso.destroy(0).unwrap();
@@ -584,7 +661,7 @@ mod tests {
     fn release_and_prepare_reuse_the_workspace_and_the_marker_in_place() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        let limits = SlotLimits::default();
+        let limits = Limits::default();
         iso.create(
             1,
             &node("a-much-longer-node-id-than-the-next"),
@@ -624,7 +701,7 @@ mod tests {
     fn a_warm_up_after_a_destroy_makes_a_workspace_that_was_not_there() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        let limits = SlotLimits::default();
+        let limits = Limits::default();
         let ws = iso.workspace(2);
         // A job replaced its workspace with a file: destroy removes it, and the warm-up
         // must make the directory again.
@@ -655,7 +732,7 @@ mod tests {
         fs::write(outside.join("precious"), "x").unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
         let ws = iso
-            .create(0, &node("node-a"), None, &SlotLimits::default())
+            .create(0, &node("node-a"), None, &Limits::default())
             .unwrap();
         std::os::unix::fs::symlink(&outside, ws.join("link")).unwrap();
         fs::create_dir(ws.join("sub")).unwrap();
@@ -674,7 +751,7 @@ mod tests {
         fs::write(&ws, "not a dir").unwrap();
         assert!(iso.warm(0).is_err());
         assert!(iso
-            .prepare_warm(0, &node("node-b"), None, &SlotLimits::default())
+            .prepare_warm(0, &node("node-b"), None, &Limits::default())
             .is_err());
         iso.destroy(0).unwrap();
         iso.warm(0).unwrap();
@@ -695,7 +772,7 @@ mod tests {
                 2,
                 &node("node-a"),
                 Some("ssh-ed25519 K"),
-                &SlotLimits::default(),
+                &Limits::default(),
             )
             .unwrap();
         assert_eq!(got, ws);
@@ -723,9 +800,9 @@ mod tests {
     fn recover_skips_unmarked_and_foreign_entries() {
         let work = tempfile::tempdir().unwrap();
         let iso = WorkspaceOnly::new(work.path()).unwrap();
-        iso.create(1, &node("node-a"), None, &SlotLimits::default())
+        iso.create(1, &node("node-a"), None, &Limits::default())
             .unwrap();
-        iso.create(5, &node("node-b"), None, &SlotLimits::default())
+        iso.create(5, &node("node-b"), None, &Limits::default())
             .unwrap();
         let slots = work.path().join("slots");
         let markers = work.path().join("markers");

@@ -27,8 +27,11 @@
 //! Every function takes its roots as data ([`CgroupLayout`]), so unit tests run on a
 //! temp dir.
 
+use super::Limits;
 use crate::isolation::IsolationError;
-use slotpool_protocol::api::SlotLimits;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::fs::inotify;
+use rustix::process::{kill_process, Pid, Signal};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -178,7 +181,7 @@ pub trait CgroupDriver: Send + Sync + 'static {
     /// `v2` or `v1`, for logs.
     fn version(&self) -> &'static str;
     /// Creates the group (if absent) and applies `limits` (a missing limit means `max`).
-    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError>;
+    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError>;
     /// Moves process `pid` into the group.
     fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError>;
     /// The processes in the group (empty when it does not exist).
@@ -193,7 +196,7 @@ pub trait CgroupDriver: Send + Sync + 'static {
         if pids.is_empty() {
             return Ok(true);
         }
-        signal_all(&pids, libc::SIGTERM);
+        signal_all(&pids, Signal::TERM);
         let deadline = Instant::now() + grace;
         loop {
             if self.procs(name)?.is_empty() {
@@ -259,10 +262,13 @@ fn remove_dir(path: &Path) -> Result<(), IsolationError> {
 }
 
 /// Sends `signal` to each of `pids` (never to 0, 1 or a negative pid).
-fn signal_all(pids: &[i32], signal: libc::c_int) {
-    for &pid in pids.iter().filter(|&&pid| pid > 1) {
-        // SAFETY: kill(2) with a positive pid touches no memory.
-        unsafe { libc::kill(pid, signal) };
+fn signal_all(pids: &[i32], signal: Signal) {
+    for pid in pids
+        .iter()
+        .filter(|&&pid| pid > 1)
+        .filter_map(|&p| Pid::from_raw(p))
+    {
+        let _ = kill_process(pid, signal);
     }
 }
 
@@ -271,28 +277,14 @@ struct FileWatch(std::os::fd::OwnedFd);
 
 impl FileWatch {
     fn new(path: &Path) -> std::io::Result<FileWatch> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        use std::os::unix::ffi::OsStrExt;
-        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-        // SAFETY: a plain system call with flags only.
-        let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: inotify_init1 returned a new fd that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: c_path is a valid NUL-terminated string for the call's duration.
-        if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), c_path.as_ptr(), libc::IN_MODIFY) } < 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
+        let fd = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)?;
+        inotify::add_watch(&fd, path, inotify::WatchFlags::MODIFY)?;
         Ok(FileWatch(fd))
     }
 
     /// Waits until `done` says so, looking again at each change of the file, for at
     /// most `limit`; whether `done` said so.
     fn wait(&self, limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-        use std::os::fd::AsRawFd;
         let deadline = Instant::now() + limit;
         loop {
             if done() {
@@ -302,18 +294,14 @@ impl FileWatch {
             if left.is_zero() {
                 return false;
             }
-            let mut pfd = libc::pollfd {
-                fd: self.0.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
+            let timeout = Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: i64::from(left.subsec_nanos()),
             };
-            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+            let mut pfd = [PollFd::new(&self.0, PollFlags::IN)];
+            let _ = poll(&mut pfd, Some(&timeout));
             let mut buf = [0u8; 1024];
-            // SAFETY: one valid pollfd; reads into a local buffer of its stated size.
-            unsafe {
-                libc::poll(&mut pfd, 1, ms);
-                while libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) > 0 {}
-            }
+            while rustix::io::read(&self.0, &mut buf).is_ok_and(|n| n > 0) {}
         }
     }
 }
@@ -324,12 +312,7 @@ fn unpopulated(events: &Path) -> bool {
 }
 
 fn sigkill_all(pids: &[i32]) {
-    for &pid in pids {
-        if pid > 1 {
-            // SAFETY: plain syscall; the pids come from the slot's own cgroup.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
+    signal_all(pids, Signal::KILL);
 }
 
 /// The cpu quota (µs per [`CPU_PERIOD_US`]) for a limit in thousandths of a CPU.
@@ -429,7 +412,7 @@ impl CgroupDriver for CgroupV2 {
         "v2"
     }
 
-    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError> {
+    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
         let parent = self.mount.join(&self.parent);
         CgroupV2::delegate(&self.mount)?;
         make_dir(&parent)?;
@@ -467,7 +450,7 @@ impl CgroupDriver for CgroupV2 {
         }
         // Watched before the signal, so no exit goes unseen.
         let watch = FileWatch::new(&events).map_err(IsolationError::new("watching", &events))?;
-        signal_all(&self.procs(name)?, libc::SIGTERM);
+        signal_all(&self.procs(name)?, Signal::TERM);
         Ok(watch.wait(grace, || unpopulated(&events)))
     }
 
@@ -535,7 +518,7 @@ impl CgroupDriver for CgroupV1 {
         "v1"
     }
 
-    fn create(&self, name: &str, limits: &SlotLimits) -> Result<(), IsolationError> {
+    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
         for (_, mount) in &self.mounts {
             make_dir(&mount.join(&self.parent))?;
             make_dir(&mount.join(&self.parent).join(name))?;
@@ -682,7 +665,7 @@ mod tests {
             mount: root.path().to_path_buf(),
             parent: "sp".into(),
         };
-        let limits = SlotLimits {
+        let limits = Limits {
             cpu_millis: Some(1500),
             memory_bytes: Some(1 << 20),
             pids: Some(64),
@@ -722,7 +705,7 @@ mod tests {
         };
         v1.create(
             "u1",
-            &SlotLimits {
+            &Limits {
                 pids: Some(10),
                 ..Default::default()
             },

@@ -1,5 +1,5 @@
 //! The mounts the agent makes where slot logins see them: each quota'd slot's workspace
-//! image ([`crate::disk_quota`]) and a `/proc` that hides other users' processes
+//! image ([`crate::isolation::disk_quota`]) and a `/proc` that hides other users' processes
 //! ([`MountNamespace::hide_processes`]).
 //!
 //! Mounts only matter in the mount namespace sshd (so every slot login) lives in. A
@@ -10,7 +10,7 @@
 //! namespace (the tests run the agent and its sshd in a private one). What the agent
 //! mounts in the host's namespace reaches its own through ordinary propagation.
 
-use crate::cgroup::{parse_mountinfo, MountEntry};
+use crate::isolation::cgroup::{parse_mountinfo, MountEntry};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;

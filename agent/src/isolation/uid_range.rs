@@ -62,7 +62,7 @@ impl UidRange {
         if first > last {
             return Err(UidError::Empty { first, last });
         }
-        let min = crate::users::MIN_SLOT_UID;
+        let min = crate::isolation::passwd::MIN_SLOT_UID;
         if first < min {
             return Err(UidError::TooLow { first, last, min });
         }

@@ -7,14 +7,14 @@
 //! each listing is bounded). The spools where setuid tools write files owned by the user
 //! (crontabs, at jobs, mail) are added by name ([`SPOOL_DIRS`]). At release, every
 //! top-level entry the slot's uid owns in these directories is removed with
-//! [`crate::wipe`] (no recursion, nothing followed, within the release's budget), and
+//! [`crate::isolation::wipe`] (no recursion, nothing followed, within the release's budget), and
 //! [`owned_by`] checks that none is left.
 //!
 //! Not covered: entries deeper than the top level of these directories that are owned by
 //! the uid inside a directory owned by someone else, and world-writable directories
 //! deeper than [`SCAN_DEPTH`] or made after start-up.
 
-use crate::wipe::{self, Budget, WipeError};
+use crate::isolation::wipe::{self, Budget, WipeError};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 

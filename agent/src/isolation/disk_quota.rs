@@ -6,7 +6,7 @@
 //! sparse file `<work-dir>/images/<slot>.img` (root-only directory) holding an ext4
 //! file system, made with `mkfs.ext4` (no reserved blocks: the whole size is the job's;
 //! lazy inode-table and journal init, so it takes milliseconds) and loop-mounted
-//! `nodev,nosuid` on the workspace directory ([`crate::mounts`]). The file system's root
+//! `nodev,nosuid` on the workspace directory ([`crate::isolation::mounts`]). The file system's root
 //! belongs to the slot user, mode 0700; the directory under it belongs to root, 0700,
 //! so nothing is ever written to the host's file system through it.
 //!
@@ -18,8 +18,8 @@
 //! are on the host's file systems; see the agent's documentation. Images are sparse, so
 //! slots × quota may exceed the host's free space: size the quotas to fit.
 
+use crate::isolation::mounts::{MountNamespace, Unmounted};
 use crate::isolation::{make_private_dir, IsolationError};
-use crate::mounts::{MountNamespace, Unmounted};
 use std::fs;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};

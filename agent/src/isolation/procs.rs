@@ -1,0 +1,347 @@
+//! A slot user's processes, IPC objects and SSH logins, found by scanning `/proc`.
+//!
+//! Processes are found by scanning `<proc>/<pid>/status` for any of the real, effective,
+//! saved or file-system uid; [`kill_uid`] kills them with `kill(-1, SIGKILL)` run *as the
+//! slot user*, which the kernel applies to every process of that user at once, and
+//! repeats until a scan finds none. Every function takes the `/proc` root as a
+//! parameter.
+
+use super::passwd::MIN_SLOT_UID;
+use super::IsolationError;
+use rustix::process::{kill_process, Pid, Signal};
+use slotpool_protocol::api::SlotSession;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Longest a kill by uid keeps trying.
+pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The uids (real, effective, saved, fs) in `/proc/<pid>/status` text.
+pub fn parse_status_uids(text: &str) -> Vec<u32> {
+    status_uids(text).collect()
+}
+
+/// The uids on the `Uid:` line of status text, without allocating.
+fn status_uids(text: &str) -> impl Iterator<Item = u32> + '_ {
+    text.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .into_iter()
+        .flat_map(|rest| rest.split_whitespace().filter_map(|u| u.parse().ok()))
+}
+
+/// The processes of which any uid is `uid`.
+pub fn processes_of(proc_root: &Path, uid: u32) -> Vec<i32> {
+    processes_of_any(proc_root, &[uid])
+        .into_iter()
+        .map(|(_, pid)| pid)
+        .collect()
+}
+
+/// The processes of which any uid is one of `uids`, as `(uid, pid)`, from one scan of
+/// `proc_root` (each status file read once, into one reused buffer).
+pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
+    use std::io::Read;
+    let mut found = Vec::new();
+    if uids.is_empty() {
+        return found;
+    }
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return found;
+    };
+    let mut text = String::with_capacity(2048);
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        text.clear();
+        let read = std::fs::File::open(entry.path().join("status"))
+            .and_then(|mut f| f.read_to_string(&mut text));
+        if read.is_err() {
+            continue;
+        }
+        if let Some(uid) = status_uids(&text).find(|u| uids.contains(u)) {
+            found.push((uid, pid));
+        }
+    }
+    found
+}
+
+/// Kills every process of `uid` and waits until none is left.
+pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationError> {
+    if uid < MIN_SLOT_UID {
+        return Err(IsolationError::new(
+            "killing processes of",
+            Path::new("uid"),
+        )(std::io::Error::other(format!(
+            "refusing to kill uid {uid}: not a slot user"
+        ))));
+    }
+    let deadline = Instant::now() + KILL_TIMEOUT;
+    loop {
+        let left = processes_of(proc_root, uid);
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(IsolationError::new(
+                "killing processes of",
+                Path::new(&format!("uid {uid}")),
+            )(std::io::Error::other(format!(
+                "still running after {KILL_TIMEOUT:?}: {left:?}"
+            ))));
+        }
+        // kill(-1) as the user reaches every process that user may signal: all of its own.
+        let mut cmd = Command::new("/bin/true");
+        cmd.uid(uid).gid(gid).env_clear();
+        // SAFETY: only the async-signal-safe kill(2) runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::kill(-1, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        match cmd.status() {
+            Ok(_) => {}
+            Err(err) => {
+                tracing::debug!(uid, %err, "kill as the user failed; killing one by one");
+            }
+        }
+        // Also one by one, for processes that only kept a saved or fs uid.
+        for pid in processes_of(proc_root, uid)
+            .into_iter()
+            .filter_map(Pid::from_raw)
+        {
+            let _ = kill_process(pid, Signal::KILL);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A System V IPC object: shared memory, semaphore set or message queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpcKind {
+    Shm,
+    Sem,
+    Msg,
+}
+
+impl IpcKind {
+    pub const ALL: [IpcKind; 3] = [IpcKind::Shm, IpcKind::Sem, IpcKind::Msg];
+
+    fn table(self) -> &'static str {
+        match self {
+            IpcKind::Shm => "shm",
+            IpcKind::Sem => "sem",
+            IpcKind::Msg => "msg",
+        }
+    }
+}
+
+/// The ids of the objects of `kind` owned or created by `uid`, from the text of
+/// `/proc/sysvipc/<kind>` (a header line naming the columns, then one line per object;
+/// the id is the second column).
+pub fn ipc_ids_of(table: &str, uid: u32) -> Vec<i32> {
+    let mut lines = table.lines();
+    let Some(header) = lines.next() else {
+        return Vec::new();
+    };
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    let at = |name: &str| columns.iter().position(|c| *c == name);
+    let (Some(uid_at), Some(cuid_at)) = (at("uid"), at("cuid")) else {
+        return Vec::new();
+    };
+    lines
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let owned = [uid_at, cuid_at]
+                .iter()
+                .any(|&i| fields.get(i).and_then(|f| f.parse::<u32>().ok()) == Some(uid));
+            if owned {
+                fields.get(1)?.parse().ok()
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// The System V IPC objects `uid` still owns, as `(kind, id)`.
+pub fn ipc_objects_of(proc_root: &Path, uid: u32) -> Vec<(IpcKind, i32)> {
+    IpcKind::ALL
+        .iter()
+        .flat_map(|&kind| {
+            let table = std::fs::read_to_string(proc_root.join("sysvipc").join(kind.table()))
+                .unwrap_or_default();
+            ipc_ids_of(&table, uid)
+                .into_iter()
+                .map(move |id| (kind, id))
+        })
+        .collect()
+}
+
+/// Removes the System V IPC objects (shared memory, semaphores, message queues) `uid`
+/// owns or created: they outlive every process and would be handed to the next job,
+/// whose user may get the same uid. Errors name the object.
+pub fn remove_ipc_of(proc_root: &Path, uid: u32) -> Vec<String> {
+    let mut errors = Vec::new();
+    for (kind, id) in ipc_objects_of(proc_root, uid) {
+        // SAFETY: plain syscalls on an id just read from the kernel's table; a stale id
+        // fails with EINVAL/EIDRM, which is reported.
+        let rc = unsafe {
+            match kind {
+                IpcKind::Shm => libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+                IpcKind::Sem => libc::semctl(id, 0, libc::IPC_RMID),
+                IpcKind::Msg => libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()),
+            }
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EINVAL) && err.raw_os_error() != Some(libc::EIDRM) {
+                errors.push(format!("removing {} {id}: {err}", kind.table()));
+            }
+        }
+    }
+    errors
+}
+
+/// The SSH logins of `user` (uid `uid`) still open: each process of the uid whose parent
+/// is an sshd process (the login's shell or command) and whose environment names the
+/// connection (`SSH_CONNECTION`), oldest first.
+pub fn ssh_sessions(proc_root: &Path, uid: u32, user: &str) -> Vec<SlotSession> {
+    let boot_ms = boot_time_ms(proc_root);
+    let mut sessions: Vec<SlotSession> = processes_of(proc_root, uid)
+        .into_iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(proc_root.join(format!("{pid}/stat"))).ok()?;
+            let (ppid, start_ticks) = parse_stat(&stat)?;
+            let parent = std::fs::read_to_string(proc_root.join(format!("{ppid}/comm"))).ok()?;
+            if !parent.starts_with("sshd") {
+                return None;
+            }
+            let environ = std::fs::read(proc_root.join(format!("{pid}/environ"))).ok()?;
+            Some(SlotSession {
+                user: user.to_string(),
+                from: ssh_client(&environ)?,
+                since: boot_ms? + start_ticks * 1000 / clock_ticks(),
+            })
+        })
+        .collect();
+    sessions.sort_by_key(|s| s.since);
+    sessions
+}
+
+/// The parent pid and start time (clock ticks after boot) from a `/proc/<pid>/stat` line.
+pub fn parse_stat(stat: &str) -> Option<(i32, u64)> {
+    // The command name, in parentheses, may hold spaces and parentheses itself.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state (0), ppid (1), ..., starttime (19).
+    Some((fields.get(1)?.parse().ok()?, fields.get(19)?.parse().ok()?))
+}
+
+/// `address:port` of the client from an environment's `SSH_CONNECTION`
+/// (`client-address client-port server-address server-port`). The job can rewrite its
+/// own environment, so only an IP address and a port number are taken from it: anything
+/// else (text meant for an operator's terminal, say) is no login at all.
+pub fn ssh_client(environ: &[u8]) -> Option<String> {
+    let value = environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(b"SSH_CONNECTION="))?;
+    let value = std::str::from_utf8(value).ok()?;
+    let mut parts = value.split(' ');
+    let address: std::net::IpAddr = parts.next()?.parse().ok()?;
+    let port: u16 = parts.next()?.parse().ok()?;
+    Some(std::net::SocketAddr::new(address, port).to_string())
+}
+
+fn boot_time_ms(proc_root: &Path) -> Option<u64> {
+    let stat = std::fs::read_to_string(proc_root.join("stat")).ok()?;
+    let secs: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(secs * 1000)
+}
+
+fn clock_ticks() -> u64 {
+    match rustix::param::clock_ticks_per_second() {
+        0 => 100,
+        ticks => ticks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_gives_parent_and_start_even_with_a_strange_command_name() {
+        let stat = "4242 (sh (x) y) S 4200 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 2400000 150";
+        assert_eq!(parse_stat(stat), Some((4200, 987654)));
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn the_ssh_client_comes_from_ssh_connection() {
+        let env = b"HOME=/w\0SSH_CONNECTION=127.0.0.1 51234 127.0.0.1 2222\0USER=s\0";
+        assert_eq!(ssh_client(env), Some("127.0.0.1:51234".into()));
+        assert_eq!(ssh_client(b"HOME=/w\0"), None);
+        // Written by the job: only an address and a port pass.
+        for forged in [
+            &b"SSH_CONNECTION=\x1b[2J\x1b[31mroot@console 22 10.0.0.1 22\0"[..],
+            b"SSH_CONNECTION=10.0.0.7 99999 10.0.0.1 22\0",
+            b"SSH_CONNECTION=localhost 22 10.0.0.1 22\0",
+        ] {
+            assert_eq!(
+                ssh_client(forged),
+                None,
+                "{}",
+                String::from_utf8_lossy(forged)
+            );
+        }
+        assert_eq!(
+            ssh_client(b"SSH_CONNECTION=fe80::1 2222 fe80::2 22\0"),
+            Some("[fe80::1]:2222".into())
+        );
+    }
+
+    #[test]
+    fn ipc_tables_are_read_by_their_header() {
+        let shm = "       key      shmid perms                  size  cpid  lpid nattch   uid   gid  cuid  cgid      atime      dtime      ctime                   rss                  swap\n\
+                            0         12   600                  1024   100   100      0  1042  1042  1042  1042          0          0 1763770000                     0                     0\n\
+                            0         13   600                  1024   100   100      0     0     0  1042     0          0          0 1763770000                     0                     0\n\
+                            0         14   600                  1024   100   100      0     0     0     0     0          0          0 1763770000                     0                     0\n";
+        assert_eq!(
+            ipc_ids_of(shm, 1042),
+            vec![12, 13],
+            "owned or created by the uid"
+        );
+        let sem = "       key      semid perms      nsems   uid   gid  cuid  cgid      otime      ctime\n\
+                            1          7   600          1  1042  1042  1042  1042          0 1763770000\n";
+        assert_eq!(ipc_ids_of(sem, 1042), vec![7]);
+        assert!(ipc_ids_of(sem, 1043).is_empty());
+        assert!(ipc_ids_of("", 1042).is_empty());
+        assert!(ipc_ids_of("garbage without columns\n1 2 3\n", 1042).is_empty());
+    }
+
+    #[test]
+    fn status_uids() {
+        let text = "Name:\tsleep\nUid:\t1001\t1001\t1001\t1001\nGid:\t5\t5\t5\t5\n";
+        assert_eq!(parse_status_uids(text), vec![1001; 4]);
+        assert!(parse_status_uids("Name: x\n").is_empty());
+    }
+
+    #[test]
+    fn root_is_never_killed_by_uid() {
+        let err = kill_uid(Path::new("/proc"), 0, 0).unwrap_err().to_string();
+        assert!(err.contains("refusing"), "{err}");
+    }
+}
