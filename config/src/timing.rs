@@ -6,8 +6,9 @@ use slotpool_protocol::model::BackingNode;
 use slotpool_protocol::time::{after, UnixMillis};
 use std::time::Duration;
 
-/// A label's idle timers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A label's idle timers: the one carrier of grace-time, min-retention-time and max-age
+/// from the configuration to the launcher's lifecycle and the console.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IdleRules {
     pub grace_time: Duration,
     pub min_retention_time: Duration,
@@ -16,7 +17,7 @@ pub struct IdleRules {
 }
 
 impl LabelConfig {
-    /// This label's idle timers.
+    /// This label's idle timers, as the launcher and the console take them.
     pub fn idle_rules(&self) -> IdleRules {
         IdleRules {
             grace_time: self.grace_time,

@@ -4,6 +4,7 @@
 //! node's `idle_since`), by driving the console's state with watch changes and the
 //! launcher's lifecycle with the same observations.
 
+use slotpool_config::timing::IdleRules;
 use slotpool_launcher::backing::lifecycle::{self, AgentSeen, Observed};
 use slotpool_protocol::layout::{seat_key, slot_key};
 use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour, Node, NodeState};
@@ -137,9 +138,11 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             .filter(|at| *at <= NOW);
         let now = NOW;
         let label = LabelRules {
-            grace_time_ms: cases.below(3600) * SEC,
-            min_retention_ms: cases.below(2) * cases.below(7200) * SEC,
-            max_age_ms: 0,
+            idle: IdleRules {
+                grace_time: Duration::from_millis(cases.below(3600) * SEC),
+                min_retention_time: Duration::from_millis(cases.below(2) * cases.below(7200) * SEC),
+                max_age: Duration::ZERO,
+            },
             min_ready: 0,
             warm: None,
         };
@@ -160,9 +163,7 @@ fn the_console_counts_down_to_the_launchers_release_time() {
             now,
         };
         let rules = lifecycle::Rules {
-            grace_time: Duration::from_millis(label.grace_time_ms),
-            min_retention_time: Duration::from_millis(label.min_retention_ms),
-            max_age: Duration::ZERO,
+            idle: label.idle,
             boot_timeout: Duration::from_secs(60),
             launch_timeout: Duration::from_secs(60),
             launch_retries: 1,

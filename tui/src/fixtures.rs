@@ -5,11 +5,13 @@ use crate::mirror::{Bucket, Change, Record};
 use crate::rules::{LabelRules, Rules};
 use crate::state::{apply_all, update, Command, Msg, State};
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use slotpool_config::timing::IdleRules;
 use slotpool_protocol::model::{
     AgentHeartbeat, BackingNode, BackingState, Event, EventKind, Health, IdleBehaviour, Instance,
     Node, NodeRequest, NodeState, RequestState,
 };
 use slotpool_protocol::{BackingId, EventId, NodeId, RequestId};
+use std::time::Duration;
 
 /// 2026-01-01 12:00:00 UTC.
 pub const NOW: u64 = 1_767_268_800_000;
@@ -176,9 +178,11 @@ pub fn put(record: Record) -> Change {
 
 pub fn rules() -> Rules {
     with_small(LabelRules {
-        grace_time_ms: 300 * SEC,
-        min_retention_ms: 0,
-        max_age_ms: 24 * 3600 * SEC,
+        idle: IdleRules {
+            grace_time: Duration::from_secs(300),
+            min_retention_time: Duration::ZERO,
+            max_age: Duration::from_secs(24 * 3600),
+        },
         min_ready: 0,
         warm: None,
     })
@@ -196,9 +200,11 @@ fn with_small(timers: LabelRules) -> Rules {
 /// `min_ready`, and no max-age.
 pub fn small_rules(min_retention_s: u64, min_ready: u32) -> Rules {
     with_small(LabelRules {
-        grace_time_ms: 300 * SEC,
-        min_retention_ms: min_retention_s * SEC,
-        max_age_ms: 0,
+        idle: IdleRules {
+            grace_time: Duration::from_secs(300),
+            min_retention_time: Duration::from_secs(min_retention_s),
+            max_age: Duration::ZERO,
+        },
         min_ready,
         warm: None,
     })

@@ -14,7 +14,7 @@ use slotpool_protocol::layout::seat_key;
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, IdleBehaviour, Node, NodeRequest, RequestState,
 };
-use slotpool_protocol::time::UnixMillis;
+use slotpool_protocol::time::{after, UnixMillis};
 use std::collections::{BTreeMap, HashMap};
 
 /// The views, in Tab order.
@@ -717,7 +717,7 @@ impl<'a> Facts<'a> {
                     }
                     Some(r) => {
                         let last_release = self.mirror.last_release(b.id.as_str());
-                        let at = timing::release_at(b, last_release, self.now, &r.idle());
+                        let at = timing::release_at(b, last_release, self.now, &r.idle);
                         IdleTimer::ReleaseIn(at.saturating_sub(self.now))
                     }
                     None => IdleTimer::IdleFor(self.now.saturating_sub(idle_since)),
@@ -756,14 +756,14 @@ impl<'a> Facts<'a> {
         let rules = self.rules.label(&b.provider, &b.pool, &b.label);
         let launched = b.launched_at.unwrap_or(b.created_at);
         let retained_ms = rules
-            .filter(|r| r.min_retention_ms > 0)
-            .map(|r| (launched + r.min_retention_ms).saturating_sub(self.now))
+            .filter(|r| !r.idle.min_retention_time.is_zero())
+            .map(|r| after(launched, r.idle.min_retention_time).saturating_sub(self.now))
             .filter(|ms| *ms > 0 && b.state == BackingState::Ready);
         let ages = b.state == BackingState::Ready;
-        let max_age_ms = rules.filter(|r| ages && r.max_age_ms > 0).map(|r| {
-            let at = b.ready_at.or(b.launched_at).unwrap_or(b.created_at) + r.max_age_ms;
-            at as i64 - self.now as i64
-        });
+        let max_age_ms = rules
+            .filter(|_| ages)
+            .and_then(|r| timing::max_age_at(b, &r.idle))
+            .map(|at| at as i64 - self.now as i64);
         let heartbeat = match self.mirror.agent(b.id.as_str()) {
             None => Heartbeat::Missing,
             Some(a) => {

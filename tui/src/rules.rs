@@ -7,15 +7,12 @@ use slotpool_config::timing::IdleRules;
 use slotpool_config::warm::{Arrivals, WarmRule};
 use slotpool_config::{Config, Warm};
 use std::collections::BTreeMap;
-use std::time::Duration;
 
-/// The timers of one label in one pool, in milliseconds.
+/// The timers of one label in one pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LabelRules {
-    pub grace_time_ms: u64,
-    pub min_retention_ms: u64,
-    /// Zero: no maximum age.
-    pub max_age_ms: u64,
+    /// Grace-time, min-retention-time and max-age, as the launcher takes them.
+    pub idle: IdleRules,
     /// Free slots the launcher keeps ready for the label (`min-ready`, summed over the
     /// pools serving it); 0: none.
     pub min_ready: u32,
@@ -29,15 +26,6 @@ impl LabelRules {
         WarmRule {
             min_ready: self.min_ready,
             warm: self.warm,
-        }
-    }
-
-    /// These timers as the rule both the launcher and the console apply takes them.
-    pub fn idle(&self) -> IdleRules {
-        IdleRules {
-            grace_time: Duration::from_millis(self.grace_time_ms),
-            min_retention_time: Duration::from_millis(self.min_retention_ms),
-            max_age: Duration::from_millis(self.max_age_ms),
         }
     }
 }
@@ -70,9 +58,7 @@ impl Rules {
                         &pool.name,
                         &label.name,
                         LabelRules {
-                            grace_time_ms: label.grace_time.as_millis() as u64,
-                            min_retention_ms: label.min_retention_time.as_millis() as u64,
-                            max_age_ms: label.max_age.as_millis() as u64,
+                            idle: label.idle_rules(),
                             min_ready: config.min_ready(&label.name),
                             warm: config.warm(&label.name),
                         },

@@ -493,7 +493,7 @@ impl State {
                 .label(&b.provider, &b.pool, &b.label)
                 .is_some_and(|r| {
                     let last = self.mirror.last_release(b.id.as_str());
-                    slotpool_config::timing::release_at(b, last, self.now, &r.idle()) <= self.now
+                    slotpool_config::timing::release_at(b, last, self.now, &r.idle) <= self.now
                 });
         if action == OperatorAction::Run && released_now {
             state.push_str(", idle past its grace-time: released at once");

@@ -215,7 +215,7 @@ impl Executor {
         };
         let attempt = lifecycle::attempt(v, secret_digest(&secret), now_ms());
         let current = self.put(b, attempt).await?;
-        let max_age = obs.rules.map_or(Duration::ZERO, |r| r.max_age);
+        let max_age = obs.rules.map_or(Duration::ZERO, |r| r.idle.max_age);
         let credentials = match self.sh.agent_bus.credential(&v.id, max_age) {
             Ok(c) => c,
             Err(err) => {

@@ -44,9 +44,8 @@ pub enum AgentSeen {
 /// The configured rules for the backing node's label (None: no longer configured).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Rules {
-    pub grace_time: Duration,
-    pub min_retention_time: Duration,
-    pub max_age: Duration,
+    /// Grace-time, min-retention-time and max-age.
+    pub idle: IdleRules,
     pub boot_timeout: Duration,
     /// How long the provider may take to launch an instance (`launch-timeout`).
     pub launch_timeout: Duration,
@@ -59,21 +58,11 @@ impl Rules {
     /// The rules of a label as configured in its pool.
     pub fn of(site: &slotpool_config::LabelSite<'_>) -> Rules {
         Rules {
-            grace_time: site.label.grace_time,
-            min_retention_time: site.label.min_retention_time,
-            max_age: site.label.max_age,
+            idle: site.label.idle_rules(),
             boot_timeout: site.pool.boot_timeout,
             launch_timeout: site.pool.launch_timeout,
             launch_retries: site.pool.launch_retries,
             max_uses: site.label.max_uses,
-        }
-    }
-
-    fn idle(&self) -> IdleRules {
-        IdleRules {
-            grace_time: self.grace_time,
-            min_retention_time: self.min_retention_time,
-            max_age: self.max_age,
         }
     }
 }
@@ -281,13 +270,13 @@ fn min_opt(a: Option<UnixMillis>, b: Option<UnixMillis>) -> Option<UnixMillis> {
 
 /// When the node reaches max-age, if it has one ([`timing::max_age_at`]).
 pub(crate) fn max_age_at(b: &BackingNode, rules: &Rules) -> Option<UnixMillis> {
-    timing::max_age_at(b, &rules.idle())
+    timing::max_age_at(b, &rules.idle)
 }
 
 /// When an empty node may be released ([`timing::release_at`], the rule the console
 /// counts down to).
 pub fn release_at(b: &BackingNode, obs: &Observed, rules: &Rules) -> UnixMillis {
-    timing::release_at(b, obs.last_release, obs.now, &rules.idle())
+    timing::release_at(b, obs.last_release, obs.now, &rules.idle)
 }
 
 pub fn next(b: &BackingNode, obs: &Observed) -> Step {
@@ -454,7 +443,7 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
     };
     let max_age = max_age_at(b, &rules);
     if max_age.is_some_and(|t| obs.now >= t) {
-        return Step::Retire(format!("max-age {}s reached", rules.max_age.as_secs()));
+        return Step::Retire(format!("max-age {}s reached", rules.idle.max_age.as_secs()));
     }
     if let Some(max_uses) = rules.max_uses.filter(|n| b.uses >= *n) {
         return Step::Retire(format!("max-uses {max_uses} reached"));
@@ -499,9 +488,11 @@ mod tests {
 
     fn rules() -> Rules {
         Rules {
-            grace_time: Duration::from_secs(2),
-            min_retention_time: Duration::ZERO,
-            max_age: Duration::ZERO,
+            idle: IdleRules {
+                grace_time: Duration::from_secs(2),
+                min_retention_time: Duration::ZERO,
+                max_age: Duration::ZERO,
+            },
             boot_timeout: Duration::from_secs(10),
             launch_timeout: Duration::from_secs(30),
             launch_retries: 2,
@@ -578,7 +569,10 @@ mod tests {
         fresh.idle_since = Some(60_000);
         let zero = Observed {
             rules: Some(Rules {
-                grace_time: Duration::ZERO,
+                idle: IdleRules {
+                    grace_time: Duration::ZERO,
+                    ..rules().idle
+                },
                 ..rules()
             }),
             ..waiting(1)
@@ -629,7 +623,10 @@ mod tests {
         let mut aged = b.clone();
         aged.launched_at = Some(1_000);
         let rules = Rules {
-            max_age: Duration::from_secs(30),
+            idle: IdleRules {
+                max_age: Duration::from_secs(30),
+                ..rules().idle
+            },
             ..rules()
         };
         let obs = Observed {
@@ -765,7 +762,10 @@ mod tests {
         let b = node(BackingState::Ready);
         let mut o = obs(12_000, 0);
         o.rules = Some(Rules {
-            min_retention_time: Duration::from_secs(30),
+            idle: IdleRules {
+                min_retention_time: Duration::from_secs(30),
+                ..rules().idle
+            },
             ..rules()
         });
         assert_eq!(next(&b, &o), Step::Wait(Some(31_000)));
@@ -776,7 +776,10 @@ mod tests {
         let b = node(BackingState::Ready);
         let mut o = obs(7_000, 2);
         o.rules = Some(Rules {
-            max_age: Duration::from_secs(5),
+            idle: IdleRules {
+                max_age: Duration::from_secs(5),
+                ..rules().idle
+            },
             ..rules()
         });
         assert_eq!(next(&b, &o), Step::Retire("max-age 5s reached".into()));
@@ -803,7 +806,10 @@ mod tests {
         let retiring = node(BackingState::Retiring);
         let mut aged = obs(7_000, 0);
         aged.rules = Some(Rules {
-            max_age: Duration::from_secs(5),
+            idle: IdleRules {
+                max_age: Duration::from_secs(5),
+                ..rules().idle
+            },
             ..rules()
         });
         assert_eq!(reason(&retiring, &aged), Some(DeletionReason::MaxAge));
