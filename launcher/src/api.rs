@@ -35,43 +35,39 @@ use tracing::Instrument;
 
 const MAX_REQUESTOR_LEN: usize = 256;
 
-/// Serves the API until shutdown.
+/// Serves the API until shutdown: every client's API subject and every operator's
+/// admin subject, each family in one subscription of the launchers' queue group. A
+/// subject that names no operation is answered `unknown_operation`, not left to time
+/// out (a client would take "no responders" for no launcher running).
 pub async fn serve(shared: Arc<Shared>) -> Result<(), BusError> {
     let bus = &shared.bus;
-    let mut served: Vec<(String, Op)> = ApiOp::ALL
-        .into_iter()
-        .map(|op| (subjects::api_all(op), Op::Api(op)))
-        .collect();
-    for action in OperatorAction::ALL {
-        served.push((subjects::admin_all(action), Op::Admin(action)));
-    }
-    served.push((subjects::SLOT_OCCUPANTS_ALL.to_string(), Op::SlotOccupants));
-    served.push((subjects::LOG_TAIL_ALL.to_string(), Op::LogTail));
-    served.push((subjects::API_V1_ALL.to_string(), Op::Retired));
-    served.push((subjects::ADMIN_V1_ALL.to_string(), Op::Retired));
+    let served = [
+        subjects::API_V2_ALL,
+        subjects::ADMIN_V2_ALL,
+        subjects::API_V1_ALL,
+        subjects::ADMIN_V1_ALL,
+    ];
     let mut streams = Vec::with_capacity(served.len());
-    for (subject, op) in served {
-        let messages = bus
-            .serve(&subject, Some(subjects::LAUNCHER_QUEUE))
-            .await?
-            .map(move |m| (op, m));
+    for subject in served {
+        let messages = bus.serve(subject, Some(subjects::LAUNCHER_QUEUE)).await?;
         streams.push(messages.boxed());
     }
     let mut all = futures::stream::select_all(streams);
     loop {
-        let (op, msg) = tokio::select! {
+        let msg = tokio::select! {
             _ = shared.shutdown.cancelled() => return Ok(()),
             next = all.next() => match next { Some(m) => m, None => return Ok(()) },
         };
         let sh = shared.clone();
         let caller = subjects::caller(&msg.subject);
+        let op = Op::of(&msg.subject);
         let span =
             tracing::info_span!("api", op = ?op, caller = caller.as_ref().map(|c| c.as_str()));
         shared.spawn_task(async move { handle(sh, op, caller, msg).await }.instrument(span));
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Op {
     Api(ApiOp),
     Admin(OperatorAction),
@@ -81,6 +77,52 @@ enum Op {
     LogTail,
     /// A subject of API v1, answered with `unsupported_version`.
     Retired,
+    /// An API or admin subject that names no operation.
+    Unknown,
+}
+
+impl Op {
+    /// The operation a message's subject names.
+    fn of(subject: &str) -> Op {
+        let admin = subject.starts_with("slotpool.admin.");
+        match subjects::operation(subject) {
+            None => Op::Retired,
+            Some(name) if admin => OperatorAction::ALL
+                .into_iter()
+                .find(|a| a.as_str() == name)
+                .map(Op::Admin)
+                .or_else(|| (name == subjects::SLOT_OCCUPANTS).then_some(Op::SlotOccupants))
+                .or_else(|| (name == subjects::LOG_TAIL).then_some(Op::LogTail))
+                .unwrap_or(Op::Unknown),
+            Some(name) => ApiOp::ALL
+                .into_iter()
+                .find(|op| op.as_str() == name)
+                .map_or(Op::Unknown, Op::Api),
+        }
+    }
+}
+
+/// The error for a subject that names no operation, listing those there are.
+fn unknown_operation(subject: &str) -> ApiError {
+    let admin = subject.starts_with("slotpool.admin.");
+    let known: Vec<&str> = if admin {
+        OperatorAction::ALL
+            .iter()
+            .map(|a| a.as_str())
+            .chain([subjects::SLOT_OCCUPANTS, subjects::LOG_TAIL])
+            .collect()
+    } else {
+        ApiOp::ALL.iter().map(|op| op.as_str()).collect()
+    };
+    let name = subjects::operation(subject).unwrap_or_default();
+    ApiError::new(
+        ErrorCode::UnknownOperation,
+        format!(
+            "{subject}: no operation {name:?}; the {} has: {}",
+            if admin { "admin API" } else { "API" },
+            known.join(", ")
+        ),
+    )
 }
 
 async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming) {
@@ -136,6 +178,7 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
         Op::SlotOccupants => respond(&sh, &reply_to, admin::slot_occupants(&sh, &msg).await).await,
         Op::LogTail => respond(&sh, &reply_to, admin::log_tail(&sh, &msg).await).await,
         Op::Retired => unreachable!("a v1 subject has no caller"),
+        Op::Unknown => respond::<()>(&sh, &reply_to, Err(unknown_operation(&msg.subject))).await,
     };
     if let Err(err) = sent {
         tracing::warn!(%err, "cannot send the reply");
@@ -749,6 +792,43 @@ async fn keep_alive(
 mod tests {
     use super::*;
     use crate::world::tests_support::request;
+
+    #[test]
+    fn every_subject_is_read_as_an_operation_or_as_none() {
+        assert!(matches!(
+            Op::of("slotpool.api.v2.ci.submit"),
+            Op::Api(ApiOp::Submit)
+        ));
+        assert!(matches!(
+            Op::of("slotpool.api.v2.ci.wait_released"),
+            Op::Api(ApiOp::WaitReleased)
+        ));
+        assert!(matches!(
+            Op::of("slotpool.admin.v2.alice.release_node"),
+            Op::Admin(OperatorAction::ReleaseNode)
+        ));
+        assert!(matches!(
+            Op::of("slotpool.admin.v2.alice.log_tail"),
+            Op::LogTail
+        ));
+        assert!(matches!(Op::of("slotpool.api.v1.submit"), Op::Retired));
+        for unknown in [
+            "slotpool.api.v2.ci.frobnicate",
+            "slotpool.api.v2.ci.submit.now",
+            "slotpool.api.v2.ci.hold",
+            "slotpool.admin.v2.alice.submit",
+        ] {
+            assert!(matches!(Op::of(unknown), Op::Unknown), "{unknown}");
+        }
+        let err = unknown_operation("slotpool.api.v2.ci.frobnicate");
+        assert_eq!(err.code, ErrorCode::UnknownOperation);
+        assert!(
+            err.message.contains("no operation \"frobnicate\"")
+                && err.message.contains("submit, release"),
+            "{}",
+            err.message
+        );
+    }
 
     fn user(name: &str) -> UserName {
         UserName::parse(name).unwrap()

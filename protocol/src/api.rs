@@ -58,6 +58,9 @@ pub enum ErrorCode {
     /// The record in question cannot be read (corrupt or written by something else);
     /// retrying does not help.
     Unreadable,
+    /// The subject names an operation the API does not have
+    /// (`slotpool.api.v2.<client>.<op>`, `slotpool.admin.v2.<operator>.<action>`).
+    UnknownOperation,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]

@@ -4,6 +4,7 @@
 use crate::api::{ApiError, Reply};
 use crate::auth::{BusUser, Role};
 use crate::layout::{self, ALL_BUCKETS};
+use crate::refusals::{Refusal, Refusals};
 use crate::store::{KvError, Store};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
@@ -69,6 +70,10 @@ pub enum BusError {
     NoResponders { subject: String },
     #[error("no answer on {subject} within {timeout:?}")]
     Timeout { subject: String, timeout: Duration },
+    /// The server refused to let this user publish on the subject: the role does not
+    /// allow it (docs/protocol.md, section 12).
+    #[error("not permitted: {user} may not publish on {subject} (the NATS server refused it; see the permissions of each role in docs/protocol.md)")]
+    NotPermitted { user: String, subject: String },
     #[error("request on {subject} failed: {message}")]
     Request { subject: String, message: String },
     #[error("malformed reply on {subject}: {source}")]
@@ -105,6 +110,9 @@ pub struct Bus {
     pub events: Store,
     /// Whether the connection is up and how often it came back ([`Bus::link_state`]).
     link_state: tokio::sync::watch::Receiver<LinkState>,
+    /// The server's refusals of this connection's subjects, for the calls that made
+    /// them; `None` for a launcher, which may use every subject.
+    refusals: Option<Refusals>,
 }
 
 /// Whether a [`Bus`]'s connection is up, as the NATS client reports it (see
@@ -166,7 +174,8 @@ impl Bus {
             up: true,
             reconnects: 0,
         });
-        let client = connect_client(opts, &user, link, state_tx).await?;
+        let refusals = (user.role != Role::Launcher).then(|| Refusals::new(&user));
+        let client = connect_client(opts, &user, link, state_tx, refusals.clone()).await?;
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
@@ -175,7 +184,9 @@ impl Bus {
         }
         let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
         for spec in ALL_BUCKETS {
-            let mut store = Store::open(&js, spec, replicas.unwrap_or(1)).await?;
+            let mut store = Store::open(&js, spec, replicas.unwrap_or(1))
+                .await?
+                .with_refusals(refusals.clone());
             if replicas.is_some() {
                 store.apply_discard(spec).await?;
             }
@@ -207,6 +218,7 @@ impl Bus {
             client,
             user,
             link_state,
+            refusals,
         })
     }
 
@@ -229,7 +241,9 @@ impl Bus {
     pub async fn open_bucket(&self, spec: crate::store::BucketSpec) -> Result<Store, KvError> {
         let mut js = async_nats::jetstream::new(self.client.clone());
         js.set_timeout(Duration::from_secs(5));
-        Store::open(&js, spec, 1).await
+        Ok(Store::open(&js, spec, 1)
+            .await?
+            .with_refusals(self.refusals.clone()))
     }
 
     /// Sends `msg` to `subject` and decodes the [`Reply`], with a deadline.
@@ -261,8 +275,18 @@ impl Bus {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, BusError> {
-        let fut = self.client.request(subject.to_string(), payload);
-        match tokio::time::timeout(timeout, fut).await {
+        let fut = tokio::time::timeout(timeout, self.client.request(subject.to_string(), payload));
+        let answered = match &self.refusals {
+            None => fut.await,
+            Some(refusals) => refusals
+                .guard(|r: &Refusal| !r.subscribe && r.subject == subject, fut)
+                .await
+                .map_err(|refused| BusError::NotPermitted {
+                    user: self.user.to_string(),
+                    subject: refused.subject,
+                })?,
+        };
+        match answered {
             Err(_) => Err(BusError::Timeout {
                 subject: subject.to_string(),
                 timeout,
@@ -404,6 +428,7 @@ async fn connect_client(
     user: &BusUser,
     link: Option<tokio::sync::watch::Sender<Link>>,
     state: tokio::sync::watch::Sender<LinkState>,
+    refusals: Option<Refusals>,
 ) -> Result<async_nats::Client, BusError> {
     let mut o = async_nats::ConnectOptions::new()
         // Replies come to this user's own inbox: a user may subscribe to no other's.
@@ -416,7 +441,7 @@ async fn connect_client(
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None::<usize>);
     o = o.event_callback(move |event| {
-        let (link, state) = (link.clone(), state.clone());
+        let (link, state, refusals) = (link.clone(), state.clone(), refusals.clone());
         async move {
             match event {
                 async_nats::Event::Connected => {
@@ -439,6 +464,15 @@ async fn connect_client(
                     state.send_if_modified(|s| std::mem::replace(&mut s.up, false));
                     if let Some(link) = link {
                         link.send_replace(Link::Down);
+                    }
+                }
+                async_nats::Event::ServerError(async_nats::ServerError::Other(text))
+                    if refusals.is_some() && Refusal::parse(&text).is_some() =>
+                {
+                    // The call that was refused says so in its error.
+                    tracing::debug!(%text, "the NATS server refused a subject");
+                    if let (Some(refusals), Some(refusal)) = (&refusals, Refusal::parse(&text)) {
+                        refusals.report(refusal);
                     }
                 }
                 other => log_event(&other),

@@ -241,6 +241,27 @@ pub mod subjects {
         format!("slotpool.admin.v2.{operator}.>")
     }
 
+    /// Every client's API subject, for serving them all in one subscription.
+    pub const API_V2_ALL: &str = "slotpool.api.v2.*.>";
+    /// Every operator's admin subject, for serving them all in one subscription.
+    pub const ADMIN_V2_ALL: &str = "slotpool.admin.v2.*.>";
+
+    /// What follows the caller in an API or admin subject: the operation's name
+    /// (`submit`, `hold`...), or more tokens for a subject no operation has.
+    pub fn operation(subject: &str) -> Option<&str> {
+        let mut tokens = subject.splitn(5, '.');
+        match (
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+        ) {
+            (Some("slotpool"), Some("api" | "admin"), Some("v2"), Some(_), Some(op)) => Some(op),
+            _ => None,
+        }
+    }
+
     /// The bus user who sent a message on an API or admin subject: its fourth token.
     pub fn caller(subject: &str) -> Option<UserName> {
         let mut tokens = subject.split('.');

@@ -16,6 +16,7 @@ pub mod layout;
 pub mod logging;
 pub mod model;
 pub mod provider;
+pub mod refusals;
 pub mod ssh_key;
 pub mod store;
 pub mod text;

@@ -6,12 +6,14 @@
 //! CAS (see the notes on `create` and `update`). Errors are [`KvError`]; callers never see
 //! async-nats types.
 
+use crate::refusals::{has_token, Refusal, Refusals};
 use async_nats::header::{HeaderMap, HeaderValue};
 use async_nats::jetstream::{self, consumer, kv, stream::DirectGetErrorKind};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -69,6 +71,16 @@ pub enum KvError {
         key: String,
         source: serde_json::Error,
     },
+    /// The server refused this user the subject the operation needs: its role may not
+    /// read or write this bucket (or key).
+    #[error("not permitted: {user} may not {what} {} (the NATS server refused {subject}; see the permissions of each role in docs/protocol.md)", place(.bucket, .key))]
+    NotPermitted {
+        user: String,
+        what: &'static str,
+        bucket: String,
+        key: String,
+        subject: String,
+    },
     /// The connection or the server failed.
     #[error("kv {bucket}/{key}: {message}")]
     Transport {
@@ -76,6 +88,14 @@ pub enum KvError {
         key: String,
         message: String,
     },
+}
+
+/// A bucket's key as errors name it: `bucket/key`, or the bucket alone for all its keys.
+fn place(bucket: &str, key: &str) -> String {
+    match key {
+        ">" => bucket.to_string(),
+        key => format!("{bucket}/{key}"),
+    }
 }
 
 impl KvError {
@@ -152,6 +172,9 @@ pub struct Store {
     js: jetstream::Context,
     kv: kv::Store,
     bucket: &'static str,
+    /// The server's refusals of this connection's subjects (`None`: a launcher's, which
+    /// may use every subject, delete consumers included).
+    refusals: Option<Refusals>,
 }
 
 fn transport(bucket: &str, key: &str, err: impl std::fmt::Display) -> KvError {
@@ -198,7 +221,51 @@ impl Store {
             js: js.clone(),
             kv,
             bucket: spec.name,
+            refusals: None,
         })
+    }
+
+    /// The same bucket, whose operations end with [`KvError::NotPermitted`] as soon as
+    /// the server refuses a subject they need ([`Refusals`]; `None` for a launcher).
+    pub fn with_refusals(self, refusals: Option<Refusals>) -> Store {
+        Store { refusals, ..self }
+    }
+
+    /// Runs `op` on `key`, ended with [`KvError::NotPermitted`] when the server refuses
+    /// this connection a subject of this bucket: the key's own (`$KV.<bucket>.<key>`, a
+    /// write) or one of JetStream's API naming the bucket's stream (a read or a watch).
+    /// A refused `CONSUMER.DELETE` is no refusal of `op`'s (see [`Store::list_keys`]).
+    async fn guard<T>(
+        &self,
+        what: &'static str,
+        key: &str,
+        op: impl Future<Output = Result<T, KvError>>,
+    ) -> Result<T, KvError> {
+        // Boxed: a launcher's call (no refusals) pays an allocation, never a stack frame
+        // the size of two copies of `op` (debug builds overflowed a worker's stack).
+        let op = Box::pin(op);
+        let Some(refusals) = self.refusals.as_ref() else {
+            return op.await;
+        };
+        let stream = format!("KV_{}", self.bucket);
+        let own = self.subject(key);
+        let concerns = |r: &Refusal| {
+            !r.subscribe
+                && (r.subject == own
+                    || (r.subject.starts_with("$JS.API.")
+                        && !r.subject.starts_with("$JS.API.CONSUMER.DELETE.")
+                        && has_token(&r.subject, &stream)))
+        };
+        match refusals.guard(concerns, op).await {
+            Ok(out) => out,
+            Err(refused) => Err(KvError::NotPermitted {
+                user: refusals.user().to_string(),
+                what,
+                bucket: self.bucket.to_string(),
+                key: key.to_string(),
+                subject: refused.subject,
+            }),
+        }
     }
 
     /// Opens an existing bucket only (for read-mostly clients), with a clear error when absent.
@@ -214,6 +281,7 @@ impl Store {
             js: js.clone(),
             kv,
             bucket: name,
+            refusals: None,
         })
     }
 
@@ -291,6 +359,10 @@ impl Store {
 
     /// The raw latest entry: its revision and value (`None` value for a tombstone/marker).
     async fn entry(&self, key: &str) -> Result<Option<(u64, Option<Bytes>)>, KvError> {
+        self.guard("read", key, self.read_entry(key)).await
+    }
+
+    async fn read_entry(&self, key: &str) -> Result<Option<(u64, Option<Bytes>)>, KvError> {
         match self.kv.entry(key).await {
             Ok(Some(e)) => Ok(Some((
                 e.revision,
@@ -335,6 +407,22 @@ impl Store {
     /// Writes `value` under `key` only if the key's last revision is `expected` (0 = never
     /// written), with an optional per-key TTL (whole seconds, at least 1).
     async fn publish(
+        &self,
+        key: &str,
+        payload: Bytes,
+        expected: Option<u64>,
+        ttl: Option<Duration>,
+        op: Option<&str>,
+    ) -> Result<u64, KvError> {
+        self.guard(
+            "write",
+            key,
+            self.publish_unguarded(key, payload, expected, ttl, op),
+        )
+        .await
+    }
+
+    async fn publish_unguarded(
         &self,
         key: &str,
         payload: Bytes,
@@ -536,11 +624,18 @@ impl Store {
         &self,
         filter: &str,
     ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
+        self.guard("read", filter, self.read_all(filter)).await
+    }
+
+    async fn read_all<T: DeserializeOwned>(
+        &self,
+        filter: &str,
+    ) -> Result<Vec<Result<Versioned<T>, KvError>>, KvError> {
         let mut out = BTreeMap::new();
-        let (name, changes) = self
-            .open_watch(filter, consumer::DeliverPolicy::LastPerSubject)
+        let (name, reader) = self
+            .open_reader(filter, consumer::DeliverPolicy::LastPerSubject)
             .await?;
-        let mut changes = Box::pin(changes);
+        let mut changes = Box::pin(reader.into_stream());
         let result = loop {
             match changes.next().await {
                 Some(Ok(Change::Put {
@@ -566,13 +661,16 @@ impl Store {
             }
         };
         drop(changes);
-        // Ephemeral consumers linger on the server for minutes; a lister removes its own,
-        // without waiting: a role that may not delete consumers (operators, clients) gets
-        // no answer, and `slotpool list` waited out the request's timeout (5 s) per bucket.
-        let stream = self.kv.stream.clone();
-        tokio::spawn(async move {
-            let _ = stream.delete_consumer(&name).await;
-        });
+        // The server drops an ephemeral consumer that nobody listens to after a while
+        // (30 s for the client library's watches). A launcher deletes its own at once,
+        // without waiting for the answer; other roles may not delete consumers (they
+        // could end a launcher's watches) and do not ask: the server would refuse it.
+        if self.refusals.is_none() {
+            let stream = self.kv.stream.clone();
+            tokio::spawn(async move {
+                let _ = stream.delete_consumer(&name).await;
+            });
+        }
         result.map(|()| out.into_values().collect())
     }
 
@@ -655,21 +753,23 @@ impl Store {
                 start_sequence: after + 1,
             },
         };
-        let messages = self
-            .kv
-            .stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                description: Some("slotpool change stream".to_string()),
-                filter_subject: format!("$KV.{bucket}.>"),
-                replay_policy: consumer::ReplayPolicy::Instant,
-                deliver_policy,
-                ..Default::default()
-            })
-            .await
-            .map_err(|err| transport(bucket, ">", format!("creating a reader: {err}")))?
-            .messages()
-            .await
-            .map_err(|err| transport(bucket, ">", format!("starting a reader: {err}")))?;
+        let create = async {
+            self.kv
+                .stream
+                .create_consumer(consumer::pull::OrderedConfig {
+                    description: Some("slotpool change stream".to_string()),
+                    filter_subject: format!("$KV.{bucket}.>"),
+                    replay_policy: consumer::ReplayPolicy::Instant,
+                    deliver_policy,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|err| transport(bucket, ">", format!("creating a reader: {err}")))?
+                .messages()
+                .await
+                .map_err(|err| transport(bucket, ">", format!("starting a reader: {err}")))
+        };
+        let messages = self.guard("read", ">", create).await?;
         let prefix = format!("$KV.{bucket}.");
         Ok(messages.map(move |message| {
             let message =
@@ -786,18 +886,28 @@ impl Store {
         filter: &str,
         deliver_policy: consumer::DeliverPolicy,
     ) -> Result<(String, watch::Reader), KvError> {
+        self.guard("read", filter, self.create_reader(filter, deliver_policy))
+            .await
+    }
+
+    async fn create_reader(
+        &self,
+        filter: &str,
+        deliver_policy: consumer::DeliverPolicy,
+    ) -> Result<(String, watch::Reader), KvError> {
         let bucket = self.bucket;
+        let config = consumer::push::OrderedConfig {
+            deliver_subject: self.js.client().new_inbox(),
+            description: Some("slotpool watch".to_string()),
+            filter_subject: format!("$KV.{bucket}.{filter}"),
+            replay_policy: consumer::ReplayPolicy::Instant,
+            deliver_policy,
+            ..Default::default()
+        };
         let consumer = self
             .kv
             .stream
-            .create_consumer(consumer::push::OrderedConfig {
-                deliver_subject: self.js.client().new_inbox(),
-                description: Some("slotpool watch".to_string()),
-                filter_subject: format!("$KV.{bucket}.{filter}"),
-                replay_policy: consumer::ReplayPolicy::Instant,
-                deliver_policy,
-                ..Default::default()
-            })
+            .create_consumer(config)
             .await
             .map_err(|err| transport(bucket, ">", format!("creating watch: {err}")))?;
         let synced = consumer.cached_info().num_pending == 0;
