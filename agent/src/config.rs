@@ -149,6 +149,11 @@ pub struct Args {
     /// Unhealthy when less disk than this is available in the work dir, in MiB (0: no check).
     #[arg(long, value_name = "MIB", default_value_t = 0)]
     pub min_disk_available_mb: u64,
+    /// Watch the instance metadata service at this base URL (IMDSv2, e.g.
+    /// `http://169.254.169.254`) for a spot interruption notice, and report one in the
+    /// heartbeat; the EC2 provider sets it for spot sizes. Off by default.
+    #[arg(long, value_name = "URL")]
+    pub spot_notice_url: Option<String>,
 }
 
 /// Default directory of the placement sockets.
@@ -223,6 +228,9 @@ pub struct AgentConfig {
     pub mount_namespace: Option<PathBuf>,
     /// Where to serve `/metrics` (`--metrics`), and the token file guarding it.
     pub metrics: Option<(std::net::SocketAddr, Option<PathBuf>)>,
+    /// The instance metadata service's `host:port` to read the spot interruption notice
+    /// from (`--spot-notice-url`).
+    pub spot_notice: Option<String>,
 }
 
 /// How /proc hides processes from slot users.
@@ -297,6 +305,8 @@ pub enum ConfigError {
     DiskQuotaNeedsUsers,
     #[error("--health-probe-interval-ms and --health-probe-timeout-ms must be at least 100")]
     ProbeTiming,
+    #[error(transparent)]
+    SpotNoticeUrl(crate::spot::NoticeError),
 }
 
 impl Args {
@@ -400,6 +410,12 @@ impl Args {
         if self.health_probe_interval_ms < 100 || self.health_probe_timeout_ms < 100 {
             return Err(ConfigError::ProbeTiming);
         }
+        let spot_notice = self
+            .spot_notice_url
+            .as_deref()
+            .map(crate::spot::address_of)
+            .transpose()
+            .map_err(ConfigError::SpotNoticeUrl)?;
         let probe = self.health_probe.map(|command| ProbeConfig {
             command,
             interval: Duration::from_millis(self.health_probe_interval_ms),
@@ -432,6 +448,7 @@ impl Args {
             hide_processes,
             mount_namespace: self.mount_namespace,
             metrics: self.metrics.map(|addr| (addr, self.metrics_token_file)),
+            spot_notice,
         })
     }
 
@@ -734,6 +751,24 @@ mod tests {
             .unwrap();
         assert_eq!(c.probe.unwrap().command, "true");
         assert_eq!(c.thresholds.min_disk_available_kb, 2048);
+    }
+
+    #[test]
+    fn the_spot_notice_is_watched_only_when_asked_at_an_http_address() {
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+        assert_eq!(c.spot_notice, None);
+        let c = args(&["--spot-notice-url", "http://169.254.169.254"])
+            .into_config_as(env_secret(), true)
+            .unwrap();
+        assert_eq!(c.spot_notice.as_deref(), Some("169.254.169.254:80"));
+        let err = args(&["--spot-notice-url", "https://169.254.169.254"])
+            .into_config_as(env_secret(), true)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "--spot-notice-url \"https://169.254.169.254\": expected http://HOST[:PORT]"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! TTL, so the entry of a dead agent expires on its own.
 //!
 //! A heartbeat is written every interval and, when poked, sooner: pokes come only when
-//! something launchers act on changed (health, dirty slots). Slot occupancy is not one
+//! something launchers act on changed (health, dirty slots, a spot interruption notice). Slot occupancy is not one
 //! of them: launchers take it from the slots bucket, and the regular beats carry it for
 //! the console. Pokes are coalesced: after a beat, the next one comes at the earliest
 //! [`POKE_GAP`] later, so a burst of pokes costs one write.
@@ -11,7 +11,7 @@ use crate::config::AgentConfig;
 use crate::health::{self, ProbeStatus, Thresholds};
 use crate::slots::Slots;
 use crate::ssh::SshInfo;
-use slotpool_protocol::model::AgentHeartbeat;
+use slotpool_protocol::model::{AgentHeartbeat, Interruption};
 use slotpool_protocol::store::{KvError, Store};
 use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
@@ -59,6 +59,8 @@ pub struct Heartbeat {
     thresholds: Thresholds,
     probe: Arc<Mutex<ProbeStatus>>,
     ssh: Arc<SshInfo>,
+    /// The spot interruption notice, once read ([`crate::spot`]).
+    interruption: Arc<Mutex<Option<Interruption>>>,
 }
 
 impl Heartbeat {
@@ -69,6 +71,7 @@ impl Heartbeat {
         started_at: UnixMillis,
         probe: Arc<Mutex<ProbeStatus>>,
         ssh: Arc<SshInfo>,
+        interruption: Arc<Mutex<Option<Interruption>>>,
     ) -> Self {
         Heartbeat {
             agents,
@@ -84,6 +87,7 @@ impl Heartbeat {
             thresholds: config.thresholds,
             probe,
             ssh,
+            interruption,
         }
     }
 
@@ -117,6 +121,7 @@ impl Heartbeat {
             ssh_port: Some(self.ssh.port),
             ssh_host_keys: self.ssh.host_keys.clone(),
             slot_names: Some(self.slots.isolation().slot_names()),
+            interruption: *self.interruption.lock().unwrap_or_else(|e| e.into_inner()),
         }
     }
 

@@ -14,7 +14,8 @@
 //! - [`commands`]: serving `slotpool.agent.v2.<backing id>`;
 //! - [`heartbeat`]: the TTL'd record in the agents bucket; [`ssh`]: port and host keys.
 //!
-//! - [`reconcile`]: at start, releasing the prepared slots whose node is gone from KV.
+//! - [`reconcile`]: at start, releasing the prepared slots whose node is gone from KV;
+//! - [`spot`]: the spot interruption notice of the instance metadata service.
 //!
 //! The agent writes only its own heartbeat key. It wipes a slot on its own only at start,
 //! when the slots bucket no longer holds the node it prepared the slot for; otherwise the
@@ -30,6 +31,7 @@ pub mod metrics;
 pub mod metrics_http;
 pub mod reconcile;
 pub mod slots;
+pub mod spot;
 pub mod ssh;
 pub mod stack;
 pub mod step_clock;
@@ -216,6 +218,28 @@ pub async fn run_with(
                     .in_current_span(),
             ));
         }
+        let interruption = Arc::new(Mutex::new(None));
+        if let Some(addr) = &config.spot_notice {
+            tracing::info!(imds = %addr, interval = ?spot::POLL_INTERVAL, "watching for a spot interruption notice");
+            let (imds, slots, notice, poke) = (
+                spot::Imds::at(addr),
+                slots.clone(),
+                interruption.clone(),
+                poke.clone(),
+            );
+            let shutdown = background.clone();
+            tasks.push(tokio::spawn(
+                async move {
+                    if let Some(found) = spot::watch(imds, shutdown).await {
+                        // Refuse prepares already on their way: the machine is going.
+                        slots.close().await;
+                        *notice.lock().unwrap_or_else(|e| e.into_inner()) = Some(found);
+                        poke.notify_one();
+                    }
+                }
+                .in_current_span(),
+            ));
+        }
         let heartbeat = Heartbeat::new(
             &config,
             bus.agents.clone(),
@@ -223,6 +247,7 @@ pub async fn run_with(
             started_at,
             probe_status,
             ssh.clone(),
+            interruption,
         );
         let stop_beating = shutdown.child_token();
         let beating = tokio::spawn(

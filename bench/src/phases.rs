@@ -638,6 +638,7 @@ async fn seed_backing(
                 failure: None,
                 attributes: Default::default(),
                 order: None,
+                interruption: None,
                 updated_at: now,
             };
             let key = layout::seat_key("sim", &pool, seat);

@@ -234,6 +234,7 @@ async fn heartbeats(
             ssh_port: None,
             ssh_host_keys: Vec::new(),
             slot_names: Some(slot_names(id)),
+            interruption: None,
         }
     };
     let write = |batch: &[BackingId]| {

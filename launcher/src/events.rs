@@ -44,6 +44,20 @@ pub fn backing_changed(sh: &Shared, id: &BackingId, message: impl Into<String>) 
     );
 }
 
+/// Records a state change made by this launcher, with a word to filter on
+/// ([`Event::reason`]).
+pub fn backing_changed_for(sh: &Shared, id: &BackingId, message: impl Into<String>, reason: &str) {
+    let actor = sh.id.to_string();
+    write(
+        sh,
+        EventKind::Backing,
+        actor,
+        Subject::backing(id),
+        message.into(),
+        Some(reason.to_string()),
+    );
+}
+
 /// Records the deletion of a machine no backing record owned (reason `leak`).
 pub fn leak_deleted(sh: &Shared, backing_id: Option<&BackingId>, message: impl Into<String>) {
     let about = Subject {

@@ -56,18 +56,21 @@ pub(crate) enum DeletionReason {
     Kill,
     /// Failed: its launch, its boot or its agent.
     Failure,
+    /// Failed because the cloud took its machine back (a spot interruption).
+    SpotInterruption,
     /// An instance no backing node records, found by the leak sweep.
     Leak,
 }
 
 impl DeletionReason {
-    pub(crate) const ALL: [DeletionReason; 7] = [
+    pub(crate) const ALL: [DeletionReason; 8] = [
         Self::Grace,
         Self::MaxAge,
         Self::Retired,
         Self::Drain,
         Self::Kill,
         Self::Failure,
+        Self::SpotInterruption,
         Self::Leak,
     ];
 
@@ -79,6 +82,7 @@ impl DeletionReason {
             Self::Drain => "drain",
             Self::Kill => "kill",
             Self::Failure => "failure",
+            Self::SpotInterruption => "spot-interruption",
             Self::Leak => "leak",
         }
     }

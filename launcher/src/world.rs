@@ -1211,6 +1211,7 @@ pub mod tests_support {
                 failure: None,
                 attributes: Default::default(),
                 order: None,
+                interruption: None,
                 updated_at: 0,
             },
         }
@@ -1227,6 +1228,7 @@ pub mod tests_support {
             ssh_port: None,
             ssh_host_keys: vec![],
             slot_names: None,
+            interruption: None,
         }
     }
 }
@@ -1824,6 +1826,32 @@ mod tests {
             w.coming_capacity("small"),
             3,
             "capacity counts slots not in use, dirty or not"
+        );
+    }
+
+    #[test]
+    fn a_node_whose_machine_is_being_taken_back_gets_no_slot_from_then_on() {
+        use slotpool_protocol::model::{Interruption, InterruptionAction};
+        let mut w = two_ready_nodes();
+        assert_eq!(peek(&mut w, "small"), Some(("bn-b".into(), 1)));
+        assert_eq!(w.coming_capacity("small"), 3);
+        let mut noticed = agent("bn-b");
+        noticed.interruption = Some(Interruption {
+            action: InterruptionAction::Terminate,
+            at: Some(120_000),
+            noticed_at: 1_000,
+        });
+        assert!(w.put_agent(noticed.clone()), "a notice is news");
+        assert!(!w.put_agent(noticed), "the same notice again is not");
+        assert_eq!(
+            peek(&mut w, "small"),
+            Some(("bn-a".into(), 0)),
+            "the next claim goes elsewhere"
+        );
+        assert_eq!(
+            w.coming_capacity("small"),
+            2,
+            "its free slot is no capacity: a replacement is planned for the demand"
         );
     }
 

@@ -322,6 +322,10 @@ pub struct BackingNode {
     /// launcher fail and delete it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub order: Option<OperatorOrder>,
+    /// The cloud took its machine back (its agent's [`Interruption`] notice): it failed
+    /// for that, and its seat is taken again without a failed seat's rest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interruption: Option<Interruption>,
     pub updated_at: UnixMillis,
 }
 
@@ -421,7 +425,8 @@ pub struct Event {
     pub node_id: Option<NodeId>,
     /// One line a human understands, e.g. "drain: rebooting the host (by alice)".
     pub message: String,
-    /// A word to filter on, when the change has one: [`EVENT_REASON_LEAK`].
+    /// A word to filter on, when the change has one: [`EVENT_REASON_LEAK`],
+    /// [`SPOT_INTERRUPTION`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
@@ -454,6 +459,48 @@ pub struct SlotReport {
 /// The TTL of an agent's heartbeat record unless it says otherwise
 /// ([`AgentHeartbeat::ttl_secs`]); the agent's `--heartbeat-ttl-secs` default.
 pub const DEFAULT_HEARTBEAT_TTL_SECS: u64 = 6;
+
+/// A cloud's notice that it takes a backing node's machine back (an EC2 spot
+/// interruption), as the node's agent read it (`slotpool-agent --spot-notice-url`).
+/// Launchers place nothing more on the node, fail it and the nodes on its slots for a
+/// [`SPOT_INTERRUPTION`], and take its seat again without a failed seat's rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Interruption {
+    /// What happens to the machine.
+    pub action: InterruptionAction,
+    /// When it happens, as the notice says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<UnixMillis>,
+    /// When the agent read the notice.
+    pub noticed_at: UnixMillis,
+}
+
+/// What the cloud does to an interrupted machine (EC2's `instance-action`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InterruptionAction {
+    Terminate,
+    Stop,
+    Hibernate,
+    /// An action this version does not know: the machine is taken back all the same.
+    #[serde(other)]
+    Other,
+}
+
+impl InterruptionAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InterruptionAction::Terminate => "terminate",
+            InterruptionAction::Stop => "stop",
+            InterruptionAction::Hibernate => "hibernate",
+            InterruptionAction::Other => "other",
+        }
+    }
+}
+
+/// Why a backing node whose machine the cloud takes back failed: its `failure` and that
+/// of the nodes on its slots begin with it, and it is the [`Event::reason`] of the failure.
+pub const SPOT_INTERRUPTION: &str = "spot interruption";
 
 /// The longest reason for a dirty slot a heartbeat carries, in characters.
 pub const DIRTY_REASON_MAX_CHARS: usize = 300;
@@ -501,6 +548,10 @@ pub struct AgentHeartbeat {
     /// answer. A launcher writes them into the node when it claims the slot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot_names: Option<SlotNames>,
+    /// The cloud is taking the machine back (an EC2 spot interruption notice); older
+    /// agents never say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interruption: Option<Interruption>,
 }
 
 /// The workspace and user of every slot of an agent, as templates in which `{slot}`
@@ -556,6 +607,8 @@ pub struct HeartbeatGist<'a> {
     pub ssh_host_keys: Vec<Cow<'a, str>>,
     #[serde(default, borrow)]
     pub slot_names: Option<SlotNamesGist<'a>>,
+    #[serde(default)]
+    pub interruption: Option<Interruption>,
 }
 
 /// [`SlotNames`] as read by [`HeartbeatGist`], without copying.
@@ -716,6 +769,7 @@ mod tests {
                 workspace: "/w/slots/{slot}".into(),
                 username: Some("sp0a1b2c3ds{slot}".into()),
             }),
+            interruption: None,
         };
         let json = serde_json::to_vec(&hb).unwrap();
         let gist = HeartbeatGist::from_json(&json).unwrap();
@@ -735,6 +789,34 @@ mod tests {
         let gist = HeartbeatGist::from_json(&json).unwrap();
         assert!(!gist.health.healthy && gist.draining);
         assert_eq!(gist.dirty_slots, vec![0, 3]);
+        assert_eq!(gist.interruption, None);
+
+        let notice = Interruption {
+            action: InterruptionAction::Terminate,
+            at: Some(9_000),
+            noticed_at: 7_000,
+        };
+        hb.interruption = Some(notice);
+        let json = serde_json::to_vec(&hb).unwrap();
+        assert_eq!(
+            HeartbeatGist::from_json(&json).unwrap().interruption,
+            Some(notice)
+        );
+    }
+
+    #[test]
+    fn an_interruption_action_this_version_does_not_know_still_reads() {
+        let n: Interruption =
+            serde_json::from_str(r#"{"action": "evaporate", "noticed_at": 1}"#).unwrap();
+        assert_eq!(n.action, InterruptionAction::Other);
+        assert_eq!(n.at, None);
+        let json = serde_json::to_string(&Interruption {
+            action: InterruptionAction::Stop,
+            at: Some(2),
+            noticed_at: 1,
+        })
+        .unwrap();
+        assert_eq!(json, r#"{"action":"stop","at":2,"noticed_at":1}"#);
     }
 
     #[test]

@@ -623,13 +623,17 @@ impl Sim<'_> {
                 Step::SetIdleSince(at) => b.idle_since = at,
                 Step::Retire(_) => b.state = BackingState::Retiring,
                 Step::Release(_) => b.state = BackingState::Releasing,
-                Step::FinishRelease | Step::Fail(_) | Step::CleanUp | Step::Forget => {
+                Step::FinishRelease
+                | Step::Fail(_)
+                | Step::Interrupted(_)
+                | Step::CleanUp
+                | Step::Forget => {
                     let n = self.nodes.remove(seat).expect("the node");
                     if let Some(from) = n.paid_from {
                         let kind = kind_of(self.setup, &n.record.value);
                         self.ledger.released(from, self.now, &kind);
                     }
-                    if matches!(step, Step::Fail(_)) && !n.used.is_empty() {
+                    if matches!(step, Step::Fail(_) | Step::Interrupted(_)) && !n.used.is_empty() {
                         return Err(SimError::Unmodelled(format!("{step:?} with slots in use")));
                     }
                     self.capacity.set(seat, None);

@@ -341,6 +341,7 @@ fn backing_record(seat: u32) -> BackingNode {
         failure: None,
         attributes: Default::default(),
         order: None,
+        interruption: None,
         out_of_capacity: false,
         uses: 0,
         updated_at: now,

@@ -52,6 +52,7 @@ fn backing(launched_at: u64, idle_since: u64) -> BackingNode {
         failure: None,
         attributes: Default::default(),
         order: None,
+        interruption: None,
         out_of_capacity: false,
         uses: 0,
         updated_at: idle_since,

@@ -47,6 +47,7 @@ pub fn backing(seat: u32, state: BackingState, slots: u32) -> BackingNode {
         failure: None,
         attributes: Default::default(),
         order: None,
+        interruption: None,
         out_of_capacity: false,
         uses: 0,
         updated_at: NOW - 60 * SEC,
@@ -102,6 +103,7 @@ pub fn agent(b: &BackingNode, sent_at: u64) -> AgentHeartbeat {
         ssh_port: None,
         ssh_host_keys: vec![],
         slot_names: None,
+        interruption: None,
     }
 }
 

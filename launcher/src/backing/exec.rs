@@ -9,7 +9,9 @@ use crate::provider::{LaunchSpec, Provider, CAPACITY_BACKOFF};
 use crate::shared::Shared;
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::subjects;
-use slotpool_protocol::model::{secret_digest, BackingNode, BackingState};
+use slotpool_protocol::model::{
+    secret_digest, BackingNode, BackingState, Interruption, SPOT_INTERRUPTION,
+};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use std::sync::Arc;
@@ -112,7 +114,12 @@ impl Executor {
             }
             Step::FinishRelease => self.finish_release(b).await,
             Step::Fail(reason) => {
-                self.fail(b, reason, deletion.unwrap_or(DeletionReason::Failure))
+                self.fail(b, reason, deletion.unwrap_or(DeletionReason::Failure), None)
+                    .await
+            }
+            Step::Interrupted(notice) => {
+                let reason = lifecycle::interruption_failure(&notice);
+                self.fail(b, reason, DeletionReason::SpotInterruption, Some(notice))
                     .await
             }
             Step::CleanUp => {
@@ -195,7 +202,7 @@ impl Executor {
         let v = &b.value;
         let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
             return self
-                .fail(b, provider_gone(&v.provider), DeletionReason::Failure)
+                .fail(b, provider_gone(&v.provider), DeletionReason::Failure, None)
                 .await;
         };
         if let Some(reason) = &retry_reason {
@@ -352,19 +359,30 @@ impl Executor {
         })
     }
 
+    /// Fails the node for `reason` and the nodes on its slots with it; `interruption`:
+    /// the cloud's notice that it takes the machine back, recorded (the seat then takes
+    /// no rest) and said in the event's `reason`.
     async fn fail(
         &self,
         b: &Versioned<BackingNode>,
         reason: String,
         counted_as: DeletionReason,
+        interruption: Option<Interruption>,
     ) -> Result<Outcome, KvError> {
         tracing::warn!(%reason, "backing node failed");
         self.write(b, BackingState::Failed, |n| {
-            n.failure = Some(reason.clone())
+            n.failure = Some(reason.clone());
+            n.interruption = interruption;
         })
         .await?;
         metrics::deletion(&b.value, counted_as);
-        self.note(b, format!("failed: {reason}"));
+        let message = format!("failed: {reason}");
+        match interruption {
+            Some(_) => {
+                events::backing_changed_for(&self.sh, &b.value.id, message, SPOT_INTERRUPTION)
+            }
+            None => self.note(b, message),
+        }
         let on_it: Vec<_> = self
             .sh
             .world()

@@ -2,13 +2,16 @@
 //! what was last written) and what is observed now, [`next`] says the one step to take.
 //! A launch's retries and time-out are decided here too: [`next`] says when to launch
 //! again and for how long, `attempt` what an attempt writes first, `after_attempt`
-//! what its end writes. Unit tested without NATS; the backing worker carries the steps
-//! out.
+//! what its end writes. A machine the cloud takes back (a spot interruption its agent
+//! reports) fails at once, and its seat rests not ([`seat_rest_end`]). Unit tested
+//! without NATS; the backing worker carries the steps out.
 
 use crate::metrics::{DeletionReason, LaunchOutcome, ProviderErrorKind};
 use crate::provider::CAPACITY_BACKOFF;
 use slotpool_config::timing::{self, IdleRules};
-use slotpool_protocol::model::{Attributes, BackingNode, BackingState, IdleBehaviour, Instance};
+use slotpool_protocol::model::{
+    Attributes, BackingNode, BackingState, IdleBehaviour, Instance, Interruption, SPOT_INTERRUPTION,
+};
 use slotpool_protocol::time::{after, UnixMillis};
 use std::time::Duration;
 
@@ -39,6 +42,8 @@ pub enum AgentSeen {
     Up {
         draining: bool,
     },
+    /// Its own agent, on a machine the cloud is taking back (a spot interruption notice).
+    Interrupted(Interruption),
 }
 
 /// The configured rules for the backing node's label (None: no longer configured).
@@ -117,6 +122,7 @@ pub(crate) fn deletion_reason(
     Some(match step {
         Step::Fail(_) if b.kill_ordered() => DeletionReason::Kill,
         Step::Fail(_) => DeletionReason::Failure,
+        Step::Interrupted(_) => DeletionReason::SpotInterruption,
         Step::Release(_) if b.state == BackingState::Retiring => {
             let aged = obs
                 .rules
@@ -153,6 +159,9 @@ pub enum Step {
     /// Delete the instance and the seat.
     FinishRelease,
     Fail(String),
+    /// The cloud takes the machine back: fail the node and the nodes on its slots
+    /// ([`interruption_failure`]), recording the notice, so that its seat takes no rest.
+    Interrupted(Interruption),
     /// Delete a failed node's instance.
     CleanUp,
     /// Drop a failed node's record.
@@ -286,6 +295,16 @@ pub fn next(b: &BackingNode, obs: &Observed) -> Step {
             return Step::Fail(why);
         }
     }
+    if let AgentSeen::Interrupted(notice) = obs.agent {
+        // Whatever else is due: the machine is going, with what runs on it. A notice
+        // read before this launch attempt began is not about its machine (a host that
+        // outlived its node, a static host): no slots go there, and the attempt runs
+        // out its boot-timeout as any whose agent does not come up, seat rest included.
+        let of_this_attempt = b.launched_at.is_none_or(|at| notice.noticed_at >= at);
+        if of_this_attempt && matches!(b.state, Launching | Ready | Retiring) {
+            return Step::Interrupted(notice);
+        }
+    }
     match b.state {
         Requested => match obs.rules {
             Some(rules) => Step::Launch {
@@ -317,6 +336,37 @@ pub fn next(b: &BackingNode, obs: &Observed) -> Step {
             }
         }
     }
+}
+
+/// The `failure` of a node whose machine the cloud takes back: [`SPOT_INTERRUPTION`],
+/// then what the notice said.
+pub(crate) fn interruption_failure(notice: &Interruption) -> String {
+    let action = notice.action.as_str();
+    match notice.at {
+        Some(at) => {
+            let at = std::time::UNIX_EPOCH + Duration::from_millis(at);
+            format!(
+                "{SPOT_INTERRUPTION}: the cloud takes the machine back ({action} at {})",
+                humantime::format_rfc3339_seconds(at)
+            )
+        }
+        None => format!("{SPOT_INTERRUPTION}: the cloud takes the machine back ({action})"),
+    }
+}
+
+/// When a failed backing node's seat may be launched into again: [`FAILED_SEAT_COOLDOWN`]
+/// after the failure, so that a launch or an image that keeps failing is not retried in a
+/// tight loop; at once after a spot interruption, since nothing is wrong with the seat
+/// and the jobs the machine ran are being asked for again. `None` for a seat that is not
+/// resting: not failed, or its instance not yet deleted.
+pub(crate) fn seat_rest_end(b: &BackingNode) -> Option<UnixMillis> {
+    if b.state != BackingState::Failed || b.instance.is_some() {
+        return None;
+    }
+    Some(match b.interruption {
+        Some(_) => b.updated_at,
+        None => after(b.updated_at, FAILED_SEAT_COOLDOWN),
+    })
 }
 
 /// Why the node must die now, if an operator ordered it killed.
@@ -436,6 +486,10 @@ fn ready(b: &BackingNode, obs: &Observed) -> Step {
         AgentSeen::Up { draining: true } => {
             return Step::Retire("its agent is shutting down".into())
         }
+        // A notice older than the launch (see `next`): its slots go on, no new ones.
+        AgentSeen::Interrupted(_) => {
+            return Step::Retire("its agent reports a spot interruption notice".into())
+        }
         AgentSeen::Up { draining: false } => {}
     }
     let Some(rules) = obs.rules else {
@@ -528,6 +582,7 @@ mod tests {
             failure: None,
             attributes: Default::default(),
             order: None,
+            interruption: None,
             updated_at: 2_000,
         }
     }
@@ -1115,6 +1170,208 @@ mod tests {
                 timeout: rules().launch_timeout,
             }
         );
+    }
+
+    fn notice() -> Interruption {
+        Interruption {
+            action: slotpool_protocol::model::InterruptionAction::Terminate,
+            at: Some(1_505_722_920_000),
+            noticed_at: 5_000,
+        }
+    }
+
+    #[test]
+    fn a_spot_interruption_fails_the_node_at_once_whatever_else_is_due() {
+        let mut o = obs(5_000, 2);
+        o.agent = AgentSeen::Interrupted(notice());
+        for state in [
+            BackingState::Launching,
+            BackingState::Ready,
+            BackingState::Retiring,
+        ] {
+            let b = node(state);
+            assert_eq!(next(&b, &o), Step::Interrupted(notice()), "{state:?}");
+            assert_eq!(
+                deletion_reason(&b, &next(&b, &o), &o),
+                Some(DeletionReason::SpotInterruption)
+            );
+        }
+        // Past max-age, idle, or held: failed all the same.
+        let mut held = node(BackingState::Ready);
+        held.idle = IdleBehaviour::Hold;
+        let idle = Observed { used: 0, ..o };
+        assert_eq!(next(&held, &idle), Step::Interrupted(notice()));
+        // A node already on its way out goes on as it was.
+        assert_eq!(
+            next(&node(BackingState::Releasing), &o),
+            Step::FinishRelease
+        );
+        assert_eq!(next(&node(BackingState::Failed), &o), Step::CleanUp);
+        // A notice read before this attempt launched is not about its machine: no
+        // failure for it (and no slots: the agent is not up).
+        let mut relaunched = node(BackingState::Launching);
+        relaunched.launched_at = Some(6_000);
+        assert_eq!(next(&relaunched, &o), Step::Wait(Some(16_000)));
+        // An operator's kill says more than the cloud.
+        let mut killed = node(BackingState::Ready);
+        killed.order = Some(slotpool_protocol::model::OperatorOrder {
+            action: slotpool_protocol::model::OperatorAction::Kill,
+            actor: "alice".into(),
+            at: 1,
+            reason: None,
+        });
+        assert_eq!(next(&killed, &o), Step::Fail("killed by alice".into()));
+    }
+
+    #[test]
+    fn an_interruption_failure_says_so_first_then_what_and_when() {
+        assert_eq!(
+            interruption_failure(&notice()),
+            "spot interruption: the cloud takes the machine back (terminate at 2017-09-18T08:22:00Z)"
+        );
+        let mut n = notice();
+        n.at = None;
+        n.action = slotpool_protocol::model::InterruptionAction::Stop;
+        assert_eq!(
+            interruption_failure(&n),
+            "spot interruption: the cloud takes the machine back (stop)"
+        );
+    }
+
+    #[test]
+    fn a_failed_seat_rests_unless_its_machine_was_taken_back() {
+        let mut b = node(BackingState::Failed);
+        b.updated_at = 7_000;
+        assert_eq!(seat_rest_end(&b), None, "its instance is not deleted yet");
+        b.instance = None;
+        assert_eq!(
+            seat_rest_end(&b),
+            Some(7_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64)
+        );
+        b.interruption = Some(notice());
+        assert_eq!(seat_rest_end(&b), Some(7_000), "no rest");
+        assert_eq!(seat_rest_end(&node(BackingState::Ready)), None);
+    }
+
+    mod generated {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn any_state() -> impl Strategy<Value = BackingState> {
+            prop::sample::select(vec![
+                BackingState::Requested,
+                BackingState::Launching,
+                BackingState::Ready,
+                BackingState::Retiring,
+                BackingState::Releasing,
+                BackingState::Failed,
+            ])
+        }
+
+        /// Agents as seen; a notice read from 2 s before the attempt (launched at 1 s)
+        /// to 3 s after it.
+        fn any_agent() -> impl Strategy<Value = AgentSeen> {
+            prop_oneof![
+                Just(AgentSeen::Absent),
+                Just(AgentSeen::Impostor),
+                any::<bool>().prop_map(|draining| AgentSeen::Up { draining }),
+                (0u64..4_000).prop_map(|noticed_at| AgentSeen::Interrupted(Interruption {
+                    noticed_at,
+                    ..notice()
+                })),
+            ]
+        }
+
+        fn any_idle() -> impl Strategy<Value = IdleBehaviour> {
+            prop::sample::select(vec![
+                IdleBehaviour::Run,
+                IdleBehaviour::Hold,
+                IdleBehaviour::Drain,
+            ])
+        }
+
+        proptest! {
+            /// Whatever the node and the world: a node on a machine being taken back is
+            /// never made ready nor kept as if nothing happened; one whose notice is of
+            /// its launch attempt fails for it unless it is already going or killed, and
+            /// is never launched into again; nothing but such a notice fails a node for
+            /// an interruption.
+            #[test]
+            fn an_interrupted_machine_is_failed_for_it_and_nothing_else_is(
+                state in any_state(),
+                agent in any_agent(),
+                idle in any_idle(),
+                has_instance in any::<bool>(),
+                killed in any::<bool>(),
+                used in 0u32..4,
+                now in 0u64..200_000,
+                waiting in 0u32..3,
+                min_ready in 0u32..3,
+                max_age_secs in 0u64..20,
+            ) {
+                let mut b = node(state);
+                b.idle = idle;
+                if !has_instance {
+                    b.instance = None;
+                }
+                if killed {
+                    b.order = Some(slotpool_protocol::model::OperatorOrder {
+                        action: slotpool_protocol::model::OperatorAction::Kill,
+                        actor: "alice".into(),
+                        at: 1,
+                        reason: None,
+                    });
+                }
+                let mut o = obs(now, used);
+                o.agent = agent;
+                o.waiting = waiting;
+                o.min_ready = min_ready;
+                o.rules = Some(Rules {
+                    idle: IdleRules {
+                        max_age: Duration::from_secs(max_age_secs),
+                        ..rules().idle
+                    },
+                    ..rules()
+                });
+                let step = next(&b, &o);
+                let live = matches!(
+                    state,
+                    BackingState::Launching | BackingState::Ready | BackingState::Retiring
+                );
+                match agent {
+                    AgentSeen::Interrupted(n) => {
+                        prop_assert!(
+                            !matches!(step, Step::BecomeReady | Step::SetIdleSince(_)),
+                            "{state:?} on a machine being taken back: {step:?}"
+                        );
+                        let of_this_attempt = n.noticed_at >= b.launched_at.unwrap();
+                        if of_this_attempt && live {
+                            prop_assert!(
+                                !matches!(
+                                    step,
+                                    Step::Retire(_)
+                                        | Step::Release(_)
+                                        | Step::Launch { .. }
+                                        | Step::Wait(_)
+                                ),
+                                "{state:?} on a machine being taken back: {step:?}"
+                            );
+                            if !killed {
+                                prop_assert_eq!(&step, &Step::Interrupted(n));
+                            }
+                        } else {
+                            prop_assert!(!matches!(step, Step::Interrupted(_)), "{step:?}");
+                        }
+                    }
+                    _ => prop_assert!(!matches!(step, Step::Interrupted(_)), "{step:?}"),
+                }
+                let reason = deletion_reason(&b, &step, &o);
+                prop_assert_eq!(
+                    reason == Some(DeletionReason::SpotInterruption),
+                    matches!(step, Step::Interrupted(_))
+                );
+            }
+        }
     }
 
     #[test]

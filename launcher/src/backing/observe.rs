@@ -20,8 +20,11 @@ pub(super) fn observe(
     let agent = match world.agents.get(&b.value.id) {
         None => AgentSeen::Absent,
         Some(a) if a.secret_sha256 != b.value.secret_sha256 => AgentSeen::Impostor,
-        Some(a) => AgentSeen::Up {
-            draining: a.draining,
+        Some(a) => match a.interruption {
+            Some(notice) => AgentSeen::Interrupted(notice),
+            None => AgentSeen::Up {
+                draining: a.draining,
+            },
         },
     };
     let rules = shared

@@ -7,7 +7,7 @@
 //! launchers planning at once race for the same seat key and one of them loses the
 //! create: demand is not met twice.
 
-use super::lifecycle::FAILED_SEAT_COOLDOWN;
+use super::lifecycle;
 use crate::provider::FixedIdentity;
 use crate::shared::Shared;
 use crate::world::World;
@@ -15,7 +15,7 @@ use slotpool_config::{warm, BackingSize, Config, LabelSite};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{secret_digest, BackingNode, BackingState, IdleBehaviour};
 use slotpool_protocol::store::{KvError, Versioned};
-use slotpool_protocol::time::{after, now_ms};
+use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{BackingId, PROTOCOL_VERSION};
 use std::collections::HashSet;
 
@@ -49,11 +49,10 @@ pub fn free_seats<'a>(
         .collect()
 }
 
-/// When a failed backing node's seat ends its rest and may be launched into again;
-/// `None` for a seat that is not resting (not failed, or its instance not yet deleted).
+/// When a failed backing node's seat ends its rest and may be launched into again
+/// ([`lifecycle::seat_rest_end`]).
 fn rest_end(b: &BackingNode) -> Option<u64> {
-    (b.state == BackingState::Failed && b.instance.is_none())
-        .then(|| after(b.updated_at, FAILED_SEAT_COOLDOWN))
+    lifecycle::seat_rest_end(b)
 }
 
 /// When the first seat serving `label` that rests now ends its rest, while the label's
@@ -334,6 +333,7 @@ pub fn requested_record(
         failure: None,
         attributes: Default::default(),
         order: None,
+        interruption: None,
         updated_at: now,
     }
 }
@@ -613,7 +613,7 @@ mod tests {
             3,
             taken,
             &HashSet::new(),
-            1_000 + FAILED_SEAT_COOLDOWN.as_millis() as u64,
+            1_000 + lifecycle::FAILED_SEAT_COOLDOWN.as_millis() as u64,
         );
         assert_eq!(
             later[0],

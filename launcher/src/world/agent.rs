@@ -2,7 +2,7 @@
 //! backing node gets slots, and what a slot claimed there will say once prepared
 //! ([`SlotLoginPlan`]).
 
-use slotpool_protocol::model::{BackingNode, HeartbeatGist, SlotLogin, SlotNames};
+use slotpool_protocol::model::{BackingNode, HeartbeatGist, Interruption, SlotLogin, SlotNames};
 
 /// What the launcher keeps of an agent's heartbeat.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,6 +16,8 @@ pub struct AgentReport {
     pub login: Option<SlotLoginPlan>,
     /// The heartbeat record's TTL, when the agent says.
     pub ttl_secs: Option<u64>,
+    /// The cloud is taking the machine back: no slot goes there any more.
+    pub interruption: Option<Interruption>,
 }
 
 /// An agent's slot names, SSH port and host keys: what a prepare of a slot answers, known
@@ -54,6 +56,7 @@ impl AgentReport {
             && self.draining == hb.draining
             && self.dirty_slots == hb.dirty_slots
             && self.ttl_secs == hb.ttl_secs
+            && self.interruption == hb.interruption
             && match &self.login {
                 Some(plan) => plan.says_the_same_as(hb),
                 None => hb.slot_names.is_none(),
@@ -82,11 +85,18 @@ impl From<HeartbeatGist<'_>> for AgentReport {
             dirty_slots: hb.dirty_slots,
             login,
             ttl_secs: hb.ttl_secs,
+            interruption: hb.interruption,
         }
     }
 }
 
-/// Whether an agent's report makes a backing node usable.
+/// Whether an agent's report makes a backing node usable: its own, healthy, not
+/// shutting down, and not on a machine the cloud is taking back.
 pub fn agent_ok(backing: &BackingNode, agent: Option<&AgentReport>) -> bool {
-    agent.is_some_and(|a| a.secret_sha256 == backing.secret_sha256 && a.healthy && !a.draining)
+    agent.is_some_and(|a| {
+        a.secret_sha256 == backing.secret_sha256
+            && a.healthy
+            && !a.draining
+            && a.interruption.is_none()
+    })
 }
