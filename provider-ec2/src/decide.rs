@@ -1,6 +1,6 @@
 //! The provider's decisions, pure and unit tested: the launch token that makes a create
-//! idempotent, the order of placements a create tries, what an EC2 error means for it,
-//! and how long to wait before asking again.
+//! idempotent, the agent's arguments, the order of placements a create tries, what an
+//! EC2 error means for it, and how long to wait before asking again.
 
 use crate::config::{Market, Size};
 use sha2::{Digest, Sha256};
@@ -35,6 +35,23 @@ impl LaunchToken {
     pub fn client_token(&self, n: usize) -> String {
         format!("sp-{}-{n}", self.0)
     }
+}
+
+/// The instance metadata service, as an instance's own processes reach it.
+pub const IMDS_URL: &str = "http://169.254.169.254";
+
+/// The `slotpool-agent` arguments of an instance of `size` with `slots` slots: `--slots`,
+/// then for a size that may run on spot (`spot`, `spot-then-on-demand`)
+/// `--spot-notice-url` (the agent reports EC2's interruption notice; on an on-demand
+/// instance the notice never comes), then the configured arguments, common ones first.
+pub fn agent_args(slots: u32, common: &[String], size: &Size) -> Vec<String> {
+    let mut args = vec!["--slots".to_string(), slots.to_string()];
+    if size.market != Market::OnDemand {
+        args.extend(["--spot-notice-url".to_string(), IMDS_URL.to_string()]);
+    }
+    args.extend(common.iter().cloned());
+    args.extend(size.agent_args.iter().cloned());
+    args
 }
 
 /// Where and how one try of a create asks for the instance.
@@ -222,6 +239,34 @@ mod tests {
         CallError::Service {
             code: code.into(),
             message: "m".into(),
+        }
+    }
+
+    #[test]
+    fn an_agent_that_may_run_on_spot_watches_for_the_interruption_notice() {
+        let common = vec!["--isolation".to_string(), "users".to_string()];
+        let mut s = size(&[], Market::OnDemand);
+        s.agent_args = vec!["--slot-netns".into(), "on".into()];
+        assert_eq!(
+            agent_args(4, &common, &s),
+            ["--slots", "4", "--isolation", "users", "--slot-netns", "on"]
+        );
+        for market in [Market::Spot, Market::SpotThenOnDemand] {
+            s.market = market;
+            assert_eq!(
+                agent_args(4, &common, &s),
+                [
+                    "--slots",
+                    "4",
+                    "--spot-notice-url",
+                    "http://169.254.169.254",
+                    "--isolation",
+                    "users",
+                    "--slot-netns",
+                    "on"
+                ],
+                "{market:?}"
+            );
         }
     }
 

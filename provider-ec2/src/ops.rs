@@ -90,9 +90,7 @@ pub async fn create(
         ));
     }
     let launch = LaunchToken::new(&req.backing_id, &req.secret);
-    let mut args = vec!["--slots".to_string(), req.slots.to_string()];
-    args.extend(config.agent.args.iter().cloned());
-    args.extend(size.agent_args.iter().cloned());
+    let args = decide::agent_args(req.slots, &config.agent.args, size);
     let text = user_data::render(
         &AgentBoot {
             backing_id: &req.backing_id,

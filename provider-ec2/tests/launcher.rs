@@ -2,15 +2,18 @@
 //! `slotpool-provider-ec2` as its exec provider against moto. moto runs no machine, so
 //! the test plays each instance: it reads the user data moto recorded, checks it, writes
 //! its files under a directory of the instance's own and starts `slotpool-agent` as the
-//! unit would; when moto says an instance is terminated, its agent is killed.
+//! unit would; when moto says an instance is terminated, its agent is killed. moto has
+//! no metadata service either: an instance whose agent watches for the spot interruption
+//! notice gets a [`FakeImds`] of its own, at which its `--spot-notice-url` is pointed.
 
 mod support;
 
 use slotpool_protocol::client::Client;
-use slotpool_protocol::model::{BackingState, RequestState};
-use slotpool_provider_ec2::user_data;
+use slotpool_protocol::model::{BackingState, NodeState, RequestState};
+use slotpool_provider_ec2::{decide, user_data};
 use slotpool_tests::ec2_proxy::{Ec2Proxy, Fault};
-use slotpool_tests::{bin_path, wait_for, ChildGuard, Moto, NatsServer, AGENT_ARGS};
+use slotpool_tests::imds::FakeImds;
+use slotpool_tests::{bin_path, wait_for, wait_for_some, ChildGuard, Moto, NatsServer, AGENT_ARGS};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -25,10 +28,14 @@ const SOON: Duration = Duration::from_secs(60);
 /// them.
 const STRAY: &str = "bn-stray";
 
+/// The fake metadata services of the instances, by instance id.
+type MetadataServices = Arc<Mutex<BTreeMap<String, Arc<FakeImds>>>>;
+
 /// Plays the instances of one installation: starts an agent from each new instance's user
 /// data, kills it when the instance is terminated.
 struct Instances {
     agents: Arc<Mutex<BTreeMap<String, ChildGuard>>>,
+    imds: MetadataServices,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
@@ -36,8 +43,9 @@ struct Instances {
 impl Instances {
     fn play(cloud: Arc<Cloud>, installation: &'static str, root: PathBuf) -> Instances {
         let agents: Arc<Mutex<BTreeMap<String, ChildGuard>>> = Arc::default();
+        let imds: MetadataServices = Arc::default();
         let stop = CancellationToken::new();
-        let (a, s) = (agents.clone(), stop.clone());
+        let (a, m, s) = (agents.clone(), imds.clone(), stop.clone());
         let task = tokio::spawn(async move {
             let mut started = std::collections::BTreeSet::new();
             while !s.is_cancelled() {
@@ -58,18 +66,30 @@ impl Instances {
                         }
                     } else if started.insert(id.clone()) {
                         let text = cloud.user_data(&id).await;
-                        let agent = boot(&text, &root.join(&id));
+                        let service = Arc::new(FakeImds::start().await);
+                        let agent = boot(&text, &root.join(&id), &service.url());
+                        m.lock().unwrap().insert(id.clone(), service);
                         a.lock().unwrap().insert(id, agent);
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
-        Instances { agents, stop, task }
+        Instances {
+            agents,
+            imds,
+            stop,
+            task,
+        }
     }
 
     fn running(&self) -> usize {
         self.agents.lock().unwrap().len()
+    }
+
+    /// The metadata service of instance `id`, once it booted.
+    fn imds(&self, id: &str) -> Option<Arc<FakeImds>> {
+        self.imds.lock().unwrap().get(id).cloned()
     }
 }
 
@@ -83,8 +103,9 @@ impl Drop for Instances {
 
 /// Boots an "instance" from its user data under `root`: checks what the user data says,
 /// writes its files there with their modes, and starts the agent the way the packaged
-/// unit does (`EnvironmentFile`s, `--secret-file`, `$SLOTPOOL_AGENT_ARGS`).
-fn boot(text: &str, root: &Path) -> ChildGuard {
+/// unit does (`EnvironmentFile`s, `--secret-file`, `$SLOTPOOL_AGENT_ARGS`), its
+/// `--spot-notice-url`, if any, pointed at `imds` instead of EC2's.
+fn boot(text: &str, root: &Path, imds: &str) -> ChildGuard {
     let parsed = user_data::parse(text).unwrap_or_else(|e| panic!("user data: {e}\n{text}"));
     let mut env = BTreeMap::new();
     for f in &parsed.files {
@@ -127,12 +148,16 @@ fn boot(text: &str, root: &Path) -> ChildGuard {
     let creds = env
         .remove("SLOTPOOL_NATS_CREDS")
         .expect("the agent gets a credential");
-    let args: Vec<String> = env
+    let mut args: Vec<String> = env
         .remove("SLOTPOOL_AGENT_ARGS")
         .unwrap_or_default()
         .split_whitespace()
         .map(str::to_string)
         .collect();
+    if let Some(at) = args.iter().position(|a| a == "--spot-notice-url") {
+        assert_eq!(args[at + 1], decide::IMDS_URL, "{args:?}");
+        args[at + 1] = imds.to_string();
+    }
     let mut cmd = Command::new(bin_path("slotpool-agent"));
     cmd.envs(&env)
         .env(
@@ -159,11 +184,17 @@ struct Launcher {
 
 impl Launcher {
     fn start(nats: &NatsServer, dir: &Path, config: &str) -> Launcher {
+        Launcher::start_with(nats, dir, config, &[])
+    }
+
+    /// With further `serve` arguments.
+    fn start_with(nats: &NatsServer, dir: &Path, config: &str, extra: &[&str]) -> Launcher {
         let path = dir.join("pool.yaml");
         std::fs::write(&path, config).unwrap();
         let log = dir.join("launcher.log");
         let mut cmd = Command::new(bin_path("slotpool"));
         cmd.args(nats.serve_args(&path))
+            .args(extra)
             .envs(Moto::aws_env())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -172,6 +203,18 @@ impl Launcher {
             _child: ChildGuard::spawn("launcher", cmd).unwrap(),
             log,
         }
+    }
+}
+
+impl Launcher {
+    /// The value of `metric` with `labels` on `/metrics` of its `--http` listener.
+    async fn metric(&self, metric: &str, labels: &[(&str, &str)]) -> f64 {
+        let addr = wait_for_some("the launcher's http listener", SOON, || async {
+            slotpool_tests::metrics::http_addr_in(&std::fs::read_to_string(&self.log).unwrap())
+        })
+        .await;
+        let scrape = slotpool_tests::metrics::scrape(addr).await;
+        slotpool_tests::metrics::value(&scrape, metric, labels)
     }
 }
 
@@ -369,4 +412,174 @@ async fn create_to_agent_ready_through_moto() {
         samples[RUNS - 1]
     );
     assert_eq!(cloud.live().await.len(), 0);
+}
+
+/// A spot instance's agent reads EC2's interruption notice (from the fake metadata
+/// service the test plays, as moto has none): the launcher fails its node and the nodes
+/// on its slots with `spot interruption`, records it in the event log and `/metrics`,
+/// deletes the instance, and launches into the seat again (`max-servers: 1`) for the job
+/// the CI system sends again, with no failed seat's rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spot_interruption_fails_the_nodes_and_the_seat_is_launched_into_again_at_once() {
+    use slotpool_protocol::time::now_ms;
+    let nats = NatsServer::start().await;
+    let cloud = Arc::new(Cloud::start().await);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cfg = write_config(
+        d,
+        "ec2.yaml",
+        &cloud.moto.url(),
+        "it-spot",
+        &cloud.image,
+        "    market: spot\n",
+        "",
+    );
+    let pool = format!(
+        "providers:\n{}",
+        provider_yaml("aws", &cfg, &pool_yaml("main", 1))
+    );
+    let instances = Instances::play(cloud.clone(), "it-spot", d.join("instances"));
+    let launcher = Launcher::start_with(&nats, d, &pool, &["--http", "127.0.0.1:0"]);
+    let client = Client::from_bus(nats.bus().await);
+    slotpool_tests::wait_served(&client).await;
+
+    let first = fulfilled(&client).await;
+    let node = client.nodes(&first.nodes).await.unwrap().remove(0);
+    assert_eq!(node.attributes["market"], "spot", "{node:?}");
+    let interrupted = node.backing_id.clone();
+    let record = |id: slotpool_protocol::BackingId| {
+        let client = &client;
+        async move {
+            client
+                .list_backing()
+                .await
+                .unwrap()
+                .into_iter()
+                .find(|b| b.id == id)
+        }
+    };
+    let instance = record(interrupted.clone())
+        .await
+        .and_then(|b| b.instance)
+        .expect("the instance recorded");
+    let imds = wait_for_some("the instance to boot", SOON, || async {
+        instances.imds(&instance.id)
+    })
+    .await;
+    wait_for("the agent to ask for the notice", SOON, || async {
+        imds.asked() > 0
+    })
+    .await;
+    assert_eq!(
+        imds.refused(),
+        0,
+        "every ask carries an IMDSv2 session token"
+    );
+    assert_eq!(imds.tokens(), 1, "one session token, kept");
+
+    // EC2 posts the notice, two minutes ahead of the end.
+    let posted = now_ms();
+    imds.interrupt("terminate", "2026-11-26T17:40:00Z");
+    // What the CI system sees: its node failed, and why.
+    let failed = wait_for_some("the node to fail", SOON, || async {
+        client
+            .nodes(std::slice::from_ref(&node.id))
+            .await
+            .ok()?
+            .pop()
+            .filter(|n| n.state == NodeState::Failed)
+    })
+    .await;
+    let seen_failed = now_ms();
+    assert_eq!(
+        failed.failure.as_deref(),
+        Some(
+            format!(
+                "backing node {interrupted} failed: spot interruption: the cloud takes the \
+                 machine back (terminate at 2026-11-26T17:40:00Z)"
+            )
+            .as_str()
+        )
+    );
+    // So it sends the job again.
+    let again = fulfilled(&client).await;
+    let replacement = client.nodes(&again.nodes).await.unwrap().remove(0);
+    assert_ne!(replacement.backing_id, interrupted, "{replacement:?}");
+    let b2 = record(replacement.backing_id.clone())
+        .await
+        .expect("the replacement's record");
+    assert_eq!(b2.seat, 0, "the one seat of the pool, taken again");
+
+    let heartbeat = client
+        .list_agents()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|a| a.backing_id == interrupted);
+    if let Some(hb) = heartbeat {
+        assert!(hb.interruption.is_some(), "{hb:?}");
+    }
+    wait_for(
+        "the interrupted instance to be terminated",
+        SOON,
+        || async {
+            !cloud
+                .live()
+                .await
+                .iter()
+                .any(|i| i.instance_id() == Some(instance.id.as_str()))
+        },
+    )
+    .await;
+    let events = client.list_events().await.unwrap();
+    let of_it: Vec<_> = events
+        .iter()
+        .filter(|e| e.backing_id.as_ref() == Some(&interrupted))
+        .collect();
+    let failure = of_it
+        .iter()
+        .find(|e| e.message.starts_with("failed: spot interruption"))
+        .unwrap_or_else(|| panic!("no failure event: {of_it:?}"));
+    assert_eq!(
+        failure.reason.as_deref(),
+        Some(slotpool_protocol::model::SPOT_INTERRUPTION)
+    );
+    let deleted = of_it
+        .iter()
+        .find(|e| e.message == "failed node's instance deleted")
+        .unwrap_or_else(|| panic!("no clean-up event: {of_it:?}"));
+    let launched = b2.launched_at.expect("the replacement's launch");
+    let rest = slotpool_launcher::backing::lifecycle::FAILED_SEAT_COOLDOWN;
+    assert!(
+        launched < deleted.at + rest.as_millis() as u64,
+        "the seat rested: launched into again {} ms after its instance was deleted",
+        launched - deleted.at
+    );
+    assert_eq!(
+        launcher
+            .metric(
+                "slotpool_backing_deletions_total",
+                &[("reason", "spot-interruption")]
+            )
+            .await,
+        1.0
+    );
+    assert_eq!(
+        launcher
+            .metric("slotpool_backing_deletions_total", &[("reason", "failure")])
+            .await,
+        0.0
+    );
+    println!(
+        "spot interruption: notice posted -> node failed, as the client sees it: {} ms \
+         (the agent asks every 5 s); node failed -> instance deleted: {} ms; instance \
+         deleted -> the replacement's launch begins: {} ms (a failed seat's rest: {} ms)",
+        seen_failed - posted,
+        deleted.at.saturating_sub(failure.at),
+        launched.saturating_sub(deleted.at),
+        rest.as_millis(),
+    );
+    client.release(again.nodes.clone()).await.unwrap();
+    client.release(first.nodes.clone()).await.unwrap();
 }

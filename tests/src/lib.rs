@@ -11,7 +11,8 @@
 //! - [`prometheus::Prometheus`]: a real Prometheus scraping given targets.
 //! - [`Moto`]: moto's EC2 API server on a free port, one per test, and
 //!   [`ec2_proxy::Ec2Proxy`] in front of it, losing answers and answering with EC2's
-//!   errors, for the EC2 provider's tests.
+//!   errors, for the EC2 provider's tests; [`imds::FakeImds`], an instance's metadata
+//!   service as far as the spot interruption notice goes.
 //! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
 //! - [`chaos`]: a request load that rides out failures, and the checks made after it.
 //! - [`Tmux`]: a terminal of its own, for the console and the demo on a terminal.
@@ -29,6 +30,7 @@
 mod agent;
 pub mod chaos;
 pub mod ec2_proxy;
+pub mod imds;
 mod isolation;
 pub mod metrics;
 mod moto;
