@@ -8,7 +8,7 @@
 
 use crate::events::{self, Subject};
 use crate::inbound::{bad, decode, internal};
-use crate::release::{self, Finish, Give};
+use crate::release::{self, Finish};
 use crate::shared::{seat_topic, Shared};
 use slotpool_protocol::api::{
     AgentCommand, ApiError, BackingOrder, ErrorCode, LogTail, LogTailQuery, OrderTaken,
@@ -219,7 +219,7 @@ pub async fn release_node(
         reason: o.reason.clone(),
         at: now_ms(),
     };
-    if release::release(sh, Give::Node(&o.node_id), Finish::Background)
+    if release::release(sh, &o.node_id, Finish::Background)
         .await
         .map_err(internal)?
     {

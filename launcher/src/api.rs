@@ -9,7 +9,7 @@
 use crate::admin;
 use crate::inbound::{bad, check_owner, decode, internal};
 use crate::nodes;
-use crate::release::{self, Finish, Give};
+use crate::release::{self, Finish};
 use crate::request::observe::{self, Memory};
 use crate::request::plan::{self, RequestStep};
 use crate::request::{self, exec};
@@ -495,9 +495,7 @@ impl Made {
                     // Given back by node: a slot given back already may hold another's
                     // node by now.
                     for node in &claimed {
-                        if let Err(err) =
-                            release::release(sh, Give::Node(&node.value.id), Finish::Wait).await
-                        {
+                        if let Err(err) = release::release(sh, &node.value.id, Finish::Wait).await {
                             tracing::warn!(slot = %node.key, %err, "cannot give back a slot claimed for a request not created");
                         }
                     }
@@ -633,7 +631,7 @@ async fn release(
     }
     let mut out = Released::default();
     let results = futures::future::join_all(r.nodes.iter().map(|id| async move {
-        let released = release::release(sh, Give::Node(id), Finish::Background).await;
+        let released = release::release(sh, id, Finish::Background).await;
         (id, released.map_err(internal))
     }))
     .await;

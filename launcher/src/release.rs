@@ -1,7 +1,7 @@
-//! Giving a slot back: [`release`] is the one entry point, used by the API (a client's
-//! release), operators' `release_node`, the request worker (slots of a request that
-//! failed or ended without them, a refused prepare, a node whose backing node died) and
-//! the sweep of releases and claims left behind ([`sweep_left_behind`]).
+//! Giving a slot back: [`release`] is the one entry point, by node id, used by the API
+//! (a client's release), operators' `release_node`, the request worker (slots of a
+//! request that failed or ended without them, a refused prepare, a node whose backing
+//! node died) and the sweep of releases and claims left behind ([`sweep_left_behind`]).
 //!
 //! A release is two writes around an agent call: the node is marked `releasing`
 //! (revision-checked; from then on the release is durable, whoever finishes it), the agent
@@ -20,15 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
 
-/// What to give back.
-#[derive(Clone, Copy, Debug)]
-pub enum Give<'a> {
-    /// Whatever node holds slot `key` (a request worker's own claim).
-    Slot(&'a str),
-    /// Node `id`, only while its slot still holds it.
-    Node(&'a NodeId),
-}
-
 /// When the caller hears back.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Finish {
@@ -39,33 +30,29 @@ pub enum Finish {
     Background,
 }
 
-/// Gives a slot back. Idempotent; tolerates a slot that was never prepared. False when
-/// there was nothing to release: the slot is free, or (for [`Give::Node`]) the id names
-/// no slot or its slot holds another node.
-pub async fn release(
-    shared: &Arc<Shared>,
-    what: Give<'_>,
-    finish: Finish,
-) -> Result<bool, SlotError> {
-    let (key, expect, read) = match what {
-        Give::Slot(key) => (key.to_string(), None, None),
-        Give::Node(id) => {
-            let Some((backing, slot)) = id.slot() else {
-                return Ok(false);
-            };
-            let key = layout::slot_key(&backing, slot);
-            // The mirror's record, when it has one, saves a read (a stale one costs a
-            // conflict and a re-read).
-            let mirrored = shared
-                .world()
-                .slots
-                .get(&key)
-                .filter(|n| &n.value.id == id)
-                .cloned();
-            (key, Some(id), mirrored)
-        }
+/// Gives back node `id`, only while its slot still holds it: never whatever node the
+/// slot holds by then (a slot given back is claimed for another request at once, and a
+/// release by slot key would take that one's node away). Idempotent; tolerates a slot
+/// that was never prepared. False when there was nothing to release: `id` names no
+/// slot, or its slot is free or holds another node.
+///
+/// From the moment it starts, this launcher's mirror never offers the node to be
+/// prepared or handed out again ([`crate::world::World::give_back`]), whatever an older
+/// record it still holds says; the mirror gets the node's `releasing` record and its
+/// deletion as they are written, not only once the watch brings them back.
+pub async fn release(shared: &Arc<Shared>, id: &NodeId, finish: Finish) -> Result<bool, SlotError> {
+    let Some((backing, slot)) = id.slot() else {
+        return Ok(false);
     };
-    let Some(node) = begin_release(shared, &key, expect, read).await? else {
+    let key = layout::slot_key(&backing, slot);
+    // The mirror's record, when it has one, saves a read (a stale one costs a conflict
+    // and a re-read).
+    let mirrored = {
+        let mut world = shared.world();
+        world.give_back(id);
+        world.slots.get(&key).filter(|n| &n.value.id == id).cloned()
+    };
+    let Some(node) = begin_release(shared, &key, id, mirrored).await? else {
         return Ok(false);
     };
     match finish {
@@ -75,14 +62,14 @@ pub async fn release(
     Ok(true)
 }
 
-/// Marks the node in slot `key` releasing (revision-checked), starting from `read` when
-/// the caller has a recent record (a stale one costs a conflict and a re-read). With
-/// `expect`, only that node is released: `None` when the slot is free or holds another
-/// node. Once this returns the record, the release is durable: whoever finishes it.
+/// Marks node `expect` in slot `key` releasing (revision-checked), starting from `read`
+/// when the caller has a recent record (a stale one costs a conflict and a re-read):
+/// `None` when the slot is free or holds another node. Once this returns the record,
+/// the release is durable: whoever finishes it.
 async fn begin_release(
     shared: &Shared,
     key: &str,
-    expect: Option<&NodeId>,
+    expect: &NodeId,
     mut read: Option<Versioned<Node>>,
 ) -> Result<Option<Versioned<Node>>, SlotError> {
     loop {
@@ -93,7 +80,7 @@ async fn begin_release(
                 None => return Ok(None),
             },
         };
-        if expect.is_some_and(|id| *id != current.value.id) {
+        if *expect != current.value.id {
             return Ok(None);
         }
         if current.value.state == NodeState::Releasing {
@@ -109,11 +96,13 @@ async fn begin_release(
             .await
         {
             Ok(revision) => {
-                return Ok(Some(Versioned {
+                let marked = Versioned {
                     key: key.to_string(),
                     revision,
                     value: node,
-                }))
+                };
+                shared.world().put_slot(marked.clone());
+                return Ok(Some(marked));
             }
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
@@ -139,7 +128,10 @@ async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<()
     }
     loop {
         match shared.bus.slots.delete(&node.key, node.revision).await {
-            Ok(_) => break,
+            Ok(tombstone) => {
+                shared.world().remove_slot(&node.key, tombstone);
+                break;
+            }
             Err(KvError::Conflict { .. }) => match shared.bus.slots.get::<Node>(&node.key).await? {
                 // Marked again by a second releaser: still ours to delete.
                 Some(again) if again.value.id == node.value.id => node = again,
@@ -395,7 +387,7 @@ async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(
         return Ok(());
     }
     tracing::info!(node_id = %node.value.id, request_id = %node.value.request_id, "releasing a slot claimed for a request that is gone or ended without it");
-    release(shared, Give::Node(&node.value.id), Finish::Background)
+    release(shared, &node.value.id, Finish::Background)
         .await
         .map(|_| ())
 }

@@ -487,6 +487,15 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                         fx.todo.push(Dirty::Seat(seat.clone()));
                     }
                     fx.wake.push(request_topic(&old.request_id));
+                } else if world.tombstones.get(key) == Some(&revision) {
+                    // The echo of this launcher's own deletion, put into the mirror when
+                    // it was acknowledged (`release.rs`): its seat is told now.
+                    let seat = layout::parse_slot_key(key)
+                        .and_then(|(backing, _)| world.seat_of.get(&backing));
+                    if let Some(seat) = seat {
+                        fx.wake.push(seat_topic(seat));
+                        fx.todo.push(Dirty::Seat(seat.clone()));
+                    }
                 }
                 world.remove_slot(key, revision);
             }

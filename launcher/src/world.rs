@@ -83,6 +83,9 @@ pub struct World {
     pub lost_heartbeats: HashMap<BackingId, LostHeartbeat>,
     /// Slot keys this launcher's workers are claiming right now.
     pub reserved: HashSet<String>,
+    /// Nodes this launcher began to give back ([`World::give_back`]) that the mirror
+    /// still holds: never prepared or handed out again, whatever record it holds.
+    pub given_back: HashSet<NodeId>,
     /// Slot key → revision of its tombstone, for free slots whose deletion was seen: a
     /// claim writes over it in one round trip ([`slotpool_protocol::store::Store::create_over`]).
     pub tombstones: HashMap<String, u64>,
@@ -472,11 +475,23 @@ impl World {
         }
     }
 
+    /// Notes that this launcher began to give node `id` back ([`crate::release`]):
+    /// from now on it is never prepared or handed out again, even while the mirror still
+    /// holds an older record of it (the write marking it releasing may have timed out, or
+    /// the watch that would bring it back be away). Forgotten once the mirror drops the
+    /// node.
+    pub fn give_back(&mut self, id: &NodeId) {
+        if self.node_keys.contains_key(id) {
+            self.given_back.insert(id.clone());
+        }
+    }
+
     fn unindex_slot(&mut self, key: &str) {
         let Some(old) = self.slots.remove(key) else {
             return;
         };
         let node = old.value;
+        self.given_back.remove(&node.id);
         self.node_keys.remove(&node.id);
         if let Some(set) = self.nodes_by_request.get_mut(&node.request_id) {
             set.remove(key);
@@ -1791,6 +1806,37 @@ mod tests {
         claim.revision = 13;
         w.put_slot(claim);
         assert!(w.slots.contains_key("bn-a.0"), "a newer claim is taken");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn a_node_given_back_stays_given_back_until_the_mirror_drops_it() {
+        let mut w = two_ready_nodes();
+        let mut claim = node("bn-a", 0, "req-z", "small");
+        claim.revision = 10;
+        w.put_slot(claim.clone());
+        let id = claim.value.id.clone();
+        w.give_back(&id);
+        assert!(w.given_back.contains(&id));
+        // A newer record of the same node (the watch catching up) keeps it given back.
+        claim.revision = 11;
+        w.put_slot(claim.clone());
+        assert!(w.given_back.contains(&id));
+        w.remove_slot("bn-a.0", 12);
+        assert!(w.given_back.is_empty(), "forgotten with the node");
+        // A node the mirror does not hold is not remembered.
+        w.give_back(&id);
+        assert!(w.given_back.is_empty());
+        // Another node in the slot is not the one given back.
+        claim.revision = 15;
+        w.put_slot(claim.clone());
+        w.give_back(&id);
+        assert!(w.given_back.contains(&id));
+        let mut other = node("bn-a", 0, "req-y", "small");
+        other.revision = 20;
+        w.put_slot(other.clone());
+        assert!(!w.given_back.contains(&other.value.id));
+        assert!(w.given_back.is_empty());
         w.check_capacity_index();
     }
 

@@ -373,6 +373,7 @@ impl Sim<'_> {
                                 key: key.clone(),
                                 state: NodeState::Ready,
                                 prepared_here: false,
+                                given_back: false,
                             });
                             w.slots.insert(key, slot.clone());
                             self.restand(&slot.seat_key);
@@ -385,8 +386,14 @@ impl Sim<'_> {
                             n.prepared_here = true;
                         }
                     }
-                    RequestStep::Release(keys) => {
+                    RequestStep::Release(ids) => {
                         let w = &mut self.waiting[i];
+                        let keys: Vec<String> = w
+                            .nodes
+                            .iter()
+                            .filter(|n| ids.contains(&n.id))
+                            .map(|n| n.key.clone())
+                            .collect();
                         w.nodes.retain(|n| !keys.contains(&n.key));
                         let slots: Vec<SlotRef> =
                             keys.iter().filter_map(|k| w.slots.remove(k)).collect();

@@ -6,7 +6,7 @@ use super::observe::Memory;
 use super::plan::RequestStep;
 use crate::metrics;
 use crate::nodes::{self, SlotError};
-use crate::release::{self, Finish, Give};
+use crate::release::{self, claimed_for, Finish};
 use crate::shared::{request_topic, Shared};
 use crate::world::SlotRef;
 use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
@@ -67,7 +67,7 @@ pub async fn carry_out(
             let released = futures::future::join_all(
                 nodes
                     .iter()
-                    .map(|id| release::release(sh, Give::Node(id), Finish::Wait)),
+                    .map(|id| release::release(sh, id, Finish::Wait)),
             )
             .await;
             for (id, outcome) in nodes.iter().zip(released) {
@@ -88,9 +88,9 @@ pub async fn carry_out(
             give_back_all(sh, &release).await;
             Ok(After::Stop)
         }
-        RequestStep::Release(keys) => {
-            for key in keys {
-                release::release(sh, Give::Slot(&key), Finish::Wait).await?;
+        RequestStep::Release(nodes) => {
+            for id in nodes {
+                release::release(sh, &id, Finish::Wait).await?;
             }
             Ok(After::Again)
         }
@@ -151,7 +151,9 @@ pub fn note_fulfilled(done: &NodeRequest) {
 }
 
 /// Has the agents prepare the claimed nodes in slots `keys` at once, noting in `memory`
-/// those prepared and when one was refused (its slot is given back then).
+/// those prepared and when one was refused (its slot is given back then). Only nodes
+/// the mirror holds for `r` are prepared: never another request's node that took a
+/// slot meanwhile, which would get `r`'s SSH key.
 pub async fn prepare_all(
     sh: &Arc<Shared>,
     r: &NodeRequest,
@@ -161,7 +163,10 @@ pub async fn prepare_all(
     let claimed: Vec<Versioned<Node>> = {
         let world = sh.world();
         keys.iter()
-            .filter_map(|k| world.slots.get(k).cloned())
+            .filter_map(|k| world.slots.get(k))
+            .filter(|n| n.value.request_id == r.id && claimed_for(r, &n.value))
+            .filter(|n| !world.given_back.contains(&n.value.id))
+            .cloned()
             .collect()
     };
     let prepared = futures::future::join_all(
@@ -171,13 +176,17 @@ pub async fn prepare_all(
     )
     .await;
     let mut result = Ok(());
-    for outcome in prepared {
+    for (id, outcome) in prepared {
         match outcome {
-            Ok(Some(id)) => {
+            Prepared::Ready => {
                 memory.prepared.insert(id);
             }
-            Ok(None) => memory.refused_at = Some(now_ms()),
-            Err(err) => result = Err(err),
+            Prepared::GivenBack => memory.refused_at = Some(now_ms()),
+            Prepared::GivingBackFailed(err) => {
+                memory.refused_at = Some(now_ms());
+                result = Err(err);
+            }
+            Prepared::Failed(err) => result = Err(err),
         }
     }
     result
@@ -250,39 +259,50 @@ pub async fn claim_noting(
     claimed
 }
 
-/// Has the agent prepare a claimed node: the node's id when it did, None when it
-/// refused (the slot is given back then).
+/// How one node's prepare ended ([`prepare`]).
+enum Prepared {
+    /// The agent prepared it; the mirror has its record.
+    Ready,
+    /// The agent refused it (or its reply or host keys were refused): it was given back.
+    GivenBack,
+    /// Refused, and giving it back failed: the mirror never offers it again
+    /// ([`crate::world::World::give_back`]), and the worker gives it back again.
+    GivingBackFailed(SlotError),
+    /// Neither prepared nor refused (a KV write failed, say).
+    Failed(SlotError),
+}
+
+/// Has the agent prepare a claimed node; a refused one is given back.
 async fn prepare(
     sh: &Arc<Shared>,
     node: Versioned<Node>,
     ssh_public_key: Option<String>,
-) -> Result<Option<NodeId>, SlotError> {
-    let key = node.key.clone();
+) -> (NodeId, Prepared) {
+    let id = node.value.id.clone();
     match nodes::prepare(sh, node, ssh_public_key).await {
         Ok(ready) => {
-            let id = ready.value.id.clone();
             sh.world().put_slot(ready);
-            Ok(Some(id))
+            return (id, Prepared::Ready);
         }
         Err(SlotError::Agent { backing_id, source }) => {
             tracing::warn!(%backing_id, err = %source, "prepare failed; giving the slot back");
-            release::release(sh, Give::Slot(&key), Finish::Wait).await?;
-            Ok(None)
         }
         Err(err @ (SlotError::HostKey { .. } | SlotError::ForgedReply { .. })) => {
             tracing::warn!(%err, "giving the slot back");
-            release::release(sh, Give::Slot(&key), Finish::Wait).await?;
-            Ok(None)
         }
-        Err(err) => Err(err),
+        Err(err) => return (id, Prepared::Failed(err)),
+    }
+    match release::release(sh, &id, Finish::Wait).await {
+        Ok(_) => (id, Prepared::GivenBack),
+        Err(err) => (id, Prepared::GivingBackFailed(err)),
     }
 }
 
-/// Gives back slots of a request that ended without them.
-async fn give_back_all(sh: &Arc<Shared>, keys: &[String]) {
-    for key in keys {
-        if let Err(err) = release::release(sh, Give::Slot(key), Finish::Wait).await {
-            tracing::warn!(slot = %key, %err, "cannot release a slot of an ended request");
+/// Gives back nodes of a request that ended without them.
+async fn give_back_all(sh: &Arc<Shared>, nodes: &[NodeId]) {
+    for id in nodes {
+        if let Err(err) = release::release(sh, id, Finish::Wait).await {
+            tracing::warn!(node_id = %id, %err, "cannot release a node of an ended request");
         }
     }
 }

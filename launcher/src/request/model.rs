@@ -429,8 +429,8 @@ impl Model {
         match step {
             RequestStep::Leave => After::Stop,
             RequestStep::Stop { strays } | RequestStep::Hold { strays, .. } => {
-                for key in strays {
-                    self.delete_slot(l, &key);
+                for id in strays {
+                    self.give_back(l, &id);
                 }
                 After::Stop
             }
@@ -442,14 +442,14 @@ impl Model {
                 if self.write_request(l, req, failed).is_err() {
                     return After::Again;
                 }
-                for key in release {
-                    self.delete_slot(l, &key);
+                for id in release {
+                    self.give_back(l, &id);
                 }
                 After::Stop
             }
-            RequestStep::Release(keys) => {
-                for key in keys {
-                    self.delete_slot(l, &key);
+            RequestStep::Release(nodes) => {
+                for id in nodes {
+                    self.give_back(l, &id);
                 }
                 After::Again
             }
@@ -537,7 +537,17 @@ impl Model {
         Ok(())
     }
 
-    /// Gives back slot `key` (by launcher `l`, or a client when `l` is None).
+    /// Gives back node `id` by launcher `l`, only while its slot holds it (as
+    /// `release::release` does).
+    fn give_back(&mut self, l: usize, id: &NodeId) {
+        let (backing, slot) = id.slot().expect("a slot's node id");
+        let key = layout::slot_key(&backing, slot);
+        if self.slots.get(&key).is_some_and(|n| &n.value.id == id) {
+            self.delete_slot(l, &key);
+        }
+    }
+
+    /// Gives back slot `key` (by launcher `l`).
     fn delete_slot(&mut self, l: usize, key: &str) {
         if self.slots.remove(key).is_none() {
             return;

@@ -100,6 +100,7 @@ pub fn look_in(
             key: n.key.clone(),
             state: n.value.state,
             prepared_here: memory.prepared.contains(&n.value.id),
+            given_back: world.given_back.contains(&n.value.id),
         })
         .collect();
     let mut reserved = BTreeMap::new();

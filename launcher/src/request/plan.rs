@@ -58,6 +58,9 @@ pub struct NodeSeen {
     /// itself (again, after a takeover: a prepare for the node already holding the slot
     /// changes nothing) before it fulfils the request.
     pub prepared_here: bool,
+    /// Whether this launcher began to give it back ([`crate::world::World::give_back`]):
+    /// it is given back again, never prepared or handed out.
+    pub given_back: bool,
 }
 
 /// Why a label has no free slot for the request, for its status line.
@@ -117,17 +120,17 @@ pub struct Observed {
 pub enum RequestStep {
     /// Another launcher drives the request now: stop driving it.
     Leave,
-    /// The request is final: give back the slots (keys) it ended without, and stop.
-    Stop { strays: Vec<String> },
+    /// The request is final: give back the nodes it ended without, and stop.
+    Stop { strays: Vec<NodeId> },
     /// Write the request failed with this reason, give back every slot it holds
     /// (`release`), and stop.
     Fail {
         reason: String,
-        release: Vec<String>,
+        release: Vec<NodeId>,
     },
     /// Give back these slots (their backing node failed before the request was
     /// fulfilled) and start over for their labels.
-    Release(Vec<String>),
+    Release(Vec<NodeId>),
     /// Claim the reserved slots, by label index; the labels in `missing` still wait.
     Claim {
         slots: Vec<(u32, SlotRef)>,
@@ -158,7 +161,7 @@ pub enum RequestStep {
     /// `hold_until` comes) unless renewed or released before: give back the slots (keys)
     /// it was fulfilled without, and wait for a change of the request or that time.
     Hold {
-        strays: Vec<String>,
+        strays: Vec<NodeId>,
         until: UnixMillis,
     },
     /// The hold ended (`reason`): write the request reclaimed, then give back its nodes
@@ -166,7 +169,7 @@ pub enum RequestStep {
     Reclaim {
         reason: String,
         nodes: Vec<NodeId>,
-        strays: Vec<String>,
+        strays: Vec<NodeId>,
     },
 }
 
@@ -198,7 +201,7 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
             .nodes
             .iter()
             .filter(|n| r.state != RequestState::Fulfilled || !r.nodes.contains(&n.id))
-            .map(|n| n.key.clone())
+            .map(|n| n.id.clone())
             .collect();
         return match r.hold_deadline() {
             Some(until) if now >= until => RequestStep::Reclaim {
@@ -212,7 +215,7 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
     }
     let fail = |reason: String| RequestStep::Fail {
         reason,
-        release: obs.nodes.iter().map(|n| n.key.clone()).collect(),
+        release: obs.nodes.iter().map(|n| n.id.clone()).collect(),
     };
     if let Some(u) = &obs.unknown {
         return fail(format!(
@@ -249,13 +252,16 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
     for (index, label) in r.labels.iter().enumerate() {
         let index = index as u32;
         match node_for(obs, index) {
+            // Given back by this launcher: whatever the mirror still says of it, it is
+            // never prepared or handed out again.
+            Some(n) if n.given_back => broken.push(n.id.clone()),
             Some(n) if n.state == NodeState::Ready && n.prepared_here => {}
             Some(n) if matches!(n.state, NodeState::Ready | NodeState::Preparing) => {
                 to_prepare.push(n.key.clone())
             }
             // Its backing node failed (or it is being given back) before the request
             // was fulfilled: start over for its label.
-            Some(n) => broken.push(n.key.clone()),
+            Some(n) => broken.push(n.id.clone()),
             None => match obs.reserved.get(&index) {
                 Some(slot) => claims.push((index, slot.clone())),
                 None => missing.push(label.clone()),
@@ -273,7 +279,7 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
         if let Some(why) = launch_failure(&missing, obs) {
             return fail(why);
         }
-        let held: Vec<String> = obs.nodes.iter().map(|n| n.key.clone()).collect();
+        let held: Vec<NodeId> = obs.nodes.iter().map(|n| n.id.clone()).collect();
         if !held.is_empty() {
             return RequestStep::Release(held);
         }
@@ -361,7 +367,7 @@ fn node_for(obs: &Observed, index: u32) -> Option<&NodeSeen> {
     let mut of_index = obs.nodes.iter().filter(|n| n.index == index);
     let prepared = of_index
         .clone()
-        .filter(|n| n.state == NodeState::Ready && n.prepared_here)
+        .filter(|n| n.state == NodeState::Ready && n.prepared_here && !n.given_back)
         .min_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
     prepared.or_else(|| of_index.next_back())
 }
@@ -446,11 +452,16 @@ mod tests {
             key: format!("bn-1.{n}"),
             state,
             prepared_here,
+            given_back: false,
         }
     }
 
     fn id(n: u32) -> NodeId {
         NodeId::parse(&format!("node-{n}")).unwrap()
+    }
+
+    fn ids(v: &[u32]) -> Vec<NodeId> {
+        v.iter().map(|n| id(*n)).collect()
     }
 
     fn booting() -> WaitCause {
@@ -522,12 +533,7 @@ mod tests {
             node(0, 0, NodeState::Ready, true),
             node(0, 1, NodeState::Ready, false),
         ];
-        assert_eq!(
-            next(&r, &o, NOW),
-            RequestStep::Stop {
-                strays: keys(&["bn-1.1"])
-            }
-        );
+        assert_eq!(next(&r, &o, NOW), RequestStep::Stop { strays: ids(&[1]) });
     }
 
     #[test]
@@ -542,7 +548,7 @@ mod tests {
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Stop {
-                strays: keys(&["bn-1.0", "bn-1.1"])
+                strays: ids(&[0, 1])
             }
         );
     }
@@ -560,7 +566,7 @@ mod tests {
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Stop {
-                strays: keys(&["bn-1.0", "bn-1.1"])
+                strays: ids(&[0, 1])
             },
             "nothing more is claimed or prepared"
         );
@@ -591,7 +597,7 @@ mod tests {
             next(&r, &o, NOW),
             RequestStep::Fail {
                 reason: "unknown label \"gpu\"; this pool serves: a, b".into(),
-                release: keys(&["bn-1.0"]),
+                release: ids(&[0]),
             }
         );
     }
@@ -608,7 +614,7 @@ mod tests {
             RequestStep::Fail {
                 reason: "timed out after 5s: waiting for a free slot of b (1 of 2 slots assigned)"
                     .into(),
-                release: keys(&["bn-1.0"]),
+                release: ids(&[0]),
             }
         );
     }
@@ -666,7 +672,7 @@ mod tests {
             next(&r, &o, NOW),
             RequestStep::Fail {
                 reason: "could not launch: quota".into(),
-                release: keys(&["bn-1.0"]),
+                release: ids(&[0]),
             }
         );
     }
@@ -735,7 +741,7 @@ mod tests {
         reserve(&mut o, 1, 1);
         assert_eq!(
             next(&r, &o, NOW),
-            RequestStep::Release(keys(&["bn-1.0"])),
+            RequestStep::Release(ids(&[0])),
             "c is taken and nothing is coming for it"
         );
         o.causes.insert(
@@ -747,7 +753,7 @@ mod tests {
                 backoff: Duration::from_secs(10),
             },
         );
-        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.0"])));
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(ids(&[0])));
         reserve(&mut o, 2, 2);
         assert_eq!(
             next(&r, &o, NOW),
@@ -784,7 +790,7 @@ mod tests {
         o.causes.insert("b".into(), WaitCause::Taken);
         assert_eq!(
             next(&r, &o, NOW),
-            RequestStep::Release(keys(&["bn-1.0"])),
+            RequestStep::Release(ids(&[0])),
             "the booting node went to another request"
         );
     }
@@ -912,7 +918,7 @@ mod tests {
             node(1, 1, NodeState::Failed, false),
         ];
         reserve(&mut o, 1, 2);
-        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.1"])));
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(ids(&[1])));
     }
 
     #[test]
@@ -920,7 +926,42 @@ mod tests {
         let r = request(&["a"]);
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Releasing, true)];
-        assert_eq!(next(&r, &o, NOW), RequestStep::Release(keys(&["bn-1.0"])));
+        assert_eq!(next(&r, &o, NOW), RequestStep::Release(ids(&[0])));
+    }
+
+    /// The mirror may still hold a node this launcher gave back as it was (the write
+    /// marking it releasing timed out, the watch that would bring its deletion is away):
+    /// such a node is given back again, never prepared, never handed out, even one the
+    /// agent prepared here before.
+    #[test]
+    fn a_node_given_back_is_never_prepared_or_handed_out_whatever_the_mirror_says() {
+        let r = request(&["a", "b"]);
+        for (state, prepared_here) in [
+            (NodeState::Ready, false),
+            (NodeState::Preparing, false),
+            (NodeState::Ready, true),
+        ] {
+            let mut o = observed();
+            let mut given_back = node(1, 1, state, prepared_here);
+            given_back.given_back = true;
+            o.nodes = vec![node(0, 0, NodeState::Ready, true), given_back];
+            assert_eq!(
+                next(&r, &o, NOW),
+                RequestStep::Release(ids(&[1])),
+                "{state:?}, prepared here: {prepared_here}"
+            );
+        }
+        // A final request gives it back as a stray.
+        let mut done = request(&["a"]);
+        done.state = RequestState::Canceled;
+        let mut o = observed();
+        let mut given_back = node(0, 0, NodeState::Ready, true);
+        given_back.given_back = true;
+        o.nodes = vec![given_back];
+        assert_eq!(
+            next(&done, &o, NOW),
+            RequestStep::Stop { strays: ids(&[0]) }
+        );
     }
 
     // ---- fulfilling --------------------------------------------------------------------
@@ -1087,7 +1128,7 @@ mod tests {
         assert_eq!(
             next(&r, &o, NOW),
             RequestStep::Hold {
-                strays: keys(&["bn-1.9"]),
+                strays: ids(&[9]),
                 until: NOW + 5
             }
         );
@@ -1133,7 +1174,7 @@ mod tests {
                 reason: "keep-alive lapsed: not renewed within 10s while waiting: \
                          waiting for a backing node of vm to boot (1 of 2 slots assigned)"
                     .into(),
-                release: keys(&["bn-1.0"]),
+                release: ids(&[0]),
             }
         );
     }
