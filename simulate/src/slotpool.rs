@@ -587,7 +587,9 @@ impl Sim<'_> {
             let step = lifecycle::next(b, &obs);
             b.updated_at = self.now;
             match step {
-                Step::Launch { .. } => {
+                // The simulator's launches are never interrupted: a look for what an
+                // interrupted one started is a launch.
+                Step::Launch { .. } | Step::FindLaunched { .. } => {
                     b.attempts += 1;
                     b.launched_at = Some(self.now);
                     b.state = BackingState::Launching;

@@ -562,3 +562,103 @@ async fn a_pool_out_of_capacity_falls_back_to_the_next_pool_by_priority() {
         "the first pool was tried first: {backing:?}"
     );
 }
+
+/// A launcher killed after its exec provider started the machine (whose agent runs and
+/// heartbeats) and before the end of the attempt was written leaves a record that says
+/// only that the attempt began. With `launch-retries: 1` that failed the node, and with
+/// it the waiting request, and left the machine's agent running with nothing owning it
+/// until a leak sweep. The launcher that takes the seat over asks the provider for what
+/// the attempt started and adopts it: the request is served on that very machine, and
+/// no other is made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_interrupted_by_the_launchers_death_is_adopted_by_the_next() {
+    let nats = NatsServer::start().await;
+    let dir = TempDir::new().unwrap();
+    let state = dir.path().join("machines");
+    // Dropped after the launchers: the hanging create outlives the first.
+    let _cleanup = KillUnder(state.clone());
+    switch_on(&state, "hang");
+    let config = format!(
+        "launcher:\n  lease-ttl: 3\n{}",
+        exec_config(&state, 1).replace(
+            "boot-timeout: 20",
+            "boot-timeout: 20\n        launch-timeout: 120"
+        )
+    );
+    let first_dir = dir.path().join("first");
+    std::fs::create_dir_all(&first_dir).unwrap();
+    let first = Launcher::start(&nats, &first_dir, &config);
+    let client = Client::from_bus(nats.bus().await);
+    wait_served(&client).await;
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "providers-test");
+    let id = client.submit(&sub).await.expect("submit");
+
+    // The create started its machine, whose agent reports in, and hangs.
+    let machine = |entry: &std::fs::DirEntry| {
+        let name = entry.file_name().to_string_lossy().to_string();
+        name.ends_with(".json").then(|| {
+            let record: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
+            (
+                record["id"].as_str().unwrap().to_string(),
+                record["backing_id"].as_str().unwrap().to_string(),
+            )
+        })
+    };
+    let machines = || -> Vec<(String, String)> {
+        std::fs::read_dir(&state)
+            .map(|d| d.flatten().filter_map(|e| machine(&e)).collect())
+            .unwrap_or_default()
+    };
+    let (started, backing_id) = wait_for_some("the create to start a machine", SOON, || async {
+        machines().first().cloned()
+    })
+    .await;
+    wait_for("the machine's agent to heartbeat", SOON, || async {
+        client
+            .list_agents()
+            .await
+            .is_ok_and(|agents| agents.iter().any(|a| a.backing_id.as_str() == backing_id))
+    })
+    .await;
+    let b = client.list_backing().await.unwrap();
+    assert!(
+        b.iter().any(|b| b.id.as_str() == backing_id
+            && b.state == BackingState::Launching
+            && b.instance.is_none()),
+        "the attempt is not recorded as begun and unended: {b:?}"
+    );
+
+    // The launcher dies with the create still running; the next one starts.
+    drop(first);
+    std::fs::remove_file(state.join("hang")).unwrap();
+    let second_dir = dir.path().join("second");
+    std::fs::create_dir_all(&second_dir).unwrap();
+    let _second = Launcher::start(&nats, &second_dir, &config);
+
+    let r = tokio::time::timeout(Duration::from_secs(60), client.wait(&id, |_| {}))
+        .await
+        .expect("the request ends in time")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    let node = client.list_nodes().await.unwrap();
+    assert_eq!(
+        node[0].backing_id.as_str(),
+        backing_id,
+        "served on another machine: {node:?}"
+    );
+    let b = client.list_backing().await.unwrap();
+    let adopted = b.iter().find(|b| b.id.as_str() == backing_id).unwrap();
+    assert_eq!(adopted.state, BackingState::Ready, "{adopted:?}");
+    assert_eq!(
+        adopted.instance.as_ref().map(|i| i.id.as_str()),
+        Some(started.as_str()),
+        "{adopted:?}"
+    );
+    assert_eq!(adopted.attempts, 1, "{adopted:?}");
+    assert_eq!(
+        machines(),
+        vec![(started, backing_id)],
+        "a machine was made again or left behind"
+    );
+}

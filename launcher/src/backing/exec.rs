@@ -72,6 +72,7 @@ impl Executor {
                 retry_reason,
                 timeout,
             } => self.launch(b, obs, retry_reason, timeout).await,
+            Step::FindLaunched { timeout } => self.find_launched(b, obs, timeout).await,
             Step::BecomeReady => {
                 // An agent that outlived an earlier release of this seat (a static host)
                 // is still closed to new slots: open it first.
@@ -271,6 +272,77 @@ impl Executor {
         metrics::launch(v, ended.counted);
         self.put(&current, ended.record).await?;
         self.note(b, ended.note);
+        Ok(Outcome::Continue)
+    }
+
+    /// After an interrupted attempt ([`lifecycle::interrupted`]): adopts the instance
+    /// the provider lists under this backing id (its agent runs with the attempt's
+    /// secret) and deletes any other, or, when it lists none, launches again without
+    /// counting the attempt. A provider that cannot list now is asked again soon.
+    async fn find_launched(
+        &self,
+        b: &Versioned<BackingNode>,
+        obs: &Observed,
+        timeout: Duration,
+    ) -> Result<Outcome, KvError> {
+        let v = &b.value;
+        let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
+            return self
+                .fail(b, provider_gone(&v.provider), DeletionReason::Failure, None)
+                .await;
+        };
+        let interrupted = "the launch was interrupted before its end was recorded".to_string();
+        if !provider.creates_machines() {
+            return self.launch(b, obs, Some(interrupted), timeout).await;
+        }
+        let listed = match provider.list().await {
+            Ok(listed) => listed,
+            Err(err) => {
+                tracing::warn!(%err, "cannot list the provider's instances to find what an interrupted launch started; will retry");
+                return Ok(Outcome::Wait(Some(
+                    now_ms() + STEP_RETRY_PAUSE.as_millis() as u64,
+                )));
+            }
+        };
+        let mine = listed
+            .into_iter()
+            .filter(|l| l.backing_id.as_ref() == Some(&v.id))
+            .map(|l| l.instance)
+            .collect();
+        let Some((instance, others)) = lifecycle::found(mine) else {
+            return self
+                .launch(
+                    b,
+                    obs,
+                    Some(format!(
+                        "{interrupted}, and the provider lists nothing for it"
+                    )),
+                    timeout,
+                )
+                .await;
+        };
+        tracing::info!(instance = %instance.id, host = %instance.host, "adopting the instance an interrupted launch started");
+        let ended = lifecycle::after_attempt(
+            v,
+            AttemptEnd::Launched {
+                instance: instance.clone(),
+                attributes: Default::default(),
+            },
+        );
+        metrics::launch(v, ended.counted);
+        self.put(b, ended.record).await?;
+        for other in others {
+            if let Err(err) = provider.delete(&other).await {
+                tracing::warn!(instance = %other.id, %err, "cannot delete an instance no attempt recorded");
+            }
+        }
+        self.note(
+            b,
+            format!(
+                "found on {} the instance an interrupted launch started (attempt {}); waiting for its agent",
+                instance.host, v.attempts
+            ),
+        );
         Ok(Outcome::Continue)
     }
 

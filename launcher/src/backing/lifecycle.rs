@@ -168,16 +168,46 @@ pub enum Step {
     Forget,
     /// Nothing to do until something changes or the time (if any) comes.
     Wait(Option<UnixMillis>),
+    /// The last attempt's end was never recorded ([`interrupted`]): ask the provider for
+    /// what it started under this backing id and adopt it ([`found`]), or, when it
+    /// started nothing, launch again within `timeout` without counting the attempt.
+    FindLaunched {
+        timeout: Duration,
+    },
+}
+
+/// Whether `b`'s last launch attempt was interrupted: its record says it began, and
+/// nothing of how it ended (no instance, no failure, no refusal for capacity). Its
+/// launcher died while the provider launched, or could not write the end: the provider
+/// may have started a machine, and its agent may already run.
+pub(crate) fn interrupted(b: &BackingNode) -> bool {
+    b.state == BackingState::Launching
+        && b.launched_at.is_some()
+        && b.instance.is_none()
+        && b.failure.is_none()
+        && !b.out_of_capacity
+}
+
+/// What an interrupted attempt ([`interrupted`]) left, from the instances the provider
+/// lists under the backing id: the one to adopt as the attempt's instance (its agent
+/// was started with the attempt's secret, which the record holds), and any others to
+/// delete. `None`: it started nothing, and the attempt is made again.
+pub(crate) fn found(listed: Vec<Instance>) -> Option<(Instance, Vec<Instance>)> {
+    let mut listed = listed.into_iter();
+    let adopted = listed.next()?;
+    Some((adopted, listed.collect()))
 }
 
 /// The record of a new launch attempt of `b`, written before the provider is asked:
 /// `launching`, with the new instance's secret digest and every trace of an earlier
 /// attempt cleared. An attempt after a refusal for capacity is not counted against
-/// `launch-retries` (the provider said nothing about the node, only about its quota).
+/// `launch-retries` (the provider said nothing about the node, only about its quota),
+/// nor one after an interrupted attempt that started nothing (the provider was never
+/// heard: the interrupted attempt stands for this one).
 pub(crate) fn attempt(b: &BackingNode, secret_sha256: String, now: UnixMillis) -> BackingNode {
     BackingNode {
         state: BackingState::Launching,
-        attempts: if b.out_of_capacity {
+        attempts: if b.out_of_capacity || interrupted(b) {
             b.attempts
         } else {
             b.attempts + 1
@@ -448,13 +478,13 @@ fn launching(b: &BackingNode, obs: &Observed) -> Step {
             timeout: rules.launch_timeout,
         };
     }
-    if b.instance.is_none() {
-        // The attempt failed (failure says why) or its launcher died before recording it.
-        let reason = b
-            .failure
-            .clone()
-            .unwrap_or_else(|| "launch was interrupted".into());
-        return retry_or_fail(reason);
+    if interrupted(b) {
+        return Step::FindLaunched {
+            timeout: rules.launch_timeout,
+        };
+    }
+    if let (None, Some(failure)) = (&b.instance, &b.failure) {
+        return retry_or_fail(failure.clone());
     }
     let deadline = after(launched_at, rules.boot_timeout);
     if obs.now >= deadline {
@@ -1169,6 +1199,54 @@ mod tests {
                 retry_reason: Some("quota exceeded".into()),
                 timeout: rules().launch_timeout,
             }
+        );
+    }
+
+    /// A launcher killed after the provider started the machine and before the end of
+    /// the attempt was written left a record that says the attempt began and nothing
+    /// else: its successor asks the provider for the machine and adopts it, never fails
+    /// the node for it (with `launch-retries: 1` that failed the node and its waiting
+    /// requests, and left the machine's agent running with nothing owning it).
+    #[test]
+    fn an_interrupted_attempt_is_looked_for_at_the_provider_and_not_counted() {
+        let mut b = attempt(&node(BackingState::Requested), "d".into(), 1_000);
+        b.attempts = rules().launch_retries; // no counted attempts left
+        assert!(interrupted(&b));
+        for agent in [AgentSeen::Absent, AgentSeen::Up { draining: false }] {
+            let mut o = obs(2_000, 0);
+            o.agent = agent;
+            assert_eq!(
+                next(&b, &o),
+                Step::FindLaunched {
+                    timeout: rules().launch_timeout
+                },
+                "{agent:?}"
+            );
+        }
+        // It started nothing: the next attempt stands for it.
+        let again = attempt(&b, "e".into(), 3_000);
+        assert_eq!(again.attempts, b.attempts, "not counted");
+        // What ended, one way or another, is not interrupted.
+        let mut failed = b.clone();
+        failed.failure = Some("no".into());
+        let mut launched = b.clone();
+        launched.instance = node(BackingState::Ready).instance;
+        let mut capacity = failed.clone();
+        capacity.out_of_capacity = true;
+        for ended in [failed, launched, capacity] {
+            assert!(!interrupted(&ended), "{ended:?}");
+        }
+        assert!(!interrupted(&node(BackingState::Ready)));
+        let i = |id: &str| Instance {
+            id: id.into(),
+            host: "h".into(),
+            data: serde_json::Value::Null,
+        };
+        assert_eq!(found(vec![]), None);
+        assert_eq!(
+            found(vec![i("a"), i("b")]),
+            Some((i("a"), vec![i("b")])),
+            "one adopted, the others deleted"
         );
     }
 
