@@ -332,6 +332,7 @@ async fn accept(
         alive_until: s.keep_alive_secs.map(|secs| keep_alive_from(now, secs)),
         fulfilled_at: None,
         hold_until: None,
+        nodes_failed: Vec::new(),
     };
     // Free slots are claimed in the same round trip as the request is created (both
     // writes in flight at once): the worker starts with its slots claimed, ready to have

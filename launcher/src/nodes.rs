@@ -16,7 +16,7 @@ use slotpool_protocol::model::{
     BackingNode, BackingState, Node, NodeRequest, NodeState, SlotLogin,
 };
 use slotpool_protocol::store::{KvError, Versioned};
-use slotpool_protocol::time::now_ms;
+use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, NodeId, PROTOCOL_VERSION};
 use std::time::Duration;
 
@@ -440,32 +440,147 @@ pub async fn record(shared: &Shared, id: &NodeId) -> Result<Option<Node>, KvErro
         .filter(|n| &n.id == id))
 }
 
-/// Marks a node failed (its backing node died), keeping it until its requestor releases it.
+/// Marks a node failed (its backing node died), keeping it until its requestor releases
+/// it, and tells its request when it held the node ([`note_failed_node`]): a client
+/// following the request by `status` learns that the node it holds is gone.
 pub async fn mark_failed(
     shared: &Shared,
     node: &Versioned<Node>,
     reason: &str,
 ) -> Result<(), KvError> {
-    if matches!(node.value.state, NodeState::Failed | NodeState::Releasing) {
-        return Ok(());
+    match node.value.state {
+        NodeState::Releasing => return Ok(()),
+        NodeState::Failed => {}
+        _ => {
+            let mut failed = node.value.clone();
+            failed.state = NodeState::Failed;
+            failed.failure = Some(reason.to_string());
+            match shared
+                .bus
+                .slots
+                .update(&node.key, &failed, node.revision, None)
+                .await
+            {
+                Ok(_) => {}
+                Err(KvError::Conflict { .. }) => return Ok(()),
+                Err(err) => return Err(err),
+            }
+        }
     }
-    let mut failed = node.value.clone();
-    failed.state = NodeState::Failed;
-    failed.failure = Some(reason.to_string());
-    match shared
-        .bus
-        .slots
-        .update(&node.key, &failed, node.revision, None)
-        .await
-    {
-        Ok(_) | Err(KvError::Conflict { .. }) => Ok(()),
-        Err(err) => Err(err),
+    let reason = node.value.failure.as_deref().unwrap_or(reason);
+    note_failed_node(shared, &node.value, reason).await
+}
+
+/// Writes into `node`'s request that the node failed while the request held it
+/// ([`with_failed_node`]); nothing when the request does not hold it or says so
+/// already. Revision-checked; run again by the sweep for a launcher that died between
+/// the node's failure and this write.
+pub async fn note_failed_node(shared: &Shared, node: &Node, reason: &str) -> Result<(), KvError> {
+    let mut read = shared.world().requests.get(&node.request_id).cloned();
+    for _ in 0..NOTE_FAILED_ATTEMPTS {
+        let current = match read.take() {
+            Some(current) => current,
+            None => match shared
+                .bus
+                .requests
+                .get::<NodeRequest>(node.request_id.as_str())
+                .await?
+            {
+                Some(current) => current,
+                None => return Ok(()),
+            },
+        };
+        let Some(told) = with_failed_node(&current.value, &node.id, reason, now_ms()) else {
+            return Ok(());
+        };
+        match shared
+            .bus
+            .requests
+            .update(&current.key, &told, current.revision, None)
+            .await
+        {
+            Ok(revision) => {
+                tracing::info!(request_id = %told.id, node_id = %node.id, "the request is told its node failed");
+                shared.world().put_request(Versioned {
+                    key: current.key,
+                    revision,
+                    value: told,
+                });
+                shared
+                    .signals
+                    .bump(&crate::shared::request_topic(&node.request_id));
+                return Ok(());
+            }
+            Err(KvError::Conflict { .. }) => {}
+            Err(err) => return Err(err),
+        }
     }
+    Ok(())
+}
+
+/// Writes of a request lost to others before [`note_failed_node`] leaves it to the
+/// sweep.
+const NOTE_FAILED_ATTEMPTS: u32 = 5;
+
+/// Request `r` told that its node `id` failed for `reason` at `now`: listed in
+/// `nodes_failed`, and said in `status`. `None` when there is nothing to tell: `r` is
+/// not fulfilled, does not hold `id` (released, or not its node), or lists it already.
+pub fn with_failed_node(
+    r: &NodeRequest,
+    id: &NodeId,
+    reason: &str,
+    now: UnixMillis,
+) -> Option<NodeRequest> {
+    if !r.holds_nodes() || !r.nodes.contains(id) || r.nodes_failed.contains(id) {
+        return None;
+    }
+    let mut told = r.clone();
+    told.nodes_failed.push(id.clone());
+    told.status = format!(
+        "fulfilled: {} node(s), {} failed: node {id}: {reason}",
+        r.nodes.len(),
+        told.nodes_failed.len()
+    );
+    told.updated_at = now;
+    Some(told)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use slotpool_protocol::model::RequestState;
+
+    #[test]
+    fn a_fulfilled_request_is_told_once_of_each_of_its_nodes_that_failed() {
+        let mut r = crate::world::tests_support::request("req-1", &["a", "b"]);
+        let (a, b) = (
+            NodeId::parse("node-a").unwrap(),
+            NodeId::parse("node-b").unwrap(),
+        );
+        r.state = RequestState::Fulfilled;
+        r.nodes = vec![a.clone(), b.clone()];
+        let told = with_failed_node(&r, &b, "backing node bn-1 failed: gone", 7).unwrap();
+        assert_eq!(told.nodes_failed, vec![b.clone()]);
+        assert_eq!(told.state, RequestState::Fulfilled, "the nodes stay held");
+        assert_eq!(told.nodes, r.nodes);
+        assert_eq!(
+            told.status,
+            "fulfilled: 2 node(s), 1 failed: node node-b: backing node bn-1 failed: gone"
+        );
+        assert_eq!(told.updated_at, 7);
+        assert_eq!(with_failed_node(&told, &b, "again", 8), None, "told once");
+        let both = with_failed_node(&told, &a, "too", 9).unwrap();
+        assert_eq!(both.nodes_failed, vec![b.clone(), a.clone()]);
+        // Nothing to tell a request that does not hold the node.
+        let other = NodeId::parse("node-c").unwrap();
+        assert_eq!(with_failed_node(&r, &other, "x", 1), None);
+        let mut released = r.clone();
+        released.nodes_released_at = Some(5);
+        assert_eq!(with_failed_node(&released, &a, "x", 1), None);
+        let mut waiting = r.clone();
+        waiting.state = RequestState::Requested;
+        assert_eq!(with_failed_node(&waiting, &a, "x", 1), None);
+    }
 
     #[test]
     fn keyscan_output_is_compared_with_reported_keys() {

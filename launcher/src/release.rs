@@ -354,6 +354,15 @@ pub fn sweep_left_behind(shared: &Arc<Shared>) {
         tracing::info!(node_id = %node.value.id, "finishing a release left behind");
         spawn_finish_release(shared, node);
     }
+    for node in failed_untold(shared, cutoff) {
+        let sh = shared.clone();
+        shared.tracker.spawn(async move {
+            let reason = node.failure.clone().unwrap_or_default();
+            if let Err(err) = crate::nodes::note_failed_node(&sh, &node, &reason).await {
+                tracing::warn!(node_id = %node.id, %err, "cannot tell a request its node failed");
+            }
+        });
+    }
     for id in released_unmarked(shared, cutoff) {
         let sh = shared.clone();
         shared.tracker.spawn(async move {
@@ -390,6 +399,24 @@ async fn release_orphan(shared: &Arc<Shared>, node: Versioned<Node>) -> Result<(
     release(shared, &node.value.id, Finish::Background)
         .await
         .map(|_| ())
+}
+
+/// Failed nodes, marked before `cutoff`, whose request holds them and does not say so
+/// yet: their launcher died between the two writes ([`crate::nodes::mark_failed`]).
+fn failed_untold(shared: &Shared, cutoff: u64) -> Vec<Node> {
+    let world = shared.world();
+    world
+        .slots
+        .values()
+        .filter(|n| n.value.state == NodeState::Failed)
+        .filter(|n| written_before(world.slot_written_at(&n.key, n.revision), cutoff))
+        .filter(|n| {
+            world.requests.get(&n.value.request_id).is_some_and(|r| {
+                crate::nodes::with_failed_node(&r.value, &n.value.id, "", 0).is_some()
+            })
+        })
+        .map(|n| n.value.clone())
+        .collect()
 }
 
 /// Fulfilled requests that no mirrored slot holds a node of any more, not yet marked

@@ -1162,6 +1162,7 @@ pub mod tests_support {
             alive_until: None,
             fulfilled_at: None,
             hold_until: None,
+            nodes_failed: Vec::new(),
         }
     }
     /// A ready node of `request` in slot `slot` of backing node `backing`, at revision 2.

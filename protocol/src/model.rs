@@ -88,6 +88,11 @@ pub struct NodeRequest {
     /// shortest `max-hold-time` of the labels (as configured in the pools of its nodes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_until: Option<UnixMillis>,
+    /// Nodes of a fulfilled request that failed while it held them (their backing node
+    /// failed: killed, its agent gone): whatever ran on them is lost. They stay the
+    /// request's until released, like the others; `status` says why the last one failed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes_failed: Vec<NodeId>,
 }
 
 impl NodeRequest {
@@ -728,6 +733,7 @@ mod tests {
             alive_until: None,
             fulfilled_at: None,
             hold_until: None,
+            nodes_failed: Vec::new(),
             client: None,
         };
         let json = serde_json::to_string(&r).unwrap();

@@ -177,6 +177,7 @@ impl Sim<'_> {
                     alive_until: None,
                     fulfilled_at: None,
                     hold_until: None,
+                    nodes_failed: Vec::new(),
                 };
                 self.waiting.push(Waiting {
                     job,

@@ -202,3 +202,50 @@ async fn a_slot_the_agent_holds_for_a_node_without_a_claim_is_freed_and_served()
         "served on the same backing node"
     );
 }
+
+/// A node of a fulfilled request whose backing node fails (its agent killed) leaves
+/// the request fulfilled, with its nodes still the request's until released, but a
+/// client following the request by `status` is told: `nodes_failed` names the node and
+/// the status line says why. It used to read "fulfilled: 1 node(s) ready" for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fulfilled_request_says_when_its_node_fails() {
+    let pool = Pool::start(2, 5, &label("small", 2, 60, &[]), 1).await;
+    let id = pool.submit(&["small"]).await;
+    let r = pool.fulfilled(&id).await;
+    let node = pool.node(&r.nodes[0]).await;
+    let pid: i32 =
+        std::fs::read_to_string(pool.agent_dir(node.backing_id.as_str()).join("agent.pid"))
+            .expect("the agent's pid file")
+            .trim()
+            .parse()
+            .unwrap();
+    // SAFETY: kill(2) of the pool's own agent; touches no memory.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    // The heartbeat's TTL (2 s) and the launcher's judgment: well within 20 s.
+    let told = wait_for_some(
+        "the request to say its node failed",
+        Duration::from_secs(20),
+        || async {
+            pool.client
+                .request(&id)
+                .await
+                .ok()
+                .flatten()
+                .filter(|r| !r.nodes_failed.is_empty())
+        },
+    )
+    .await;
+    assert_eq!(told.state, RequestState::Fulfilled, "{told:?}");
+    assert_eq!(told.nodes, r.nodes, "{told:?}");
+    assert_eq!(told.nodes_failed, r.nodes, "{told:?}");
+    assert!(
+        told.status
+            .starts_with("fulfilled: 1 node(s), 1 failed: node ")
+            && told.status.contains(node.backing_id.as_str()),
+        "{}",
+        told.status
+    );
+    // The node is still the client's to release.
+    let released = pool.release_and_wait(&r.nodes).await;
+    assert_eq!(released.released, r.nodes);
+}

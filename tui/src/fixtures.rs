@@ -132,6 +132,7 @@ pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) 
         alive_until: None,
         fulfilled_at: None,
         hold_until: None,
+        nodes_failed: Vec::new(),
     }
 }
 
