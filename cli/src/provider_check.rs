@@ -12,7 +12,7 @@ use rand::Rng;
 use slotpool_launcher::provider::exec::ExecProvider;
 use slotpool_launcher::provider::{LaunchSpec, Provider, ProviderError};
 use slotpool_protocol::model::Instance;
-use slotpool_protocol::provider::{CreateRequest, CONTRACT_VERSION};
+use slotpool_protocol::provider::CreateRequest;
 use slotpool_protocol::BackingId;
 use std::process::{ExitCode, Stdio};
 use std::time::Duration;
@@ -244,7 +244,7 @@ async fn version_refused(
     const CHECK: &str = "create of an unknown contract version";
     let backing_id = new_backing_id();
     let mut request = serde_json::to_value(CreateRequest {
-        v: CONTRACT_VERSION,
+        v: CreateRequest::VERSION,
         backing_id: backing_id.to_string(),
         secret: new_secret(),
         provider: "check".into(),
@@ -255,7 +255,7 @@ async fn version_refused(
         nats_credentials: None,
     })
     .expect("serializable");
-    request["v"] = (CONTRACT_VERSION + 100).into();
+    request["v"] = (CreateRequest::VERSION + 100).into();
     let status = match run_raw(
         &argv(&args.command, "create"),
         request.to_string().as_bytes(),
@@ -287,7 +287,7 @@ async fn version_refused(
             CHECK,
             format!(
                 "version {} was accepted ({status}{}): a provider must refuse a version it does not speak",
-                CONTRACT_VERSION + 100,
+                CreateRequest::VERSION + 100,
                 if made_any { ", and it made a machine" } else { "" }
             ),
         ),

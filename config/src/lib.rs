@@ -117,6 +117,8 @@ pub enum DriverConfig {
         create: Vec<String>,
         delete: Vec<String>,
         list: Vec<String>,
+        /// Reads a machine's console output, for the event of a failed boot (optional).
+        console: Option<Vec<String>>,
     },
 }
 
@@ -898,6 +900,31 @@ providers:
             let err = parse(&text).unwrap_err().to_string();
             assert!(err.starts_with(want), "{err}");
         }
+    }
+
+    #[test]
+    fn an_exec_provider_may_have_a_console_command_and_it_is_not_empty() {
+        let exec = GOOD.replace(
+            "    driver: local\n    local:\n      work-dir: /tmp/x\n",
+            "    driver: exec\n    exec:\n      create: [c]\n      delete: [d]\n      list: [l]\n",
+        );
+        let c = parse(&exec).unwrap();
+        assert!(matches!(
+            &c.providers[0].driver,
+            DriverConfig::Exec { console: None, .. }
+        ));
+        let with = exec.replace("list: [l]\n", "list: [l]\n      console: [p, console]\n");
+        let c = parse(&with).unwrap();
+        assert!(matches!(
+            &c.providers[0].driver,
+            DriverConfig::Exec { console: Some(argv), .. } if argv == &["p", "console"]
+        ));
+        let empty = exec.replace("list: [l]\n", "list: [l]\n      console: []\n");
+        let err = parse(&empty).unwrap_err().to_string();
+        assert!(
+            err.contains("exec.console must be a non-empty command list"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub(crate) struct RawExec {
     pub(crate) create: Vec<String>,
     pub(crate) delete: Vec<String>,
     pub(crate) list: Vec<String>,
+    #[serde(default)]
+    pub(crate) console: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]

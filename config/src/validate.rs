@@ -521,11 +521,16 @@ impl Validator<'_> {
             Driver::Exec => {
                 section(p.exec.is_some(), "exec")?;
                 let exec = p.exec.expect("checked");
+                let console = exec.value.console.as_ref();
                 for (key, argv) in [
-                    ("create", &exec.value.create),
-                    ("delete", &exec.value.delete),
-                    ("list", &exec.value.list),
-                ] {
+                    ("create", Some(&exec.value.create)),
+                    ("delete", Some(&exec.value.delete)),
+                    ("list", Some(&exec.value.list)),
+                    ("console", console),
+                ]
+                .into_iter()
+                .filter_map(|(key, argv)| Some((key, argv?)))
+                {
                     if argv.is_empty() || argv[0].is_empty() {
                         return Err(self.at(&exec, format!("exec.{key} must be a non-empty command list, e.g. [\"/usr/local/bin/my-{key}\"]")));
                     }
@@ -534,11 +539,13 @@ impl Validator<'_> {
                     create,
                     delete,
                     list,
+                    console,
                 } = exec.value;
                 DriverConfig::Exec {
                     create,
                     delete,
                     list,
+                    console,
                 }
             }
         };

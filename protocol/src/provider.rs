@@ -1,7 +1,8 @@
 //! The messages of the exec provider contract: what slotpool sends a provider's `create`,
-//! `delete` and `list` commands on stdin and what they print on stdout. The contract
-//! itself (versions, exit codes, time limits, the JSON schema of each message) is
-//! written once, in `docs/providers.md`; a test checks these types against it.
+//! `delete`, `list` and (optional) `console` commands on stdin and what they print on
+//! stdout. The contract itself (versions, exit codes, time limits, the JSON schema of
+//! each message) is written once, in `docs/providers.md`; a test checks these types
+//! against it.
 //!
 //! The launcher's `exec` driver sends these; first-party providers (`slotpool-provider-ec2`)
 //! and `slotpool provider check` read them with the same types.
@@ -9,8 +10,10 @@
 use crate::model::Attributes;
 use serde::{Deserialize, Serialize};
 
-/// The version of the contract slotpool speaks: every message it sends carries it as `"v"`.
-pub const CONTRACT_VERSION: u32 = 2;
+/// The newest version of the contract, the one slotpool speaks. Each message it sends
+/// carries as `"v"` the version that last changed that message (`VERSION` of its type),
+/// so that a provider written for an older version reads what it knows unchanged.
+pub const CONTRACT_VERSION: u32 = 3;
 
 /// The exit code that means "out of quota or capacity, ask again later" (`EX_TEMPFAIL`).
 pub const EXIT_CAPACITY: i32 = 75;
@@ -40,6 +43,11 @@ pub struct CreateRequest {
     /// backing node alone; absent on a development bus without authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nats_credentials: Option<String>,
+}
+
+impl CreateRequest {
+    /// The `"v"` of a create request: the version that last changed it.
+    pub const VERSION: u32 = 2;
 }
 
 impl std::fmt::Debug for CreateRequest {
@@ -89,6 +97,38 @@ pub struct DeleteRequest {
     pub data: serde_json::Value,
 }
 
+impl DeleteRequest {
+    /// The `"v"` of a delete request: the version that last changed it.
+    pub const VERSION: u32 = 2;
+}
+
+/// What the optional `console` command reads on stdin: a machine whose agent did not come
+/// up, as `create` printed it (`id`, `host`, `data`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(schemars::JsonSchema))]
+pub struct ConsoleRequest {
+    /// The contract version, 3.
+    pub v: u32,
+    pub id: String,
+    pub host: String,
+    #[serde(default)]
+    pub data: serde_json::Value,
+}
+
+impl ConsoleRequest {
+    /// The `"v"` of a console request: the version that added it.
+    pub const VERSION: u32 = 3;
+}
+
+/// What `console` prints on stdout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(schemars::JsonSchema))]
+pub struct ConsoleOutput {
+    /// The machine's console output as text, oldest first; empty when the machine has
+    /// none (yet) or is gone. The launcher keeps its end.
+    pub output: String,
+}
+
 /// One element of the JSON array `list` prints: a machine the provider created.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(schemars::JsonSchema))]
@@ -130,6 +170,8 @@ mod tests {
             ("created", schemars::schema_for!(Created)),
             ("delete-request", schemars::schema_for!(DeleteRequest)),
             ("list", schemars::schema_for!(Vec<ListedMachine>)),
+            ("console-request", schemars::schema_for!(ConsoleRequest)),
+            ("console", schemars::schema_for!(ConsoleOutput)),
         ]
     }
 
@@ -165,12 +207,12 @@ mod tests {
     fn the_documented_examples_are_read_by_these_types() {
         let create: CreateRequest =
             serde_json::from_str(&block("example", "create-request")).unwrap();
-        assert_eq!(create.v, CONTRACT_VERSION);
+        assert_eq!(create.v, CreateRequest::VERSION);
         let created: Created = serde_json::from_str(&block("example", "created")).unwrap();
         assert!(!created.id.is_empty() && !created.host.is_empty());
         let delete: DeleteRequest =
             serde_json::from_str(&block("example", "delete-request")).unwrap();
-        assert_eq!(delete.v, CONTRACT_VERSION);
+        assert_eq!(delete.v, DeleteRequest::VERSION);
         assert_eq!(
             (delete.id.as_str(), &delete.data),
             (created.id.as_str(), &created.data)
@@ -180,18 +222,37 @@ mod tests {
             list[0].backing_id.as_deref(),
             Some(create.backing_id.as_str())
         );
+        let console: ConsoleRequest =
+            serde_json::from_str(&block("example", "console-request")).unwrap();
+        assert_eq!(console.v, ConsoleRequest::VERSION);
+        assert_eq!(
+            (console.id.as_str(), &console.data),
+            (created.id.as_str(), &created.data)
+        );
+        let output: ConsoleOutput = serde_json::from_str(&block("example", "console")).unwrap();
+        assert!(!output.output.is_empty());
     }
 
     #[test]
     fn the_doc_states_the_version_and_the_capacity_exit_the_code_uses() {
         assert!(DOC.contains(&format!("# The exec contract, version {CONTRACT_VERSION}")));
+        for (message, v) in [
+            ("create", CreateRequest::VERSION),
+            ("delete", DeleteRequest::VERSION),
+            ("console", ConsoleRequest::VERSION),
+        ] {
+            assert!(
+                DOC.contains(&format!("| {message} | {v} |")),
+                "docs/providers.md does not say {message} carries version {v}"
+            );
+        }
         assert!(DOC.contains(&format!("Exit code {EXIT_CAPACITY}")));
     }
 
     #[test]
     fn the_debug_form_of_a_create_request_hides_the_secrets() {
         let req = CreateRequest {
-            v: CONTRACT_VERSION,
+            v: CreateRequest::VERSION,
             backing_id: "bn-1".into(),
             secret: "top-secret".into(),
             provider: "cloud".into(),

@@ -4,7 +4,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use slotpool_protocol::provider::{CreateRequest, DeleteRequest, CONTRACT_VERSION, EXIT_CAPACITY};
+use slotpool_protocol::provider::{ConsoleRequest, CreateRequest, DeleteRequest, EXIT_CAPACITY};
 use slotpool_provider_ec2::{ec2::SdkEc2, ops, Config, Failure};
 use std::io::Read;
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ use std::process::ExitCode;
 const MAX_INPUT: u64 = 1024 * 1024;
 
 /// slotpool's provider for Amazon EC2, run by the launcher as an exec provider's create,
-/// delete and list commands (see docs/providers.md).
+/// delete, list and console commands (see docs/providers.md).
 #[derive(Parser)]
 #[command(name = "slotpool-provider-ec2", version)]
 struct Args {
@@ -40,6 +40,8 @@ enum Op {
     Delete,
     /// Print the installation's instances as a JSON array.
     List,
+    /// Print the console output of the instance the console request on stdin names.
+    Console,
     /// Check the configuration file and exit.
     CheckConfig,
 }
@@ -78,13 +80,19 @@ fn read_stdin() -> anyhow::Result<Vec<u8>> {
     Ok(input)
 }
 
-fn parse<T: serde::de::DeserializeOwned>(input: &[u8], what: &str) -> anyhow::Result<T> {
+/// Reads a request of contract version `speaks` (what the contract's newest version
+/// sends for it) from `input`; another version is refused.
+fn parse<T: serde::de::DeserializeOwned>(
+    input: &[u8],
+    what: &str,
+    speaks: u32,
+) -> anyhow::Result<T> {
     let v: serde_json::Value = serde_json::from_slice(input)
         .with_context(|| format!("reading the {what} request on stdin"))?;
     let version = v.get("v").and_then(|v| v.as_u64()).unwrap_or(0);
     anyhow::ensure!(
-        version == u64::from(CONTRACT_VERSION),
-        "the {what} request is contract version {version}; this provider speaks version {CONTRACT_VERSION}"
+        version == u64::from(speaks),
+        "the {what} request is contract version {version}; this provider speaks version {speaks}"
     );
     serde_json::from_value(v).with_context(|| format!("reading the {what} request on stdin"))
 }
@@ -108,13 +116,17 @@ fn run(args: &Args) -> anyhow::Result<()> {
         let api = SdkEc2::new(&config).await;
         let out = match args.op {
             Op::Create => {
-                let req: CreateRequest = parse(&input, "create")?;
+                let req: CreateRequest = parse(&input, "create", CreateRequest::VERSION)?;
                 serde_json::to_string(&ops::create(&api, &config, &req).await?)?
             }
             Op::Delete => {
-                let req: DeleteRequest = parse(&input, "delete")?;
+                let req: DeleteRequest = parse(&input, "delete", DeleteRequest::VERSION)?;
                 ops::delete(&api, &config, &req).await?;
                 "{}".to_string()
+            }
+            Op::Console => {
+                let req: ConsoleRequest = parse(&input, "console", ConsoleRequest::VERSION)?;
+                serde_json::to_string(&ops::console(&api, &config, &req).await?)?
             }
             Op::List => serde_json::to_string(&ops::list(&api).await?)?,
             Op::CheckConfig => unreachable!("handled above"),

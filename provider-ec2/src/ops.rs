@@ -1,4 +1,5 @@
-//! The three operations of the exec contract on EC2, over any [`Ec2`].
+//! The operations of the exec contract on EC2, over any [`Ec2`]: create, delete, list and
+//! console.
 //!
 //! **create is exactly once.** Each launch attempt has its own [`LaunchToken`] (backing
 //! id and secret: a relaunch gets a new secret, so a new token). Before every
@@ -22,7 +23,9 @@ use crate::decide::{self, CallError, LaunchToken, Verdict};
 use crate::ec2::{self, Ec2, Machine, MachineState, RunRequest};
 use crate::user_data::{self, AgentBoot};
 use base64::Engine;
-use slotpool_protocol::provider::{CreateRequest, Created, DeleteRequest, ListedMachine};
+use slotpool_protocol::provider::{
+    ConsoleOutput, ConsoleRequest, CreateRequest, Created, DeleteRequest, ListedMachine,
+};
 use std::time::Duration;
 
 /// How a contract operation failed.
@@ -313,6 +316,41 @@ pub async fn delete(api: &dyn Ec2, config: &Config, req: &DeleteRequest) -> Resu
         Err(Failure::Failed(msg)) if msg.contains("InvalidInstanceID.NotFound") => Ok(()),
         other => other,
     }
+}
+
+/// The console output of the instance `req` names (`GetConsoleOutput`, its latest):
+/// empty when EC2 has none yet or no longer knows the instance. Like delete, it reads
+/// only this installation's instances.
+pub async fn console(
+    api: &dyn Ec2,
+    config: &Config,
+    req: &ConsoleRequest,
+) -> Result<ConsoleOutput, Failure> {
+    if !req.id.starts_with("i-") {
+        return Err(Failure::Failed(format!(
+            "{:?} is not an EC2 instance id",
+            req.id
+        )));
+    }
+    let Some(m) = with_retries("describing the instance", || api.describe(&req.id)).await? else {
+        return Ok(ConsoleOutput {
+            output: String::new(),
+        });
+    };
+    let tagged = m.tags.get(ec2::TAG_INSTALLATION);
+    if tagged != Some(&config.installation) {
+        return Err(Failure::Failed(format!(
+            "instance {} is not one of installation {:?} (its {} tag is {:?}): not reading its console",
+            m.id,
+            config.installation,
+            ec2::TAG_INSTALLATION,
+            tagged
+        )));
+    }
+    let output = with_retries("GetConsoleOutput", || api.console_output(&req.id)).await?;
+    Ok(ConsoleOutput {
+        output: output.unwrap_or_default(),
+    })
 }
 
 /// Every instance of this installation that is not shutting down or terminated.
@@ -705,6 +743,54 @@ mod tests {
         .unwrap_err();
         assert!(
             matches!(&err, Failure::Failed(m) if m.contains("is not one of installation \"ci\"")),
+            "{err}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn console_reads_this_installations_instances_only() {
+        let fake = Fake::default();
+        let c = config(Market::OnDemand, &[]);
+        let made = create(&fake, &c, &request("s")).await.unwrap();
+        let req = ConsoleRequest {
+            v: ConsoleRequest::VERSION,
+            id: made.id.clone(),
+            host: made.host.clone(),
+            data: made.data.clone(),
+        };
+        assert_eq!(
+            console(&fake, &c, &req).await.unwrap().output,
+            "kernel panic\n"
+        );
+        let gone = ConsoleRequest {
+            id: "i-404".into(),
+            ..req.clone()
+        };
+        assert_eq!(
+            console(&fake, &c, &gone).await.unwrap().output,
+            "",
+            "an instance EC2 no longer knows has no console"
+        );
+        let not_ec2 = ConsoleRequest {
+            id: "vol-1".into(),
+            ..req.clone()
+        };
+        assert!(console(&fake, &c, &not_ec2).await.is_err());
+        let mut other = c.clone();
+        other.installation = "other".into();
+        let theirs = create(&fake, &other, &request("t")).await.unwrap();
+        let err = console(
+            &fake,
+            &c,
+            &ConsoleRequest {
+                id: theirs.id,
+                ..req
+            },
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(&err, Failure::Failed(m) if m.contains("not reading its console")),
             "{err}"
         );
     }

@@ -5,7 +5,7 @@
 mod support;
 
 use slotpool_protocol::provider::{
-    Created, DeleteRequest, ListedMachine, CONTRACT_VERSION, EXIT_CAPACITY,
+    ConsoleOutput, ConsoleRequest, Created, DeleteRequest, ListedMachine, EXIT_CAPACITY,
 };
 use slotpool_provider_ec2::user_data;
 use slotpool_tests::ec2_proxy::{Ec2Proxy, Fault};
@@ -25,7 +25,7 @@ fn listed(out: &std::process::Output) -> Vec<ListedMachine> {
 
 fn delete_request(c: &Created) -> String {
     serde_json::to_string(&DeleteRequest {
-        v: CONTRACT_VERSION,
+        v: DeleteRequest::VERSION,
         id: c.id.clone(),
         host: c.host.clone(),
         data: c.data.clone(),
@@ -149,6 +149,45 @@ async fn create_list_and_delete_an_instance() {
         String::from_utf8_lossy(&out.stderr).contains("is not one of installation \"it-2\""),
         "{}",
         shown(&out)
+    );
+
+    // Its console (moto answers a sample boot log), for this installation only, and
+    // only to a request of the version that added console.
+    let console = |v: u32| {
+        serde_json::to_string(&ConsoleRequest {
+            v,
+            id: made.id.clone(),
+            host: made.host.clone(),
+            data: made.data.clone(),
+        })
+        .unwrap()
+    };
+    let out = run_async(&config, "console", console(ConsoleRequest::VERSION)).await;
+    assert!(out.status.success(), "{}", shown(&out));
+    let printed: ConsoleOutput = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        printed.output.starts_with("Linux version 2.6.16-xenU"),
+        "{printed:?}"
+    );
+    let out = run_async(&other, "console", console(ConsoleRequest::VERSION)).await;
+    assert_eq!(out.status.code(), Some(1), "{}", shown(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not reading its console"),
+        "{}",
+        shown(&out)
+    );
+    let out = run_async(&config, "console", console(2)).await;
+    assert_eq!(out.status.code(), Some(1), "{}", shown(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("the console request is contract version 2; this provider speaks version 3"),
+        "{}",
+        shown(&out)
+    );
+    assert_eq!(
+        proxy.seen_of("GetConsoleOutput").len(),
+        1,
+        "the request of version 2 read no console"
     );
 
     for _ in 0..2 {
@@ -307,7 +346,7 @@ async fn lost_answers_make_no_duplicate_and_one_sweep_leaves_no_leak() {
             "{leak:?}"
         );
         let req = serde_json::to_string(&DeleteRequest {
-            v: CONTRACT_VERSION,
+            v: DeleteRequest::VERSION,
             id: leak.instance.id.clone(),
             host: leak.instance.host.clone(),
             data: leak.instance.data.clone(),
@@ -539,7 +578,10 @@ async fn bad_input_and_bad_configuration_get_clear_errors() {
         ),
         (
             "delete",
-            format!("{{\"v\": {CONTRACT_VERSION}, \"id\": \"vol-1\", \"host\": \"h\"}}"),
+            format!(
+                "{{\"v\": {}, \"id\": \"vol-1\", \"host\": \"h\"}}",
+                DeleteRequest::VERSION
+            ),
             "\"vol-1\" is not an EC2 instance id",
         ),
     ];

@@ -233,10 +233,11 @@ impl Drop for Launcher {
 fn provider_yaml(name: &str, config: &Path, pools: &str) -> String {
     let cmd = |op: &str| format!("[{PROVIDER}, --config, {}, {op}]", config.display());
     format!(
-        "  - name: {name}\n    driver: exec\n    exec:\n      create: {}\n      delete: {}\n      list: {}\n    leak-sweep-interval: 1\n    leak-grace: 2\n    pools:\n{pools}",
+        "  - name: {name}\n    driver: exec\n    exec:\n      create: {}\n      delete: {}\n      list: {}\n      console: {}\n    leak-sweep-interval: 1\n    leak-grace: 2\n    pools:\n{pools}",
         cmd("create"),
         cmd("delete"),
-        cmd("list")
+        cmd("list"),
+        cmd("console")
     )
 }
 
@@ -582,4 +583,87 @@ async fn a_spot_interruption_fails_the_nodes_and_the_seat_is_launched_into_again
     );
     client.release(again.nodes.clone()).await.unwrap();
     client.release(first.nodes.clone()).await.unwrap();
+}
+
+/// An instance whose agent never comes up (the test does not play it): at boot-timeout
+/// the launcher reads its console through the provider (`GetConsoleOutput`) and puts its
+/// end, escaped on one line, into the event of the relaunch and of the failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_boot_that_times_out_brings_the_instances_console_into_its_events() {
+    let nats = NatsServer::start().await;
+    let cloud = Cloud::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cfg = write_config(
+        d,
+        "ec2.yaml",
+        &cloud.moto.url(),
+        "it-console",
+        &cloud.image,
+        "",
+        "",
+    );
+    let pool = format!(
+        "providers:\n{}",
+        provider_yaml(
+            "aws",
+            &cfg,
+            "      - name: main\n        max-servers: 1\n        boot-timeout: 3\n        launch-retries: 2\n        labels:\n          - {name: small, backing-label: vm, max-parallel-jobs: 2}\n"
+        )
+    );
+    let _launcher = Launcher::start(&nats, d, &pool);
+    let client = Client::from_bus(nats.bus().await);
+    slotpool_tests::wait_served(&client).await;
+    let sub = slotpool_protocol::client::submission(vec!["small".into()], "ec2-test");
+    let id = client.submit(&sub).await.expect("submit");
+
+    // moto's sample boot log ends so.
+    const LAST_LINE: &str = "Enabling fast FPU save and restore... done.";
+    let events = wait_for_some("the failure's event", SOON, || async {
+        let events = client.list_events().await.ok()?;
+        events
+            .iter()
+            .any(|e| e.message.starts_with("failed: "))
+            .then_some(events)
+    })
+    .await;
+    let boot = |prefix: &str| {
+        events
+            .iter()
+            .find(|e| e.message.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no event {prefix:?}: {events:#?}"))
+            .message
+            .clone()
+    };
+    let relaunched = boot("launch attempt 1 failed: ");
+    let failed = boot("failed: ");
+    for message in [&relaunched, &failed] {
+        assert!(
+            message.contains("its agent did not report within boot-timeout 3s"),
+            "{message}"
+        );
+        assert!(
+            message.contains("; its console ends: Linux version 2.6.16-xenU"),
+            "{message}"
+        );
+        assert!(
+            message.ends_with(&format!("\\u{{a}}{LAST_LINE}")),
+            "{message}"
+        );
+        assert!(
+            !message.chars().any(char::is_control),
+            "one line, nothing a terminal acts on: {message:?}"
+        );
+    }
+    assert!(failed.contains("(attempt 2 of 2)"), "{failed}");
+    let r = tokio::time::timeout(SOON, client.wait(&id, |_| {}))
+        .await
+        .expect("the request final")
+        .unwrap();
+    assert_eq!(r.state, RequestState::Failed, "{r:?}");
+    wait_for("both instances to be terminated", SOON, || async {
+        cloud.live().await.is_empty()
+    })
+    .await;
+    println!("the failure's event: {failed}");
 }

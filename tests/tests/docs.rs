@@ -147,6 +147,8 @@ fn decode_as(ty: &str, text: &str) -> Option<Result<Value, String>> {
         "created" => round_trip::<provider::Created>(text),
         "delete-request" => round_trip::<provider::DeleteRequest>(text),
         "list" => round_trip::<Vec<provider::ListedMachine>>(text),
+        "console-request" => round_trip::<provider::ConsoleRequest>(text),
+        "console" => round_trip::<provider::ConsoleOutput>(text),
         _ => return None,
     })
 }
@@ -198,8 +200,13 @@ fn subset(example: &Value, decoded: &Value, at: &str) -> Result<(), String> {
 
 /// The contract version a versioned example must carry.
 fn version_of(ty: &str) -> Option<u64> {
-    if matches!(ty, "create-request" | "delete-request") {
-        Some(u64::from(slotpool_protocol::provider::CONTRACT_VERSION))
+    use slotpool_protocol::provider::{ConsoleRequest, CreateRequest, DeleteRequest};
+    if ty == "create-request" {
+        Some(u64::from(CreateRequest::VERSION))
+    } else if ty == "delete-request" {
+        Some(u64::from(DeleteRequest::VERSION))
+    } else if ty == "console-request" {
+        Some(u64::from(ConsoleRequest::VERSION))
     } else if ty == "api::AgentCommand" || ty.starts_with("stream::") {
         None
     } else {

@@ -66,12 +66,27 @@ impl Executor {
     ) -> Result<Outcome, KvError> {
         let now = now_ms();
         let deletion = lifecycle::deletion_reason(&b.value, &step, obs);
+        // What the instance printed, for the event of a boot that timed out.
+        let console = if lifecycle::boot_failed(&b.value, &step, obs) {
+            self.console_of(&b.value).await
+        } else {
+            String::new()
+        };
         match step {
             Step::Wait(at) => Ok(Outcome::Wait(at)),
             Step::Launch {
                 retry_reason,
                 timeout,
-            } => self.launch(b, obs, retry_reason, timeout).await,
+            } => {
+                if let (false, Some(reason)) = (console.is_empty(), &retry_reason) {
+                    let attempt = b.value.attempts;
+                    self.note(
+                        b,
+                        format!("launch attempt {attempt} failed: {reason}{console}"),
+                    );
+                }
+                self.launch(b, obs, retry_reason, timeout).await
+            }
             Step::FindLaunched { timeout } => self.find_launched(b, obs, timeout).await,
             Step::BecomeReady => {
                 // An agent that outlived an earlier release of this seat (a static host)
@@ -115,13 +130,19 @@ impl Executor {
             }
             Step::FinishRelease => self.finish_release(b).await,
             Step::Fail(reason) => {
-                self.fail(b, reason, deletion.unwrap_or(DeletionReason::Failure), None)
-                    .await
+                let counted_as = deletion.unwrap_or(DeletionReason::Failure);
+                self.fail(b, reason, counted_as, None, &console).await
             }
             Step::Interrupted(notice) => {
                 let reason = lifecycle::interruption_failure(&notice);
-                self.fail(b, reason, DeletionReason::SpotInterruption, Some(notice))
-                    .await
+                self.fail(
+                    b,
+                    reason,
+                    DeletionReason::SpotInterruption,
+                    Some(notice),
+                    "",
+                )
+                .await
             }
             Step::CleanUp => {
                 if let Err(retry_at) = self.delete_instance(&b.value, "the failed instance").await {
@@ -203,7 +224,13 @@ impl Executor {
         let v = &b.value;
         let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
             return self
-                .fail(b, provider_gone(&v.provider), DeletionReason::Failure, None)
+                .fail(
+                    b,
+                    provider_gone(&v.provider),
+                    DeletionReason::Failure,
+                    None,
+                    "",
+                )
                 .await;
         };
         if let Some(reason) = &retry_reason {
@@ -431,15 +458,40 @@ impl Executor {
         })
     }
 
+    /// What the node's instance printed on its console, as the end of an event's message
+    /// (`; its console ends: …`, [`crate::provider::console_tail`]); empty when its
+    /// provider cannot tell. Asked once, within the provider's console time limit.
+    async fn console_of(&self, v: &BackingNode) -> String {
+        let (Some(instance), Some(provider)) = (&v.instance, self.sh.providers.get(&v.provider))
+        else {
+            return String::new();
+        };
+        match provider.console(instance).await {
+            Ok(None) => String::new(),
+            Ok(Some(output)) => match crate::provider::console_tail(&output) {
+                Some(tail) => format!("; its console ends: {tail}"),
+                None => "; its console is empty".into(),
+            },
+            Err(err) => {
+                tracing::warn!(%err, "cannot read the instance's console");
+                // The provider's stderr, bounded and escaped like a console.
+                let err = crate::provider::console_tail(&err.to_string()).unwrap_or_default();
+                format!("; its console could not be read: {err}")
+            }
+        }
+    }
+
     /// Fails the node for `reason` and the nodes on its slots with it; `interruption`:
     /// the cloud's notice that it takes the machine back, recorded (the seat then takes
-    /// no rest) and said in the event's `reason`.
+    /// no rest) and said in the event's `reason`; `detail` ends the event's message only
+    /// (what the console said).
     async fn fail(
         &self,
         b: &Versioned<BackingNode>,
         reason: String,
         counted_as: DeletionReason,
         interruption: Option<Interruption>,
+        detail: &str,
     ) -> Result<Outcome, KvError> {
         tracing::warn!(%reason, "backing node failed");
         self.write(b, BackingState::Failed, |n| {
@@ -448,7 +500,7 @@ impl Executor {
         })
         .await?;
         metrics::deletion(&b.value, counted_as);
-        let message = format!("failed: {reason}");
+        let message = format!("failed: {reason}{detail}");
         match interruption {
             Some(_) => {
                 events::backing_changed_for(&self.sh, &b.value.id, message, SPOT_INTERRUPTION)

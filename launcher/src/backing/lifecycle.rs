@@ -140,6 +140,22 @@ pub(crate) fn deletion_reason(
     })
 }
 
+/// Whether `step` gives up on a launch attempt whose instance exists but whose agent did
+/// not come up within boot-timeout (a relaunch or a failure for it): the instance's
+/// console output is then read into the event that says so, before the instance is
+/// deleted.
+pub(crate) fn boot_failed(b: &BackingNode, step: &Step, obs: &Observed) -> bool {
+    let timed_out = match (obs.rules, b.launched_at) {
+        (Some(rules), Some(at)) => obs.now >= after(at, rules.boot_timeout),
+        _ => false,
+    };
+    b.state == BackingState::Launching
+        && b.instance.is_some()
+        && !b.kill_ordered()
+        && timed_out
+        && matches!(step, Step::Launch { .. } | Step::Fail(_))
+}
+
 /// The one step to take next.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
@@ -1184,6 +1200,47 @@ mod tests {
             matches!(next(&failed, &obs(1_000, 0)), Step::Fail(r) if r.contains("attempt 2 of 2")),
             "launch-retries 2 are used"
         );
+    }
+
+    #[test]
+    fn a_boot_that_timed_out_is_told_apart_from_other_ends_of_an_attempt() {
+        let b = node(BackingState::Launching); // launched at 1 s, boot-timeout 10 s
+        let mut o = obs(11_000, 0);
+        o.agent = AgentSeen::Absent;
+        let relaunch = next(&b, &o);
+        assert!(matches!(relaunch, Step::Launch { .. }), "{relaunch:?}");
+        assert!(boot_failed(&b, &relaunch, &o), "the first attempt's boot");
+        let mut last = b.clone();
+        last.attempts = 2;
+        let fail = next(&last, &o);
+        assert!(matches!(fail, Step::Fail(_)), "{fail:?}");
+        assert!(boot_failed(&last, &fail, &o), "the last attempt's boot");
+        o.agent = AgentSeen::Impostor;
+        assert!(
+            boot_failed(&b, &next(&b, &o), &o),
+            "the wrong agent came up"
+        );
+        // Not a boot that timed out: the launch itself failed (no instance), the time is
+        // not up, an operator killed it, or its label is gone.
+        o.agent = AgentSeen::Absent;
+        let mut refused = b.clone();
+        refused.instance = None;
+        refused.failure = Some("quota".into());
+        assert!(!boot_failed(&refused, &next(&refused, &o), &o));
+        let early = obs(5_000, 0);
+        assert!(!boot_failed(&b, &next(&b, &early), &early));
+        let mut killed = b.clone();
+        killed.order = Some(slotpool_protocol::model::OperatorOrder {
+            action: slotpool_protocol::model::OperatorAction::Kill,
+            actor: "alice".into(),
+            at: 1,
+            reason: None,
+        });
+        assert!(!boot_failed(&killed, &next(&killed, &o), &o));
+        let gone = Observed { rules: None, ..o };
+        assert!(!boot_failed(&b, &next(&b, &gone), &gone));
+        let ready = node(BackingState::Ready);
+        assert!(!boot_failed(&ready, &Step::Fail("x".into()), &o));
     }
 
     #[test]

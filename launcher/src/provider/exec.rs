@@ -8,6 +8,7 @@
 //!   create: [/usr/local/bin/pool-vm, create]
 //!   delete: [/usr/local/bin/pool-vm, delete]
 //!   list:   [/usr/local/bin/pool-vm, list]
+//!   console: [/usr/local/bin/pool-vm, console]   # optional
 //! ```
 //!
 //! The contract (messages, exit codes, time limits, versions) is described once, in
@@ -20,7 +21,7 @@ use super::{LaunchSpec, Launched, ListedInstance, Provider, ProviderError};
 use rustix::process::{kill_process_group, Pid, Signal};
 use slotpool_protocol::model::Instance;
 use slotpool_protocol::provider::{
-    CreateRequest, Created, DeleteRequest, ListedMachine, CONTRACT_VERSION,
+    ConsoleOutput, ConsoleRequest, CreateRequest, Created, DeleteRequest, ListedMachine,
 };
 use slotpool_protocol::BackingId;
 use std::process::{ExitStatus, Stdio};
@@ -29,6 +30,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// How long delete and list commands may run.
 pub const DELETE_LIST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a console command may run: the launcher waits for it before it relaunches
+/// or fails a node whose agent did not come up.
+pub const CONSOLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most a command may print on stdout (a list of many machines, a console output);
+/// more is a failure.
+pub const MAX_STDOUT: u64 = 16 * 1024 * 1024;
 pub use slotpool_protocol::provider::EXIT_CAPACITY;
 /// Lines of stderr quoted in an error.
 const STDERR_LINES: usize = 20;
@@ -42,6 +49,7 @@ pub struct ExecProvider {
     create: Vec<String>,
     delete: Vec<String>,
     list: Vec<String>,
+    console: Option<Vec<String>>,
 }
 
 impl ExecProvider {
@@ -65,7 +73,17 @@ impl ExecProvider {
             create,
             delete,
             list,
+            console: None,
         })
+    }
+
+    /// With a `console` command (an argv; an empty one is an error).
+    pub fn with_console(mut self, console: Vec<String>) -> Result<ExecProvider, ProviderError> {
+        if console.first().is_none_or(|p| p.is_empty()) {
+            return Err(self.failed("the console command is empty".into()));
+        }
+        self.console = Some(console);
+        Ok(self)
     }
 
     fn failed(&self, message: String) -> ProviderError {
@@ -105,15 +123,25 @@ impl ExecProvider {
                 // A command that does not read its stdin is fine (broken pipe).
                 let _ = stdin.write_all(input).await;
                 drop(stdin);
+                Ok(())
             };
             let mut out = Vec::new();
             let mut err = Vec::new();
-            let (_, out_res, err_res) = tokio::join!(
-                write,
-                stdout.read_to_end(&mut out),
-                stderr.read_to_end(&mut err)
-            );
-            out_res.and(err_res)?;
+            let read_out = async {
+                (&mut stdout)
+                    .take(MAX_STDOUT + 1)
+                    .read_to_end(&mut out)
+                    .await?;
+                if out.len() as u64 > MAX_STDOUT {
+                    // Stops the other reads: the command is killed with its group.
+                    return Err(std::io::Error::other(format!(
+                        "it printed more than {MAX_STDOUT} bytes on stdout"
+                    )));
+                }
+                Ok(())
+            };
+            let read_err = async { stderr.read_to_end(&mut err).await.map(|_| ()) };
+            tokio::try_join!(write, read_out, read_err)?;
             let status = child.wait().await?;
             Ok::<_, std::io::Error>((status, out, err))
         };
@@ -172,7 +200,7 @@ impl Provider for ExecProvider {
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<Launched, ProviderError> {
         let input = serde_json::to_vec(&CreateRequest {
-            v: CONTRACT_VERSION,
+            v: CreateRequest::VERSION,
             backing_id: spec.backing_id.to_string(),
             secret: spec.secret.clone(),
             provider: spec.provider.clone(),
@@ -203,7 +231,7 @@ impl Provider for ExecProvider {
 
     async fn delete(&self, instance: &Instance) -> Result<(), ProviderError> {
         let input = serde_json::to_vec(&DeleteRequest {
-            v: CONTRACT_VERSION,
+            v: DeleteRequest::VERSION,
             id: instance.id.clone(),
             host: instance.host.clone(),
             data: instance.data.clone(),
@@ -239,6 +267,22 @@ impl Provider for ExecProvider {
                 })
             })
             .collect()
+    }
+
+    async fn console(&self, instance: &Instance) -> Result<Option<String>, ProviderError> {
+        let Some(console) = &self.console else {
+            return Ok(None);
+        };
+        let input = serde_json::to_vec(&ConsoleRequest {
+            v: ConsoleRequest::VERSION,
+            id: instance.id.clone(),
+            host: instance.host.clone(),
+            data: instance.data.clone(),
+        })
+        .expect("serializable");
+        let out = self.run(console, &input, CONSOLE_TIMEOUT).await?;
+        let printed: ConsoleOutput = self.parse(console, &out)?;
+        Ok(Some(printed.output))
     }
 }
 
@@ -371,6 +415,71 @@ print(json.dumps({"id": "i-" + req["backing_id"], "host": "10.0.0.7",
             serde_json::json!({"v": 2, "id": "i-bn-abc", "host": "10.0.0.7",
                 "data": launched.instance.data})
         );
+    }
+
+    #[tokio::test]
+    async fn console_sends_the_machine_at_version_3_and_reads_its_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = provider(
+            script(dir.path(), "create", ECHO_CREATE),
+            script(dir.path(), "delete", "true"),
+            script(dir.path(), "list", "echo '[]'"),
+        );
+        let launched = p.launch(&spec(Duration::from_secs(10))).await.unwrap();
+        assert_eq!(
+            p.console(&launched.instance).await.unwrap(),
+            None,
+            "no console command: nothing to say"
+        );
+        let p = p
+            .with_console(script(
+                dir.path(),
+                "console",
+                "cat > \"$0.in\"\ncat <<'X'\n{\"output\": \"Booting\\r\\nPanic\\u001b[0m\\n\"}\nX",
+            ))
+            .unwrap();
+        assert_eq!(
+            p.console(&launched.instance).await.unwrap().as_deref(),
+            Some("Booting\r\nPanic\u{1b}[0m\n")
+        );
+        let sent: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join("console.in")).unwrap()).unwrap();
+        assert_eq!(
+            sent,
+            serde_json::json!({"v": 3, "id": "i-bn-abc", "host": "10.0.0.7",
+                "data": launched.instance.data})
+        );
+        let stray = provider(
+            script(dir.path(), "create2", ECHO_CREATE),
+            script(dir.path(), "delete2", "true"),
+            script(dir.path(), "list2", "echo '[]'"),
+        )
+        .with_console(script(dir.path(), "console2", "echo 'kernel panic'"))
+        .unwrap();
+        let err = stray
+            .console(&launched.instance)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("printed unexpected output"), "{err}");
+        assert!(
+            ExecProvider::new("c", vec!["c".into()], vec!["d".into()], vec!["l".into()])
+                .unwrap()
+                .with_console(vec![])
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_command_printing_without_end_is_stopped_at_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = provider(
+            script(dir.path(), "create", ECHO_CREATE),
+            script(dir.path(), "delete", "true"),
+            script(dir.path(), "list", "yes '[]'"),
+        );
+        let err = p.list().await.unwrap_err().to_string();
+        assert!(err.contains("printed more than 16777216 bytes"), "{err}");
     }
 
     #[tokio::test]

@@ -134,6 +134,10 @@ impl Provider for Limited {
         let result = self.inner.list().await;
         self.counted(ProviderCall::List, result)
     }
+
+    async fn console(&self, instance: &Instance) -> Result<Option<String>, ProviderError> {
+        self.inner.console(instance).await
+    }
 }
 
 #[cfg(test)]

@@ -51,6 +51,8 @@ const SECRET_ENV: &str = "SLOTPOOL_AGENT_SECRET";
 const SPAWN_RETRIES: u32 = 5;
 const PID_FILE: &str = "agent.pid";
 const LOG_FILE: &str = "agent.log";
+/// The most of an agent's log read back as its machine's console.
+const CONSOLE_READ: u64 = 64 * 1024;
 /// Where slots of local backing nodes are reached.
 const HOST: &str = "127.0.0.1";
 
@@ -375,6 +377,30 @@ impl Provider for LocalProvider {
         out.sort_by(|a, b| a.instance.id.cmp(&b.instance.id));
         Ok(out)
     }
+
+    /// The end of the agent's log (its stdout and stderr): what a local machine printed.
+    async fn console(&self, instance: &Instance) -> Result<Option<String>, ProviderError> {
+        let Ok(backing_id) = BackingId::parse(&instance.id) else {
+            return Ok(None);
+        };
+        let path = self.work_dir.join(backing_id.as_str()).join(LOG_FILE);
+        match read_end(&path, CONSOLE_READ) {
+            Ok(text) => Ok(Some(text)),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(Some(String::new())),
+            Err(err) => Err(self.failed(format!("reading {}: {err}", path.display()))),
+        }
+    }
+}
+
+/// The last `max` bytes of the file at `path`, as text.
+fn read_end(path: &Path, max: u64) -> io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(max)))?;
+    let mut bytes = Vec::new();
+    file.take(max).read_to_end(&mut bytes)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 /// Spawns `cmd`, retrying briefly on ETXTBSY: the agent binary may have been written a
@@ -510,7 +536,11 @@ mod tests {
     /// A stand-in agent: a shell loop whose command line carries the provider's args.
     fn fake_agent(dir: &Path) -> PathBuf {
         let path = dir.join("fake-agent");
-        std::fs::write(&path, "#!/bin/sh\nwhile :; do sleep 1; done\n").unwrap();
+        std::fs::write(
+            &path,
+            "#!/bin/sh\necho \"fake agent up for $4\"\nwhile :; do sleep 1; done\n",
+        )
+        .unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         path
     }
@@ -621,6 +651,16 @@ mod tests {
         );
         assert_eq!(read_pid(&dir).unwrap(), Some(pid));
         assert!(dir.join("agent.log").exists());
+        // Its console is what it printed.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let console = p.console(&launched.instance).await.unwrap().unwrap();
+            if console.contains("fake agent up for bn-local-test") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "console: {console:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
 
         assert!(is_alive(pid));
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();

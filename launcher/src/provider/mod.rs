@@ -9,7 +9,10 @@
 //! - `delete` is idempotent: deleting an instance that is already gone is not an error;
 //! - `list` returns the instances this provider created, with the backing id each was
 //!   launched for when it can tell (the leak sweep, [`crate::backing::leak`], deletes those no
-//!   backing record owns; a relaunch deletes every one listed for its backing id).
+//!   backing record owns; a relaunch deletes every one listed for its backing id);
+//! - `console`, when the provider has one, returns what the instance printed on its
+//!   console: the launcher reads it before it gives up on an instance whose agent did not
+//!   come up, and puts its end ([`console_tail`]) into the failure's event.
 //!
 //! [`build`] wraps every provider in [`limit::Limited`], which applies the provider's
 //! `max-creates-per-second` and `max-concurrent-creates` and `launch-timeout` to `launch`;
@@ -122,6 +125,62 @@ pub trait Provider: Send + Sync {
     async fn delete(&self, instance: &Instance) -> Result<(), ProviderError>;
 
     async fn list(&self) -> Result<Vec<ListedInstance>, ProviderError>;
+
+    /// The instance's console output, oldest first (`None`: this provider cannot tell).
+    /// A diagnostic: its failures are said where it is used, not counted as the
+    /// provider's.
+    async fn console(&self, _instance: &Instance) -> Result<Option<String>, ProviderError> {
+        Ok(None)
+    }
+}
+
+/// The longest end of a console output the launcher keeps, in bytes once escaped (the
+/// event log takes records of at most 16 KiB).
+pub const CONSOLE_TAIL_BYTES: usize = 4096;
+/// The most lines of a console output the launcher keeps.
+pub const CONSOLE_TAIL_LINES: usize = 40;
+
+/// The end of a console output as the event log keeps it, on one line: its last
+/// non-blank lines (at most [`CONSOLE_TAIL_LINES`], and whole lines as long as they fit
+/// [`CONSOLE_TAIL_BYTES`]), every control character escaped
+/// ([`slotpool_protocol::text::printable`]: the lines are joined by a visible `\u{a}`,
+/// and an escape sequence the machine printed does nothing on a terminal showing it), a
+/// `…` first when lines were left out; `None` when nothing is left.
+pub fn console_tail(output: &str) -> Option<String> {
+    const NEWLINE: &str = "\\u{a}";
+    const CUT: &str = "…";
+    let lines: Vec<&str> = output
+        .lines()
+        .map(|l| l.trim_end_matches(['\r', ' ', '\t']))
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let escaped: Vec<String> = lines[lines.len().saturating_sub(CONSOLE_TAIL_LINES)..]
+        .iter()
+        .map(|l| slotpool_protocol::text::printable(l).into_owned())
+        .collect();
+    let last = escaped.last()?;
+    let budget = CONSOLE_TAIL_BYTES - CUT.len() - NEWLINE.len();
+    if last.len() > budget {
+        // One line too long on its own: its end.
+        let mut start = last.len() - budget;
+        while !last.is_char_boundary(start) {
+            start += 1;
+        }
+        return Some(format!("{CUT}{}", &last[start..]));
+    }
+    let mut from = escaped.len() - 1;
+    let mut used = last.len();
+    while from > 0 && used + NEWLINE.len() + escaped[from - 1].len() <= budget {
+        from -= 1;
+        used += NEWLINE.len() + escaped[from].len();
+    }
+    let cut = from > 0 || lines.len() > escaped.len();
+    let kept = escaped[from..].join(NEWLINE);
+    Some(if cut {
+        format!("{CUT}{NEWLINE}{kept}")
+    } else {
+        kept
+    })
 }
 
 /// The provider a config entry describes. `agent_default` is the agent binary the
@@ -158,12 +217,52 @@ pub(crate) fn build(
             create,
             delete,
             list,
-        } => Arc::new(exec::ExecProvider::new(
-            name,
-            create.clone(),
-            delete.clone(),
-            list.clone(),
-        )?),
+            console,
+        } => {
+            let exec = exec::ExecProvider::new(name, create.clone(), delete.clone(), list.clone())?;
+            Arc::new(match console {
+                Some(console) => exec.with_console(console.clone())?,
+                None => exec,
+            })
+        }
     };
     Ok(Arc::new(limit::Limited::new(inner, provider.create_limits)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_console_tail_is_its_last_lines_escaped_on_one_line() {
+        assert_eq!(console_tail(""), None);
+        assert_eq!(console_tail("\r\n  \n"), None);
+        assert_eq!(
+            console_tail("Booting\r\n\r\n\x1b[31mcloud-init failed\x1b[0m\r\n"),
+            Some("Booting\\u{a}\\u{1b}[31mcloud-init failed\\u{1b}[0m".into())
+        );
+        let many: String = (0..100).map(|i| format!("line {i}\n")).collect();
+        let tail = console_tail(&many).unwrap();
+        assert!(tail.starts_with("…\\u{a}line 60\\u{a}"), "{tail}");
+        assert!(tail.ends_with("line 99"), "{tail}");
+    }
+
+    #[test]
+    fn a_console_tail_is_bounded_whatever_the_machine_printed() {
+        for output in [
+            "x".repeat(100_000),
+            "\x1b".repeat(100_000),
+            "é\n".repeat(30_000),
+            format!("{}\nlast", "y".repeat(10_000)),
+            "ü".repeat(5_000),
+        ] {
+            let tail = console_tail(&output).unwrap();
+            assert!(tail.len() <= CONSOLE_TAIL_BYTES, "{} bytes", tail.len());
+            assert!(!tail.chars().any(|c| c.is_control()), "{tail}");
+            assert!(tail.starts_with('…'), "{tail}");
+        }
+        assert!(console_tail(&format!("{}\nlast", "y".repeat(10_000)))
+            .unwrap()
+            .ends_with("\\u{a}last"));
+    }
 }

@@ -274,6 +274,10 @@ impl Provider for Recorded {
         let result = self.inner.list().await;
         self.noted(ProviderCall::List, result).await
     }
+
+    async fn console(&self, instance: &Instance) -> Result<Option<String>, ProviderError> {
+        self.inner.console(instance).await
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use aws_sdk_ec2::types::Instance;
-use slotpool_protocol::provider::{CreateRequest, CONTRACT_VERSION};
+use slotpool_protocol::provider::CreateRequest;
 use slotpool_tests::Moto;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -204,7 +204,7 @@ pub fn create_request(
     creds: Option<&str>,
 ) -> String {
     serde_json::to_string(&CreateRequest {
-        v: CONTRACT_VERSION,
+        v: CreateRequest::VERSION,
         backing_id: backing_id.into(),
         secret: secret.into(),
         provider: "aws".into(),
