@@ -503,6 +503,22 @@ async fn a_spot_interruption_fails_the_nodes_and_the_seat_is_launched_into_again
             .as_str()
         )
     );
+    // A client following its request by `status` is told too.
+    let held = wait_for_some("the request to name its failed node", SOON, || async {
+        client
+            .request(&first.id)
+            .await
+            .ok()
+            .flatten()
+            .filter(|r| !r.nodes_failed.is_empty())
+    })
+    .await;
+    assert_eq!(held.nodes_failed, vec![node.id.clone()]);
+    assert!(
+        held.status.contains(": spot interruption: "),
+        "{}",
+        held.status
+    );
     // So it sends the job again.
     let again = fulfilled(&client).await;
     let replacement = client.nodes(&again.nodes).await.unwrap().remove(0);

@@ -315,7 +315,13 @@ impl Executor {
         let v = &b.value;
         let Some(provider) = self.sh.providers.get(&v.provider).cloned() else {
             return self
-                .fail(b, provider_gone(&v.provider), DeletionReason::Failure, None)
+                .fail(
+                    b,
+                    provider_gone(&v.provider),
+                    DeletionReason::Failure,
+                    None,
+                    "",
+                )
                 .await;
         };
         let interrupted = "the launch was interrupted before its end was recorded".to_string();
