@@ -1,9 +1,10 @@
-//! `slotpool provider check -- CMD...`: drives a provider's create, list and delete the
-//! way the launcher does (its own `exec` driver, with `create`, `list` or `delete`
-//! appended to CMD, as in `exec: {create: [CMD..., create], ...}`) and says what breaks
-//! the contract of docs/providers.md: a create that is not exactly once, a machine listed
-//! without its backing id, a delete of a deleted machine that fails, stray output, a
-//! wrong exit code, an unknown contract version accepted.
+//! `slotpool provider check -- CMD...`: drives a provider's create, list and delete (and
+//! with `--console` its console) the way the launcher does (its own `exec` driver, with
+//! `create`, `list`, `delete` or `console` appended to CMD, as in `exec: {create: [CMD...,
+//! create], ...}`) and says what breaks the contract of docs/providers.md: a create that
+//! is not exactly once, a machine listed without its backing id, a delete of a deleted
+//! machine that fails, stray output, a wrong exit code, an unknown contract version
+//! accepted.
 //!
 //! It creates real machines (one, or two when create is not idempotent) and deletes
 //! every machine it made before it ends, also when a check fails.
@@ -32,6 +33,10 @@ pub struct CheckArgs {
     /// Seconds create may take (the pool's launch-timeout).
     #[arg(long, default_value_t = 300)]
     pub launch_timeout: u64,
+    /// The provider has a console command too (`console` appended): check it on the
+    /// machine the check makes.
+    #[arg(long)]
+    pub console: bool,
     /// The provider's command; `create`, `list` or `delete` is appended to it.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -82,12 +87,15 @@ fn new_secret() -> String {
 }
 
 pub async fn run(args: CheckArgs) -> anyhow::Result<ExitCode> {
-    let provider = ExecProvider::new(
+    let mut provider = ExecProvider::new(
         "checked",
         argv(&args.command, "create"),
         argv(&args.command, "delete"),
         argv(&args.command, "list"),
     )?;
+    if args.console {
+        provider = provider.with_console(argv(&args.command, "console"))?;
+    }
     let mut report = Report::default();
     let mut made: Vec<Instance> = Vec::new();
     let backing_id = new_backing_id();
@@ -207,6 +215,15 @@ async fn check(
                 format!("list does not report machine {} that create made", first.id),
             ),
         },
+    }
+    if args.console {
+        match provider.console(&first).await {
+            Ok(output) => {
+                let lines = output.as_deref().unwrap_or_default().lines().count();
+                report.ok("console", format!("{lines} lines of output"))
+            }
+            Err(err) => report.fail("console", err.to_string()),
+        }
     }
     match provider.delete(&first).await {
         Ok(()) => report.ok("delete", format!("machine {}", first.id)),

@@ -629,7 +629,14 @@ async fn slotpool_provider_check_passes_on_the_ec2_provider() {
     );
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(slotpool_tests::bin_path("slotpool"))
-            .args(["provider", "check", "--backing-label", "vm", "--"])
+            .args([
+                "provider",
+                "check",
+                "--backing-label",
+                "vm",
+                "--console",
+                "--",
+            ])
             .arg(PROVIDER)
             .arg("--config")
             .arg(&config)
@@ -642,7 +649,11 @@ async fn slotpool_provider_check_passes_on_the_ec2_provider() {
     let text = shown(&out);
     assert!(out.status.success(), "{text}");
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("8 checks, 0 failed"),
+        String::from_utf8_lossy(&out.stdout).contains("ok    console: 10 lines of output"),
+        "{text}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("9 checks, 0 failed"),
         "{text}"
     );
     assert!(

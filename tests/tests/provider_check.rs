@@ -5,8 +5,13 @@ use slotpool_tests::{bin_path, workspace_root};
 use std::process::{Command, Output};
 
 fn check(provider: &[String]) -> Output {
+    check_with(&[], provider)
+}
+
+fn check_with(options: &[&str], provider: &[String]) -> Output {
     Command::new(bin_path("slotpool"))
         .args(["provider", "check", "--backing-label", "vm"])
+        .args(options)
         // No agent ever reaches this: the check does not wait for agents.
         .args(["--nats-url", "nats://127.0.0.1:9"])
         .args(["--launch-timeout", "60", "--"])
@@ -66,17 +71,23 @@ fn each_flaw_of_a_provider_is_named() {
     let script = workspace_root().join("tests/fixtures/flawed-provider.py");
     let run = |flaw: &str| {
         let state = tempfile::tempdir().unwrap();
-        let out = check(&[
-            "python3".into(),
-            script.display().to_string(),
-            flaw.into(),
-            state.path().display().to_string(),
-        ]);
+        let out = check_with(
+            &["--console"],
+            &[
+                "python3".into(),
+                script.display().to_string(),
+                flaw.into(),
+                state.path().display().to_string(),
+            ],
+        );
         let left = std::fs::read_dir(state.path()).unwrap().count();
         (out, left)
     };
     let (out, left) = run("none");
-    assert!(out.status.success(), "{}", shown(&out));
+    let text = shown(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("ok    console: 2 lines of output"), "{text}");
+    assert!(text.contains("9 checks, 0 failed"), "{text}");
     assert_eq!(left, 0, "the check left machines behind");
     for (flaw, named) in [
         (
@@ -90,6 +101,7 @@ fn each_flaw_of_a_provider_is_named() {
             "any-version",
             "FAIL  create of an unknown contract version: version 102 was accepted",
         ),
+        ("console-text", "FAIL  console: checked: `python3"),
     ] {
         let (out, left) = run(flaw);
         let text = shown(&out);
