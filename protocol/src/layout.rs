@@ -4,7 +4,26 @@
 //! permissions themselves are [`crate::auth::permissions`].
 
 use crate::ids::{BackingId, LauncherId};
-use crate::store::BucketSpec;
+
+/// Settings of one bucket, as created by [`crate::store::Store::open`].
+#[derive(Clone, Copy, Debug)]
+pub struct BucketSpec {
+    pub name: &'static str,
+    /// Values kept per key (1 = latest only).
+    pub history: i64,
+    /// Whether per-key TTLs are used (leases, heartbeats).
+    pub per_key_ttl: bool,
+    /// Largest value accepted.
+    pub max_value_size: i32,
+    /// Values older than this many seconds are dropped (0: kept until deleted).
+    pub max_age_secs: u64,
+    /// Beyond this many bytes (-1: no limit), the oldest values are dropped when
+    /// `discard_old`, and new writes are refused otherwise (a KV bucket's default).
+    pub max_bytes: i64,
+    /// Whether a full bucket drops its oldest values (`discard: old`) rather than
+    /// refusing new ones: for a log, whose newest entries matter most.
+    pub discard_old: bool,
+}
 
 /// Node requests, key = request id.
 pub const REQUESTS: BucketSpec = BucketSpec {

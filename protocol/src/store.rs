@@ -6,6 +6,7 @@
 //! CAS (see the notes on `create` and `update`). Errors are [`KvError`]; callers never see
 //! async-nats types.
 
+pub use crate::layout::BucketSpec;
 use crate::refusals::{has_token, Refusal, Refusals};
 use async_nats::header::{HeaderMap, HeaderValue};
 use async_nats::jetstream::{self, consumer, kv, stream::DirectGetErrorKind};
@@ -133,26 +134,6 @@ pub enum Change {
 pub struct Timed {
     pub change: Change,
     pub written_at: Option<crate::time::UnixMillis>,
-}
-
-/// Settings of one bucket, as created by [`Store::open`].
-#[derive(Clone, Copy, Debug)]
-pub struct BucketSpec {
-    pub name: &'static str,
-    /// Values kept per key (1 = latest only).
-    pub history: i64,
-    /// Whether per-key TTLs are used (leases, heartbeats).
-    pub per_key_ttl: bool,
-    /// Largest value accepted.
-    pub max_value_size: i32,
-    /// Values older than this many seconds are dropped (0: kept until deleted).
-    pub max_age_secs: u64,
-    /// Beyond this many bytes (-1: no limit), the oldest values are dropped when
-    /// `discard_old`, and new writes are refused otherwise (a KV bucket's default).
-    pub max_bytes: i64,
-    /// Whether a full bucket drops its oldest values (`discard: old`) rather than
-    /// refusing new ones: for a log, whose newest entries matter most.
-    pub discard_old: bool,
 }
 
 /// Where a bucket lives in a JetStream cluster ([`Store::placement`]).

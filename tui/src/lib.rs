@@ -31,7 +31,6 @@ pub mod input;
 pub mod keys;
 pub mod layout;
 pub mod mirror;
-pub mod pane;
 pub mod rows;
 pub mod rules;
 pub mod state;

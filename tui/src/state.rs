@@ -4,12 +4,15 @@
 //! - the [`Mirror`] of the watched records (`mirror.rs`),
 //! - the derived rows and each view's keys and selection (`rows.rs`),
 //! - the open prompt ([`Input`], `input.rs`), which takes actions first;
+//! - the detail pane built from it ([`pane`]), whose length bounds its scrolling;
 //!
 //! what no prompt takes is a table action (move, switch view, sort, drill in, order),
 //! carried out here.
 //!
 //! Pure: no NATS, no terminal, no clock. The time is whatever the last [`Msg::Tick`] said,
 //! so every timer here is computed from the records and that `now`.
+
+pub mod pane;
 
 use crate::history::History;
 use crate::input::{Action, Input, PendingOrder, Taken};
@@ -517,7 +520,7 @@ impl State {
     /// sparklines), at least one.
     pub fn pane_page(&self) -> usize {
         let inner = crate::layout::pane_lines(self.size, true).saturating_sub(2) as usize;
-        let sparks = crate::pane::build(self).sparks.len();
+        let sparks = pane::build(self).sparks.len();
         inner.saturating_sub(sparks).max(1)
     }
 
@@ -526,7 +529,7 @@ impl State {
         if !self.details {
             return;
         }
-        let lines = crate::pane::build(self).lines.len();
+        let lines = pane::build(self).lines.len();
         let last = lines.saturating_sub(self.pane_page());
         self.pane_scroll = self.pane_scroll.saturating_add_signed(delta).min(last);
     }

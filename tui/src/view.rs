@@ -9,8 +9,8 @@
 use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
 use crate::input::Input;
 use crate::layout::pane_lines;
-use crate::pane::{Pane, Tone};
 use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View, FOLD_KEY};
+use crate::state::pane::{Pane, Tone};
 use crate::state::State;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -46,7 +46,7 @@ pub fn draw(frame: &mut Frame, state: &State, theme: &Theme) {
         draw_pane(
             frame,
             pane,
-            &crate::pane::build(state),
+            &crate::state::pane::build(state),
             state.pane_scroll,
             theme,
         );

@@ -1080,7 +1080,7 @@ fn a_filter_that_hides_the_selection_selects_the_first_row_left() {
 fn the_detail_pane_scrolls_to_its_last_line_and_back_to_the_top_on_another_row() {
     let mut state = loaded(rules(), sample(), 80, 24);
     press(&mut state, [key('i')]);
-    let lines = crate::pane::build(&state).lines.len();
+    let lines = pane::build(&state).lines.len();
     let page = state.pane_page();
     assert!(
         lines > page,

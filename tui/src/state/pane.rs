@@ -8,9 +8,9 @@
 //!
 //! Pure: built from the [`State`]; the view only lays it out.
 
+use super::State;
 use crate::format::{clock, fmt_duration, node_state_name};
 use crate::rows::{PoolRow, View, FOLD_KEY};
-use crate::state::State;
 use serde::Serialize;
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, IdleBehaviour, Node, ProviderCall,
