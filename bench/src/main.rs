@@ -780,7 +780,9 @@ async fn run_secure(
             .into_iter()
             .chain(nats_args(&launcher))
             .collect(),
-        agent_args: nats_args(&options(None, "agent")),
+        // The launcher hands its own TLS files to the agents it starts on its host
+        // (the `local` provider), so the agents need no options of their own here.
+        agent_args: Vec::new(),
     };
     let result = async {
         // A client may not create slotpool's buckets: a launcher makes them, as the one

@@ -290,8 +290,21 @@ impl Provider for LocalProvider {
             .ok_or_else(|| self.failed("the agent exited before its pid was known".into()))?;
 
         let reaped_id = backing_id.to_string();
+        let log = dir.join(LOG_FILE);
         tokio::spawn(async move {
             match child.wait().await {
+                // An agent stopped by a signal or ending well is news to nobody; one that
+                // fails on its own (a bad option in `agent-args`, a bus it cannot reach)
+                // would otherwise be seen only when its boot-timeout ends.
+                Ok(status) if status.code().is_some_and(|code| code != 0) => {
+                    tracing::warn!(
+                        backing_id = reaped_id,
+                        pid,
+                        %status,
+                        log = %log.display(),
+                        "local agent failed; its log says why"
+                    )
+                }
                 Ok(status) => {
                     tracing::info!(backing_id = reaped_id, pid, %status, "local agent exited")
                 }
