@@ -370,8 +370,7 @@ impl SlotMode {
         dir: &Path,
         agent_binary: &Path,
     ) -> anyhow::Result<SlotMode> {
-        // SAFETY: geteuid cannot fail and touches no memory.
-        let root = unsafe { libc::geteuid() } == 0;
+        let root = rustix::process::geteuid().is_root();
         let sshd_installed = Path::new(SSHD).is_file();
         let users = match asked {
             Some(Isolation::Users) if !root => {

@@ -600,6 +600,13 @@ mod tests {
         }
     }
 
+    /// [`rules`] with one of its idle timers changed.
+    fn with_idle(change: impl FnOnce(&mut IdleRules)) -> Rules {
+        let mut r = rules();
+        change(&mut r.idle);
+        r
+    }
+
     fn node(state: BackingState) -> BackingNode {
         BackingNode {
             v: 1,
@@ -669,13 +676,7 @@ mod tests {
         let mut fresh = node(BackingState::Ready);
         fresh.idle_since = Some(60_000);
         let zero = Observed {
-            rules: Some(Rules {
-                idle: IdleRules {
-                    grace_time: Duration::ZERO,
-                    ..rules().idle
-                },
-                ..rules()
-            }),
+            rules: Some(with_idle(|i| i.grace_time = Duration::ZERO)),
             ..waiting(1)
         };
         assert_eq!(next(&fresh, &zero), Step::Wait(None));
@@ -723,13 +724,7 @@ mod tests {
         );
         let mut aged = b.clone();
         aged.launched_at = Some(1_000);
-        let rules = Rules {
-            idle: IdleRules {
-                max_age: Duration::from_secs(30),
-                ..rules().idle
-            },
-            ..rules()
-        };
+        let rules = with_idle(|i| i.max_age = Duration::from_secs(30));
         let obs = Observed {
             rules: Some(rules),
             ..warm(2, 0)
@@ -862,13 +857,9 @@ mod tests {
     fn min_retention_holds_an_idle_node_past_grace() {
         let b = node(BackingState::Ready);
         let mut o = obs(12_000, 0);
-        o.rules = Some(Rules {
-            idle: IdleRules {
-                min_retention_time: Duration::from_secs(30),
-                ..rules().idle
-            },
-            ..rules()
-        });
+        o.rules = Some(with_idle(|i| {
+            i.min_retention_time = Duration::from_secs(30)
+        }));
         assert_eq!(next(&b, &o), Step::Wait(Some(31_000)));
     }
 
@@ -876,13 +867,7 @@ mod tests {
     fn max_age_retires_and_empty_retiring_node_is_released() {
         let b = node(BackingState::Ready);
         let mut o = obs(7_000, 2);
-        o.rules = Some(Rules {
-            idle: IdleRules {
-                max_age: Duration::from_secs(5),
-                ..rules().idle
-            },
-            ..rules()
-        });
+        o.rules = Some(with_idle(|i| i.max_age = Duration::from_secs(5)));
         assert_eq!(next(&b, &o), Step::Retire("max-age 5s reached".into()));
         let r = node(BackingState::Retiring);
         assert_eq!(next(&r, &o), Step::Wait(None));
@@ -906,13 +891,7 @@ mod tests {
         );
         let retiring = node(BackingState::Retiring);
         let mut aged = obs(7_000, 0);
-        aged.rules = Some(Rules {
-            idle: IdleRules {
-                max_age: Duration::from_secs(5),
-                ..rules().idle
-            },
-            ..rules()
-        });
+        aged.rules = Some(with_idle(|i| i.max_age = Duration::from_secs(5)));
         assert_eq!(reason(&retiring, &aged), Some(DeletionReason::MaxAge));
         assert_eq!(
             reason(&retiring, &obs(7_000, 0)),
