@@ -64,7 +64,7 @@ pub struct Ledger {
     /// When each fulfilment was seen.
     fulfilled_at: Vec<Instant>,
     /// Calls given up on: the request and what went wrong.
-    gave_up: Vec<(RequestId, String)>,
+    pub(crate) gave_up: Vec<(RequestId, String)>,
 }
 
 /// What a test concludes from a [`Ledger`] and the final records.
@@ -77,11 +77,11 @@ pub struct Verdict {
 }
 
 impl Ledger {
-    fn submitted(&mut self, id: &RequestId) {
+    pub(crate) fn submitted(&mut self, id: &RequestId) {
         self.ends.entry(id.clone()).or_default();
     }
 
-    fn ended(&mut self, req: &NodeRequest, now: Instant) {
+    pub(crate) fn ended(&mut self, req: &NodeRequest, now: Instant) {
         self.ends.entry(req.id.clone()).or_default().push(req.state);
         if req.state == RequestState::Fulfilled {
             self.fulfilled_at.push(now);
@@ -98,7 +98,7 @@ impl Ledger {
         }
     }
 
-    fn releasing(&mut self, request: &RequestId, now: Instant) {
+    pub(crate) fn releasing(&mut self, request: &RequestId, now: Instant) {
         for hold in self.holds.iter_mut().filter(|h| &h.request == request) {
             hold.to.get_or_insert(now);
         }

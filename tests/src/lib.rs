@@ -15,6 +15,8 @@
 //!   service as far as the spot interruption notice goes.
 //! - [`NatsCluster`]: a JetStream cluster of servers on loopback, for replicated buckets.
 //! - [`chaos`]: a request load that rides out failures, and the checks made after it.
+//! - [`mix`]: a randomized mix of node sets, priorities, cancels and releases from
+//!   several clients, and the progress check made once it stops.
 //! - [`Tmux`]: a terminal of its own, for the console and the demo on a terminal.
 //! - [`SlotAgent`]: one agent with user isolation, driven directly over NATS.
 //! - [`IsolationEnv`], [`Sshd`], [`ClientKey`]: unique user/cgroup names per test with a
@@ -33,6 +35,7 @@ pub mod ec2_proxy;
 pub mod imds;
 mod isolation;
 pub mod metrics;
+pub mod mix;
 mod moto;
 mod nats;
 mod pool;

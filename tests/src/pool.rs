@@ -95,23 +95,30 @@ impl Pool {
         agent_args: &[&str],
         serve_extra: &[&str],
     ) -> Pool {
+        Pool::start_configured(
+            |work_dir| config_yaml_with(work_dir, max_servers, lease_ttl, labels, agent_args),
+            launchers,
+            serve_extra,
+        )
+        .await
+    }
+
+    /// Starts a nats-server and `launchers` launcher processes (each with `serve_extra`
+    /// added to its arguments) on the config `config` writes for the agents' work dir:
+    /// for a pool file of the test's own making.
+    pub async fn start_configured(
+        config: impl FnOnce(&Path) -> String,
+        launchers: usize,
+        serve_extra: &[&str],
+    ) -> Pool {
         let nats = NatsServer::start().await;
         let dir = tempfile::Builder::new()
             .prefix("slotpool-pool-")
             .tempdir()
             .expect("temp dir");
+        let yaml = config(&dir.path().join("agents"));
         let config = dir.path().join("pool.yaml");
-        std::fs::write(
-            &config,
-            config_yaml_with(
-                &dir.path().join("agents"),
-                max_servers,
-                lease_ttl,
-                labels,
-                agent_args,
-            ),
-        )
-        .expect("writing config");
+        std::fs::write(&config, yaml).expect("writing config");
         let client = Client::from_bus(nats.bus().await);
         let mut pool = Pool {
             nats,

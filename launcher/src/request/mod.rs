@@ -15,6 +15,7 @@ pub(crate) mod exec;
 mod model;
 pub(crate) mod observe;
 pub mod plan;
+pub mod reference;
 pub(crate) mod worker;
 
 use crate::metrics;

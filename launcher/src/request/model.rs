@@ -14,13 +14,13 @@
 //! - no slot is held by two requests, and every node a fulfilled request holds is in
 //!   KV under that request;
 //! - once the model settles, no waiting request could be served by the free slots in
-//!   the queue's order ([`servable_yet_waiting`]): nothing is left waiting that free
+//!   the queue's order ([`super::reference::servable_yet_waiting`]): nothing is left waiting that free
 //!   capacity can serve, and no two sets block each other.
 
-use super::observe::{self, position, Memory};
+use super::observe::{self, Memory};
 use super::plan::{self, RequestStep};
+use super::reference::servable_yet_waiting;
 use crate::config::Config;
-use crate::world::queue::SET_PATIENCE_MS;
 use crate::world::{tests_support, World};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{
@@ -694,7 +694,10 @@ impl Model {
 
     /// Once settled: no open request could be served by the free slots.
     fn check_progress(&self) -> Result<(), String> {
-        match servable_yet_waiting(&self.requests, &self.slots, &self.backing, self.now) {
+        let requests: Vec<&NodeRequest> = self.requests.values().map(|r| &r.value).collect();
+        let slots: Vec<&Node> = self.slots.values().map(|n| &n.value).collect();
+        let backing: Vec<&BackingNode> = self.backing.iter().map(|b| &b.value).collect();
+        match servable_yet_waiting(&requests, &slots, &backing, self.now) {
             Some(why) => Err(why),
             None => Ok(()),
         }
@@ -718,72 +721,6 @@ enum After {
     Again,
     Stop,
     Wait(Option<UnixMillis>),
-}
-
-/// The reference of the queue's rule (`world/queue.rs`), written out on its own: the
-/// open requests by (priority, age, id); each takes what it asks for if the free slots
-/// left hold all of it, and one that cannot keeps what it needs of them from those
-/// behind it when it stands (a single node, or a set that waited its patience and that
-/// the usable nodes can hold). A settled model where a request could take and did not
-/// is stuck.
-fn servable_yet_waiting(
-    requests: &BTreeMap<RequestId, Versioned<NodeRequest>>,
-    slots: &BTreeMap<String, Versioned<Node>>,
-    backing: &[Versioned<BackingNode>],
-    now: UnixMillis,
-) -> Option<String> {
-    let mut free: BTreeMap<&str, u32> = BTreeMap::new();
-    let mut total: BTreeMap<&str, u32> = BTreeMap::new();
-    for b in backing.iter().map(|b| &b.value) {
-        if b.idle != IdleBehaviour::Run || b.state != BackingState::Ready {
-            continue;
-        }
-        let used = slots
-            .values()
-            .filter(|n| n.value.backing_id == b.id)
-            .count() as u32;
-        *free.entry(b.label.as_str()).or_default() += b.slots - used;
-        *total.entry(b.label.as_str()).or_default() += b.slots;
-    }
-    let mut open: Vec<&NodeRequest> = requests
-        .values()
-        .map(|r| &r.value)
-        .filter(|r| r.state == RequestState::Requested)
-        .collect();
-    open.sort_by_key(|r| position(r));
-    for r in open {
-        let mut need: BTreeMap<&str, u32> = BTreeMap::new();
-        for l in &r.labels {
-            *need.entry(l.as_str()).or_default() += 1;
-        }
-        for n in slots.values().filter(|n| n.value.request_id == r.id) {
-            if let Some(c) = need.get_mut(n.value.label.as_str()) {
-                *c = c.saturating_sub(1);
-            }
-        }
-        if need
-            .iter()
-            .all(|(l, c)| free.get(l).copied().unwrap_or(0) >= *c)
-        {
-            return Some(format!(
-                "{} ({:?} at priority {}) waits, yet the free slots {:?} hold all it needs {:?}",
-                r.id, r.labels, r.priority, free, need
-            ));
-        }
-        let stands = r.labels.len() == 1
-            || (now >= r.created_at + SET_PATIENCE_MS
-                && need
-                    .iter()
-                    .all(|(l, c)| total.get(l).copied().unwrap_or(0) >= *c));
-        if stands {
-            for (l, c) in need {
-                if let Some(f) = free.get_mut(l) {
-                    *f = f.saturating_sub(c);
-                }
-            }
-        }
-    }
-    None
 }
 
 #[cfg(test)]
