@@ -30,6 +30,7 @@
 pub mod bus;
 pub mod hold;
 mod raw;
+pub mod tenants;
 pub mod timing;
 mod validate;
 pub mod warm;
@@ -80,6 +81,8 @@ pub struct Config {
     /// `/readyz` says it is stalled (`stall-after`, default 60 s).
     pub stall_after: Duration,
     pub providers: Vec<ProviderConfig>,
+    /// The teams sharing the pool ([`tenants`]).
+    pub tenants: tenants::Tenants,
 }
 
 #[derive(Clone, Debug, PartialEq)]

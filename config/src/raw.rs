@@ -14,6 +14,23 @@ pub(crate) struct RawConfig {
     #[serde(default)]
     pub(crate) launcher: RawLauncher,
     pub(crate) providers: Vec<RawProvider>,
+    #[serde(default)]
+    pub(crate) tenants: Vec<Spanned<RawTenant>>,
+}
+
+/// One entry of `tenants` ([`crate::tenants`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub(crate) struct RawTenant {
+    pub(crate) name: Spanned<String>,
+    #[serde(default)]
+    pub(crate) clients: Vec<Spanned<String>>,
+    pub(crate) weight: Option<Spanned<u32>>,
+    #[serde(default)]
+    pub(crate) guaranteed: std::collections::BTreeMap<String, Spanned<u32>>,
+    pub(crate) max_slots: Option<Spanned<u32>>,
+    pub(crate) max_waiting: Option<Spanned<u32>>,
+    pub(crate) max_submits_per_second: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -367,12 +367,12 @@ impl<'de> Deserialize<'de> for Node {
     }
 }
 
-struct Validator<'p> {
+pub(crate) struct Validator<'p> {
     path: &'p Path,
 }
 
 impl Validator<'_> {
-    fn at<T>(&self, spanned: &Spanned<T>, message: impl Into<String>) -> ConfigError {
+    pub(crate) fn at<T>(&self, spanned: &Spanned<T>, message: impl Into<String>) -> ConfigError {
         ConfigError::At {
             path: self.path.to_path_buf(),
             line: spanned.referenced.line(),
@@ -381,7 +381,7 @@ impl Validator<'_> {
         }
     }
 
-    fn name(&self, what: &str, name: &Spanned<String>) -> Result<String, ConfigError> {
+    pub(crate) fn name(&self, what: &str, name: &Spanned<String>) -> Result<String, ConfigError> {
         if is_key_token(&name.value) {
             Ok(name.value.clone())
         } else {
@@ -449,13 +449,21 @@ impl Validator<'_> {
             }
             providers.push(self.provider(name, p)?);
         }
-        Ok(Config {
+        let mut config = Config {
             lease_ttl,
             agent_nats_url: raw.launcher.agent_nats_url,
             kv_replicas,
             stall_after,
             providers,
-        })
+            tenants: Default::default(),
+        };
+        let label_slots = config
+            .label_names()
+            .into_iter()
+            .map(|l| (l.to_string(), config.max_nodes(l)))
+            .collect();
+        config.tenants = tenants::validate(self, raw.tenants, &label_slots)?;
+        Ok(config)
     }
 
     fn provider(&self, name: String, p: RawProvider) -> Result<ProviderConfig, ConfigError> {

@@ -888,7 +888,8 @@ fn pool_file(level: &str, extra: &str) -> String {
          \x20 pools:\n    - name: q\n      max-servers: 1\n      labels:\n\
          \x20       - name: big\n          sizes:\n            - backing-label: a\n              max-parallel-jobs: 2\n              cost-per-hour: 1\n              {sizes}\n\
          - name: here\n  driver: local\n  local:\n    work-dir: /tmp\n    {local}\n  pools:\n    - name: r\n      max-servers: 1\n      labels:\n\
-         \x20       - name: tiny\n          backing-label: x\n          max-parallel-jobs: 1\n{top}",
+         \x20       - name: tiny\n          backing-label: x\n          max-parallel-jobs: 1\n\
+         tenants:\n  - name: t\n    clients: [ci-t]\n    {tenants}\n{top}",
         launcher = at("launcher"),
         provider = at("providers[]"),
         static_ = at("static"),
@@ -899,12 +900,13 @@ fn pool_file(level: &str, extra: &str) -> String {
         exec = at("exec"),
         sizes = at("labels[].sizes[]"),
         local = at("local"),
+        tenants = at("tenants[]"),
         top = if level.is_empty() { extra } else { "" },
     )
 }
 
 /// The pool file's levels as docs/configuration.md heads them ("" is the file itself).
-const LEVELS: [&str; 11] = [
+const LEVELS: [&str; 12] = [
     "",
     "launcher",
     "providers[]",
@@ -916,6 +918,7 @@ const LEVELS: [&str; 11] = [
     "providers[].pools[].labels[]",
     "labels[].sizes[]",
     "labels[].limits",
+    "tenants[]",
 ];
 
 /// The keys the parser takes at `level`: it names them when it refuses an unknown one.
