@@ -119,6 +119,10 @@ pub async fn request(nats: &NatsClientArgs, args: RequestArgs) -> anyhow::Result
         RequestState::Fulfilled => {
             let nodes = fetch_nodes(&client, &done.nodes).await?;
             eprintln!("fulfilled in {:.1} ms", took.as_secs_f64() * 1000.0);
+            if let Some(w) = &done.waiting {
+                let end = done.fulfilled_at.unwrap_or(done.updated_at);
+                eprintln!("waited for: {}", w.summary(end));
+            }
             print_nodes(args.output, &nodes);
             std::io::stdout().flush().ok();
             for n in &nodes {
@@ -148,6 +152,9 @@ pub async fn request(nats: &NatsClientArgs, args: RequestArgs) -> anyhow::Result
                 state(&done.state),
                 done.failure.as_deref().unwrap_or(&done.status)
             );
+            if let Some(w) = &done.waiting {
+                eprintln!("waited for: {}", w.summary(done.updated_at));
+            }
             Ok(ExitCode::from(super::exit::REQUEST_ENDED))
         }
     }

@@ -264,6 +264,15 @@ async fn submit(
 ) -> Result<Submitted, ApiError> {
     let s: SubmitRequest = decode(msg, "submit request", |s: &SubmitRequest| s.v)?;
     validate(sh, &s)?;
+    // A submit again of a request already made is its answer, never a new request.
+    let known =
+        s.id.as_ref()
+            .is_some_and(|id| sh.world().requests.contains_key(id));
+    if !known {
+        if let Err(over) = sh.world().admits(Some(caller), now_ms()) {
+            return Err(ApiError::new(ErrorCode::OverLimit, over.to_string()));
+        }
+    }
     let Some(wait_ms) = s.wait_ms else {
         return accept(sh, caller, s, None).await;
     };
@@ -333,6 +342,7 @@ async fn accept(
         fulfilled_at: None,
         hold_until: None,
         nodes_failed: Vec::new(),
+        waiting: None,
     };
     // Free slots are claimed in the same round trip as the request is created (both
     // writes in flight at once): the worker starts with its slots claimed, ready to have
@@ -529,7 +539,7 @@ impl Made {
             }
         }
         if fulfilled {
-            exec::note_fulfilled(&req);
+            exec::note_fulfilled(sh, &req);
             sh.signals.bump(&request_topic(&id));
         }
         if mine {

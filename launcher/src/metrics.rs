@@ -140,6 +140,12 @@ const BOOT_BOUNDS: &[f64] = &[
     0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
 ];
 
+/// Upper bounds (seconds) of a request's wait by tenant: from a warm slot's
+/// milliseconds to a queue's minutes.
+const WAIT_BOUNDS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+];
+
 /// Upper bounds (seconds) of a supervisor pass's duration: a pass takes well under a
 /// millisecond unless it plans (a few KV writes).
 const PASS_BOUNDS: &[f64] = &[
@@ -192,7 +198,13 @@ impl Histogram {
         name: &str,
         help: &str,
     ) -> Result<(), std::fmt::Error> {
-        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+        self.encode_into(encoder.encode_descriptor(name, help, None, MetricType::Histogram)?)
+    }
+
+    fn encode_into(
+        &self,
+        mut family: prometheus_client::encoding::MetricEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
         let buckets: Vec<(f64, u64)> = self
             .bounds
             .iter()
@@ -229,6 +241,8 @@ pub struct Process {
     last_pass_ms: AtomicU64,
     pub(crate) pass: Histogram,
     pub(crate) allocation: Histogram,
+    /// Submission to fulfilment by tenant name (from the configuration: few).
+    wait_by_tenant: Mutex<BTreeMap<String, Histogram>>,
     pub(crate) boot: Histogram,
 }
 
@@ -240,6 +254,7 @@ pub static PROCESS: Process = Process {
     last_pass_ms: AtomicU64::new(0),
     pass: Histogram::new(PASS_BOUNDS),
     allocation: Histogram::new(LATENCY_BOUNDS),
+    wait_by_tenant: Mutex::new(BTreeMap::new()),
     boot: Histogram::new(BOOT_BOUNDS),
 };
 
@@ -347,11 +362,47 @@ pub fn pass_age(now: UnixMillis, started: UnixMillis) -> Duration {
     Duration::from_millis(now.saturating_sub(last))
 }
 
-/// A request submitted at `created_at` was fulfilled at `fulfilled_at`.
-pub fn fulfilled(created_at: UnixMillis, fulfilled_at: UnixMillis) {
-    PROCESS
-        .allocation
-        .observe_ms(fulfilled_at.saturating_sub(created_at));
+/// A request of tenant `tenant` submitted at `created_at` was fulfilled at
+/// `fulfilled_at`.
+pub fn fulfilled(tenant: &str, created_at: UnixMillis, fulfilled_at: UnixMillis) {
+    let took = fulfilled_at.saturating_sub(created_at);
+    PROCESS.allocation.observe_ms(took);
+    let mut by_tenant = PROCESS
+        .wait_by_tenant
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    by_tenant
+        .entry(tenant.to_string())
+        .or_insert_with(|| Histogram::new(WAIT_BOUNDS))
+        .observe_ms(took);
+}
+
+/// Encodes the submission-to-fulfilment histogram of each tenant (those named by
+/// `tenants` first at zero, so a quantile exists before the first fulfilment).
+pub(crate) fn encode_tenant_waits<'a>(
+    encoder: &mut DescriptorEncoder,
+    tenants: impl IntoIterator<Item = &'a str>,
+) -> Result<(), std::fmt::Error> {
+    let mut by_tenant = PROCESS
+        .wait_by_tenant
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    for t in tenants {
+        by_tenant
+            .entry(t.to_string())
+            .or_insert_with(|| Histogram::new(WAIT_BOUNDS));
+    }
+    let mut family = encoder.encode_descriptor(
+        "tenant_wait_seconds",
+        "Time from a request's submission to its fulfilment, by tenant (requests this launcher fulfilled).",
+        None,
+        MetricType::Histogram,
+    )?;
+    for (tenant, h) in by_tenant.iter() {
+        let labels: Labels = vec![("tenant", tenant.clone())];
+        h.encode_into(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// A backing node whose launch started at `launched_at` had its agent report in at

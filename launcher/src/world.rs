@@ -18,7 +18,8 @@ pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
 use capacity::{CapacityIndex, Offer, Standing};
 pub use queue::QueuePosition;
-use queue::{Entry, Queue, SET_PATIENCE_MS};
+use queue::{Entry, Queue, Share, SET_PATIENCE_MS};
+use slotpool_config::tenants::Tenants;
 use slotpool_config::warm::Arrivals;
 use slotpool_config::Config;
 use slotpool_protocol::layout::{self, parse_slot_key, LeaseOf};
@@ -28,7 +29,7 @@ use slotpool_protocol::model::{
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::{now_ms, UnixMillis};
-use slotpool_protocol::{BackingId, LauncherId, NodeId, RequestId};
+use slotpool_protocol::{BackingId, LauncherId, NodeId, RequestId, UserName};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
@@ -126,6 +127,16 @@ pub struct World {
     pools: PoolBook,
     /// Seats taken (by a backing record, readable or not), by pool (`provider.pool`).
     seats_taken: HashMap<String, u32>,
+    /// The teams sharing the pool, as configured.
+    tenants: Tenants,
+    /// Slots held, by (tenant, label) and by tenant.
+    held: HashMap<(usize, String), u32>,
+    held_total: HashMap<usize, u32>,
+    /// Open requests (in `open_requests`), by tenant: what `max-waiting` bounds.
+    open_by_tenant: HashMap<usize, u32>,
+    /// When each tenant with a `max-submits-per-second` made its requests of the last
+    /// second (every launcher's, as the mirror sees them), oldest first.
+    submits: HashMap<usize, std::collections::VecDeque<UnixMillis>>,
     /// This launcher.
     pub me: Option<LauncherId>,
     /// The launchers holding their liveness lease, for [`World::lane`].
@@ -190,6 +201,22 @@ pub struct LostHeartbeat {
     pub ttl: Duration,
 }
 
+/// Why the queue, not the lack of slots, holds a request back ([`World::held_back`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HeldBack {
+    TenantLimit { tenant: String, max_slots: u32 },
+    Behind { requests: u32 },
+}
+
+/// A hard limit of a tenant that a submit would pass ([`World::admits`]).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum OverLimit {
+    #[error("tenant {tenant:?} has {max} requests waiting, its max-waiting: let some end first")]
+    Waiting { tenant: String, max: u32 },
+    #[error("tenant {tenant:?} submits more than its max-submits-per-second of {max}: slow down and submit again")]
+    Rate { tenant: String, max: f64 },
+}
+
 impl World {
     /// An empty mirror for launcher `me`, logging `arrivals`.
     pub fn of(me: LauncherId, arrivals: Arrivals) -> World {
@@ -204,6 +231,7 @@ impl World {
     pub fn for_config(me: LauncherId, config: &Config) -> World {
         World {
             pools: PoolBook::of(config),
+            tenants: config.tenants.clone(),
             ..World::of(me, Arrivals::of(config))
         }
     }
@@ -237,10 +265,16 @@ impl World {
             return;
         }
         self.finished.remove(&r.value.id);
+        let tenant = self.tenants.of(r.value.client.as_ref());
+        if !self.requests.contains_key(&r.value.id) {
+            self.note_submit(tenant, r.value.created_at);
+        }
         if r.value.state == RequestState::Requested {
-            self.open_requests.insert(r.value.id.clone());
-        } else {
-            self.open_requests.remove(&r.value.id);
+            if self.open_requests.insert(r.value.id.clone()) {
+                *self.open_by_tenant.entry(tenant).or_default() += 1;
+            }
+        } else if self.open_requests.remove(&r.value.id) {
+            self.close_of(tenant);
         }
         if r.value.hold_deadline().is_some() {
             self.held_requests.insert(r.value.id.clone());
@@ -296,8 +330,13 @@ impl World {
 
     /// Takes request `id` out of the mirror and its queues.
     fn forget_request(&mut self, id: &RequestId) {
-        self.requests.remove(id);
-        self.open_requests.remove(id);
+        let gone = self.requests.remove(id);
+        if self.open_requests.remove(id) {
+            let tenant = self
+                .tenants
+                .of(gone.as_ref().and_then(|r| r.value.client.as_ref()));
+            self.close_of(tenant);
+        }
         self.held_requests.remove(id);
         self.requeue(id);
     }
@@ -429,6 +468,8 @@ impl World {
                 self.unindex_slot(&key);
             }
         }
+        // A new node in the slot (not a later revision of the one there).
+        let fresh = !self.slots.contains_key(&key);
         self.node_keys.insert(n.value.id.clone(), key.clone());
         self.nodes_by_request
             .entry(n.value.request_id.clone())
@@ -443,6 +484,9 @@ impl World {
         let backing = n.value.backing_id.clone();
         let request = n.value.request_id.clone();
         self.touched.insert(n.value.label.clone());
+        if fresh {
+            self.hold(&n.value, true);
+        }
         self.slots.insert(key, n);
         self.restand_backing(&backing);
         self.requeue(&request);
@@ -506,8 +550,29 @@ impl World {
             }
         }
         self.restand_backing(&node.backing_id);
+        self.hold(&node, false);
         self.touched.insert(node.label);
         self.requeue(&node.request_id);
+    }
+
+    /// Counts node `n`'s slot as held by its tenant (or no more). A tenant with a
+    /// `max-slots` that gives one back may take a slot of any label it waits for now.
+    fn hold(&mut self, n: &Node, held: bool) {
+        let tenant = self.tenants.of(n.client.as_ref());
+        for count in [
+            self.held.entry((tenant, n.label.clone())).or_default(),
+            self.held_total.entry(tenant).or_default(),
+        ] {
+            if held {
+                *count += 1;
+            } else {
+                *count = count.saturating_sub(1);
+            }
+        }
+        if !held && self.tenants.get(tenant).max_slots.is_some() {
+            let labels = self.queue.labels_of_tenant(tenant);
+            self.touched.extend(labels);
+        }
     }
 
     /// Brings request `id`'s place in the [`queue`] up to date: for every label it is
@@ -539,9 +604,10 @@ impl World {
             }
         }
         let pos: QueuePosition = (r.priority, r.created_at, r.id.clone());
+        let tenant = self.tenants.of(r.client.as_ref());
         let changed = self
             .queue
-            .put(id, pos, r.owner.clone(), r.labels.len() > 1, needs);
+            .put(id, pos, r.owner.clone(), r.labels.len() > 1, tenant, needs);
         self.touched.extend(changed);
     }
 
@@ -784,11 +850,146 @@ impl World {
             return true;
         }
         now >= pos.1.saturating_add(SET_PATIENCE_MS)
-            && self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
-                needs
+            && self.queue.place_of(&pos.2).is_some_and(|place| {
+                place
+                    .needs
                     .iter()
                     .all(|(label, need)| *need <= self.attainable(label))
             })
+    }
+
+    /// The tenant of request `r` (by its client).
+    pub fn tenant_of(&self, r: &NodeRequest) -> usize {
+        self.tenants.of(r.client.as_ref())
+    }
+
+    /// The teams sharing the pool, as configured.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// Slots tenant `tenant` holds, and its open requests.
+    pub fn tenant_load(&self, tenant: usize) -> (u32, u32) {
+        (
+            self.held_total.get(&tenant).copied().unwrap_or(0),
+            self.open_by_tenant.get(&tenant).copied().unwrap_or(0),
+        )
+    }
+
+    /// One open request of `tenant` fewer.
+    fn close_of(&mut self, tenant: usize) {
+        if let Some(open) = self.open_by_tenant.get_mut(&tenant) {
+            *open = open.saturating_sub(1);
+        }
+    }
+
+    /// Notes a request of `tenant` made at `at`, if its submits are counted.
+    fn note_submit(&mut self, tenant: usize, at: UnixMillis) {
+        if self.tenants.get(tenant).max_submits_per_second.is_none() {
+            return;
+        }
+        let log = self.submits.entry(tenant).or_default();
+        let place = log.partition_point(|t| *t <= at);
+        log.insert(place, at);
+        let newest = log.back().copied().unwrap_or(at);
+        while log.front().is_some_and(|t| *t + 1_000 <= newest) {
+            log.pop_front();
+        }
+    }
+
+    /// Why the request of tenant `tenant` at `pos` gets no slot of `label` at `now`, when
+    /// it is the queue and not the lack of slots: its tenant is at `max-slots` (with the
+    /// slots its own requests before it take), or there are free slots but requests
+    /// served before it take them all (how many).
+    pub fn held_back(
+        &self,
+        tenant: usize,
+        pos: &QueuePosition,
+        label: &str,
+        now: UnixMillis,
+    ) -> Option<HeldBack> {
+        let shares = self.shares(label);
+        let free = self.capacity.free(label);
+        let (mut ahead, mut mine, mut taken) = (0u32, 0u32, 0u32);
+        for served in self.order(label, &shares, Some((tenant, pos)), now) {
+            if served.stands {
+                ahead += 1;
+                taken += served.entry.need;
+                if served.entry.tenant == tenant {
+                    mine += served.entry.need;
+                }
+            }
+        }
+        let t = self.tenants.get(tenant);
+        if let (Some(max), Some(room)) = (t.max_slots, shares[tenant].room) {
+            if mine >= room {
+                return Some(HeldBack::TenantLimit {
+                    tenant: t.name.clone(),
+                    max_slots: max,
+                });
+            }
+        }
+        (free > 0 && taken >= free && ahead > 0).then_some(HeldBack::Behind { requests: ahead })
+    }
+
+    /// Whether client `client` may submit one more request at `now`: its tenant's hard
+    /// limits (`max-waiting`, `max-submits-per-second`), counted over every launcher's
+    /// requests as the mirror holds them. A submit another launcher took a moment ago
+    /// may not be seen yet: the limits hold across launchers within the bus's delay.
+    pub fn admits(&self, client: Option<&UserName>, now: UnixMillis) -> Result<(), OverLimit> {
+        let index = self.tenants.of(client);
+        let tenant = self.tenants.get(index);
+        if let Some(max) = tenant.max_waiting {
+            let open = self.open_by_tenant.get(&index).copied().unwrap_or(0);
+            if open >= max {
+                return Err(OverLimit::Waiting {
+                    tenant: tenant.name.clone(),
+                    max,
+                });
+            }
+        }
+        if let Some(max) = tenant.max_submits_per_second {
+            let recent = self.submits.get(&index).map_or(0, |log| {
+                log.iter().rev().take_while(|t| **t + 1_000 > now).count()
+            });
+            if recent as f64 >= max {
+                return Err(OverLimit::Rate {
+                    tenant: tenant.name.clone(),
+                    max,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Each tenant's weight, guarantee and holdings of `label`, and its room left under
+    /// `max-slots`, for walking the label's queue.
+    fn shares(&self, label: &str) -> Vec<Share> {
+        self.tenants
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Share {
+                weight: t.weight,
+                guaranteed: t.guaranteed(label),
+                held: self.held.get(&(i, label.to_string())).copied().unwrap_or(0),
+                room: t
+                    .max_slots
+                    .map(|max| max.saturating_sub(self.held_total.get(&i).copied().unwrap_or(0))),
+            })
+            .collect()
+    }
+
+    /// `label`'s queue in serving order at `now` ([`Queue::order`]), up to the request
+    /// of tenant `tenant` at `pos` if given.
+    fn order<'a>(
+        &'a self,
+        label: &str,
+        shares: &[Share],
+        stop: Option<(usize, &'a QueuePosition)>,
+        now: UnixMillis,
+    ) -> queue::Order<'a, impl Fn(&QueuePosition, &Entry) -> bool + 'a> {
+        self.queue
+            .order(label, shares, stop, move |pos, e| self.stands(pos, e, now))
     }
 
     /// The most slots of `label` one request could hold at once: those of its backing
@@ -806,23 +1007,36 @@ impl World {
         self.capacity.total(label).saturating_add(launchable)
     }
 
-    /// Whether `need` slots of `label` are free for the request at `pos` at `now`,
-    /// beyond what the standing requests ahead of it need (counting every slot not in
-    /// use: an upper bound of what can be handed out).
-    fn fits(&self, pos: &QueuePosition, label: &str, need: u32, now: UnixMillis) -> bool {
+    /// Whether `need` slots of `label` are free for the request of tenant `tenant` at
+    /// `pos` at `now`, beyond what the standing requests before it in the serving order
+    /// need, and its tenant has room for them (counting every slot not in use: an upper
+    /// bound of what can be handed out).
+    fn fits(
+        &self,
+        tenant: usize,
+        pos: &QueuePosition,
+        label: &str,
+        need: u32,
+        now: UnixMillis,
+    ) -> bool {
         let mut avail = self.capacity.free(label);
         if avail < need {
             return false;
         }
-        for (p, e) in self.queue.ahead(label, pos) {
-            if self.stands(p, e, now) {
-                avail = avail.saturating_sub(e.need);
+        let shares = self.shares(label);
+        let mut mine = 0;
+        for served in self.order(label, &shares, Some((tenant, pos)), now) {
+            if served.stands {
+                avail = avail.saturating_sub(served.entry.need);
                 if avail < need {
                     return false;
                 }
+                if served.entry.tenant == tenant {
+                    mine += served.entry.need;
+                }
             }
         }
-        true
+        shares[tenant].room.is_none_or(|room| mine + need <= room)
     }
 
     /// Requests of a live launcher waiting for `label` since `min_age` ms before `now`
@@ -877,9 +1091,9 @@ impl World {
     }
 
     /// Calls `visit` with each request of `label`'s queue that the free slots could
-    /// serve now in the queue's order (all it needs, of every label, fits): a walk from
-    /// the head that ends where the standing requests have used up the free slots.
-    /// Counts every slot not in use as free (an upper bound of what can be handed out).
+    /// serve now in serving order (all it needs, of every label, fits): a walk from the
+    /// head that ends where the standing requests have used up the free slots. Counts
+    /// every slot not in use as free (an upper bound of what can be handed out).
     fn each_fitting(
         &self,
         label: &str,
@@ -887,23 +1101,29 @@ impl World {
         mut visit: impl FnMut(&QueuePosition, &Entry),
     ) {
         let mut avail = self.capacity.free(label);
-        for (pos, e) in self.queue.of_label(label) {
-            if avail == 0 {
-                break;
-            }
-            if e.need <= avail {
-                let rest_fits = self.queue.place_of(&pos.2).is_some_and(|(_, needs)| {
-                    needs
+        if avail == 0 {
+            return;
+        }
+        let shares = self.shares(label);
+        for served in self.order(label, &shares, None, now) {
+            let (pos, e) = (served.pos, served.entry);
+            if !served.capped && e.need <= avail {
+                let rest_fits = self.queue.place_of(&pos.2).is_some_and(|place| {
+                    place
+                        .needs
                         .iter()
                         .filter(|(l, _)| l != label)
-                        .all(|(l, need)| self.fits(pos, l, *need, now))
+                        .all(|(l, need)| self.fits(e.tenant, pos, l, *need, now))
                 });
                 if rest_fits {
                     visit(pos, e);
                 }
             }
-            if self.stands(pos, e, now) {
+            if served.stands {
                 avail = avail.saturating_sub(e.need);
+                if avail == 0 {
+                    break;
+                }
             }
         }
     }
@@ -918,7 +1138,11 @@ impl World {
         label: &str,
         now: UnixMillis,
     ) -> Option<SlotRef> {
-        self.reserve_slot_avoiding(me, label, |_| false, now)
+        let tenant = self
+            .queue
+            .place_of(&me.2)
+            .map_or(self.tenants.len() - 1, |p| p.tenant);
+        self.reserve_slot_avoiding(tenant, me, label, |_| false, now)
     }
 
     /// [`World::reserve_slot`], passing over the slot keys `avoid` names (slots whose
@@ -931,9 +1155,11 @@ impl World {
     /// key, then slot), passing over one slot for each slot needed ahead in the same
     /// lane; only when the lane has none left does it take from the others. So requests
     /// that two launchers claim for at the same time, each not yet seeing the other's,
-    /// go for different slots. Costs O(free slots + node sets not standing ahead).
+    /// go for different slots. `tenant`: the request's; a tenant at its `max-slots`
+    /// gets nothing. Costs O((free slots + node sets not standing ahead) x log tenants).
     pub fn reserve_slot_avoiding(
         &mut self,
+        tenant: usize,
         me: &QueuePosition,
         label: &str,
         avoid: impl Fn(&str) -> bool,
@@ -941,21 +1167,30 @@ impl World {
     ) -> Option<SlotRef> {
         let r = {
             let (lane, avoid): (Lane, &dyn Fn(&str) -> bool) = (self.lane(), &avoid);
-            // The free slots the standing requests ahead need, and one for this one,
-            // counted side by side so that a long queue costs no more than the free
+            // The free slots the standing requests before it need, and one for this
+            // one, counted side by side so that a long queue costs no more than the free
             // slots there are.
             let mut free = self.free_slots_in(label, avoid, |_| true);
             let mut in_my_lane = 0;
-            for (pos, e) in self.queue.ahead(label, me) {
-                if !self.stands(pos, e, now) {
+            let shares = self.shares(label);
+            let mut mine = 0;
+            for served in self.order(label, &shares, Some((tenant, me)), now) {
+                if !served.stands {
                     continue;
                 }
+                let e = served.entry;
                 for _ in 0..e.need {
                     free.next()?;
                 }
                 if e.owner.as_ref().is_none_or(|o| self.lane_of(o) == lane) {
                     in_my_lane += e.need as usize;
                 }
+                if e.tenant == tenant {
+                    mine += e.need;
+                }
+            }
+            if shares[tenant].room.is_some_and(|room| mine >= room) {
+                return None;
             }
             let last = free.next()?;
             // Those ahead in other lanes go for their own lanes' slots first.
@@ -1163,6 +1398,7 @@ pub mod tests_support {
             fulfilled_at: None,
             hold_until: None,
             nodes_failed: Vec::new(),
+            waiting: None,
         }
     }
     /// A ready node of `request` in slot `slot` of backing node `backing`, at revision 2.
@@ -1277,6 +1513,136 @@ mod tests {
 
     fn pos(p: i32, t: u64, id: &str) -> QueuePosition {
         (p, t, RequestId::parse(id).unwrap())
+    }
+
+    /// A world whose pool file has `tenants` (YAML list items, indented for the list).
+    fn with_tenants(tenants: &str) -> World {
+        let yaml = format!(
+            "providers:\n  - name: p\n    driver: local\n    pools:\n      - name: main\n        \
+             max-servers: 4\n        labels:\n          - {{name: small, backing-label: vm, \
+             max-parallel-jobs: 4}}\ntenants:\n{tenants}"
+        );
+        let config = Config::parse(std::path::Path::new("pool.yaml"), &yaml).unwrap();
+        World {
+            tenants: config.tenants.clone(),
+            me: Some(LauncherId::parse("launcher-me").unwrap()),
+            ..World::default()
+        }
+    }
+
+    fn of_client(mut r: NodeRequest, client: &str, created_at: u64) -> Versioned<NodeRequest> {
+        r.client = Some(UserName::parse(client).unwrap());
+        r.created_at = created_at;
+        r.owner = Some(LauncherId::parse("launcher-me").unwrap());
+        Versioned {
+            key: r.id.to_string(),
+            revision: 1,
+            value: r,
+        }
+    }
+
+    fn held_by(mut n: Versioned<Node>, client: &str) -> Versioned<Node> {
+        n.value.client = Some(UserName::parse(client).unwrap());
+        n
+    }
+
+    const TWO_TEAMS: &str = "  - {name: a, clients: [ci-a]}\n  - {name: b, clients: [ci-b]}\n";
+
+    #[test]
+    fn a_quieter_tenant_is_served_before_the_backlog_of_a_busier_one() {
+        let mut w = with_tenants(TWO_TEAMS);
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.put_slot(held_by(node("bn-a", 0, "req-x", "small"), "ci-a"));
+        w.put_slot(held_by(node("bn-a", 1, "req-y", "small"), "ci-a"));
+        for t in 1..=5 {
+            w.put_request(of_client(
+                request(&format!("req-a{t}"), &["small"]),
+                "ci-a",
+                t,
+            ));
+        }
+        w.put_request(of_client(request("req-b", &["small"]), "ci-b", 10));
+        let now = 20;
+        let mut fitting = Vec::new();
+        w.each_fitting("small", now, |pos, _| fitting.push(pos.2.to_string()));
+        assert_eq!(
+            fitting,
+            ["req-b", "req-a1"],
+            "b holds none: first, though last in"
+        );
+        assert!(w
+            .reserve_slot(&pos(100, 10, "req-b"), "small", now)
+            .is_some());
+        assert_eq!(
+            w.held_back(0, &pos(100, 2, "req-a2"), "small", now),
+            Some(HeldBack::Behind { requests: 2 }),
+            "a's second request waits behind b's and a's first"
+        );
+    }
+
+    #[test]
+    fn a_tenant_at_its_max_slots_waits_and_says_so() {
+        let mut w = with_tenants("  - {name: a, clients: [ci-a], max-slots: 2}\n");
+        w.put_backing(backing("bn-a", "small", 4, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.put_slot(held_by(node("bn-a", 0, "req-x", "small"), "ci-a"));
+        w.put_slot(held_by(node("bn-a", 1, "req-y", "small"), "ci-a"));
+        w.put_request(of_client(request("req-a", &["small"]), "ci-a", 1));
+        w.put_request(of_client(request("req-z", &["small"]), "ci-z", 2));
+        assert!(w.reserve_slot(&pos(100, 1, "req-a"), "small", 5).is_none());
+        assert_eq!(
+            w.held_back(0, &pos(100, 1, "req-a"), "small", 5),
+            Some(HeldBack::TenantLimit {
+                tenant: "a".into(),
+                max_slots: 2
+            })
+        );
+        assert!(
+            w.reserve_slot(&pos(100, 2, "req-z"), "small", 5).is_some(),
+            "another tenant's later request is served meanwhile"
+        );
+        w.remove_slot(&layout::slot_key(&BackingId::parse("bn-a").unwrap(), 0), 3);
+        assert!(
+            w.reserve_slot(&pos(100, 1, "req-a"), "small", 5).is_some(),
+            "a slot given back makes room"
+        );
+    }
+
+    #[test]
+    fn hard_limits_count_open_requests_and_the_last_seconds_submits() {
+        let mut w = with_tenants(
+            "  - {name: a, clients: [ci-a], max-waiting: 2}\n  \
+             - {name: b, clients: [ci-b], max-submits-per-second: 3}\n",
+        );
+        let a = UserName::parse("ci-a").unwrap();
+        let b = UserName::parse("ci-b").unwrap();
+        w.put_request(of_client(request("req-a1", &["small"]), "ci-a", 1));
+        assert_eq!(w.admits(Some(&a), 1), Ok(()));
+        w.put_request(of_client(request("req-a2", &["small"]), "ci-a", 2));
+        assert!(matches!(
+            w.admits(Some(&a), 3),
+            Err(OverLimit::Waiting { max: 2, .. })
+        ));
+        assert_eq!(w.admits(None, 3), Ok(()), "the default tenant has no limit");
+        let mut done = of_client(request("req-a1", &["small"]), "ci-a", 1);
+        done.revision = 2;
+        done.value.state = RequestState::Canceled;
+        w.put_request(done);
+        assert_eq!(w.admits(Some(&a), 4), Ok(()), "an ended request makes room");
+
+        for t in 0..3 {
+            w.put_request(of_client(
+                request(&format!("req-b{t}"), &["small"]),
+                "ci-b",
+                1_000 + t,
+            ));
+        }
+        assert!(matches!(
+            w.admits(Some(&b), 1_500),
+            Err(OverLimit::Rate { .. })
+        ));
+        assert_eq!(w.admits(Some(&b), 2_001), Ok(()), "a second later");
     }
 
     #[test]
@@ -1774,7 +2140,7 @@ mod tests {
         assert_eq!(peek(&mut w, "small"), Some(("bn-a".into(), 0)));
         assert_eq!(w.coming_capacity("small"), 2, "never counted as free");
         assert!(
-            w.reserve_slot_avoiding(&pos(100, 1, "req-1"), "small", |k| k == "bn-a.0", 0)
+            w.reserve_slot_avoiding(0, &pos(100, 1, "req-1"), "small", |k| k == "bn-a.0", 0)
                 .is_some_and(|r| r.key() == "bn-a.1"),
             "a slot passed over moves the claim on to the node's next free one"
         );

@@ -58,6 +58,9 @@ pub enum ErrorCode {
     /// The record in question cannot be read (corrupt or written by something else);
     /// retrying does not help.
     Unreadable,
+    /// A hard limit of the caller's tenant (`max-waiting`, `max-submits-per-second`)
+    /// refused the submit; the message names the limit. Retrying later may succeed.
+    OverLimit,
     /// The subject names an operation the API does not have
     /// (`slotpool.api.v2.<client>.<op>`, `slotpool.admin.v2.<operator>.<action>`).
     UnknownOperation,

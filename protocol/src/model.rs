@@ -93,6 +93,120 @@ pub struct NodeRequest {
     /// request's until released, like the others; `status` says why the last one failed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nodes_failed: Vec<NodeId>,
+    /// Why the request waits and how long each cause has held it, written with `status`
+    /// once a wait lasts (a wait of a moment is not written); kept once it ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
+}
+
+/// Why a request waits ([`NodeRequest::waiting`]): its cause now, since when, and the
+/// time each earlier cause held it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiting {
+    pub cause: WaitCause,
+    /// When `cause` began to hold it.
+    pub since: UnixMillis,
+    /// Milliseconds each earlier cause held it, by cause (the time under `cause` now is
+    /// `updated_at - since` and more).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub held_ms: BTreeMap<WaitCause, u64>,
+}
+
+impl Waiting {
+    /// The record after the cause is `cause` at `now`: the same cause keeps its start;
+    /// another one ends the current cause's time and starts its own.
+    pub fn next(old: Option<&Waiting>, cause: WaitCause, now: UnixMillis) -> Waiting {
+        match old {
+            Some(w) if w.cause == cause => w.clone(),
+            Some(w) => {
+                let mut held_ms = w.held_ms.clone();
+                *held_ms.entry(w.cause).or_default() += now.saturating_sub(w.since);
+                Waiting {
+                    cause,
+                    since: now,
+                    held_ms,
+                }
+            }
+            None => Waiting {
+                cause,
+                since: now,
+                held_ms: BTreeMap::new(),
+            },
+        }
+    }
+
+    /// Each cause that held the request by `end` with its milliseconds, longest first:
+    /// "why did it wait", in one line ([`Waiting::summary`]).
+    pub fn breakdown(&self, end: UnixMillis) -> Vec<(WaitCause, u64)> {
+        let mut all: Vec<(WaitCause, u64)> = WaitCause::ALL
+            .into_iter()
+            .map(|c| (c, self.held(c, end)))
+            .filter(|(_, ms)| *ms > 0)
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        all
+    }
+
+    /// `booting 31.2s, behind 1.0s`: [`Waiting::breakdown`] for humans.
+    pub fn summary(&self, end: UnixMillis) -> String {
+        self.breakdown(end)
+            .iter()
+            .map(|(c, ms)| format!("{} {:.1}s", c.name(), *ms as f64 / 1000.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Milliseconds `cause` has held the request by `now`, this time and before.
+    pub fn held(&self, cause: WaitCause, now: UnixMillis) -> u64 {
+        let before = self.held_ms.get(&cause).copied().unwrap_or(0);
+        if self.cause == cause {
+            before + now.saturating_sub(self.since)
+        } else {
+            before
+        }
+    }
+}
+
+/// What holds a waiting request, for [`Waiting`] and the metrics by cause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitCause {
+    /// Requests served before it in the queue's order (a better priority, or a tenant
+    /// further below its share) take the free slots.
+    Behind,
+    /// Its tenant holds its `max-slots`.
+    TenantLimit,
+    /// A provider is out of capacity for the backing node it needs.
+    OutOfCapacity,
+    /// A backing node for it is booting.
+    Booting,
+    /// Every pool serving the label is at `max-servers`.
+    PoolsFull,
+    /// The slots are in use and nothing is coming yet.
+    Taken,
+}
+
+impl WaitCause {
+    pub const ALL: [WaitCause; 6] = [
+        WaitCause::Behind,
+        WaitCause::TenantLimit,
+        WaitCause::OutOfCapacity,
+        WaitCause::Booting,
+        WaitCause::PoolsFull,
+        WaitCause::Taken,
+    ];
+
+    /// Its name on the wire and in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            WaitCause::Behind => "behind",
+            WaitCause::TenantLimit => "tenant_limit",
+            WaitCause::OutOfCapacity => "out_of_capacity",
+            WaitCause::Booting => "booting",
+            WaitCause::PoolsFull => "pools_full",
+            WaitCause::Taken => "taken",
+        }
+    }
 }
 
 impl NodeRequest {
@@ -734,6 +848,7 @@ mod tests {
             fulfilled_at: None,
             hold_until: None,
             nodes_failed: Vec::new(),
+            waiting: None,
             client: None,
         };
         let json = serde_json::to_string(&r).unwrap();
@@ -838,5 +953,28 @@ mod tests {
             username: None,
         };
         assert_eq!(no_users.username_of(0), None);
+    }
+}
+
+#[cfg(test)]
+mod waiting_tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_keeps_its_time_across_changes() {
+        let w = Waiting::next(None, WaitCause::Booting, 1_000);
+        let w = Waiting::next(Some(&w), WaitCause::Booting, 3_000);
+        assert_eq!(w.since, 1_000, "the same cause keeps its start");
+        let w = Waiting::next(Some(&w), WaitCause::Behind, 4_000);
+        let w = Waiting::next(Some(&w), WaitCause::Booting, 4_500);
+        assert_eq!(w.held(WaitCause::Booting, 10_000), 3_000 + 5_500);
+        assert_eq!(w.held(WaitCause::Behind, 10_000), 500);
+        assert_eq!(w.summary(10_000), "booting 8.5s, behind 0.5s");
+        let json = serde_json::to_value(&w).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"cause": "booting", "since": 4_500,
+                               "held_ms": {"booting": 3_000, "behind": 500}})
+        );
     }
 }

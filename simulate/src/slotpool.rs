@@ -178,6 +178,7 @@ impl Sim<'_> {
                     fulfilled_at: None,
                     hold_until: None,
                     nodes_failed: Vec::new(),
+                    waiting: None,
                 };
                 self.waiting.push(Waiting {
                     job,

@@ -133,6 +133,7 @@ pub fn request(id: &str, labels: &[&str], state: RequestState, created_at: u64) 
         fulfilled_at: None,
         hold_until: None,
         nodes_failed: Vec::new(),
+        waiting: None,
     }
 }
 

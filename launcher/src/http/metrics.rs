@@ -56,6 +56,14 @@ struct PoolView {
     /// backing node's agent (seconds), and how many such nodes have none.
     heartbeat_age: BTreeMap<Labels, i64>,
     heartbeat_missing: BTreeMap<Labels, i64>,
+    /// Open requests by the cause their record names (`queued`: none written yet).
+    by_cause: BTreeMap<Labels, i64>,
+    /// Per tenant: slots held, its weighted share of the ready slots, its `max-slots`
+    /// (those with one), its open requests.
+    tenant_slots: BTreeMap<Labels, i64>,
+    tenant_share: BTreeMap<Labels, i64>,
+    tenant_max: BTreeMap<Labels, i64>,
+    tenant_waiting: BTreeMap<Labels, i64>,
 }
 
 /// The states a stored backing record can be in (`Gone` never is).
@@ -154,6 +162,51 @@ impl Collector {
                     .slots
                     .entry(vec![("label", b.label.clone()), ("state", state.into())])
                     .or_default() += i64::from(n);
+            }
+        }
+        view.by_cause
+            .insert(vec![("cause", "queued".to_string())], 0);
+        for cause in slotpool_protocol::model::WaitCause::ALL {
+            view.by_cause
+                .insert(vec![("cause", cause.name().to_string())], 0);
+        }
+        for id in &world.open_requests {
+            let cause = world
+                .requests
+                .get(id)
+                .and_then(|r| r.value.waiting.as_ref())
+                .map_or("queued", |w| w.cause.name());
+            *view
+                .by_cause
+                .entry(vec![("cause", cause.to_string())])
+                .or_default() += 1;
+        }
+        let ready_slots: i64 = world
+            .backing
+            .values()
+            .filter(|b| b.value.state == BackingState::Ready)
+            .map(|b| i64::from(b.value.slots))
+            .sum();
+        let tenants = world.tenants();
+        let loads: Vec<(u32, u32)> = (0..tenants.len()).map(|i| world.tenant_load(i)).collect();
+        let active_weight: u64 = tenants
+            .iter()
+            .zip(&loads)
+            .filter(|(_, (held, open))| held + open > 0)
+            .map(|(t, _)| u64::from(t.weight))
+            .sum();
+        for (t, (held, open)) in tenants.iter().zip(&loads) {
+            let name = vec![("tenant", t.name.clone())];
+            let share = if held + open > 0 && active_weight > 0 {
+                ready_slots * i64::from(t.weight) / active_weight as i64
+            } else {
+                0
+            };
+            view.tenant_slots.insert(name.clone(), i64::from(*held));
+            view.tenant_share.insert(name.clone(), share);
+            view.tenant_waiting.insert(name.clone(), i64::from(*open));
+            if let Some(max) = t.max_slots {
+                view.tenant_max.insert(name, i64::from(max));
             }
         }
         let queue = world.queue();
@@ -394,6 +447,40 @@ impl prometheus_client::collector::Collector for Collector {
             view.servable
                 .iter()
                 .map(|(l, n)| (vec![("label", l.clone())], i64::from(*n))),
+        )?;
+        gauges(
+            &mut encoder,
+            "requests_waiting_by_cause",
+            "Open requests by the cause their record says holds them (queued: waiting under 250 ms, none written yet) (pool-wide, from KV).",
+            view.by_cause,
+        )?;
+        gauges(
+            &mut encoder,
+            "tenant_slots",
+            "Slots the tenant's nodes hold (pool-wide, from KV).",
+            view.tenant_slots,
+        )?;
+        gauges(
+            &mut encoder,
+            "tenant_share_slots",
+            "The tenant's weighted share of the ready backing nodes' slots among the tenants holding or waiting (0 for one that does neither) (pool-wide, from KV).",
+            view.tenant_share,
+        )?;
+        gauges(
+            &mut encoder,
+            "tenant_max_slots",
+            "The tenant's max-slots, for the tenants with one (configuration).",
+            view.tenant_max,
+        )?;
+        gauges(
+            &mut encoder,
+            "tenant_requests_waiting",
+            "The tenant's open requests (pool-wide, from KV).",
+            view.tenant_waiting,
+        )?;
+        crate::metrics::encode_tenant_waits(
+            &mut encoder,
+            self.0.config.tenants.iter().map(|t| t.name.as_str()),
         )?;
         PROCESS.boot.encode(
             &mut encoder,

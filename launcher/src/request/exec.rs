@@ -105,10 +105,15 @@ pub async fn carry_out(
             Ok(After::Again)
         }
         RequestStep::Pause { until } => Ok(After::Pause(until)),
-        RequestStep::Wait { until, status, .. } => {
+        RequestStep::Wait {
+            until,
+            status,
+            waiting,
+            ..
+        } => {
             memory.waiting_since.get_or_insert_with(now_ms);
             if let Some(status) = status {
-                set_status(sh, req, status).await?;
+                set_status(sh, req, status, waiting).await?;
             }
             Ok(After::Wait { until })
         }
@@ -118,7 +123,7 @@ pub async fn carry_out(
             let held = done.hold_deadline().is_some();
             let noted = done.clone();
             finish(sh, req, done).await?;
-            note_fulfilled(&noted);
+            note_fulfilled(sh, &noted);
             Ok(if held { After::Again } else { After::Stop })
         }
     }
@@ -142,8 +147,10 @@ pub fn fulfilled(
 }
 
 /// Counts and logs a fulfilment once its write is acknowledged.
-pub fn note_fulfilled(done: &NodeRequest) {
+pub fn note_fulfilled(sh: &Shared, done: &NodeRequest) {
+    let tenants = &sh.config.tenants;
     metrics::fulfilled(
+        &tenants.get(tenants.of(done.client.as_ref())).name,
         done.created_at,
         done.fulfilled_at.unwrap_or(done.created_at),
     );
@@ -338,9 +345,13 @@ async fn set_status(
     sh: &Shared,
     req: &Versioned<NodeRequest>,
     status: String,
+    waiting: Option<slotpool_protocol::model::Waiting>,
 ) -> Result<(), SlotError> {
     let mut r = req.value.clone();
     r.status = status;
+    if waiting.is_some() {
+        r.waiting = waiting;
+    }
     r.updated_at = now_ms();
     let revision = sh
         .bus

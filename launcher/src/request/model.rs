@@ -489,11 +489,17 @@ impl Model {
                 After::Again
             }
             RequestStep::Pause { .. } => After::Again,
-            RequestStep::Wait { until, status, .. } => {
+            RequestStep::Wait {
+                until,
+                status,
+                waiting,
+                ..
+            } => {
                 memory.waiting_since.get_or_insert(self.now);
                 if let Some(status) = status {
                     let mut r2 = r.clone();
                     r2.status = status;
+                    r2.waiting = waiting;
                     if self.write_request(l, req, r2).is_err() {
                         return After::Again;
                     }

@@ -7,7 +7,7 @@ use super::plan::{self, NodeSeen, Observed, UnknownLabel, WaitCause};
 use crate::config::Config;
 use crate::release::claimed_for;
 use crate::shared::Shared;
-use crate::world::{QueuePosition, World};
+use crate::world::{HeldBack, QueuePosition, World};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{BackingState, NodeRequest};
 use slotpool_protocol::time::UnixMillis;
@@ -108,6 +108,7 @@ pub fn look_in(
     let mut launch_failures = BTreeMap::new();
     if !r.state.is_final() && unknown.is_none() {
         let pos = position(r);
+        let tenant = world.tenant_of(r);
         for (index, label) in r.labels.iter().enumerate() {
             let index = index as u32;
             if nodes.iter().any(|n| n.index == index) {
@@ -119,12 +120,19 @@ pub fn look_in(
                     .get(key)
                     .is_some_and(|until| *until > now)
             };
-            match world.reserve_slot_avoiding(&pos, label, lost, now) {
+            match world.reserve_slot_avoiding(tenant, &pos, label, lost, now) {
                 Some(slot) => {
                     reserved.insert(index, slot);
                 }
                 None if !causes.contains_key(label) => {
-                    causes.insert(label.clone(), wait_cause(config, world, label));
+                    let cause = match world.held_back(tenant, &pos, label, now) {
+                        Some(HeldBack::TenantLimit { tenant, max_slots }) => {
+                            WaitCause::TenantLimit { tenant, max_slots }
+                        }
+                        Some(HeldBack::Behind { requests }) => WaitCause::Behind { requests },
+                        None => wait_cause(config, world, label),
+                    };
+                    causes.insert(label.clone(), cause);
                     if let Some(why) = launch_failure(world, r, label) {
                         launch_failures.insert(label.clone(), why);
                     }

@@ -5,7 +5,7 @@
 //! submit fast path asks the same question of a request it is creating.
 
 use crate::world::SlotRef;
-use slotpool_protocol::model::{NodeRequest, NodeState, RequestState};
+use slotpool_protocol::model::{NodeRequest, NodeState, RequestState, Waiting};
 use slotpool_protocol::time::{after, UnixMillis};
 use slotpool_protocol::{LauncherId, NodeId};
 use std::collections::BTreeMap;
@@ -78,8 +78,28 @@ pub enum WaitCause {
     Booting { backing_label: String },
     /// Every pool serving the label is at max-servers.
     PoolsFull,
+    /// Its tenant holds its `max-slots`.
+    TenantLimit { tenant: String, max_slots: u32 },
+    /// There are free slots, but `requests` served before it in the queue's order take
+    /// them (a better priority, or a tenant further below its share).
+    Behind { requests: u32 },
     /// None of the above: slots are taken.
     Taken,
+}
+
+impl WaitCause {
+    /// What the record and the metrics call it.
+    pub fn kind(&self) -> slotpool_protocol::model::WaitCause {
+        use slotpool_protocol::model::WaitCause as Kind;
+        match self {
+            WaitCause::OutOfCapacity { .. } => Kind::OutOfCapacity,
+            WaitCause::Booting { .. } => Kind::Booting,
+            WaitCause::PoolsFull => Kind::PoolsFull,
+            WaitCause::TenantLimit { .. } => Kind::TenantLimit,
+            WaitCause::Behind { .. } => Kind::Behind,
+            WaitCause::Taken => Kind::Taken,
+        }
+    }
 }
 
 /// A label of the request no configured pool serves.
@@ -150,6 +170,8 @@ pub enum RequestStep {
         missing: Vec<String>,
         until: Option<UnixMillis>,
         status: Option<String>,
+        /// With `status`: the record of why it waits, to write with it.
+        waiting: Option<Waiting>,
     },
     /// Every label has a prepared node: write the request fulfilled with these nodes,
     /// to be reclaimed at `hold_until` (a label's `max-hold-time`) if they are still held.
@@ -315,13 +337,22 @@ pub fn next(r: &NodeRequest, obs: &Observed, now: UnixMillis) -> RequestStep {
             missing,
             until: min_opt(Some(status_at), deadline),
             status: None,
+            waiting: None,
         };
     }
     let status = waiting_status(r, &missing, &obs.causes);
+    let cause = obs
+        .causes
+        .get(&missing[0])
+        .unwrap_or(&WaitCause::Taken)
+        .kind();
+    let waiting = Waiting::next(r.waiting.as_ref(), cause, now);
+    let news = status != r.status || r.waiting.as_ref() != Some(&waiting);
     RequestStep::Wait {
         missing,
         until: deadline,
-        status: (status != r.status).then_some(status),
+        status: news.then_some(status),
+        waiting: news.then_some(waiting),
     }
 }
 
@@ -398,6 +429,12 @@ pub fn waiting_status(
         WaitCause::PoolsFull => format!(
             "waiting for a free slot of {label}: every pool serving it is at max-servers {progress}"
         ),
+        WaitCause::TenantLimit { tenant, max_slots } => format!(
+            "waiting: tenant {tenant} holds its max-slots of {max_slots} {progress}"
+        ),
+        WaitCause::Behind { requests } => format!(
+            "waiting behind {requests} request(s) served first for the free slots of {label} {progress}"
+        ),
         WaitCause::Taken => format!("waiting for a free slot of {label} {progress}"),
     }
 }
@@ -405,6 +442,7 @@ pub fn waiting_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use slotpool_protocol::model::WaitCause as Kind;
     use slotpool_protocol::BackingId;
 
     const NOW: UnixMillis = 10_000;
@@ -640,12 +678,14 @@ mod tests {
         o.waiting_since = Some(1_000);
         let status = "waiting for a free slot of a (0 of 1 slots assigned)";
         r.status = status.into();
+        r.waiting = Some(Waiting::next(None, Kind::Taken, 1_000));
         assert_eq!(
             next(&r, &o, 5_999),
             RequestStep::Wait {
                 missing: keys(&["a"]),
                 until: Some(6_000),
                 status: None,
+                waiting: None,
             }
         );
     }
@@ -719,6 +759,7 @@ mod tests {
                 missing: keys(&["b"]),
                 until: Some(NOW + STATUS_DELAY.as_millis() as u64),
                 status: None,
+                waiting: None,
             },
             "the free slots of a stay free for others; it queues for b alone"
         );
@@ -830,6 +871,7 @@ mod tests {
                 missing: keys(&["a"]),
                 until: Some(NOW + STATUS_DELAY.as_millis() as u64),
                 status: None,
+                waiting: None,
             }
         );
     }
@@ -1155,6 +1197,7 @@ mod tests {
         r.keep_alive_secs = Some(10);
         r.alive_until = Some(NOW + 500);
         r.status = "waiting for a backing node of vm to boot (1 of 2 slots assigned)".into();
+        r.waiting = Some(Waiting::next(None, Kind::Booting, 1_000));
         let mut o = observed();
         o.nodes = vec![node(0, 0, NodeState::Ready, true)];
         o.causes.insert("b".into(), booting());
@@ -1165,6 +1208,7 @@ mod tests {
                 missing: keys(&["b"]),
                 until: Some(NOW + 500),
                 status: None,
+                waiting: None,
             },
             "woken by a timer at the lapse"
         );
@@ -1192,6 +1236,7 @@ mod tests {
                 missing: keys(&["a"]),
                 until: Some(NOW - 100 + STATUS_DELAY.as_millis() as u64),
                 status: None,
+                waiting: None,
             }
         );
     }
@@ -1216,7 +1261,47 @@ mod tests {
                 status: Some(
                     "waiting for a backing node of large to boot (1 of 2 slots assigned)".into()
                 ),
+                waiting: Some(Waiting::next(None, Kind::Booting, NOW)),
             }
+        );
+    }
+
+    #[test]
+    fn a_new_cause_is_written_with_the_time_the_last_one_held_the_request() {
+        let mut r = request(&["a"]);
+        r.status = "waiting for a free slot of a (0 of 1 slots assigned)".into();
+        r.waiting = Some(Waiting::next(None, Kind::Taken, 1_000));
+        let mut o = observed();
+        o.waiting_since = Some(1_000);
+        o.causes
+            .insert("a".into(), WaitCause::Behind { requests: 3 });
+        let RequestStep::Wait {
+            status: Some(status),
+            waiting: Some(waiting),
+            ..
+        } = next(&r, &o, 4_000)
+        else {
+            panic!("a new cause is written");
+        };
+        assert_eq!(
+            status,
+            "waiting behind 3 request(s) served first for the free slots of a (0 of 1 slots assigned)"
+        );
+        assert_eq!((waiting.cause, waiting.since), (Kind::Behind, 4_000));
+        assert_eq!(waiting.held(Kind::Taken, 9_000), 3_000);
+        assert_eq!(waiting.held(Kind::Behind, 9_000), 5_000);
+        r.status = status;
+        r.waiting = Some(waiting);
+        assert!(
+            matches!(
+                next(&r, &o, 6_000),
+                RequestStep::Wait {
+                    status: None,
+                    waiting: None,
+                    ..
+                }
+            ),
+            "the same cause later is not written again"
         );
     }
 
@@ -1224,6 +1309,7 @@ mod tests {
     fn a_status_already_written_is_not_written_again() {
         let mut r = request(&["a"]);
         r.status = "waiting for a free slot of a (0 of 1 slots assigned)".into();
+        r.waiting = Some(Waiting::next(None, Kind::Taken, 1_000));
         let mut o = observed();
         o.waiting_since = Some(1_000);
         assert_eq!(
@@ -1232,6 +1318,7 @@ mod tests {
                 missing: keys(&["a"]),
                 until: None,
                 status: None,
+                waiting: None,
             }
         );
     }
@@ -1282,6 +1369,7 @@ mod tests {
                 missing: missing.clone(),
                 until: None,
                 status: None,
+                waiting: None,
             },
         ];
         for step in queued {
