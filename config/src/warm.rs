@@ -7,8 +7,10 @@
 //! once, kept for its label's window. A launcher's mirror of requests holds only open
 //! ones (a finished request leaves it at once), so it cannot be counted instead.
 
+use crate::tenants::Tenants;
 use crate::{Config, Warm};
 use slotpool_protocol::time::UnixMillis;
+use slotpool_protocol::UserName;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -55,17 +57,47 @@ pub struct WarmRule {
 }
 
 impl WarmRule {
-    /// The label's `min-ready`, or, with a `warm-window`, the [`predicted_ready`] slots
-    /// of the recent arrivals if more. `arrivals` is asked only with a `warm-window`.
-    pub fn target(&self, arrivals: impl FnOnce(&Warm) -> u32) -> u32 {
+    /// The label's `min-ready`, or, with a `warm-window`, the slots the recent arrivals
+    /// predict if more ([`predicted_by_tenant`]). `arrivals` is asked only with a
+    /// `warm-window`: the arrivals in it by tenant, each with the tenant's weight.
+    pub fn target(&self, arrivals: impl FnOnce(&Warm) -> Vec<TenantArrivals>) -> u32 {
         match self.warm {
             Some((warm, bound)) => {
                 self.min_ready
-                    .max(predicted_ready(arrivals(&warm), &warm, bound))
+                    .max(predicted_by_tenant(&arrivals(&warm), &warm, bound))
             }
             None => self.min_ready,
         }
     }
+}
+
+/// One tenant's arrivals in a label's window, and its weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenantArrivals {
+    pub count: u32,
+    pub weight: u32,
+}
+
+/// The slots to keep ready for the arrivals of several tenants: each tenant's
+/// [`predicted_ready`] at its own rate, at most its weighted share of `bound` among the
+/// tenants that arrived, summed (at most `bound`). A tenant alone gets what its rate
+/// says, as with no tenants; one tenant's flood buys at most its share of warm slots,
+/// never the others'.
+pub fn predicted_by_tenant(arrivals: &[TenantArrivals], warm: &Warm, bound: u32) -> u32 {
+    let weights: u64 = arrivals
+        .iter()
+        .filter(|a| a.count > 0)
+        .map(|a| u64::from(a.weight))
+        .sum();
+    let total: u64 = arrivals
+        .iter()
+        .filter(|a| a.count > 0)
+        .map(|a| {
+            let share = (u64::from(bound) * u64::from(a.weight)).div_ceil(weights.max(1));
+            u64::from(predicted_ready(a.count, warm, bound)).min(share)
+        })
+        .sum();
+    total.min(u64::from(bound)) as u32
 }
 
 impl Config {
@@ -79,14 +111,18 @@ impl Config {
 }
 
 /// Free slots of `label` to keep ready ([`WarmRule::target`]).
-pub fn ready_target(config: &Config, label: &str, arrivals: impl FnOnce(&Warm) -> u32) -> u32 {
+pub fn ready_target(
+    config: &Config,
+    label: &str,
+    arrivals: impl FnOnce(&Warm) -> Vec<TenantArrivals>,
+) -> u32 {
     config.warm_rule(label).target(arrivals)
 }
 
 /// [`ready_target`] from an arrival log at `now`.
 pub fn ready_from(config: &Config, label: &str, arrivals: &Arrivals, now: UnixMillis) -> u32 {
     ready_target(config, label, |warm| {
-        arrivals.count(label, warm.window, now)
+        arrivals.by_tenant(label, warm.window, now)
     })
 }
 
@@ -108,30 +144,40 @@ pub fn ready_falls_at(
 /// its record is seen (every revision, and again after a reload), for the labels that
 /// set a `warm-window`; an arrival is forgotten once it is a window older than the
 /// newest one seen, so the log holds one window of arrivals, not every request served.
+/// One label's arrivals: (creation time, id hash) → (nodes of the label, tenant index).
+type ArrivalLog = BTreeMap<(UnixMillis, u64), (u32, usize)>;
+
 #[derive(Clone, Debug, Default)]
 pub struct Arrivals {
     /// Labels counted, with their window.
     windows: HashMap<String, Duration>,
-    /// By label: (creation time, a hash of the request id) → the request's nodes of it.
-    by_label: HashMap<String, BTreeMap<(UnixMillis, u64), u32>>,
+    /// By label: (creation time, a hash of the request id) → the request's nodes of it
+    /// and its tenant (by index in `tenants`).
+    by_label: HashMap<String, ArrivalLog>,
+    /// Whose each request is, and the tenants' weights.
+    tenants: Tenants,
 }
 
 impl Arrivals {
     /// A log of the labels of `config` that set a `warm-window`.
     pub fn of(config: &Config) -> Arrivals {
-        Arrivals::counting(
-            config
-                .label_names()
-                .into_iter()
-                .filter_map(|label| Some((label.to_string(), config.warm(label)?.0.window))),
-        )
+        Arrivals {
+            tenants: config.tenants.clone(),
+            ..Arrivals::counting(
+                config
+                    .label_names()
+                    .into_iter()
+                    .filter_map(|label| Some((label.to_string(), config.warm(label)?.0.window))),
+            )
+        }
     }
 
-    /// A log of the given labels, each with its window.
+    /// A log of the given labels, each with its window, every request in one tenant.
     pub fn counting(windows: impl IntoIterator<Item = (String, Duration)>) -> Arrivals {
         Arrivals {
             windows: windows.into_iter().collect(),
             by_label: HashMap::new(),
+            tenants: Tenants::default(),
         }
     }
 
@@ -140,11 +186,19 @@ impl Arrivals {
         self.windows.is_empty()
     }
 
-    /// Records request `id`, asking for `labels`, created at `created_at`.
-    pub fn note(&mut self, id: &str, labels: &[String], created_at: UnixMillis) {
+    /// Records request `id` of client `client`, asking for `labels`, created at
+    /// `created_at`.
+    pub fn note(
+        &mut self,
+        id: &str,
+        client: Option<&UserName>,
+        labels: &[String],
+        created_at: UnixMillis,
+    ) {
         if self.windows.is_empty() {
             return;
         }
+        let tenant = self.tenants.of(client);
         let mut hasher = DefaultHasher::new();
         id.hash(&mut hasher);
         let key = (created_at, hasher.finish());
@@ -154,7 +208,7 @@ impl Arrivals {
                 continue;
             }
             let log = self.by_label.entry(label.clone()).or_default();
-            log.insert(key, n);
+            log.insert(key, (n, tenant));
             let newest = log.last_key_value().map_or(created_at, |((t, _), _)| *t);
             let cutoff = newest.saturating_sub(millis(*window));
             if log
@@ -168,7 +222,26 @@ impl Arrivals {
 
     /// Nodes of `label` asked for by requests created in (`now` - `window`, `now`].
     pub fn count(&self, label: &str, window: Duration, now: UnixMillis) -> u32 {
-        self.in_window(label, window, now).map(|(_, n)| *n).sum()
+        self.in_window(label, window, now)
+            .map(|(_, (n, _))| *n)
+            .sum()
+    }
+
+    /// [`Arrivals::count`] by tenant (those with none left out), with their weights.
+    pub fn by_tenant(&self, label: &str, window: Duration, now: UnixMillis) -> Vec<TenantArrivals> {
+        let mut counts = vec![0u32; self.tenants.len()];
+        for (_, (n, tenant)) in self.in_window(label, window, now) {
+            counts[*tenant] += n;
+        }
+        counts
+            .into_iter()
+            .enumerate()
+            .filter(|(_, count)| *count > 0)
+            .map(|(i, count)| TenantArrivals {
+                count,
+                weight: self.tenants.get(i).weight,
+            })
+            .collect()
     }
 
     /// The creation time of the oldest request [`Arrivals::count`] counts.
@@ -183,7 +256,7 @@ impl Arrivals {
         label: &str,
         window: Duration,
         now: UnixMillis,
-    ) -> impl Iterator<Item = (&(UnixMillis, u64), &u32)> {
+    ) -> impl Iterator<Item = (&(UnixMillis, u64), &(u32, usize))> {
         let since = now.saturating_sub(millis(window));
         self.by_label
             .get(label)
@@ -214,6 +287,76 @@ mod tests {
         Config::parse(std::path::Path::new("pool.yaml"), &text).unwrap()
     }
 
+    fn one(count: u32) -> Vec<TenantArrivals> {
+        vec![TenantArrivals { count, weight: 1 }]
+    }
+
+    #[test]
+    fn a_flooding_tenant_buys_at_most_its_share_of_warm_slots() {
+        let w = warm(600, 60);
+        let (flood, quiet) = (
+            TenantArrivals {
+                count: 6_000,
+                weight: 1,
+            },
+            TenantArrivals {
+                count: 60,
+                weight: 1,
+            },
+        );
+        assert_eq!(
+            predicted_by_tenant(&[flood], &w, 100),
+            100,
+            "alone: its rate"
+        );
+        assert_eq!(
+            predicted_by_tenant(&[quiet], &w, 100),
+            9,
+            "as with no tenants"
+        );
+        assert_eq!(
+            predicted_by_tenant(&[flood, quiet], &w, 100),
+            50 + 9,
+            "the flood is held to half the bound, the quiet one keeps its 9"
+        );
+        let heavy = TenantArrivals {
+            count: 6_000,
+            weight: 3,
+        };
+        assert_eq!(predicted_by_tenant(&[heavy, quiet], &w, 100), 75 + 9);
+        assert_eq!(predicted_by_tenant(&[], &w, 100), 0);
+    }
+
+    #[test]
+    fn arrivals_are_counted_by_tenant() {
+        let text = format!(
+            "{}tenants:\n  - {{name: a, clients: [ci-a], weight: 2}}\n",
+            POOLS_WARM
+        );
+        let config = Config::parse(std::path::Path::new("pool.yaml"), &text).unwrap();
+        let mut log = Arrivals::of(&config);
+        let small = vec!["small".to_string()];
+        let a = UserName::parse("ci-a").unwrap();
+        log.note("req-1", Some(&a), &small, 1_000);
+        log.note("req-2", Some(&a), &small, 2_000);
+        log.note("req-3", None, &small, 3_000);
+        assert_eq!(
+            log.by_tenant("small", Duration::from_secs(300), 3_000),
+            [
+                TenantArrivals {
+                    count: 2,
+                    weight: 2
+                },
+                TenantArrivals {
+                    count: 1,
+                    weight: 1
+                }
+            ]
+        );
+    }
+
+    const POOLS_WARM: &str = "providers:\n  - name: p\n    driver: local\n    pools:\n      - name: main\n        max-servers: 2\n        labels:\n          - {name: small, backing-label: vm, max-parallel-jobs: 4, warm-window: 300}\n";
+
     #[test]
     fn predicted_ready_covers_the_arrivals_of_one_lead_at_the_recent_rate() {
         let w = warm(600, 60);
@@ -241,13 +384,13 @@ mod tests {
         assert_eq!(ready_target(&off, "small", |_| panic!("not asked")), 2);
         let on = config("            warm-window: 600\n");
         assert_eq!(
-            ready_target(&on, "small", |_| 0),
+            ready_target(&on, "small", |_| one(0)),
             2,
             "min-ready stays the floor"
         );
-        assert_eq!(ready_target(&on, "small", |_| 60), 9);
+        assert_eq!(ready_target(&on, "small", |_| one(60)), 9);
         assert_eq!(
-            ready_target(&on, "small", |_| 100_000),
+            ready_target(&on, "small", |_| one(100_000)),
             20,
             "10 servers x 2 slots"
         );
@@ -260,13 +403,13 @@ mod tests {
         let small = vec!["small".to_string()];
         let two = vec!["small".to_string(), "small".to_string()];
         let big = vec!["big".to_string()];
-        log.note("req-1", &small, 1_000);
-        log.note("req-2", &two, 500_000);
-        log.note("req-3", &big, 550_000);
-        log.note("req-4", &small, 600_000);
+        log.note("req-1", None, &small, 1_000);
+        log.note("req-2", None, &two, 500_000);
+        log.note("req-3", None, &big, 550_000);
+        log.note("req-4", None, &small, 600_000);
         // Every revision of a request, and a reload, deliver it again: counted once.
-        log.note("req-4", &small, 600_000);
-        log.note("req-5", &small, 700_000);
+        log.note("req-4", None, &small, 600_000);
+        log.note("req-5", None, &small, 700_000);
         let window = Duration::from_secs(300);
         // At 600 s the window is (300 s, 600 s]: two nodes of one request and one more.
         assert_eq!(log.count("small", window, 600_000), 3);
@@ -293,7 +436,7 @@ mod tests {
         let mut log = Arrivals::of(&config("            warm-window: 10\n"));
         let small = vec!["small".to_string()];
         for i in 0..10_000u64 {
-            log.note(&format!("req-{i}"), &small, i * 100);
+            log.note(&format!("req-{i}"), None, &small, i * 100);
         }
         let held = log.by_label["small"].len();
         assert!(
@@ -301,7 +444,7 @@ mod tests {
             "the log holds one window, not every request: {held}"
         );
         let mut off = Arrivals::of(&config(""));
-        off.note("req-1", &small, 1_000);
+        off.note("req-1", None, &small, 1_000);
         assert!(off.is_empty() && off.by_label.is_empty(), "nothing counted");
     }
 }

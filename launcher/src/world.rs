@@ -242,8 +242,12 @@ impl World {
     // again later: a change older than what is held is ignored.
 
     pub fn put_request(&mut self, r: Versioned<NodeRequest>) {
-        self.arrivals
-            .note(r.value.id.as_str(), &r.value.labels, r.value.created_at);
+        self.arrivals.note(
+            r.value.id.as_str(),
+            r.value.client.as_ref(),
+            &r.value.labels,
+            r.value.created_at,
+        );
         if self
             .requests
             .get(&r.value.id)

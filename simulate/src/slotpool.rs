@@ -154,8 +154,12 @@ impl Sim<'_> {
         match event {
             Event::Arrive(job) => {
                 self.ledger.arrived(self.now);
-                self.arrivals
-                    .note(&format!("req-{job}"), &self.jobs[job].labels, self.now);
+                self.arrivals.note(
+                    &format!("req-{job}"),
+                    None,
+                    &self.jobs[job].labels,
+                    self.now,
+                );
                 let record = NodeRequest {
                     v: slotpool_protocol::PROTOCOL_VERSION,
                     id: RequestId::parse(&format!("req-{job}")).expect("a valid id"),

@@ -331,7 +331,7 @@ impl Index {
         let mut arrivals = rules.arrivals();
         if !arrivals.is_empty() {
             for (_, r) in mirror.requests() {
-                arrivals.note(r.id.as_str(), &r.labels, r.created_at);
+                arrivals.note(r.id.as_str(), r.client.as_ref(), &r.labels, r.created_at);
             }
         }
         let mut index = Index {
@@ -708,8 +708,11 @@ impl<'a> Facts<'a> {
                 };
                 let rules = self.rules.label(&b.provider, &b.pool, &b.label);
                 let ready = rules.map_or(0, |r| {
-                    r.ready()
-                        .target(|warm| self.index.arrivals.count(&b.label, warm.window, self.now))
+                    r.ready().target(|warm| {
+                        self.index
+                            .arrivals
+                            .by_tenant(&b.label, warm.window, self.now)
+                    })
                 });
                 match rules {
                     Some(_) if ready > 0 && self.free_ahead(b) < ready => {
