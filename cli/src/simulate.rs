@@ -294,5 +294,28 @@ fn print_reports(reports: &[Report]) {
             ],
             &rows,
         );
+        let f = &r.fairness;
+        if !f.tenants.is_empty() {
+            println!(
+                "\n{} by tenant (Jain's index over {} contended minutes: mean {:.3}, min {:.3}):",
+                name(r),
+                f.contended_windows,
+                f.jain_mean.unwrap_or(1.0),
+                f.jain_min.unwrap_or(1.0)
+            );
+            let rows: Vec<Vec<String>> = f
+                .tenants
+                .iter()
+                .map(|t| {
+                    vec![
+                        t.tenant.clone(),
+                        t.jobs.to_string(),
+                        format!("{:.0}", t.wait_p50_secs),
+                        format!("{:.0}", t.wait_p95_secs),
+                    ]
+                })
+                .collect();
+            print_table(&["tenant", "jobs", "wait p50 (s)", "wait p95 (s)"], &rows);
+        }
     }
 }

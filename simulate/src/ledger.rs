@@ -26,7 +26,24 @@ pub struct Ledger {
     waits: Vec<(u64, u64)>,
     arrivals: Vec<u64>,
     unserved: usize,
+    /// Each served job's tenant, from arrival to end: for the report by tenant.
+    spans: Vec<TenantSpan>,
 }
+
+/// A served job of a tenant: when it arrived, started and ended (ms from the start of
+/// simulated time), and the slots it held.
+#[derive(Clone, Debug)]
+struct TenantSpan {
+    tenant: String,
+    weight: u32,
+    arrival: u64,
+    start: u64,
+    end: u64,
+    slots: usize,
+}
+
+/// Width of the windows Jain's fairness index is taken over.
+pub const FAIRNESS_WINDOW_MS: u64 = 60_000;
 
 fn spread(bins: &mut Vec<f64>, from: u64, to: u64, weight: f64) {
     let (from, to) = (from - EPOCH_MS, to - EPOCH_MS);
@@ -103,6 +120,81 @@ impl Ledger {
         self.waits.push((arrival - EPOCH_MS, at - arrival));
     }
 
+    /// A job of tenant `tenant` (weight `weight`) that arrived at `arrival` held `slots`
+    /// slots from `start` to `end`.
+    pub fn tenant_job(
+        &mut self,
+        tenant: &str,
+        weight: u32,
+        arrival: u64,
+        start: u64,
+        end: u64,
+        slots: usize,
+    ) {
+        self.spans.push(TenantSpan {
+            tenant: tenant.to_string(),
+            weight,
+            arrival: arrival - EPOCH_MS,
+            start: start - EPOCH_MS,
+            end: end - EPOCH_MS,
+            slots,
+        });
+    }
+
+    /// Each tenant's jobs and waits, and Jain's index over the contended windows.
+    fn fairness(&self) -> Fairness {
+        let mut by_tenant: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for s in &self.spans {
+            by_tenant
+                .entry(&s.tenant)
+                .or_default()
+                .push(s.start - s.arrival);
+        }
+        let tenants = by_tenant
+            .into_iter()
+            .map(|(name, mut waits)| {
+                waits.sort_unstable();
+                TenantReport {
+                    tenant: name.to_string(),
+                    jobs: waits.len(),
+                    wait_p50_secs: quantile(&waits, 0.5),
+                    wait_p95_secs: quantile(&waits, 0.95),
+                }
+            })
+            .collect::<Vec<_>>();
+        let end = self.spans.iter().map(|s| s.end).max().unwrap_or(0);
+        let mut indices = Vec::new();
+        let mut from = 0;
+        while tenants.len() > 1 && from < end {
+            let to = from + FAIRNESS_WINDOW_MS;
+            let overlap = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from));
+            // Contended: some job waited in the window.
+            if self.spans.iter().any(|s| overlap(s.arrival, s.start) > 0) {
+                let mut x: BTreeMap<&str, f64> = BTreeMap::new();
+                for s in self.spans.iter().filter(|s| overlap(s.arrival, s.end) > 0) {
+                    *x.entry(&s.tenant).or_default() +=
+                        (overlap(s.start, s.end) as f64 * s.slots as f64) / f64::from(s.weight);
+                }
+                let (sum, squares) = x.values().fold((0.0, 0.0), |(a, b), v| (a + v, b + v * v));
+                if x.len() > 1 && squares > 0.0 {
+                    indices.push(sum * sum / (x.len() as f64 * squares));
+                }
+            }
+            from = to;
+        }
+        Fairness {
+            jain_mean: (!indices.is_empty())
+                .then(|| indices.iter().sum::<f64>() / indices.len() as f64),
+            jain_min: indices.iter().copied().reduce(f64::min),
+            contended_windows: indices.len(),
+            tenants: if tenants.len() > 1 {
+                tenants
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
     pub fn unserved(&mut self, n: usize) {
         self.unserved += n;
     }
@@ -149,6 +241,7 @@ impl Ledger {
             })
             .collect();
         Report {
+            fairness: self.fairness(),
             policy,
             jobs: self.arrivals.len(),
             unserved: self.unserved,
@@ -217,6 +310,8 @@ pub struct Report {
     pub wait_p99_secs: f64,
     pub wait_max_secs: f64,
     pub hours: Vec<HourRow>,
+    /// By tenant, when the trace names more than one.
+    pub fairness: Fairness,
     /// For the plot; not in the JSON.
     #[serde(skip)]
     pub series: Series,
@@ -241,6 +336,26 @@ pub struct Series {
     pub busy_slots: Vec<f64>,
     /// Every served job's wait, sorted.
     pub waits_secs: Vec<f64>,
+}
+
+/// How the tenants of a trace fared: each one's waits, and Jain's fairness index of
+/// their weighted slot-time over the one-minute windows in which some job waited (1:
+/// every tenant active in the window got the same slot-time per weight; 1/n: one got
+/// all).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Fairness {
+    pub tenants: Vec<TenantReport>,
+    pub jain_mean: Option<f64>,
+    pub jain_min: Option<f64>,
+    pub contended_windows: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TenantReport {
+    pub tenant: String,
+    pub jobs: usize,
+    pub wait_p50_secs: f64,
+    pub wait_p95_secs: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]

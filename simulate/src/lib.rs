@@ -256,6 +256,7 @@ mod tests {
             arrival_ms: arrival_secs * 1000,
             labels: vec!["small".into()],
             duration_ms: duration_secs * 1000,
+            tenant: None,
         }
     }
 
@@ -433,6 +434,7 @@ mod tests {
             arrival_ms: 0,
             labels: vec!["big".into(), "small".into(), "small".into()],
             duration_ms: 100_000,
+            tenant: None,
         }];
         let r = run(&jobs, &setup(2, &jobs, fixed_boot()), Policy::Slotpool).unwrap();
         assert_eq!(r.backing_nodes_launched, 2);
@@ -450,6 +452,7 @@ mod tests {
                 arrival_ms: 1_000_000,
                 labels: vec!["small".into(); 10],
                 duration_ms: 600_000,
+                tenant: None,
             },
         ];
         let mut s = setup(2, &jobs, fixed_boot());
@@ -495,5 +498,107 @@ mod tests {
         }];
         let err = run(&other, &s, Policy::Slotpool).unwrap_err().to_string();
         assert!(err.contains("label \"gpu\""), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod tenant_tests {
+    use super::*;
+
+    /// Jobs of `tenant` arriving at `per_min` a minute from `from` to `to` seconds, each
+    /// one node of `small` for a lognormal time around five minutes.
+    fn arrivals(tenant: &str, per_min: f64, from: f64, to: f64, rng: &mut rng::Rng) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        let mut t = from;
+        loop {
+            t += rng.exponential(per_min / 60.0);
+            if t >= to {
+                return jobs;
+            }
+            jobs.push(Job {
+                arrival_ms: (t * 1000.0) as u64,
+                labels: vec!["small".into()],
+                duration_ms: (rng.lognormal(300.0, 0.5) * 1000.0) as u64,
+                tenant: Some(tenant.into()),
+            });
+        }
+    }
+
+    /// Three teams, each asking for about 6 of the pool's 40 slots on average over six
+    /// hours; in the second hour team a floods at ten times its rate (about 60 slots
+    /// wanted). Under first come, first served, the flood's backlog holds b and c for
+    /// as long as it lasts; with tenants of equal weight, b and c keep their share.
+    #[test]
+    fn a_flooding_team_does_not_hold_the_quiet_ones_up_under_fair_share() {
+        let mut rng = rng::Rng::new(11);
+        let hours = 6.0 * 3600.0;
+        let mut jobs = Vec::new();
+        for team in ["a", "b", "c"] {
+            jobs.extend(arrivals(team, 1.2, 0.0, hours, &mut rng));
+        }
+        jobs.extend(arrivals("a", 10.8, 3600.0, 7200.0, &mut rng));
+        jobs.sort_by_key(|j| j.arrival_ms);
+        let pool = Synthetic {
+            slots_per_node: 4,
+            sizes: Vec::new(),
+            grace_secs: 300,
+            max_servers: 10,
+            min_ready: 0,
+            warm: None,
+        };
+        let fcfs_yaml = pool.yaml(&["small".to_string()]);
+        let fair_yaml = format!(
+            "{fcfs_yaml}tenants:\n  - {{name: a, clients: [ci-a]}}\n  - {{name: b, clients: [ci-b]}}\n  - {{name: c, clients: [ci-c]}}\n"
+        );
+        let setup = |yaml: &str| Setup {
+            config: Config::parse(std::path::Path::new("pool.yaml"), yaml).unwrap(),
+            provider: Provider {
+                boot_secs: 60.0,
+                boot_jitter_secs: 10.0,
+                capacity_error_rate: 0.0,
+                node_cost_per_hour: 1.0,
+            },
+            cleanup_interval_ms: 60_000,
+            seed: 3,
+        };
+        let fcfs = run(&jobs, &setup(&fcfs_yaml), Policy::Slotpool).unwrap();
+        let fair = run(&jobs, &setup(&fair_yaml), Policy::Slotpool).unwrap();
+        let p95 = |r: &Report, team: &str| {
+            r.fairness
+                .tenants
+                .iter()
+                .find(|t| t.tenant == team)
+                .map(|t| t.wait_p95_secs)
+                .unwrap()
+        };
+        for (name, r) in [("first come, first served", &fcfs), ("fair share", &fair)] {
+            eprintln!(
+                "{name}: Jain's index over {} contended minutes: mean {:.3}, min {:.3}; \
+                 p95 wait a {:.0} s, b {:.0} s, c {:.0} s; busy {:.1} slot-hours",
+                r.fairness.contended_windows,
+                r.fairness.jain_mean.unwrap_or(0.0),
+                r.fairness.jain_min.unwrap_or(0.0),
+                p95(r, "a"),
+                p95(r, "b"),
+                p95(r, "c"),
+                r.busy_slot_hours
+            );
+        }
+        assert_eq!(fcfs.jobs, fair.jobs);
+        assert_eq!((fcfs.unserved, fair.unserved), (0, 0));
+        for team in ["b", "c"] {
+            assert!(
+                p95(&fair, team) < p95(&fcfs, team) / 2.0,
+                "team {team}: {} s with fair share against {} s first come, first served",
+                p95(&fair, team),
+                p95(&fcfs, team)
+            );
+        }
+        assert!(
+            fair.fairness.jain_mean > fcfs.fairness.jain_mean,
+            "{:?} against {:?}",
+            fair.fairness,
+            fcfs.fairness
+        );
     }
 }

@@ -13,6 +13,7 @@ use slotpool_launcher::backing::lifecycle::{self, AgentSeen, Step};
 use slotpool_launcher::backing::planner::{self, Choice, SiteSeats, SizeOffer};
 use slotpool_launcher::request::plan::{self, NodeSeen, RequestStep, WaitCause};
 use slotpool_launcher::world::capacity::{self, CapacityIndex, Standing};
+use slotpool_launcher::world::queue::{Queue, Share};
 use slotpool_launcher::world::SlotRef;
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{
@@ -20,7 +21,7 @@ use slotpool_protocol::model::{
 };
 use slotpool_protocol::store::Versioned;
 use slotpool_protocol::{LauncherId, NodeId, RequestId};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 /// How often a decision may loop on one record without waiting before the run stops as
@@ -29,8 +30,12 @@ const MAX_STEPS: usize = 64;
 
 enum Event {
     Arrive(usize),
-    /// A job ends and gives back its slots.
-    JobEnd(Vec<SlotRef>),
+    /// A job ends and gives back its slots (of its tenant, by label).
+    JobEnd {
+        slots: Vec<SlotRef>,
+        tenant: usize,
+        labels: Vec<String>,
+    },
     /// The agent of the node at a seat heartbeats for the first time (for launch
     /// attempt `attempt`).
     Booted {
@@ -54,6 +59,9 @@ struct Node {
 
 struct Waiting {
     job: usize,
+    /// Its tenant in the configuration (by the job's tenant name; the default tenant
+    /// when the configuration does not name it).
+    tenant: usize,
     record: NodeRequest,
     nodes: Vec<NodeSeen>,
     slots: BTreeMap<String, SlotRef>,
@@ -74,6 +82,10 @@ struct Sim<'a> {
     /// The requests that have arrived, for the predictive warm slots, counted as the
     /// launcher counts them.
     arrivals: Arrivals,
+    /// Slots held by running jobs, by (tenant, label) and by tenant: the shares the
+    /// queue's order weighs.
+    held: HashMap<(usize, String), u32>,
+    held_total: HashMap<usize, u32>,
 }
 
 pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
@@ -93,6 +105,8 @@ pub fn run(jobs: &[Job], setup: &Setup) -> Result<Report, SimError> {
         me: LauncherId::parse("launcher-sim").expect("a valid id"),
         labels,
         arrivals: Arrivals::of(&setup.config),
+        held: HashMap::new(),
+        held_total: HashMap::new(),
     };
     for (i, j) in jobs.iter().enumerate() {
         sim.events.at(EPOCH_MS + j.arrival_ms, Event::Arrive(i));
@@ -184,14 +198,26 @@ impl Sim<'_> {
                     nodes_failed: Vec::new(),
                     waiting: None,
                 };
+                let tenants = &self.setup.config.tenants;
+                let tenant = self.jobs[job]
+                    .tenant
+                    .as_deref()
+                    .and_then(|name| tenants.named(name))
+                    .unwrap_or(tenants.len() - 1);
                 self.waiting.push(Waiting {
                     job,
+                    tenant,
                     record,
                     nodes: Vec::new(),
                     slots: BTreeMap::new(),
                 });
             }
-            Event::JobEnd(slots) => {
+            Event::JobEnd {
+                slots,
+                tenant,
+                labels,
+            } => {
+                self.hold(tenant, &labels, false);
                 for slot in slots {
                     self.give_back(&slot);
                 }
@@ -320,14 +346,92 @@ impl Sim<'_> {
         causes
     }
 
+    /// Counts the slots of a job of `tenant` for `labels` as held (or no more).
+    fn hold(&mut self, tenant: usize, labels: &[String], held: bool) {
+        for label in labels {
+            for count in [
+                self.held.entry((tenant, label.clone())).or_default(),
+                self.held_total.entry(tenant).or_default(),
+            ] {
+                if held {
+                    *count += 1;
+                } else {
+                    *count = count.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    /// Puts the waiting requests in the launcher's serving order
+    /// ([`slotpool_launcher::world::queue::Queue::order`]): with several tenants, each
+    /// label's free slots go to the tenant furthest below its weighted share, priority
+    /// and age within a tenant; a request takes the earliest place any of its labels
+    /// gives it. Requests of a tenant at its `max-slots` are left out (`capped`): they
+    /// wait. With one tenant the order is arrival order, as it is kept.
+    fn order_waiting(&mut self) -> HashSet<RequestId> {
+        let tenants = &self.setup.config.tenants;
+        if tenants.is_single() || self.waiting.len() < 2 {
+            return HashSet::new();
+        }
+        let mut queue = Queue::default();
+        for w in &self.waiting {
+            let mut needs: BTreeMap<String, u32> = BTreeMap::new();
+            for (index, label) in w.record.labels.iter().enumerate() {
+                if !w.nodes.iter().any(|n| n.index == index as u32) {
+                    *needs.entry(label.clone()).or_default() += 1;
+                }
+            }
+            queue.put(
+                &w.record.id,
+                (w.record.priority, w.record.created_at, w.record.id.clone()),
+                Some(self.me.clone()),
+                w.record.labels.len() > 1,
+                w.tenant,
+                needs.into_iter().collect(),
+            );
+        }
+        let mut rank: HashMap<RequestId, usize> = HashMap::new();
+        let mut capped: HashSet<RequestId> = HashSet::new();
+        for label in &self.labels {
+            let shares: Vec<Share> = tenants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Share {
+                    weight: t.weight,
+                    guaranteed: t.guaranteed(label),
+                    held: self.held.get(&(i, label.clone())).copied().unwrap_or(0),
+                    room: t.max_slots.map(|max| {
+                        max.saturating_sub(self.held_total.get(&i).copied().unwrap_or(0))
+                    }),
+                })
+                .collect();
+            for (place, served) in queue.order(label, &shares, None, |_, _| true).enumerate() {
+                let id = &served.pos.2;
+                let best = rank.entry(id.clone()).or_insert(place);
+                *best = (*best).min(place);
+                if served.capped {
+                    capped.insert(id.clone());
+                }
+            }
+        }
+        self.waiting
+            .sort_by_key(|w| rank.get(&w.record.id).copied().unwrap_or(usize::MAX));
+        capped
+    }
+
     /// Every waiting request, in queue order, takes the steps its decision says; a label
     /// a request ahead waits for is not handed to a request behind it.
     fn serve(&mut self) -> Result<(), SimError> {
+        let capped = self.order_waiting();
         let causes = self.causes();
         let mut blocked: HashSet<String> = HashSet::new();
         let mut touched = BTreeSet::new();
         let mut i = 0;
         while i < self.waiting.len() {
+            if capped.contains(&self.waiting[i].record.id) {
+                i += 1;
+                continue;
+            }
             let mut reserved = BTreeMap::new();
             let mut avoid = HashSet::new();
             let w = &self.waiting[i];
@@ -413,8 +517,26 @@ impl Sim<'_> {
                         self.ledger.served(w.record.created_at, self.now);
                         let end = self.now + job.duration_ms;
                         self.ledger.busy(self.now, end, w.slots.len());
-                        self.events
-                            .at(end, Event::JobEnd(w.slots.into_values().collect()));
+                        let tenants = &self.setup.config.tenants;
+                        self.ledger.tenant_job(
+                            job.tenant
+                                .as_deref()
+                                .unwrap_or(slotpool_config::tenants::DEFAULT_TENANT),
+                            tenants.get(w.tenant).weight,
+                            w.record.created_at,
+                            self.now,
+                            end,
+                            w.slots.len(),
+                        );
+                        self.hold(w.tenant, &w.record.labels, true);
+                        self.events.at(
+                            end,
+                            Event::JobEnd {
+                                slots: w.slots.into_values().collect(),
+                                tenant: w.tenant,
+                                labels: w.record.labels.clone(),
+                            },
+                        );
                         done = true;
                         break;
                     }

@@ -13,13 +13,17 @@ pub struct Job {
     pub arrival_ms: u64,
     pub labels: Vec<String>,
     pub duration_ms: u64,
+    /// The tenant (team) whose job it is, by name (`None`: the default tenant).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// What a trace line may be, said in every parse error.
 pub const ACCEPTED: &str =
-    "accepted: CSV `arrival_secs,labels,duration_secs` (labels joined by `+`, \
+    "accepted: CSV `arrival_secs,labels,duration_secs[,tenant]` (labels joined by `+`, \
 an optional header line, `#` comments) or one JSON object a line \
-{\"arrival\": secs, \"labels\": [\"small\"], \"duration\": secs} (or \"label\": \"small\")";
+{\"arrival\": secs, \"labels\": [\"small\"], \"duration\": secs, \"tenant\": \"web\"} \
+(or \"label\": \"small\"; tenant optional)";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
@@ -46,6 +50,7 @@ struct JsonJob {
     labels: Vec<String>,
     label: Option<String>,
     duration: f64,
+    tenant: Option<String>,
 }
 
 /// Reads the trace at `path`.
@@ -88,7 +93,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<Job>, TraceError> {
 }
 
 fn parse_line(line: &str) -> Result<Job, String> {
-    let (arrival, labels, duration) = if line.starts_with('{') {
+    let (arrival, labels, duration, tenant) = if line.starts_with('{') {
         let j: JsonJob = serde_json::from_str(line).map_err(|e| format!("bad JSON line: {e}"))?;
         let labels = match (j.labels.is_empty(), j.label) {
             (true, Some(l)) => vec![l],
@@ -96,11 +101,15 @@ fn parse_line(line: &str) -> Result<Job, String> {
             (true, None) => return Err("no \"labels\" or \"label\"".into()),
             (false, Some(_)) => return Err("both \"labels\" and \"label\"".into()),
         };
-        (j.arrival, labels, j.duration)
+        (j.arrival, labels, j.duration, j.tenant)
     } else {
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let [arrival, labels, duration] = fields[..] else {
-            return Err(format!("{} fields, not 3", fields.len()));
+        let (arrival, labels, duration, tenant) = match fields[..] {
+            [arrival, labels, duration] => (arrival, labels, duration, None),
+            [arrival, labels, duration, tenant] => {
+                (arrival, labels, duration, Some(tenant.to_string()))
+            }
+            _ => return Err(format!("{} fields, not 3 or 4", fields.len())),
         };
         let number = |what: &str, s: &str| {
             s.parse::<f64>()
@@ -111,8 +120,12 @@ fn parse_line(line: &str) -> Result<Job, String> {
             number("arrival", arrival)?,
             labels,
             number("duration", duration)?,
+            tenant,
         )
     };
+    if tenant.as_deref().is_some_and(str::is_empty) {
+        return Err("an empty tenant".into());
+    }
     if labels.iter().any(|l: &String| l.is_empty()) {
         return Err("an empty label".into());
     }
@@ -127,6 +140,7 @@ fn parse_line(line: &str) -> Result<Job, String> {
         arrival_ms: (arrival * 1000.0).round() as u64,
         labels,
         duration_ms: (duration * 1000.0).round() as u64,
+        tenant,
     })
 }
 
@@ -173,6 +187,7 @@ impl Diurnal {
                     arrival_ms: (t * 1000.0).round() as u64,
                     labels: vec![self.label.clone()],
                     duration_ms: (duration * 1000.0).round() as u64,
+                    tenant: None,
                 });
             }
         }
@@ -181,14 +196,28 @@ impl Diurnal {
 
 /// The jobs as CSV with a header, the form [`parse`] reads back.
 pub fn to_csv(jobs: &[Job]) -> String {
-    let mut out = String::from("arrival_secs,labels,duration_secs\n");
+    let tenants = jobs.iter().any(|j| j.tenant.is_some());
+    let mut out = String::from(if tenants {
+        "arrival_secs,labels,duration_secs,tenant\n"
+    } else {
+        "arrival_secs,labels,duration_secs\n"
+    });
     for j in jobs {
         out.push_str(&format!(
-            "{:.1},{},{:.1}\n",
+            "{:.1},{},{:.1}",
             j.arrival_ms as f64 / 1000.0,
             j.labels.join("+"),
             j.duration_ms as f64 / 1000.0
         ));
+        if tenants {
+            out.push(',');
+            out.push_str(
+                j.tenant
+                    .as_deref()
+                    .unwrap_or(slotpool_config::tenants::DEFAULT_TENANT),
+            );
+        }
+        out.push('\n');
     }
     out
 }
@@ -218,12 +247,27 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_column_is_read_in_csv_and_json_and_written_back() {
+        let jobs = parse_str(
+            "0,small,60,web\n5,small,60\n{\"arrival\": 9, \"label\": \"small\", \"duration\": 1, \"tenant\": \"ops\"}\n",
+        )
+        .unwrap();
+        let tenants: Vec<Option<&str>> = jobs.iter().map(|j| j.tenant.as_deref()).collect();
+        assert_eq!(tenants, [Some("web"), None, Some("ops")]);
+        assert_eq!(
+            parse_str(&to_csv(&jobs)).unwrap()[0].tenant.as_deref(),
+            Some("web")
+        );
+        assert!(parse_str("0,small,60,\n").is_err(), "an empty tenant");
+    }
+
+    #[test]
     fn a_bad_line_is_named_with_what_is_accepted() {
         let err = parse_str("0,small,60\n\n3,small\n")
             .unwrap_err()
             .to_string();
         assert!(
-            err.starts_with("day.csv:3: 2 fields, not 3; accepted: CSV"),
+            err.starts_with("day.csv:3: 2 fields, not 3 or 4; accepted: CSV"),
             "{err}"
         );
         let err = parse_str("0,small,soon\n").unwrap_err().to_string();

@@ -106,7 +106,7 @@ fn simulate_names_a_bad_trace_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.starts_with(&format!(
-            "error: {}:3: 2 fields, not 3; accepted: CSV `arrival_secs,labels,duration_secs`",
+            "error: {}:3: 2 fields, not 3 or 4; accepted: CSV `arrival_secs,labels,duration_secs[,tenant]`",
             file.display()
         )),
         "{stderr}"
