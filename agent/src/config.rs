@@ -63,11 +63,17 @@ pub struct Args {
     /// ranges of their own.
     #[arg(long, value_name = "FIRST-LAST", default_value = crate::isolation::uid_range::DEFAULT_RANGE)]
     pub slot_uid_range: String,
-    /// In users mode, keep slot users off the bus: an nftables table rejects TCP from the
-    /// slot uid range to the port of every --nats URL (needs `nft`). `off` leaves the
-    /// bus reachable from every slot (logged loudly).
+    /// In users mode, keep slot users off the bus and off slotpool's own listeners: an
+    /// nftables table rejects TCP from the slot uid range to the port of every --nats
+    /// URL, of --metrics and of every --guard-port, on any address (needs `nft`). `off`
+    /// leaves them reachable from every slot (logged loudly).
     #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
     pub bus_guard: Switch,
+    /// One more TCP port slot users must not reach (repeat for several): the port of a
+    /// launcher's `--http` listener on this host, say. The local provider passes its
+    /// launcher's.
+    #[arg(long = "guard-port", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    pub guard_ports: Vec<u16>,
     /// In users mode, give every slot a network namespace of its own (its own loopback;
     /// out through the host by a veth pair and masquerading). Off by default: slots then
     /// share the host's network, loopback included. See docs/slot-network.md.
@@ -112,6 +118,10 @@ pub struct Args {
     /// Required for a --metrics address that is not loopback.
     #[arg(long, value_name = "FILE", requires = "metrics")]
     pub metrics_token_file: Option<PathBuf>,
+    /// At most this many metrics connections at once; more wait in the kernel's backlog
+    /// until one closes.
+    #[arg(long, value_name = "N", default_value_t = crate::metrics_http::DEFAULT_MAX_CONNECTIONS)]
+    pub metrics_max_connections: usize,
     /// cgroup directory (under each hierarchy's mount) holding the slot groups.
     #[arg(long, value_name = "NAME", default_value = "slotpool")]
     pub cgroup_parent: String,
@@ -210,7 +220,8 @@ pub struct AgentConfig {
     pub remove_slots_on_stop: bool,
     /// Where slot users' uids come from.
     pub slot_uids: UidRange,
-    /// The bus ports slot users are kept from (users mode with --bus-guard on).
+    /// The ports slot users are kept from (users mode with --bus-guard on): the bus's,
+    /// --guard-port's and --metrics' (a metrics port 0 is added once bound).
     pub bus_guard_ports: Option<Vec<u16>>,
     /// The block of the slots' veth addresses, when every slot has a network namespace
     /// of its own (users mode with --slot-netns on).
@@ -226,8 +237,8 @@ pub struct AgentConfig {
     pub hide_processes: Option<HideProcesses>,
     /// Where the agent's mounts go (see [`crate::isolation::mounts`]).
     pub mount_namespace: Option<PathBuf>,
-    /// Where to serve `/metrics` (`--metrics`), and the token file guarding it.
-    pub metrics: Option<(std::net::SocketAddr, Option<PathBuf>)>,
+    /// Where and how to serve `/metrics` (`--metrics`).
+    pub metrics: Option<crate::metrics_http::MetricsSettings>,
     /// The instance metadata service's `host:port` to read the spot interruption notice
     /// from (`--spot-notice-url`).
     pub spot_notice: Option<String>,
@@ -358,10 +369,17 @@ impl Args {
         }
         let slot_uids = UidRange::parse(&self.slot_uid_range).map_err(ConfigError::UidRange)?;
         let bus_guard_ports = match (isolation, self.bus_guard) {
-            (IsolationMode::Users, Switch::On) => Some(
-                crate::isolation::bus_guard::ports_of(&self.nats.url)
-                    .map_err(ConfigError::BusGuard)?,
-            ),
+            (IsolationMode::Users, Switch::On) => {
+                let mut ports = crate::isolation::bus_guard::ports_of(&self.nats.url)
+                    .map_err(ConfigError::BusGuard)?;
+                let metrics = self.metrics.map(|a| a.port()).filter(|p| *p != 0);
+                for port in self.guard_ports.iter().copied().chain(metrics) {
+                    if !ports.contains(&port) {
+                        ports.push(port);
+                    }
+                }
+                Some(ports)
+            }
             _ => None,
         };
         let slot_netns = match (isolation, self.slot_netns) {
@@ -447,7 +465,13 @@ impl Args {
             default_limits,
             hide_processes,
             mount_namespace: self.mount_namespace,
-            metrics: self.metrics.map(|addr| (addr, self.metrics_token_file)),
+            metrics: self
+                .metrics
+                .map(|addr| crate::metrics_http::MetricsSettings {
+                    addr,
+                    token_file: self.metrics_token_file,
+                    max_connections: self.metrics_max_connections,
+                }),
             spot_notice,
         })
     }

@@ -104,7 +104,7 @@ pub enum AgentError {
 
 /// Runs the agent with the isolation `config` asks for until `shutdown` is cancelled.
 pub async fn run(
-    config: AgentConfig,
+    mut config: AgentConfig,
     bus: Bus,
     tail: LogTail,
     shutdown: CancellationToken,
@@ -113,8 +113,25 @@ pub async fn run(
         path: config.work_dir.clone(),
         error,
     })?;
+    // Bound first, so that its port (picked by the kernel for port 0) is guarded too.
+    let metrics = match &config.metrics {
+        Some(settings) => Some(
+            metrics_http::MetricsListener::bind(settings)
+                .await
+                .map_err(AgentError::Metrics)?,
+        ),
+        None => None,
+    };
+    if let (Some(ports), Some(Ok(addr))) = (
+        config.bus_guard_ports.as_mut(),
+        metrics.as_ref().map(|m| m.local_addr()),
+    ) {
+        if !ports.contains(&addr.port()) {
+            ports.push(addr.port());
+        }
+    }
     let isolation = stack::isolation_of(&config)?;
-    run_with(config, bus, isolation, tail, shutdown).await
+    run_with(config, bus, isolation, metrics, tail, shutdown).await
 }
 
 /// Runs the probe every interval until `shutdown`, recording its outcome and poking the
@@ -161,6 +178,7 @@ pub async fn run_with(
     config: AgentConfig,
     bus: Bus,
     isolation: Arc<dyn SlotIsolation>,
+    metrics: Option<metrics_http::MetricsListener>,
     tail: LogTail,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
@@ -175,10 +193,7 @@ pub async fn run_with(
             host_keys: ssh::read_host_keys(&config.ssh_host_keys_dir),
         });
         let mut tasks = Vec::new();
-        if let Some((addr, token_file)) = &config.metrics {
-            let listener = metrics_http::MetricsListener::bind(*addr, token_file.as_deref())
-                .await
-                .map_err(AgentError::Metrics)?;
+        if let Some(listener) = metrics {
             tasks.push(tokio::spawn(
                 metrics_http::serve(listener, slots.clone(), background.clone()).in_current_span(),
             ));

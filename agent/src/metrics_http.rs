@@ -3,7 +3,13 @@
 //!
 //! A listener on an address that is not loopback needs a bearer token
 //! (`--metrics-token-file`), as the launcher's does; with one, `/metrics` asks for it.
-//! Served with hyper's HTTP/1 connection handling directly, as the launcher's listener.
+//! Served with hyper's HTTP/1 connection handling directly, as the launcher's listener,
+//! and bounded the same way ([`slotpool_protocol::listener`]): at most
+//! `--metrics-max-connections` at once (when full, the oldest idle one is closed to make
+//! room), [`HEADER_READ_TIMEOUT`] for a request's head and
+//! between requests, [`IDLE_TIMEOUT`] without a byte moving, a pause after an accept
+//! error. Slot users cannot reach it at all (the bus guard rejects their connections to
+//! its port, [`crate::bus_guard`]).
 //!
 //! Every series is per agent (one backing node): slots by state, read from the slot
 //! table when scraped; prepare and release durations; wipe failures; heartbeat writes.
@@ -20,11 +26,21 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use slotpool_protocol::bearer::{self, BearerError, BearerToken};
+use slotpool_protocol::listener::{Bounds, Gate};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+/// The default of `--metrics-max-connections`: a few scrapers, with room to spare.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
+/// How long a client may take to send a request's head, and how long a kept-alive
+/// connection may wait for its next request.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may go without a byte read or written before it is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What prometheus-client writes: the OpenMetrics text format, which Prometheus reads.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -110,23 +126,53 @@ pub enum MetricsError {
     },
 }
 
-/// A bound metrics listener and the token its clients must show.
+/// Where and how to serve `/metrics`: the flags, plain data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MetricsSettings {
+    pub addr: SocketAddr,
+    pub token_file: Option<PathBuf>,
+    pub max_connections: usize,
+}
+
+/// A bound metrics listener, the token its clients must show and its gate.
 pub struct MetricsListener {
     listener: TcpListener,
     token: Option<BearerToken>,
+    gate: Gate,
 }
 
 impl MetricsListener {
     /// Checks the address against the token and binds it.
-    pub async fn bind(addr: SocketAddr, token_file: Option<&Path>) -> Result<Self, MetricsError> {
-        let token = token_file.map(BearerToken::read).transpose()?;
+    pub async fn bind(settings: &MetricsSettings) -> Result<Self, MetricsError> {
+        let addr = settings.addr;
+        let token = settings
+            .token_file
+            .as_deref()
+            .map(BearerToken::read)
+            .transpose()?;
         if token.is_none() && !bearer::may_serve_without_token(addr, false) {
             return Err(MetricsError::Exposed(addr));
         }
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| MetricsError::Bind { addr, source })?;
-        Ok(MetricsListener { listener, token })
+        let gate = Gate::new(
+            "metrics",
+            Bounds {
+                max_connections: settings.max_connections,
+                idle: IDLE_TIMEOUT,
+            },
+        );
+        Ok(MetricsListener {
+            listener,
+            token,
+            gate,
+        })
+    }
+
+    /// The port it listens on (for the bus guard).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
     }
 }
 
@@ -140,29 +186,46 @@ pub async fn serve(listener: MetricsListener, slots: Slots, shutdown: Cancellati
         token: listener.token,
     });
     let connections = tokio_util::task::TaskTracker::new();
+    let gate = listener.gate;
     loop {
         let stream = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = listener.listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(err) => {
-                    tracing::warn!(%err, "metrics: cannot accept a connection");
+                    gate.accept_failed(&err).await;
                     continue;
                 }
             },
         };
+        let Some(admitted) = gate.admit() else {
+            continue;
+        };
         let state = state.clone();
         let shutdown = shutdown.clone();
+        let (stream, idle) = gate.watch(stream);
         connections.spawn(async move {
+            // Answered at once (no await), so never closed to make room mid-answer.
+            let closed = admitted.closed();
             let service = hyper::service::service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, std::convert::Infallible>(state.answer(&req)) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), service);
             tokio::pin!(conn);
             let result = tokio::select! {
                 result = conn.as_mut() => result,
+                () = idle.expired() => {
+                    tracing::debug!("metrics connection idle for {IDLE_TIMEOUT:?}: closed");
+                    return;
+                }
+                () = closed => {
+                    tracing::debug!("metrics connection closed to make room for a newer one");
+                    return;
+                }
                 () = shutdown.cancelled() => {
                     conn.as_mut().graceful_shutdown();
                     conn.await
@@ -171,6 +234,7 @@ pub async fn serve(listener: MetricsListener, slots: Slots, shutdown: Cancellati
             if let Err(err) = result {
                 tracing::debug!(%err, "metrics connection ended");
             }
+            drop(admitted);
         });
     }
     connections.close();

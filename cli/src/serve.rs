@@ -5,7 +5,7 @@ use anyhow::Context;
 use slotpool_config::Config;
 use slotpool_launcher::agent_bus::{AgentBus, LocalTls};
 use slotpool_launcher::http::tls::TlsFiles;
-use slotpool_launcher::http::HttpListener;
+use slotpool_launcher::http::{HttpListener, HttpSettings};
 use slotpool_launcher::provider::local::AgentLifetime;
 use slotpool_launcher::{run, LauncherDeps};
 use slotpool_protocol::auth::Minter;
@@ -67,6 +67,10 @@ pub struct ServeArgs {
         requires = "http_tls_cert"
     )]
     pub http_client_ca: Option<PathBuf>,
+    /// At most this many HTTP connections at once (change streams included); more wait
+    /// in the kernel's backlog until one closes.
+    #[arg(long, value_name = "N", default_value_t = slotpool_launcher::http::DEFAULT_MAX_CONNECTIONS)]
+    pub http_max_connections: usize,
 }
 
 pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
@@ -78,7 +82,15 @@ pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<Exi
                 key: args.http_tls_key.expect("clap requires --http-tls-key"),
                 client_ca: args.http_client_ca,
             });
-            Some(HttpListener::bind(addr, args.http_token_file.as_deref(), tls.as_ref()).await?)
+            Some(
+                HttpListener::bind(&HttpSettings {
+                    addr,
+                    token_file: args.http_token_file,
+                    tls,
+                    max_connections: args.http_max_connections,
+                })
+                .await?,
+            )
         }
         None => None,
     };

@@ -78,12 +78,21 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), LauncherError> {
     let mut providers = HashMap::new();
+    // Local agents keep their slots off this launcher's HTTP port.
+    let guard_ports: Vec<u16> = deps
+        .http
+        .as_ref()
+        .and_then(|h| h.local_addr().ok())
+        .map(|a| a.port())
+        .into_iter()
+        .collect();
     for p in &config.providers {
         let built = provider::build(
             p,
             &deps.agent_binary,
             deps.local_agents,
             &deps.agent_bus.local_tls,
+            &guard_ports,
         )
         .map_err(|source| LauncherError::Provider {
             name: p.name.clone(),

@@ -13,6 +13,7 @@ pub mod client;
 pub mod connect;
 pub mod ids;
 pub mod layout;
+pub mod listener;
 pub mod logging;
 pub mod model;
 pub mod provider;

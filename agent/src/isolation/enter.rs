@@ -15,16 +15,26 @@
 //! the slot's user and network namespaces attached (`SCM_RIGHTS`): the helper joins the
 //! user namespace, then the network namespace, then execs; a helper that cannot join
 //! refuses the login rather than run it in the host's network.
+//!
+//! The socket is open to every user of the host (it has to be: sshd runs the helper as
+//! the slot user), so it is bounded like slotpool's other listeners: at most
+//! [`MAX_PLACING`] placements in flight (more connections wait in the kernel's backlog,
+//! holding no descriptor of the agent), at most [`MAX_PLACING_PER_UID`] of one uid (more
+//! are refused at once, so one slot cannot make the others' logins wait), a pause after
+//! an accept error, and the line logged per placement limited to [`LOG_BURST`] per slot
+//! and [`LOG_EVERY`] (the next one says how many were not logged).
 
 use crate::isolation::passwd;
 use crate::isolation::SlotIsolation;
+use slotpool_protocol::listener::{AcceptErrors, Throttle};
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
@@ -38,6 +48,13 @@ const OK_NETNS: &str = "ok netns\n";
 
 /// Longest the helper waits for the agent's answer.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Placements in flight at once, all uids together.
+pub const MAX_PLACING: usize = 64;
+/// Placements in flight at once for one uid; more are refused at once.
+pub const MAX_PLACING_PER_UID: usize = 16;
+/// Placements of one slot logged at once, then one per [`LOG_EVERY`] / [`LOG_BURST`].
+pub const LOG_BURST: u32 = 20;
+pub const LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Why the placement socket could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +100,17 @@ pub async fn serve(
     isolation: Arc<dyn SlotIsolation>,
     shutdown: CancellationToken,
 ) {
+    let placing_places = Arc::new(tokio::sync::Semaphore::new(MAX_PLACING));
+    let accept_errors = AcceptErrors::new("placement socket");
+    let placing = Arc::new(PerUid::default());
+    let logged = Arc::new(PlacementLog::default());
     loop {
+        // A placement never waits on its client (the answer is a few bytes), so one in
+        // flight ends soon; connections beyond wait in the kernel's backlog.
+        let place = tokio::select! {
+            () = shutdown.cancelled() => break,
+            place = placing_places.clone().acquire_owned() => place.expect("never closed"),
+        };
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = listener.accept() => accepted,
@@ -91,63 +118,154 @@ pub async fn serve(
         let mut stream = match accepted {
             Ok((stream, _)) => stream,
             Err(err) => {
-                tracing::warn!(%err, "placement socket accept failed");
+                accept_errors.failed(&err).await;
                 continue;
             }
         };
         let isolation = isolation.clone();
+        let placing = placing.clone();
+        let logged = logged.clone();
         tokio::spawn(async move {
+            let _place = place;
             let (answer, namespaces) = match stream.peer_cred() {
                 Ok(cred) => match cred.pid() {
-                    Some(pid) => {
-                        let uid = cred.uid();
-                        let result = tokio::task::spawn_blocking(move || {
-                            let slot = isolation.place(uid, pid)?;
-                            let namespaces = match slot {
-                                Some(slot) => isolation.network_namespaces(slot)?,
-                                None => None,
-                            };
-                            Ok::<_, crate::isolation::IsolationError>((slot, namespaces))
-                        })
-                        .await;
-                        match result {
-                            Ok(Ok((Some(slot), namespaces))) => {
-                                tracing::info!(
-                                    slot,
-                                    uid,
-                                    pid,
-                                    netns = namespaces.is_some(),
-                                    "login placed in its slot cgroup"
-                                );
-                                match namespaces {
-                                    Some(ns) => (OK_NETNS.to_string(), Some(ns)),
-                                    None => (OK.to_string(), None),
-                                }
-                            }
-                            Ok(Ok((None, _))) => {
-                                (format!("error: uid {uid} is not a slot user\n"), None)
-                            }
-                            Ok(Err(err)) => (format!("error: {err}\n"), None),
-                            Err(err) => (format!("error: {err}\n"), None),
-                        }
-                    }
+                    Some(pid) => match placing.enter(cred.uid()) {
+                        Some(_turn) => place_login(&isolation, cred.uid(), pid, &logged).await,
+                        None => (
+                            format!(
+                                "error: uid {} has {MAX_PLACING_PER_UID} logins being placed already; try again\n",
+                                cred.uid()
+                            ),
+                            None,
+                        ),
+                    },
                     None => ("error: no peer pid\n".to_string(), None),
                 },
                 Err(err) => (format!("error: peer credentials: {err}\n"), None),
             };
             if answer != OK && answer != OK_NETNS {
-                tracing::warn!(answer = answer.trim(), "login not placed");
+                if let Some(quiet) = logged.refusals.take(std::time::Instant::now()) {
+                    tracing::warn!(
+                        answer = answer.trim(),
+                        not_logged = quiet,
+                        "login not placed"
+                    );
+                }
             }
             let sent = match &namespaces {
                 None => stream.write_all(answer.as_bytes()).await,
                 Some(fds) => send_with_fds(&stream, answer.as_bytes(), fds).await,
             };
             if let Err(err) = sent {
-                tracing::warn!(%err, "cannot answer a login");
+                tracing::debug!(%err, "cannot answer a login");
             }
         });
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// Places the login `pid` of `uid`; the answer for the helper and the namespaces to
+/// send with it.
+async fn place_login(
+    isolation: &Arc<dyn SlotIsolation>,
+    uid: u32,
+    pid: i32,
+    logged: &PlacementLog,
+) -> (String, Option<[OwnedFd; 2]>) {
+    let result = tokio::task::spawn_blocking({
+        let isolation = isolation.clone();
+        move || {
+            let slot = isolation.place(uid, pid)?;
+            let namespaces = match slot {
+                Some(slot) => isolation.network_namespaces(slot)?,
+                None => None,
+            };
+            Ok::<_, crate::isolation::IsolationError>((slot, namespaces))
+        }
+    })
+    .await;
+    match result {
+        Ok(Ok((Some(slot), namespaces))) => {
+            if let Some(quiet) = logged.of_slot(slot) {
+                tracing::info!(
+                    slot,
+                    uid,
+                    pid,
+                    netns = namespaces.is_some(),
+                    not_logged = quiet,
+                    "login placed in its slot cgroup"
+                );
+            }
+            match namespaces {
+                Some(ns) => (OK_NETNS.to_string(), Some(ns)),
+                None => (OK.to_string(), None),
+            }
+        }
+        Ok(Ok((None, _))) => (format!("error: uid {uid} is not a slot user\n"), None),
+        Ok(Err(err)) => (format!("error: {err}\n"), None),
+        Err(err) => (format!("error: {err}\n"), None),
+    }
+}
+
+/// Placements in flight per uid.
+#[derive(Default)]
+struct PerUid(Mutex<HashMap<u32, usize>>);
+
+/// One placement of a uid in flight; ends on drop.
+struct Turn<'a> {
+    of: &'a PerUid,
+    uid: u32,
+}
+
+impl PerUid {
+    /// A turn for `uid`, unless it has [`MAX_PLACING_PER_UID`] in flight.
+    fn enter(&self, uid: u32) -> Option<Turn<'_>> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(uid).or_insert(0);
+        if *n >= MAX_PLACING_PER_UID {
+            return None;
+        }
+        *n += 1;
+        Some(Turn { of: self, uid })
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut map = self.of.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// How many placement lines each slot may still log, and the refusals'.
+struct PlacementLog {
+    slots: Mutex<HashMap<u32, Throttle>>,
+    refusals: Throttle,
+}
+
+impl Default for PlacementLog {
+    fn default() -> Self {
+        PlacementLog {
+            slots: Mutex::new(HashMap::new()),
+            refusals: Throttle::new(LOG_BURST, LOG_EVERY),
+        }
+    }
+}
+
+impl PlacementLog {
+    /// `Some(not logged since)` when a placement of `slot` may be logged now.
+    fn of_slot(&self, slot: u32) -> Option<u64> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .entry(slot)
+            .or_insert_with(|| Throttle::new(LOG_BURST, LOG_EVERY))
+            .take(std::time::Instant::now())
+    }
 }
 
 /// Sends `bytes` with `fds` attached (`SCM_RIGHTS`) in one message.

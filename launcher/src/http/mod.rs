@@ -9,7 +9,13 @@
 //! `--http-tls-key` the listener speaks HTTPS only ([`tls`]).
 //!
 //! Served with hyper's HTTP/1 connection handling directly: a few read-only routes do
-//! not need a framework's router or middleware.
+//! not need a framework's router or middleware. The listener is bounded
+//! ([`slotpool_protocol::listener`]): at most `--http-max-connections` at once (when
+//! full, the oldest connection not being answered is closed to make room; a change
+//! stream counts as being answered, and at most half the connections may be streams),
+//! [`HEADER_READ_TIMEOUT`] for a request's head (and between two requests on one
+//! connection), [`IDLE_TIMEOUT`] without a byte moving, and accept errors pause the loop
+//! instead of spinning.
 
 pub(crate) mod api;
 pub(crate) mod metrics;
@@ -24,8 +30,8 @@ use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use slotpool_protocol::bearer::{self, BearerError, BearerToken};
+use slotpool_protocol::listener::{Admitted, Bounds, Gate};
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -36,6 +42,14 @@ use tokio_rustls::TlsAcceptor;
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// How long a client may take over its TLS handshake before the connection is dropped.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's head, and how long a kept-alive
+/// connection may wait for its next request.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may go without a byte read or written before it is closed (a
+/// client that stops reading its answer, say). A change stream pings every 20 s.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The default of `--http-max-connections`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
@@ -56,29 +70,40 @@ pub enum HttpError {
     },
 }
 
+/// How `slotpool serve --http` is to listen: the flags, plain data.
+#[derive(Clone, Debug)]
+pub struct HttpSettings {
+    pub addr: SocketAddr,
+    pub token_file: Option<std::path::PathBuf>,
+    pub tls: Option<tls::TlsFiles>,
+    pub max_connections: usize,
+}
+
 /// A bound listener, the token its clients must show and its TLS set-up, ready for
 /// [`serve`].
 pub struct HttpListener {
     listener: TcpListener,
     token: Option<BearerToken>,
     tls: Option<TlsAcceptor>,
+    gate: Gate,
 }
 
 impl HttpListener {
     /// Checks the address against the token and client certificates, reads the TLS
     /// files and binds the address: before the launcher starts, so a refused set-up or a
     /// taken address stops `slotpool serve` at once.
-    pub async fn bind(
-        addr: SocketAddr,
-        token_file: Option<&Path>,
-        tls: Option<&tls::TlsFiles>,
-    ) -> Result<Self, HttpError> {
-        let token = token_file.map(BearerToken::read).transpose()?;
-        let client_certs = tls.is_some_and(|t| t.client_ca.is_some());
+    pub async fn bind(settings: &HttpSettings) -> Result<Self, HttpError> {
+        let addr = settings.addr;
+        let token = settings
+            .token_file
+            .as_deref()
+            .map(BearerToken::read)
+            .transpose()?;
+        let client_certs = settings.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
         if token.is_none() && !bearer::may_serve_without_token(addr, client_certs) {
             return Err(HttpError::Exposed(addr));
         }
-        let tls = tls.map(tls::acceptor).transpose()?;
+        let tls = settings.tls.as_ref().map(tls::acceptor).transpose()?;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
@@ -86,6 +111,13 @@ impl HttpListener {
             listener,
             token,
             tls,
+            gate: Gate::new(
+                "http",
+                Bounds {
+                    max_connections: settings.max_connections,
+                    idle: IDLE_TIMEOUT,
+                },
+            ),
         })
     }
 
@@ -102,7 +134,7 @@ pub fn spawn(
     http: HttpListener,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let listener = http.listener.into_std()?;
-    let (token, tls) = (http.token, http.tls);
+    let (token, tls, gate) = (http.token, http.tls, http.gate);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -116,6 +148,7 @@ pub fn spawn(
                             listener,
                             token,
                             tls,
+                            gate,
                         };
                         serve(shared.clone(), http).await;
                         // The connections' tasks run on this runtime: it is driven until
@@ -136,35 +169,48 @@ pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {
         let scheme = if http.tls.is_some() { "https" } else { "http" };
         tracing::info!("http listening on {addr} ({scheme})");
     }
+    let max_streams = (http.gate.bounds().max_connections / 2).max(1);
     let state = Arc::new(State {
         registry: metrics::registry(shared.clone()),
         token: http.token,
         shared: shared.clone(),
+        streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        max_streams,
     });
+    let gate = http.gate;
     loop {
         let (stream, peer) = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             accepted = http.listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(err) => {
-                    tracing::warn!(%err, "http: cannot accept a connection");
+                    gate.accept_failed(&err).await;
                     continue;
                 }
             },
         };
+        let Some(admitted) = gate.admit() else {
+            continue;
+        };
         let state = state.clone();
         let shutdown = shared.shutdown.clone();
         let tls = http.tls.clone();
+        let (stream, idle) = gate.watch(stream);
+        let conn = Connection {
+            peer,
+            admitted: Arc::new(admitted),
+            idle: idle.expired(),
+        };
         shared.tracker.spawn(async move {
             let Some(tls) = tls else {
-                return serve_connection(state, stream, peer, shutdown).await;
+                return serve_connection(state, stream, conn, shutdown).await;
             };
             let handshake = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 done = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)) => done,
             };
             match handshake {
-                Ok(Ok(stream)) => serve_connection(state, stream, peer, shutdown).await,
+                Ok(Ok(stream)) => serve_connection(state, stream, conn, shutdown).await,
                 Ok(Err(err)) => tracing::debug!(%err, %peer, "https: handshake failed"),
                 Err(_) => {
                     tracing::debug!(%peer, "https: no handshake within {TLS_HANDSHAKE_TIMEOUT:?}")
@@ -174,26 +220,56 @@ pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {
     }
 }
 
+/// One accepted connection: who, its place at the gate (held until the connection and
+/// any change stream it was upgraded to end), and when it has been idle too long.
+struct Connection<F> {
+    peer: SocketAddr,
+    admitted: Arc<Admitted>,
+    idle: F,
+}
+
 /// Answers requests on one connection, plain or TLS, until the client or the launcher
-/// ends it.
-async fn serve_connection<S>(
+/// ends it, or it idles past [`IDLE_TIMEOUT`].
+async fn serve_connection<S, F>(
     state: Arc<State>,
     stream: S,
-    peer: SocketAddr,
+    conn: Connection<F>,
     shutdown: tokio_util::sync::CancellationToken,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    F: std::future::Future<Output = ()>,
 {
+    let Connection {
+        peer,
+        admitted,
+        idle,
+    } = conn;
+    let closed = admitted.closed();
     let service = hyper::service::service_fn(move |req| {
         let state = state.clone();
-        async move { Ok::<_, std::convert::Infallible>(state.answer(req).await) }
+        let admitted = admitted.clone();
+        async move {
+            let _busy = admitted.busy();
+            Ok::<_, std::convert::Infallible>(state.answer(req, admitted.clone()).await)
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
         .serve_connection(TokioIo::new(stream), service)
         .with_upgrades();
     tokio::pin!(conn);
+    tokio::pin!(idle);
     let result = tokio::select! {
         result = conn.as_mut() => result,
+        () = &mut idle => {
+            tracing::debug!(%peer, "http connection idle for {IDLE_TIMEOUT:?}: closed");
+            return;
+        }
+        () = closed => {
+            tracing::debug!(%peer, "http connection closed to make room for a newer one");
+            return;
+        }
         _ = shutdown.cancelled() => {
             conn.as_mut().graceful_shutdown();
             conn.await
@@ -208,10 +284,17 @@ struct State {
     registry: prometheus_client::registry::Registry,
     token: Option<BearerToken>,
     shared: Arc<Shared>,
+    /// Places of change streams.
+    streams: Arc<tokio::sync::Semaphore>,
+    max_streams: usize,
 }
 
 impl State {
-    async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    async fn answer(
+        &self,
+        req: Request<Incoming>,
+        admitted: Arc<Admitted>,
+    ) -> Response<Full<Bytes>> {
         if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
             return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
         }
@@ -229,7 +312,7 @@ impl State {
                 );
                 res
             }
-            "/api/v1/stream" => self.open_stream(req).await,
+            "/api/v1/stream" => self.open_stream(req, admitted).await,
             path if path.starts_with("/api/v1/") => {
                 let route = &path["/api/v1/".len()..];
                 match api::answer(&self.shared, route, req.uri().query()).await {
@@ -270,7 +353,11 @@ impl State {
 
     /// Answers a WebSocket handshake on `/api/v1/stream` and follows the stream on the
     /// upgraded connection; a bad query or position is refused before the upgrade.
-    async fn open_stream(&self, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    async fn open_stream(
+        &self,
+        mut req: Request<Incoming>,
+        admitted: Arc<Admitted>,
+    ) -> Response<Full<Bytes>> {
         let Some(accept) = websocket_accept(&req) else {
             let mut res = plain(
                 StatusCode::UPGRADE_REQUIRED,
@@ -287,6 +374,16 @@ impl State {
             Ok(params) => params,
             Err(why) => return plain(StatusCode::BAD_REQUEST, &format!("{why}\n")),
         };
+        // Streams are never closed to make room, so they may fill half the listener.
+        let Ok(stream_place) = self.streams.clone().try_acquire_owned() else {
+            return plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!(
+                    "{} change streams are open, as many as this launcher serves; try again later\n",
+                    self.max_streams
+                ),
+            );
+        };
         let opened = match stream::open(&self.shared, params).await {
             Ok(opened) => opened,
             Err(stream::Refusal::BadRequest(why)) => {
@@ -300,6 +397,10 @@ impl State {
         let upgrade = hyper::upgrade::on(&mut req);
         let shutdown = self.shared.shutdown.clone();
         self.shared.tracker.spawn(async move {
+            // The stream keeps its connection's place at the gate, as one being
+            // answered, until it ends.
+            let _busy = admitted.busy();
+            let _places = (admitted, stream_place);
             match upgrade.await {
                 Ok(upgraded) => stream::run(upgraded, opened, shutdown).await,
                 Err(err) => tracing::debug!(%err, "change stream: the upgrade failed"),
@@ -371,4 +472,40 @@ fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
     let mut res = Response::new(Full::new(Bytes::from(body.to_string())));
     *res.status_mut() = status;
     res
+}
+
+#[cfg(test)]
+mod tests {
+    /// docs/http.md states the listener's limits; they are the code's.
+    #[test]
+    fn the_documented_limits_are_the_codes() {
+        let doc = include_str!("../../../docs/http.md");
+        for stated in [
+            format!(
+                "`--http-max-connections` connections at once (default **{}**)",
+                super::DEFAULT_MAX_CONNECTIONS
+            ),
+            format!(
+                "within **{} s** of the connection",
+                super::HEADER_READ_TIMEOUT.as_secs()
+            ),
+            format!(
+                "moves no byte for **{} s** is closed",
+                super::IDLE_TIMEOUT.as_secs()
+            ),
+            format!(
+                "pauses the listener for {} ms and is logged at most once every {} s",
+                slotpool_protocol::listener::ACCEPT_PAUSE.as_millis(),
+                slotpool_protocol::listener::WARN_EVERY.as_secs()
+            ),
+        ] {
+            assert!(
+                doc.split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .contains(&stated),
+                "docs/http.md does not say {stated:?}"
+            );
+        }
+    }
 }

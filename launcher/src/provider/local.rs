@@ -2,7 +2,8 @@
 //! host (for demos and tests).
 //!
 //! Each agent gets a directory `<work-dir>/<backing id>/`, which is also its `--work-dir`
-//! and holds `agent.pid` and `agent.log` (its stdout and stderr, appended). The agent is
+//! and holds `agent.pid` and `agent.log` (its stdout and stderr, appended; 0600, since
+//! slot users pass through the directory to their homes). The agent is
 //! started in a session of its own with stdin closed, so it outlives the launcher like a
 //! VM would: neither a Ctrl-C at the launcher's terminal nor the launcher's death reaches
 //! it. (Under systemd, that needs `KillMode=process` or `mixed` on the launcher's unit.)
@@ -231,10 +232,7 @@ impl Provider for LocalProvider {
         std::fs::create_dir_all(&dir)
             .map_err(|err| self.failed(format!("creating {}: {err}", dir.display())))?;
         let log_path = dir.join(LOG_FILE);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
+        let log = open_log(&log_path)
             .map_err(|err| self.failed(format!("opening {}: {err}", log_path.display())))?;
         let log_err = log
             .try_clone()
@@ -429,6 +427,21 @@ async fn spawn(cmd: &mut tokio::process::Command) -> io::Result<tokio::process::
             other => return other,
         }
     }
+}
+
+/// Opens the agent's log for appending, readable by its owner only: the directory is
+/// the agent's work dir, which slot users pass through to their homes, and the log
+/// names every slot's node, uid and logins. A log left by an older version is closed
+/// too.
+fn open_log(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    log.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(log)
 }
 
 /// The pid recorded in `dir`, or None when there is no pid file.

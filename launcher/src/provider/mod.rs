@@ -185,14 +185,16 @@ pub fn console_tail(output: &str) -> Option<String> {
 
 /// The provider a config entry describes. `agent_default` is the agent binary the
 /// `local` driver runs when the config names none (the launcher passes the
-/// `slotpool-agent` next to its own executable), and `local_agents` whether its agents
-/// outlive the launcher. Static hosts' secret files are read here, so a missing one fails
-/// at startup.
+/// `slotpool-agent` next to its own executable), `local_agents` whether its agents
+/// outlive the launcher, and `guard_ports` the launcher's own listening ports its local
+/// agents keep slot users from (`--guard-port`). Static hosts' secret files are read
+/// here, so a missing one fails at startup.
 pub(crate) fn build(
     provider: &ProviderConfig,
     agent_default: &Path,
     local_agents: local::AgentLifetime,
     local_tls: &crate::agent_bus::LocalTls,
+    guard_ports: &[u16],
 ) -> Result<Arc<dyn Provider>, ProviderError> {
     let name = provider.name.as_str();
     let inner: Arc<dyn Provider> = match &provider.driver {
@@ -207,7 +209,11 @@ pub(crate) fn build(
                 agent_command
                     .clone()
                     .unwrap_or_else(|| agent_default.to_path_buf()),
-                agent_args.clone(),
+                guard_ports
+                    .iter()
+                    .flat_map(|port| ["--guard-port".to_string(), port.to_string()])
+                    .chain(agent_args.iter().cloned())
+                    .collect(),
                 work_dir.clone(),
             )
             .with_lifetime(local_agents)

@@ -188,6 +188,11 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         container.ok(&["systemctl", "show", "-p", "ProtectSystem", "--value", UNIT]),
         "strict"
     );
+    // Descriptors far above what its bounded listeners may hold.
+    assert_eq!(
+        container.ok(&["systemctl", "show", "-p", "LimitNOFILE", "--value", UNIT]),
+        "65536"
+    );
     assert_eq!(
         container.ok(&[
             "systemctl",
