@@ -91,7 +91,11 @@ pub async fn observed(
     let base = format!("http://{addr}");
     swap(
         launcher,
-        rig.spawn_launcher(&["--http".into(), addr], "launcher-http.log")?,
+        // The bench's bus is anonymous: no credentials to derive tokens from.
+        rig.spawn_launcher(
+            &["--http".into(), addr, "--http-no-auth".into()],
+            "launcher-http.log",
+        )?,
     )
     .await;
     let result = async {

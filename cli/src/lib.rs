@@ -119,6 +119,16 @@ pub enum Command {
     #[command(after_help = "Example:
   slotpool logs bn-01J... --lines 50")]
     Logs(operator_cmds::LogsArgs),
+    /// Print the HTTP API token of the bus credentials given with --creds: `slotpool serve
+    /// --http` shows its bearer what the bus shows that user.
+    #[command(after_help = "Example:
+  slotpool --creds /etc/slotpool/nats/creds/client-ci.creds http-token --out ci.token
+  curl -H \"Authorization: Bearer $(cat ci.token)\" http://127.0.0.1:9464/api/v1/requests")]
+    HttpToken {
+        /// Write it to this file (mode 0600) instead of standard output.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Cancel a waiting request.
     Cancel {
         #[arg(add = complete::request())]
@@ -282,6 +292,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
         Command::Occupants(args) => operator_cmds::occupants(&cli.nats, args).await,
         Command::Logs(args) => operator_cmds::logs(&cli.nats, args).await,
+        Command::HttpToken { out } => http_token(&cli.nats, out.as_deref()),
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await
         }
@@ -451,4 +462,28 @@ pub async fn stop_signal() {
             std::process::exit(i32::from(exit::INTERRUPTED));
         }
     });
+}
+
+/// `slotpool http-token`: the HTTP token of the credentials of `--creds`.
+fn http_token(nats: &NatsClientArgs, out: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    let path = nats
+        .bus
+        .creds
+        .as_deref()
+        .context("give the credentials to derive the token from with --creds FILE")?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let token = slotpool_protocol::auth::http_token::http_token(
+        &slotpool_protocol::auth::Credentials::from_text(text),
+    )
+    .with_context(|| format!("{}", path.display()))?;
+    match out {
+        Some(out) => {
+            slotpool_protocol::auth::write_private(out, format!("{token}\n").as_bytes())?;
+            eprintln!("{}: HTTP token (secret, 0600)", out.display());
+        }
+        None => println!("{token}"),
+    }
+    Ok(ExitCode::SUCCESS)
 }

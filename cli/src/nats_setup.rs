@@ -72,7 +72,7 @@ pub enum SetupCommand {
         /// Valid for this many days (default: no expiry).
         #[arg(long)]
         days: Option<u64>,
-        /// Where to write it (mode 0600).
+        /// Where to write it (mode 0600); its HTTP token goes beside it (`.token`).
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
     },
@@ -109,8 +109,12 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         let minter = Minter::load(&signing_key)?;
         let user = BusUser::new(role.into(), &name)?;
         let valid = days.map(|d| std::time::Duration::from_secs(d * 24 * 3600));
-        minter.mint(&user, valid)?.write_private(&out)?;
-        println!("{}: credentials of {user}", out.display());
+        setup::write_creds(&minter.mint(&user, valid)?, &out)?;
+        println!(
+            "{}: credentials of {user}, and {} its HTTP token",
+            out.display(),
+            out.with_extension("token").display()
+        );
         return Ok(ExitCode::SUCCESS);
     }
     let dir = args

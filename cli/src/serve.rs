@@ -32,12 +32,13 @@ pub struct ServeArgs {
     pub allow_anonymous_bus: bool,
     /// Serve `/metrics`, `/healthz`, `/readyz` and the read-only JSON API (`/api/v1/`)
     /// over HTTP on this IP:PORT (off by default). Port 0 picks a free port; the log says
-    /// which ("http listening on").
+    /// which ("http listening on"). Callers show a token (`slotpool http-token`): a
+    /// client sees its own requests and nodes, an operator everything.
     #[arg(long, env = "SLOTPOOL_HTTP", value_name = "ADDR")]
     pub http: Option<std::net::SocketAddr>,
-    /// A file holding the bearer token HTTP clients must send (`Authorization: Bearer
-    /// …`) for `/metrics` and the API. Required for an --http address that is not
-    /// loopback.
+    /// A file holding a bearer token that sees everything (`Authorization: Bearer …`), for
+    /// Prometheus, say; tokens of bus credentials (`slotpool http-token`) are accepted
+    /// beside it.
     #[arg(
         long,
         env = "SLOTPOOL_HTTP_TOKEN_FILE",
@@ -71,6 +72,11 @@ pub struct ServeArgs {
     /// in the kernel's backlog until one closes.
     #[arg(long, value_name = "N", default_value_t = slotpool_launcher::http::DEFAULT_MAX_CONNECTIONS)]
     pub http_max_connections: usize,
+    /// Serve the HTTP API without asking who calls: everyone who reaches it (a CI job in
+    /// a slot on this host, say) reads every request and node, other clients' SSH keys
+    /// included. Loopback only, logged loudly; for development.
+    #[arg(long, requires = "http")]
+    pub http_no_auth: bool,
 }
 
 pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<ExitCode> {
@@ -88,6 +94,8 @@ pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<Exi
                     token_file: args.http_token_file,
                     tls,
                     max_connections: args.http_max_connections,
+                    creds: nats.bus.creds.clone(),
+                    no_auth: args.http_no_auth,
                 })
                 .await?,
             )

@@ -23,6 +23,7 @@ pub(crate) mod nodes;
 pub mod provider;
 pub(crate) mod release;
 pub mod request;
+pub mod revocation;
 pub(crate) mod shared;
 pub(crate) mod status;
 pub(crate) mod watch;

@@ -241,7 +241,12 @@ fn read<'a>(mirror: Mirror, bucket: &str, change: &'a Change) -> Option<Record<'
                 .ok()?,
         ),
         // Providers' status records share the bucket; the provider status book reads them.
-        Mirror::Leases if key.starts_with(layout::PROVIDER_STATUS_PREFIX) => return None,
+        Mirror::Leases
+            if key.starts_with(layout::PROVIDER_STATUS_PREFIX)
+                || key.starts_with(layout::REVOCATION_PREFIX) =>
+        {
+            return None
+        }
         Mirror::Leases => Record::Lease(decode(bucket, key, revision, value)?),
     })
 }

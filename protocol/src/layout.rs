@@ -69,7 +69,8 @@ pub const AGENTS: BucketSpec = BucketSpec {
 };
 /// Launcher leases, key = `launcher.<launcher id>`, `backing.<provider>.<pool>.<seat>` or
 /// `sweep.<provider>`; also each provider's last error, key = `provider.<provider>`
-/// ([`provider_status_key`]).
+/// ([`provider_status_key`]), and revoked credentials, key = `revoked.<user nkey>`
+/// ([`revocation_key`]).
 pub const LEASES: BucketSpec = BucketSpec {
     name: "slotpool_leases",
     history: 1,
@@ -143,6 +144,19 @@ pub const PROVIDER_STATUS_PREFIX: &str = "provider.";
 
 /// The watch filter of every [`provider_status_key`].
 pub const PROVIDER_STATUS_KEYS: &str = "provider.>";
+
+/// Key in [`LEASES`] of the revocation of the credentials of user nkey `key`
+/// ([`crate::model::Revocation`]): not a lease either; written by launchers, read by
+/// every launcher (its HTTP API and its push of the account's revocations).
+pub fn revocation_key(key: &str) -> String {
+    format!("{REVOCATION_PREFIX}{key}")
+}
+
+/// What every [`revocation_key`] starts with.
+pub const REVOCATION_PREFIX: &str = "revoked.";
+
+/// The watch filter of every [`revocation_key`].
+pub const REVOCATION_KEYS: &str = "revoked.>";
 
 /// What a lease key names.
 #[derive(Clone, Debug, PartialEq, Eq)]

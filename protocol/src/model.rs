@@ -799,6 +799,28 @@ impl ProviderStatus {
     pub const MAX_ERROR: usize = 1024;
 }
 
+/// A revoked bus credential, in the leases bucket under
+/// [`crate::layout::revocation_key`] (the user's nkey). Every credential of that key
+/// issued at or before `revoked_at` is refused: by the NATS server, once a launcher has
+/// pushed the account with its revocations (connections open are closed), and by the
+/// launchers' HTTP API. Written by launchers only (an operator's `revoke` order, a
+/// deleted backing node's agent); kept, with a TTL, until the last credential it covers
+/// has expired, or for good when that is not known.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Revocation {
+    pub v: u32,
+    /// The user's public nkey.
+    pub key: String,
+    /// Who the credential was for (`client ci`, `agent bn-…`).
+    pub user: String,
+    /// Seconds since the epoch (JWT time): credentials issued until then are revoked.
+    pub revoked_at: u64,
+    /// Who revoked it: an operator's name, or `launcher <id>` for a deleted node's agent.
+    pub by: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// SHA-256 of a secret, as hex: what records carry instead of the secret itself.
 pub fn secret_digest(secret: &str) -> String {
     use sha2::{Digest, Sha256};

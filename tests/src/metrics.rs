@@ -32,9 +32,14 @@ pub async fn get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, Str
     (status, body.to_string())
 }
 
-/// `/metrics`, parsed.
+/// `/metrics`, parsed (an agent's, which asks no token on loopback).
 pub async fn scrape(addr: SocketAddr) -> Scrape {
-    let (status, body) = get(addr, "/metrics", None).await;
+    scrape_as(addr, None).await
+}
+
+/// `/metrics` with a bearer token (a launcher's), parsed.
+pub async fn scrape_as(addr: SocketAddr, token: Option<&str>) -> Scrape {
+    let (status, body) = get(addr, "/metrics", token).await;
     assert_eq!(status, 200, "{body}");
     Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text format")
 }

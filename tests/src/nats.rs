@@ -149,6 +149,15 @@ impl NatsServer {
         creds(self.dir.path(), &self.files, role, name)
     }
 
+    /// The HTTP API token of `role` `name` (see `slotpool http-token`).
+    pub fn http_token(&self, role: Role, name: &str) -> String {
+        let text = std::fs::read_to_string(self.creds(role, name)).expect("reading credentials");
+        slotpool_protocol::auth::http_token::http_token(
+            &slotpool_protocol::auth::Credentials::from_text(text),
+        )
+        .expect("a token of test credentials")
+    }
+
     /// The installation's signing key (for `slotpool serve --agent-signing-key`).
     pub fn signing_key(&self) -> &Path {
         &self.files.signing_key

@@ -190,6 +190,12 @@ impl Pool {
             .unwrap_or_default()
     }
 
+    /// An operator's HTTP token: it sees everything the launchers' `--http` serves.
+    pub fn operator_token(&self) -> String {
+        self.nats
+            .http_token(slotpool_protocol::auth::Role::Operator, "ops")
+    }
+
     /// Where launcher `n` serves HTTP (started with `--http`), once its log says.
     pub async fn http_addr(&self, n: usize) -> std::net::SocketAddr {
         crate::wait_for_some(

@@ -25,8 +25,9 @@ pub struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts Prometheus scraping `targets` (`/metrics`) every second.
-    pub async fn start(targets: &[SocketAddr]) -> Prometheus {
+    /// Starts Prometheus scraping `targets` (`/metrics`) every second, with `token` as
+    /// its bearer token.
+    pub async fn start(targets: &[SocketAddr], token: Option<&str>) -> Prometheus {
         assert!(
             Path::new(PROMETHEUS).is_file(),
             "{PROMETHEUS} not found: install Debian's prometheus package (scripts/test.sh does)"
@@ -36,9 +37,12 @@ impl Prometheus {
             .tempdir()
             .expect("temp dir");
         let targets: Vec<String> = targets.iter().map(|t| format!("'{t}'")).collect();
+        let authorization = token
+            .map(|t| format!("    authorization:\n      credentials: '{t}'\n"))
+            .unwrap_or_default();
         let config = format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             scrape_configs:\n  - job_name: slotpool\n    static_configs:\n      - targets: [{}]\n",
+             scrape_configs:\n  - job_name: slotpool\n{authorization}    static_configs:\n      - targets: [{}]\n",
             targets.join(", ")
         );
         std::fs::write(dir.path().join("prometheus.yml"), config).expect("writing its config");

@@ -8,7 +8,7 @@ use slotpool_protocol::model::{BackingState, Node, NodeRequest, NodeState, Reque
 use slotpool_protocol::store::Change;
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{LauncherId, NodeId, RequestId};
-use slotpool_tests::metrics::{scrape, value};
+use slotpool_tests::metrics::{scrape_as, value};
 use slotpool_tests::{label, next_within, wait_for, wait_for_some, Pool, AGENT_ARGS};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -147,7 +147,7 @@ async fn min_retention_holds_and_max_age_retires() {
     )
     .await;
     // `/metrics` counts each release for its reason.
-    let s = scrape(pool.http_addr(0).await).await;
+    let s = scrape_as(pool.http_addr(0).await, Some(&pool.operator_token())).await;
     let deleted = |label, reason| {
         value(
             &s,
@@ -249,7 +249,11 @@ async fn a_killed_launcher_is_restarted_and_every_request_is_fulfilled_once() {
             .launcher_log(next)
             .matches("took the request over")
             .count();
-        let counted = value(&scrape(addr).await, "slotpool_lease_takeovers_total", &[]);
+        let counted = value(
+            &scrape_as(addr, Some(&pool.operator_token())).await,
+            "slotpool_lease_takeovers_total",
+            &[],
+        );
         (counted == took as f64).then_some(counted)
     })
     .await;

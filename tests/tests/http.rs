@@ -7,7 +7,7 @@
 use slotpool_protocol::model::{
     BackingNode, BackingState, Event, Node, NodeRequest, NodeState, RequestState,
 };
-use slotpool_tests::metrics::{get, scrape, value};
+use slotpool_tests::metrics::{get, scrape_as, value};
 use slotpool_tests::{label, wait_for, wait_for_some, NatsServer, Pool, AGENT_ARGS};
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -39,7 +39,8 @@ async fn pool_with_http_slots(slots: u32, grace: u32, extra: &[&str]) -> (Pool, 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_agree_with_kv_once_a_request_is_fulfilled() {
     let (pool, addr) = pool_with_http(&[]).await;
-    let before = scrape(addr).await;
+    let op = pool.operator_token();
+    let before = scrape_as(addr, Some(&op)).await;
     assert_eq!(value(&before, "slotpool_allocation_seconds", &[]), 0.0);
     assert_eq!(
         value(
@@ -62,7 +63,7 @@ async fn metrics_agree_with_kv_once_a_request_is_fulfilled() {
 
     // The gauges come from the mirror, which follows KV: wait until it has caught up.
     let s = wait_for_some("/metrics to show the fulfilled request", WAIT, || async {
-        let s = scrape(addr).await;
+        let s = scrape_as(addr, Some(&op)).await;
         let used = value(
             &s,
             "slotpool_slots",
@@ -135,8 +136,10 @@ async fn readyz_is_503_while_nats_is_down_and_200_once_back() {
     .await;
 }
 
+/// `--http-no-auth` is for loopback only: on any other address `slotpool serve` refuses
+/// to start, saying why.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_exposed_listener_needs_a_token() {
+async fn an_exposed_listener_is_never_open() {
     let nats = NatsServer::start().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("pool.yaml");
@@ -151,7 +154,7 @@ async fn an_exposed_listener_needs_a_token() {
     )
     .expect("config");
     let mut args = nats.serve_args(&config);
-    args.extend(["--http".into(), "0.0.0.0:0".into()]);
+    args.extend(["--http".into(), "0.0.0.0:0".into(), "--http-no-auth".into()]);
     let out = tokio::process::Command::new(slotpool_tests::bin_path("slotpool"))
         .args(&args)
         .stdin(Stdio::null())
@@ -164,9 +167,85 @@ async fn an_exposed_listener_needs_a_token() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "it must not start: {stderr}");
     assert!(
-        stderr.contains("not a loopback address") && stderr.contains("--http-token-file"),
+        stderr.contains("refusing --http-no-auth") && stderr.contains("not a loopback address"),
         "the error says why and what to do: {stderr}"
     );
+}
+
+/// Each client reads its own requests and nodes over HTTP, and streams only them, as on
+/// the bus: never another client's records (and with them its SSH key); operators read
+/// everything; callers without a token, or with an agent's, are refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_client_sees_only_its_own_requests_and_nodes() {
+    use slotpool_protocol::auth::Role;
+    use slotpool_protocol::client::{submission, Client};
+    let (pool, addr) = pool_with_http_slots(4, 60, &[]).await;
+    let op = pool.operator_token();
+    let ci_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl ci@victim";
+    let mut ids = std::collections::BTreeMap::new();
+    for (name, key) in [("ci", Some(ci_key)), ("mallory", None)] {
+        let client = Client::connect(&pool.nats.options_as(Role::Client, name))
+            .await
+            .expect("a client connects");
+        let mut sub = submission(vec!["small".into()], name);
+        sub.ssh_public_key = key.map(str::to_string);
+        let id = client.submit(&sub).await.expect("submit");
+        let request = client.wait(&id, |_| {}).await.expect("fulfilled");
+        ids.insert(name, (id, request.nodes));
+    }
+    let mallory = pool.nats.http_token(Role::Client, "mallory");
+    wait_for("the operator to read both requests", WAIT, || async {
+        get_json::<Vec<NodeRequest>>(addr, "/api/v1/requests", &op)
+            .await
+            .len()
+            == 2
+    })
+    .await;
+    let theirs: Vec<NodeRequest> = get_json(addr, "/api/v1/requests", &mallory).await;
+    assert_eq!(theirs.len(), 1, "{theirs:?}");
+    assert_eq!(theirs[0].id, ids["mallory"].0);
+    let nodes: Vec<Node> = get_json(addr, "/api/v1/nodes", &mallory).await;
+    assert_eq!(
+        nodes.iter().map(|n| n.id.clone()).collect::<Vec<_>>(),
+        ids["mallory"].1
+    );
+    let all: Vec<Node> = get_json(addr, "/api/v1/nodes", &op).await;
+    assert_eq!(all.len(), 2);
+    for path in ["/api/v1/backing", "/api/v1/events", "/metrics"] {
+        let (status, body) = get(addr, path, Some(&mallory)).await;
+        assert_eq!(status, 403, "{path}: {body}");
+    }
+    for path in ["/api/v1/requests", "/api/v1/nodes", "/metrics"] {
+        assert_eq!(get(addr, path, None).await.0, 401, "{path}");
+    }
+    let agent = pool.nats.http_token(Role::Agent, "bn-other");
+    assert_eq!(get(addr, "/api/v1/requests", Some(&agent)).await.0, 403);
+    // The change stream from the start: the client's own request and node, and nothing
+    // of ci's, whose SSH key its request carries.
+    assert_eq!(refused(addr, "kind=event", Some(&mallory)).await.0, 403);
+    let mut ws = stream(addr, "from=start", Some(&mallory))
+        .await
+        .expect("the stream opens");
+    let mut seen = Vec::new();
+    let (mine, my_node) = (
+        ids["mallory"].0.to_string(),
+        ids["mallory"].1[0].to_string(),
+    );
+    follow_until(&mut ws, &mut seen, |seen| {
+        fulfilled_in(seen).contains(&mine)
+            && seen
+                .iter()
+                .any(|m| m["kind"] == "node" && m["record"]["id"] == my_node.as_str())
+    })
+    .await;
+    for m in &seen {
+        let text = m.to_string();
+        assert!(
+            !text.contains("ci@victim") && !text.contains(ids["ci"].0.as_str()),
+            "{m}"
+        );
+        assert_eq!(m["record"]["client"], "mallory", "{m}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -186,9 +265,9 @@ async fn a_token_guards_metrics_but_not_the_probes() {
     assert_eq!(get(addr, "/healthz", None).await.0, 200);
 }
 
-/// GETs `path` and parses the body as JSON of type `T`.
-async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) -> T {
-    let (status, body) = get(addr, path, None).await;
+/// GETs `path` with `token` and parses the body as JSON of type `T`.
+async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str, token: &str) -> T {
+    let (status, body) = get(addr, path, Some(token)).await;
     assert_eq!(status, 200, "{path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|err| panic!("{path}: {err}: {body}"))
 }
@@ -196,6 +275,7 @@ async fn get_json<T: serde::de::DeserializeOwned>(addr: SocketAddr, path: &str) 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_json_api_serves_the_records_kv_holds() {
     let (pool, addr) = pool_with_http(&[]).await;
+    let op = pool.operator_token();
     let held = pool.submit(&["small"]).await;
     pool.fulfilled(&held).await;
 
@@ -215,17 +295,17 @@ async fn the_json_api_serves_the_records_kv_holds() {
     assert!(!kv_backing.is_empty() && !kv_nodes.is_empty() && !kv_events.is_empty());
     // The mirror follows KV: wait until it has caught up with what was read.
     wait_for("the API to serve what KV holds", WAIT, || async {
-        get_json::<Vec<BackingNode>>(addr, "/api/v1/backing").await == kv_backing
-            && get_json::<Vec<Node>>(addr, "/api/v1/nodes").await == kv_nodes
+        get_json::<Vec<BackingNode>>(addr, "/api/v1/backing", &op).await == kv_backing
+            && get_json::<Vec<Node>>(addr, "/api/v1/nodes", &op).await == kv_nodes
     })
     .await;
-    let mut all: Vec<NodeRequest> = get_json(addr, "/api/v1/requests").await;
+    let mut all: Vec<NodeRequest> = get_json(addr, "/api/v1/requests", &op).await;
     let mut kv_sorted = kv_requests.clone();
     kv_sorted.sort_by(|a, b| a.id.cmp(&b.id));
     all.sort_by(|a, b| a.id.cmp(&b.id));
     assert_eq!(all, kv_sorted);
     let fulfilled: Vec<NodeRequest> =
-        get_json(addr, "/api/v1/requests?label=small&state=fulfilled").await;
+        get_json(addr, "/api/v1/requests?label=small&state=fulfilled", &op).await;
     let kv_fulfilled: Vec<&NodeRequest> = kv_requests
         .iter()
         .filter(|r| r.state == RequestState::Fulfilled && r.labels.contains(&"small".into()))
@@ -233,18 +313,22 @@ async fn the_json_api_serves_the_records_kv_holds() {
     assert_eq!(fulfilled.iter().collect::<Vec<_>>(), kv_fulfilled);
     assert_eq!(fulfilled.len(), 1);
     assert_eq!(fulfilled[0].id, held);
-    let events: Vec<Event> = get_json(addr, "/api/v1/events").await;
+    let events: Vec<Event> = get_json(addr, "/api/v1/events", &op).await;
     assert_eq!(events[..kv_events.len()], kv_events[..]);
-    let canceled: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?state=canceled").await;
+    let canceled: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?state=canceled", &op).await;
     assert!(canceled.is_empty(), "{canceled:?}");
-    let other: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?label=large").await;
+    let other: Vec<NodeRequest> = get_json(addr, "/api/v1/requests?label=large", &op).await;
     assert!(other.is_empty(), "{other:?}");
-    assert_eq!(get(addr, "/api/v1/requests?state=bogus", None).await.0, 400);
+    assert_eq!(
+        get(addr, "/api/v1/requests?state=bogus", Some(&op)).await.0,
+        400
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn finished_requests_leave_the_mirror_and_stay_readable_by_their_client() {
     let (pool, addr) = pool_with_http(&[]).await;
+    let op = pool.operator_token();
     const SERVED: usize = 1000;
     let mut ids = Vec::with_capacity(SERVED);
     for _ in 0..SERVED {
@@ -259,7 +343,7 @@ async fn finished_requests_leave_the_mirror_and_stay_readable_by_their_client() 
         "the launcher's mirror to hold no finished request",
         WAIT,
         || async {
-            get_json::<Vec<NodeRequest>>(addr, "/api/v1/requests")
+            get_json::<Vec<NodeRequest>>(addr, "/api/v1/requests", &op)
                 .await
                 .is_empty()
         },
@@ -305,6 +389,7 @@ async fn an_open_connection_does_not_hold_the_launcher_at_shutdown() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backing_node_released_after_its_grace_time_is_counted() {
     let (pool, addr) = pool_with_http_grace(1, &[]).await;
+    let op = pool.operator_token();
     let id = pool.submit(&["small"]).await;
     let r = pool.fulfilled(&id).await;
     pool.release_and_wait(&r.nodes).await;
@@ -315,7 +400,7 @@ async fn a_backing_node_released_after_its_grace_time_is_counted() {
     // The deletion is counted, and the launcher's mirror sees the record gone, just
     // after the record is deleted in KV: wait for the scrape that shows both.
     let s = wait_for_some("the deletion to be counted and mirrored", WAIT, || async {
-        let s = scrape(addr).await;
+        let s = scrape_as(addr, Some(&op)).await;
         (value(&s, "slotpool_backing_deletions_total", &[]) >= 1.0
             && value(&s, "slotpool_backing_nodes", &[]) == 0.0)
             .then_some(s)
@@ -414,7 +499,8 @@ fn fulfilled_in(messages: &[serde_json::Value]) -> std::collections::BTreeSet<St
 async fn the_stream_follows_a_burst_across_a_reconnect_with_nothing_missed_or_repeated() {
     const BURST: usize = 50;
     let (pool, addr) = pool_with_http_slots(25, 60, &[]).await;
-    let mut ws = stream(addr, "", None).await.expect("the stream opens");
+    let op = pool.operator_token();
+    let mut ws = stream(addr, "", Some(&op)).await.expect("the stream opens");
     let ids: Vec<String> = futures::future::join_all((0..BURST).map(|_| pool.submit(&["small"])))
         .await
         .iter()
@@ -432,7 +518,7 @@ async fn the_stream_follows_a_burst_across_a_reconnect_with_nothing_missed_or_re
         .as_str()
         .expect("a cursor")
         .to_string();
-    let mut ws = stream(addr, &format!("after={cursor}"), None)
+    let mut ws = stream(addr, &format!("after={cursor}"), Some(&op))
         .await
         .expect("the stream resumes");
     let mut second = Vec::new();
@@ -468,6 +554,7 @@ async fn the_stream_follows_a_burst_across_a_reconnect_with_nothing_missed_or_re
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stream_filtered_by_request_carries_only_that_request() {
     let (pool, addr) = pool_with_http_slots(4, 60, &[]).await;
+    let op = pool.operator_token();
     let mut ids = Vec::new();
     for _ in 0..3 {
         let id = pool.submit(&["small"]).await;
@@ -475,7 +562,7 @@ async fn a_stream_filtered_by_request_carries_only_that_request() {
         ids.push(id.to_string());
     }
     let mine = &ids[1];
-    let mut ws = stream(addr, &format!("from=start&request={mine}"), None)
+    let mut ws = stream(addr, &format!("from=start&request={mine}"), Some(&op))
         .await
         .expect("the stream opens");
     let mut seen = Vec::new();
@@ -528,6 +615,7 @@ async fn the_stream_refuses_bad_queries_and_asks_for_the_token() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_position_older_than_the_event_log_holds_is_gone() {
     let (pool, addr) = pool_with_http(&[]).await;
+    let op = pool.operator_token();
     let id = pool.submit(&["small"]).await;
     pool.fulfilled(&id).await;
     let bus = pool.nats.bus().await;
@@ -553,14 +641,14 @@ async fn a_position_older_than_the_event_log_holds_is_gone() {
         String::from_utf8_lossy(&purged)
     );
     let (first, _) = bus.events.held_revisions().await.expect("held revisions");
-    let (status, body) = refused(addr, "after=0.0.0.0", None).await;
+    let (status, body) = refused(addr, "after=0.0.0.0", Some(&op)).await;
     assert_eq!(status, 410, "{body}");
     assert!(
         body.contains(&format!("no longer holds revisions 1..{}", first - 1)),
         "{body}"
     );
     // From what it still holds, the stream opens.
-    stream(addr, &format!("after={}.0.0.0", first - 1), None)
+    stream(addr, &format!("after={}.0.0.0", first - 1), Some(&op))
         .await
         .expect("a position the log still holds opens the stream");
 }
@@ -571,7 +659,8 @@ async fn an_open_stream_is_closed_at_shutdown_with_the_position_to_resume_from()
     use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
     use tokio_tungstenite::tungstenite::Message;
     let (mut pool, addr) = pool_with_http(&[]).await;
-    let mut ws = stream(addr, "", None).await.expect("the stream opens");
+    let op = pool.operator_token();
+    let mut ws = stream(addr, "", Some(&op)).await.expect("the stream opens");
     let closed = tokio::spawn(async move {
         while let Some(message) = ws.next().await {
             if let Message::Close(frame) = message.expect("a clean close") {

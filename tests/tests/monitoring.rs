@@ -113,7 +113,8 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_served() {
     assert!(used.len() >= 10, "{used:?}");
 
     let pool = pool_with_http().await;
-    let (status, text) = get(pool.http_addr(0).await, "/metrics", None).await;
+    let token = pool.operator_token();
+    let (status, text) = get(pool.http_addr(0).await, "/metrics", Some(&token)).await;
     assert_eq!(status, 200, "{text}");
     let served: BTreeSet<String> = text
         .lines()
@@ -131,7 +132,8 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_served() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_real_prometheus_scrapes_a_launcher_and_answers_promql() {
     let pool = pool_with_http().await;
-    let prometheus = Prometheus::start(&[pool.http_addr(0).await]).await;
+    let token = pool.operator_token();
+    let prometheus = Prometheus::start(&[pool.http_addr(0).await], Some(&token)).await;
     // Two requests fulfilled: Prometheus sees the launch and both fulfilments, with the
     // labels the launcher gives them.
     for _ in 0..2 {

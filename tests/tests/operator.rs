@@ -8,7 +8,7 @@ use slotpool_protocol::model::{
     BackingNode, BackingState, EventKind, IdleBehaviour, NodeState, OperatorAction,
 };
 use slotpool_protocol::{BackingId, NodeId};
-use slotpool_tests::metrics::{scrape, value};
+use slotpool_tests::metrics::{scrape_as, value};
 use slotpool_tests::{bin_path, label, wait_for, Pool, AGENT_ARGS};
 use std::process::Command;
 use std::time::Duration;
@@ -147,7 +147,7 @@ async fn hold_drain_and_kill_take_effect_and_are_recorded() {
     assert!(listed.contains("kill by op: bad disk"), "{listed}");
 
     // `/metrics` counts the drain and the kill, each for its reason.
-    let s = scrape(pool.http_addr(0).await).await;
+    let s = scrape_as(pool.http_addr(0).await, Some(&pool.operator_token())).await;
     let deleted = |reason| {
         value(
             &s,

@@ -5,7 +5,7 @@
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::model::{BackingState, NodeRequest, ProviderCall, RequestState};
-use slotpool_tests::metrics::{http_addr_in, scrape, value};
+use slotpool_tests::metrics::{http_addr_in, scrape_as, value};
 use slotpool_tests::{
     bin_path, wait_for, wait_for_some, wait_served, workspace_root, ChildGuard, NatsServer,
 };
@@ -279,6 +279,8 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     let client = Client::from_bus(nats.bus().await);
     wait_served(&client).await;
     let addr = launcher.http_addr().await;
+    let token = nats.http_token(Role::Operator, "ops");
+    let scrape = |addr| scrape_as(addr, Some(&token));
     let cloud = [("provider", "cloud"), ("pool", "main")];
 
     // Out of capacity (exit 75): the request waits, saying why, even past launch-retries.

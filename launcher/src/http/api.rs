@@ -2,7 +2,10 @@
 //! `/api/v1/requests?label=L&state=S` and `/api/v1/events`, each a JSON array of the
 //! same records KV holds (docs/protocol.md), in key order. All but the events come from
 //! this launcher's mirror; the event log is not mirrored and is read from KV per call.
+//! A client ([`Caller::Client`]) gets its own requests and nodes only, as on the bus, and
+//! neither the backing nodes nor the event log.
 
+use super::auth::Caller;
 use crate::shared::Shared;
 use serde::Serialize;
 use slotpool_protocol::model::{Event, RequestState};
@@ -13,18 +16,35 @@ use std::collections::BTreeMap;
 pub enum Answer {
     Json(Vec<u8>),
     BadRequest(String),
+    Forbidden(String),
     NotFound,
     Unavailable(String),
 }
 
 /// Answers `path` (under `/api/v1/`) with `query` (the part after `?`, if any).
-pub async fn answer(shared: &Shared, path: &str, query: Option<&str>) -> Answer {
+pub async fn answer(shared: &Shared, caller: &Caller, path: &str, query: Option<&str>) -> Answer {
     let query: BTreeMap<String, String> = query
         .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
         .unwrap_or_default();
+    let operators_only = |what: &str| {
+        Answer::Forbidden(format!(
+            "{what} are for operators; a client reads its own requests and nodes"
+        ))
+    };
     match path {
+        "backing" if *caller != Caller::Everything => operators_only("the backing nodes"),
+        "events" if *caller != Caller::Everything => operators_only("the event log's records"),
         "backing" => json(&sorted(&shared.world().backing)),
-        "nodes" => json(&sorted(&shared.world().slots)),
+        "nodes" => {
+            let world = shared.world();
+            let mut nodes: Vec<_> = world
+                .slots
+                .iter()
+                .filter(|(_, n)| caller.sees(n.value.client.as_ref()))
+                .collect();
+            nodes.sort_by(|a, b| a.0.cmp(b.0));
+            json(&nodes.iter().map(|(_, n)| &n.value).collect::<Vec<_>>())
+        }
         "requests" => {
             let state = match query.get("state").map(|s| parse_state(s)).transpose() {
                 Ok(state) => state,
@@ -35,6 +55,7 @@ pub async fn answer(shared: &Shared, path: &str, query: Option<&str>) -> Answer 
             let mut requests: Vec<_> = world
                 .requests
                 .values()
+                .filter(|r| caller.sees(r.value.client.as_ref()))
                 .filter(|r| state.is_none_or(|s| r.value.state == s))
                 .filter(|r| label.is_none_or(|l| r.value.labels.contains(l)))
                 .collect();

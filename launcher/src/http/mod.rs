@@ -3,10 +3,10 @@
 //! Routes: `/metrics` (Prometheus text format, [`metrics`]), `/healthz` (the process is
 //! up), `/readyz` (connected to NATS with every mirror synced) and the read-only JSON
 //! API under `/api/v1/` ([`api`]), with `/api/v1/stream`, a WebSocket of every change
-//! ([`stream`]). A listener on a non-loopback address needs a bearer token
-//! (`--http-token-file`) or client certificates (`--http-client-ca`); with a token,
-//! every route but the two probes asks for it. With `--http-tls-cert` and
-//! `--http-tls-key` the listener speaks HTTPS only ([`tls`]).
+//! ([`stream`]). Every route but the two probes asks who is calling and shows each
+//! caller what the bus would ([`auth`]); a listener on a non-loopback address needs TLS
+//! client certificates or tokens. With `--http-tls-cert` and `--http-tls-key` the
+//! listener speaks HTTPS only ([`tls`]).
 //!
 //! Served with hyper's HTTP/1 connection handling directly: a few read-only routes do
 //! not need a framework's router or middleware. The listener is bounded
@@ -18,17 +18,22 @@
 //! instead of spinning.
 
 pub(crate) mod api;
+pub(crate) mod auth;
 pub(crate) mod metrics;
 // Public for its message type, which tests/tests/docs.rs decodes docs/http.md's examples with.
 pub mod stream;
 pub mod tls;
 
+use crate::revocation::Revoked;
 use crate::shared::Shared;
+use auth::{Caller, Denied};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use slotpool_protocol::auth::http_token::TokenVerifier;
+use slotpool_protocol::auth::Credentials;
 use slotpool_protocol::bearer::{self, BearerError, BearerToken};
 use slotpool_protocol::listener::{Admitted, Bounds, Gate};
 use std::net::SocketAddr;
@@ -59,6 +64,20 @@ pub enum HttpError {
          or --http-client-ca to require client certificates (or listen on 127.0.0.1 / [::1])"
     )]
     Exposed(SocketAddr),
+    #[error(
+        "refusing to serve HTTP on {0} with no way to tell its callers apart: on an \
+         anonymous bus there are no credentials to derive tokens from; give \
+         --http-token-file, or --http-client-ca, or --http-no-auth to let everyone who \
+         reaches it read every request and node"
+    )]
+    NoAuth(SocketAddr),
+    #[error(
+        "refusing --http-no-auth on {0}: it is not a loopback address; give tokens or \
+         client certificates instead"
+    )]
+    OpenExposed(SocketAddr),
+    #[error("the launcher's credentials cannot check HTTP tokens: {0}")]
+    Verifier(slotpool_protocol::auth::AuthError),
     #[error(transparent)]
     Token(#[from] BearerError),
     #[error(transparent)]
@@ -77,13 +96,18 @@ pub struct HttpSettings {
     pub token_file: Option<std::path::PathBuf>,
     pub tls: Option<tls::TlsFiles>,
     pub max_connections: usize,
+    /// The launcher's own bus credentials: tokens derived from credentials of the same
+    /// issuer are accepted (none on an anonymous bus).
+    pub creds: Option<std::path::PathBuf>,
+    /// `--http-no-auth`: everyone who reaches the listener reads everything.
+    pub no_auth: bool,
 }
 
-/// A bound listener, the token its clients must show and its TLS set-up, ready for
+/// A bound listener, how it tells its callers apart and its TLS set-up, ready for
 /// [`serve`].
 pub struct HttpListener {
     listener: TcpListener,
-    token: Option<BearerToken>,
+    auth: auth::HttpAuth,
     tls: Option<TlsAcceptor>,
     gate: Gate,
 }
@@ -100,7 +124,37 @@ impl HttpListener {
             .map(BearerToken::read)
             .transpose()?;
         let client_certs = settings.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
-        if token.is_none() && !bearer::may_serve_without_token(addr, client_certs) {
+        let verifier = match &settings.creds {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| {
+                    HttpError::Verifier(slotpool_protocol::auth::AuthError::Io {
+                        path: path.clone(),
+                        source,
+                    })
+                })?;
+                Some(
+                    TokenVerifier::of(&Credentials::from_text(text))
+                        .map_err(HttpError::Verifier)?,
+                )
+            }
+            None => None,
+        };
+        if settings.no_auth {
+            if !addr.ip().is_loopback() {
+                return Err(HttpError::OpenExposed(addr));
+            }
+            tracing::warn!(
+                "HTTP WITHOUT AUTHORISATION (--http-no-auth): every local user (a CI job in \
+                 a slot on this host, say) who reaches {addr} reads every request and node, \
+                 with other clients' SSH keys"
+            );
+        } else if token.is_none() && verifier.is_none() && !client_certs {
+            return Err(HttpError::NoAuth(addr));
+        }
+        if token.is_none()
+            && verifier.is_none()
+            && !bearer::may_serve_without_token(addr, client_certs)
+        {
             return Err(HttpError::Exposed(addr));
         }
         let tls = settings.tls.as_ref().map(tls::acceptor).transpose()?;
@@ -109,7 +163,13 @@ impl HttpListener {
             .map_err(|source| HttpError::Bind { addr, source })?;
         Ok(HttpListener {
             listener,
-            token,
+            auth: auth::HttpAuth {
+                open: settings.no_auth,
+                static_token: token,
+                verifier,
+                client_certificates: client_certs,
+                revoked: Revoked::default(),
+            },
             tls,
             gate: Gate::new(
                 "http",
@@ -134,7 +194,7 @@ pub fn spawn(
     http: HttpListener,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let listener = http.listener.into_std()?;
-    let (token, tls, gate) = (http.token, http.tls, http.gate);
+    let (auth, tls, gate) = (http.auth, http.tls, http.gate);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -146,7 +206,7 @@ pub fn spawn(
                     Ok(listener) => {
                         let http = HttpListener {
                             listener,
-                            token,
+                            auth,
                             tls,
                             gate,
                         };
@@ -170,9 +230,14 @@ pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {
         tracing::info!("http listening on {addr} ({scheme})");
     }
     let max_streams = (http.gate.bounds().max_connections / 2).max(1);
+    shared.tracker.spawn(crate::revocation::follow(
+        shared.bus.leases.clone(),
+        http.auth.revoked.clone(),
+        shared.shutdown.clone(),
+    ));
     let state = Arc::new(State {
         registry: metrics::registry(shared.clone()),
-        token: http.token,
+        auth: http.auth,
         shared: shared.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         max_streams,
@@ -282,7 +347,7 @@ async fn serve_connection<S, F>(
 
 struct State {
     registry: prometheus_client::registry::Registry,
-    token: Option<BearerToken>,
+    auth: auth::HttpAuth,
     shared: Arc<Shared>,
     /// Places of change streams.
     streams: Arc<tokio::sync::Semaphore>,
@@ -304,18 +369,41 @@ impl State {
                 None => plain(StatusCode::OK, "ready\n"),
                 Some(why) => plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n")),
             },
-            _ if !self.authorized(&req) => {
-                let mut res = plain(StatusCode::UNAUTHORIZED, "bearer token required\n");
-                res.headers_mut().insert(
-                    hyper::header::WWW_AUTHENTICATE,
-                    hyper::header::HeaderValue::from_static("Bearer"),
-                );
-                res
+            _ => {
+                let authorization = req
+                    .headers()
+                    .get(hyper::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                match self.auth.caller(authorization, unix_now()) {
+                    Ok(caller) => self.answer_caller(req, caller, admitted).await,
+                    Err(Denied::Unauthorized(why)) => {
+                        let mut res = plain(StatusCode::UNAUTHORIZED, &format!("{why}\n"));
+                        res.headers_mut().insert(
+                            hyper::header::WWW_AUTHENTICATE,
+                            hyper::header::HeaderValue::from_static("Bearer"),
+                        );
+                        res
+                    }
+                    Err(Denied::Forbidden(why)) => {
+                        plain(StatusCode::FORBIDDEN, &format!("{why}\n"))
+                    }
+                }
             }
-            "/api/v1/stream" => self.open_stream(req, admitted).await,
+        }
+    }
+
+    /// Answers a request of `caller` on a route that needs one.
+    async fn answer_caller(
+        &self,
+        req: Request<Incoming>,
+        caller: Caller,
+        admitted: Arc<Admitted>,
+    ) -> Response<Full<Bytes>> {
+        match req.uri().path() {
+            "/api/v1/stream" => self.open_stream(req, caller, admitted).await,
             path if path.starts_with("/api/v1/") => {
                 let route = &path["/api/v1/".len()..];
-                match api::answer(&self.shared, route, req.uri().query()).await {
+                match api::answer(&self.shared, &caller, route, req.uri().query()).await {
                     api::Answer::Json(body) => {
                         let mut res = Response::new(Full::new(Bytes::from(body)));
                         res.headers_mut().insert(
@@ -327,12 +415,19 @@ impl State {
                     api::Answer::BadRequest(why) => {
                         plain(StatusCode::BAD_REQUEST, &format!("{why}\n"))
                     }
+                    api::Answer::Forbidden(why) => {
+                        plain(StatusCode::FORBIDDEN, &format!("{why}\n"))
+                    }
                     api::Answer::NotFound => plain(StatusCode::NOT_FOUND, "not found\n"),
                     api::Answer::Unavailable(why) => {
                         plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n"))
                     }
                 }
             }
+            "/metrics" if caller != Caller::Everything => plain(
+                StatusCode::FORBIDDEN,
+                "the pool's metrics are for operators\n",
+            ),
             "/metrics" => {
                 let mut text = String::new();
                 match prometheus_client::encoding::text::encode(&mut text, &self.registry) {
@@ -356,6 +451,7 @@ impl State {
     async fn open_stream(
         &self,
         mut req: Request<Incoming>,
+        caller: Caller,
         admitted: Arc<Admitted>,
     ) -> Response<Full<Bytes>> {
         let Some(accept) = websocket_accept(&req) else {
@@ -373,6 +469,10 @@ impl State {
         let params = match stream::parse_query(req.uri().query()) {
             Ok(params) => params,
             Err(why) => return plain(StatusCode::BAD_REQUEST, &format!("{why}\n")),
+        };
+        let params = match params.for_caller(caller) {
+            Ok(params) => params,
+            Err(why) => return plain(StatusCode::FORBIDDEN, &format!("{why}\n")),
         };
         // Streams are never closed to make room, so they may fill half the listener.
         let Ok(stream_place) = self.streams.clone().try_acquire_owned() else {
@@ -441,17 +541,6 @@ impl State {
             None
         }
     }
-
-    fn authorized(&self, req: &Request<Incoming>) -> bool {
-        let Some(token) = &self.token else {
-            return true;
-        };
-        token.accepts(
-            req.headers()
-                .get(hyper::header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok()),
-        )
-    }
 }
 
 /// The `Sec-WebSocket-Accept` answering `req`, if it is a WebSocket handshake.
@@ -466,6 +555,13 @@ fn websocket_accept(req: &Request<Incoming>) -> Option<String> {
         && header(hyper::header::SEC_WEBSOCKET_VERSION) == Some("13");
     let key = header(hyper::header::SEC_WEBSOCKET_KEY).filter(|_| handshake)?;
     Some(tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes()))
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {

@@ -8,7 +8,12 @@
 //! its own pull consumer (`Store::changes_after`): what a slow client has not taken yet
 //! waits on the server, and a client that takes nothing for [`SEND_LIMIT`] is closed
 //! with the position to resume from.
+//!
+//! A client ([`Caller::Client`]) streams its own requests and nodes only: the records
+//! whose `client` is its name, and the removal of a key only once this stream has sent
+//! that key as the client's (a removal names only its key).
 
+use super::auth::Caller;
 use crate::shared::Shared;
 use futures::{SinkExt, Stream, StreamExt};
 use hyper::upgrade::Upgraded;
@@ -17,8 +22,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use slotpool_protocol::model::{BackingNode, Event, Node, NodeRequest};
 use slotpool_protocol::store::{Change, KvError, Store};
-use slotpool_protocol::{BackingId, NodeId, RequestId};
-use std::collections::BTreeMap;
+use slotpool_protocol::{BackingId, NodeId, RequestId, UserName};
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::pin::Pin;
 use std::time::Duration;
@@ -37,7 +42,7 @@ const PING_EVERY: Duration = Duration::from_secs(20);
 const CLOSE_LIMIT: Duration = Duration::from_secs(5);
 
 /// What a change is about: the bucket it comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     Event,
@@ -130,6 +135,8 @@ pub struct Filter {
     backing: Option<BackingId>,
     label: Option<String>,
     kinds: Option<Vec<Kind>>,
+    /// Only the records of this bus client (not a query parameter: who is asking).
+    client: Option<UserName>,
 }
 
 /// The query of a stream: where it starts and what it keeps.
@@ -140,6 +147,32 @@ pub struct Params {
 }
 
 const ACCEPTED: &str = "after, from, request, node, backing, label, kind";
+
+/// The kinds a client ([`Caller::Client`]) may stream.
+const CLIENT_KINDS: [Kind; 2] = [Kind::Request, Kind::Node];
+
+impl Params {
+    /// These parameters for `caller`: a client streams its own requests and nodes and
+    /// nothing else; the refusal says why.
+    pub fn for_caller(mut self, caller: Caller) -> Result<Params, String> {
+        let Caller::Client(name) = caller else {
+            return Ok(self);
+        };
+        match &self.filter.kinds {
+            Some(kinds) => {
+                if let Some(k) = kinds.iter().find(|k| !CLIENT_KINDS.contains(k)) {
+                    return Err(format!(
+                        "kind={}: a client streams its own requests and nodes only",
+                        k.name()
+                    ));
+                }
+            }
+            None => self.filter.kinds = Some(CLIENT_KINDS.to_vec()),
+        }
+        self.filter.client = Some(name);
+        Ok(self)
+    }
+}
 
 /// Reads the query string of `/api/v1/stream`; the refusal says what was wrong and what
 /// is accepted.
@@ -213,6 +246,8 @@ struct About {
     nodes: Vec<String>,
     backing: Option<String>,
     labels: Vec<String>,
+    /// The bus client whose record it is (requests and nodes).
+    client: Option<String>,
 }
 
 impl About {
@@ -252,6 +287,7 @@ impl About {
                     nodes: r.nodes.iter().map(ToString::to_string).collect(),
                     backing: None,
                     labels: r.labels,
+                    client: r.client.map(|c| c.to_string()),
                 }
             }
             Kind::Node => {
@@ -261,6 +297,7 @@ impl About {
                     nodes: vec![n.id.to_string()],
                     backing: Some(n.backing_id.to_string()),
                     labels: vec![n.label],
+                    client: n.client.map(|c| c.to_string()),
                 }
             }
             Kind::Backing => {
@@ -325,8 +362,18 @@ struct Out<'a> {
     removed: bool,
 }
 
-/// The message for `change`, if the filter keeps it.
-fn message(kind: Kind, change: &Change, cursor: &Cursor, filter: &Filter) -> Option<String> {
+/// The keys a client's stream has sent as the client's, whose removal it may send.
+type Sent = HashSet<(Kind, String)>;
+
+/// The message for `change`, if the filter keeps it (and, for a client's stream, if it
+/// is the client's: `sent` tracks its keys).
+fn message(
+    kind: Kind,
+    change: &Change,
+    cursor: &Cursor,
+    filter: &Filter,
+    sent: &mut Sent,
+) -> Option<String> {
     let (key, revision, value) = match change {
         Change::Put {
             key,
@@ -336,7 +383,24 @@ fn message(kind: Kind, change: &Change, cursor: &Cursor, filter: &Filter) -> Opt
         Change::Removed { key, revision } => (key, *revision, None),
         Change::Synced => return None,
     };
-    if !filter.keeps(kind, &About::of(kind, key, value)) {
+    let about = About::of(kind, key, value);
+    if let Some(client) = &filter.client {
+        let mine = match value {
+            Some(_) => about.client.as_deref() == Some(client.as_str()),
+            // A removal names only its key: the client's if this stream sent it so.
+            None => sent.contains(&(kind, key.clone())),
+        };
+        if !mine || value.is_none() {
+            sent.remove(&(kind, key.clone()));
+        }
+        if !mine {
+            return None;
+        }
+        if value.is_some() && filter.keeps(kind, &about) {
+            sent.insert((kind, key.clone()));
+        }
+    }
+    if !filter.keeps(kind, &about) {
         return None;
     }
     let record = value.and_then(|v| serde_json::from_slice::<&RawValue>(v).ok());
@@ -463,6 +527,7 @@ async fn follow(
         filter,
         mut changes,
     } = opened;
+    let mut sent = Sent::new();
     let resume = |cursor: &Cursor| format!("resume with after={cursor}");
     let mut ping = tokio::time::interval(PING_EVERY);
     ping.reset();
@@ -509,7 +574,7 @@ async fn follow(
                     }
                     cursor.set(kind, *revision);
                 }
-                let Some(text) = message(kind, &change, &cursor, &filter) else {
+                let Some(text) = message(kind, &change, &cursor, &filter, &mut sent) else {
                     continue;
                 };
                 match tokio::time::timeout(SEND_LIMIT, ws.send(Message::text(text))).await {
@@ -604,6 +669,7 @@ mod tests {
             nodes: vec!["n1".to_string()],
             backing: Some("b1".to_string()),
             labels: vec!["small".to_string()],
+            client: None,
         };
         let filter = |q| parse_query(Some(q)).unwrap().filter;
         assert!(filter("").keeps(Kind::Node, &about));
@@ -612,6 +678,46 @@ mod tests {
         assert!(!filter("label=large").keeps(Kind::Node, &about));
         assert!(!filter("kind=node&label=large").keeps(Kind::Node, &about));
         assert!(!filter("kind=node").keeps(Kind::Request, &About::default()));
+    }
+
+    #[test]
+    fn a_client_streams_its_own_requests_and_nodes_and_their_removals_only() {
+        let caller = Caller::Client(UserName::parse("ci").unwrap());
+        let params = parse_query(None)
+            .unwrap()
+            .for_caller(caller.clone())
+            .unwrap();
+        let refused = parse_query(Some("kind=request,event"))
+            .unwrap()
+            .for_caller(caller.clone())
+            .unwrap_err();
+        assert!(refused.contains("kind=event"), "{refused}");
+        let (cursor, filter, mut sent) = (Cursor::default(), params.filter, Sent::new());
+        let request = |id: &str, client: &str| Change::Put {
+            key: id.to_string(),
+            revision: 1,
+            value: serde_json::to_vec(&serde_json::json!({
+                "v": 1, "id": id, "labels": ["l"], "requestor": "x", "priority": 0,
+                "created_at": 0, "state": "requested", "status": "", "updated_at": 0,
+                "client": client,
+                "ssh_public_key": "ssh-ed25519 AAAA secret-of-someone"
+            }))
+            .unwrap()
+            .into(),
+        };
+        let removed = |id: &str| Change::Removed {
+            key: id.to_string(),
+            revision: 2,
+        };
+        let mut out = |c: &Change, kind| message(kind, c, &cursor, &filter, &mut sent).is_some();
+        assert!(out(&request("req-mine", "ci"), Kind::Request));
+        assert!(!out(&request("req-theirs", "other"), Kind::Request));
+        assert!(!out(&removed("req-theirs"), Kind::Request));
+        assert!(out(&removed("req-mine"), Kind::Request));
+        // Once removed, a second removal of the key is no longer the client's.
+        assert!(!out(&removed("req-mine"), Kind::Request));
+        // Events and backing nodes are not a client's.
+        assert!(!out(&removed("bn-1"), Kind::Backing));
     }
 
     #[test]

@@ -13,10 +13,11 @@
 //! launchers as a [`Minter`], which signs user JWTs: the setup command's fixed users and,
 //! at each launch, one agent credential per backing node with an expiry.
 
+pub mod http_token;
 pub mod jwt;
 pub mod setup;
 
-use crate::ids::{is_key_token, BackingId, UserName};
+use crate::ids::{BackingId, UserName};
 use crate::layout::{self, subjects, ALL_BUCKETS};
 use nkeys::KeyPair;
 use serde::{Deserialize, Serialize};
@@ -271,22 +272,13 @@ pub fn read_user(path: &Path) -> Result<BusUser, AuthError> {
     };
     let jwt = jwt::jwt_of_creds(&text).ok_or_else(|| not("no user JWT in it".into()))?;
     let claims = jwt::decode(jwt).map_err(|e| not(e.to_string()))?;
-    let role = claims.nats["tags"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|t| t.as_str()?.strip_prefix("slotpool-role:"))
-        .find_map(Role::parse)
-        .ok_or_else(|| {
-            not("its JWT has no slotpool-role tag (made by `slotpool nats-setup`?)".into())
-        })?;
-    if !is_key_token(&claims.name) {
-        return Err(not(format!(
-            "user name {:?} is not a name token",
+    http_token::user_of(&claims).ok_or_else(|| {
+        not(format!(
+            "its JWT has no slotpool-role tag or its name {:?} is not a name token (made by \
+             `slotpool nats-setup`?)",
             claims.name
-        )));
-    }
-    BusUser::new(role, &claims.name).map_err(|e| not(e.to_string()))
+        ))
+    })
 }
 
 fn unix_now() -> u64 {
@@ -353,14 +345,43 @@ impl Minter {
         write_private(path, &json)
     }
 
-    /// A credential for `user`, valid for `valid_for` (none: until revoked by a new
-    /// installation).
+    /// The nkey every credential of `user` minted here has (see [`Minter::mint`]): what
+    /// a revocation of `user` names.
+    pub fn user_key(&self, user: &BusUser) -> String {
+        self.user_key_pair(user).public_key()
+    }
+
+    /// The key pair of `user`'s credentials: derived from the signing key, the role and
+    /// the name, so that every credential of one user has the same nkey and revoking it
+    /// (a revocation of that key at a time) revokes every credential of the user issued
+    /// until then, whoever minted it, while one minted later is valid.
+    fn user_key_pair(&self, user: &BusUser) -> KeyPair {
+        use sha2::{Digest, Sha256};
+        let (_, signing) = nkeys::decode_seed(
+            &self
+                .signing
+                .seed()
+                .expect("a signing key made from a seed has one"),
+        )
+        .expect("a seed of our own decodes");
+        let mut hash = Sha256::new();
+        hash.update(b"slotpool user nkey v1\0");
+        hash.update(signing);
+        hash.update(b"\0");
+        hash.update(user.role.as_str().as_bytes());
+        hash.update(b"\0");
+        hash.update(user.name.as_str().as_bytes());
+        KeyPair::new_from_raw(nkeys::KeyPairType::User, hash.finalize().into())
+            .expect("32 bytes make a key")
+    }
+
+    /// A credential for `user`, valid for `valid_for` (none: until revoked).
     pub fn mint(
         &self,
         user: &BusUser,
         valid_for: Option<Duration>,
     ) -> Result<Credentials, AuthError> {
-        let key = KeyPair::new_user();
+        let key = self.user_key_pair(user);
         let perms = permissions(user);
         let now = unix_now();
         let claims = jwt::Claims {
@@ -626,6 +647,28 @@ mod tests {
         assert!(format!("{creds:?}").contains("redacted"));
         let claims = jwt::decode(jwt::jwt_of_creds(creds.text()).unwrap()).unwrap();
         assert!(claims.exp.is_some());
+    }
+
+    #[test]
+    fn every_credential_of_a_user_has_the_users_key_and_no_other_user_has_it() {
+        let minter = Installation::generate().minter();
+        let sub = |role, name| {
+            let creds = minter
+                .mint(&user(role, name), Some(Duration::from_secs(60)))
+                .unwrap();
+            jwt::decode(jwt::jwt_of_creds(creds.text()).unwrap())
+                .unwrap()
+                .sub
+        };
+        let ci = sub(Role::Client, "ci");
+        assert_eq!(ci, sub(Role::Client, "ci"));
+        assert_eq!(ci, minter.user_key(&user(Role::Client, "ci")));
+        assert!(ci.starts_with('U'));
+        assert_ne!(ci, sub(Role::Client, "cd"));
+        assert_ne!(ci, sub(Role::Operator, "ci"));
+        // Another installation's ci is another key.
+        let other = Installation::generate().minter();
+        assert_ne!(ci, other.user_key(&user(Role::Client, "ci")));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! - `agent-signing.json` (0600): the signing key launchers mint agents' credentials
 //!   with (`slotpool serve --agent-signing-key`);
 //! - `creds/<role>-<name>.creds` (0600): one credential per launcher, operator, client
-//!   and static host's agent asked for.
+//!   and static host's agent asked for, and beside each `creds/<role>-<name>.token`
+//!   (0600), its token for the launchers' HTTP API ([`super::http_token`]).
 
 use super::{AuthError, BusUser, Installation, Role};
 use crate::BackingId;
@@ -56,6 +57,16 @@ pub fn creds_path(dir: &Path, user: &BusUser) -> PathBuf {
         .join(format!("{}-{}.creds", user.role, user.name))
 }
 
+/// Writes `creds` to `path` and their HTTP token beside them (`.token`), both 0600.
+pub fn write_creds(creds: &super::Credentials, path: &Path) -> Result<(), AuthError> {
+    creds.write_private(path)?;
+    let token = super::http_token::http_token(creds)?;
+    super::write_private(
+        &path.with_extension("token"),
+        format!("{token}\n").as_bytes(),
+    )
+}
+
 /// Makes a new installation and writes its files into `plan.dir` (created if missing).
 /// Refuses to overwrite an existing `nats-server.conf` or signing key: a new installation
 /// invalidates every credential of the old one.
@@ -88,7 +99,7 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
         .chain(plan.static_agents.iter().map(BusUser::agent));
     for user in users {
         let path = creds_path(&plan.dir, &user);
-        minter.mint(&user, plan.valid_for)?.write_private(&path)?;
+        write_creds(&minter.mint(&user, plan.valid_for)?, &path)?;
         creds.push((user, path));
     }
     let mut text = String::from("# slotpool's nats-server configuration (slotpool nats-setup).\n");
