@@ -326,7 +326,7 @@ async fn start(
         .await
         .context("connecting the demo's jobs to NATS")?;
     let deps = LauncherDeps {
-        agent_bus: AgentBus::new(url.clone(), minter),
+        agent_bus: AgentBus::new(url.clone(), minter, None),
         agent_binary: agent_binary.clone(),
         // Even a demo killed with SIGKILL leaves no agent running.
         local_agents: AgentLifetime::EndWithLauncher,

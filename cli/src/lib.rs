@@ -115,6 +115,12 @@ pub enum Command {
   slotpool occupants bn-01J... 2
   slotpool occupants bn-01J... 2 --output json")]
     Occupants(operator_cmds::OccupantsArgs),
+    /// Operator: revoke every credential of a client, an operator or a static host's
+    /// agent issued until now; the NATS server refuses them and closes their connections.
+    /// Mint a new one (`slotpool nats-setup mint`) to let the user back in.
+    #[command(after_help = "Example:
+  slotpool revoke --role operator --name bob --reason \"left the team\"")]
+    Revoke(operator_cmds::RevokeArgs),
     /// Operator: the newest lines of a backing node's agent log, asked through a launcher.
     #[command(after_help = "Example:
   slotpool logs bn-01J... --lines 50")]
@@ -292,6 +298,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Kill(args) => operator_cmds::order(&cli.nats, OperatorAction::Kill, args).await,
         Command::Occupants(args) => operator_cmds::occupants(&cli.nats, args).await,
         Command::Logs(args) => operator_cmds::logs(&cli.nats, args).await,
+        Command::Revoke(args) => operator_cmds::revoke(&cli.nats, args).await,
         Command::HttpToken { out } => http_token(&cli.nats, out.as_deref()),
         Command::Cancel { request, output } => {
             client_cmds::cancel(&cli.nats, &request, output).await

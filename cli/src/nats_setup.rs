@@ -11,6 +11,8 @@ use slotpool_protocol::BackingId;
 
 /// How long the certificates `nats-setup` makes are valid.
 const TLS_VALIDITY_DAYS: u32 = 825;
+/// How long the credentials `nats-setup` makes are valid unless told otherwise.
+pub const CREDENTIAL_VALIDITY_DAYS: u64 = 365;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -56,6 +58,27 @@ pub struct NatsSetupArgs {
     /// Names and addresses the server's certificate is valid for.
     #[arg(long = "server-name", value_name = "NAME", default_values = ["localhost", "127.0.0.1"])]
     pub server_names: Vec<String>,
+    #[command(flatten)]
+    pub validity: Validity,
+}
+
+/// How long credentials are valid.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct Validity {
+    /// Days the credentials are valid; mint new ones (`nats-setup mint`) before then.
+    /// Launchers warn when theirs has less than 30 days left.
+    #[arg(long, value_name = "DAYS", default_value_t = CREDENTIAL_VALIDITY_DAYS,
+          value_parser = clap::value_parser!(u64).range(1..), conflicts_with = "no_expiry")]
+    pub valid_days: u64,
+    /// Credentials that never expire (until revoked: `slotpool revoke`).
+    #[arg(long)]
+    pub no_expiry: bool,
+}
+
+impl Validity {
+    fn duration(self) -> Option<std::time::Duration> {
+        (!self.no_expiry).then(|| std::time::Duration::from_secs(self.valid_days * 24 * 3600))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -69,9 +92,8 @@ pub enum SetupCommand {
         /// The user's name (an agent's: its backing id).
         #[arg(long)]
         name: String,
-        /// Valid for this many days (default: no expiry).
-        #[arg(long)]
-        days: Option<u64>,
+        #[command(flatten)]
+        validity: Validity,
         /// Where to write it (mode 0600); its HTTP token goes beside it (`.token`).
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
@@ -102,14 +124,13 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         signing_key,
         role,
         name,
-        days,
+        validity,
         out,
     }) = args.command
     {
         let minter = Minter::load(&signing_key)?;
         let user = BusUser::new(role.into(), &name)?;
-        let valid = days.map(|d| std::time::Duration::from_secs(d * 24 * 3600));
-        setup::write_creds(&minter.mint(&user, valid)?, &out)?;
+        setup::write_creds(&minter.mint(&user, validity.duration())?, &out)?;
         println!(
             "{}: credentials of {user}, and {} its HTTP token",
             out.display(),
@@ -162,7 +183,7 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         users,
         static_agents,
         extra_config,
-        ..Default::default()
+        valid_for: args.validity.duration(),
     })?;
     println!(
         "{}: nats-server configuration (nats-server -c …)",

@@ -141,6 +141,37 @@ pub async fn release_with_reason(
     Ok(all)
 }
 
+/// `slotpool revoke`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct RevokeArgs {
+    /// The role of the user whose credentials are revoked.
+    #[arg(long, value_enum)]
+    pub role: super::nats_setup::RoleArg,
+    /// Its name (a static host's agent: its backing id).
+    #[arg(long)]
+    pub name: String,
+    /// Why (recorded in the event log).
+    #[arg(long)]
+    pub reason: Option<String>,
+}
+
+/// Revokes every credential of one user issued until now: the launcher records it and
+/// answers once the NATS server refuses them (and has closed their connections).
+pub async fn revoke(nats: &NatsClientArgs, args: RevokeArgs) -> anyhow::Result<ExitCode> {
+    let user = slotpool_protocol::auth::BusUser::new(args.role.into(), &args.name)?;
+    let client = connect(nats).await?;
+    let taken = client
+        .revoke(&user, args.reason)
+        .await
+        .with_context(|| format!("revoking the credentials of {user}"))?;
+    println!(
+        "revoked every credential of {user} issued until {} (key {}); open connections closed",
+        time(taken.revoked_at * 1000),
+        taken.key
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Who is in a slot: the launcher asks the backing node's agent, as the console's slot
 /// pane does.
 pub async fn occupants(nats: &NatsClientArgs, args: OccupantsArgs) -> anyhow::Result<ExitCode> {

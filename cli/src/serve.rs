@@ -7,8 +7,9 @@ use slotpool_launcher::agent_bus::{AgentBus, LocalTls};
 use slotpool_launcher::http::tls::TlsFiles;
 use slotpool_launcher::http::{HttpListener, HttpSettings};
 use slotpool_launcher::provider::local::AgentLifetime;
+use slotpool_launcher::revoked::Desk;
 use slotpool_launcher::{run, LauncherDeps};
-use slotpool_protocol::auth::Minter;
+use slotpool_protocol::auth::{Minter, Revoker};
 use slotpool_protocol::connect::Bus;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -114,8 +115,23 @@ pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<Exi
              (--allow-anonymous-bus)"
         );
     }
-    let minter = match &args.agent_signing_key {
-        Some(path) => Some(Minter::load(path).context("loading --agent-signing-key")?),
+    if let Some(path) = &nats.bus.creds {
+        warn_if_expiring(path);
+    }
+    let (minter, revocation) = match &args.agent_signing_key {
+        Some(path) => {
+            let minter = Minter::load(path).context("loading --agent-signing-key")?;
+            let revoker = Revoker::load(path).context("loading --agent-signing-key")?;
+            if revoker.is_none() {
+                tracing::warn!(
+                    "--agent-signing-key holds no revocation keys (made by an older \
+                     `slotpool nats-setup`): deleted nodes' agent credentials stay valid \
+                     until they expire, and `slotpool revoke` is refused"
+                );
+            }
+            let server = nats.options("slotpool-revoker");
+            (Some(minter), revoker.map(|r| Desk::new(r, server)))
+        }
         None => {
             if nats.authenticates() {
                 tracing::warn!(
@@ -123,7 +139,7 @@ pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<Exi
                      and cannot log in to an authenticated bus (static hosts bring their own)"
                 );
             }
-            None
+            (None, None)
         }
     };
     let bus = Bus::connect_replicated(&nats.options("slotpool-launcher"), config.kv_replicas)
@@ -141,7 +157,7 @@ pub async fn serve(nats: &NatsClientArgs, args: ServeArgs) -> anyhow::Result<Exi
         tracing::info!("stopping: finishing steps in flight and releasing leases");
     });
     let deps = LauncherDeps {
-        agent_bus: AgentBus::new(agent_nats_url, minter).with_local_tls(LocalTls {
+        agent_bus: AgentBus::new(agent_nats_url, minter, revocation).with_local_tls(LocalTls {
             ca: absolute(&nats.bus.tls_ca)?,
             cert: absolute(&nats.bus.tls_cert)?,
             key: absolute(&nats.bus.tls_key)?,
@@ -160,4 +176,33 @@ fn absolute(path: &Option<PathBuf>) -> anyhow::Result<Option<PathBuf>> {
     path.as_deref()
         .map(|p| std::path::absolute(p).with_context(|| format!("resolving {}", p.display())))
         .transpose()
+}
+
+/// How long before its credential expires a launcher starts saying so.
+const EXPIRY_WARNING: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
+/// Warns when the launcher's own credential expires within [`EXPIRY_WARNING`]: the
+/// server then closes its connection, and the pool stops.
+fn warn_if_expiring(path: &std::path::Path) {
+    let expires = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| {
+            slotpool_protocol::auth::Credentials::from_text(t)
+                .expires_at()
+                .ok()
+        })
+        .flatten();
+    let Some(expires) = expires else { return };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    if expires <= now + EXPIRY_WARNING.as_secs() {
+        tracing::warn!(
+            creds = %path.display(),
+            days_left = expires.saturating_sub(now) / 86_400,
+            "this launcher's bus credential expires soon: mint a new one with `slotpool \
+             nats-setup mint --role launcher` and restart with it"
+        );
+    }
 }

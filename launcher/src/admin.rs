@@ -4,16 +4,19 @@
 //! node's record (its `idle` behaviour and `order`); the launcher that drives the node
 //! (whichever holds its lease) carries it out through the state machine, so orders survive
 //! a launcher restart. Every order is recorded in the event log with who (the operator's bus user name, from the subject: never what the message
-//! says), when and why.
+//! says), when and why. An operator may also revoke a user's credentials (`revoke`,
+//! [`crate::revocation`]), recorded likewise.
 
 use crate::events::{self, Subject};
 use crate::inbound::{bad, decode, internal};
 use crate::release::{self, Finish};
+use crate::revocation::{self, RevokeError};
 use crate::shared::{seat_topic, Shared};
 use slotpool_protocol::api::{
     AgentCommand, ApiError, BackingOrder, ErrorCode, LogTail, LogTailQuery, OrderTaken,
-    ReleaseNodeOrder, Released, SlotOccupants, SlotOccupantsQuery,
+    ReleaseNodeOrder, Released, RevokeOrder, RevokeTaken, SlotOccupants, SlotOccupantsQuery,
 };
+use slotpool_protocol::auth::{BusUser, Role};
 use slotpool_protocol::connect::{BusError, Incoming};
 use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::{
@@ -43,6 +46,61 @@ fn describe(order: &OperatorOrder) -> String {
         s.push_str(r);
     }
     s
+}
+
+/// Serves `revoke`: records the revocation of every credential of the user named,
+/// issued until now, and answers once the server holds it (its connections are closed
+/// then).
+pub async fn revoke(
+    sh: &Arc<Shared>,
+    operator: &UserName,
+    msg: &Incoming,
+) -> Result<RevokeTaken, ApiError> {
+    let o: RevokeOrder = decode(msg, "revoke order", |o: &RevokeOrder| o.v)?;
+    check_why(o.reason.as_ref())?;
+    if o.role == Role::Launcher {
+        return Err(bad(
+            "a launcher's credential is not revoked this way: launchers hold the keys that \
+             revoke; make a new installation (slotpool nats-setup) to shut one out",
+        ));
+    }
+    let Some(desk) = sh.agent_bus.revocation().cloned() else {
+        return Err(ApiError::new(
+            ErrorCode::Unavailable,
+            RevokeError::NoKeys.to_string(),
+        ));
+    };
+    let user = BusUser {
+        role: o.role,
+        name: o.name.clone(),
+    };
+    let (key, revoked_at) =
+        revocation::record(sh, &user, operator.as_str(), o.reason.clone(), None)
+            .await
+            .map_err(|err| match err {
+                RevokeError::NoKeys => ApiError::new(ErrorCode::Unavailable, err.to_string()),
+                RevokeError::Kv(err) => internal(err),
+            })?;
+    let mut message = format!("revoke {user} by {operator}");
+    if let Some(r) = &o.reason {
+        message.push_str(": ");
+        message.push_str(r);
+    }
+    events::operator(sh, operator.as_str(), Subject::default(), message);
+    if !desk
+        .wait_held(&key, revoked_at, revocation::TAKEN_WITHIN)
+        .await
+    {
+        return Err(ApiError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the revocation of {user} is recorded, but the NATS server has not taken it \
+                 within {:?}; launchers go on pushing it (see their logs)",
+                revocation::TAKEN_WITHIN
+            ),
+        ));
+    }
+    Ok(RevokeTaken { key, revoked_at })
 }
 
 /// Serves `hold`, `drain`, `run` and `kill`.

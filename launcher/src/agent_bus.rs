@@ -1,8 +1,11 @@
 //! What the agents this launcher's providers start get to reach the bus: a URL and, when
 //! the launcher holds the installation's signing key, a credential of their own, minted
 //! per launch for that backing node alone ([`slotpool_protocol::auth::permissions`]:
-//! its command subject, its heartbeat key, its inbox) and expiring.
+//! its command subject, its heartbeat key, its inbox) and expiring. With the
+//! installation's revocation keys too, the launcher revokes credentials
+//! ([`crate::revocation`]).
 
+use crate::revoked::Desk;
 use slotpool_protocol::auth::{AuthError, BusUser, Credentials, Minter};
 use slotpool_protocol::BackingId;
 use std::path::PathBuf;
@@ -25,6 +28,7 @@ pub struct AgentBus {
     minter: Option<Arc<Minter>>,
     /// The TLS files of agents on the launcher's own host (the `local` provider's).
     pub local_tls: LocalTls,
+    revocation: Option<Arc<Desk>>,
 }
 
 /// The TLS files an agent on the launcher's own host uses: the launcher's own `--tls-ca`,
@@ -57,11 +61,33 @@ impl LocalTls {
 }
 
 impl AgentBus {
-    pub fn new(url: String, minter: Option<Minter>) -> AgentBus {
+    pub fn new(url: String, minter: Option<Minter>, revocation: Option<Desk>) -> AgentBus {
         AgentBus {
             url,
             minter: minter.map(Arc::new),
             local_tls: LocalTls::default(),
+            revocation: revocation.map(Arc::new),
+        }
+    }
+
+    /// The nkey of every credential of `user` this installation mints, when this
+    /// launcher holds the signing key.
+    pub fn user_key(&self, user: &BusUser) -> Option<String> {
+        self.minter.as_ref().map(|m| m.user_key(user))
+    }
+
+    /// Where revocations are made, when this launcher holds the revocation keys.
+    pub fn revocation(&self) -> Option<&Arc<Desk>> {
+        self.revocation.as_ref()
+    }
+
+    /// How long the credential of an agent of a node retired at `max_age` (zero: no
+    /// limit) lasts.
+    pub fn lifetime(max_age: Duration) -> Duration {
+        if max_age.is_zero() {
+            AGENT_CREDENTIAL_LIFETIME
+        } else {
+            max_age + CREDENTIAL_SLACK
         }
     }
 
@@ -81,13 +107,8 @@ impl AgentBus {
         let Some(minter) = &self.minter else {
             return Ok(None);
         };
-        let lifetime = if max_age.is_zero() {
-            AGENT_CREDENTIAL_LIFETIME
-        } else {
-            max_age + CREDENTIAL_SLACK
-        };
         minter
-            .mint(&BusUser::agent(backing), Some(lifetime))
+            .mint(&BusUser::agent(backing), Some(AgentBus::lifetime(max_age)))
             .map(Some)
     }
 }

@@ -75,6 +75,8 @@ enum Op {
     SlotOccupants,
     /// An operator's question: an agent's newest log lines.
     LogTail,
+    /// An operator's order: revoke a user's credentials.
+    Revoke,
     /// A subject of API v1, answered with `unsupported_version`.
     Retired,
     /// An API or admin subject that names no operation.
@@ -93,6 +95,7 @@ impl Op {
                 .map(Op::Admin)
                 .or_else(|| (name == subjects::SLOT_OCCUPANTS).then_some(Op::SlotOccupants))
                 .or_else(|| (name == subjects::LOG_TAIL).then_some(Op::LogTail))
+                .or_else(|| (name == subjects::REVOKE).then_some(Op::Revoke))
                 .unwrap_or(Op::Unknown),
             Some(name) => ApiOp::ALL
                 .into_iter()
@@ -109,7 +112,11 @@ fn unknown_operation(subject: &str) -> ApiError {
         OperatorAction::ALL
             .iter()
             .map(|a| a.as_str())
-            .chain([subjects::SLOT_OCCUPANTS, subjects::LOG_TAIL])
+            .chain([
+                subjects::SLOT_OCCUPANTS,
+                subjects::LOG_TAIL,
+                subjects::REVOKE,
+            ])
             .collect()
     } else {
         ApiOp::ALL.iter().map(|op| op.as_str()).collect()
@@ -177,6 +184,7 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
         }
         Op::SlotOccupants => respond(&sh, &reply_to, admin::slot_occupants(&sh, &msg).await).await,
         Op::LogTail => respond(&sh, &reply_to, admin::log_tail(&sh, &msg).await).await,
+        Op::Revoke => respond(&sh, &reply_to, admin::revoke(&sh, &caller, &msg).await).await,
         Op::Retired => unreachable!("a v1 subject has no caller"),
         Op::Unknown => respond::<()>(&sh, &reply_to, Err(unknown_operation(&msg.subject))).await,
     };

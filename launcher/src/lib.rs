@@ -24,6 +24,7 @@ pub mod provider;
 pub(crate) mod release;
 pub mod request;
 pub mod revocation;
+pub mod revoked;
 pub(crate) mod shared;
 pub(crate) mod status;
 pub(crate) mod watch;
@@ -118,6 +119,9 @@ pub async fn run(
         Some(listener) => Some(http::spawn(shared.clone(), listener).map_err(LauncherError::Http)?),
         None => None,
     };
+    if let Some(desk) = shared.agent_bus.revocation().cloned() {
+        shared.tracker.spawn(revocation::push(shared.clone(), desk));
+    }
 
     let (dirty_tx, dirty_rx) = mpsc::unbounded_channel();
     let mut synced = Vec::new();

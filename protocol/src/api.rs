@@ -344,6 +344,29 @@ pub struct SlotOccupantsQuery {
     pub slot: u32,
 }
 
+/// An operator's order to revoke every credential of one bus user issued until now, on
+/// `slotpool.admin.v2.<operator>.revoke`: the NATS server refuses them from then on and
+/// closes their connections, and the launchers' HTTP API refuses their tokens.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RevokeOrder {
+    #[serde(default = "default_version")]
+    pub v: u32,
+    /// `client`, `operator` or `agent` (a static host's agent: its backing id as name).
+    pub role: crate::auth::Role,
+    pub name: crate::UserName,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Reply to a [`RevokeOrder`]: once sent, the server holds the revocation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RevokeTaken {
+    /// The user's nkey, as the revocation names it.
+    pub key: String,
+    /// Credentials of that key issued until then (seconds since the epoch) are revoked.
+    pub revoked_at: u64,
+}
+
 /// Reply to [`AgentCommand::SlotOccupants`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SlotOccupants {

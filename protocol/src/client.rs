@@ -298,6 +298,25 @@ impl Client {
             .await
     }
 
+    /// Revokes every credential of `user` issued until now (operators only): answered
+    /// once the NATS server holds the revocation.
+    pub async fn revoke(
+        &self,
+        user: &crate::auth::BusUser,
+        reason: Option<String>,
+    ) -> Result<api::RevokeTaken, BusError> {
+        let msg = api::RevokeOrder {
+            v: crate::PROTOCOL_VERSION,
+            role: user.role,
+            name: user.name.clone(),
+            reason,
+        };
+        // The launcher waits for the server to take it (up to 10 s) before answering.
+        self.bus
+            .call(&subjects::revoke(self.name()), &msg, API_TIMEOUT * 3)
+            .await
+    }
+
     /// Who is in slot `slot` of backing node `backing` (operators only): the launcher
     /// asks the node's agent.
     pub async fn slot_occupants(

@@ -494,6 +494,19 @@ async fn connect_client(
     if let Some(t) = &opts.token {
         o = o.token(t.clone());
     }
+    let o = with_tls(o, opts)?;
+    let urls = server_addrs(opts)?;
+    o.connect(urls).await.map_err(|err| BusError::Connect {
+        url: opts.url.clone(),
+        message: err.to_string(),
+    })
+}
+
+/// `o` with the TLS options of `opts` (a CA to trust, a client certificate).
+pub(crate) fn with_tls(
+    mut o: async_nats::ConnectOptions,
+    opts: &NatsOptions,
+) -> Result<async_nats::ConnectOptions, BusError> {
     if let Some(ca) = &opts.tls_ca {
         o = o.add_root_certificates(ca.clone()).require_tls(true);
     }
@@ -506,19 +519,19 @@ async fn connect_client(
         (None, None) => {}
         _ => return Err(BusError::TlsPair),
     }
-    let urls: Vec<async_nats::ServerAddr> = opts
-        .url
+    Ok(o)
+}
+
+/// The server addresses of `opts`' comma-separated URL.
+pub(crate) fn server_addrs(opts: &NatsOptions) -> Result<Vec<async_nats::ServerAddr>, BusError> {
+    opts.url
         .split(',')
         .map(|u| u.trim().parse())
         .collect::<Result<_, _>>()
         .map_err(|err: std::io::Error| BusError::Connect {
             url: opts.url.clone(),
             message: err.to_string(),
-        })?;
-    o.connect(urls).await.map_err(|err| BusError::Connect {
-        url: opts.url.clone(),
-        message: err.to_string(),
-    })
+        })
 }
 
 /// Parses `major.minor.patch[-suffix]` and refuses servers older than [`crate::MIN_NATS_SERVER`].

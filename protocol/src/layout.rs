@@ -242,6 +242,18 @@ pub mod subjects {
         format!("slotpool.api.v2.{client}.>")
     }
 
+    /// The system-account subject that takes a newer JWT of `account` (NATS's full
+    /// resolver).
+    pub fn claims_update(account: &str) -> String {
+        format!("$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE")
+    }
+    /// The system-account subject that answers with the JWT of `account` the server holds.
+    pub fn claims_lookup(account: &str) -> String {
+        format!("$SYS.REQ.ACCOUNT.{account}.CLAIMS.LOOKUP")
+    }
+    /// The inbox prefix of the system user that pushes slotpool's account.
+    pub const REVOKER_INBOX: &str = "_INBOX.revoker";
+
     /// `operator`'s subject for an order ([`crate::api::BackingOrder`] for hold, drain,
     /// run and kill; [`crate::api::ReleaseNodeOrder`] for release_node).
     pub fn admin(operator: &UserName, action: OperatorAction) -> String {
@@ -260,6 +272,15 @@ pub mod subjects {
     pub const SLOT_OCCUPANTS: &str = "slot_occupants";
     /// Every operator's [`slot_occupants`] subject, for serving it.
     pub const SLOT_OCCUPANTS_ALL: &str = "slotpool.admin.v2.*.slot_occupants";
+    /// `operator`'s subject for revoking a user's credentials
+    /// ([`crate::api::RevokeOrder`]).
+    pub fn revoke(operator: &UserName) -> String {
+        format!("slotpool.admin.v2.{operator}.{REVOKE}")
+    }
+    /// The last token of [`revoke`].
+    pub const REVOKE: &str = "revoke";
+    /// Every operator's [`revoke`] subject, for serving it.
+    pub const REVOKE_ALL: &str = "slotpool.admin.v2.*.revoke";
     /// `operator`'s subject for asking a backing node's agent for its newest log lines
     /// ([`crate::api::LogTailQuery`]); not an order, so nothing is recorded.
     pub fn log_tail(operator: &UserName) -> String {

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod account_push;
 pub mod api;
 pub mod auth;
 pub mod bearer;

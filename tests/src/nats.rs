@@ -367,6 +367,14 @@ impl NatsCluster {
             let server_dir = dir.path().join(&name);
             std::fs::create_dir_all(&server_dir).expect("creating a server dir");
             let config = server_dir.join("nats-server.conf");
+            // Each server keeps the accounts pushed to it in a directory of its own.
+            let accounts = server_dir.join("accounts");
+            std::fs::create_dir_all(&accounts).expect("creating a resolver dir");
+            let base = base.replace(
+                &format!("dir: \"{}\"", dir.path().join("auth/accounts").display()),
+                &format!("dir: \"{}\"", accounts.display()),
+            );
+            assert!(base.contains(&accounts.display().to_string()), "{base}");
             let text = format!(
                 "{base}\nserver_name: {name}\ncluster {{\n  name: slotpool-test\n  \
                  listen: 127.0.0.1:{route_port}\n  routes: [{}]\n}}\n",

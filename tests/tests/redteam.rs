@@ -461,7 +461,7 @@ fn nats_setup_writes_a_configuration_the_server_accepts() {
     );
     let text = std::fs::read_to_string(&conf).unwrap();
     assert!(
-        text.contains("resolver: MEMORY") && text.contains("tls {"),
+        text.contains("type: full") && text.contains("tls {"),
         "{text}"
     );
     for secret in [
@@ -531,5 +531,148 @@ async fn the_servers_refusal_is_named_in_the_refused_clients_log() {
             && stderr
                 .contains("the NATS server refused $JS.API.CONSUMER.CREATE.KV_slotpool_backing"),
         "the refusal is not in the client's error:\n{stderr}"
+    );
+}
+
+/// An operator revokes a client's credentials: the server closes the connection the
+/// client holds and refuses it from then on, the launchers' HTTP API refuses its token,
+/// other clients go on, and a credential minted afterwards lets the client back in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_credential_is_refused_and_its_open_connection_closed() {
+    use slotpool_protocol::auth::{BusUser, Minter};
+    let pool = Pool::start_serving_with(
+        1,
+        5,
+        &label("small", 2, 600, &[]),
+        1,
+        &slotpool_tests::AGENT_ARGS,
+        &["--http", "127.0.0.1:0"],
+    )
+    .await;
+    let addr = pool.http_addr(0).await;
+    let ci = client_as(&pool, Role::Client, "ci").await;
+    let cd = client_as(&pool, Role::Client, "cd").await;
+    let id = ci
+        .submit(&slotpool_protocol::client::submission(
+            vec!["small".into()],
+            "x",
+        ))
+        .await
+        .unwrap();
+    ci.wait(&id, |_| {}).await.unwrap();
+    let token = pool.nats.http_token(Role::Client, "ci");
+    let (status, _) = slotpool_tests::metrics::get(addr, "/api/v1/requests", Some(&token)).await;
+    assert_eq!(status, 200);
+
+    let alice = client_as(&pool, Role::Operator, "alice").await;
+    let user = BusUser::new(Role::Client, "ci").unwrap();
+    let taken = alice
+        .revoke(&user, Some("leaked".into()))
+        .await
+        .expect("an operator revokes");
+    println!("revoked {user}: {taken:?}");
+
+    // The connection ci holds is closed by the server and not let back in.
+    wait_for("ci's open connection to be closed", SOON, || async {
+        !ci.bus().is_connected()
+    })
+    .await;
+    let again = Bus::connect(&pool.nats.options_as(Role::Client, "ci")).await;
+    let refused = again
+        .err()
+        .expect("a revoked credential is refused")
+        .to_string();
+    println!("ci connecting again: {refused}");
+    assert!(
+        refused.to_lowercase().contains("authorization"),
+        "{refused}"
+    );
+    let (status, body) = slotpool_tests::metrics::get(addr, "/api/v1/requests", Some(&token)).await;
+    println!("ci's HTTP token: {status} {}", body.trim());
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("revoked"), "{body}");
+    // Another client goes on.
+    assert!(cd.bus().is_connected());
+    cd.submit(&slotpool_protocol::client::submission(
+        vec!["small".into()],
+        "y",
+    ))
+    .await
+    .expect("another client is untouched");
+    // The event log says who revoked whom.
+    let events = alice.list_events().await.unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.actor == "alice" && e.message.contains("revoke client ci")),
+        "{events:?}"
+    );
+
+    // A credential issued after the revocation (JWT times are whole seconds) is valid.
+    let at = taken.revoked_at;
+    wait_for(
+        "the clock to pass the revocation's second",
+        SOON,
+        || async {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+                > at
+        },
+    )
+    .await;
+    let fresh = pool.dir().join("ci-again.creds");
+    Minter::load(pool.nats.signing_key())
+        .unwrap()
+        .mint(&user, None)
+        .unwrap()
+        .write_private(&fresh)
+        .unwrap();
+    let opts = NatsOptions {
+        creds: Some(fresh),
+        ..pool.nats.options_as(Role::Client, "ci")
+    };
+    Bus::connect(&opts)
+        .await
+        .expect("a credential minted after the revocation connects");
+}
+
+/// When a launched backing node is deleted, its agent's credential is revoked at once:
+/// a connection made with a copy of it (a leaked credential) is closed, and the copy is
+/// refused from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_nodes_agent_credential_is_revoked_at_once() {
+    let pool = Pool::start(1, 5, &label("small", 1, 1, &[]), 1).await;
+    let request = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let backing = pool.backing().await.pop().expect("a backing node");
+    let creds = pool.agent_dir(backing.id.as_str()).join("agent.creds");
+    let leaked = pool.dir().join("leaked-agent.creds");
+    std::fs::copy(&creds, &leaked).expect("copying the agent's credential");
+    let opts = NatsOptions {
+        creds: Some(leaked),
+        ..pool.nats.options_as(Role::Agent, backing.id.as_str())
+    };
+    let thief = Bus::connect(&opts)
+        .await
+        .expect("the copy works while the node lives");
+    pool.release_and_wait(&request.nodes).await;
+    wait_for("the idle backing node to be deleted", SOON, || async {
+        pool.backing().await.is_empty()
+    })
+    .await;
+    wait_for("the copy's connection to be closed", SOON, || async {
+        !thief.is_connected()
+    })
+    .await;
+    let refused = Bus::connect(&opts)
+        .await
+        .err()
+        .expect("the deleted node's credential is refused")
+        .to_string();
+    println!("the deleted node's agent credential: {refused}");
+    assert!(
+        refused.to_lowercase().contains("authorization"),
+        "{refused}"
     );
 }

@@ -447,21 +447,40 @@ impl Executor {
         v: &BackingNode,
         what: &str,
     ) -> Result<(), slotpool_protocol::time::UnixMillis> {
-        let Some(instance) = &v.instance else {
-            return Ok(());
+        let deleted = match &v.instance {
+            None => Ok(()),
+            Some(instance) => match self.sh.providers.get(&v.provider) {
+                None => {
+                    tracing::warn!(
+                        ?instance,
+                        reason = provider_gone(&v.provider),
+                        "cannot delete {what}"
+                    );
+                    Err(now_ms() + PROVIDER_GONE_PAUSE.as_millis() as u64)
+                }
+                Some(provider) => provider.delete(instance).await.map_err(|err| {
+                    tracing::warn!(%err, "cannot delete {what}; will retry");
+                    now_ms() + STEP_RETRY_PAUSE.as_millis() as u64
+                }),
+            },
         };
-        let Some(provider) = self.sh.providers.get(&v.provider) else {
-            tracing::warn!(
-                ?instance,
-                reason = provider_gone(&v.provider),
-                "cannot delete {what}"
-            );
-            return Err(now_ms() + PROVIDER_GONE_PAUSE.as_millis() as u64);
-        };
-        provider.delete(instance).await.map_err(|err| {
-            tracing::warn!(%err, "cannot delete {what}; will retry");
-            now_ms() + STEP_RETRY_PAUSE.as_millis() as u64
-        })
+        // A launched node's agent credential goes with it, once the machine is gone (its
+        // agent would spend its stop reconnecting otherwise); a static host's stays, as
+        // the host does.
+        let launched = self
+            .sh
+            .providers
+            .get(&v.provider)
+            .is_some_and(|p| p.fixed_identity(&v.pool, v.seat).is_none());
+        if deleted.is_ok() && launched {
+            let max_age = self
+                .sh
+                .config
+                .label_in(&v.provider, &v.pool, &v.label)
+                .map_or(Duration::ZERO, |site| site.label.max_age);
+            crate::revocation::revoke_agent(&self.sh, &v.id, max_age).await;
+        }
+        deleted
     }
 
     /// What the node's instance printed on its console, as the end of an event's message

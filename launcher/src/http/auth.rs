@@ -12,7 +12,7 @@
 //! reach its loopback. `--http-no-auth` drops the check (everyone sees everything),
 //! logged loudly at start.
 
-use crate::revocation::Revoked;
+use crate::revoked::Revoked;
 use slotpool_protocol::auth::http_token::{TokenError, TokenVerifier};
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::bearer::BearerToken;

@@ -24,7 +24,7 @@ pub(crate) mod metrics;
 pub mod stream;
 pub mod tls;
 
-use crate::revocation::Revoked;
+use crate::revoked::Revoked;
 use crate::shared::Shared;
 use auth::{Caller, Denied};
 use bytes::Bytes;
@@ -230,7 +230,7 @@ pub(crate) async fn serve(shared: Arc<Shared>, http: HttpListener) {
         tracing::info!("http listening on {addr} ({scheme})");
     }
     let max_streams = (http.gate.bounds().max_connections / 2).max(1);
-    shared.tracker.spawn(crate::revocation::follow(
+    shared.tracker.spawn(crate::revoked::follow(
         shared.bus.leases.clone(),
         http.auth.revoked.clone(),
         shared.shutdown.clone(),

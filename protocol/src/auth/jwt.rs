@@ -59,8 +59,15 @@ pub fn system_account_nats() -> Value {
     })
 }
 
-pub fn operator_nats(system_account: &str) -> Value {
-    json!({ "system_account": system_account, "type": "operator", "version": 2 })
+/// An operator's claims: the system account, and the keys that may sign accounts beside
+/// the operator's own.
+pub fn operator_nats(system_account: &str, signing_keys: &[String]) -> Value {
+    json!({
+        "system_account": system_account,
+        "signing_keys": signing_keys,
+        "type": "operator",
+        "version": 2
+    })
 }
 
 /// A user's claims: exactly the subjects it may publish and subscribe to, and whether it

@@ -12,6 +12,14 @@
 //! and slotpool's own (JetStream on); slotpool's account has one signing key, held by
 //! launchers as a [`Minter`], which signs user JWTs: the setup command's fixed users and,
 //! at each launch, one agent credential per backing node with an expiry.
+//!
+//! Revocation ([`Revoker`]): the server resolves accounts with NATS's full resolver, which
+//! takes a newer account JWT at run time. Launchers hold an operator signing key and a
+//! system user allowed to push (and look up) slotpool's account alone; they push the
+//! account with its `revocations` (user nkey → time: credentials of that key issued until
+//! then are refused, and the server closes their connections at once). Every credential
+//! of one user has the same nkey ([`Minter::user_key`]), so one revocation covers them
+//! all.
 
 pub mod http_token;
 pub mod jwt;
@@ -230,6 +238,13 @@ impl Credentials {
         &self.0
     }
 
+    /// When these credentials expire (seconds since the epoch), if they do.
+    pub fn expires_at(&self) -> Result<Option<u64>, AuthError> {
+        let jwt = jwt::jwt_of_creds(&self.0)
+            .ok_or_else(|| AuthError::BadJwt("no user JWT in the credentials".into()))?;
+        Ok(jwt::decode(jwt)?.exp)
+    }
+
     /// Writes the credentials to `path`, readable by its owner only (created 0600, never
     /// readable by others even for a moment; an existing file is replaced).
     pub fn write_private(&self, path: &Path) -> Result<(), AuthError> {
@@ -281,6 +296,11 @@ pub fn read_user(path: &Path) -> Result<BusUser, AuthError> {
     })
 }
 
+/// A copy of a key pair made from a seed.
+fn copy(key: &KeyPair) -> KeyPair {
+    KeyPair::from_seed(&key.seed().expect("a generated key has a seed")).expect("a seed read back")
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -295,29 +315,34 @@ pub struct Minter {
     signing: KeyPair,
 }
 
-/// The on-disk form of a [`Minter`] (`agent-signing.json`, mode 0600).
+/// The on-disk form of a [`Minter`] and, when the installation has them, its
+/// [`Revoker`]'s keys (`agent-signing.json`, mode 0600).
 #[derive(Serialize, Deserialize)]
 struct MinterFile {
     account: String,
     signing_seed: String,
+    /// Made by `slotpool nats-setup` since credentials can be revoked; absent in an
+    /// older installation's file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    revocation: Option<RevocationFile>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+struct RevocationFile {
+    /// The operator's signing key, which signs slotpool's account JWT.
+    operator_signing_seed: String,
+    /// A system-account user that may push and look up slotpool's account only.
+    system_user_creds: String,
 }
 
 impl Minter {
     /// Reads a signing key file written by `slotpool nats-setup`.
     pub fn load(path: &Path) -> Result<Minter, AuthError> {
+        let file = read_key_file(path)?;
         let bad = |message: String| AuthError::File {
             path: path.to_path_buf(),
             message,
         };
-        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let file: MinterFile = serde_json::from_str(&text).map_err(|e| {
-            bad(format!(
-                "not a slotpool signing key file ({e}); expected {{\"account\", \"signing_seed\"}}"
-            ))
-        })?;
         let signing = KeyPair::from_seed(&file.signing_seed)
             .map_err(|e| bad(format!("signing_seed: {e}")))?;
         if !file.account.starts_with('A') || KeyPair::from_public_key(&file.account).is_err() {
@@ -332,17 +357,27 @@ impl Minter {
         })
     }
 
-    /// Writes this minter's file (mode 0600).
-    pub fn save(&self, path: &Path) -> Result<(), AuthError> {
+    /// Writes this minter's file (mode 0600), with `revocation`'s keys if given.
+    pub fn save(&self, path: &Path, revocation: Option<&Revoker>) -> Result<(), AuthError> {
+        let seed = |k: &KeyPair| k.seed().map_err(|e| AuthError::Encode(e.to_string()));
         let file = MinterFile {
             account: self.account.clone(),
-            signing_seed: self
-                .signing
-                .seed()
-                .map_err(|e| AuthError::Encode(e.to_string()))?,
+            signing_seed: seed(&self.signing)?,
+            revocation: match revocation {
+                Some(r) => Some(RevocationFile {
+                    operator_signing_seed: seed(&r.operator_signing)?,
+                    system_user_creds: r.system_user.text().to_string(),
+                }),
+                None => None,
+            },
         };
         let json = serde_json::to_vec_pretty(&file).expect("plain data");
         write_private(path, &json)
+    }
+
+    /// The account this minter's users belong to.
+    pub fn account(&self) -> &str {
+        &self.account
     }
 
     /// The nkey every credential of `user` minted here has (see [`Minter::mint`]): what
@@ -405,11 +440,101 @@ impl Minter {
     }
 }
 
-/// An installation's trust root: the operator, the system account, slotpool's account
-/// and its signing key. Made once by `slotpool nats-setup`; the server loads the JWTs
-/// ([`Installation::server_config`]), launchers the [`Minter`].
+/// Reads a key file written by `slotpool nats-setup` ([`Minter::save`]).
+fn read_key_file(path: &Path) -> Result<MinterFile, AuthError> {
+    let text = std::fs::read_to_string(path).map_err(|source| AuthError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| AuthError::File {
+        path: path.to_path_buf(),
+        message: format!(
+            "not a slotpool signing key file ({e}); expected {{\"account\", \"signing_seed\"}}"
+        ),
+    })
+}
+
+/// What a launcher holds to revoke credentials: it signs slotpool's account JWT with its
+/// revocations, and pushes it as a system user that may push and look up that account
+/// only. Secret, like the [`Minter`] it comes with.
+pub struct Revoker {
+    account: String,
+    /// The account's signing key (public): the account JWT lists it.
+    signing: String,
+    operator_signing: KeyPair,
+    system_user: Credentials,
+}
+
+impl Revoker {
+    /// The revocation keys of the key file at `path`, if it has any (files made before
+    /// credentials could be revoked have none).
+    pub fn load(path: &Path) -> Result<Option<Revoker>, AuthError> {
+        let file = read_key_file(path)?;
+        let Some(revocation) = file.revocation else {
+            return Ok(None);
+        };
+        let bad = |message: String| AuthError::File {
+            path: path.to_path_buf(),
+            message,
+        };
+        let signing = KeyPair::from_seed(&file.signing_seed)
+            .map_err(|e| bad(format!("signing_seed: {e}")))?;
+        let operator_signing = KeyPair::from_seed(&revocation.operator_signing_seed)
+            .map_err(|e| bad(format!("operator_signing_seed: {e}")))?;
+        Ok(Some(Revoker {
+            account: file.account,
+            signing: signing.public_key(),
+            operator_signing,
+            system_user: Credentials(revocation.system_user_creds),
+        }))
+    }
+
+    /// slotpool's account.
+    pub fn account(&self) -> &str {
+        &self.account
+    }
+
+    /// The credentials of the system user that pushes the account.
+    pub fn system_user(&self) -> &Credentials {
+        &self.system_user
+    }
+
+    /// slotpool's account JWT with `revocations` (user nkey → revoked at, seconds since
+    /// the epoch), issued at `issued_at`: the server keeps the account JWT issued last.
+    pub fn account_jwt(
+        &self,
+        revocations: &std::collections::BTreeMap<String, u64>,
+        issued_at: u64,
+    ) -> Result<String, AuthError> {
+        let mut nats = jwt::account_nats(std::slice::from_ref(&self.signing));
+        if !revocations.is_empty() {
+            nats["revocations"] = serde_json::json!(revocations);
+        }
+        jwt::encode(
+            jwt::Claims {
+                exp: None,
+                jti: String::new(),
+                iat: issued_at,
+                iss: String::new(),
+                name: ACCOUNT_NAME.into(),
+                sub: self.account.clone(),
+                nats,
+            },
+            &self.operator_signing,
+        )
+    }
+}
+
+/// The name of slotpool's account in its JWT.
+const ACCOUNT_NAME: &str = "slotpool";
+
+/// An installation's trust root: the operator and its signing key, the system account,
+/// slotpool's account and its signing key. Made once by `slotpool nats-setup`; the server
+/// loads the JWTs ([`Installation::server_config`]), launchers the [`Minter`] and the
+/// [`Revoker`].
 pub struct Installation {
     operator: KeyPair,
+    operator_signing: KeyPair,
     system: KeyPair,
     account: KeyPair,
     signing: KeyPair,
@@ -419,6 +544,7 @@ impl Installation {
     pub fn generate() -> Installation {
         Installation {
             operator: KeyPair::new_operator(),
+            operator_signing: KeyPair::new_operator(),
             system: KeyPair::new_account(),
             account: KeyPair::new_account(),
             signing: KeyPair::new_account(),
@@ -428,9 +554,45 @@ impl Installation {
     pub fn minter(&self) -> Minter {
         Minter {
             account: self.account.public_key(),
-            signing: KeyPair::from_seed(&self.signing.seed().expect("a generated key has a seed"))
-                .expect("a seed read back"),
+            signing: copy(&self.signing),
         }
+    }
+
+    /// The revocation keys launchers hold: the operator signing key and a system user
+    /// allowed to push and look up slotpool's account, and nothing else.
+    pub fn revoker(&self) -> Result<Revoker, AuthError> {
+        let account = self.account.public_key();
+        let key = KeyPair::new_user();
+        let publish = vec![
+            subjects::claims_update(&account),
+            subjects::claims_lookup(&account),
+        ];
+        let nats = serde_json::json!({
+            "pub": { "allow": publish },
+            "sub": { "allow": [format!("{}.>", subjects::REVOKER_INBOX)] },
+            "subs": -1, "data": -1, "payload": -1,
+            "type": "user",
+            "version": 2
+        });
+        let token = jwt::encode(
+            jwt::Claims {
+                exp: None,
+                jti: String::new(),
+                iat: unix_now(),
+                iss: String::new(),
+                name: "slotpool-revoker".into(),
+                sub: key.public_key(),
+                nats,
+            },
+            &self.system,
+        )?;
+        let seed = key.seed().map_err(|e| AuthError::Encode(e.to_string()))?;
+        Ok(Revoker {
+            account,
+            signing: self.signing.public_key(),
+            operator_signing: copy(&self.operator_signing),
+            system_user: Credentials(jwt::creds_file(&token, &seed)),
+        })
     }
 
     fn signed(
@@ -455,13 +617,17 @@ impl Installation {
     }
 
     /// The nats-server configuration lines that trust this installation: the operator,
-    /// the system account and slotpool's account, preloaded into a memory resolver. Add
-    /// `listen`, `jetstream` and `tls` around them.
-    pub fn server_config(&self) -> Result<String, AuthError> {
+    /// the system account and slotpool's account, preloaded into a full resolver that
+    /// keeps accounts pushed later in `resolver_dir`. Add `listen`, `jetstream` and `tls`
+    /// around them.
+    pub fn server_config(&self, resolver_dir: &Path) -> Result<String, AuthError> {
         let operator = self.signed(
             "slotpool",
             &self.operator,
-            jwt::operator_nats(&self.system.public_key()),
+            jwt::operator_nats(
+                &self.system.public_key(),
+                &[self.operator_signing.public_key()],
+            ),
             &self.operator,
         )?;
         let system = self.signed(
@@ -471,7 +637,7 @@ impl Installation {
             &self.operator,
         )?;
         let account = self.signed(
-            "slotpool",
+            ACCOUNT_NAME,
             &self.account,
             jwt::account_nats(&[self.signing.public_key()]),
             &self.operator,
@@ -481,10 +647,14 @@ impl Installation {
              # Users need credentials minted with this installation's signing key.\n\
              operator: {operator}\n\
              system_account: {sys}\n\
-             resolver: MEMORY\n\
+             # Launchers push slotpool's account with its revocations; the server keeps\n\
+             # the newest in this directory (writable by the server).\n\
+             resolver: {{\n  type: full\n  dir: \"{dir}\"\n  allow_delete: false\n  \
+             interval: \"2m\"\n  timeout: \"5s\"\n}}\n\
              resolver_preload: {{\n  {sys}: {system}\n  {acc}: {account}\n}}\n",
             sys = self.system.public_key(),
             acc = self.account.public_key(),
+            dir = resolver_dir.display(),
         ))
     }
 }
@@ -672,11 +842,36 @@ mod tests {
     }
 
     #[test]
+    fn each_revocation_costs_the_account_jwt_what_docs_protocol_md_says() {
+        let inst = Installation::generate();
+        let revoker = inst.revoker().unwrap();
+        let minter = inst.minter();
+        let none = revoker
+            .account_jwt(&Default::default(), 1_800_000_000)
+            .unwrap();
+        let many: std::collections::BTreeMap<String, u64> = (0..100)
+            .map(|i| {
+                let key = minter.user_key(&BusUser::agent(
+                    &BackingId::parse(&format!("bn-{i:06}")).unwrap(),
+                ));
+                (key, 1_800_000_000 + i)
+            })
+            .collect();
+        let with = revoker.account_jwt(&many, 1_800_000_000).unwrap();
+        let per = (with.len() - none.len()) / 100;
+        let doc = include_str!("../../../docs/protocol.md");
+        assert!(
+            doc.contains(&format!("about {per} bytes per revocation kept")),
+            "docs/protocol.md should say about {per} bytes per revocation"
+        );
+    }
+
+    #[test]
     fn a_minter_survives_its_file() {
         let inst = Installation::generate();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("signing.json");
-        inst.minter().save(&path).unwrap();
+        inst.minter().save(&path, None).unwrap();
         let back = Minter::load(&path).unwrap();
         assert_eq!(back.account, inst.account.public_key());
         std::fs::write(&path, "{}").unwrap();

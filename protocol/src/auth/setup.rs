@@ -2,9 +2,11 @@
 //! benchmark and the tests, so what they run is what ships):
 //!
 //! - `nats-server.conf`: the server's configuration, trusting only this installation's
-//!   operator (decentralised authentication, a memory resolver), with JetStream on;
+//!   operator (decentralised authentication, a full resolver keeping pushed accounts in
+//!   `accounts/`), with JetStream on;
 //! - `agent-signing.json` (0600): the signing key launchers mint agents' credentials
-//!   with (`slotpool serve --agent-signing-key`);
+//!   with, and the keys they revoke credentials with (`slotpool serve
+//!   --agent-signing-key`);
 //! - `creds/<role>-<name>.creds` (0600): one credential per launcher, operator, client
 //!   and static host's agent asked for, and beside each `creds/<role>-<name>.token`
 //!   (0600), its token for the launchers' HTTP API ([`super::http_token`]).
@@ -88,9 +90,11 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
         }
     }
     std::fs::create_dir_all(plan.dir.join("creds")).map_err(io(&plan.dir))?;
+    let resolver_dir = plan.dir.join("accounts");
+    std::fs::create_dir_all(&resolver_dir).map_err(io(&resolver_dir))?;
     let installation = Installation::generate();
     let minter = installation.minter();
-    minter.save(&signing_key)?;
+    minter.save(&signing_key, Some(&installation.revoker()?))?;
     let mut creds = Vec::new();
     let users = plan
         .users
@@ -112,7 +116,8 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
             store_dir.display()
         ));
     }
-    text.push_str(&installation.server_config()?);
+    let resolver_dir = std::path::absolute(&resolver_dir).map_err(io(&resolver_dir))?;
+    text.push_str(&installation.server_config(&resolver_dir)?);
     text.push_str(&plan.extra_config);
     std::fs::write(&server_config, text).map_err(io(&server_config))?;
     Ok(SetupFiles {
