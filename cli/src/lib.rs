@@ -128,7 +128,7 @@ pub enum Command {
     /// Print the HTTP API token of the bus credentials given with --creds: `slotpool serve
     /// --http` shows its bearer what the bus shows that user.
     #[command(after_help = "Example:
-  slotpool --creds /etc/slotpool/nats/creds/client-ci.creds http-token --out ci.token
+  slotpool http-token --creds /etc/slotpool/nats/creds/client-ci.creds --out ci.token
   curl -H \"Authorization: Bearer $(cat ci.token)\" http://127.0.0.1:9464/api/v1/requests")]
     HttpToken {
         /// Write it to this file (mode 0600) instead of standard output.

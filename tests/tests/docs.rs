@@ -140,6 +140,7 @@ fn decode_as(ty: &str, text: &str) -> Option<Result<Value, String>> {
         "model::Lease" => round_trip::<model::Lease>(text),
         "model::ProviderStatus" => round_trip::<model::ProviderStatus>(text),
         "model::Event" => round_trip::<model::Event>(text),
+        "model::Revocation" => round_trip::<model::Revocation>(text),
         "stream::ChangeMessage" => round_trip_stream(text),
         // docs/providers.md names its examples (`<!-- example: NAME -->`); its schemas are
         // held to the code by protocol/src/provider.rs.
