@@ -264,9 +264,9 @@ async fn supervise(
         }
         warm.sort();
         warm.dedup();
-        // Empty nodes kept while their label's queue waited: looked at again once it
-        // is empty (a request changed with every label it asks for).
-        for seat in queues_emptied(shared, &labels) {
+        // Empty nodes kept for their label's queue: looked at again once it keeps
+        // them no longer.
+        for seat in no_longer_kept(shared) {
             shared.signals.bump(&shared::seat_topic(&seat));
             look_at_seat(shared, &mut timers, seat);
         }
@@ -376,17 +376,32 @@ fn warm_label(shared: &Shared, seat: &str) -> Option<String> {
         .then(|| label.clone())
 }
 
-/// The seats kept for the queue of one of `labels` (`World::kept_for_queue`) whose
-/// queue is empty now.
-fn queues_emptied(shared: &Shared, labels: &[String]) -> Vec<String> {
+/// The seats kept for the queue (`World::kept_for_queue`) that it keeps no longer: their
+/// label's queue is empty, or the queue, walked in its order, leaves their slots
+/// (`World::kept_for`: a request ahead is short of the seats they hold).
+fn no_longer_kept(shared: &Shared) -> Vec<String> {
     let mut world = shared.world();
-    let mut seats = Vec::new();
-    for label in labels {
-        if !world.queue().is_waited_for(label) {
-            seats.extend(world.kept_for_queue.remove(label).into_iter().flatten());
+    if world.kept_for_queue.is_empty() {
+        return Vec::new();
+    }
+    let shares = world.seat_shares();
+    let mut gone = Vec::new();
+    for seats in world.kept_for_queue.values() {
+        for seat in seats {
+            let kept = world
+                .backing
+                .get(seat)
+                .is_some_and(|b| world.kept_by(&b.value, &shares) > 0);
+            if !kept {
+                gone.push(seat.clone());
+            }
         }
     }
-    seats
+    for seats in world.kept_for_queue.values_mut() {
+        seats.retain(|s| !gone.contains(s));
+    }
+    world.kept_for_queue.retain(|_, seats| !seats.is_empty());
+    gone
 }
 
 /// The ready, empty backing nodes of `label`: those kept for its min-ready, which may

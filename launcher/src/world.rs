@@ -13,6 +13,7 @@
 mod agent;
 pub mod capacity;
 pub mod queue;
+pub mod seats;
 
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
 
@@ -148,7 +149,8 @@ pub struct World {
     pub arrivals: Arrivals,
     /// Empty ready nodes a backing decision kept only because requests of their label
     /// waited (`lifecycle::Observed::waiting`), by label: looked at again once the
-    /// label's queue is empty, since nothing else about them changes then.
+    /// queue no longer keeps them ([`World::kept_for`]), since nothing else about them
+    /// changes then.
     pub kept_for_queue: HashMap<String, BTreeSet<String>>,
 }
 
@@ -1269,6 +1271,50 @@ impl World {
     /// Slots wanted for `label` by unfinished requests and not yet claimed.
     pub fn unmet_demand(&self, label: &str) -> u32 {
         self.queue.demand(label)
+    }
+
+    /// Slots of `label` the planner launches for, beyond those free or coming: what the
+    /// queue, walked in its order, gives the label of the free slots and seats
+    /// ([`seats`]).
+    pub fn planned_demand(&self, label: &str) -> u32 {
+        if !self.queue.is_waited_for(label) {
+            return 0;
+        }
+        self.seat_shares().demand.get(label).copied().unwrap_or(0)
+    }
+
+    /// How many requests the empty ready node `b` is kept for
+    /// (`lifecycle::Observed::waiting`): those of its label's queue, when it takes slots
+    /// and the queue, walked in its order, takes its label's idle slots ([`seats`]);
+    /// otherwise none, and it is given back after its grace-time.
+    pub fn kept_for(&self, b: &BackingNode) -> u32 {
+        if !self.takes_slots(b) || !self.queue.is_waited_for(&b.label) {
+            return 0;
+        }
+        self.kept_by(b, &self.seat_shares())
+    }
+
+    /// [`World::kept_for`] with the walk's `shares` at hand.
+    pub fn kept_by(&self, b: &BackingNode, shares: &seats::SeatShares) -> u32 {
+        if !self.takes_slots(b) || !self.queue.is_waited_for(&b.label) {
+            return 0;
+        }
+        let taken = shares.idle_taken.get(&b.label).copied().unwrap_or(0);
+        // The idle slots of the label on the nodes claimed from before this one.
+        let me = (b.slots, self.seat_of.get(&b.id));
+        let ahead: u32 = self
+            .backing
+            .values()
+            .filter(|o| o.value.label == b.label && o.value.id != b.id)
+            .filter(|o| self.takes_slots(&o.value) && self.used_count(&o.value.id) == 0)
+            .filter(|o| (o.value.slots, Some(&o.key)) < me)
+            .map(|o| o.value.slots)
+            .sum();
+        if ahead < taken {
+            self.queue.len(&b.label) as u32
+        } else {
+            0
+        }
     }
 
     /// Slots of `label` free now or soon (on backing nodes still booting, unless their

@@ -1,7 +1,8 @@
 //! Randomized request mixes against two real launchers on a real nats-server, with real
-//! agents: node sets of one to three labels over two pools, counts up to a label's
+//! agents: node sets of one to three labels over three pools, counts up to a label's
 //! capacity, priorities 0-1000, cancels and releases, from eight clients under two
-//! bus identities. Seeded: the seed is printed and `SLOTPOOL_MIX_SEED` repeats a run;
+//! bus identities; once with a pool per label, once with two labels sharing a pool's
+//! seats. Seeded: the seed is printed and `SLOTPOOL_MIX_SEED` repeats a run;
 //! `SLOTPOOL_MIX_SECS` sets how long the load runs (default 15 s; a long run on
 //! demand).
 //!
@@ -34,14 +35,13 @@ const DRAIN_BOUND: Duration = Duration::from_secs(60);
 /// slots) serves `small`, `mid` (2 of 2) `medium`, `big` (2 of 1) `large`; an idle node
 /// gives its seat back after a grace-time of 2 s.
 ///
-/// Labels that share a pool's seats can hold each other up for as long as their nodes
-/// stay (`SLOTPOOL_MIX_SHARED_SEATS=1` runs the mix so, with `small` and `medium` sharing
-/// `main`): an idle node is kept while any request of its label waits, even one its
-/// slots cannot complete, and a set that needs more nodes of its label than the seats
-/// left to it waits for one of the other label's to go.
-fn pool_file(work_dir: &Path) -> String {
+/// With `shared_seats`, `small` and `medium` share the three seats of `main`: a node
+/// launched or kept idle for one is a seat the other may need, and the seats must go to
+/// the queue in its order (were an idle node kept while any request of its label waits,
+/// two labels' nodes could each hold the seats the other's sets need, for good).
+fn pool_file(work_dir: &Path, shared_seats: bool) -> String {
     let agent_args = serde_json::to_string(&AGENT_ARGS).expect("args serialize");
-    let pools = if shared_seats() {
+    let pools = if shared_seats {
         "      - name: main
         max-servers: 3
         boot-timeout: 20
@@ -87,10 +87,6 @@ providers:
     )
 }
 
-fn shared_seats() -> bool {
-    std::env::var_os("SLOTPOOL_MIX_SHARED_SEATS").is_some()
-}
-
 fn load_secs() -> u64 {
     std::env::var("SLOTPOOL_MIX_SECS")
         .ok()
@@ -100,9 +96,19 @@ fn load_secs() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_mix_is_answered_served_in_order_and_booked_once() {
+    run_mix(false).await;
+}
+
+/// The same with `small` and `medium` sharing the seats of one pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_sharing_seats_serve_any_mix_and_hold_no_seat_for_good() {
+    run_mix(true).await;
+}
+
+async fn run_mix(shared_seats: bool) {
     let seed = mix::seed();
     eprintln!("seed {seed} (set SLOTPOOL_MIX_SEED to repeat)");
-    let pool = Pool::start_configured(pool_file, 2, &[]).await;
+    let pool = Pool::start_configured(|dir| pool_file(dir, shared_seats), 2, &[]).await;
     let mut identities = Vec::new();
     for name in ["mix-a", "mix-b"] {
         identities.push(
@@ -114,7 +120,7 @@ async fn any_mix_is_answered_served_in_order_and_booked_once() {
     let spec = MixSpec {
         labels: vec![
             ("small".into(), 12),
-            ("medium".into(), if shared_seats() { 6 } else { 4 }),
+            ("medium".into(), if shared_seats { 6 } else { 4 }),
             ("large".into(), 2),
         ],
         clients_per_identity: 4,

@@ -51,11 +51,7 @@ pub(super) fn observe(
     let label = &b.value.label;
     // Only a node that takes slots is about to be claimed by the label's queue: one held,
     // drained, or whose agent is unhealthy is not kept for it.
-    let waiting = if world.takes_slots(&b.value) {
-        world.queue().len(label) as u32
-    } else {
-        0
-    };
+    let waiting = world.kept_for(&b.value);
     if waiting > 0 && used == 0 {
         world
             .kept_for_queue

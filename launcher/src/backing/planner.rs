@@ -61,7 +61,7 @@ pub(crate) fn rest_ends_at(shared: &Shared, label: &str) -> Option<u64> {
     let world = shared.world();
     let min_ready = ready_now(&shared.config, &world, label);
     if deficit(
-        world.unmet_demand(label),
+        world.planned_demand(label),
         world.coming_capacity(label),
         min_ready,
     ) <= 0
@@ -346,7 +346,7 @@ pub(crate) async fn plan(shared: &Shared, label: &str) -> Vec<String> {
     let deficit = {
         let world = shared.world();
         deficit(
-            world.unmet_demand(label),
+            world.planned_demand(label),
             world.coming_capacity(label),
             ready_now(&shared.config, &world, label),
         )

@@ -19,7 +19,8 @@
 
 use super::observe::{self, Memory};
 use super::plan::{self, RequestStep};
-use super::reference::servable_yet_waiting;
+use super::reference::{servable_yet_waiting, unserved_in_seats};
+use crate::backing::{lifecycle, planner};
 use crate::config::Config;
 use crate::world::{tests_support, World};
 use slotpool_protocol::layout;
@@ -37,11 +38,18 @@ pub const STEP_BOUND: u32 = 200;
 /// How many labels a fleet has, at most.
 pub const MAX_LABELS: usize = 3;
 
-/// A fleet: per label, how many ready backing nodes of how many slots.
+/// The grace-time of every label, in seconds: how long an idle node stays.
+const GRACE_SECS: u64 = 2;
+
+/// A fleet: per label, how many ready backing nodes of how many slots; or labels that
+/// share the seats of one pool, whose nodes are launched for the queue and given back
+/// once idle, as the planner and the backing lifecycle decide.
 #[derive(Clone, Debug)]
 pub struct Fleet {
-    /// (slots per node, nodes) of label `l<index>`.
+    /// (slots per node, nodes) of label `l<index>` (nodes: none at first with `seats`).
     pub labels: Vec<(u32, u32)>,
+    /// The pool's max-servers when its labels share its seats: nodes come and go.
+    pub seats: Option<u32>,
 }
 
 impl Fleet {
@@ -52,27 +60,32 @@ impl Fleet {
     /// Slots of label `i` in the fleet.
     pub fn capacity(&self, i: usize) -> u32 {
         let (slots, nodes) = self.labels[i];
-        slots * nodes
+        slots * self.seats.unwrap_or(nodes)
     }
 
     fn config(&self) -> Config {
         let nodes: u32 = self.labels.iter().map(|(_, n)| n).sum();
         let mut yaml = format!(
-            "providers:\n  - name: p\n    driver: local\n    pools:\n      - name: main\n        max-servers: {nodes}\n        labels:\n"
+            "providers:\n  - name: p\n    driver: local\n    pools:\n      - name: main\n        max-servers: {}\n        labels:\n",
+            self.seats.unwrap_or(nodes)
         );
         for (i, (slots, _)) in self.labels.iter().enumerate() {
             yaml.push_str(&format!(
-                "          - name: {}\n            backing-label: b{i}\n            max-parallel-jobs: {slots}\n",
-                Fleet::label(i)
+                "          - name: {}\n            backing-label: b{i}\n            max-parallel-jobs: {slots}\n            grace-time: {}\n",
+                Fleet::label(i),
+                GRACE_SECS
             ));
         }
         Config::parse(std::path::Path::new("model.yaml"), &yaml)
             .unwrap_or_else(|e| panic!("model config: {e}\n{yaml}"))
     }
 
-    /// The backing records, one seat each.
+    /// The backing records, one seat each (none when the labels share seats).
     fn backing(&self) -> Vec<Versioned<BackingNode>> {
         let mut out = Vec::new();
+        if self.seats.is_some() {
+            return out;
+        }
         let mut seat = 0;
         for (i, (slots, nodes)) in self.labels.iter().enumerate() {
             for _ in 0..*nodes {
@@ -113,6 +126,11 @@ pub enum Op {
     Tick { ms: u64 },
     /// An operator holds (or runs again) the `node`th backing node.
     Hold { node: usize, hold: bool },
+    /// `launcher`'s planner takes seats for every label's demand (shared seats only).
+    Plan { launcher: usize },
+    /// `launcher` decides once for every backing node whether it stays (shared seats
+    /// only): an idle one is given back after its grace-time unless kept for the queue.
+    Idle { launcher: usize },
 }
 
 /// A KV change, as a watch delivers it.
@@ -122,6 +140,7 @@ enum Change {
     Slot(Versioned<Node>),
     SlotGone { key: String, revision: u64 },
     Backing(Versioned<BackingNode>),
+    BackingGone { key: String, revision: u64 },
 }
 
 /// A request worker of the model.
@@ -150,7 +169,15 @@ pub struct Model {
     revision: u64,
     requests: BTreeMap<RequestId, Versioned<NodeRequest>>,
     slots: BTreeMap<String, Versioned<Node>>,
-    backing: Vec<Versioned<BackingNode>>,
+    /// Seat key → backing node.
+    backing: BTreeMap<String, Versioned<BackingNode>>,
+    /// Slots per node of each label.
+    label_slots: Vec<u32>,
+    /// The pool's seats when its labels share them.
+    seats: Option<u32>,
+    /// When an idle node's grace-time ends, as the last decisions said.
+    backing_timers: Vec<UnixMillis>,
+    launched: u64,
     launchers: Vec<Launcher>,
     submitted: u64,
     /// Steps taken by all workers, for the report.
@@ -200,7 +227,11 @@ impl Model {
             revision: 100,
             requests: BTreeMap::new(),
             slots: BTreeMap::new(),
-            backing,
+            backing: backing.into_iter().map(|b| (b.key.clone(), b)).collect(),
+            label_slots: fleet.labels.iter().map(|(s, _)| *s).collect(),
+            seats: fleet.seats,
+            backing_timers: Vec::new(),
+            launched: 0,
             launchers,
             submitted: 0,
             steps: 0,
@@ -236,11 +267,27 @@ impl Model {
             Op::Cancel { pick } => self.cancel(*pick),
             Op::Tick { ms } => self.tick(*ms),
             Op::Hold { node, hold } => self.hold(*node, *hold),
+            Op::Plan { launcher } => {
+                self.plan(*launcher % self.launchers.len());
+            }
+            Op::Idle { launcher } => {
+                self.idle(*launcher % self.launchers.len());
+            }
         }
         self.check_no_double_booking()
     }
 
     fn submit(&mut self, l: usize, client: usize, set: &[(usize, u32)], priority: i32) {
+        if let Some(seats) = self.seats {
+            // The launcher refuses a set the pool's seats cannot hold at once.
+            let nodes: u32 = set
+                .iter()
+                .map(|(label, count)| count.div_ceil(self.label_slots[*label]))
+                .sum();
+            if nodes > seats {
+                return;
+            }
+        }
         self.submitted += 1;
         let id = RequestId::parse(&format!("req-{}", self.submitted)).unwrap();
         let labels: Vec<&str> = Vec::new();
@@ -300,7 +347,13 @@ impl Model {
                     id
                 }
                 Change::Backing(b) => {
+                    let id = b.value.id.to_string();
                     launcher.world.put_backing(b);
+                    launcher.world.put_agent(tests_support::agent(&id));
+                    None
+                }
+                Change::BackingGone { key, revision } => {
+                    launcher.world.remove_backing(&key, revision);
                     None
                 }
             };
@@ -620,9 +673,12 @@ impl Model {
     }
 
     fn hold(&mut self, node: usize, hold: bool) {
+        if self.backing.is_empty() {
+            return;
+        }
         let i = node % self.backing.len();
         let revision = self.next_revision();
-        let b = &mut self.backing[i];
+        let b = self.backing.values_mut().nth(i).expect("in range");
         b.value.idle = if hold {
             IdleBehaviour::Hold
         } else {
@@ -631,6 +687,134 @@ impl Model {
         b.revision = revision;
         let b = b.clone();
         self.publish(Change::Backing(b), None);
+    }
+
+    /// What `backing::planner::plan` does for each label in turn, from launcher `l`'s
+    /// mirror: takes the lowest free seats for the label's deficit, each a create-if-
+    /// absent of the seat's key; the node is ready with its agent at once. Returns
+    /// whether it took a seat.
+    fn plan(&mut self, l: usize) -> bool {
+        let Some(seats) = self.seats else {
+            return false;
+        };
+        let mut took = false;
+        for i in 0..self.label_slots.len() {
+            let label = Fleet::label(i);
+            let slots = self.label_slots[i];
+            let world = &self.launchers[l].world;
+            let deficit = planner::deficit(
+                world.planned_demand(&label),
+                world.coming_capacity(&label),
+                0,
+            );
+            let mut wanted = deficit.max(0) as u64;
+            for seat in 0..seats {
+                if wanted == 0 {
+                    break;
+                }
+                let key = layout::seat_key("p", "main", seat);
+                if self.launchers[l].world.backing.contains_key(&key) {
+                    continue;
+                }
+                if self.backing.contains_key(&key) {
+                    // Another launcher took it: the create conflicts, the planner stops.
+                    break;
+                }
+                self.launched += 1;
+                let id = format!("bn-{}", self.launched);
+                let mut b = tests_support::backing(&id, &label, slots, BackingState::Ready);
+                b.key = key.clone();
+                b.value.seat = seat;
+                b.value.backing_label = format!("b{i}");
+                b.value.created_at = self.now;
+                b.value.ready_at = Some(self.now);
+                b.revision = self.next_revision();
+                self.backing.insert(key, b.clone());
+                let world = &mut self.launchers[l].world;
+                world.put_backing(b.clone());
+                world.put_agent(tests_support::agent(&id));
+                Self::flush(&mut self.launchers[l], self.now);
+                self.publish(Change::Backing(b), Some(l));
+                wanted = wanted.saturating_sub(u64::from(slots));
+                took = true;
+            }
+        }
+        took
+    }
+
+    /// What each backing worker of launcher `l` decides ([`lifecycle::next`] on what
+    /// `backing::observe` sees), for the idle timers: an empty node records since when,
+    /// and is given back after its grace-time unless kept for the queue
+    /// ([`World::kept_for`]). Every write is revision-checked; a node is given back only
+    /// while no slot of it is claimed. Returns whether it wrote anything.
+    fn idle(&mut self, l: usize) -> bool {
+        if self.seats.is_none() {
+            return false;
+        }
+        let now = self.now;
+        let mut wrote = false;
+        let keys: Vec<String> = self.launchers[l].world.backing.keys().cloned().collect();
+        for key in keys {
+            let world = &self.launchers[l].world;
+            let Some(b) = world.backing.get(&key).cloned() else {
+                continue;
+            };
+            let rules = self
+                .config
+                .label_in("p", "main", &b.value.label)
+                .map(|site| lifecycle::Rules::of(&site));
+            let obs = lifecycle::Observed {
+                agent: lifecycle::AgentSeen::Up { draining: false },
+                used: world.used_count(&b.value.id),
+                last_release: None,
+                rules,
+                synced_since: Some(0),
+                heartbeats_back_at: None,
+                heartbeat_lost_at: None,
+                heartbeat_ttl: std::time::Duration::from_secs(10),
+                min_ready: 0,
+                free_ahead: 0,
+                ready_falls_at: None,
+                waiting: world.kept_for(&b.value),
+                now,
+            };
+            let current = self.backing.get(&key).map(|c| c.revision);
+            if current != Some(b.revision) {
+                continue;
+            }
+            match lifecycle::next(&b.value, &obs) {
+                lifecycle::Step::SetIdleSince(since) => {
+                    let mut v = b.clone();
+                    v.value.idle_since = since;
+                    v.revision = self.next_revision();
+                    self.backing.insert(key, v.clone());
+                    let launcher = &mut self.launchers[l];
+                    launcher.world.put_backing(v.clone());
+                    Self::flush(launcher, now);
+                    self.publish(Change::Backing(v), Some(l));
+                    wrote = true;
+                }
+                lifecycle::Step::Release(_) => {
+                    if self
+                        .slots
+                        .values()
+                        .any(|n| n.value.backing_id == b.value.id)
+                    {
+                        continue;
+                    }
+                    self.backing.remove(&key);
+                    let revision = self.next_revision();
+                    let launcher = &mut self.launchers[l];
+                    launcher.world.remove_backing(&key, revision);
+                    Self::flush(launcher, now);
+                    self.publish(Change::BackingGone { key, revision }, Some(l));
+                    wrote = true;
+                }
+                lifecycle::Step::Wait(Some(at)) if at > now => self.backing_timers.push(at),
+                _ => {}
+            }
+        }
+        wrote
     }
 
     /// Time passes: the workers whose wait ends wake.
@@ -649,27 +833,35 @@ impl Model {
     /// Delivers and runs until nothing is pending and every worker waits, letting time
     /// pass to the next wait's end while one is set.
     pub fn settle(&mut self) -> Result<(), String> {
+        // A first round plans and decides the idle nodes.
+        let mut wrote = self.seats.is_some();
         for _ in 0..1_000 {
-            let busy = self
-                .launchers
-                .iter()
-                .any(|l| !l.pending.is_empty() || l.workers.values().any(|w| w.awake));
+            let busy = wrote
+                || self
+                    .launchers
+                    .iter()
+                    .any(|l| !l.pending.is_empty() || l.workers.values().any(|w| w.awake));
             if !busy {
+                let now = self.now;
                 let next = self
                     .launchers
                     .iter()
                     .flat_map(|l| l.workers.values().filter_map(|w| w.until))
+                    .chain(self.backing_timers.iter().copied().filter(|at| *at > now))
                     .min();
                 match next {
                     Some(at) => self.tick(at.saturating_sub(self.now)),
                     None => return self.check_progress(),
                 }
-                continue;
             }
+            self.backing_timers.clear();
+            wrote = false;
             for l in 0..self.launchers.len() {
                 self.deliver(l);
                 self.run(l)?;
                 self.check_no_double_booking()?;
+                wrote |= self.plan(l);
+                wrote |= self.idle(l);
             }
         }
         Err("the model does not settle in 1,000 rounds".into())
@@ -702,11 +894,19 @@ impl Model {
     fn check_progress(&self) -> Result<(), String> {
         let requests: Vec<&NodeRequest> = self.requests.values().map(|r| &r.value).collect();
         let slots: Vec<&Node> = self.slots.values().map(|n| &n.value).collect();
-        let backing: Vec<&BackingNode> = self.backing.iter().map(|b| &b.value).collect();
-        match servable_yet_waiting(&requests, &slots, &backing, self.now) {
-            Some(why) => Err(why),
-            None => Ok(()),
+        let backing: Vec<&BackingNode> = self.backing.values().map(|b| &b.value).collect();
+        if let Some(why) = servable_yet_waiting(&requests, &slots, &backing, self.now) {
+            return Err(why);
         }
+        if let Some(seats) = self.seats {
+            let label_slots: BTreeMap<String, u32> = (0..self.label_slots.len())
+                .map(|i| (Fleet::label(i), self.label_slots[i]))
+                .collect();
+            if let Some(why) = unserved_in_seats(&requests, &slots, &backing, seats, &label_slots) {
+                return Err(why);
+            }
+        }
+        Ok(())
     }
 
     /// Requests fulfilled, open, and ended otherwise.
@@ -734,9 +934,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Fixed fleets, and as often labels sharing the seats of one pool.
     fn fleet() -> impl Strategy<Value = Fleet> {
-        prop::collection::vec((1u32..=4, 1u32..=3), 1..=MAX_LABELS)
-            .prop_map(|labels| Fleet { labels })
+        (
+            prop::collection::vec((1u32..=4, 1u32..=3), 1..=MAX_LABELS),
+            prop::option::of(1u32..=4),
+        )
+            .prop_map(|(labels, seats)| Fleet { labels, seats })
     }
 
     fn op(fleet: &Fleet, launchers: usize) -> impl Strategy<Value = Op> {
@@ -756,6 +960,8 @@ mod tests {
             1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
             1 => (1u64..40_000).prop_map(|ms| Op::Tick { ms }),
             1 => (any::<usize>(), any::<bool>()).prop_map(|(node, hold)| Op::Hold { node, hold }),
+            2 => (0..launchers).prop_map(|launcher| Op::Plan { launcher }),
+            2 => (0..launchers).prop_map(|launcher| Op::Idle { launcher }),
         ]
     }
 
@@ -790,6 +996,7 @@ mod tests {
     fn a_set_short_of_slots_waits_without_spinning() {
         let fleet = Fleet {
             labels: vec![(1, 2)],
+            seats: None,
         };
         let ops = [
             Op::Hold {
@@ -809,6 +1016,7 @@ mod tests {
     fn a_set_that_stops_standing_wakes_those_behind_it_in_its_other_labels() {
         let fleet = Fleet {
             labels: vec![(1, 2), (2, 3)],
+            seats: None,
         };
         let mut ops = vec![submit(1, &[(1, 2)], 0)];
         ops.extend((0..5).map(|_| submit(0, &[(0, 1)], 0)));
@@ -826,6 +1034,41 @@ mod tests {
             },
         ]);
         play(&fleet, 3, &ops).unwrap();
+    }
+
+    /// Two labels sharing two seats: a set that the seats cannot hold at once (one
+    /// node of `l0` and two of `l1`) took a seat for each label, its idle nodes were kept
+    /// for it for good, and `{l1: 4}` behind it waited for ever with both seats idle.
+    #[test]
+    fn a_set_the_seats_cannot_hold_keeps_no_seat_from_the_others() {
+        let fleet = Fleet {
+            labels: vec![(1, 1), (2, 3)],
+            seats: Some(2),
+        };
+        let ops = [submit(0, &[(0, 1), (1, 3)], 0), submit(2, &[(1, 4)], 500)];
+        play(&fleet, 3, &ops).unwrap();
+    }
+
+    /// Two labels sharing four seats, each with a set waiting that its nodes could not
+    /// complete: `l0`'s nodes were kept idle for `{l0: 3}`, and `{l1: 5}` ahead of it,
+    /// short of one seat, waited for ever with three seats free or idle.
+    #[test]
+    fn labels_sharing_seats_do_not_hold_the_seats_the_head_of_the_queue_needs() {
+        let fleet = Fleet {
+            labels: vec![(1, 1), (4, 1)],
+            seats: Some(4),
+        };
+        let ops = [
+            submit(0, &[(0, 3)], 0),
+            submit(0, &[(1, 5)], 0),
+            Op::Plan { launcher: 0 },
+            submit(0, &[(0, 1)], 0),
+            Op::Run { launcher: 0 },
+            Op::Deliver { launcher: 0 },
+            submit(0, &[(0, 3)], 0),
+            Op::Release { pick: 0 },
+        ];
+        play(&fleet, 1, &ops).unwrap();
     }
 
     /// Mixes tried per run: 256 in the suite; `SLOTPOOL_MIX_CASES=100000` for a long run.

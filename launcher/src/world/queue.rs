@@ -89,6 +89,9 @@ pub struct Queue {
     /// Per label, the node sets queued for it: whether they stand in their other
     /// labels' queues hangs on this label's capacity.
     sets: HashMap<String, BTreeSet<RequestId>>,
+    /// Every queued request, by (priority, creation time, id) whatever its tenant: the
+    /// order the pools' seats go in (`super::seats`).
+    order: BTreeSet<QueuePosition>,
 }
 
 impl Queue {
@@ -144,6 +147,7 @@ impl Queue {
             }
         }
         if !needs.is_empty() {
+            self.order.insert(pos.clone());
             self.of.insert(id.clone(), Place { tenant, pos, needs });
         }
         changed
@@ -158,6 +162,7 @@ impl Queue {
         let Some(place) = self.of.remove(id) else {
             return Vec::new();
         };
+        self.order.remove(&place.pos);
         let mut changed = Vec::with_capacity(place.needs.len());
         for (label, need) in place.needs {
             if let Some(queues) = self.by_label.get_mut(&label) {
@@ -237,6 +242,16 @@ impl Queue {
         F: Fn(&QueuePosition, &Entry) -> bool,
     {
         Order::new(self.by_label.get(label), shares, stop, stands)
+    }
+
+    /// Every queued request by (priority, creation time, id), whatever its tenant, with
+    /// what it still needs by label.
+    pub fn in_order(&self) -> impl Iterator<Item = (&QueuePosition, &[(String, u32)])> + '_ {
+        self.order.iter().filter_map(|pos| {
+            self.of
+                .get(&pos.2)
+                .map(|place| (&place.pos, place.needs.as_slice()))
+        })
     }
 
     /// How many requests wait in `label`'s queue.
@@ -568,6 +583,7 @@ mod tests {
         q.remove(&id("req-b"));
         assert_eq!(q.labels().count(), 0, "nothing left behind");
         assert!(q.sets.is_empty() && q.count.is_empty() && q.demand.is_empty());
+        assert!(q.order.is_empty());
     }
 
     fn share(weight: u32, guaranteed: u32, held: u32) -> Share {
