@@ -13,12 +13,14 @@
 //! - `release_slot` → `{"ok":{}}`
 //! - `close`, `open` → `{"ok":{"prepared":[<slot>, ...]}}`
 //! - `slot_occupants` → `{"ok":{"processes":3,"logins":[...]}}`
+//! - `exec` → `{"ok":{}}` once the command runs (see [`crate::exec`])
 //! - `log_tail` → `{"ok":{"lines":["<time>  INFO <spans>: <target>: <message> <fields>", ...]}}`
 //! - failures → `{"error":{"code":"<code>","message":"..."}}` with code `bad_request`
 //!   (malformed, slot out of range, an `ssh_public_key` that is not one plain key), `too_large`, `unavailable` (prepare while closed,
 //!   or of a dirty slot) or `internal` (slot held by another node, isolation failure,
 //!   a release that could not clean its slot, queue full)
 
+use crate::exec::Runner;
 use crate::isolation::Limits;
 use crate::log_tail::LogTail;
 use crate::slots::{ReleaseOutcome, SlotError, Slots};
@@ -79,6 +81,7 @@ fn target(command: &AgentCommand) -> (&'static str, Option<(u32, &NodeId)>) {
         // Read-only: on the close/open lane, never behind a slot's slow release.
         AgentCommand::SlotOccupants { .. } => ("slot_occupants", None),
         AgentCommand::LogTail { .. } => ("log_tail", None),
+        AgentCommand::Exec { slot, node_id, .. } => ("exec", Some((*slot, node_id))),
     }
 }
 
@@ -99,6 +102,17 @@ fn reply_with<T: serde::Serialize>(result: Result<T, ApiError>) -> AnyReply {
         Ok(value) => Reply::Ok(serde_json::to_value(value).expect("replies serialize")),
         Err(err) => Reply::Error(err),
     }
+}
+
+/// What commands other than a slot's prepare and release are answered from.
+#[derive(Clone)]
+pub struct Answers {
+    /// The SSH facts a prepare's reply carries.
+    pub ssh: Arc<SshInfo>,
+    /// The agent's own newest log lines, for `log_tail`.
+    pub tail: LogTail,
+    /// The commands run in slots, for `exec`.
+    pub runner: Runner,
 }
 
 /// A command carried out: its reply, and whether it changed what the heartbeat tells
@@ -124,7 +138,8 @@ fn release_changes_heartbeat(result: &Result<ReleaseOutcome, SlotError>) -> bool
 }
 
 /// Carries out one command.
-async fn execute(slots: &Slots, ssh: &SshInfo, tail: &LogTail, command: AgentCommand) -> Done {
+async fn execute(slots: &Slots, answers: &Answers, command: AgentCommand) -> Done {
+    let Answers { ssh, tail, runner } = answers;
     match command {
         AgentCommand::PrepareSlot {
             slot,
@@ -207,6 +222,17 @@ async fn execute(slots: &Slots, ssh: &SshInfo, tail: &LogTail, command: AgentCom
             lines: tail.newest(lines),
         }))
         .into(),
+        AgentCommand::Exec {
+            slot,
+            node_id,
+            client,
+            request,
+        } => reply_with(
+            runner
+                .start(slots, slot, &node_id, client, request)
+                .map(|()| serde_json::json!({})),
+        )
+        .into(),
     }
 }
 
@@ -234,15 +260,14 @@ struct Job {
 async fn slot_worker(
     mut jobs: mpsc::Receiver<Job>,
     slots: Slots,
-    ssh: Arc<SshInfo>,
-    tail: LogTail,
+    answers: Answers,
     bus: Bus,
     poke: Arc<Notify>,
 ) {
     while let Some(job) = jobs.recv().await {
         let span = job.span;
         let done = async {
-            let done = execute(&slots, &ssh, &tail, job.command).await;
+            let done = execute(&slots, &answers, job.command).await;
             respond(&bus, job.reply_to.as_deref(), &done.reply).await;
             done
         }
@@ -260,8 +285,7 @@ async fn slot_worker(
 pub async fn serve(
     bus: &Bus,
     slots: &Slots,
-    ssh: Arc<SshInfo>,
-    tail: LogTail,
+    answers: Answers,
     commands: impl Stream<Item = Incoming>,
     poke: Arc<Notify>,
     shutdown: &CancellationToken,
@@ -274,8 +298,7 @@ pub async fn serve(
             tracker.spawn(slot_worker(
                 rx,
                 slots.clone(),
-                ssh.clone(),
-                tail.clone(),
+                answers.clone(),
                 bus.clone(),
                 poke.clone(),
             ));

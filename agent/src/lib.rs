@@ -23,6 +23,7 @@
 
 pub mod commands;
 pub mod config;
+pub mod exec;
 pub mod health;
 pub mod heartbeat;
 pub mod isolation;
@@ -275,8 +276,23 @@ pub async fn run_with(
             .in_current_span(),
         );
 
-        let ended =
-            commands::serve(&bus, &slots, ssh, tail, commands, poke, &shutdown).await;
+        let runner = exec::Runner::new(bus.clone(), config.run_dir.clone(), background.clone());
+        let input = runner
+            .subscribe_input(&config.backing_id)
+            .await
+            .map_err(AgentError::Subscribe)?;
+        tasks.push(tokio::spawn(
+            runner.clone().serve_input(input).in_current_span(),
+        ));
+        let ended = commands::serve(
+            &bus,
+            &slots,
+            commands::Answers { ssh, tail, runner },
+            commands,
+            poke,
+            &shutdown,
+        )
+        .await;
 
         stop_beating.cancel();
         if let Err(err) = beating.await {

@@ -175,6 +175,10 @@ fn answer(
             value(&SlotOccupants::default())
         }
         AgentCommand::LogTail { .. } => value(&LogTail::default()),
+        AgentCommand::Exec { .. } => Reply::Error(ApiError::new(
+            ErrorCode::Unavailable,
+            "a simulated node runs no commands",
+        )),
     }
 }
 

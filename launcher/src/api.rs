@@ -163,6 +163,14 @@ async fn handle(sh: Arc<Shared>, op: Op, caller: Option<UserName>, msg: Incoming
         Op::Api(ApiOp::Nodes) => {
             respond(&sh, &reply_to, status::nodes(&sh, &caller, &msg).await).await
         }
+        Op::Api(ApiOp::Exec) => {
+            respond(
+                &sh,
+                &reply_to,
+                crate::exec_api::exec(&sh, &caller, &msg).await,
+            )
+            .await
+        }
         Op::Api(ApiOp::WaitReleased) => {
             respond(&sh, &reply_to, status::released(&sh, &caller, &msg).await).await
         }

@@ -12,6 +12,7 @@ pub(crate) use slotpool_config as config;
 pub(crate) mod api;
 pub mod backing;
 pub(crate) mod events;
+pub(crate) mod exec_api;
 pub(crate) mod heartbeat_clock;
 pub mod http;
 pub(crate) mod inbound;

@@ -306,6 +306,14 @@ pub enum AgentCommand {
     /// The newest `lines` lines of the agent's own log (at most [`LOG_TAIL_MAX_LINES`]):
     /// replies [`LogTail`]. Read-only, asked on demand (an operator's detail view).
     LogTail { lines: u32 },
+    /// Run a command in slot `slot` for `client`, whom the launcher found holding
+    /// `node_id`: replies `{}` once it started (see [`crate::exec`]).
+    Exec {
+        slot: u32,
+        node_id: NodeId,
+        client: crate::UserName,
+        request: crate::exec::ExecRequest,
+    },
 }
 
 /// Most lines a [`AgentCommand::LogTail`] answers, whatever it asks.

@@ -349,6 +349,18 @@ impl Bus {
             })
     }
 
+    /// Publishes raw bytes (no reply expected); waits while the connection's outgoing
+    /// buffer is full, so a fast publisher is held back, not buffered without bound.
+    pub async fn publish_raw(&self, subject: String, payload: Bytes) -> Result<(), BusError> {
+        self.client
+            .publish(subject.clone(), payload)
+            .await
+            .map_err(|err| BusError::Request {
+                subject,
+                message: err.to_string(),
+            })
+    }
+
     /// Waits until everything published so far has reached the server.
     pub async fn flush(&self) -> Result<(), BusError> {
         self.client.flush().await.map_err(|err| BusError::Request {

@@ -203,10 +203,12 @@ pub mod subjects {
         Nodes,
         /// [`crate::api::KeepAlive`] → [`crate::api::KeptAlive`].
         KeepAlive,
+        /// [`crate::exec::ExecRequest`] → [`crate::exec::ExecStarted`].
+        Exec,
     }
 
     impl ApiOp {
-        pub const ALL: [ApiOp; 7] = [
+        pub const ALL: [ApiOp; 8] = [
             ApiOp::Submit,
             ApiOp::Release,
             ApiOp::Cancel,
@@ -214,6 +216,7 @@ pub mod subjects {
             ApiOp::WaitReleased,
             ApiOp::Nodes,
             ApiOp::KeepAlive,
+            ApiOp::Exec,
         ];
 
         pub fn as_str(self) -> &'static str {
@@ -225,6 +228,7 @@ pub mod subjects {
                 ApiOp::WaitReleased => "wait_released",
                 ApiOp::Nodes => "nodes",
                 ApiOp::KeepAlive => "keepalive",
+                ApiOp::Exec => "exec",
             }
         }
     }
@@ -294,6 +298,56 @@ pub mod subjects {
     pub fn admin_of(operator: &str) -> String {
         format!("slotpool.admin.v2.{operator}.>")
     }
+
+    /// What `client` sends to a running command of its own on backing node `backing`
+    /// (see [`crate::exec`]): `slotpool.exec.v2.<client>.<backing>.<session>.<kind>`.
+    /// Only `client` may publish there and only that node's agent receives it.
+    pub fn exec_input(client: &UserName, backing: &BackingId, session: &str, kind: &str) -> String {
+        format!("slotpool.exec.v2.{client}.{backing}.{session}.{kind}")
+    }
+    /// Everything `client` may send to its running commands (a permission pattern).
+    pub fn exec_input_of(client: &str) -> String {
+        format!("slotpool.exec.v2.{client}.>")
+    }
+    /// Every client's input to the commands running on `backing` (its agent serves it).
+    pub fn exec_input_to(backing: &str) -> String {
+        format!("slotpool.exec.v2.*.{backing}.>")
+    }
+    /// The client, backing node, session and kind of an [`exec_input`] subject.
+    pub fn parse_exec_input(subject: &str) -> Option<(UserName, BackingId, &str, &str)> {
+        let mut t = subject.split('.');
+        match (
+            t.next(),
+            t.next(),
+            t.next(),
+            t.next(),
+            t.next(),
+            t.next(),
+            t.next(),
+            t.next(),
+        ) {
+            (
+                Some("slotpool"),
+                Some("exec"),
+                Some("v2"),
+                Some(c),
+                Some(b),
+                Some(s),
+                Some(k),
+                None,
+            ) => Some((UserName::parse(c).ok()?, BackingId::parse(b).ok()?, s, k)),
+            _ => None,
+        }
+    }
+    /// Where the agent sends a command's output and exit: `<inbox>.exec.<session>.<kind>`
+    /// under the caller's own inbox prefix (`_INBOX.<role>.<user>`), which only the
+    /// caller may subscribe to.
+    pub fn exec_output(inbox_prefix: &str, session: &str) -> String {
+        format!("{inbox_prefix}.exec.{session}")
+    }
+    /// The output subjects agents may publish to (permission patterns): clients' and
+    /// operators' exec inboxes, nothing else of theirs.
+    pub const EXEC_OUTPUT_ALL: [&str; 2] = ["_INBOX.client.*.exec.>", "_INBOX.operator.*.exec.>"];
 
     /// Every client's API subject, for serving them all in one subscription.
     pub const API_V2_ALL: &str = "slotpool.api.v2.*.>";

@@ -12,6 +12,7 @@ pub mod auth;
 pub mod bearer;
 pub mod client;
 pub mod connect;
+pub mod exec;
 pub mod ids;
 pub mod layout;
 pub mod listener;

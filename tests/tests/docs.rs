@@ -123,6 +123,9 @@ fn decode_as(ty: &str, text: &str) -> Option<Result<Value, String>> {
         "api::Canceled" => round_trip::<api::Canceled>(text),
         "api::KeepAlive" => round_trip::<api::KeepAlive>(text),
         "api::KeptAlive" => round_trip::<api::KeptAlive>(text),
+        "exec::ExecRequest" => round_trip::<slotpool_protocol::exec::ExecRequest>(text),
+        "exec::ExecStarted" => round_trip::<slotpool_protocol::exec::ExecStarted>(text),
+        "exec::ExecExit" => round_trip::<slotpool_protocol::exec::ExecExit>(text),
         "api::BackingOrder" => round_trip::<api::BackingOrder>(text),
         "api::OrderTaken" => round_trip::<api::OrderTaken>(text),
         "api::ReleaseNodeOrder" => round_trip::<api::ReleaseNodeOrder>(text),
@@ -383,6 +386,7 @@ fn fields_named(ty: &str) -> Option<BTreeSet<String>> {
         "api::ReleaseNodes" => fields_of::<api::ReleaseNodes>(),
         "api::CancelRequest" => fields_of::<api::CancelRequest>(),
         "api::KeepAlive" => fields_of::<api::KeepAlive>(),
+        "exec::ExecRequest" => fields_of::<slotpool_protocol::exec::ExecRequest>(),
         "api::BackingOrder" => fields_of::<api::BackingOrder>(),
         "api::SlotLimits" => fields_of::<api::SlotLimits>(),
         "api::SlotPrepared" => {
@@ -844,6 +848,8 @@ fn the_reference_pages_name_every_option_and_every_variable() {
         "SLOTPOOL_CHAOS_SEED",       // tests/tests/chaos.rs
         "SLOTPOOL_DEMO_SSH_KEY",     // written by the demo's env file
         "SLOTPOOL_BENCH_AGENT_ARGS", // tests/tests/slot_timing.rs
+        "SLOTPOOL_NODES",            // set by `slotpool exec` for the command it runs
+        "SLOTPOOL_HOSTS",            // set by `slotpool exec` for the command it runs
     ];
     let env: BTreeSet<String> = programs
         .values()

@@ -157,7 +157,11 @@ pub fn permissions(user: &BusUser) -> Permissions {
             responses: false,
         },
         Role::Client => {
-            let mut publish = vec![subjects::api_of(name), subjects::API_V1_ALL.into()];
+            let mut publish = vec![
+                subjects::api_of(name),
+                subjects::exec_input_of(name),
+                subjects::API_V1_ALL.into(),
+            ];
             publish.extend(open_buckets);
             Permissions {
                 publish,
@@ -169,6 +173,7 @@ pub fn permissions(user: &BusUser) -> Permissions {
             let mut publish = vec![
                 subjects::api_of(name),
                 subjects::admin_of(name),
+                subjects::exec_input_of(name),
                 subjects::API_V1_ALL.into(),
                 subjects::ADMIN_V1_ALL.into(),
             ];
@@ -209,9 +214,17 @@ pub fn permissions(user: &BusUser) -> Permissions {
                 "$JS.API.DIRECT.GET.KV_{slots}.$KV.{slots}.{name}.>",
                 slots = layout::SLOTS.name
             ));
+            // Commands it runs for clients (see `crate::exec`): their input comes from
+            // each client's own subject and to this node only; output goes to the exec
+            // inboxes, which only the command's owner may read.
+            publish.extend(subjects::EXEC_OUTPUT_ALL.map(String::from));
             Permissions {
                 publish,
-                subscribe: vec![subjects::agent_of(name), inbox],
+                subscribe: vec![
+                    subjects::agent_of(name),
+                    subjects::exec_input_to(name),
+                    inbox,
+                ],
                 responses: true,
             }
         }
@@ -671,6 +684,12 @@ mod tests {
     fn a_client_publishes_only_under_its_own_name() {
         let p = permissions(&user(Role::Client, "ci"));
         assert!(p.publish.contains(&"slotpool.api.v2.ci.>".to_string()));
+        // Input to its own commands only: the subject carries its name.
+        assert!(p.publish.contains(&"slotpool.exec.v2.ci.>".to_string()));
+        assert!(!p
+            .publish
+            .iter()
+            .any(|s| s.starts_with("slotpool.exec") && !s.starts_with("slotpool.exec.v2.ci.")));
         assert!(!p.publish.iter().any(|s| s.starts_with("slotpool.admin")
             || s.starts_with("slotpool.agent")
             || s.starts_with("$KV")
@@ -690,6 +709,7 @@ mod tests {
             p.subscribe,
             vec![
                 "slotpool.agent.v2.bn-abc".to_string(),
+                "slotpool.exec.v2.*.bn-abc.>".to_string(),
                 "_INBOX.agent.bn-abc.>".to_string()
             ]
         );
@@ -698,7 +718,20 @@ mod tests {
             .iter()
             .filter(|s| !s.starts_with("$JS.API"))
             .collect();
-        assert_eq!(writes, vec!["$KV.slotpool_agents.bn-abc"]);
+        // Its heartbeat, and the output of commands it runs to their callers' exec
+        // inboxes (never to a caller's replies: `_INBOX.client.ci.x` is not covered).
+        assert_eq!(
+            writes,
+            vec![
+                "$KV.slotpool_agents.bn-abc",
+                "_INBOX.client.*.exec.>",
+                "_INBOX.operator.*.exec.>"
+            ]
+        );
+        assert!(!writes.iter().any(|w| matches(w, "_INBOX.client.ci.reply1")));
+        assert!(writes
+            .iter()
+            .any(|w| matches(w, "_INBOX.client.ci.exec.s1.stdout")));
         assert!(p.responses);
     }
 
