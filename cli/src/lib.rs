@@ -4,6 +4,7 @@
 mod client_cmds;
 mod complete;
 mod demo;
+mod exec_cmd;
 mod nats_setup;
 mod operator_cmds;
 mod output;
@@ -84,6 +85,14 @@ pub enum Command {
   slotpool request --label small --wait
   slotpool request --label small --count 2 --label big --timeout 600 --wait --output json")]
     Request(client_cmds::RequestArgs),
+    /// Run a command in a node: request one held only while it runs (or use one you
+    /// hold), stream its output, release it, and exit with the command's status, or
+    /// with one of slotpool's own (201-205) when the infrastructure failed.
+    #[command(after_help = "Examples:
+  slotpool exec --label small -- make test
+  slotpool exec --label small --timeout 10m --env CI=1 -- sh -c 'cargo test 2>&1'
+  slotpool exec --node node-bn-01J...-s2 -- ls -l")]
+    Exec(exec_cmd::ExecArgs),
     /// Return nodes to the pool. With --reason, as an operator: the release is recorded
     /// in the event log with who and why.
     Release {
@@ -234,11 +243,23 @@ pub mod exit {
     pub const REQUEST_ENDED: u8 = 2;
     /// `release`: some nodes were not found (already released?).
     pub const NOT_FOUND: u8 = 3;
-    /// Stopped by a second interrupt.
+    /// Stopped by a second interrupt; `exec`: stopped by Ctrl-C or SIGTERM.
     pub const INTERRUPTED: u8 = 130;
+    /// `exec`: the command ran past its `--timeout` and was killed (as timeout(1)).
+    pub const EXEC_TIMED_OUT: u8 = 124;
+    /// `exec`: no node in time (the request failed, timed out or was canceled).
+    pub const EXEC_NO_NODE: u8 = 201;
+    /// `exec`: the node was lost while the command ran (failed, reclaimed, released).
+    pub const EXEC_NODE_LOST: u8 = 202;
+    /// `exec`: the node's agent did not answer.
+    pub const EXEC_AGENT_GONE: u8 = 203;
+    /// `exec`: not authorised: the node is not this client's, or does not exist.
+    pub const EXEC_NOT_AUTHORISED: u8 = 204;
+    /// `exec`: the bus or the launchers could not be reached.
+    pub const EXEC_BUS: u8 = 205;
 
     /// Every status and its meaning.
-    pub const ALL: [(u8, &str); 5] = [
+    pub const ALL: [(u8, &str); 11] = [
         (0, "success"),
         (1, "an error (the message on stderr says which), or a kill not confirmed"),
         (
@@ -246,7 +267,28 @@ pub mod exit {
             "a usage error; or the request `request --wait` waited for failed, was canceled or reclaimed",
         ),
         (NOT_FOUND, "`release`: some nodes were not found (already released?)"),
-        (INTERRUPTED, "stopped by a second Ctrl-C"),
+        (INTERRUPTED, "stopped by a second Ctrl-C; `exec`: stopped by Ctrl-C or SIGTERM"),
+        (
+            EXEC_TIMED_OUT,
+            "`exec`: the command ran past --timeout and was killed",
+        ),
+        (
+            EXEC_NO_NODE,
+            "`exec`: no node in time (the request failed, timed out or was canceled)",
+        ),
+        (
+            EXEC_NODE_LOST,
+            "`exec`: the node was lost while the command ran",
+        ),
+        (EXEC_AGENT_GONE, "`exec`: the node's agent did not answer"),
+        (
+            EXEC_NOT_AUTHORISED,
+            "`exec`: not authorised: the node is not this client's or does not exist",
+        ),
+        (
+            EXEC_BUS,
+            "`exec`: the bus or the launchers could not be reached",
+        ),
     ];
 }
 
@@ -286,6 +328,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve(args) => serve::serve(&cli.nats, args).await,
         Command::Request(args) => client_cmds::request(&cli.nats, args).await,
+        Command::Exec(args) => exec_cmd::exec(&cli.nats, args).await,
         Command::Release {
             nodes,
             reason,

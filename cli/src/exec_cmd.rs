@@ -1,0 +1,380 @@
+//! `slotpool exec`: a job in one command. Requests a node held by a keep-alive tied to
+//! this process (or uses one already held), runs the command in it through the execute
+//! channel (docs/protocol.md, "Execute"), streams its output, releases the node and exits
+//! with the command's status, or with one of slotpool's own statuses ([`super::exit`])
+//! when the infrastructure failed, so CI can retry those and not the job's own failures.
+
+use super::exit;
+use super::NatsClientArgs;
+use anyhow::Context;
+use bytes::Bytes;
+use clap::Args;
+use futures::StreamExt;
+use slotpool_protocol::api::{ApiError, ErrorCode};
+use slotpool_protocol::client::{submission, Client};
+use slotpool_protocol::connect::BusError;
+use slotpool_protocol::exec::{
+    ExecExit, ExecRequest, ExecStarted, IN_ACK, IN_SIGNAL, IN_STDIN, MAX_CHUNK_BYTES, OUT_EXIT,
+    OUT_STDERR, OUT_STDIN_ACK, OUT_STDOUT, STDIN_WINDOW,
+};
+use slotpool_protocol::layout::subjects::{self, ApiOp};
+use slotpool_protocol::model::{NodeState, RequestState};
+use slotpool_protocol::{NodeId, PROTOCOL_VERSION};
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The keep-alive of a node `exec` requested: it is reclaimed this long after the
+/// process died without releasing it.
+const KEEP_ALIVE_SECS: u64 = 30;
+/// How long a stop (Ctrl-C, SIGTERM) waits for the command to end after SIGTERM before
+/// it is killed; the node's release kills what is left anyway.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How often the node is checked while the command runs (a lost node ends the wait).
+const NODE_CHECK: Duration = Duration::from_secs(5);
+/// How long the start of the command may take.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Label of the node to request (held only while this command runs).
+    #[arg(long, required_unless_present = "node", conflicts_with = "node", add = super::complete::label())]
+    pub label: Option<String>,
+    /// How many nodes of the label; the command runs in the first, and finds all of
+    /// them in `SLOTPOOL_NODES` (node ids) and `SLOTPOOL_HOSTS`, space-separated.
+    #[arg(long, default_value_t = 1, requires = "label")]
+    pub count: u32,
+    /// Run in a node this client already holds (kept after the command).
+    #[arg(long, add = super::complete::node())]
+    pub node: Option<String>,
+    /// An environment variable for the command; repeatable.
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
+    pub env: Vec<(String, String)>,
+    /// Kill the command after this long (`90s`, `10m`, `1h`); it then exits 124.
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration)]
+    pub timeout: Option<Duration>,
+    /// How long to wait for a node before giving up (exit 201).
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration)]
+    pub wait: Option<Duration>,
+    /// Lower is served first.
+    #[arg(long, requires = "label")]
+    pub priority: Option<i32>,
+    /// Who is asking (shown to operators).
+    #[arg(long, env = "SLOTPOOL_REQUESTOR", default_value = "slotpool-exec")]
+    pub requestor: String,
+    /// The command and its arguments (no shell unless you name one).
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not K=V")),
+    }
+}
+
+/// A failure of slotpool (not of the command), with the status that says which.
+#[derive(Debug)]
+struct Infra {
+    status: u8,
+    error: anyhow::Error,
+}
+
+fn infra(status: u8, error: impl Into<anyhow::Error>) -> Infra {
+    Infra {
+        status,
+        error: error.into(),
+    }
+}
+
+/// The status for a refused or failed bus call.
+fn status_of(err: &BusError) -> u8 {
+    match err {
+        BusError::Api(ApiError { code, .. }) => match code {
+            ErrorCode::Forbidden | ErrorCode::NotFound => exit::EXEC_NOT_AUTHORISED,
+            ErrorCode::Ended => exit::EXEC_NODE_LOST,
+            ErrorCode::Unavailable => exit::EXEC_AGENT_GONE,
+            _ => exit::EXEC_BUS,
+        },
+        BusError::NotPermitted { .. } => exit::EXEC_NOT_AUTHORISED,
+        _ => exit::EXEC_BUS,
+    }
+}
+
+pub async fn exec(nats: &NatsClientArgs, args: ExecArgs) -> anyhow::Result<ExitCode> {
+    match run(nats, args).await {
+        Ok(code) => Ok(code),
+        Err(Infra { status, error }) => {
+            eprintln!("slotpool exec: {error:#}");
+            Ok(ExitCode::from(status))
+        }
+    }
+}
+
+async fn run(nats: &NatsClientArgs, args: ExecArgs) -> Result<ExitCode, Infra> {
+    let client = Client::connect(&nats.options("slotpool-exec"))
+        .await
+        .with_context(|| format!("connecting to NATS at {}", nats.bus.url))
+        .map_err(|e| infra(exit::EXEC_BUS, e))?;
+    let stop = super::stop_signal();
+    tokio::pin!(stop);
+    let mut env: BTreeMap<String, String> = args.env.into_iter().collect();
+    let (node, held) = match (&args.node, &args.label) {
+        (Some(node), _) => {
+            let id = NodeId::parse(node)
+                .map_err(|e| infra(exit::EXEC_NOT_AUTHORISED, anyhow::anyhow!("{node}: {e}")))?;
+            (id, None)
+        }
+        (None, Some(label)) => {
+            let labels = vec![label.clone(); args.count.max(1) as usize];
+            let mut sub = submission(labels, args.requestor.clone());
+            sub.priority = args.priority;
+            sub.timeout_secs = args.wait.map(|d| d.as_secs().max(1));
+            sub.keep_alive_secs = Some(KEEP_ALIVE_SECS);
+            let id = client
+                .submit(&sub)
+                .await
+                .map_err(|e| infra(status_of(&e), e))?;
+            let done = tokio::select! {
+                done = client.wait(&id, |_| {}) => done.map_err(|e| infra(exit::EXEC_BUS, e))?,
+                () = &mut stop => {
+                    let _ = client.cancel(id.clone()).await;
+                    return Err(infra(exit::INTERRUPTED, anyhow::anyhow!("interrupted while waiting for a node; request {id} canceled")));
+                }
+            };
+            if done.state != RequestState::Fulfilled {
+                let why = done.failure.as_deref().unwrap_or(&done.status).to_string();
+                return Err(infra(
+                    exit::EXEC_NO_NODE,
+                    anyhow::anyhow!("request {id} got no node: {why}"),
+                ));
+            }
+            let nodes = client
+                .nodes(&done.nodes)
+                .await
+                .map_err(|e| infra(exit::EXEC_BUS, e))?;
+            let ids: Vec<String> = nodes.iter().map(|n| n.id.to_string()).collect();
+            let hosts: Vec<String> = nodes.iter().map(|n| n.host.clone()).collect();
+            env.entry("SLOTPOOL_NODES".into()).or_insert(ids.join(" "));
+            env.entry("SLOTPOOL_HOSTS".into())
+                .or_insert(hosts.join(" "));
+            (done.nodes[0].clone(), Some((id, done.nodes)))
+        }
+        (None, None) => unreachable!("clap requires --label or --node"),
+    };
+    let renewing = async {
+        match &held {
+            Some((id, _)) => loop {
+                tokio::time::sleep(Duration::from_secs(KEEP_ALIVE_SECS / 3)).await;
+                match client.keep_alive(id).await {
+                    Ok(_) => {}
+                    Err(e @ BusError::Api(_)) => return e,
+                    Err(err) => tracing::warn!(%err, "keep-alive renewal failed; trying again"),
+                }
+            },
+            None => std::future::pending().await,
+        }
+    };
+    let ran = tokio::select! {
+        ran = run_in(&client, &node, args.command, env, args.timeout, &mut stop) => ran,
+        err = renewing => Err(infra(exit::EXEC_NODE_LOST, anyhow::Error::new(err).context("the node's keep-alive ended"))),
+    };
+    if let Some((_, nodes)) = held {
+        if let Err(err) = client.release(nodes).await {
+            eprintln!("slotpool exec: releasing the node: {err}");
+        }
+    }
+    ran
+}
+
+/// Runs the command in `node` and streams it; returns the status to exit with.
+async fn run_in(
+    client: &Client,
+    node: &NodeId,
+    argv: Vec<String>,
+    env: BTreeMap<String, String>,
+    timeout: Option<Duration>,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Result<ExitCode, Infra> {
+    let bus = client.bus();
+    let session = ulid::Ulid::new().to_string();
+    let inbox = bus.user().inbox_prefix();
+    let output = subjects::exec_output(&inbox, &session);
+    let mut messages = Box::pin(
+        bus.serve(&format!("{output}.>"), None)
+            .await
+            .map_err(|e| infra(exit::EXEC_BUS, e))?,
+    );
+    let request = ExecRequest {
+        v: PROTOCOL_VERSION,
+        node_id: node.clone(),
+        argv,
+        env,
+        timeout_secs: timeout.map(|d| d.as_secs().max(1)),
+        session: session.clone(),
+        inbox,
+        window: None,
+    };
+    let started: ExecStarted = bus
+        .call(
+            &subjects::api(client.name(), ApiOp::Exec),
+            &request,
+            START_TIMEOUT,
+        )
+        .await
+        .map_err(|e| {
+            infra(
+                status_of(&e),
+                anyhow::Error::new(e).context(format!("running in node {node}")),
+            )
+        })?;
+    let input = started.input;
+    // Stdin: read in chunks, at most STDIN_WINDOW unacknowledged by the agent.
+    let (stdin_acked_tx, mut stdin_acked) = tokio::sync::watch::channel(0u64);
+    let stdin_task = tokio::spawn({
+        let bus = bus.clone();
+        let subject = format!("{input}.{IN_STDIN}");
+        async move {
+            let mut stdin = tokio::io::stdin();
+            let mut buf = vec![0u8; MAX_CHUNK_BYTES];
+            let mut sent = 0u64;
+            loop {
+                if stdin_acked
+                    .wait_for(|acked| sent - *acked < STDIN_WINDOW)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let n = stdin.read(&mut buf).await.unwrap_or(0);
+                let _ = bus
+                    .publish_raw(subject.clone(), Bytes::copy_from_slice(&buf[..n]))
+                    .await;
+                if n == 0 {
+                    return;
+                }
+                sent += 1;
+            }
+        }
+    });
+    let ack_subject = format!("{input}.{IN_ACK}");
+    let signal_subject = format!("{input}.{IN_SIGNAL}");
+    let mut stdout = tokio::io::stdout();
+    let mut stderr = tokio::io::stderr();
+    let mut received = 0u64;
+    let mut check = tokio::time::interval(NODE_CHECK);
+    let mut stopping: Option<tokio::time::Instant> = None;
+    let far = tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600);
+    let exit = loop {
+        tokio::select! {
+            msg = messages.next() => {
+                let Some(msg) = msg else {
+                    break Err(infra(exit::EXEC_BUS, anyhow::anyhow!("the bus connection closed")));
+                };
+                let kind = msg.subject.rsplit('.').next().unwrap_or_default();
+                match kind {
+                    OUT_STDOUT | OUT_STDERR => {
+                        let written = if kind == OUT_STDOUT {
+                            stdout.write_all(&msg.payload).await.and(stdout.flush().await)
+                        } else {
+                            stderr.write_all(&msg.payload).await.and(stderr.flush().await)
+                        };
+                        if written.is_err() {
+                            // Nobody reads our output any more: stop the command.
+                            let _ = bus.publish_raw(signal_subject.clone(), Bytes::from_static(b"TERM")).await;
+                        }
+                        received += 1;
+                        let _ = bus.publish_raw(ack_subject.clone(), received.to_string().into()).await;
+                    }
+                    OUT_STDIN_ACK => {
+                        if let Some(n) = std::str::from_utf8(&msg.payload).ok().and_then(|s| s.parse().ok()) {
+                            let _ = stdin_acked_tx.send(n);
+                        }
+                    }
+                    OUT_EXIT => {
+                        let exit: ExecExit = serde_json::from_slice(&msg.payload).unwrap_or_else(|e| ExecExit {
+                            error: Some(format!("unreadable exit message: {e}")),
+                            ..ExecExit::default()
+                        });
+                        break Ok(exit);
+                    }
+                    _ => {}
+                }
+            }
+            _ = check.tick() => {
+                match client.nodes(std::slice::from_ref(node)).await {
+                    Ok(nodes) if nodes.iter().any(|n| &n.id == node && n.state == NodeState::Ready) => {}
+                    Ok(_) => break Err(infra(exit::EXEC_NODE_LOST, anyhow::anyhow!("node {node} was lost while the command ran"))),
+                    Err(err) => tracing::warn!(%err, "cannot check the node"),
+                }
+            }
+            () = &mut *stop, if stopping.is_none() => {
+                eprintln!("slotpool exec: stopping the command");
+                let _ = bus.publish_raw(signal_subject.clone(), Bytes::from_static(b"TERM")).await;
+                stopping = Some(tokio::time::Instant::now() + STOP_GRACE);
+            }
+            () = tokio::time::sleep_until(stopping.unwrap_or(far)), if stopping.is_some() => {
+                let _ = bus.publish_raw(signal_subject.clone(), Bytes::from_static(b"KILL")).await;
+                break Err(infra(exit::INTERRUPTED, anyhow::anyhow!("interrupted; the command did not stop in {STOP_GRACE:?}")));
+            }
+        }
+    };
+    stdin_task.abort();
+    let exit = exit?;
+    if stopping.is_some() {
+        return Err(infra(exit::INTERRUPTED, anyhow::anyhow!("interrupted")));
+    }
+    Ok(ExitCode::from(status_of_exit(&exit).map_err(|e| {
+        infra(exit::EXEC_NODE_LOST, anyhow::anyhow!(e))
+    })?))
+}
+
+/// The status `exec` exits with for how the command ended: its own status; 124 when it
+/// ran past its time limit; 128 + the signal that killed it.
+fn status_of_exit(exit: &ExecExit) -> Result<u8, String> {
+    if exit.timed_out {
+        return Ok(exit::EXEC_TIMED_OUT);
+    }
+    match (exit.code, exit.signal, &exit.error) {
+        (_, _, Some(error)) if exit.code.is_none() => Err(error.clone()),
+        (Some(code), _, _) => Ok(code as u8),
+        (None, Some(signal), _) => Ok(128u8.saturating_add(signal as u8)),
+        (None, None, _) => Err("the command's end is unknown".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_statuses() {
+        let code = |c| ExecExit {
+            code: Some(c),
+            ..ExecExit::default()
+        };
+        assert_eq!(status_of_exit(&code(0)), Ok(0));
+        assert_eq!(status_of_exit(&code(3)), Ok(3));
+        let killed = ExecExit {
+            signal: Some(9),
+            ..ExecExit::default()
+        };
+        assert_eq!(status_of_exit(&killed), Ok(137));
+        let late = ExecExit {
+            signal: Some(9),
+            timed_out: true,
+            ..ExecExit::default()
+        };
+        assert_eq!(status_of_exit(&late), Ok(124));
+        assert!(status_of_exit(&ExecExit::default()).is_err());
+    }
+
+    #[test]
+    fn env_pairs() {
+        assert_eq!(parse_env("A=b=c"), Ok(("A".into(), "b=c".into())));
+        assert!(parse_env("=x").is_err());
+        assert!(parse_env("A").is_err());
+    }
+}
