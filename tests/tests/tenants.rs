@@ -124,3 +124,93 @@ async fn a_team_at_its_limits_waits_or_is_refused_and_says_which_limit() {
     assert_eq!(record(&a, &second).await.state, RequestState::Requested);
     assert_eq!(record(&a, &third).await.state, RequestState::Requested);
 }
+
+/// One team's job: submits, waits for its node, holds it for `hold`, releases it.
+/// Returns how long it waited for its node.
+async fn job(client: Client, requestor: String, hold: Duration) -> Duration {
+    let started = tokio::time::Instant::now();
+    let r = client
+        .submit_and_wait(&submission(vec!["small".into()], requestor))
+        .await
+        .expect("submit and wait");
+    assert_eq!(r.state, RequestState::Fulfilled, "{r:?}");
+    let waited = started.elapsed();
+    tokio::time::sleep(hold).await;
+    client.release(r.nodes).await.expect("release");
+    waited
+}
+
+fn p95(mut waits: Vec<Duration>) -> Duration {
+    waits.sort();
+    let rank = ((waits.len() as f64 * 0.95).ceil() as usize).clamp(1, waits.len());
+    waits[rank - 1]
+}
+
+/// How long a quiet team's job may wait while another team floods: a few slot turns
+/// (a job holds its node 1 s), far below the flood's backlog.
+const QUIET_BOUND: Duration = Duration::from_secs(5);
+
+/// Two launchers, eight slots, three teams of equal weight. Team a floods 160 jobs at
+/// once (a backlog of about 20 s of the pool); teams b and c each start a job every
+/// 500 ms for 10 s. Each team's p95 wait is printed; b's and c's stay within
+/// [`QUIET_BOUND`] (first come, first served, they would wait behind the whole flood).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_teams_wait_little_while_another_floods_two_launchers() {
+    let labels = label("small", 4, 600, &["min-ready: 8"])
+        + "tenants:\n  - {name: a, clients: [team-a]}\n  - {name: b, clients: [team-b]}\n  \
+           - {name: c, clients: [team-c]}\n";
+    let pool = Pool::start(2, 5, &labels, 2).await;
+    let (a, b, c) = (
+        team(&pool, "team-a").await,
+        team(&pool, "team-b").await,
+        team(&pool, "team-c").await,
+    );
+    let hold = Duration::from_secs(1);
+    // The eight slots ready first, so the figures are the queue's, not the boot's.
+    wait_for_some("eight free slots", WAIT, || async {
+        let free = pool
+            .backing()
+            .await
+            .iter()
+            .filter(|b| b.state == slotpool_protocol::model::BackingState::Ready)
+            .map(|b| b.slots)
+            .sum::<u32>();
+        (free >= 8).then_some(())
+    })
+    .await;
+
+    let flood: Vec<_> = (0..160)
+        .map(|n| tokio::spawn(job(a.clone(), format!("a-{n}"), hold)))
+        .collect();
+    let mut quiet = Vec::new();
+    for n in 0..20 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        quiet.push(("b", tokio::spawn(job(b.clone(), format!("b-{n}"), hold))));
+        quiet.push(("c", tokio::spawn(job(c.clone(), format!("c-{n}"), hold))));
+    }
+    let (mut wb, mut wc) = (Vec::new(), Vec::new());
+    for (team, handle) in quiet {
+        let waited = handle.await.expect("a quiet job");
+        if team == "b" {
+            wb.push(waited);
+        } else {
+            wc.push(waited);
+        }
+    }
+    let mut wa = Vec::new();
+    for handle in flood {
+        wa.push(handle.await.expect("a flood job"));
+    }
+    let (pa, pb, pc) = (p95(wa), p95(wb), p95(wc));
+    eprintln!(
+        "p95 wait over two launchers: flooding team a {:.2} s (160 jobs), quiet teams b \
+         {:.2} s and c {:.2} s (20 jobs each)",
+        pa.as_secs_f64(),
+        pb.as_secs_f64(),
+        pc.as_secs_f64()
+    );
+    assert!(
+        pb <= QUIET_BOUND && pc <= QUIET_BOUND,
+        "quiet teams waited {pb:?} and {pc:?} (bound {QUIET_BOUND:?}); the flood {pa:?}"
+    );
+}
