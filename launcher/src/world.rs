@@ -180,6 +180,14 @@ impl PoolBook {
         PoolBook { sites }
     }
 
+    /// The labels pool `pool` (`provider.pool`) serves.
+    fn labels_in<'a>(&'a self, pool: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.sites
+            .iter()
+            .filter(move |(_, sites)| sites.iter().any(|(p, _, _)| p == pool))
+            .map(|(label, _)| label.as_str())
+    }
+
     fn sites<'a>(&'a self, label: &str) -> impl Iterator<Item = (&'a str, u32, u32)> + 'a {
         self.sites
             .get(label)
@@ -635,7 +643,9 @@ impl World {
             self.touched.insert(old.value.label.clone());
             self.causes_touched.insert(old.value.label.clone());
         } else {
-            *self.seats_taken.entry(pool_key(&b.value)).or_default() += 1;
+            let pool = pool_key(&b.value);
+            *self.seats_taken.entry(pool.clone()).or_default() += 1;
+            self.touch_pool(&pool);
         }
         self.touched.insert(b.value.label.clone());
         self.causes_touched.insert(b.value.label.clone());
@@ -736,6 +746,15 @@ impl World {
                 self.seats_taken.remove(pool);
             }
         }
+        self.touch_pool(pool);
+    }
+
+    /// Marks every label `pool` serves as changed: a seat taken or freed there changes
+    /// what each of them can still launch ([`World::attainable`]), so whether their node
+    /// sets stand.
+    fn touch_pool(&mut self, pool: &str) {
+        let labels: Vec<String> = self.pools.labels_in(pool).map(str::to_string).collect();
+        self.touched.extend(labels);
     }
 
     pub fn remove_agent(&mut self, key: &str) {
@@ -1288,7 +1307,8 @@ impl World {
     /// and the queue, walked in its order, takes its label's idle slots ([`seats`]);
     /// otherwise none, and it is given back after its grace-time.
     pub fn kept_for(&self, b: &BackingNode) -> u32 {
-        if !self.takes_slots(b) || !self.queue.is_waited_for(&b.label) {
+        if !self.takes_slots(b) || self.used_count(&b.id) > 0 || !self.queue.is_waited_for(&b.label)
+        {
             return 0;
         }
         self.kept_by(b, &self.seat_shares())

@@ -1071,6 +1071,30 @@ mod tests {
         play(&fleet, 1, &ops).unwrap();
     }
 
+    /// Two labels sharing two seats: a seat taken by `l0` left `{l1: 4}` unable to stand
+    /// in `l1`'s queue, but nothing woke `{l1: 1}` behind it, which waited with a free
+    /// slot of `l1` (a seat taken or freed now touches every label of its pool).
+    #[test]
+    fn a_seat_taken_by_one_label_wakes_the_queue_of_the_other() {
+        let fleet = Fleet {
+            labels: vec![(2, 2), (2, 2)],
+            seats: Some(2),
+        };
+        let ops = [
+            submit(0, &[(1, 4)], 100),
+            submit(0, &[(1, 4)], 0),
+            submit(0, &[(0, 1)], 0),
+            Op::Tick { ms: 30_000 },
+            Op::Plan { launcher: 0 },
+            submit(0, &[(0, 1)], 0),
+            submit(0, &[(1, 1)], 0),
+            Op::Run { launcher: 0 },
+            submit(0, &[(1, 1)], 100),
+            Op::Release { pick: 0 },
+        ];
+        play(&fleet, 1, &ops).unwrap();
+    }
+
     /// Mixes tried per run: 256 in the suite; `SLOTPOOL_MIX_CASES=100000` for a long run.
     fn cases() -> u32 {
         std::env::var("SLOTPOOL_MIX_CASES")

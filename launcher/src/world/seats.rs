@@ -159,7 +159,7 @@ impl World {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests_support::{agent, backing, request};
+    use super::super::tests_support::{agent, backing, node, request};
     use super::*;
     use crate::config::Config;
     use slotpool_protocol::layout;
@@ -169,17 +169,23 @@ mod tests {
 
     /// `small` (4 slots) and `medium` (2 slots) share the three seats of `main`.
     fn world() -> World {
-        let yaml = "providers:
+        world_of(3)
+    }
+
+    fn world_of(seats: u32) -> World {
+        let yaml = format!(
+            "providers:
   - name: p
     driver: local
     pools:
       - name: main
-        max-servers: 3
+        max-servers: {seats}
         labels:
-          - {name: small, backing-label: vm, max-parallel-jobs: 4}
-          - {name: medium, backing-label: vm, max-parallel-jobs: 2}
-";
-        let config = Config::parse(std::path::Path::new("seats.yaml"), yaml).unwrap();
+          - {{name: small, backing-label: vm, max-parallel-jobs: 4}}
+          - {{name: medium, backing-label: vm, max-parallel-jobs: 2}}
+"
+        );
+        let config = Config::parse(std::path::Path::new("seats.yaml"), &yaml).unwrap();
         World::for_config(LauncherId::parse("launcher-0").unwrap(), &config)
     }
 
@@ -243,5 +249,56 @@ mod tests {
         );
         // The set behind takes the head's small node's other three slots, and is short.
         assert_eq!(w.planned_demand("small"), 4);
+    }
+
+    /// A full pool of 1,000 backing nodes (every slot in use) with `waiting` single
+    /// requests of `small` queued at mixed priorities, and one of its nodes.
+    fn full_pool(waiting: usize) -> (World, Versioned<BackingNode>) {
+        let mut w = world_of(1_000);
+        let mut first = None;
+        for seat in 0..1_000 {
+            let b = idle_node(&mut w, seat, "small", 4);
+            for slot in 0..4 {
+                w.put_slot(node(&format!("bn-{seat}"), slot, "req-held", "small"));
+            }
+            first.get_or_insert(b);
+        }
+        for i in 0..waiting {
+            wait(
+                &mut w,
+                &format!("req-{i}"),
+                &["small"],
+                (i % 7) as i32 * 100,
+            );
+        }
+        (w, first.expect("a node"))
+    }
+
+    /// The figure for a long queue: what one backing decision and one planning of a
+    /// label cost with 10,000 requests waiting on a full pool of 1,000 nodes, against
+    /// 10 waiting, measured in one run and printed (a figure, not a bound: the walk
+    /// ends at once on a full pool, so both are about the same).
+    #[test]
+    fn the_cost_of_deciding_with_ten_thousand_waiting_is_printed() {
+        let cost = |waiting: usize| {
+            let (w, b) = full_pool(waiting);
+            let rounds = 200;
+            let started = std::time::Instant::now();
+            for _ in 0..rounds {
+                std::hint::black_box(w.planned_demand("small"));
+                std::hint::black_box(w.kept_for(&b.value));
+                std::hint::black_box(w.seat_shares());
+            }
+            started.elapsed() / rounds
+        };
+        let few = cost(10);
+        let many = cost(10_000);
+        eprintln!(
+            "seat walk, planning and a backing decision on a full pool of 1,000 nodes: \
+             {:.1} us with 10 requests waiting, {:.1} us with 10,000 ({:.2}x)",
+            few.as_secs_f64() * 1e6,
+            many.as_secs_f64() * 1e6,
+            many.as_secs_f64() / few.as_secs_f64()
+        );
     }
 }
