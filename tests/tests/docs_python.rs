@@ -227,7 +227,7 @@ async fn the_python_examples_run_against_a_default_installation() {
     // The examples, as written but for where the installation is.
     let doc = protocol_md();
     let examples = examples(&doc);
-    assert_eq!(examples.len(), 2, "docs/protocol.md's Python examples");
+    assert_eq!(examples.len(), 3, "docs/protocol.md's Python examples");
     let dir = tmp.path().join("py");
     std::fs::create_dir(&dir).unwrap();
     for (file, code) in &examples {
@@ -270,6 +270,10 @@ async fn the_python_examples_run_against_a_default_installation() {
         if file == "slotpool_client.py" {
             assert!(stdout.contains("fulfilled -"), "{stdout}");
             assert!(stdout.contains("released ["), "{stdout}");
+        } else if file == "exec_in_node.py" {
+            // Its stdin back on stdout, and the command's own exit status.
+            assert!(stdout.contains("hello\n"), "{stdout}");
+            assert!(stdout.contains("exit {'code': 3}"), "{stdout}");
         } else {
             assert!(stdout.contains("kept alive:"), "{stdout}");
         }
