@@ -83,6 +83,12 @@ pub struct Args {
     /// sharing a host need blocks of their own.
     #[arg(long, value_name = "CIDR", default_value = crate::isolation::netns::DEFAULT_RANGE)]
     pub slot_netns_range: String,
+    /// In users mode, give every slot a /tmp, /var/tmp and /dev/shm of its own (tmpfs
+    /// mounts in a mount namespace of the slot's, counted in its memory limit), gone with
+    /// the slot at release however many files they hold. Off by default: slots share the
+    /// host's. See docs/isolation.md.
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "off")]
+    pub slot_private_tmp: Switch,
     /// Most processes and threads of a slot whose label sets no `limits.pids`.
     #[arg(long, value_name = "N", default_value_t = crate::isolation::default_limits::DEFAULT_PIDS_MAX)]
     pub default_pids_max: u32,
@@ -226,6 +232,8 @@ pub struct AgentConfig {
     /// The block of the slots' veth addresses, when every slot has a network namespace
     /// of its own (users mode with --slot-netns on).
     pub slot_netns: Option<crate::isolation::netns::AddressRange>,
+    /// Whether every slot has a private `/tmp` (users mode with --slot-private-tmp on).
+    pub slot_private_tmp: bool,
     pub run_dir: PathBuf,
     pub ssh_port: u16,
     pub ssh_host_keys_dir: PathBuf,
@@ -454,6 +462,8 @@ impl Args {
             slot_uids,
             bus_guard_ports,
             slot_netns,
+            slot_private_tmp: matches!(isolation, IsolationMode::Users)
+                && matches!(self.slot_private_tmp, Switch::On),
             run_dir: self.run_dir,
             ssh_port: self.ssh_port,
             ssh_host_keys_dir: self.ssh_host_keys_dir,

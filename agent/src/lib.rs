@@ -87,6 +87,8 @@ pub enum AgentError {
     BusGuard(bus_guard::GuardError),
     #[error("slot network namespaces: {0}")]
     Netns(netns::NetnsError),
+    #[error("slot private /tmp: {0}")]
+    PrivateTmp(isolation::private_tmp::PrivateTmpError),
     #[error("setting up slot isolation: {0}")]
     Isolation(IsolationError),
     #[error("setting up slot uids: {0}")]

@@ -6,7 +6,7 @@
 
 use crate::config::IsolationMode;
 use crate::isolation::{
-    self, bus_guard, cgroup, disk_quota, enter, mounts, netns, shared_dirs, uid_range,
+    self, bus_guard, cgroup, disk_quota, enter, mounts, netns, private_tmp, shared_dirs, uid_range,
     user_isolation::UserIsolation, SlotIsolation, WorkspaceOnly,
 };
 use crate::slots::Slots;
@@ -98,6 +98,15 @@ pub fn isolation_of(config: &AgentConfig) -> Result<Arc<dyn SlotIsolation>, Agen
                     "slots share the host's network namespace (--slot-netns off): a service \
                  on loopback in one slot is reachable from the others"
                 ),
+            }
+            if config.slot_private_tmp {
+                let mounts = private_tmp::SlotMounts::new(
+                    config.run_dir.join("mntns").join(&config.namespace),
+                    config.mount_namespace.clone(),
+                )
+                .map_err(AgentError::PrivateTmp)?;
+                tracing::info!("every slot gets a /tmp, /var/tmp and /dev/shm of its own");
+                isolation = isolation.with_private_tmp(mounts);
             }
             Arc::new(isolation)
         }

@@ -177,12 +177,13 @@ impl Drop for IsolationEnv {
         }
         remove_bus_guards(&self.user_prefix);
         remove_slot_namespaces(&self.run_dir.path().join("netns"));
+        remove_slot_namespaces(&self.run_dir.path().join("mntns"));
     }
 }
 
-/// Unmounts the slot namespaces agents left under `<run-dir>/netns` (an agent killed
-/// with SIGKILL leaves them): the last reference gone, the kernel deletes each
-/// namespace, and its veth pair with it.
+/// Unmounts the slot namespaces agents left under `<run-dir>/netns` or `<run-dir>/mntns`
+/// (an agent killed with SIGKILL leaves them): the last reference gone, the kernel
+/// deletes each namespace, and its veth pair or tmpfs mounts with it.
 fn remove_slot_namespaces(dir: &Path) {
     let Ok(agents) = std::fs::read_dir(dir) else {
         return;

@@ -351,3 +351,115 @@ async fn a_flood_of_idle_connections_leaves_the_launcher_serving() {
     println!("launcher log lines about http during the flood (debug aside): {about}");
     assert!(about <= 3, "{logged}");
 }
+
+/// A slot user's script: creates up to `N` empty files in `DIR` and prints how many it
+/// made and why it stopped.
+const FILE_FLOOD: &str = r#"
+import os, sys
+d, n = sys.argv[1], int(sys.argv[2])
+os.makedirs(d, exist_ok=True)
+made, why = 0, "done"
+for i in range(n):
+    try:
+        os.close(os.open(os.path.join(d, str(i)), os.O_CREAT | os.O_WRONLY, 0o600))
+    except OSError as e:
+        why = e.strerror
+        break
+    made += 1
+print("made", made, "stopped:", why, flush=True)
+"#;
+
+/// Where `path` of the slots' host (the agent's mount namespace) is seen from here.
+fn on_host(agent: &SlotAgent, path: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/proc/{}/root{path}", agent.pid()))
+}
+
+/// A slot's /tmp, /var/tmp and /dev/shm are its own: what a job leaves there never
+/// reaches the host's, a flood of files there stops at the tmpfs's entry limit (far
+/// below the release's wipe budget), and the release takes it all at once. With
+/// `--slot-private-tmp off` the same files land in the host's /tmp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slots_tmp_is_its_own_and_leaves_with_it() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "off", "--slot-private-tmp", "on"],
+    )
+    .await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let marker = format!("/tmp/slotpool-marker-{user}");
+    let flood_dir = format!("/tmp/flood-{user}");
+    let n = slotpool_agent::isolation::private_tmp::MAX_INODES + 1000;
+    let script = format!(
+        "cd && touch {marker} /var/tmp/m-{user} /dev/shm/m-{user} && stat -f -c %T /tmp /var/tmp /dev/shm \
+         && pwd && python3 -c '{FILE_FLOOD}' {flood_dir} {n}"
+    );
+    let started = std::time::Instant::now();
+    let (ok, out, err) = key.ssh(sshd.port, &user, &script);
+    println!(
+        "private /tmp on: {} in {:?}",
+        out.trim().replace('\n', " | "),
+        started.elapsed()
+    );
+    assert!(ok, "{out}{err}\n{}", agent.log());
+    assert_eq!(
+        out.lines().take(3).collect::<Vec<_>>(),
+        ["tmpfs", "tmpfs", "tmpfs"],
+        "{out}"
+    );
+    assert!(out.contains("No space left on device"), "{out}");
+    let made: u64 = out
+        .split_whitespace()
+        .skip_while(|w| *w != "made")
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .expect("a count");
+    assert!(
+        made < slotpool_agent::isolation::private_tmp::MAX_INODES,
+        "{out}"
+    );
+    assert!(
+        !on_host(&agent, &marker).exists(),
+        "the marker reached the host's /tmp"
+    );
+    assert!(!on_host(&agent, &flood_dir).exists());
+    // A second login sees what the first left: it is the slot's /tmp, not the login's.
+    let (ok, out, _) = key.ssh(sshd.port, &user, &format!("ls {marker}"));
+    assert!(ok && out.contains(&marker), "{out}");
+    let started = std::time::Instant::now();
+    agent.release(0, "node-a").await.expect("release");
+    println!(
+        "release after {made} files in /tmp: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !agent.log().contains("could not be cleaned"),
+        "the release left the slot dirty\n{}",
+        agent.log()
+    );
+    drop(agent);
+
+    // The same job with the protection off: its files are on the host.
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &["--slot-netns", "off", "--slot-private-tmp", "off"],
+    )
+    .await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let marker = format!("/tmp/slotpool-marker-{user}");
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user,
+        &format!("touch {marker} && stat -f -c %T /tmp"),
+    );
+    println!("private /tmp off: {}", out.trim());
+    assert!(ok, "{out}{err}");
+    assert!(
+        on_host(&agent, &marker).exists(),
+        "with --slot-private-tmp off the file should be on the host"
+    );
+    agent.release(0, "node-a").await.expect("release");
+}

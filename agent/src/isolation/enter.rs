@@ -11,10 +11,12 @@
 //! daemons included, are in the cgroup. When the agent does not answer, the login is
 //! refused: a login never runs outside its slot's limits.
 //!
-//! When slots have network namespaces ([`crate::isolation::netns`]) the answer is `ok netns` with
-//! the slot's user and network namespaces attached (`SCM_RIGHTS`): the helper joins the
-//! user namespace, then the network namespace, then execs; a helper that cannot join
-//! refuses the login rather than run it in the host's network.
+//! When slots have namespaces of their own (a network namespace,
+//! [`crate::isolation::netns`]; a private `/tmp`, [`crate::isolation::private_tmp`]) the
+//! answer is `ok ns` and their kinds in the order to join them (`ok ns user net mnt`),
+//! with the namespaces attached (`SCM_RIGHTS`): the helper joins each, returns to its
+//! working directory, then execs; a helper that cannot join refuses the login rather
+//! than run it in the host's network or `/tmp`.
 //!
 //! The socket is open to every user of the host (it has to be: sshd runs the helper as
 //! the slot user), so it is bounded like slotpool's other listeners: at most
@@ -42,9 +44,54 @@ use tokio_util::sync::CancellationToken;
 
 /// The agent's answer when the login was placed.
 const OK: &str = "ok\n";
-/// The agent's answer when the login was placed and must join the two namespaces sent
-/// with it (user, then network: see [`crate::isolation::netns`]).
-const OK_NETNS: &str = "ok netns\n";
+/// How the agent's answer starts when the login was placed and must join the namespaces
+/// sent with it, whose kinds follow in order.
+const OK_NS: &str = "ok ns";
+/// Most namespaces sent with an answer.
+const MAX_NAMESPACES: usize = 3;
+
+/// A namespace a login joins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NsKind {
+    User,
+    Net,
+    Mnt,
+}
+
+impl NsKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            NsKind::User => "user",
+            NsKind::Net => "net",
+            NsKind::Mnt => "mnt",
+        }
+    }
+
+    fn parse(word: &str) -> Option<NsKind> {
+        [NsKind::User, NsKind::Net, NsKind::Mnt]
+            .into_iter()
+            .find(|k| k.as_str() == word)
+    }
+}
+
+/// The answer for a login that joins `namespaces`, in their order.
+fn ok_answer(namespaces: &[(NsKind, OwnedFd)]) -> String {
+    if namespaces.is_empty() {
+        return OK.to_string();
+    }
+    let kinds: Vec<&str> = namespaces.iter().map(|(k, _)| k.as_str()).collect();
+    format!("{OK_NS} {}\n", kinds.join(" "))
+}
+
+/// The kinds an `ok ns` answer lists, or `None` for any other answer.
+fn parse_ok_ns(answer: &str) -> Option<Vec<NsKind>> {
+    let rest = answer
+        .strip_suffix('\n')?
+        .strip_prefix(OK_NS)?
+        .strip_prefix(' ')?;
+    let kinds: Option<Vec<NsKind>> = rest.split_whitespace().map(NsKind::parse).collect();
+    kinds.filter(|k| !k.is_empty() && k.len() <= MAX_NAMESPACES)
+}
 
 /// Longest the helper waits for the agent's answer.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -143,7 +190,7 @@ pub async fn serve(
                 },
                 Err(err) => (format!("error: peer credentials: {err}\n"), None),
             };
-            if answer != OK && answer != OK_NETNS {
+            if answer != OK && !answer.starts_with(OK_NS) {
                 if let Some(quiet) = logged.refusals.take(std::time::Instant::now()) {
                     tracing::warn!(
                         answer = answer.trim(),
@@ -171,14 +218,14 @@ async fn place_login(
     uid: u32,
     pid: i32,
     logged: &PlacementLog,
-) -> (String, Option<[OwnedFd; 2]>) {
+) -> (String, Option<Vec<OwnedFd>>) {
     let result = tokio::task::spawn_blocking({
         let isolation = isolation.clone();
         move || {
             let slot = isolation.place(uid, pid)?;
             let namespaces = match slot {
-                Some(slot) => isolation.network_namespaces(slot)?,
-                None => None,
+                Some(slot) => isolation.login_namespaces(slot)?,
+                None => Vec::new(),
             };
             Ok::<_, crate::isolation::IsolationError>((slot, namespaces))
         }
@@ -191,15 +238,14 @@ async fn place_login(
                     slot,
                     uid,
                     pid,
-                    netns = namespaces.is_some(),
+                    namespaces = namespaces.len(),
                     not_logged = quiet,
                     "login placed in its slot cgroup"
                 );
             }
-            match namespaces {
-                Some(ns) => (OK_NETNS.to_string(), Some(ns)),
-                None => (OK.to_string(), None),
-            }
+            let answer = ok_answer(&namespaces);
+            let fds: Vec<OwnedFd> = namespaces.into_iter().map(|(_, fd)| fd).collect();
+            (answer, (!fds.is_empty()).then_some(fds))
         }
         Ok(Ok((None, _))) => (format!("error: uid {uid} is not a slot user\n"), None),
         Ok(Err(err)) => (format!("error: {err}\n"), None),
@@ -272,13 +318,13 @@ impl PlacementLog {
 async fn send_with_fds(
     stream: &tokio::net::UnixStream,
     bytes: &[u8],
-    fds: &[OwnedFd; 2],
+    fds: &[OwnedFd],
 ) -> std::io::Result<()> {
     use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    let borrowed = [fds[0].as_fd(), fds[1].as_fd()];
+    let borrowed: Vec<std::os::fd::BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
     let sent = stream
         .async_io(tokio::io::Interest::WRITABLE, || {
-            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_NAMESPACES))];
             let mut control = SendAncillaryBuffer::new(&mut space);
             control.push(SendAncillaryMessage::ScmRights(&borrowed));
             sendmsg(
@@ -303,7 +349,7 @@ fn read_answer(stream: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
     let mut fds = Vec::new();
     loop {
         let mut buf = [0u8; 512];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_NAMESPACES))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let msg = recvmsg(
             stream,
@@ -330,25 +376,36 @@ fn read_answer(stream: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
 /// Longest answer the helper reads.
 const MAX_ANSWER: usize = 4096;
 
-/// Joins the slot's user namespace, then its network namespace.
-fn join_namespaces(fds: &[OwnedFd]) -> Result<(), EnterSlotError> {
+/// Joins `fds`, namespaces of the `kinds` in that order; a mount namespace moves the
+/// process to its root, so it goes back to the directory it was in.
+fn join_namespaces(kinds: &[NsKind], fds: &[OwnedFd]) -> Result<(), EnterSlotError> {
     use rustix::thread::{move_into_link_name_space, LinkNameSpaceType};
-    let [user, net] = fds else {
+    if kinds.len() != fds.len() {
         return Err(EnterSlotError::Refused(format!(
-            "the agent sent {} namespaces, not 2 (user, network)",
+            "the agent named {} namespaces but sent {}",
+            kinds.len(),
             fds.len()
         )));
-    };
-    for (fd, kind, name) in [
-        (user, LinkNameSpaceType::User, "user"),
-        (net, LinkNameSpaceType::Network, "network"),
-    ] {
-        move_into_link_name_space(fd.as_fd(), Some(kind)).map_err(|e| {
+    }
+    let cwd = std::env::current_dir().ok();
+    for (kind, fd) in kinds.iter().zip(fds) {
+        let link = match kind {
+            NsKind::User => LinkNameSpaceType::User,
+            NsKind::Net => LinkNameSpaceType::Network,
+            NsKind::Mnt => LinkNameSpaceType::Mount,
+        };
+        move_into_link_name_space(fd.as_fd(), Some(link)).map_err(|e| {
             EnterSlotError::Namespace {
-                kind: name,
+                kind: kind.as_str(),
                 error: e.into(),
             }
         })?;
+    }
+    if kinds.contains(&NsKind::Mnt) {
+        if let Some(cwd) = cwd {
+            // Where the login started (its home): there in the new namespace too.
+            let _ = std::env::set_current_dir(cwd);
+        }
     }
     Ok(())
 }
@@ -405,14 +462,16 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
         .unwrap_or_else(|| PathBuf::from("/bin/sh"));
     match answer.as_str() {
         OK if namespaces.is_empty() => {}
-        // The slot has a network namespace: the login runs in it or not at all.
-        OK_NETNS => {
-            if let Err(err) = join_namespaces(&namespaces) {
-                return err;
+        // The slot has namespaces of its own: the login runs in them or not at all.
+        other => match parse_ok_ns(other) {
+            Some(kinds) => {
+                if let Err(err) = join_namespaces(&kinds, &namespaces) {
+                    return err;
+                }
+                drop(namespaces);
             }
-            drop(namespaces);
-        }
-        _ => return EnterSlotError::Refused(answer.trim().to_string()),
+            None => return EnterSlotError::Refused(answer.trim().to_string()),
+        },
     }
     exec_shell(&shell, command)
 }
@@ -444,4 +503,33 @@ fn exec_shell(shell: &Path, command: Option<String>) -> EnterSlotError {
     // execv only returns on failure.
     unsafe { libc::execv(c_shell.as_ptr(), argv.as_ptr()) };
     exec_error(std::io::Error::last_os_error())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ok_ns_answer_lists_its_kinds_in_order_and_nothing_else_passes() {
+        assert_eq!(ok_answer(&[]), OK);
+        assert_eq!(
+            parse_ok_ns("ok ns user net mnt\n"),
+            Some(vec![NsKind::User, NsKind::Net, NsKind::Mnt])
+        );
+        assert_eq!(
+            parse_ok_ns("ok ns user mnt\n"),
+            Some(vec![NsKind::User, NsKind::Mnt])
+        );
+        for bad in [
+            "ok\n",
+            "ok ns\n",
+            "ok ns pid\n",
+            "ok nsuser\n",
+            "ok ns user",
+            "ok ns user net mnt user\n",
+            "error: ok ns user\n",
+        ] {
+            assert_eq!(parse_ok_ns(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -47,6 +47,7 @@ pub mod enter;
 pub mod mounts;
 pub mod netns;
 pub mod passwd;
+pub mod private_tmp;
 pub mod procs;
 pub mod shared_dirs;
 pub mod uid_range;
@@ -238,13 +239,13 @@ pub trait SlotIsolation: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// The user and network namespaces a login of `slot` joins (in that order), when
-    /// slots have network namespaces of their own (see [`crate::isolation::netns`]).
-    fn network_namespaces(
+    /// The namespaces a login of `slot` joins, in order (see [`crate::isolation::netns`]
+    /// and [`crate::isolation::private_tmp`]); none when slots have none of their own.
+    fn login_namespaces(
         &self,
         _slot: u32,
-    ) -> Result<Option<[std::os::fd::OwnedFd; 2]>, IsolationError> {
-        Ok(None)
+    ) -> Result<Vec<(enter::NsKind, std::os::fd::OwnedFd)>, IsolationError> {
+        Ok(Vec::new())
     }
 
     /// Moves every process of a slot user that is not in its slot's cgroup into it

@@ -61,7 +61,9 @@ use super::procs;
 use super::Limits;
 use crate::isolation::cgroup::CgroupDriver;
 use crate::isolation::disk_quota::WorkspaceImages;
+use crate::isolation::enter::NsKind;
 use crate::isolation::netns::{NetnsError, SlotNetworks};
+use crate::isolation::private_tmp::SlotMounts;
 use crate::isolation::shared_dirs;
 use crate::isolation::uid_range::UidAllocator;
 use crate::isolation::wipe::Budget;
@@ -154,6 +156,9 @@ pub struct UserIsolation {
     users: Mutex<BTreeMap<u32, SlotUser>>,
     /// A network namespace per slot (`--slot-netns on`), see [`crate::isolation::netns`].
     network: Option<SlotNetworks>,
+    /// A private `/tmp` per slot (`--slot-private-tmp on`), see
+    /// [`crate::isolation::private_tmp`].
+    private_tmp: Option<SlotMounts>,
     /// Quota'd workspaces (see [`crate::isolation::disk_quota`]); `None`: none can be made.
     images: Option<WorkspaceImages>,
     /// The disk limit warm slots are made with (the default limit).
@@ -200,6 +205,7 @@ impl UserIsolation {
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
             network: None,
+            private_tmp: None,
             images: None,
             warm_disk_bytes: None,
             term_grace: DEFAULT_TERM_GRACE,
@@ -235,6 +241,23 @@ impl UserIsolation {
     pub fn with_network(mut self, network: SlotNetworks) -> UserIsolation {
         self.network = Some(network);
         self
+    }
+
+    /// Gives every slot a private `/tmp`, `/var/tmp` and `/dev/shm` (made at warm-up,
+    /// gone at release).
+    pub fn with_private_tmp(mut self, mounts: SlotMounts) -> UserIsolation {
+        self.private_tmp = Some(mounts);
+        self
+    }
+
+    fn private_tmp_error(
+        &self,
+        slot: u32,
+        err: crate::isolation::private_tmp::PrivateTmpError,
+    ) -> IsolationError {
+        IsolationError::new("the private /tmp of slot", &self.workspace(slot))(
+            std::io::Error::other(err.to_string()),
+        )
     }
 
     fn network_error(&self, slot: u32, err: NetnsError) -> IsolationError {
@@ -506,6 +529,9 @@ impl UserIsolation {
             }
         }
         clock.lap("wipe");
+        if let Some(mounts) = &self.private_tmp {
+            problems.extend(mounts.remove(slot));
+        }
         if let Some(net) = &self.network {
             problems.extend(net.remove(slot));
         }
@@ -567,6 +593,17 @@ impl UserIsolation {
                 .map_err(|e| self.network_error(slot, e))?;
             clock.lap("netns");
         }
+        if let Some(mounts) = &self.private_tmp {
+            let user_ns = self
+                .network
+                .as_ref()
+                .and_then(|n| n.names(slot))
+                .map(|n| n.user_ns);
+            mounts
+                .create(slot, info.uid, info.gid, &dir, user_ns.as_deref())
+                .map_err(|e| self.private_tmp_error(slot, e))?;
+            clock.lap("private_tmp");
+        }
         self.write_state(
             slot,
             &SlotState {
@@ -627,6 +664,9 @@ impl UserIsolation {
         }
         if let Some(net) = &self.network {
             left.extend(net.leftovers(slot));
+        }
+        if let Some(mounts) = &self.private_tmp {
+            left.extend(mounts.leftovers(slot));
         }
         if !user_kept && passwd::lookup(&user).is_some() {
             left.push(format!("user {user}"));
@@ -833,14 +873,23 @@ impl SlotIsolation for UserIsolation {
         Ok(Some(slot))
     }
 
-    fn network_namespaces(&self, slot: u32) -> Result<Option<[OwnedFd; 2]>, IsolationError> {
-        match &self.network {
-            None => Ok(None),
-            Some(net) => net
-                .open(slot)
-                .map(Some)
-                .map_err(|e| self.network_error(slot, e)),
+    fn login_namespaces(&self, slot: u32) -> Result<Vec<(NsKind, OwnedFd)>, IsolationError> {
+        let mut namespaces = Vec::new();
+        if let Some(net) = &self.network {
+            let [user, netns] = net.open(slot).map_err(|e| self.network_error(slot, e))?;
+            namespaces.push((NsKind::User, user));
+            namespaces.push((NsKind::Net, netns));
         }
+        if let Some(mounts) = &self.private_tmp {
+            let (user, mnt) = mounts
+                .open(slot)
+                .map_err(|e| self.private_tmp_error(slot, e))?;
+            if let Some(user) = user {
+                namespaces.push((NsKind::User, user));
+            }
+            namespaces.push((NsKind::Mnt, mnt));
+        }
+        Ok(namespaces)
     }
 
     fn sweep(&self) -> usize {

@@ -1,0 +1,350 @@
+//! A private `/tmp`, `/var/tmp` and `/dev/shm` per slot (`--slot-private-tmp on`, users
+//! mode; off by default).
+//!
+//! Without it a slot's files in the host's shared directories are found and removed at
+//! release one by one ([`crate::isolation::shared_dirs`]), within the release's budget: a
+//! job that leaves more entries than the budget makes its slot dirty for good. With it
+//! those directories are, for the slot's logins, tmpfs mounts of the slot's own, which
+//! leave with the slot as one piece, however many files they hold:
+//!
+//! - **Namespaces.** At warm-up the agent forks a holder process. Still root, it enters
+//!   the mount namespace slot logins live in (`--mount-namespace`), unshares a mount
+//!   namespace of its own, turns its mounts into slaves (nothing it mounts reaches the
+//!   host; what the host mounts later, a workspace image say, still reaches it) and mounts
+//!   a tmpfs on each of [`PRIVATE_DIRS`] (mode 1777, `nosuid,nodev`, at most
+//!   [`MAX_INODES`] entries). It then becomes the slot user and makes a second mount
+//!   namespace, owned by the slot's user namespace (the one of
+//!   [`crate::isolation::netns`] when slots have one, else a new one whose maps hold only
+//!   the slot's uid and gid): the kernel locks every mount copied into it, so nobody in the
+//!   slot can unmount the tmpfs to reach the host's directory beneath. The agent
+//!   bind-mounts `/proc/<holder>/ns/{user,mnt}` on
+//!   `<run-dir>/mntns/<namespace>/<slot>.{user,mnt}` (directory 0700, root) and kills the
+//!   holder.
+//! - **A workspace under one of them** (an agent whose work directory is in `/tmp`, as in
+//!   tests) is bind-mounted back on its own path in the tmpfs, so the slot still finds
+//!   its home.
+//! - **Logins** join the user namespace, then (with [`crate::isolation::netns`]) the
+//!   network namespace, then the mount namespace, handed over by the placement socket
+//!   ([`crate::isolation::enter`]).
+//! - **Size.** A tmpfs's pages are charged to the memory cgroup of the process that
+//!   writes them: a slot's `/tmp` counts in its memory limit, not its disk limit. Its
+//!   entries are bounded by [`MAX_INODES`] per directory.
+//! - **Release** kills the slot's processes and unmounts the namespace files: the last
+//!   reference to the mount namespace goes, and the tmpfs mounts with it.
+
+use std::fs;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// The directories each slot has its own tmpfs on.
+pub const PRIVATE_DIRS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
+/// The descriptor the holder keeps a covered workspace open on while it mounts.
+const KEEP_FD: libc::c_int = 999;
+/// Most entries (inodes) in one of a slot's private directories.
+pub const MAX_INODES: u64 = 262_144;
+
+/// A step of setting up or removing a slot's private directories that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{action}: {reason}")]
+pub struct PrivateTmpError {
+    pub action: String,
+    pub reason: String,
+}
+
+fn fail(action: impl Into<String>) -> impl FnOnce(String) -> PrivateTmpError {
+    let action = action.into();
+    move |reason| PrivateTmpError { action, reason }
+}
+
+/// The per-slot mount namespaces of one agent.
+#[derive(Clone, Debug)]
+pub struct SlotMounts {
+    dir: PathBuf,
+    /// The mount namespace slot logins live in (`--mount-namespace`); `None`: the agent's.
+    logins_ns: Option<PathBuf>,
+}
+
+impl SlotMounts {
+    /// Uses (and creates, 0700) `dir` for the namespace mounts.
+    pub fn new(dir: PathBuf, logins_ns: Option<PathBuf>) -> Result<SlotMounts, PrivateTmpError> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
+        Ok(SlotMounts { dir, logins_ns })
+    }
+
+    /// The file the slot's mount namespace is mounted on.
+    pub fn mnt_file(&self, slot: u32) -> PathBuf {
+        self.dir.join(format!("{slot}.mnt"))
+    }
+
+    /// The file the slot's user namespace is mounted on (when it has none of
+    /// [`crate::isolation::netns`]).
+    pub fn user_file(&self, slot: u32) -> PathBuf {
+        self.dir.join(format!("{slot}.user"))
+    }
+
+    /// Makes the slot's mount namespace for `uid`/`gid`, with `workspace` seen through,
+    /// owned by the user namespace at
+    /// `user_ns` (one of the slot's own, owned by `uid`) or, without it, by a new one; on
+    /// failure removes what was made.
+    pub fn create(
+        &self,
+        slot: u32,
+        uid: u32,
+        gid: u32,
+        workspace: &Path,
+        user_ns: Option<&Path>,
+    ) -> Result<(), PrivateTmpError> {
+        let result = self.try_create(slot, uid, gid, workspace, user_ns);
+        if result.is_err() {
+            let _ = self.remove(slot);
+        }
+        result
+    }
+
+    fn try_create(
+        &self,
+        slot: u32,
+        uid: u32,
+        gid: u32,
+        workspace: &Path,
+        user_ns: Option<&Path>,
+    ) -> Result<(), PrivateTmpError> {
+        let mut files = vec![self.mnt_file(slot)];
+        if user_ns.is_none() {
+            files.push(self.user_file(slot));
+        }
+        for file in &files {
+            fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(file)
+                .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
+        }
+        let open_ns = |path: &Path| -> Result<OwnedFd, PrivateTmpError> {
+            rustix::fs::open(
+                path,
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
+        };
+        let logins_fd = self.logins_ns.as_deref().map(open_ns).transpose()?;
+        let user_fd = user_ns.map(open_ns).transpose()?;
+        // Everything the child needs, made before the fork (no allocation after it).
+        let targets: Vec<std::ffi::CString> = PRIVATE_DIRS
+            .iter()
+            .map(|d| std::ffi::CString::new(*d).expect("no nul"))
+            .collect();
+        let options =
+            std::ffi::CString::new(format!("mode=1777,nr_inodes={MAX_INODES}")).expect("no nul");
+        let logins_raw = logins_fd.as_ref().map(|f| f.as_raw_fd());
+        // A workspace under a private directory: the directories to make in the tmpfs
+        // down to it, and where to bind it from.
+        let covered = PRIVATE_DIRS
+            .iter()
+            .find(|d| workspace.starts_with(d) && workspace != Path::new(d));
+        let (keep_dirs, keep_from, keep_at) = match covered {
+            None => (Vec::new(), None, None),
+            Some(dir) => {
+                let mut dirs = Vec::new();
+                let mut at = PathBuf::from(dir);
+                let rest = workspace.strip_prefix(dir).expect("under it");
+                for part in rest.components() {
+                    at.push(part);
+                    dirs.push(c_path(&at)?);
+                }
+                let from =
+                    std::ffi::CString::new(format!("/proc/self/fd/{KEEP_FD}")).expect("no nul");
+                (dirs, Some(from), Some(c_path(workspace)?))
+            }
+        };
+        let user_raw = user_fd.as_ref().map(|f| f.as_raw_fd());
+        let mut holder = Command::new("sleep");
+        holder
+            .arg("600")
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: only async-signal-safe system calls run between fork and exec, on
+        // memory made before the fork.
+        unsafe {
+            holder.pre_exec(move || {
+                let check = |r: libc::c_int| {
+                    if r != 0 {
+                        Err(std::io::Error::last_os_error())
+                    } else {
+                        Ok(())
+                    }
+                };
+                if let Some(fd) = logins_raw {
+                    check(libc::setns(fd, libc::CLONE_NEWNS))?;
+                }
+                check(libc::unshare(libc::CLONE_NEWNS))?;
+                check(libc::mount(
+                    c"none".as_ptr(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_SLAVE,
+                    std::ptr::null(),
+                ))?;
+                // The workspace as this namespace sees it, before the tmpfs covers it.
+                if let Some(at) = &keep_at {
+                    let fd = libc::open(at.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+                    if fd < 0 || libc::dup2(fd, KEEP_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                for target in &targets {
+                    check(libc::mount(
+                        c"tmpfs".as_ptr(),
+                        target.as_ptr(),
+                        c"tmpfs".as_ptr(),
+                        libc::MS_NOSUID | libc::MS_NODEV,
+                        options.as_ptr().cast(),
+                    ))?;
+                }
+                if let (Some(from), Some(at)) = (&keep_from, &keep_at) {
+                    for dir in &keep_dirs {
+                        check(libc::mkdir(dir.as_ptr(), 0o755))?;
+                    }
+                    check(libc::mount(
+                        from.as_ptr(),
+                        at.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND | libc::MS_REC,
+                        std::ptr::null(),
+                    ))?;
+                }
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setgid(gid))?;
+                check(libc::setuid(uid))?;
+                match user_raw {
+                    Some(fd) => {
+                        check(libc::setns(fd, libc::CLONE_NEWUSER))?;
+                        check(libc::unshare(libc::CLONE_NEWNS))?;
+                    }
+                    None => check(libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS))?,
+                }
+                Ok(())
+            });
+        }
+        let mut child = holder
+            .spawn()
+            .map_err(|e| fail(format!("making the private /tmp of slot {slot}"))(e.to_string()))?;
+        let made = self.set_up(slot, child.id(), uid, gid, user_ns.is_none());
+        let _ = child.kill();
+        let _ = child.wait();
+        made
+    }
+
+    fn set_up(
+        &self,
+        slot: u32,
+        pid: u32,
+        uid: u32,
+        gid: u32,
+        own_user_ns: bool,
+    ) -> Result<(), PrivateTmpError> {
+        let proc = PathBuf::from(format!("/proc/{pid}"));
+        let mut mounts = vec![("mnt", self.mnt_file(slot))];
+        if own_user_ns {
+            for (file, text) in [
+                ("uid_map", format!("{uid} {uid} 1\n")),
+                ("setgroups", "deny\n".to_string()),
+                ("gid_map", format!("{gid} {gid} 1\n")),
+            ] {
+                let path = proc.join(file);
+                fs::write(&path, &text).map_err(|e| {
+                    fail(format!("writing {:?} to {}", text.trim(), path.display()))(e.to_string())
+                })?;
+            }
+            mounts.push(("user", self.user_file(slot)));
+        }
+        for (kind, file) in mounts {
+            let source = proc.join("ns").join(kind);
+            rustix::mount::mount_bind(&source, &file).map_err(|e| {
+                fail(format!(
+                    "bind-mounting {} on {}",
+                    source.display(),
+                    file.display()
+                ))(e.to_string())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Unmounts and removes the slot's namespace files; returns what failed.
+    pub fn remove(&self, slot: u32) -> Vec<String> {
+        let mut problems = Vec::new();
+        for file in [self.mnt_file(slot), self.user_file(slot)] {
+            match rustix::mount::unmount(&file, rustix::mount::UnmountFlags::DETACH) {
+                // EINVAL: not a mount point; ENOENT: no file.
+                Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => problems.push(format!("unmounting {}: {e}", file.display())),
+            }
+            match fs::remove_file(&file) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => problems.push(format!("removing {}: {e}", file.display())),
+            }
+        }
+        problems
+    }
+
+    /// What is left of the slot's namespaces (after [`SlotMounts::remove`]).
+    pub fn leftovers(&self, slot: u32) -> Vec<String> {
+        [self.mnt_file(slot), self.user_file(slot)]
+            .into_iter()
+            .filter(|f| fs::symlink_metadata(f).is_ok())
+            .map(|f| format!("namespace mount {}", f.display()))
+            .collect()
+    }
+
+    /// The slot's user namespace (when it is this module's) and mount namespace, to hand
+    /// to a login.
+    pub fn open(&self, slot: u32) -> Result<(Option<OwnedFd>, OwnedFd), PrivateTmpError> {
+        let user = self.user_file(slot);
+        let user = if fs::symlink_metadata(&user).is_ok() {
+            Some(open_nsfs(&user)?)
+        } else {
+            None
+        };
+        Ok((user, open_nsfs(&self.mnt_file(slot))?))
+    }
+}
+
+fn c_path(path: &Path) -> Result<std::ffi::CString, PrivateTmpError> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| fail(format!("using {}", path.display()))(e.to_string()))
+}
+
+/// Opens a namespace file, refusing an empty mount point left by a failed set-up.
+pub fn open_nsfs(path: &Path) -> Result<OwnedFd, PrivateTmpError> {
+    let fd = rustix::fs::open(
+        path,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))?;
+    let is_nsfs = rustix::fs::fstatfs(&fd).is_ok_and(|s| s.f_type == NSFS_MAGIC);
+    if !is_nsfs {
+        return Err(fail(format!("opening {}", path.display()))(
+            "not a namespace".into(),
+        ));
+    }
+    Ok(fd)
+}
+
+/// `statfs` type of the namespace file system.
+const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
