@@ -63,9 +63,108 @@ pub struct ExecArgs {
     /// Who is asking (shown to operators).
     #[arg(long, env = "SLOTPOOL_REQUESTOR", default_value = "slotpool-exec")]
     pub requestor: String,
+    /// Copy local file SRC to DST in the node (relative to its workspace) before the
+    /// command runs; repeatable. Parent directories are made.
+    #[arg(long, value_name = "SRC:DST", value_parser = parse_pair)]
+    pub copy: Vec<(String, String)>,
+    /// Fetch SRC in the node (relative to its workspace) to local file DST after the
+    /// command ran, whether or not it succeeded; repeatable.
+    #[arg(long, value_name = "SRC:DST", value_parser = parse_pair)]
+    pub fetch: Vec<(String, String)>,
     /// The command and its arguments (no shell unless you name one).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+fn parse_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once(':') {
+        Some((a, b)) if !a.is_empty() && !b.is_empty() => Ok((a.to_string(), b.to_string())),
+        _ => Err(format!("{s:?} is not SRC:DST")),
+    }
+}
+
+/// What `sh -c` runs in the node to write its stdin to `$1`, making its directory.
+const COPY_IN: &str = "mkdir -p -- \"$(dirname -- \"$1\")\" && cat > \"$1\"";
+
+/// Where a run's stdin comes from and its stdout goes.
+struct Streams {
+    stdin: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+    stdout: Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+}
+
+impl Streams {
+    fn terminal() -> Streams {
+        Streams {
+            stdin: Box::new(tokio::io::stdin()),
+            stdout: Box::new(tokio::io::stdout()),
+        }
+    }
+}
+
+/// A job: files to copy in, the command, files to fetch out (`SRC:DST` pairs).
+struct Job {
+    command: Vec<String>,
+    copies: Vec<(String, String)>,
+    fetches: Vec<(String, String)>,
+}
+
+/// Copies in, runs the command, fetches out: the status to exit with.
+async fn copy_run_fetch(
+    client: &Client,
+    node: &NodeId,
+    job: Job,
+    env: BTreeMap<String, String>,
+    timeout: Option<Duration>,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Result<ExitCode, Infra> {
+    let Job {
+        command,
+        copies,
+        fetches,
+    } = job;
+    for (src, dst) in copies {
+        let file = tokio::fs::File::open(&src)
+            .await
+            .map_err(|e| infra(1, anyhow::anyhow!("--copy {src}: {e}")))?;
+        let argv = ["sh", "-c", COPY_IN, "sh", &dst].map(String::from).to_vec();
+        let streams = Streams {
+            stdin: Box::new(file),
+            stdout: Box::new(tokio::io::sink()),
+        };
+        let status = run_in(client, node, argv, env.clone(), None, streams, stop).await?;
+        if status != 0 {
+            eprintln!("slotpool exec: --copy {src}:{dst} failed with status {status}");
+            return Ok(ExitCode::from(status));
+        }
+    }
+    let mut status = run_in(
+        client,
+        node,
+        command,
+        env.clone(),
+        timeout,
+        Streams::terminal(),
+        stop,
+    )
+    .await?;
+    for (src, dst) in fetches {
+        let file = tokio::fs::File::create(&dst)
+            .await
+            .map_err(|e| infra(1, anyhow::anyhow!("--fetch {dst}: {e}")))?;
+        let streams = Streams {
+            stdin: Box::new(tokio::io::empty()),
+            stdout: Box::new(file),
+        };
+        let argv = ["cat", "--", &src].map(String::from).to_vec();
+        let fetched = run_in(client, node, argv, env.clone(), None, streams, stop).await?;
+        if fetched != 0 {
+            eprintln!("slotpool exec: --fetch {src}:{dst} failed with status {fetched}");
+            if status == 0 {
+                status = fetched;
+            }
+        }
+    }
+    Ok(ExitCode::from(status))
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -178,7 +277,7 @@ async fn run(nats: &NatsClientArgs, args: ExecArgs) -> Result<ExitCode, Infra> {
         }
     };
     let ran = tokio::select! {
-        ran = run_in(&client, &node, args.command, env, args.timeout, &mut stop) => ran,
+        ran = copy_run_fetch(&client, &node, Job { command: args.command, copies: args.copy, fetches: args.fetch }, env, args.timeout, &mut stop) => ran,
         err = renewing => Err(infra(exit::EXEC_NODE_LOST, anyhow::Error::new(err).context("the node's keep-alive ended"))),
     };
     if let Some((_, nodes)) = held {
@@ -196,8 +295,10 @@ async fn run_in(
     argv: Vec<String>,
     env: BTreeMap<String, String>,
     timeout: Option<Duration>,
+    streams: Streams,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
-) -> Result<ExitCode, Infra> {
+) -> Result<u8, Infra> {
+    let Streams { stdin, stdout } = streams;
     let bus = client.bus();
     let session = ulid::Ulid::new().to_string();
     let inbox = bus.user().inbox_prefix();
@@ -237,7 +338,7 @@ async fn run_in(
         let bus = bus.clone();
         let subject = format!("{input}.{IN_STDIN}");
         async move {
-            let mut stdin = tokio::io::stdin();
+            let mut stdin = stdin;
             let mut buf = vec![0u8; MAX_CHUNK_BYTES];
             let mut sent = 0u64;
             loop {
@@ -261,7 +362,7 @@ async fn run_in(
     });
     let ack_subject = format!("{input}.{IN_ACK}");
     let signal_subject = format!("{input}.{IN_SIGNAL}");
-    let mut stdout = tokio::io::stdout();
+    let mut stdout = stdout;
     let mut stderr = tokio::io::stderr();
     let mut received = 0u64;
     let mut check = tokio::time::interval(NODE_CHECK);
@@ -326,9 +427,7 @@ async fn run_in(
     if stopping.is_some() {
         return Err(infra(exit::INTERRUPTED, anyhow::anyhow!("interrupted")));
     }
-    Ok(ExitCode::from(status_of_exit(&exit).map_err(|e| {
-        infra(exit::EXEC_NODE_LOST, anyhow::anyhow!(e))
-    })?))
+    status_of_exit(&exit).map_err(|e| infra(exit::EXEC_NODE_LOST, anyhow::anyhow!(e)))
 }
 
 /// The status `exec` exits with for how the command ended: its own status; 124 when it

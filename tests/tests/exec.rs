@@ -316,6 +316,7 @@ async fn exec_with_a_label_requests_runs_and_releases() {
     let sleeping = || {
         Command::new("pgrep")
             .args(["-u", &users.join(","), "-x", "sleep"])
+            .stdout(Stdio::null())
             .status()
             .unwrap()
             .success()
