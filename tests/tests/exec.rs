@@ -381,8 +381,10 @@ async fn a_slow_reader_does_not_grow_the_agents_memory() {
     let id = node.id.to_string();
     let agent = agent_pid(&pool);
     let before = rss_kib(agent);
-    // 2 GB of output, read at a trickle: without flow control the agent would read it
-    // as fast as the command writes and hold what the reader has not taken.
+    // 1 GiB of output, first read at a trickle for 8 s, then as fast as we can:
+    // without flow control the agent would read it as fast as the command writes
+    // and hold what the reader has not taken.
+    const GIB: usize = 1 << 30;
     let mut cmd = slotpool(
         &pool,
         "ci",
@@ -393,7 +395,7 @@ async fn a_slow_reader_does_not_grow_the_agents_memory() {
             "--",
             "head",
             "-c",
-            "2000000000",
+            &GIB.to_string(),
             "/dev/zero",
         ],
     );
@@ -403,19 +405,39 @@ async fn a_slow_reader_does_not_grow_the_agents_memory() {
     let mut peak = before;
     let mut read = 0usize;
     let started = std::time::Instant::now();
+    let mut buf = vec![0u8; 64 * 1024];
     while started.elapsed() < Duration::from_secs(8) {
-        let mut buf = vec![0u8; 64 * 1024];
         let n = tokio::task::block_in_place(|| stdout.read(&mut buf)).unwrap();
         read += n;
         peak = peak.max(rss_kib(agent));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let slow_peak = peak;
+    let slow_read = read;
+    let fast = std::time::Instant::now();
+    let mut reads = 0u64;
+    loop {
+        let n = tokio::task::block_in_place(|| stdout.read(&mut buf)).unwrap();
+        if n == 0 {
+            break;
+        }
+        read += n;
+        reads += 1;
+        if reads % 256 == 0 {
+            peak = peak.max(rss_kib(agent));
+        }
+    }
+    let took = fast.elapsed();
     println!(
-        "agent RSS before {before} KiB, peak {peak} KiB while a reader took {read} bytes in 8 s"
+        "agent RSS before {before} KiB; peak {slow_peak} KiB while a slow reader took \
+         {slow_read} bytes in 8 s; peak {peak} KiB after all {read} bytes \
+         (the rest at {:.0} MB/s)",
+        (read - slow_read) as f64 / took.as_secs_f64() / 1e6
     );
+    assert_eq!(read, GIB, "the whole output arrived");
     assert!(
         peak < before + 48 * 1024,
-        "the agent's RSS grew from {before} KiB to {peak} KiB for a slow reader"
+        "the agent's RSS grew from {before} KiB to {peak} KiB streaming 1 GiB"
     );
     drop(stdout);
     drop(cli);
