@@ -423,7 +423,7 @@ async fn a_slow_reader_does_not_grow_the_agents_memory() {
         }
         read += n;
         reads += 1;
-        if reads % 256 == 0 {
+        if reads.is_multiple_of(256) {
             peak = peak.max(rss_kib(agent));
         }
     }
