@@ -183,7 +183,8 @@ fn a_killed_demos_console_ends_and_gives_the_terminal_back() {
 }
 
 /// The README's second terminal, as it is written there: source the env file the demo
-/// wrote, ask for a node, list the nodes, log in to the node over SSH and give it back.
+/// wrote, ask for a node, list the nodes, log in to the node over SSH, give it back, and
+/// run a command in a node in one go.
 /// As root the demo's slots are Unix users with an sshd of its own; when it stops, its
 /// slot users and its env file are gone.
 #[test]
@@ -266,6 +267,12 @@ fn the_readmes_second_terminal_gets_a_node_and_logs_in_to_it() {
         block[0],
         block[4].replace("<node>", &node)
     ));
+    let ran = run(&format!("{}\n{}", block[0], block[5]));
+    assert!(
+        ran.contains("Linux"),
+        "`{}` did not print the node's uname:\n{ran}",
+        block[5]
+    );
     demo.signal(libc::SIGTERM);
     demo.stopped_cleanly();
     assert!(!env_file.exists(), "the env file outlived the demo");
