@@ -180,6 +180,8 @@ fn boot(text: &str, root: &Path, imds: &str) -> ChildGuard {
 struct Launcher {
     _child: ChildGuard,
     log: PathBuf,
+    /// An operator's HTTP token: `/metrics` asks every caller for one.
+    token: String,
 }
 
 impl Launcher {
@@ -202,6 +204,7 @@ impl Launcher {
         Launcher {
             _child: ChildGuard::spawn("launcher", cmd).unwrap(),
             log,
+            token: nats.http_token(slotpool_protocol::auth::Role::Operator, "ops"),
         }
     }
 }
@@ -213,7 +216,7 @@ impl Launcher {
             slotpool_tests::metrics::http_addr_in(&std::fs::read_to_string(&self.log).unwrap())
         })
         .await;
-        let scrape = slotpool_tests::metrics::scrape(addr).await;
+        let scrape = slotpool_tests::metrics::scrape_as(addr, Some(&self.token)).await;
         slotpool_tests::metrics::value(&scrape, metric, labels)
     }
 }

@@ -377,9 +377,11 @@ fn all_coming(missing: &[String], causes: &BTreeMap<String, WaitCause>) -> bool 
 fn hold_ended(r: &NodeRequest, until: UnixMillis) -> String {
     match (r.alive_until, r.hold_until) {
         (Some(alive), _) if alive == until => keep_alive_lapsed(r),
+        // Rounded: the deadline is set from the decision's clock, `fulfilled_at` by the
+        // write a moment later, so the two are a few milliseconds under the limit apart.
         _ => format!(
             "max-hold-time reached: held {}s since fulfilled",
-            until.saturating_sub(r.fulfilled_at.unwrap_or(until)) / 1000
+            (until.saturating_sub(r.fulfilled_at.unwrap_or(until)) + 500) / 1000
         ),
     }
 }

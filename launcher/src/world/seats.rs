@@ -23,6 +23,7 @@
 //! the queue.
 
 use super::World;
+use slotpool_protocol::model::BackingState;
 use std::collections::{HashMap, HashSet};
 
 /// What the walk of the queue gave each label.
@@ -59,11 +60,20 @@ impl World {
             .map(|v| u64::from(*v))
             .sum();
         // Free seats by pool, and the pools closed to those behind a request short there.
+        // A failed node's record holds its seat until it is launched into again (after
+        // the seat's rest, which the planner waits out): that seat is open here.
+        let mut failed: HashMap<String, u32> = HashMap::new();
+        for b in self.backing.values() {
+            if b.value.state == BackingState::Failed {
+                *failed.entry(super::pool_key(&b.value)).or_default() += 1;
+            }
+        }
         let mut open: HashMap<&str, u32> = HashMap::new();
         for label in self.queue.labels() {
             for (pool, max, _) in self.pools.sites(label) {
                 let taken = self.seats_taken.get(pool).copied().unwrap_or(0);
-                open.insert(pool, max.saturating_sub(taken));
+                let relaunchable = failed.get(pool).copied().unwrap_or(0);
+                open.insert(pool, max.saturating_sub(taken.saturating_sub(relaunchable)));
             }
         }
         let mut closed: HashSet<&str> = HashSet::new();
@@ -208,6 +218,19 @@ mod tests {
             revision: 1,
             value: r,
         });
+    }
+
+    /// A failed node's record keeps its seat (for the seat's rest, and until its instance
+    /// is gone), but that seat is launched into again, not lost: the walk counts it open,
+    /// and the planner waits out the rest.
+    #[test]
+    fn a_failed_nodes_seat_is_open_to_the_queue() {
+        let mut w = world_of(1);
+        let mut failed = backing("bn-0", "small", 4, BackingState::Failed);
+        failed.key = layout::seat_key("p", "main", 0);
+        w.put_backing(failed);
+        wait(&mut w, "req-a", &["small"], 100);
+        assert_eq!(w.planned_demand("small"), 1);
     }
 
     #[test]
