@@ -59,7 +59,8 @@ async fn a_stalled_launcher_is_not_ready_and_still_stops() {
         body.starts_with("stalled: the supervisor has not finished a pass for"),
         "{status} {body}"
     );
-    let (_, metrics) = get(addr, "/metrics", None).await;
+    let token = nats.http_token(slotpool_protocol::auth::Role::Operator, "ops");
+    let (_, metrics) = get(addr, "/metrics", Some(&token)).await;
     let age: f64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("slotpool_launcher_pass_age_seconds "))
