@@ -173,6 +173,7 @@ fn check_deb_lifecycle(packages: &Packages, tmp: &Path) {
         "/usr/share/fish/vendor_completions.d/slotpool.fish".to_string(),
         "/usr/share/slotpool/grafana/slotpool-dashboard.json".to_string(),
         "/usr/share/slotpool/prometheus/slotpool-alerts.yml".to_string(),
+        "/usr/share/slotpool/gitlab-runner/lib.sh".to_string(),
     ];
     docs.extend(MAN_PAGES.iter().map(|page| format!("{MAN_DIR}/{page}")));
     for file in &docs {
@@ -415,6 +416,7 @@ fn check_users_and_modes() {
         ("/var/lib/slotpool/local", 0o750, (uid, gid)),
         ("/var/lib/slotpool/agent", 0o755, (0, 0)),
         ("/usr/bin/slotpool", 0o755, (0, 0)),
+        ("/usr/share/slotpool/gitlab-runner/run", 0o755, (0, 0)),
         ("/usr/bin/slotpool-agent", 0o755, (0, 0)),
         ("/usr/bin/slotpool-provider-ec2", 0o755, (0, 0)),
         ("/usr/lib/systemd/system/slotpool.service", 0o644, (0, 0)),
@@ -454,6 +456,11 @@ fn check_rpms(packages: &Packages) {
                     "-rw-r--r--",
                     "/usr/share/fish/vendor_completions.d/slotpool.fish",
                 ),
+                ("-rwxr-xr-x", "/usr/share/slotpool/gitlab-runner/cleanup"),
+                ("-rwxr-xr-x", "/usr/share/slotpool/gitlab-runner/config"),
+                ("-rw-r--r--", "/usr/share/slotpool/gitlab-runner/lib.sh"),
+                ("-rwxr-xr-x", "/usr/share/slotpool/gitlab-runner/prepare"),
+                ("-rwxr-xr-x", "/usr/share/slotpool/gitlab-runner/run"),
                 (
                     "-rw-r--r--",
                     "/usr/share/slotpool/grafana/slotpool-dashboard.json",
