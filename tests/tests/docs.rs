@@ -772,6 +772,36 @@ fn every_option_the_docs_name_is_one_the_programs_take() {
     assert!(checked >= 150, "only {checked} options found");
 }
 
+/// The `SLOTPOOL_` variables the shipped shell scripts read (`$VAR`, `${VAR...}`): the
+/// GitLab Runner driver's and the scripts the docs give under `<!-- script: NAME -->`.
+fn read_by_shipped_scripts() -> BTreeSet<String> {
+    let mut texts: Vec<String> = std::fs::read_dir(repo().join("packaging/gitlab-runner"))
+        .expect("packaging/gitlab-runner/")
+        .map(|e| read(&e.expect("an entry").path()))
+        .collect();
+    for path in documents() {
+        texts.extend(
+            blocks(&read(&path))
+                .into_iter()
+                .filter(|b| b.note.as_ref().is_some_and(|(kind, _)| kind == "script"))
+                .map(|b| b.text),
+        );
+    }
+    let mut vars = BTreeSet::new();
+    for text in texts {
+        for prefix in ["${SLOTPOOL_", "$SLOTPOOL_"] {
+            for (at, _) in text.match_indices(prefix) {
+                let name: String = text[at + prefix.len() - "SLOTPOOL_".len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_uppercase() || *c == '_' || c.is_ascii_digit())
+                    .collect();
+                vars.insert(name);
+            }
+        }
+    }
+    vars
+}
+
 #[test]
 fn the_reference_pages_name_every_option_and_every_variable() {
     let programs = programs();
@@ -851,10 +881,11 @@ fn the_reference_pages_name_every_option_and_every_variable() {
         "SLOTPOOL_NODES",            // set by `slotpool exec` for the command it runs
         "SLOTPOOL_HOSTS",            // set by `slotpool exec` for the command it runs
     ];
-    let env: BTreeSet<String> = programs
+    let mut env: BTreeSet<String> = programs
         .values()
         .flat_map(|p| p.env.iter().cloned())
         .collect();
+    env.extend(read_by_shipped_scripts());
     for path in documents() {
         let text = read(&path);
         for (at, _) in text.match_indices("SLOTPOOL_") {
