@@ -83,9 +83,6 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// What `sh -c` runs in the node to write its stdin to `$1`, making its directory.
-const COPY_IN: &str = "mkdir -p -- \"$(dirname -- \"$1\")\" && cat > \"$1\"";
-
 /// Where a run's stdin comes from and its stdout goes.
 struct Streams {
     stdin: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
@@ -126,7 +123,7 @@ async fn copy_run_fetch(
         let file = tokio::fs::File::open(&src)
             .await
             .map_err(|e| infra(1, anyhow::anyhow!("--copy {src}: {e}")))?;
-        let argv = ["sh", "-c", COPY_IN, "sh", &dst].map(String::from).to_vec();
+        let argv = slotpool_protocol::exec::copy_in_argv(&dst);
         let streams = Streams {
             stdin: Box::new(file),
             stdout: Box::new(tokio::io::sink()),
@@ -155,7 +152,7 @@ async fn copy_run_fetch(
             stdin: Box::new(tokio::io::empty()),
             stdout: Box::new(file),
         };
-        let argv = ["cat", "--", &src].map(String::from).to_vec();
+        let argv = slotpool_protocol::exec::copy_out_argv(&src);
         let fetched = run_in(client, node, argv, env.clone(), None, streams, stop).await?;
         if fetched != 0 {
             eprintln!("slotpool exec: --fetch {src}:{dst} failed with status {fetched}");

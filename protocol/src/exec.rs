@@ -163,6 +163,19 @@ pub fn check_request(r: &ExecRequest, caller: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The command that writes its stdin to file `path` (relative to the workspace),
+/// making its directory: how a file is copied into a node over this channel.
+pub fn copy_in_argv(path: &str) -> Vec<String> {
+    const COPY_IN: &str = "mkdir -p -- \"$(dirname -- \"$1\")\" && cat > \"$1\"";
+    ["sh", "-c", COPY_IN, "sh", path].map(String::from).to_vec()
+}
+
+/// The command that writes file `path` (relative to the workspace) to its stdout: how a
+/// file is copied out of a node over this channel.
+pub fn copy_out_argv(path: &str) -> Vec<String> {
+    ["cat", "--", path].map(String::from).to_vec()
+}
+
 /// The signal number of a signal name in [`SIGNALS`] (Linux numbering).
 pub fn signal_number(name: &str) -> Option<i32> {
     Some(match name {
