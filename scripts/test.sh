@@ -107,6 +107,8 @@ need_command debootstrap debootstrap "the agent unit's test under systemd"
 # Prometheus scrape a launcher; Debian's prometheus package has both. The tests run
 # their own Prometheus on an ephemeral port, whatever the package's service does.
 need_command promtool prometheus "the monitoring tests"
+# The HTTP exec test moves files through the launcher's file routes with curl.
+need_command curl curl "the HTTP exec test"
 
 # House rules (Cargo.toml's [workspace.lints]): formatting and clippy with warnings as
 # errors, on a whole-suite run (no arguments). A lint failure fails the run, after the

@@ -26,6 +26,16 @@ pub async fn exec(
     msg: &Incoming,
 ) -> Result<ExecStarted, ApiError> {
     let r: ExecRequest = decode(msg, "exec request", |r: &ExecRequest| r.v)?;
+    start(sh, caller, r).await
+}
+
+/// Checks `r` of `caller` and has the node's agent start it: for the bus API above and
+/// for the HTTP listener's exec routes, which call it with the HTTP caller's name.
+pub(crate) async fn start(
+    sh: &Arc<Shared>,
+    caller: &UserName,
+    r: ExecRequest,
+) -> Result<ExecStarted, ApiError> {
     check_request(&r, caller.as_str()).map_err(bad)?;
     let id = &r.node_id;
     let node = nodes::record(sh, id)

@@ -145,6 +145,9 @@ fn decode_as(ty: &str, text: &str) -> Option<Result<Value, String>> {
         "model::Event" => round_trip::<model::Event>(text),
         "model::Revocation" => round_trip::<model::Revocation>(text),
         "stream::ChangeMessage" => round_trip_stream(text),
+        "http::ExecStart" => round_trip::<slotpool_launcher::http::exec::ExecStart>(text),
+        "http::ExecControl" => round_trip::<slotpool_launcher::http::exec::ExecControl>(text),
+        "http::ExecEvent" => round_trip::<slotpool_launcher::http::exec::ExecEvent>(text),
         // docs/providers.md names its examples (`<!-- example: NAME -->`); its schemas are
         // held to the code by protocol/src/provider.rs.
         "create-request" => round_trip::<provider::CreateRequest>(text),

@@ -19,6 +19,8 @@
 
 pub(crate) mod api;
 pub(crate) mod auth;
+// Public for its message types, which tests/tests/docs.rs decodes docs/http.md's examples with.
+pub mod exec;
 pub(crate) mod metrics;
 // Public for its message type, which tests/tests/docs.rs decodes docs/http.md's examples with.
 pub mod stream;
@@ -28,7 +30,7 @@ use crate::revoked::Revoked;
 use crate::shared::Shared;
 use auth::{Caller, Denied};
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -42,6 +44,15 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+
+/// Every answer's body: whole, or streamed (a file read out of a node).
+type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
 
 /// What prometheus-client writes: the OpenMetrics text format, which Prometheus reads.
 const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -355,13 +366,14 @@ struct State {
 }
 
 impl State {
-    async fn answer(
-        &self,
-        req: Request<Incoming>,
-        admitted: Arc<Admitted>,
-    ) -> Response<Full<Bytes>> {
-        if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
-            return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
+    async fn answer(&self, req: Request<Incoming>, admitted: Arc<Admitted>) -> Response<Body> {
+        let put_file = req.method() == hyper::Method::PUT
+            && node_route(req.uri().path()).is_some_and(|(_, r)| r == "file");
+        if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD && !put_file {
+            return plain(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "only GET (and PUT of a node's file)\n",
+            );
         }
         match req.uri().path() {
             "/healthz" => plain(StatusCode::OK, "ok\n"),
@@ -398,14 +410,21 @@ impl State {
         req: Request<Incoming>,
         caller: Caller,
         admitted: Arc<Admitted>,
-    ) -> Response<Full<Bytes>> {
+    ) -> Response<Body> {
+        if let Some((node, route)) = node_route(req.uri().path()) {
+            if route == "exec" || route == "file" {
+                let node = node.to_string();
+                let route = route.to_string();
+                return self.run_in_node(req, caller, &node, &route, admitted).await;
+            }
+        }
         match req.uri().path() {
             "/api/v1/stream" => self.open_stream(req, caller, admitted).await,
             path if path.starts_with("/api/v1/") => {
                 let route = &path["/api/v1/".len()..];
                 match api::answer(&self.shared, &caller, route, req.uri().query()).await {
                     api::Answer::Json(body) => {
-                        let mut res = Response::new(Full::new(Bytes::from(body)));
+                        let mut res = Response::new(full(body));
                         res.headers_mut().insert(
                             hyper::header::CONTENT_TYPE,
                             hyper::header::HeaderValue::from_static("application/json"),
@@ -432,7 +451,7 @@ impl State {
                 let mut text = String::new();
                 match prometheus_client::encoding::text::encode(&mut text, &self.registry) {
                     Ok(()) => {
-                        let mut res = Response::new(Full::new(Bytes::from(text)));
+                        let mut res = Response::new(full(text));
                         res.headers_mut().insert(
                             hyper::header::CONTENT_TYPE,
                             hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
@@ -453,7 +472,7 @@ impl State {
         mut req: Request<Incoming>,
         caller: Caller,
         admitted: Arc<Admitted>,
-    ) -> Response<Full<Bytes>> {
+    ) -> Response<Body> {
         let Some(accept) = websocket_accept(&req) else {
             let mut res = plain(
                 StatusCode::UPGRADE_REQUIRED,
@@ -506,21 +525,95 @@ impl State {
                 Err(err) => tracing::debug!(%err, "change stream: the upgrade failed"),
             }
         });
-        let mut res = Response::new(Full::new(Bytes::new()));
-        *res.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-        let headers = res.headers_mut();
-        headers.insert(
-            hyper::header::UPGRADE,
-            hyper::header::HeaderValue::from_static("websocket"),
-        );
-        headers.insert(
-            hyper::header::CONNECTION,
-            hyper::header::HeaderValue::from_static("Upgrade"),
-        );
-        if let Ok(accept) = hyper::header::HeaderValue::from_str(&accept) {
-            headers.insert(hyper::header::SEC_WEBSOCKET_ACCEPT, accept);
+        switching_protocols(&accept)
+    }
+
+    /// `/api/v1/nodes/{id}/exec` and `/api/v1/nodes/{id}/file` ([`exec`]): for a
+    /// client's own node only, checked again by the execute channel itself.
+    async fn run_in_node(
+        &self,
+        mut req: Request<Incoming>,
+        caller: Caller,
+        node: &str,
+        route: &str,
+        admitted: Arc<Admitted>,
+    ) -> Response<Body> {
+        let Caller::Client(client) = caller else {
+            return plain(
+                StatusCode::FORBIDDEN,
+                "commands run in a client's own nodes: use that client's token\n",
+            );
+        };
+        let node = match slotpool_protocol::NodeId::parse(node) {
+            Ok(node) => node,
+            Err(e) => return plain(StatusCode::BAD_REQUEST, &format!("node {node:?}: {e}\n")),
+        };
+        if route == "exec" {
+            let Some(accept) = websocket_accept(&req) else {
+                return plain(
+                    StatusCode::UPGRADE_REQUIRED,
+                    "a WebSocket handshake is required\n",
+                );
+            };
+            // Refused before the upgrade when the node is not the caller's ready node.
+            match crate::nodes::record(&self.shared, &node).await {
+                Ok(Some(n)) if n.client.as_ref() == Some(&client) => {}
+                Ok(Some(_)) => {
+                    return plain(
+                        StatusCode::FORBIDDEN,
+                        &format!("node {node} belongs to another client\n"),
+                    )
+                }
+                Ok(None) => return plain(StatusCode::NOT_FOUND, &format!("no node {node}\n")),
+                Err(e) => return plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{e}\n")),
+            }
+            let upgrade = hyper::upgrade::on(&mut req);
+            let shared = self.shared.clone();
+            let shutdown = self.shared.shutdown.clone();
+            self.shared.tracker.spawn(async move {
+                let _busy = admitted.busy();
+                let _place = admitted;
+                match upgrade.await {
+                    Ok(upgraded) => {
+                        exec::run_websocket(shared, client, node, upgraded, shutdown).await
+                    }
+                    Err(err) => tracing::debug!(%err, "exec: the upgrade failed"),
+                }
+            });
+            return switching_protocols(&accept);
         }
-        res
+        let path = form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes())
+            .find(|(k, _)| k == "path")
+            .map(|(_, v)| v.into_owned());
+        let Some(path) = path.filter(|p| !p.is_empty() && !p.contains('\0')) else {
+            return plain(
+                StatusCode::BAD_REQUEST,
+                "give the file as ?path=P (relative to the workspace)\n",
+            );
+        };
+        if req.method() == hyper::Method::PUT {
+            let body = req.into_body();
+            return match exec::put_file(&self.shared, &client, node, &path, body).await {
+                Ok(()) => {
+                    let mut res = Response::new(full(Bytes::new()));
+                    *res.status_mut() = StatusCode::NO_CONTENT;
+                    res
+                }
+                Err((status, why)) => plain(status, &format!("{why}\n")),
+            };
+        }
+        match exec::get_file(&self.shared, &client, node, &path).await {
+            Ok(mut chunks) => {
+                let stream = futures::stream::poll_fn(move |cx| chunks.poll_recv(cx));
+                let mut res = Response::new(http_body_util::StreamBody::new(stream).boxed());
+                res.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("application/octet-stream"),
+                );
+                res
+            }
+            Err((status, why)) => plain(status, &format!("{why}\n")),
+        }
     }
 
     /// Why this launcher is not ready to serve, if it is not.
@@ -541,6 +634,32 @@ impl State {
             None
         }
     }
+}
+
+/// The answer to a WebSocket handshake whose key gave `accept`.
+fn switching_protocols(accept: &str) -> Response<Body> {
+    let mut res = Response::new(full(Bytes::new()));
+    *res.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = res.headers_mut();
+    headers.insert(
+        hyper::header::UPGRADE,
+        hyper::header::HeaderValue::from_static("websocket"),
+    );
+    headers.insert(
+        hyper::header::CONNECTION,
+        hyper::header::HeaderValue::from_static("Upgrade"),
+    );
+    if let Ok(accept) = hyper::header::HeaderValue::from_str(accept) {
+        headers.insert(hyper::header::SEC_WEBSOCKET_ACCEPT, accept);
+    }
+    res
+}
+
+/// `/api/v1/nodes/{id}/{route}`: the node and the route.
+fn node_route(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix("/api/v1/nodes/")?;
+    let (node, route) = rest.split_once('/')?;
+    (!node.is_empty() && !route.contains('/')).then_some((node, route))
 }
 
 /// The `Sec-WebSocket-Accept` answering `req`, if it is a WebSocket handshake.
@@ -564,8 +683,8 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn plain(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
-    let mut res = Response::new(Full::new(Bytes::from(body.to_string())));
+fn plain(status: StatusCode, body: &str) -> Response<Body> {
+    let mut res = Response::new(full(body.to_string()));
     *res.status_mut() = status;
     res
 }
@@ -588,6 +707,14 @@ mod tests {
             format!(
                 "moves no byte for **{} s** is closed",
                 super::IDLE_TIMEOUT.as_secs()
+            ),
+            format!(
+                "pings an open exec socket every {} s",
+                super::exec::PING_EVERY.as_secs()
+            ),
+            format!(
+                "stdin (at most {} KiB each",
+                slotpool_protocol::exec::MAX_CHUNK_BYTES / 1024
             ),
             format!(
                 "pauses the listener for {} ms and is logged at most once every {} s",
