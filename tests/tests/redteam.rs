@@ -5,7 +5,9 @@
 //!
 //! The attackers hold what a job could at best get: no credentials at all (a slot user
 //! cannot read any: they are 0600 files of root, see the local provider), the credential
-//! of another client, or that of another backing node's agent.
+//! of another client, or that of another backing node's agent. The execute channel's
+//! attacks (`mod exec`) run with agents in users mode, as jobs run: another client in my
+//! slot, a never-ending output to a reader that stops, a process hidden from its exec.
 
 use bytes::Bytes;
 use slotpool_protocol::api::{AgentCommand, ErrorCode, SlotLimits};
@@ -675,4 +677,341 @@ async fn a_deleted_nodes_agent_credential_is_revoked_at_once() {
         refused.to_lowercase().contains("authorization"),
         "{refused}"
     );
+}
+
+// ---- the execute channel ------------------------------------------------------------
+
+mod exec {
+    use super::*;
+    use futures::StreamExt;
+    use slotpool_protocol::api::ApiError;
+    use slotpool_protocol::exec::{ExecRequest, ExecStarted, IN_STDIN};
+    use slotpool_protocol::layout::subjects::ApiOp;
+    use slotpool_protocol::model::Node;
+    use slotpool_protocol::{UserName, PROTOCOL_VERSION};
+    use slotpool_tests::IsolationEnv;
+    use std::process::{Command, Stdio};
+
+    const WAIT: Duration = Duration::from_secs(60);
+
+    async fn users_pool(env: &IsolationEnv, serve_extra: &[&str]) -> Pool {
+        let args = env.agent_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Pool::start_serving_with(1, 5, &label("small", 2, 60, &[]), 1, &args, serve_extra).await
+    }
+
+    async fn held_node(client: &Client) -> Node {
+        let done = client
+            .submit_and_wait(&slotpool_protocol::client::submission(
+                vec!["small".into()],
+                "redteam",
+            ))
+            .await
+            .expect("a node");
+        client.nodes(&done.nodes).await.unwrap().remove(0)
+    }
+
+    fn request(node: &Node, inbox: &str, session: &str, argv: &[&str]) -> ExecRequest {
+        ExecRequest {
+            v: PROTOCOL_VERSION,
+            node_id: node.id.clone(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            env: Default::default(),
+            timeout_secs: Some(60),
+            session: session.into(),
+            inbox: inbox.into(),
+            window: None,
+        }
+    }
+
+    fn api_error(err: BusError) -> ApiError {
+        match err {
+            BusError::Api(err) => err,
+            other => panic!("expected the API's refusal, got {other}"),
+        }
+    }
+
+    /// Whether any process of the env's slot users is named `name`.
+    fn running(env: &IsolationEnv, name: &str) -> bool {
+        let users = env.users();
+        !users.is_empty()
+            && Command::new("pgrep")
+                .args(["-u", &users.join(","), "-x", name])
+                .stdout(Stdio::null())
+                .status()
+                .unwrap()
+                .success()
+    }
+
+    fn server_log(pool: &Pool) -> String {
+        std::fs::read_to_string(pool.nats.dir().join("nats-server.log")).unwrap_or_default()
+    }
+
+    /// Another client tries every way into ci's node: asking a launcher to run there,
+    /// pointing the output at ci's inbox, listening to ci's output, feeding ci's
+    /// command. The launcher refuses the first two; the bus the others. ci, meanwhile,
+    /// runs and feeds its own command, which hears only ci.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_client_cannot_run_in_hear_or_feed_my_slot() {
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &[]).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let mallory = client_as(&pool, Role::Client, "mallory").await;
+        let node = held_node(&ci).await;
+        let ci_name = UserName::parse("ci").unwrap();
+        let mallory_name = UserName::parse("mallory").unwrap();
+
+        // Run in ci's node, output to mallory: the node is not mallory's.
+        let err = mallory
+            .bus()
+            .call::<_, ExecStarted>(
+                &subjects::api(&mallory_name, ApiOp::Exec),
+                &request(&node, "_INBOX.client.mallory", "m1", &["id"]),
+                SOON,
+            )
+            .await
+            .expect_err("mallory may not run in ci's node");
+        let err = api_error(err);
+        assert_eq!(err.code, ErrorCode::Forbidden, "{err:?}");
+        // Output to ci's inbox: refused before the node is even looked at.
+        let err = mallory
+            .bus()
+            .call::<_, ExecStarted>(
+                &subjects::api(&mallory_name, ApiOp::Exec),
+                &request(&node, "_INBOX.client.ci", "m2", &["id"]),
+                SOON,
+            )
+            .await
+            .expect_err("mallory may not aim output at ci's inbox");
+        assert_eq!(api_error(err).code, ErrorCode::BadRequest);
+        // As ci, on ci's own API subject: the bus refuses the publish.
+        let err = mallory
+            .bus()
+            .call::<_, ExecStarted>(
+                &subjects::api(&ci_name, ApiOp::Exec),
+                &request(&node, "_INBOX.client.mallory", "m3", &["id"]),
+                REFUSED,
+            )
+            .await
+            .expect_err("mallory may not speak as ci");
+        assert!(!matches!(err, BusError::Api(_)), "{err}");
+
+        // ci runs `cat` in its node; mallory listens to ci's exec inbox and its input.
+        let mut heard = mallory
+            .bus()
+            .serve("_INBOX.client.ci.exec.>", None)
+            .await
+            .unwrap();
+        let mut heard_input = mallory
+            .bus()
+            .serve("slotpool.exec.v2.ci.>", None)
+            .await
+            .unwrap();
+        let session = "redteam1";
+        let inbox = "_INBOX.client.ci";
+        let mut output = ci
+            .bus()
+            .serve(&format!("{inbox}.exec.{session}.>"), None)
+            .await
+            .unwrap();
+        let started: ExecStarted = ci
+            .bus()
+            .call(
+                &subjects::api(&ci_name, ApiOp::Exec),
+                &request(&node, inbox, session, &["cat"]),
+                SOON,
+            )
+            .await
+            .expect("ci runs in its own node");
+        // Mallory feeds ci's command with the subject it cannot publish to...
+        mallory
+            .bus()
+            .publish_raw(
+                format!("{}.{IN_STDIN}", started.input),
+                Bytes::from_static(b"from mallory\n"),
+            )
+            .await
+            .unwrap();
+        let _ = mallory.bus().flush().await;
+        // ...then ci feeds it and ends its input.
+        for chunk in [&b"from ci\n"[..], b""] {
+            ci.bus()
+                .publish_raw(
+                    format!("{}.{IN_STDIN}", started.input),
+                    Bytes::copy_from_slice(chunk),
+                )
+                .await
+                .unwrap();
+        }
+        let mut stdout = Vec::new();
+        loop {
+            let msg = tokio::time::timeout(WAIT, output.next())
+                .await
+                .expect("output in time")
+                .expect("the subscription");
+            match msg.subject.rsplit('.').next().unwrap() {
+                "stdout" => {
+                    stdout.extend_from_slice(&msg.payload);
+                    ci.bus()
+                        .publish_raw(format!("{}.ack", started.input), "1000".into())
+                        .await
+                        .unwrap();
+                }
+                "exit" => break,
+                _ => {}
+            }
+        }
+        assert_eq!(String::from_utf8_lossy(&stdout), "from ci\n");
+        // Mallory heard nothing of it, and the server says why.
+        let nothing = tokio::time::timeout(REFUSED, async {
+            tokio::select! {
+                m = heard.next() => m.map(|m| m.subject),
+                m = heard_input.next() => m.map(|m| m.subject),
+            }
+        })
+        .await;
+        assert!(
+            matches!(nothing, Err(_) | Ok(None)),
+            "mallory heard {nothing:?}"
+        );
+        let log = server_log(&pool);
+        assert!(log.contains("Subscription Violation"), "{log}");
+        assert!(log.contains("Publish Violation"), "{log}");
+    }
+
+    /// The agent's resident memory in KiB, and the launcher's.
+    fn rss_kib(pid: u32) -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn agent_pid(pool: &Pool) -> u32 {
+        let dir = pool.work_dir().display().to_string();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .find_map(|e| {
+                let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+                let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+                let cmdline = String::from_utf8_lossy(&cmdline);
+                (cmdline.contains("slotpool-agent") && cmdline.contains(&dir)).then_some(pid)
+            })
+            .expect("the agent's process")
+    }
+
+    /// A never-ending output (`cat /dev/zero`) to an HTTP client that stops reading:
+    /// the agent and the launcher hold a window each, not the flood; the client that
+    /// then reads gets it at speed; the one that leaves leaves nothing running.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_never_ending_output_to_a_stopped_reader_grows_no_daemon() {
+        use futures::SinkExt;
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        use tokio_tungstenite::tungstenite::Message;
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &["--http", "127.0.0.1:0"]).await;
+        let addr = pool.http_addr(0).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let node = held_node(&ci).await;
+        let token = pool.nats.http_token(Role::Client, "ci");
+        let (agent, launcher) = (agent_pid(&pool), pool.launcher_pid(0));
+        let before = (rss_kib(agent), rss_kib(launcher));
+
+        let mut request = format!("ws://{addr}/api/v1/nodes/{}/exec", node.id)
+            .into_client_request()
+            .unwrap();
+        request
+            .headers_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut ws, _) = tokio_tungstenite::client_async(request, tcp).await.unwrap();
+        ws.send(Message::text(r#"{"argv":["cat","/dev/zero"]}"#))
+            .await
+            .unwrap();
+        wait_for("the flood runs", WAIT, || {
+            let r = running(&env, "cat");
+            async move { r }
+        })
+        .await;
+        // Not a byte read for 6 s, while the command would write gigabytes.
+        let mut peak = before;
+        for _ in 0..30 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            peak = (peak.0.max(rss_kib(agent)), peak.1.max(rss_kib(launcher)));
+        }
+        let stalled = peak;
+        // Then read 256 MiB as fast as we can.
+        let mut read = 0usize;
+        while read < 256 << 20 {
+            match ws.next().await {
+                Some(Ok(Message::Binary(b))) => read += b.len().saturating_sub(1),
+                Some(Ok(_)) => {}
+                other => panic!("the stream ended: {other:?}"),
+            }
+            if read % (16 << 20) < 65536 {
+                peak = (peak.0.max(rss_kib(agent)), peak.1.max(rss_kib(launcher)));
+            }
+        }
+        println!(
+            "RSS KiB before (agent, launcher) {before:?}; peak while the reader stopped \
+             {stalled:?}; peak after reading {read} bytes {peak:?}"
+        );
+        assert!(
+            stalled.0 < before.0 + 32 * 1024 && stalled.1 < before.1 + 32 * 1024,
+            "a stopped reader grew a daemon: {before:?} -> {stalled:?}"
+        );
+        assert!(
+            peak.0 < before.0 + 48 * 1024 && peak.1 < before.1 + 48 * 1024,
+            "the flood grew a daemon: {before:?} -> {peak:?}"
+        );
+        drop(ws);
+        wait_for("the flood stops once its reader left", WAIT, || {
+            let r = running(&env, "cat");
+            async move { !r }
+        })
+        .await;
+    }
+
+    /// A job that hides a process from its session (a new session, its own process
+    /// group, stdio closed, SIGHUP ignored) does not outlive its node's release.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_command_left_running_after_release_is_killed() {
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &[]).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let node = held_node(&ci).await;
+        let out = Command::new(slotpool_tests::bin_path("slotpool"))
+            .args(pool.nats.args_as(Role::Client, "ci"))
+            .args(["exec", "--node", &node.id.to_string(), "--", "sh", "-c"])
+            .arg(
+                "setsid nohup sh -c 'trap \"\" HUP TERM; exec sleep 600' \
+                 </dev/null >/dev/null 2>&1 & sleep 0.5; echo left",
+            )
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "left\n");
+        assert_eq!(out.status.code(), Some(0));
+        // The exec ended, yet the hidden process runs on while the node is held...
+        wait_for("the hidden process runs", WAIT, || {
+            let r = running(&env, "sleep");
+            async move { r }
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            running(&env, "sleep"),
+            "the hidden process died with its exec"
+        );
+        // ...and no longer once the node is released.
+        ci.release(vec![node.id.clone()]).await.unwrap();
+        wait_for("the hidden process killed with the release", WAIT, || {
+            let r = running(&env, "sleep");
+            async move { !r }
+        })
+        .await;
+    }
 }
