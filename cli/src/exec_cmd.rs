@@ -5,6 +5,7 @@
 //! when the infrastructure failed, so CI can retry those and not the job's own failures.
 
 use super::exit;
+use super::terminal_text::{escape, TerminalText};
 use super::NatsClientArgs;
 use anyhow::Context;
 use bytes::Bytes;
@@ -71,6 +72,12 @@ pub struct ExecArgs {
     /// command ran, whether or not it succeeded; repeatable.
     #[arg(long, value_name = "SRC:DST", value_parser = parse_pair)]
     pub fetch: Vec<(String, String)>,
+    /// Pass the command's output to a terminal as it is, escape sequences and all. By
+    /// default, output going to a terminal keeps only text and colour, and shows other
+    /// controls visibly (`^[`): the command may be anyone's. Output to a pipe or a file
+    /// is always passed byte for byte.
+    #[arg(long)]
+    pub raw: bool,
     /// The command and its arguments (no shell unless you name one).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -83,26 +90,50 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// Where a run's stdin comes from and its stdout goes.
+/// Where a run's stdin comes from and its stdout goes, and which of stdout and stderr
+/// are filtered for a terminal ([`TerminalText`]).
 struct Streams {
     stdin: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
     stdout: Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+    stdout_filter: Option<TerminalText>,
+    stderr_filter: Option<TerminalText>,
 }
 
 impl Streams {
-    fn terminal() -> Streams {
+    /// This process's own: filtered where they are terminals, unless `raw`.
+    fn terminal(raw: bool) -> Streams {
+        use std::io::IsTerminal;
+        let filter = |is_terminal: bool| (is_terminal && !raw).then(TerminalText::default);
         Streams {
             stdin: Box::new(tokio::io::stdin()),
             stdout: Box::new(tokio::io::stdout()),
+            stdout_filter: filter(std::io::stdout().is_terminal()),
+            stderr_filter: filter(std::io::stderr().is_terminal()),
+        }
+    }
+
+    /// Bytes moved between `stdin` and `stdout` as they are (a file copied in or out).
+    fn bytes(
+        stdin: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+        stdout: Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+    ) -> Streams {
+        use std::io::IsTerminal;
+        Streams {
+            stdin,
+            stdout,
+            stdout_filter: None,
+            stderr_filter: std::io::stderr().is_terminal().then(TerminalText::default),
         }
     }
 }
 
-/// A job: files to copy in, the command, files to fetch out (`SRC:DST` pairs).
+/// A job: files to copy in, the command, files to fetch out (`SRC:DST` pairs), and
+/// whether its output goes to a terminal unfiltered.
 struct Job {
     command: Vec<String>,
     copies: Vec<(String, String)>,
     fetches: Vec<(String, String)>,
+    raw: bool,
 }
 
 /// Copies in, runs the command, fetches out: the status to exit with.
@@ -118,16 +149,14 @@ async fn copy_run_fetch(
         command,
         copies,
         fetches,
+        raw,
     } = job;
     for (src, dst) in copies {
         let file = tokio::fs::File::open(&src)
             .await
             .map_err(|e| infra(1, anyhow::anyhow!("--copy {src}: {e}")))?;
         let argv = slotpool_protocol::exec::copy_in_argv(&dst);
-        let streams = Streams {
-            stdin: Box::new(file),
-            stdout: Box::new(tokio::io::sink()),
-        };
+        let streams = Streams::bytes(Box::new(file), Box::new(tokio::io::sink()));
         let status = run_in(client, node, argv, env.clone(), None, streams, stop).await?;
         if status != 0 {
             eprintln!("slotpool exec: --copy {src}:{dst} failed with status {status}");
@@ -140,7 +169,7 @@ async fn copy_run_fetch(
         command,
         env.clone(),
         timeout,
-        Streams::terminal(),
+        Streams::terminal(raw),
         stop,
     )
     .await?;
@@ -148,10 +177,7 @@ async fn copy_run_fetch(
         let file = tokio::fs::File::create(&dst)
             .await
             .map_err(|e| infra(1, anyhow::anyhow!("--fetch {dst}: {e}")))?;
-        let streams = Streams {
-            stdin: Box::new(tokio::io::empty()),
-            stdout: Box::new(file),
-        };
+        let streams = Streams::bytes(Box::new(tokio::io::empty()), Box::new(file));
         let argv = slotpool_protocol::exec::copy_out_argv(&src);
         let fetched = run_in(client, node, argv, env.clone(), None, streams, stop).await?;
         if fetched != 0 {
@@ -203,7 +229,8 @@ pub async fn exec(nats: &NatsClientArgs, args: ExecArgs) -> anyhow::Result<ExitC
     match run(nats, args).await {
         Ok(code) => Ok(code),
         Err(Infra { status, error }) => {
-            eprintln!("slotpool exec: {error:#}");
+            // The error may quote the node (the agent's words, a path the job named).
+            eprintln!("slotpool exec: {}", escape(&format!("{error:#}")));
             Ok(ExitCode::from(status))
         }
     }
@@ -274,7 +301,7 @@ async fn run(nats: &NatsClientArgs, args: ExecArgs) -> Result<ExitCode, Infra> {
         }
     };
     let ran = tokio::select! {
-        ran = copy_run_fetch(&client, &node, Job { command: args.command, copies: args.copy, fetches: args.fetch }, env, args.timeout, &mut stop) => ran,
+        ran = copy_run_fetch(&client, &node, Job { command: args.command, copies: args.copy, fetches: args.fetch, raw: args.raw }, env, args.timeout, &mut stop) => ran,
         err = renewing => Err(infra(exit::EXEC_NODE_LOST, anyhow::Error::new(err).context("the node's keep-alive ended"))),
     };
     if let Some((_, nodes)) = held {
@@ -295,7 +322,13 @@ async fn run_in(
     streams: Streams,
     stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
 ) -> Result<u8, Infra> {
-    let Streams { stdin, stdout } = streams;
+    let Streams {
+        stdin,
+        stdout,
+        mut stdout_filter,
+        mut stderr_filter,
+    } = streams;
+    let mut filtered = Vec::new();
     let bus = client.bus();
     let session = ulid::Ulid::new().to_string();
     let inbox = bus.user().inbox_prefix();
@@ -374,11 +407,20 @@ async fn run_in(
                 let kind = msg.subject.rsplit('.').next().unwrap_or_default();
                 match kind {
                     OUT_STDOUT | OUT_STDERR => {
-                        let written = if kind == OUT_STDOUT {
-                            stdout.write_all(&msg.payload).await.and(stdout.flush().await)
+                        let (out, filter): (&mut (dyn tokio::io::AsyncWrite + Unpin + Send), _) = if kind == OUT_STDOUT {
+                            (&mut stdout, &mut stdout_filter)
                         } else {
-                            stderr.write_all(&msg.payload).await.and(stderr.flush().await)
+                            (&mut stderr, &mut stderr_filter)
                         };
+                        let bytes = match filter {
+                            Some(filter) => {
+                                filtered.clear();
+                                filter.push(&msg.payload, &mut filtered);
+                                &filtered[..]
+                            }
+                            None => &msg.payload[..],
+                        };
+                        let written = out.write_all(bytes).await.and(out.flush().await);
                         if written.is_err() {
                             // Nobody reads our output any more: stop the command.
                             let _ = bus.publish_raw(signal_subject.clone(), Bytes::from_static(b"TERM")).await;
@@ -420,6 +462,20 @@ async fn run_in(
         }
     };
     stdin_task.abort();
+    for (filter, out) in [
+        (
+            stdout_filter,
+            &mut stdout as &mut (dyn tokio::io::AsyncWrite + Unpin + Send),
+        ),
+        (stderr_filter, &mut stderr),
+    ] {
+        if let Some(mut filter) = filter {
+            filtered.clear();
+            filter.finish(&mut filtered);
+            let _ = out.write_all(&filtered).await;
+            let _ = out.flush().await;
+        }
+    }
     let exit = exit?;
     if stopping.is_some() {
         return Err(infra(exit::INTERRUPTED, anyhow::anyhow!("interrupted")));

@@ -12,6 +12,7 @@ pub mod pki;
 mod provider_check;
 mod serve;
 mod simulate;
+mod terminal_text;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use slotpool_protocol::model::OperatorAction;

@@ -7,7 +7,8 @@
 //! cannot read any: they are 0600 files of root, see the local provider), the credential
 //! of another client, or that of another backing node's agent. The execute channel's
 //! attacks (`mod exec`) run with agents in users mode, as jobs run: another client in my
-//! slot, a never-ending output to a reader that stops, a process hidden from its exec.
+//! slot, a never-ending output to a reader that stops, escape sequences for the caller's
+//! terminal, a process hidden from its exec.
 
 use bytes::Bytes;
 use slotpool_protocol::api::{AgentCommand, ErrorCode, SlotLimits};
@@ -973,6 +974,69 @@ mod exec {
             async move { !r }
         })
         .await;
+    }
+
+    /// A job prints escape sequences (the clipboard, OSC 52) among coloured text:
+    /// `slotpool exec` on a terminal shows them and keeps the colour; `--raw`, or a
+    /// pipe, passes every byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_characters_from_a_job_reach_a_terminal_only_as_text_and_colour() {
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &[]).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let node = held_node(&ci).await;
+        let dir = tempfile::tempdir().unwrap();
+        const PRINTF: &str = r"'\033]52;c;ZXZpbA==\007\033[31mred\033[0m\n'";
+        const HOSTILE: &[u8] = b"\x1b]52;c;ZXZpbA==\x07\x1b[31mred\x1b[0m\n";
+        // The command line slotpool exec runs, as a script (run on a terminal by script(1)).
+        let command = |raw: bool| {
+            let path = dir.path().join(if raw { "raw.sh" } else { "shown.sh" });
+            let mut args = pool.nats.args_as(Role::Client, "ci");
+            args.extend(["exec".into(), "--node".into(), node.id.to_string()]);
+            if raw {
+                args.push("--raw".into());
+            }
+            let line = format!(
+                "#!/bin/sh\nexec {} {} -- printf {PRINTF}\n",
+                slotpool_tests::bin_path("slotpool").display(),
+                args.join(" ")
+            );
+            std::fs::write(&path, line).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            path
+        };
+        let on_terminal = |raw: bool| {
+            let out = Command::new("script")
+                .args(["-qfec"])
+                .arg(command(raw))
+                .arg("/dev/null")
+                .stdin(Stdio::null())
+                .output()
+                .expect("script(1)");
+            assert!(out.status.success(), "{out:?}");
+            out.stdout
+        };
+        let shown = on_terminal(false);
+        let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+        assert!(
+            contains(&shown, b"^[]52;c;ZXZpbA==^G\x1b[31mred\x1b[0m"),
+            "{:?}",
+            String::from_utf8_lossy(&shown)
+        );
+        assert!(
+            !contains(&shown, b"\x1b]"),
+            "{:?}",
+            String::from_utf8_lossy(&shown)
+        );
+        let raw = on_terminal(true);
+        assert!(contains(&raw, &HOSTILE[..HOSTILE.len() - 1]), "{raw:?}");
+        // Through a pipe: byte for byte, without --raw.
+        let out = Command::new(command(false))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.stdout, HOSTILE);
     }
 
     /// A job that hides a process from its session (a new session, its own process
