@@ -19,7 +19,7 @@ use slotpool_protocol::exec::{
     OUT_STDERR, OUT_STDIN_ACK, OUT_STDOUT, STDIN_WINDOW,
 };
 use slotpool_protocol::layout::subjects::{self, ApiOp};
-use slotpool_protocol::model::{NodeState, RequestState};
+use slotpool_protocol::model::RequestState;
 use slotpool_protocol::{NodeId, PROTOCOL_VERSION};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -32,8 +32,6 @@ const KEEP_ALIVE_SECS: u64 = 30;
 /// How long a stop (Ctrl-C, SIGTERM) waits for the command to end after SIGTERM before
 /// it is killed; the node's release kills what is left anyway.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How often the node is checked while the command runs (a lost node ends the wait).
-const NODE_CHECK: Duration = Duration::from_secs(5);
 /// How long the start of the command may take.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -395,7 +393,18 @@ async fn run_in(
     let mut stdout = stdout;
     let mut stderr = tokio::io::stderr();
     let mut received = 0u64;
-    let mut check = tokio::time::interval(NODE_CHECK);
+    // The node's loss, as the launchers see it happen (releasing, failed, gone).
+    let lost = async {
+        match client.wait_not_ready(node).await {
+            Ok(()) => {}
+            Err(err) => {
+                // An older launcher: the agent's exit message still ends the run.
+                tracing::warn!(%err, "cannot follow the node's state");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::pin!(lost);
     let mut stopping: Option<tokio::time::Instant> = None;
     let far = tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600);
     let exit = loop {
@@ -443,12 +452,8 @@ async fn run_in(
                     _ => {}
                 }
             }
-            _ = check.tick() => {
-                match client.nodes(std::slice::from_ref(node)).await {
-                    Ok(nodes) if nodes.iter().any(|n| &n.id == node && n.state == NodeState::Ready) => {}
-                    Ok(_) => break Err(infra(exit::EXEC_NODE_LOST, anyhow::anyhow!("node {node} was lost while the command ran"))),
-                    Err(err) => tracing::warn!(%err, "cannot check the node"),
-                }
+            () = &mut lost => {
+                break Err(infra(exit::EXEC_NODE_LOST, anyhow::anyhow!("node {node} was lost while the command ran")));
             }
             () = &mut *stop, if stopping.is_none() => {
                 eprintln!("slotpool exec: stopping the command");

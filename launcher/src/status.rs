@@ -13,7 +13,7 @@ use slotpool_protocol::api::{
     MAX_LABELS_PER_REQUEST, MAX_WAIT_MS,
 };
 use slotpool_protocol::connect::Incoming;
-use slotpool_protocol::model::{Node, NodeRequest};
+use slotpool_protocol::model::{Node, NodeRequest, NodeState};
 use slotpool_protocol::{RequestId, UserName};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -132,7 +132,10 @@ pub async fn released(
         }
     }
     loop {
-        held.retain(|id| nodes::mirrored(sh, id).is_some());
+        held.retain(|id| {
+            nodes::mirrored(sh, id)
+                .is_some_and(|n| !q.until_not_ready || n.state == NodeState::Ready)
+        });
         if held.is_empty() || Instant::now() >= until || sh.shutdown.is_cancelled() {
             return Ok(StillHeld { held });
         }

@@ -188,7 +188,9 @@ pub const MAX_WAIT_MS: u64 = 8_000;
 
 /// `slotpool.api.v2.<client>.wait_released`: answers once none of `nodes` holds its
 /// slot any more (each release finished: the agent wiped the slot), or after `wait_ms`
-/// with those that still do.
+/// with those that still do. With `until_not_ready`, a node counts as gone as soon as
+/// it is not `ready` (releasing, failed): how a client running a command in it learns
+/// the node was lost.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WaitReleased {
@@ -197,6 +199,8 @@ pub struct WaitReleased {
     pub nodes: Vec<NodeId>,
     #[serde(default)]
     pub wait_ms: u64,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub until_not_ready: bool,
 }
 
 /// `slotpool.api.v2.<client>.nodes`: the records of the caller's nodes (host, workspace,

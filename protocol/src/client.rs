@@ -193,12 +193,24 @@ impl Client {
     /// agent wiped the slot and the slot record is deleted). A release is acknowledged
     /// once the node is marked `releasing`, before that.
     pub async fn wait_released(&self, nodes: &[NodeId]) -> Result<(), BusError> {
+        self.wait_held(nodes, false).await
+    }
+
+    /// Waits until `node` is no longer ready (releasing, failed, gone): a command
+    /// running in it has lost its node. Answered by the launchers as the node changes,
+    /// not polled.
+    pub async fn wait_not_ready(&self, node: &NodeId) -> Result<(), BusError> {
+        self.wait_held(std::slice::from_ref(node), true).await
+    }
+
+    async fn wait_held(&self, nodes: &[NodeId], until_not_ready: bool) -> Result<(), BusError> {
         let mut held = nodes.to_vec();
         while !held.is_empty() {
             let msg = WaitReleased {
                 v: crate::PROTOCOL_VERSION,
                 nodes: held.clone(),
                 wait_ms: WAIT_SLICE.as_millis() as u64,
+                until_not_ready,
             };
             match self.call_read(ApiOp::WaitReleased, &msg, WAIT_SLICE).await {
                 Ok(StillHeld { held: still }) => held = still,

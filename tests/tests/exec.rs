@@ -442,3 +442,163 @@ async fn a_slow_reader_does_not_grow_the_agents_memory() {
     drop(stdout);
     drop(cli);
 }
+
+/// A node lost while a command runs in it, with its agent unable to say so (stopped):
+/// `slotpool exec` hears it from the launchers as it happens and exits 202.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_lost_under_a_running_command_ends_exec_at_once() {
+    let env = IsolationEnv::new();
+    let pool = users_pool(&env).await;
+    let ci = Client::connect(&pool.nats.options_as(Role::Client, "ci"))
+        .await
+        .unwrap();
+    let node = held_node(&ci).await;
+    let id = node.id.to_string();
+    let mut cmd = slotpool(
+        &pool,
+        "ci",
+        &[
+            "exec",
+            "--node",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "echo started; exec sleep 600",
+        ],
+    );
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut cli = ChildGuard::spawn("slotpool exec", cmd).unwrap();
+    let mut stdout = cli.child_mut().stdout.take().unwrap();
+    let mut first = [0u8; 8];
+    tokio::task::spawn_blocking(move || stdout.read_exact(&mut first).map(|_| first))
+        .await
+        .unwrap()
+        .expect("the command started");
+    let agent = rustix::process::Pid::from_raw(agent_pid(&pool) as i32).unwrap();
+    rustix::process::kill_process(agent, rustix::process::Signal::STOP).unwrap();
+    let operator = Client::connect(&pool.nats.options_as(Role::Operator, "ops"))
+        .await
+        .unwrap();
+    let released = std::time::Instant::now();
+    let _ = operator
+        .release_node(node.id.clone(), Some("taken away".into()))
+        .await;
+    let status = wait_for_some("slotpool exec ends", LONG, || {
+        let status = cli.try_wait();
+        async move { status }
+    })
+    .await;
+    let took = released.elapsed();
+    rustix::process::kill_process(agent, rustix::process::Signal::CONT).unwrap();
+    println!("slotpool exec ended {took:?} after the node's release began (its agent stopped)");
+    assert_eq!(status.code(), Some(202));
+    // Followed, not polled: a check every 5 s from the start took 4.9 s here.
+    assert!(
+        took < Duration::from_secs(3),
+        "the loss took {took:?} to reach slotpool exec"
+    );
+}
+
+/// The p50 and p99 of `times`, in milliseconds.
+fn p50_p99(times: &mut [Duration]) -> (f64, f64) {
+    times.sort_unstable();
+    let at = |q: f64| {
+        let i = ((times.len() as f64 * q).ceil() as usize).clamp(1, times.len()) - 1;
+        times[i].as_secs_f64() * 1000.0
+    };
+    (at(0.50), at(0.99))
+}
+
+/// Figures, not assertions: one command's turnaround in a held node, `slotpool exec
+/// --node N -- true` (a new process: connect to NATS, ask a launcher, run through the
+/// agent) beside `ssh -p PORT USER@HOST true` through the shipped sshd drop-in (a new
+/// process: handshake, key auth, `enter-slot`), alternated in one run; and a whole job,
+/// `slotpool exec --label small -- true` (request, run, release). Run as root with
+///
+/// ```text
+/// cargo build --workspace --bins
+/// cargo test -p slotpool-tests --test exec -- --ignored --nocapture
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: run with --ignored --nocapture"]
+async fn exec_beside_ssh_turnaround() {
+    const ROUNDS: usize = 200;
+    let env = IsolationEnv::new();
+    let sshd = slotpool_tests::Sshd::start(&env).await;
+    let key = slotpool_tests::ClientKey::new();
+    let mut args = env.agent_args();
+    args.extend([
+        "--ssh-port".into(),
+        sshd.port.to_string(),
+        "--ssh-host-keys-dir".into(),
+        sshd.dir.path().display().to_string(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let pool = Pool::start_with(1, 5, &label("small", 2, 60, &[]), 1, &args).await;
+    let ci = Client::connect(&pool.nats.options_as(Role::Client, "ci"))
+        .await
+        .unwrap();
+    let mut sub = submission(vec!["small".into()], "bench");
+    sub.ssh_public_key = Some(key.public());
+    let done = ci.submit_and_wait(&sub).await.expect("a node");
+    let node = ci.nodes(&done.nodes).await.unwrap().remove(0);
+    let id = node.id.to_string();
+    let user = node.login.username.clone().unwrap();
+    // Slot users pass through the test's temp dirs to reach their homes.
+    slotpool_tests::set_mode(pool.dir(), 0o711);
+    slotpool_tests::set_mode(&pool.work_dir(), 0o711);
+    let run = |mut cmd: Command| {
+        let started = std::time::Instant::now();
+        let out = cmd.stdin(Stdio::null()).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        started.elapsed()
+    };
+    let (mut exec_times, mut ssh_times) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        exec_times.push(run(slotpool(
+            &pool,
+            "ci",
+            &["exec", "--node", &id, "--", "true"],
+        )));
+        let mut ssh = key.command(sshd.port, &user);
+        ssh.arg("true");
+        ssh_times.push(run(ssh));
+    }
+    ci.release(vec![node.id.clone()]).await.unwrap();
+    wait_for("the node released", LONG, || async {
+        pool.nodes().await.is_empty()
+    })
+    .await;
+    let mut job_times = Vec::new();
+    for _ in 0..ROUNDS {
+        job_times.push(run(slotpool(
+            &pool,
+            "ci",
+            &["exec", "--label", "small", "--", "true"],
+        )));
+    }
+    let (exec, ssh, job) = (
+        p50_p99(&mut exec_times),
+        p50_p99(&mut ssh_times),
+        p50_p99(&mut job_times),
+    );
+    println!(
+        "{ROUNDS} rounds each, {} build:",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
+    );
+    println!(
+        "  slotpool exec --node N -- true     p50 {:7.1} ms  p99 {:7.1} ms",
+        exec.0, exec.1
+    );
+    println!(
+        "  ssh USER@HOST true (sshd drop-in)  p50 {:7.1} ms  p99 {:7.1} ms",
+        ssh.0, ssh.1
+    );
+    println!("  slotpool exec --label small -- true p50 {:7.1} ms  p99 {:7.1} ms (request, run, release)", job.0, job.1);
+    println!("  exec/ssh p50 ratio {:.2}", exec.0 / ssh.0);
+}

@@ -280,6 +280,66 @@ async fn a_client_runs_commands_and_moves_files_in_its_node_over_http() {
     .await;
 }
 
+/// The pid of the pool's only agent.
+fn agent_pid(pool: &Pool) -> i32 {
+    let dir = pool.work_dir().display().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .find_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            (cmdline.contains("slotpool-agent") && cmdline.contains(&dir)).then_some(pid)
+        })
+        .expect("the agent's process")
+}
+
+/// A node lost under a running command, its agent unable to say so (stopped): the
+/// socket says so at once and closes with 1011.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_lost_under_an_http_command_ends_its_socket() {
+    let env = IsolationEnv::new();
+    let (pool, addr) = users_pool_with_http(&env).await;
+    let node = held_node(&pool, "ci").await;
+    let token = pool.nats.http_token(Role::Client, "ci");
+    let mut ws = open(addr, &node.id.to_string(), &token).await.unwrap();
+    ws.send(Message::text(
+        json!({"argv": ["sh", "-c", "echo up; exec sleep 600"]}).to_string(),
+    ))
+    .await
+    .unwrap();
+    loop {
+        if let Message::Binary(_) = ws.next().await.unwrap().unwrap() {
+            break;
+        }
+    }
+    let agent = rustix::process::Pid::from_raw(agent_pid(&pool)).unwrap();
+    rustix::process::kill_process(agent, rustix::process::Signal::STOP).unwrap();
+    let operator = Client::connect(&pool.nats.options_as(Role::Operator, "ops"))
+        .await
+        .unwrap();
+    let _ = operator
+        .release_node(node.id.clone(), Some("taken away".into()))
+        .await;
+    let mut last = None;
+    let close = loop {
+        match tokio::time::timeout(WAIT, ws.next())
+            .await
+            .expect("in time")
+        {
+            Some(Ok(Message::Text(t))) => last = Some(serde_json::from_str::<Value>(&t).unwrap()),
+            Some(Ok(Message::Close(frame))) => break frame,
+            Some(Ok(_)) => {}
+            other => panic!("{other:?}"),
+        }
+    };
+    rustix::process::kill_process(agent, rustix::process::Signal::CONT).unwrap();
+    let last = last.expect("an event");
+    assert_eq!(last["error"]["code"], "ended", "{last}");
+    assert_eq!(close.map(|f| u16::from(f.code)), Some(1011));
+}
+
 /// Runs curl with `token` and `args`: the HTTP status and the body (unless `-o`).
 fn curl(token: &str, args: &[&str]) -> (u16, String) {
     let out = Command::new("curl")

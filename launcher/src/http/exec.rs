@@ -44,8 +44,6 @@ use tokio_util::sync::CancellationToken;
 pub const FRAME_STDOUT: u8 = 1;
 /// Tag of a stderr frame.
 pub const FRAME_STDERR: u8 = 2;
-/// How often the node is checked while a command runs (a lost node ends the run).
-const NODE_CHECK: Duration = Duration::from_secs(5);
 /// How often an exec WebSocket is pinged while nothing moves, to stay under the
 /// listener's idle limit while a command runs silently.
 pub(crate) const PING_EVERY: Duration = Duration::from_secs(20);
@@ -111,7 +109,9 @@ pub(crate) struct Channel {
     received: u64,
     stdin_sent: u64,
     stdin_acked: u64,
-    check: tokio::time::Interval,
+    /// Bumped by every write of the node's slot record (and its request's): the node
+    /// is looked at again then, and only then.
+    node_changed: tokio::sync::watch::Receiver<u64>,
     ended: bool,
 }
 
@@ -141,9 +141,14 @@ impl Channel {
             inbox,
             window: None,
         };
+        let record = nodes::record(shared, &node)
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no node {node}")))?;
+        let node_changed = shared
+            .signals
+            .subscribe(&crate::shared::request_topic(&record.request_id));
         let started = exec_api::start(shared, caller, request).await?;
-        let mut check = tokio::time::interval(NODE_CHECK);
-        check.reset();
         Ok(Channel {
             shared: shared.clone(),
             caller: caller.clone(),
@@ -153,7 +158,7 @@ impl Channel {
             received: 0,
             stdin_sent: 0,
             stdin_acked: 0,
-            check,
+            node_changed,
             ended: false,
         })
     }
@@ -187,7 +192,10 @@ impl Channel {
                         _ => {}
                     }
                 }
-                _ = self.check.tick() => {
+                changed = self.node_changed.changed() => {
+                    if changed.is_err() {
+                        return Out::Lost(ApiError::new(ErrorCode::Unavailable, "the launcher is stopping"));
+                    }
                     if let Some(lost) = self.lost().await {
                         return Out::Lost(lost);
                     }
