@@ -280,6 +280,58 @@ async fn a_client_runs_commands_and_moves_files_in_its_node_over_http() {
     .await;
 }
 
+/// Exec sockets, like change streams, are never closed to make room: together they may
+/// fill half the listener, and the next is refused with 503 until one ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_sockets_and_streams_share_half_the_listener() {
+    let env = IsolationEnv::new();
+    let args = env.agent_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let pool = Pool::start_serving_with(
+        1,
+        5,
+        &label("small", 2, 60, &[]),
+        1,
+        &args,
+        &["--http", "127.0.0.1:0", "--http-max-connections", "4"],
+    )
+    .await;
+    let addr = pool.http_addr(0).await;
+    let node = held_node(&pool, "ci").await;
+    let id = node.id.to_string();
+    let token = pool.nats.http_token(Role::Client, "ci");
+    let sleeper = || Message::text(json!({"argv": ["sh", "-c", "exec sleep 600"]}).to_string());
+    let mut first = open(addr, &id, &token).await.expect("the first socket");
+    first.send(sleeper()).await.unwrap();
+    let mut second = open(addr, &id, &token).await.expect("the second socket");
+    second.send(sleeper()).await.unwrap();
+    assert_eq!(open(addr, &id, &token).await.err(), Some(503));
+    let mut stream = format!("ws://{addr}/api/v1/stream")
+        .into_client_request()
+        .unwrap();
+    stream
+        .headers_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    match tokio_tungstenite::client_async(stream, tcp).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(res)) => {
+            assert_eq!(res.status().as_u16(), 503)
+        }
+        other => panic!("a change stream past the limit: {other:?}"),
+    }
+    // One ends: its place is free again.
+    first.close(None).await.unwrap();
+    drop(first);
+    let mut third = slotpool_tests::wait_for_some("a place for the third socket", WAIT, || {
+        let token = token.clone();
+        let id = id.clone();
+        async move { open(addr, &id, &token).await.ok() }
+    })
+    .await;
+    third.send(sleeper()).await.unwrap();
+    drop((second, third));
+}
+
 /// The pid of the pool's only agent.
 fn agent_pid(pool: &Pool) -> i32 {
     let dir = pool.work_dir().display().to_string();

@@ -452,7 +452,7 @@ async fn bridge(
                             return (CloseCode::Policy, "unknown signal".into());
                         }
                     },
-                    Ok(ExecControl::Eof(_)) if stdin_open => {
+                    Ok(ExecControl::Eof(true)) if stdin_open => {
                         stdin_open = false;
                         channel.stdin(Bytes::new()).await;
                     }

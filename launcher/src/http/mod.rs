@@ -12,7 +12,8 @@
 //! not need a framework's router or middleware. The listener is bounded
 //! ([`slotpool_protocol::listener`]): at most `--http-max-connections` at once (when
 //! full, the oldest connection not being answered is closed to make room; a change
-//! stream counts as being answered, and at most half the connections may be streams),
+//! stream counts as being answered, and at most half the connections may be streams or
+//! exec sockets),
 //! [`HEADER_READ_TIMEOUT`] for a request's head (and between two requests on one
 //! connection), [`IDLE_TIMEOUT`] without a byte moving, and accept errors pause the loop
 //! instead of spinning.
@@ -360,7 +361,7 @@ struct State {
     registry: prometheus_client::registry::Registry,
     auth: auth::HttpAuth,
     shared: Arc<Shared>,
-    /// Places of change streams.
+    /// Places of long-lived sockets: change streams and exec sockets.
     streams: Arc<tokio::sync::Semaphore>,
     max_streams: usize,
 }
@@ -567,12 +568,23 @@ impl State {
                 Ok(None) => return plain(StatusCode::NOT_FOUND, &format!("no node {node}\n")),
                 Err(e) => return plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{e}\n")),
             }
+            // Like change streams, exec sockets are never closed to make room, so they
+            // share the half of the listener streams may fill.
+            let Ok(socket_place) = self.streams.clone().try_acquire_owned() else {
+                return plain(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!(
+                        "{} change streams and exec sockets are open, as many as this launcher serves; try again later\n",
+                        self.max_streams
+                    ),
+                );
+            };
             let upgrade = hyper::upgrade::on(&mut req);
             let shared = self.shared.clone();
             let shutdown = self.shared.shutdown.clone();
             self.shared.tracker.spawn(async move {
                 let _busy = admitted.busy();
-                let _place = admitted;
+                let _places = (admitted, socket_place);
                 match upgrade.await {
                     Ok(upgraded) => {
                         exec::run_websocket(shared, client, node, upgraded, shutdown).await
