@@ -524,6 +524,7 @@ fn p50_p99(times: &mut [Duration]) -> (f64, f64) {
 #[ignore = "a benchmark: run with --ignored --nocapture"]
 async fn exec_beside_ssh_turnaround() {
     const ROUNDS: usize = 200;
+    const PARALLEL: usize = 16;
     let env = IsolationEnv::new();
     let sshd = slotpool_tests::Sshd::start(&env).await;
     let key = slotpool_tests::ClientKey::new();
@@ -535,7 +536,7 @@ async fn exec_beside_ssh_turnaround() {
         sshd.dir.path().display().to_string(),
     ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let pool = Pool::start_with(1, 5, &label("small", 2, 60, &[]), 1, &args).await;
+    let pool = Pool::start_with(1, 5, &label("small", PARALLEL as u32, 60, &[]), 1, &args).await;
     let ci = Client::connect(&pool.nats.options_as(Role::Client, "ci"))
         .await
         .unwrap();
@@ -578,6 +579,25 @@ async fn exec_beside_ssh_turnaround() {
             &["exec", "--label", "small", "--", "true"],
         )));
     }
+    // Jobs per second with PARALLEL of them at a time, each a whole exec --label.
+    let started = std::time::Instant::now();
+    let workers: Vec<_> = (0..PARALLEL)
+        .map(|_| {
+            let cmd = || slotpool(&pool, "ci", &["exec", "--label", "small", "--", "true"]);
+            let cmds: Vec<Command> = (0..ROUNDS / PARALLEL * 2).map(|_| cmd()).collect();
+            std::thread::spawn(move || {
+                for mut c in cmds {
+                    let out = c.stdin(Stdio::null()).output().unwrap();
+                    assert!(out.status.success(), "{out:?}");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    let parallel_jobs = PARALLEL * (ROUNDS / PARALLEL * 2);
+    let jobs_per_sec = parallel_jobs as f64 / started.elapsed().as_secs_f64();
     let (exec, ssh, job) = (
         p50_p99(&mut exec_times),
         p50_p99(&mut ssh_times),
@@ -601,4 +621,8 @@ async fn exec_beside_ssh_turnaround() {
     );
     println!("  slotpool exec --label small -- true p50 {:7.1} ms  p99 {:7.1} ms (request, run, release)", job.0, job.1);
     println!("  exec/ssh p50 ratio {:.2}", exec.0 / ssh.0);
+    println!(
+        "  {parallel_jobs} jobs, {PARALLEL} at a time: {jobs_per_sec:.1} jobs/s \
+         (slotpool exec --label small -- true)"
+    );
 }
