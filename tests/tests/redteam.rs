@@ -7,8 +7,9 @@
 //! cannot read any: they are 0600 files of root, see the local provider), the credential
 //! of another client, or that of another backing node's agent. The execute channel's
 //! attacks (`mod exec`) run with agents in users mode, as jobs run: another client in my
-//! slot, a never-ending output to a reader that stops, escape sequences for the caller's
-//! terminal, a process hidden from its exec.
+//! slot, a job reaching for the bus to write into another's stream, a never-ending
+//! output to a reader that stops, escape sequences for the caller's terminal, a process
+//! hidden from its exec.
 
 use bytes::Bytes;
 use slotpool_protocol::api::{AgentCommand, ErrorCode, SlotLimits};
@@ -1037,6 +1038,37 @@ mod exec {
             .output()
             .unwrap();
         assert_eq!(out.stdout, HOSTILE);
+    }
+
+    /// A job cannot write into anyone's stream: its slot cannot even reach the bus (the
+    /// agent's bus guard), while a port of no importance on the same host answers it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_cannot_reach_the_bus_to_write_into_another_stream() {
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &[]).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let node = held_node(&ci).await;
+        let bus_port = pool.nats.url().rsplit(':').next().unwrap().to_string();
+        let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let other_port = other.local_addr().unwrap().port().to_string();
+        let reach = |port: &str| {
+            let out = Command::new(slotpool_tests::bin_path("slotpool"))
+                .args(pool.nats.args_as(Role::Client, "ci"))
+                .args(["exec", "--node", &node.id.to_string(), "--", "bash", "-c"])
+                .arg(format!(
+                    "exec 3<>/dev/tcp/127.0.0.1/{port} && echo reached || echo refused"
+                ))
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        assert_eq!(
+            reach(&other_port),
+            "reached",
+            "the control connection failed"
+        );
+        assert_eq!(reach(&bus_port), "refused", "a job reached the bus");
     }
 
     /// A job that hides a process from its session (a new session, its own process
