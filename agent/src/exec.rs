@@ -36,7 +36,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -57,8 +57,63 @@ enum Input {
     Signal(i32),
 }
 
-/// Each running command's input queue, by client and session.
-type Sessions = HashMap<(UserName, String), mpsc::Sender<Input>>;
+/// Where a running command's input goes. Stdin chunks queue (a caller keeps to the
+/// stdin window, so the queue never fills unless it does not; then chunks are dropped).
+/// Acknowledgements are cumulative and a signal is the latest sent (KILL, once sent, is
+/// never replaced), so neither queues: a caller's flood of acks can never push out its
+/// KILL.
+struct SessionInput {
+    stdin: mpsc::Sender<Bytes>,
+    acked: watch::Sender<u64>,
+    signal: watch::Sender<Option<i32>>,
+}
+
+/// The running command's side of [`SessionInput`].
+struct InputRx {
+    stdin: mpsc::Receiver<Bytes>,
+    acked: watch::Receiver<u64>,
+    signal: watch::Receiver<Option<i32>>,
+}
+
+fn session_input() -> (SessionInput, InputRx) {
+    let (stdin, stdin_rx) = mpsc::channel(STDIN_WINDOW as usize + 8);
+    let (acked, acked_rx) = watch::channel(0);
+    let (signal, signal_rx) = watch::channel(None);
+    (
+        SessionInput {
+            stdin,
+            acked,
+            signal,
+        },
+        InputRx {
+            stdin: stdin_rx,
+            acked: acked_rx,
+            signal: signal_rx,
+        },
+    )
+}
+
+impl SessionInput {
+    fn take(&self, input: Input) {
+        match input {
+            Input::Stdin(bytes) => {
+                if self.stdin.try_send(bytes).is_err() {
+                    tracing::warn!("stdin chunk beyond the window dropped");
+                }
+            }
+            Input::Ack(n) => self.acked.send_modify(|a| *a = (*a).max(n)),
+            // KILL, once sent, is never replaced by a weaker signal.
+            Input::Signal(n) => self.signal.send_modify(|s| {
+                if *s != Some(libc::SIGKILL) {
+                    *s = Some(n);
+                }
+            }),
+        }
+    }
+}
+
+/// Each running command's input, by client and session.
+type Sessions = HashMap<(UserName, String), SessionInput>;
 
 /// The running commands, by (client, session), and what they need to start.
 #[derive(Clone)]
@@ -84,9 +139,7 @@ impl Runner {
         }
     }
 
-    fn sessions(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<(UserName, String), mpsc::Sender<Input>>> {
+    fn sessions(&self) -> std::sync::MutexGuard<'_, Sessions> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -112,7 +165,7 @@ impl Runner {
             ));
         }
         let key = (client.clone(), request.session.clone());
-        let (tx, rx) = mpsc::channel(STDIN_WINDOW as usize + 8);
+        let (tx, rx) = session_input();
         {
             let mut sessions = self.sessions();
             if sessions.len() >= MAX_SESSIONS {
@@ -216,7 +269,7 @@ impl Runner {
         mut child: tokio::process::Child,
         request: &ExecRequest,
         output: &str,
-        mut input: mpsc::Receiver<Input>,
+        mut input: InputRx,
     ) -> ExecExit {
         let pgid = child.id().map(|p| p as i32);
         let kill = |signal: i32| {
@@ -275,12 +328,8 @@ impl Runner {
                         None => stderr = None,
                     }
                 }
-                got = input.recv() => match got {
-                    Some(Input::Ack(n)) => {
-                        last_heard = Instant::now();
-                        acked = acked.max(n.min(sent));
-                    }
-                    Some(Input::Stdin(bytes)) => {
+                got = input.stdin.recv() => {
+                    if let Some(bytes) = got {
                         last_heard = Instant::now();
                         match (&stdin_tx, bytes.is_empty()) {
                             (Some(_), true) => stdin_tx = None,
@@ -292,13 +341,20 @@ impl Runner {
                             (None, _) => {}
                         }
                     }
-                    Some(Input::Signal(signal)) => {
-                        last_heard = Instant::now();
+                }
+                Ok(()) = input.acked.changed() => {
+                    last_heard = Instant::now();
+                    let n = *input.acked.borrow_and_update();
+                    acked = acked.max(n.min(sent));
+                }
+                Ok(()) = input.signal.changed() => {
+                    last_heard = Instant::now();
+                    let signal = *input.signal.borrow_and_update();
+                    if let Some(signal) = signal {
                         tracing::info!(signal, "signal from the caller");
                         kill(signal);
                     }
-                    None => {}
-                },
+                }
                 waited = child.wait(), if status.is_none() => {
                     let waited = waited.ok();
                     status = Some(waited);
@@ -400,9 +456,7 @@ impl Runner {
         };
         let sessions = self.sessions();
         if let Some(tx) = sessions.get(&(client, session.to_string())) {
-            // Acks are cumulative and signals repeatable: one lost when the queue is
-            // full (a caller ignoring the stdin window) is harmless.
-            let _ = tx.try_send(input);
+            tx.take(input);
         }
     }
 }
@@ -458,6 +512,27 @@ pub fn shell_command(argv: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flood_of_acks_never_pushes_out_a_signal() {
+        let (input, mut rx) = session_input();
+        for n in 0..10_000 {
+            input.take(Input::Ack(n));
+        }
+        input.take(Input::Signal(libc::SIGKILL));
+        input.take(Input::Signal(libc::SIGTERM));
+        for _ in 0..100 {
+            input.take(Input::Stdin(Bytes::from_static(b"x")));
+        }
+        assert_eq!(*rx.acked.borrow_and_update(), 9_999);
+        assert_eq!(*rx.signal.borrow_and_update(), Some(libc::SIGKILL));
+        // Stdin beyond the window is dropped, not queued without end.
+        let mut queued = 0;
+        while rx.stdin.try_recv().is_ok() {
+            queued += 1;
+        }
+        assert_eq!(queued, STDIN_WINDOW as usize + 8);
+    }
 
     #[test]
     fn shell_command_keeps_every_word() {
