@@ -332,6 +332,57 @@ async fn exec_sockets_and_streams_share_half_the_listener() {
     drop((second, third));
 }
 
+/// A download its reader stopped taking, an upload that stopped coming and an exec
+/// socket do not hold the launcher at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_transfers_do_not_hold_the_launcher_at_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = IsolationEnv::new();
+    let (mut pool, addr) = users_pool_with_http(&env).await;
+    let node = held_node(&pool, "ci").await;
+    let id = node.id.to_string();
+    let token = pool.nats.http_token(Role::Client, "ci");
+    let r = run(
+        addr,
+        &id,
+        &token,
+        json!({"argv": ["sh", "-c", "head -c 100000000 /dev/zero > big"]}),
+        b"",
+    )
+    .await;
+    assert_eq!(exit_of(&r)["code"], 0);
+    // A GET whose body nobody reads past its first bytes.
+    let mut download = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "GET /api/v1/nodes/{id}/file?path=big HTTP/1.1\r\nHost: {addr}\r\n\
+         Authorization: Bearer {token}\r\n\r\n"
+    );
+    download.write_all(head.as_bytes()).await.unwrap();
+    let mut first = [0u8; 12];
+    download.read_exact(&mut first).await.unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    // A PUT that promises more than it sends.
+    let mut upload = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "PUT /api/v1/nodes/{id}/file?path=partial HTTP/1.1\r\nHost: {addr}\r\n\
+         Authorization: Bearer {token}\r\nContent-Length: 1000000\r\n\r\npartial"
+    );
+    upload.write_all(head.as_bytes()).await.unwrap();
+    // An exec socket with a command running.
+    let mut ws = open(addr, &id, &token).await.unwrap();
+    ws.send(Message::text(json!({"argv": ["sleep", "600"]}).to_string()))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = pool.stop_launcher(0, WAIT).await;
+    assert!(
+        status.success(),
+        "the launcher did not stop cleanly: {status:?}"
+    );
+    println!("the launcher stopped in {:?}", started.elapsed());
+    drop((download, upload, ws));
+}
+
 /// The pid of the pool's only agent.
 fn agent_pid(pool: &Pool) -> i32 {
     let dir = pool.work_dir().display().to_string();

@@ -530,6 +530,23 @@ pub(crate) async fn put_file(
     caller: &UserName,
     node: NodeId,
     path: &str,
+    body: hyper::body::Incoming,
+) -> Result<(), (hyper::StatusCode, String)> {
+    // A slow upload does not hold the launcher's shutdown (the command is killed).
+    tokio::select! {
+        done = write_file(shared, caller, node, path, body) => done,
+        () = shared.shutdown.cancelled() => Err((
+            hyper::StatusCode::SERVICE_UNAVAILABLE,
+            "the launcher is stopping".into(),
+        )),
+    }
+}
+
+async fn write_file(
+    shared: &Arc<Shared>,
+    caller: &UserName,
+    node: NodeId,
+    path: &str,
     mut body: hyper::body::Incoming,
 ) -> Result<(), (hyper::StatusCode, String)> {
     use http_body_util::BodyExt;
@@ -615,33 +632,53 @@ pub(crate) async fn get_file(
             }
         }
     };
+    let shutdown = shared.shutdown.clone();
+    let stopping = tx.clone();
     shared.tracker.spawn(async move {
-        let mut chunk = first;
-        loop {
-            if tx.send(Ok(hyper::body::Frame::data(chunk))).await.is_err() {
-                return; // the client left: the channel's drop kills the command
+        // A reader that stalls does not hold the launcher's shutdown: its body ends
+        // short (and the command is killed).
+        tokio::select! {
+            () = stream_file(first, channel, tx, what, kept) => {}
+            () = shutdown.cancelled() => {
+                let _ = stopping.try_send(Err(std::io::Error::other("the launcher is stopping")));
             }
-            channel.ack().await;
-            chunk = loop {
-                match channel.next().await {
-                    Out::Stdout(b) if !b.is_empty() => break b,
-                    Out::Stdout(_) => channel.ack().await,
-                    Out::Stderr(b) => {
-                        keep(&mut kept, &b);
-                        channel.ack().await;
-                    }
-                    Out::StdinTaken => {}
-                    end => {
-                        if let Err((_, why)) =
-                            file_outcome(end, &what, &kept, hyper::StatusCode::NOT_FOUND)
-                        {
-                            let _ = tx.send(Err(std::io::Error::other(why))).await;
-                        }
-                        return;
-                    }
-                }
-            };
         }
     });
     Ok(rx)
+}
+
+/// Sends the rest of a file read out of a node, from its `first` chunk, into `tx`.
+async fn stream_file(
+    first: Bytes,
+    mut channel: Channel,
+    tx: tokio::sync::mpsc::Sender<FileChunk>,
+    what: String,
+    mut kept: Vec<u8>,
+) {
+    let mut chunk = first;
+    loop {
+        if tx.send(Ok(hyper::body::Frame::data(chunk))).await.is_err() {
+            return; // the client left: the channel's drop kills the command
+        }
+        channel.ack().await;
+        chunk = loop {
+            match channel.next().await {
+                Out::Stdout(b) if !b.is_empty() => break b,
+                Out::Stdout(_) => channel.ack().await,
+                Out::Stderr(b) => {
+                    keep(&mut kept, &b);
+                    channel.ack().await;
+                }
+                Out::StdinTaken => {}
+                end => {
+                    if let Err((_, why)) =
+                        file_outcome(end, &what, &kept, hyper::StatusCode::NOT_FOUND)
+                    {
+                        let _ = tx.send(Err(std::io::Error::other(why))).await;
+                    }
+                    return;
+                }
+            }
+        };
+    }
 }
