@@ -192,10 +192,21 @@ async fn a_job_runs_its_stages_in_a_node_and_cleanup_releases_it() {
 
     // A failing build is the job's failure, whatever its status (even one of
     // `slotpool exec`'s own), never the system's.
+    // The script's own status goes to BUILD_EXIT_CODE_FILE when the runner asks.
+    let code_file = job.dir.path().join("build-exit-code");
+    job.env.insert(
+        "BUILD_EXIT_CODE_FILE".into(),
+        code_file.display().to_string(),
+    );
     for status in [1, 3, 124, 202] {
         let out = job.run("build_script", &format!("echo failing\nexit {status}"));
         assert_eq!(out.status.code(), Some(BUILD_FAILURE), "{}", text(&out));
+        assert_eq!(
+            std::fs::read_to_string(&code_file).unwrap().trim(),
+            status.to_string()
+        );
     }
+    job.env.remove("BUILD_EXIT_CODE_FILE");
     let out = job.run("after_script", "kill -9 $$");
     assert_eq!(out.status.code(), Some(BUILD_FAILURE), "{}", text(&out));
 
