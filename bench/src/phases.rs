@@ -634,6 +634,7 @@ async fn seed_backing(
                 idle_since: Some(now),
                 attempts: 1,
                 out_of_capacity: false,
+                create_queued: false,
                 uses: 0,
                 failure: None,
                 attributes: Default::default(),

@@ -152,6 +152,7 @@ async fn check(
         nats_url: args.nats_url.clone(),
         credentials: None,
         timeout: Duration::from_secs(args.launch_timeout),
+        create_queue: None,
     };
     let first = match provider.launch(&spec).await {
         Ok(l) => {

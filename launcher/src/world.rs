@@ -1529,6 +1529,7 @@ pub mod tests_support {
                 idle_since: None,
                 attempts: 1,
                 out_of_capacity: false,
+                create_queued: false,
                 uses: 0,
                 failure: None,
                 attributes: Default::default(),

@@ -66,6 +66,43 @@ pub enum ErrorCode {
     UnknownOperation,
 }
 
+impl ErrorCode {
+    /// Every code, in the order docs/protocol.md lists them.
+    pub const ALL: [ErrorCode; 12] = [
+        ErrorCode::BadRequest,
+        ErrorCode::TooLarge,
+        ErrorCode::UnknownLabel,
+        ErrorCode::Forbidden,
+        ErrorCode::Ended,
+        ErrorCode::NotFound,
+        ErrorCode::OverLimit,
+        ErrorCode::UnsupportedVersion,
+        ErrorCode::Unavailable,
+        ErrorCode::Unreadable,
+        ErrorCode::UnknownOperation,
+        ErrorCode::Internal,
+    ];
+
+    /// Its position in [`ErrorCode::ALL`]: a code added to the enum is a compile error
+    /// here until it is listed there too.
+    pub fn index(self) -> usize {
+        match self {
+            ErrorCode::BadRequest => 0,
+            ErrorCode::TooLarge => 1,
+            ErrorCode::UnknownLabel => 2,
+            ErrorCode::Forbidden => 3,
+            ErrorCode::Ended => 4,
+            ErrorCode::NotFound => 5,
+            ErrorCode::OverLimit => 6,
+            ErrorCode::UnsupportedVersion => 7,
+            ErrorCode::Unavailable => 8,
+            ErrorCode::Unreadable => 9,
+            ErrorCode::UnknownOperation => 10,
+            ErrorCode::Internal => 11,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{code:?}: {message}")]
 pub struct ApiError {
@@ -451,4 +488,16 @@ pub struct SlotPrepared {
     /// How to log in: fields `username`, `port`, `host_keys`.
     #[serde(flatten)]
     pub login: crate::model::SlotLogin,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorCode;
+
+    #[test]
+    fn all_lists_every_code_once_in_its_place() {
+        for (i, code) in ErrorCode::ALL.into_iter().enumerate() {
+            assert_eq!(code.index(), i, "{code:?}");
+        }
+    }
 }

@@ -178,6 +178,9 @@ pub enum WaitCause {
     TenantLimit,
     /// A provider is out of capacity for the backing node it needs.
     OutOfCapacity,
+    /// The backing node it needs waits for its provider's create limits
+    /// (`max-creates-per-second`, `max-concurrent-creates`).
+    RateLimited,
     /// A backing node for it is booting.
     Booting,
     /// Every pool serving the label is at `max-servers`.
@@ -187,10 +190,11 @@ pub enum WaitCause {
 }
 
 impl WaitCause {
-    pub const ALL: [WaitCause; 6] = [
+    pub const ALL: [WaitCause; 7] = [
         WaitCause::Behind,
         WaitCause::TenantLimit,
         WaitCause::OutOfCapacity,
+        WaitCause::RateLimited,
         WaitCause::Booting,
         WaitCause::PoolsFull,
         WaitCause::Taken,
@@ -202,6 +206,7 @@ impl WaitCause {
             WaitCause::Behind => "behind",
             WaitCause::TenantLimit => "tenant_limit",
             WaitCause::OutOfCapacity => "out_of_capacity",
+            WaitCause::RateLimited => "rate_limited",
             WaitCause::Booting => "booting",
             WaitCause::PoolsFull => "pools_full",
             WaitCause::Taken => "taken",
@@ -428,6 +433,12 @@ pub struct BackingNode {
     /// capacity: the launcher tries again after a back-off, without counting the attempt.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub out_of_capacity: bool,
+    /// The current launch attempt waits for its provider's create limits
+    /// (`max-creates-per-second`, `max-concurrent-creates`) and has not reached the
+    /// provider yet: a status hint, written before the wait and cleared with the
+    /// attempt's end.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub create_queued: bool,
     /// Slots claimed on it so far, counted only for a label with `max-uses`: bumped by
     /// a revision-checked write before each claim, so that launchers claiming at once
     /// never hand out more than max-uses.

@@ -32,6 +32,7 @@
 mod agent;
 pub mod chaos;
 pub mod ec2_proxy;
+pub mod exec_provider;
 pub mod imds;
 mod isolation;
 pub mod metrics;

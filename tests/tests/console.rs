@@ -343,6 +343,7 @@ fn backing_record(seat: u32) -> BackingNode {
         order: None,
         interruption: None,
         out_of_capacity: false,
+        create_queued: false,
         uses: 0,
         updated_at: now,
     }

@@ -1243,3 +1243,59 @@ fn the_exit_statuses_the_docs_give_are_the_programs() {
     assert_eq!(from_docs, from_help);
     eprintln!("exit statuses checked: {}", from_help.len());
 }
+
+/// The wire name of a unit enum value (`"over_limit"`).
+fn wire_name(value: impl Serialize) -> String {
+    serde_json::to_value(value)
+        .unwrap()
+        .as_str()
+        .expect("a unit variant")
+        .to_string()
+}
+
+#[test]
+fn the_error_code_table_lists_exactly_the_codes() {
+    let text = read(&repo().join("docs/protocol.md"));
+    let (at, rows) = tables(&text)
+        .into_iter()
+        .find(|(_, rows)| rows[0].first().is_some_and(|c| c == "Code"))
+        .expect("docs/protocol.md has the error code table");
+    let listed: Vec<String> = rows[2..]
+        .iter()
+        .map(|r| r[0].trim_matches('`').to_string())
+        .collect();
+    let codes: Vec<String> = api::ErrorCode::ALL.into_iter().map(wire_name).collect();
+    assert_eq!(
+        listed, codes,
+        "docs/protocol.md:{at}: the error code table against api::ErrorCode::ALL"
+    );
+}
+
+#[test]
+fn the_wait_causes_the_docs_name_are_the_codes() {
+    let causes: BTreeSet<String> = model::WaitCause::ALL
+        .into_iter()
+        .map(|c| {
+            assert_eq!(wire_name(c), c.name(), "the wire name is the metric's");
+            c.name().to_string()
+        })
+        .collect();
+    // The metric's label values: `queued` and every cause.
+    let ops = read(&repo().join("docs/operations.md"));
+    let row = ops
+        .lines()
+        .find(|l| l.starts_with("| `slotpool_requests_waiting_by_cause`"))
+        .expect("docs/operations.md lists slotpool_requests_waiting_by_cause");
+    let mut named: BTreeSet<String> = code_spans(&split_row(row)[1]).into_iter().collect();
+    assert!(named.remove("queued"), "{row}");
+    assert_eq!(named, causes, "docs/operations.md: {row}");
+    // docs/protocol.md's Waiting paragraph says what each one means.
+    let protocol = read(&repo().join("docs/protocol.md"));
+    let start = protocol.find("**Waiting**").expect("the Waiting paragraph");
+    let paragraph = &protocol[start..start + protocol[start..].find("\n\n").unwrap()];
+    let said: BTreeSet<String> = code_spans(paragraph)
+        .into_iter()
+        .filter(|s| causes.contains(s))
+        .collect();
+    assert_eq!(said, causes, "docs/protocol.md's Waiting paragraph");
+}

@@ -48,6 +48,7 @@ async fn a_machine_no_backing_record_owns_is_deleted_as_a_leak() {
             nats_url: pool.nats.url(),
             credentials: Some(Credentials::from_text(creds)),
             timeout: SOON,
+            create_queue: None,
         })
         .await
         .expect("launching the leaked agent");

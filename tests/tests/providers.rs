@@ -5,10 +5,9 @@
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
 use slotpool_protocol::model::{BackingState, NodeRequest, ProviderCall, RequestState};
+use slotpool_tests::exec_provider::{exec_config, switch_on, KillUnder};
 use slotpool_tests::metrics::{http_addr_in, scrape_as, value};
-use slotpool_tests::{
-    bin_path, wait_for, wait_for_some, wait_served, workspace_root, ChildGuard, NatsServer,
-};
+use slotpool_tests::{bin_path, wait_for, wait_for_some, wait_served, ChildGuard, NatsServer};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -189,46 +188,6 @@ async fn static_hosts_are_used_released_and_used_again_but_never_deleted() {
     assert!(node.backing_id.as_str().starts_with("lab-"), "{node:?}");
 }
 
-/// A config whose only provider is the test exec script, keeping its machines in `state`.
-fn exec_config(state: &Path, retries: u32) -> String {
-    let script = workspace_root().join("tests/fixtures/exec-provider.py");
-    let agent = bin_path("slotpool-agent");
-    let cmd = |op: &str| {
-        format!(
-            "[python3, {}, {op}, {}, {}]",
-            script.display(),
-            agent.display(),
-            state.display()
-        )
-    };
-    format!(
-        "providers:
-  - name: cloud
-    driver: exec
-    exec:
-      create: {}
-      delete: {}
-      list: {}
-    pools:
-      - name: main
-        max-servers: 2
-        boot-timeout: 20
-        launch-retries: {retries}
-        labels:
-          - {{name: small, backing-label: vm, max-parallel-jobs: 2, grace-time: 1}}
-",
-        cmd("create"),
-        cmd("delete"),
-        cmd("list")
-    )
-}
-
-/// Creates the test switch file `name` in the exec script's state dir.
-fn switch_on(state: &Path, name: &str) {
-    std::fs::create_dir_all(state).unwrap();
-    std::fs::write(state.join(name), "").unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exec_provider_launches_and_deletes_real_machines() {
     let nats = NatsServer::start().await;
@@ -273,7 +232,7 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     let state = dir.path().join("machines");
     // Whatever machine the launcher has not deleted when the test ends, passed or not.
     let _machines = KillUnder(state.clone());
-    switch_on(&state, "out-of-capacity");
+    switch_on(&state, "out-of-capacity", "");
     let http = ["--http", "127.0.0.1:0"];
     let launcher = Launcher::start_with(&nats, dir.path(), &exec_config(&state, 1), &http);
     let client = Client::from_bus(nats.bus().await);
@@ -324,7 +283,7 @@ async fn out_of_capacity_makes_requests_wait_and_a_broken_launch_fails_them() {
     client.release(r.nodes).await.unwrap();
 
     // A launch that fails for good fails the request, quoting the provider's error.
-    switch_on(&state, "broken");
+    switch_on(&state, "broken", "");
     wait_for("the idle machine released", SOON, || async {
         client.list_backing().await.unwrap().is_empty()
     })
@@ -383,7 +342,7 @@ async fn a_providers_last_error_is_recorded_listed_and_cleared_by_a_launch_that_
     let state = dir.path().join("machines");
     // Whatever machine the launcher has not deleted when the test ends, passed or not.
     let _machines = KillUnder(state.clone());
-    switch_on(&state, "broken");
+    switch_on(&state, "broken", "");
     let _launcher = Launcher::start(&nats, dir.path(), &exec_config(&state, 2));
     let client = Client::from_bus(nats.bus().await);
     wait_served(&client).await;
@@ -453,7 +412,7 @@ async fn a_launch_that_times_out_leaves_no_machine_behind() {
     let state = dir.path().join("machines");
     // Dropped after the launcher: a launch it started again may still hang.
     let _cleanup = KillUnder(state.clone());
-    switch_on(&state, "hang");
+    switch_on(&state, "hang", "");
     let config = exec_config(&state, 1).replace(
         "boot-timeout: 20",
         "boot-timeout: 20\n        launch-timeout: 2",
@@ -488,24 +447,6 @@ async fn a_launch_that_times_out_leaves_no_machine_behind() {
     .await;
 }
 
-/// Kills, when dropped, every process with an argument naming a path in or at `.0` (the
-/// exec script's commands and its machines).
-struct KillUnder(PathBuf);
-
-impl Drop for KillUnder {
-    fn drop(&mut self) {
-        use std::os::unix::ffi::OsStrExt;
-        let dir = self.0.as_os_str().as_bytes();
-        let pids = slotpool_launcher::provider::local::processes_where(|args| {
-            args.iter().any(|a| a.starts_with(dir))
-        });
-        for pid in pids {
-            // SAFETY: kill(2) on a positive pid found just now; touches no memory.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-}
-
 /// Kills the local provider's agents under a work dir when the test ends.
 struct LocalAgents(PathBuf);
 
@@ -522,7 +463,7 @@ async fn a_pool_out_of_capacity_falls_back_to_the_next_pool_by_priority() {
     let state = dir.path().join("machines");
     // Whatever machine the launcher has not deleted when the test ends, passed or not.
     let _machines = KillUnder(state.clone());
-    switch_on(&state, "out-of-capacity");
+    switch_on(&state, "out-of-capacity", "");
     let agents = LocalAgents(dir.path().join("agents"));
     let agent_args = serde_json::to_string(&slotpool_tests::AGENT_ARGS).unwrap();
     // The exec pool comes first by priority; the local pool serving the same label is
@@ -579,7 +520,7 @@ async fn a_launch_interrupted_by_the_launchers_death_is_adopted_by_the_next() {
     let state = dir.path().join("machines");
     // Dropped after the launchers: the hanging create outlives the first.
     let _cleanup = KillUnder(state.clone());
-    switch_on(&state, "hang");
+    switch_on(&state, "hang", "");
     let config = format!(
         "launcher:\n  lease-ttl: 3\n{}",
         exec_config(&state, 1).replace(

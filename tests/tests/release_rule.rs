@@ -54,6 +54,7 @@ fn backing(launched_at: u64, idle_since: u64) -> BackingNode {
         order: None,
         interruption: None,
         out_of_capacity: false,
+        create_queued: false,
         uses: 0,
         updated_at: idle_since,
     }

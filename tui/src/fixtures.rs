@@ -49,6 +49,7 @@ pub fn backing(seat: u32, state: BackingState, slots: u32) -> BackingNode {
         order: None,
         interruption: None,
         out_of_capacity: false,
+        create_queued: false,
         uses: 0,
         updated_at: NOW - 60 * SEC,
     }

@@ -5,7 +5,7 @@ use super::lifecycle::{self, AttemptEnd, Observed, Step};
 use crate::events;
 use crate::metrics::{self, DeletionReason, ProviderErrorKind};
 use crate::nodes;
-use crate::provider::{LaunchSpec, Provider, CAPACITY_BACKOFF};
+use crate::provider::{CreateQueue, LaunchSpec, Provider, CAPACITY_BACKOFF};
 use crate::shared::Shared;
 use slotpool_protocol::api::{AgentCommand, SlotsClosed};
 use slotpool_protocol::layout::subjects;
@@ -249,7 +249,7 @@ impl Executor {
             None => new_secret(),
         };
         let attempt = lifecycle::attempt(v, secret_digest(&secret), now_ms());
-        let current = self.put(b, attempt).await?;
+        let mut current = self.put(b, attempt).await?;
         let max_age = obs.rules.map_or(Duration::ZERO, |r| r.idle.max_age);
         let credentials = match self.sh.agent_bus.credential(&v.id, max_age) {
             Ok(c) => c,
@@ -268,9 +268,32 @@ impl Executor {
             nats_url: self.sh.agent_bus.url.clone(),
             credentials,
             timeout,
+            create_queue: Some(Arc::new(CreateQueue::default())),
         };
-        // The provider applies the timeout (`provider::limit`), after its create limits.
-        let end = match provider.launch(&spec).await {
+        // The provider applies the timeout (`provider::limit`), after its create limits;
+        // the record says when the launch waits for them ([`CreateQueue`]).
+        let launch = provider.launch(&spec);
+        tokio::pin!(launch);
+        let queue = spec.create_queue.clone().expect("set above");
+        let mut create_queued = false;
+        let launched = loop {
+            tokio::select! {
+                result = &mut launch => break result,
+                () = queue.queued.notified(), if !create_queued => create_queued = true,
+                () = queue.admitted.notified(), if create_queued => create_queued = false,
+            }
+            let marked = BackingNode {
+                create_queued,
+                ..current.value.clone()
+            };
+            match self.put(&current, marked).await {
+                Ok(written) => current = written,
+                // The attempt's end is written over the same revision and meets the same
+                // conflict: nothing is lost here.
+                Err(err) => tracing::warn!(%err, create_queued, "cannot mark the launch's wait"),
+            }
+        };
+        let end = match launched {
             Ok(launched) => {
                 tracing::info!(instance = %launched.instance.id, host = %launched.instance.host, "launched; waiting for its agent");
                 AttemptEnd::Launched {

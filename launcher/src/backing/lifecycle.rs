@@ -229,6 +229,7 @@ pub(crate) fn attempt(b: &BackingNode, secret_sha256: String, now: UnixMillis) -
             b.attempts + 1
         },
         out_of_capacity: false,
+        create_queued: false,
         launched_at: Some(now),
         instance: None,
         failure: None,
@@ -284,6 +285,7 @@ pub(crate) fn after_attempt(b: &BackingNode, end: AttemptEnd) -> Ended {
             record: BackingNode {
                 instance: Some(instance),
                 attributes,
+                create_queued: false,
                 ..b.clone()
             },
             counted: LaunchOutcome::Launched,
@@ -303,6 +305,7 @@ pub(crate) fn after_attempt(b: &BackingNode, end: AttemptEnd) -> Ended {
                 record: BackingNode {
                     failure: Some(error),
                     out_of_capacity: capacity,
+                    create_queued: false,
                     ..b.clone()
                 },
                 counted: if capacity {
@@ -631,6 +634,7 @@ mod tests {
             idle_since: Some(10_000),
             attempts: 1,
             out_of_capacity: false,
+            create_queued: false,
             uses: 0,
             failure: None,
             attributes: Default::default(),

@@ -329,6 +329,7 @@ pub fn requested_record(
         idle_since: None,
         attempts: 0,
         out_of_capacity: false,
+        create_queued: false,
         uses: 0,
         failure: None,
         attributes: Default::default(),

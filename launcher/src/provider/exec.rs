@@ -377,6 +377,7 @@ mod tests {
                 "CREDS".into(),
             )),
             timeout,
+            create_queue: None,
         }
     }
 

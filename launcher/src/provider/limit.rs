@@ -101,8 +101,22 @@ impl Provider for Limited {
     }
 
     async fn launch(&self, spec: &LaunchSpec) -> Result<Launched, ProviderError> {
+        let mut queued = false;
+        let mut queue = || {
+            if !std::mem::replace(&mut queued, true) {
+                if let Some(q) = &spec.create_queue {
+                    q.queued.notify_one();
+                }
+            }
+        };
         let _permit = match &self.concurrent {
-            Some(s) => Some(s.acquire().await.expect("the semaphore is never closed")),
+            Some(s) => Some(match s.try_acquire() {
+                Ok(permit) => permit,
+                Err(_) => {
+                    queue();
+                    s.acquire().await.expect("the semaphore is never closed")
+                }
+            }),
             None => None,
         };
         if let Some(bucket) = &self.bucket {
@@ -112,7 +126,13 @@ impl Provider for Limited {
                 .reserve(Instant::now());
             if !wait.is_zero() {
                 tracing::debug!(?wait, "max-creates-per-second: launch waits");
+                queue();
                 tokio::time::sleep(wait).await;
+            }
+        }
+        if queued {
+            if let Some(q) = &spec.create_queue {
+                q.admitted.notify_one();
             }
         }
         let result = match tokio::time::timeout(spec.timeout, self.inner.launch(spec)).await {
@@ -231,6 +251,7 @@ mod tests {
             nats_url: "nats://127.0.0.1:4222".into(),
             credentials: None,
             timeout: Duration::from_secs(30),
+            create_queue: None,
         }
     }
 

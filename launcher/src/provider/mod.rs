@@ -57,6 +57,19 @@ pub struct LaunchSpec {
     pub credentials: Option<Credentials>,
     /// How long the provider may take (`launch-timeout`).
     pub timeout: Duration,
+    /// Told when the launch must wait for its provider's create limits
+    /// ([`limit::Limited`]) and when it is past them: what the record's
+    /// `create_queued` says. `None`: nobody listens.
+    pub create_queue: Option<Arc<CreateQueue>>,
+}
+
+/// What a launch's create limits tell the launcher writing its record
+/// ([`LaunchSpec::create_queue`]): `queued` when the launch must wait for them, then
+/// `admitted` when it goes to the provider (neither when it never waits).
+#[derive(Debug, Default)]
+pub struct CreateQueue {
+    pub queued: tokio::sync::Notify,
+    pub admitted: tokio::sync::Notify,
 }
 
 /// An instance the provider knows of (from `list`).

@@ -157,6 +157,7 @@ mod tests {
             nats_url: "nats://127.0.0.1:4222".into(),
             credentials: None,
             timeout: Duration::from_secs(5),
+            create_queue: None,
         }
     }
 

@@ -192,11 +192,19 @@ fn wait_cause(config: &Config, world: &World, label: &str) -> WaitCause {
             b.label == label && matches!(b.state, BackingState::Requested | BackingState::Launching)
         })
     };
-    // A node booting in a fallback pool says more than a seat out of capacity.
+    // A node booting in a fallback pool says more than one waiting for its provider's
+    // create limits, which says more than a seat out of capacity.
     let booting = booting()
-        .find(|b| !b.out_of_capacity)
+        .find(|b| !b.out_of_capacity && !b.create_queued)
+        .or_else(|| booting().find(|b| !b.out_of_capacity))
         .or_else(|| booting().next());
     if let Some(b) = booting {
+        if b.create_queued {
+            return WaitCause::RateLimited {
+                provider: b.provider.clone(),
+                backing_label: b.backing_label.clone(),
+            };
+        }
         if b.out_of_capacity {
             return WaitCause::OutOfCapacity {
                 provider: b.provider.clone(),

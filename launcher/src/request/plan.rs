@@ -76,6 +76,12 @@ pub enum WaitCause {
     },
     /// A backing node of `backing_label` is booting for it.
     Booting { backing_label: String },
+    /// A backing node of `backing_label` waits for `provider`'s create limits
+    /// (`max-creates-per-second`, `max-concurrent-creates`) before it is launched.
+    RateLimited {
+        provider: String,
+        backing_label: String,
+    },
     /// Every pool serving the label is at max-servers.
     PoolsFull,
     /// Its tenant holds its `max-slots`.
@@ -94,6 +100,7 @@ impl WaitCause {
         match self {
             WaitCause::OutOfCapacity { .. } => Kind::OutOfCapacity,
             WaitCause::Booting { .. } => Kind::Booting,
+            WaitCause::RateLimited { .. } => Kind::RateLimited,
             WaitCause::PoolsFull => Kind::PoolsFull,
             WaitCause::TenantLimit { .. } => Kind::TenantLimit,
             WaitCause::Behind { .. } => Kind::Behind,
@@ -364,12 +371,16 @@ fn launch_failure(missing: &[String], obs: &Observed) -> Option<String> {
         .cloned()
 }
 
-/// Whether a backing node is booting for every label of `missing`: a set waiting for
-/// those completes soon, so it may claim (and hold) the rest meanwhile.
+/// Whether a backing node is booting (or about to, past its provider's create limits)
+/// for every label of `missing`: a set waiting for those completes soon, so it may
+/// claim (and hold) the rest meanwhile.
 fn all_coming(missing: &[String], causes: &BTreeMap<String, WaitCause>) -> bool {
-    missing
-        .iter()
-        .all(|l| matches!(causes.get(l), Some(WaitCause::Booting { .. })))
+    missing.iter().all(|l| {
+        matches!(
+            causes.get(l),
+            Some(WaitCause::Booting { .. } | WaitCause::RateLimited { .. })
+        )
+    })
 }
 
 /// Why a hold that ended at `until` ended: the keep-alive lapsed, or the label's
@@ -428,6 +439,12 @@ pub fn waiting_status(
         WaitCause::Booting { backing_label } => {
             format!("waiting for a backing node of {backing_label} to boot {progress}")
         }
+        WaitCause::RateLimited {
+            provider,
+            backing_label,
+        } => format!(
+            "waiting for a backing node of {backing_label}: its launch waits for provider {provider}'s create limits {progress}"
+        ),
         WaitCause::PoolsFull => format!(
             "waiting for a free slot of {label}: every pool serving it is at max-servers {progress}"
         ),
