@@ -96,6 +96,12 @@ fn no_responders_message(subject: &str) -> String {
     }
 }
 
+/// How long a KV write or read waits for the bucket's answer. A write in flight when
+/// the bucket's leader dies gets none; it fails after this and is retried (re-reading
+/// first: it may have committed) once the servers have elected another leader, so this
+/// bounds what an election costs beyond its own few seconds.
+pub const JETSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// A connection to NATS with slotpool's buckets open.
 #[derive(Clone)]
 pub struct Bus {
@@ -178,7 +184,7 @@ impl Bus {
         let client = connect_client(opts, &user, link, state_tx, refusals.clone()).await?;
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
-        js.set_timeout(Duration::from_secs(5));
+        js.set_timeout(JETSTREAM_TIMEOUT);
         if js.query_account().await.is_err() {
             return Err(BusError::NoJetStream);
         }
@@ -240,7 +246,7 @@ impl Bus {
     /// connection: for tools such as the benchmark's KV floor.
     pub async fn open_bucket(&self, spec: crate::store::BucketSpec) -> Result<Store, KvError> {
         let mut js = async_nats::jetstream::new(self.client.clone());
-        js.set_timeout(Duration::from_secs(5));
+        js.set_timeout(JETSTREAM_TIMEOUT);
         Ok(Store::open(&js, spec, 1)
             .await?
             .with_refusals(self.refusals.clone()))
@@ -275,7 +281,25 @@ impl Bus {
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Bytes, BusError> {
-        let fut = tokio::time::timeout(timeout, self.client.request(subject.to_string(), payload));
+        // A reply sent while this connection was away is lost for good (its inbox had
+        // no subscription on any server then): once the connection is back, the call
+        // ends as a time-out, which every caller already treats as "ask again", rather
+        // than waiting out `timeout` for an answer that cannot come.
+        let mut link = self.link_state.clone();
+        let reconnects = link.borrow_and_update().reconnects;
+        let request = self.client.request(subject.to_string(), payload);
+        let fut = tokio::time::timeout(timeout, async move {
+            tokio::select! {
+                answered = request => Ok(answered),
+                Ok(_) = link.wait_for(|s| s.up && s.reconnects > reconnects) => Err(()),
+            }
+        });
+        let fut = async move {
+            match fut.await {
+                Ok(Ok(answered)) => Ok(answered),
+                Ok(Err(())) | Err(_) => Err(()),
+            }
+        };
         let answered = match &self.refusals {
             None => fut.await,
             Some(refusals) => refusals
