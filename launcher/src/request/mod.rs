@@ -19,6 +19,7 @@ pub mod reference;
 pub(crate) mod worker;
 
 use crate::metrics;
+use crate::nodes::SlotError;
 use crate::shared::{Shared, Work};
 use observe::Memory;
 use plan::Ownership;
@@ -26,6 +27,7 @@ use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::RequestId;
 use std::sync::Arc;
+use std::time::Duration;
 use tracing::Instrument;
 
 /// The work item of a request's worker ([`Shared::start_work`]).
@@ -134,14 +136,43 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
     }
 }
 
+/// How many bus errors a request worker rides out before it leaves the request to
+/// another pass: enough to span a bucket's leader election (nats-server starts one 4–9 s
+/// after it last heard the dead leader).
+const WORKER_BUS_ERRORS: u32 = 10;
+/// The pause after a worker's first bus error; it doubles after each, up to
+/// [`WORKER_RETRY_PAUSE_MAX`].
+const WORKER_RETRY_PAUSE: Duration = Duration::from_millis(100);
+const WORKER_RETRY_PAUSE_MAX: Duration = Duration::from_secs(1);
+
 async fn drive(sh: &Arc<Shared>, id: RequestId, memory: Memory) {
     let mut lost = sh.liveness.token();
     let mut memory = memory;
+    let mut bus_errors = 0;
     loop {
         // What the submit did counts for the first run only.
-        if let Err(err) = worker::run(sh, &id, &lost, std::mem::take(&mut memory)).await {
-            tracing::warn!(%err, "request worker stopped; another pass will resume it");
-            return;
+        match worker::run(sh, &id, &lost, std::mem::take(&mut memory)).await {
+            // A write in flight when a bucket's leader died, or one sent while the bucket
+            // elects another ("no stream found"): the bucket answers again once it has a
+            // leader, and every write of the worker is revision-checked, so it goes on
+            // after a short pause (re-reading what a conflict says changed) rather than
+            // waiting for another pass.
+            Err(SlotError::Kv(err @ (KvError::Timeout { .. } | KvError::Transport { .. })))
+                if bus_errors < WORKER_BUS_ERRORS =>
+            {
+                let pause = (WORKER_RETRY_PAUSE * 2u32.pow(bus_errors)).min(WORKER_RETRY_PAUSE_MAX);
+                bus_errors += 1;
+                tracing::warn!(%err, ?pause, "request worker met a bus error; driving the request on");
+                tokio::select! {
+                    _ = sh.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => continue,
+                }
+            }
+            Err(err) => {
+                tracing::warn!(%err, "request worker stopped; another pass will resume it");
+                return;
+            }
+            Ok(()) => {}
         }
         if !lost.is_cancelled() {
             return;
