@@ -65,6 +65,17 @@ pub struct Ledger {
     fulfilled_at: Vec<Instant>,
     /// Calls given up on: the request and what went wrong.
     pub(crate) gave_up: Vec<(RequestId, String)>,
+    /// Each wait a client went through: a request from its submit to the end it saw, a
+    /// release from its call to its answer.
+    waits: Vec<Wait>,
+}
+
+/// One wait of a client: from its start to its answer (`None`: none yet).
+#[derive(Debug, Clone)]
+struct Wait {
+    what: String,
+    from: Instant,
+    to: Option<Instant>,
 }
 
 /// What a test concludes from a [`Ledger`] and the final records.
@@ -102,6 +113,38 @@ impl Ledger {
         for hold in self.holds.iter_mut().filter(|h| &h.request == request) {
             hold.to.get_or_insert(now);
         }
+    }
+
+    pub(crate) fn wait_started(&mut self, what: String, from: Instant) -> usize {
+        self.waits.push(Wait {
+            what,
+            from,
+            to: None,
+        });
+        self.waits.len() - 1
+    }
+
+    pub(crate) fn wait_ended(&mut self, wait: usize, to: Instant) {
+        self.waits[wait].to = Some(to);
+    }
+
+    /// How long each wait in flight at `at` (started before it, not answered by then)
+    /// went on after `at`, with what it waited for; one still unanswered counts until
+    /// `now`.
+    pub fn stalls_across(&self, at: Instant, now: Instant) -> Vec<(Duration, String)> {
+        self.waits
+            .iter()
+            .filter(|w| w.from <= at && w.to.is_none_or(|to| to >= at))
+            .map(|w| (w.to.unwrap_or(now) - at, w.what.clone()))
+            .collect()
+    }
+
+    /// Whether every wait in flight at `at` has been answered.
+    pub fn answered_across(&self, at: Instant) -> bool {
+        self.waits
+            .iter()
+            .filter(|w| w.from <= at)
+            .all(|w| w.to.is_some())
     }
 
     /// How long after `at` the first fulfilment came (`None`: none came).
@@ -271,6 +314,11 @@ impl Worker {
         f(&mut self.ledger.lock().expect("ledger lock"))
     }
 
+    fn start_wait(&self, what: String) -> usize {
+        let mut ledger = self.ledger.lock().expect("ledger lock");
+        ledger.wait_started(what, Instant::now())
+    }
+
     async fn run(mut self) {
         while !self.stop.load(Ordering::SeqCst) {
             let label = self.labels[self.rng.random_range(0..self.labels.len())].clone();
@@ -278,15 +326,20 @@ impl Worker {
             let id = RequestId::generate();
             sub.id = Some(id.clone());
             self.note(|l| l.submitted(&id));
+            let wait = self.start_wait(format!("request {id}"));
             let submitted = retry(&format!("submit {id}"), || self.client.submit(&sub)).await;
             if let Err(err) = submitted {
-                self.note(|l| l.gave_up.push((id.clone(), err)));
+                self.note(|l| {
+                    l.wait_ended(wait, Instant::now());
+                    l.gave_up.push((id.clone(), err))
+                });
                 tokio::time::sleep(RETRY_PAUSE).await;
                 continue;
             }
             let ended = tokio::time::timeout(REQUEST_DEADLINE, self.wait_end(&id)).await;
             let Ok(req) = ended else {
                 self.note(|l| {
+                    l.wait_ended(wait, Instant::now());
                     l.gave_up.push((
                         id.clone(),
                         format!("request {id} not ended within {REQUEST_DEADLINE:?}"),
@@ -294,7 +347,11 @@ impl Worker {
                 });
                 continue;
             };
-            self.note(|l| l.ended(&req, Instant::now()));
+            self.note(|l| {
+                let now = Instant::now();
+                l.wait_ended(wait, now);
+                l.ended(&req, now)
+            });
             if req.state != RequestState::Fulfilled {
                 continue;
             }
@@ -302,10 +359,12 @@ impl Worker {
             tokio::time::sleep(hold).await;
             self.note(|l| l.releasing(&id, Instant::now()));
             let nodes: Vec<NodeId> = req.nodes.clone();
+            let wait = self.start_wait(format!("the release of {id}"));
             let released = retry(&format!("release the nodes of {id}"), || {
                 self.client.release(nodes.clone())
             })
             .await;
+            self.note(|l| l.wait_ended(wait, Instant::now()));
             if let Err(err) = released {
                 self.note(|l| l.gave_up.push((id.clone(), err)));
             }

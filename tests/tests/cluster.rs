@@ -184,6 +184,137 @@ async fn a_cluster_loses_a_bucket_leader_and_the_launchers_server_and_keeps_ever
     drop(launcher);
 }
 
+/// The longest a request or a release in flight at the death of the server leading the
+/// buckets may wait past the servers' own election of another leader (which nats-server
+/// starts 4–9 s after it last heard the dead one).
+const BEYOND_ELECTION: Duration = Duration::from_secs(2);
+
+/// Leader kills in one run of the stall test: `$SLOTPOOL_CLUSTER_KILLS`, or 2.
+fn leader_kills() -> usize {
+    std::env::var("SLOTPOOL_CLUSTER_KILLS")
+        .ok()
+        .map(|v| v.trim().parse().expect("SLOTPOOL_CLUSTER_KILLS: a number"))
+        .unwrap_or(2)
+}
+
+fn seconds(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_leaders_death_stalls_no_request_in_flight_past_five_seconds() {
+    let seed = chaos::seed();
+    eprintln!("seed {seed} (set SLOTPOOL_CHAOS_SEED to repeat)");
+    let kills = leader_kills();
+    let mut cluster = NatsCluster::start(3).await;
+    let dir = TestDir(Some(tempfile::tempdir().expect("temp dir")));
+    let work_dir = dir.path().join("agents");
+    let _agents = AgentsGuard(work_dir.clone());
+    let config = dir.path().join("pool.yaml");
+    let agent_args = [
+        "--heartbeat-interval-ms",
+        "300",
+        "--heartbeat-ttl-secs",
+        "6",
+        "--isolation",
+        "none",
+    ];
+    // 20 clients on 5 × 4 slots: a request waits for the bus, never for a free slot.
+    let yaml = config_yaml_with(&work_dir, 5, 3, &label("small", 4, 30, &[]), &agent_args)
+        .replacen("launcher:\n", "launcher:\n  kv-replicas: 3\n", 1);
+    std::fs::write(&config, yaml).expect("writing config");
+    let log = dir.path().join("launcher.log");
+    let launcher = spawn_serve("launcher", &cluster.serve_args(&config), &log);
+
+    let bus = cluster.bus().await;
+    let client = Client::connect(&cluster.options_as(Role::Client, "client"))
+        .await
+        .expect("client connects");
+    wait_served(&client).await;
+    let mut placement = settled(&bus, 3).await;
+    let load = Load::start(&client, 20, &["small"], Duration::from_millis(200), seed);
+    wait_fulfilments(&load, 40, "before any server dies").await;
+
+    let mut all = Vec::new();
+    // The longest a wait went on past the end of its kill's election.
+    let mut beyond = Duration::ZERO;
+    for kill in 1..=kills {
+        let leader = placement.leader.clone().expect("a leader");
+        let at = Instant::now();
+        cluster.crash(&leader);
+        // The servers' own election: until the slots bucket names another leader.
+        let elected = wait_for_some(
+            format!("the slots bucket to elect a leader after kill {kill}"),
+            RECOVERY,
+            || async {
+                let p = bus.slots.placement().await.ok()??;
+                p.leader.filter(|l| *l != leader).map(|_| Instant::now())
+            },
+        )
+        .await;
+        let election = elected - at;
+        wait_for(
+            format!("every wait in flight at kill {kill} answered"),
+            RECOVERY,
+            || async { load.ledger().answered_across(at) },
+        )
+        .await;
+        let mut waits = load.ledger().stalls_across(at, Instant::now());
+        waits.sort();
+        let stalls: Vec<Duration> = waits.iter().map(|(d, _)| *d).collect();
+        let longest = stalls.last().copied().unwrap_or_default();
+        eprintln!(
+            "kill {kill} of {leader} (the slots bucket's leader): election {}, {} waits in \
+             flight, stall p50 {}, max {}{}",
+            seconds(election),
+            stalls.len(),
+            seconds(chaos::median(&stalls).unwrap_or_default()),
+            seconds(longest),
+            waits
+                .last()
+                .map_or(String::new(), |(_, what)| format!(" ({what})")),
+        );
+        beyond = beyond.max(longest.saturating_sub(election));
+        all.extend(stalls);
+        cluster.resume(&leader).await;
+        placement = settled(&bus, 3).await;
+        wait_fulfilments(&load, 20, "after the killed server came back").await;
+    }
+    let ledger = load.finish().await;
+    let operator = Client::from_bus(bus.clone());
+    let last = wait_for_some("the requests listed", RECOVERY, || async {
+        operator.list_requests().await.ok()
+    })
+    .await;
+    let verdict = ledger.verdict(&last);
+    all.sort();
+    let max = all.last().copied().unwrap_or_default();
+    eprintln!(
+        "leader kills: {kills}, {} requests, {} fulfilled, {} waits in flight at a kill: \
+         stall p50 {}, max {}; longest past its election {} (bound {})",
+        verdict.requests,
+        verdict.fulfilled,
+        all.len(),
+        seconds(chaos::median(&all).unwrap_or_default()),
+        seconds(max),
+        seconds(beyond),
+        seconds(BEYOND_ELECTION),
+    );
+    assert!(
+        verdict.violations.is_empty(),
+        "requests lost or double-booked: {:#?}",
+        verdict.violations
+    );
+    assert!(!all.is_empty(), "no wait was in flight at any kill");
+    assert!(
+        beyond <= BEYOND_ELECTION,
+        "a wait in flight went on {} past its kill's election (bound {})",
+        seconds(beyond),
+        seconds(BEYOND_ELECTION)
+    );
+    drop(launcher);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launcher_set_to_other_replicas_than_the_buckets_refuses_to_start() {
     let nats = NatsServer::start().await;
