@@ -45,8 +45,9 @@ const MESSAGE_TTL: &str = "Nats-TTL";
 const KV_OPERATION: &str = "KV-Operation";
 const MARKER_REASON: &str = "Nats-Marker-Reason";
 
-/// How long a write is retried while no server takes it (a bucket without a leader in a
-/// JetStream cluster, a few seconds after its leader died).
+/// How long a write is retried while no server takes it or answers it (a bucket without
+/// a leader in a JetStream cluster, a few seconds after its leader died); a time-out is
+/// retried only for a compare-and-set, after reading back that it did not land.
 const LEADERLESS_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How many times a timed-out write's key is read back before the write is given up as
@@ -411,6 +412,22 @@ impl Store {
         ttl: Option<Duration>,
         op: Option<&str>,
     ) -> Result<u64, KvError> {
+        // While a cluster elects the bucket's leader, nothing takes the write: it is sent
+        // again, for a while.
+        let give_up = tokio::time::Instant::now() + LEADERLESS_PATIENCE;
+        self.publish_unguarded_until(key, payload, expected, ttl, op, give_up)
+            .await
+    }
+
+    async fn publish_unguarded_until(
+        &self,
+        key: &str,
+        payload: Bytes,
+        expected: Option<u64>,
+        ttl: Option<Duration>,
+        op: Option<&str>,
+        give_up: tokio::time::Instant,
+    ) -> Result<u64, KvError> {
         let mut headers = HeaderMap::new();
         if let Some(rev) = expected {
             headers.insert(EXPECTED_LAST_SUBJECT_SEQUENCE, HeaderValue::from(rev));
@@ -421,9 +438,7 @@ impl Store {
         if let Some(op) = op {
             headers.insert(KV_OPERATION, op);
         }
-        // While a cluster elects the bucket's leader, nothing takes the write ("no
-        // responders"): it was not written, so it is sent again, for a while.
-        let give_up = tokio::time::Instant::now() + LEADERLESS_PATIENCE;
+        // "No responders": it was not written, so it is sent again.
         let mut pause = Duration::from_millis(50);
         let written = loop {
             let attempt = async {
@@ -448,7 +463,21 @@ impl Store {
             Ok(ack) => Ok(ack.sequence),
             Err(KvError::Timeout { .. }) => {
                 RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.landed(key, &payload, expected, op).await
+                match self.landed(key, &payload, expected, op).await {
+                    // A compare-and-set that did not land, or could not be read back while
+                    // the bucket elects its leader, is sent again: the revision it expects
+                    // makes a second landing impossible, and the read-back after its
+                    // time-out finds the first one's.
+                    Err(KvError::Timeout { .. })
+                        if expected.is_some() && tokio::time::Instant::now() < give_up =>
+                    {
+                        Box::pin(
+                            self.publish_unguarded_until(key, payload, expected, ttl, op, give_up),
+                        )
+                        .await
+                    }
+                    other => other,
+                }
             }
             Err(err) => Err(err),
         }
