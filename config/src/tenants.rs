@@ -112,6 +112,28 @@ impl Tenants {
     pub fn is_single(&self) -> bool {
         self.list.len() == 1
     }
+
+    /// Each tenant's weighted share of `slots` (the ready backing nodes' slots), by
+    /// index, given each one's `(held, open)`: slots its nodes hold and its open
+    /// requests. Only the tenants holding or waiting share (the others' share is 0,
+    /// and lent to them): `slots × weight / the active tenants' weights`, rounded down.
+    /// The figure the launcher's metrics and the console show beside what each holds.
+    pub fn shares(&self, slots: u64, loads: &[(u32, u32)]) -> Vec<u64> {
+        let active = |i: usize| loads.get(i).is_some_and(|(held, open)| held + open > 0);
+        let weights: u64 = (0..self.list.len())
+            .filter(|i| active(*i))
+            .map(|i| u64::from(self.list[i].weight))
+            .sum();
+        (0..self.list.len())
+            .map(|i| {
+                if active(i) && weights > 0 {
+                    slots * u64::from(self.list[i].weight) / weights
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
 }
 
 /// Validates the `tenants` section against the labels the pools serve (`label_slots`:
@@ -269,6 +291,20 @@ mod tests {
         assert_eq!((d.name.as_str(), d.max_waiting), (DEFAULT_TENANT, Some(10)));
         assert_eq!(t.of(None), t.named(DEFAULT_TENANT).unwrap());
         assert!(parse("").unwrap().tenants.is_single());
+    }
+
+    #[test]
+    fn shares_split_the_slots_by_weight_among_the_active() {
+        let c = parse(
+            "tenants:\n  - {name: a, clients: [ci-a], weight: 3}\n  - {name: b, clients: [ci-b]}\n",
+        )
+        .unwrap();
+        let t = &c.tenants;
+        // a, b, default: every one active.
+        assert_eq!(t.shares(10, &[(1, 0), (0, 2), (1, 1)]), vec![6, 2, 2]);
+        // Only b holds or waits: it may use every slot.
+        assert_eq!(t.shares(10, &[(0, 0), (0, 1), (0, 0)]), vec![0, 10, 0]);
+        assert_eq!(t.shares(10, &[]), vec![0, 0, 0]);
     }
 
     #[test]

@@ -307,6 +307,8 @@ fn state_order(s: BackingState) -> u8 {
 #[derive(Debug, Default)]
 pub struct Index {
     pools: Vec<PoolRow>,
+    /// One row per tenant, when the config names tenants.
+    tenants: Vec<TenantRow>,
     used_by_backing: HashMap<String, u32>,
     backing_by_id: HashMap<String, String>,
     /// The requests of the labels with a `warm-window`, as the launcher counts them.
@@ -317,6 +319,11 @@ impl Index {
     /// The pool aggregates, as of the last build.
     pub fn pools(&self) -> &[PoolRow] {
         &self.pools
+    }
+
+    /// The tenants' rows, as of the last build (none without a `tenants` section).
+    pub fn tenants(&self) -> &[TenantRow] {
+        &self.tenants
     }
 
     pub fn build(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Index {
@@ -336,6 +343,7 @@ impl Index {
         }
         let mut index = Index {
             pools: Vec::new(),
+            tenants: tenant_rows(mirror, rules, now),
             used_by_backing,
             backing_by_id,
             arrivals,
@@ -349,6 +357,77 @@ impl Index {
         .aggregate_pools();
         index
     }
+}
+
+/// One tenant in the Pools view: what it holds against its share and limit, what it
+/// waits for, and how long its requests waited.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TenantRow {
+    pub name: String,
+    pub weight: u32,
+    /// Slots its nodes hold.
+    pub held: u32,
+    /// Its weighted share of the ready slots among the tenants holding or waiting
+    /// ([`slotpool_config::tenants::Tenants::shares`], as the launcher's metrics say).
+    pub share: u64,
+    pub max_slots: Option<u32>,
+    /// Its open requests.
+    pub waiting: u32,
+    /// The 95th percentile of submission to fulfilment of its requests fulfilled in the
+    /// last [`TENANT_WAIT_WINDOW_MS`] (those still in KV); `None` when there were none.
+    pub p95_wait_ms: Option<UnixMillis>,
+}
+
+/// How far back the tenants' p95 wait looks.
+pub const TENANT_WAIT_WINDOW_MS: UnixMillis = 3_600_000;
+
+/// The tenants' rows from the records: none when the config names no tenants.
+fn tenant_rows(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Vec<TenantRow> {
+    let tenants = rules.tenants();
+    if tenants.is_single() {
+        return Vec::new();
+    }
+    let mut loads = vec![(0u32, 0u32); tenants.len()];
+    for n in mirror.slots() {
+        loads[tenants.of(n.client.as_ref())].0 += 1;
+    }
+    let mut waits: Vec<Vec<UnixMillis>> = vec![Vec::new(); tenants.len()];
+    for (_, r) in mirror.requests() {
+        let t = tenants.of(r.client.as_ref());
+        if r.state == RequestState::Requested {
+            loads[t].1 += 1;
+        }
+        if let Some(at) = r.fulfilled_at {
+            if now.saturating_sub(at) <= TENANT_WAIT_WINDOW_MS {
+                waits[t].push(at.saturating_sub(r.created_at));
+            }
+        }
+    }
+    let ready: u64 = mirror
+        .backing_nodes()
+        .filter(|(_, b)| b.state == BackingState::Ready)
+        .map(|(_, b)| u64::from(b.slots))
+        .sum();
+    let shares = tenants.shares(ready, &loads);
+    tenants
+        .iter()
+        .zip(loads)
+        .zip(shares)
+        .zip(waits)
+        .map(|(((t, (held, waiting)), share), mut waits)| {
+            waits.sort_unstable();
+            TenantRow {
+                name: t.name.clone(),
+                weight: t.weight,
+                held,
+                share,
+                max_slots: t.max_slots,
+                waiting,
+                p95_wait_ms: (!waits.is_empty())
+                    .then(|| waits[((waits.len() * 95).div_ceil(100)).saturating_sub(1)]),
+            }
+        })
+        .collect()
 }
 
 /// What every row is derived from: the records, the rules, the time and the index.

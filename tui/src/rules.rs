@@ -3,6 +3,7 @@
 //! are known only when the console is given that file (`--config`); without it the
 //! console shows how long a node has been idle instead of when it will be released.
 
+use slotpool_config::tenants::Tenants;
 use slotpool_config::timing::IdleRules;
 use slotpool_config::warm::{Arrivals, WarmRule};
 use slotpool_config::{Config, Warm};
@@ -37,6 +38,8 @@ type Site = (String, String, String);
 pub struct Rules {
     labels: BTreeMap<Site, LabelRules>,
     pools: BTreeMap<(String, String), u32>,
+    /// The teams sharing the pool (`tenants[]`): the Pools view shows each one.
+    tenants: Tenants,
 }
 
 impl Rules {
@@ -46,7 +49,10 @@ impl Rules {
     }
 
     pub fn from_config(config: &Config) -> Rules {
-        let mut rules = Rules::default();
+        let mut rules = Rules {
+            tenants: config.tenants.clone(),
+            ..Rules::default()
+        };
         for provider in &config.providers {
             for pool in &provider.pools {
                 rules
@@ -81,6 +87,16 @@ impl Rules {
     pub fn set_max_servers(&mut self, provider: &str, pool: &str, max: u32) {
         self.pools
             .insert((provider.to_string(), pool.to_string()), max);
+    }
+
+    /// The teams sharing the pool; [`Tenants::is_single`] without a `tenants` section.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// Sets the teams (for tests and callers without a config file).
+    pub fn set_tenants(&mut self, tenants: Tenants) {
+        self.tenants = tenants;
     }
 
     pub fn is_known(&self) -> bool {

@@ -19,7 +19,8 @@ use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
 use crate::rows::{
-    self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, View, ViewState,
+    self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, TenantRow, View,
+    ViewState,
 };
 use crate::rules::Rules;
 use slotpool_protocol::api::SlotOccupants;
@@ -422,6 +423,11 @@ impl State {
 
     pub fn pool_row(&self, key: &str) -> Option<&PoolRow> {
         self.facts().pool_row(key)
+    }
+
+    /// The tenants' rows (none without a `tenants` section in `--config`).
+    pub fn tenant_rows(&self) -> &[TenantRow] {
+        self.index.tenants()
     }
 
     /// The finished requests (see [`rows::is_finished`]), by state: released, failed and

@@ -9,7 +9,7 @@
 use crate::format::{fmt_duration, idle_name, node_state_name, request_state_name, state_name};
 use crate::input::Input;
 use crate::layout::pane_lines;
-use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, View, FOLD_KEY};
+use crate::rows::{BackingRow, Heartbeat, IdleTimer, PoolRow, TenantRow, View, FOLD_KEY};
 use crate::state::pane::{Pane, Tone};
 use crate::state::State;
 use crate::theme::Theme;
@@ -543,7 +543,89 @@ fn pool_states(p: &PoolRow) -> String {
     }
 }
 
+/// The tenants' table under the pools: what each holds against its share and its
+/// max-slots, its open requests, and its p95 wait over the last hour.
+fn draw_tenants(frame: &mut Frame, area: Rect, tenants: &[TenantRow], theme: &Theme) {
+    let cols = [
+        col("TENANT", 14, 0),
+        col("WEIGHT", 6, 2),
+        col("HELD", 5, 0),
+        col("SHARE", 5, 1),
+        col("MAX", 5, 1),
+        col("WAITING", 8, 0),
+        fill("P95 WAIT (1H)", 8, 3),
+    ];
+    let keep = fit(&cols, area.width);
+    let pick = |cells: Vec<Cell<'static>>| -> Vec<Cell<'static>> {
+        cells
+            .into_iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c)
+            .collect()
+    };
+    let header = pick(cols.iter().map(|c| Cell::from(c.header)).collect());
+    let widths: Vec<Constraint> = cols
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(c, _)| {
+            if c.fill {
+                Constraint::Fill(1)
+            } else {
+                Constraint::Length(c.width)
+            }
+        })
+        .collect();
+    let rows: Vec<Row> = tenants
+        .iter()
+        .map(|t| {
+            let over = t.max_slots.is_some_and(|m| t.held >= m);
+            Row::new(pick(vec![
+                Cell::from(t.name.clone()),
+                Cell::from(t.weight.to_string()),
+                Cell::from(Span::styled(
+                    t.held.to_string(),
+                    if over { theme.warn() } else { Style::new() },
+                )),
+                Cell::from(t.share.to_string()),
+                Cell::from(t.max_slots.map_or("-".into(), |m| m.to_string())),
+                Cell::from(Span::styled(
+                    t.waiting.to_string(),
+                    if t.waiting > 0 {
+                        theme.warn()
+                    } else {
+                        Style::new()
+                    },
+                )),
+                Cell::from(t.p95_wait_ms.map_or("-".into(), fmt_duration)),
+            ]))
+        })
+        .collect();
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(Row::new(header).style(theme.header_row()))
+            .column_spacing(1),
+        area,
+    );
+}
+
 fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    // With tenants configured, their table takes the bottom, if the pools keep room.
+    let tenants = state.tenant_rows();
+    let area = match u16::try_from(tenants.len() + 1) {
+        Ok(height) if !tenants.is_empty() && area.height >= height + 8 => {
+            let [pools, _, below] = Layout::vertical([
+                Constraint::Fill(1),
+                Constraint::Length(1),
+                Constraint::Length(height),
+            ])
+            .areas(area);
+            draw_tenants(frame, below, tenants, theme);
+            pools
+        }
+        _ => area,
+    };
     let wide = area.width >= WIDE;
     let cols = [
         col("POOL", if wide { 20 } else { 12 }, 0),
@@ -1319,6 +1401,58 @@ mod tests {
         assert!(text.contains("pool:cloud/main/small /re"), "{text}");
         assert!(text.contains("filter /re"), "{text}");
         insta::assert_snapshot!(text);
+    }
+
+    /// Team a (weight 3, max-slots 1) holds one slot and waited 30 s for it; the
+    /// default tenant holds one and waits for a set of two.
+    #[test]
+    fn pools_view_shows_each_tenant() {
+        let config = slotpool_config::Config::parse(
+            std::path::Path::new("pool.yaml"),
+            "providers:\n  - name: local\n    driver: local\n    pools:\n      - name: main\n        max-servers: 4\n        labels:\n          - {name: small, backing-label: vm, max-parallel-jobs: 4}\ntenants:\n  - {name: team-a, clients: [ci-a], weight: 3, max-slots: 1}\n",
+        )
+        .unwrap();
+        let mut rules = rules();
+        rules.set_tenants(config.tenants.clone());
+        let client = slotpool_protocol::UserName::parse("ci-a").unwrap();
+        let mut changes = sample();
+        for change in &mut changes {
+            match change {
+                Change::Put {
+                    record: Record::Slot(n),
+                    ..
+                } if n.slot == 0 => n.client = Some(client.clone()),
+                Change::Put {
+                    record: Record::Request(r),
+                    ..
+                } if r.state == RequestState::Fulfilled => {
+                    r.client = Some(client.clone());
+                    r.fulfilled_at = Some(r.created_at + 30 * SEC);
+                }
+                _ => {}
+            }
+        }
+        let mut state = loaded(rules, changes, 100, 24);
+        press(&mut state, [key('1')]);
+        let text = screen(&state);
+        let row = |name: &str| -> Vec<String> {
+            let line = text
+                .lines()
+                .find(|l| l.trim_start_matches('"').starts_with(name))
+                .unwrap_or_else(|| panic!("no row of {name}:\n{text}"));
+            line.trim_matches('"')
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(row("TENANT")[0], "TENANT", "{text}");
+        // name, weight, held, share (8 ready slots, 3:1), max, waiting, p95.
+        assert_eq!(row("team-a"), ["team-a", "3", "1", "6", "1", "0", "30s"]);
+        assert_eq!(row("default"), ["default", "1", "1", "2", "-", "1", "-"]);
+        // Without tenants, no table.
+        let mut state = sample_state(100, 24);
+        press(&mut state, [key('1')]);
+        assert!(!screen(&state).contains("TENANT"));
     }
 
     #[test]

@@ -189,19 +189,10 @@ impl Collector {
             .sum();
         let tenants = world.tenants();
         let loads: Vec<(u32, u32)> = (0..tenants.len()).map(|i| world.tenant_load(i)).collect();
-        let active_weight: u64 = tenants
-            .iter()
-            .zip(&loads)
-            .filter(|(_, (held, open))| held + open > 0)
-            .map(|(t, _)| u64::from(t.weight))
-            .sum();
-        for (t, (held, open)) in tenants.iter().zip(&loads) {
+        let shares = tenants.shares(ready_slots.max(0) as u64, &loads);
+        for ((t, (held, open)), share) in tenants.iter().zip(&loads).zip(shares) {
             let name = vec![("tenant", t.name.clone())];
-            let share = if held + open > 0 && active_weight > 0 {
-                ready_slots * i64::from(t.weight) / active_weight as i64
-            } else {
-                0
-            };
+            let share = share as i64;
             view.tenant_slots.insert(name.clone(), i64::from(*held));
             view.tenant_share.insert(name.clone(), share);
             view.tenant_waiting.insert(name.clone(), i64::from(*open));
