@@ -210,18 +210,36 @@ pub fn remove_ipc_of(proc_root: &Path, uid: u32) -> Vec<String> {
     errors
 }
 
-/// The SSH logins of `user` (uid `uid`) still open: each process of the uid whose parent
-/// is an sshd process (the login's shell or command) and whose environment names the
-/// connection (`SSH_CONNECTION`), oldest first.
+/// The SSH logins of `user` (uid `uid`) still open: each process of the uid started by
+/// sshd for a connection (the login's shell or command), oldest first, with the client's
+/// address from its environment (`SSH_CONNECTION`).
+///
+/// A login is known by its ancestry, not by names or variables the job controls: its
+/// parent is the session's sshd process (running as the slot user) and that one's parent
+/// sshd's privileged monitor, running as root. A job can name a process `sshd` and set
+/// `SSH_CONNECTION` in its children, but it cannot give them a root sshd as grandparent:
+/// its processes descend from its login's shell, or from init once orphaned.
 pub fn ssh_sessions(proc_root: &Path, uid: u32, user: &str) -> Vec<SlotSession> {
     let boot_ms = boot_time_ms(proc_root);
+    let stat_of = |pid: i32| -> Option<(i32, u64)> {
+        parse_stat(&std::fs::read_to_string(proc_root.join(format!("{pid}/stat"))).ok()?)
+    };
+    // The process `pid` is sshd's (its command name says so) and runs as `owner`.
+    let sshd_of = |pid: i32, owner: u32| -> bool {
+        let comm = std::fs::read_to_string(proc_root.join(format!("{pid}/comm")));
+        let status = std::fs::read_to_string(proc_root.join(format!("{pid}/status")));
+        comm.is_ok_and(|c| c.starts_with("sshd"))
+            && status.is_ok_and(|s| {
+                let uids: Vec<u32> = status_uids(&s).collect();
+                !uids.is_empty() && uids.iter().all(|u| *u == owner)
+            })
+    };
     let mut sessions: Vec<SlotSession> = processes_of(proc_root, uid)
         .into_iter()
         .filter_map(|pid| {
-            let stat = std::fs::read_to_string(proc_root.join(format!("{pid}/stat"))).ok()?;
-            let (ppid, start_ticks) = parse_stat(&stat)?;
-            let parent = std::fs::read_to_string(proc_root.join(format!("{ppid}/comm"))).ok()?;
-            if !parent.starts_with("sshd") {
+            let (ppid, start_ticks) = stat_of(pid)?;
+            let (monitor, _) = stat_of(ppid)?;
+            if !(sshd_of(ppid, uid) && sshd_of(monitor, 0)) {
                 return None;
             }
             let environ = std::fs::read(proc_root.join(format!("{pid}/environ"))).ok()?;
