@@ -85,9 +85,10 @@ pub struct Args {
     pub slot_netns_range: String,
     /// In users mode, give every slot a /tmp, /var/tmp and /dev/shm of its own (tmpfs
     /// mounts in a mount namespace of the slot's, counted in its memory limit), gone with
-    /// the slot at release however many files they hold. Off by default: slots share the
-    /// host's. See docs/isolation.md.
-    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "off")]
+    /// the slot at release however many files they hold. `off` lets slots share the
+    /// host's, whose entries are then removed one by one within the release's budget. See
+    /// docs/isolation.md.
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "on")]
     pub slot_private_tmp: Switch,
     /// Most processes and threads of a slot whose label sets no `limits.pids`.
     #[arg(long, value_name = "N", default_value_t = crate::isolation::default_limits::DEFAULT_PIDS_MAX)]

@@ -63,10 +63,7 @@ impl SlotAgent {
     pub async fn start(env: &IsolationEnv, slots: u32, extra: &[String]) -> SlotAgent {
         let nats = NatsServer::start().await;
         let bus = nats.bus().await;
-        let dir = tempfile::Builder::new()
-            .prefix("slotpool-agent-")
-            .tempdir()
-            .expect("agent dir");
+        let dir = crate::isolation::slot_visible_tempdir("slotpool-agent-");
         set_mode(dir.path(), 0o711);
         let backing = BackingId::parse("bn-iso").expect("backing id");
         let mut args = vec![

@@ -22,6 +22,28 @@ fn tag(len: usize) -> String {
         .collect()
 }
 
+/// Where tests keep what a slot login must see (workspaces, programs it runs, files it
+/// writes for the test to read): not under `/tmp`, `/var/tmp` or `/dev/shm`, which every
+/// slot has its own of, but beside them, as a production agent's work dir is. Created
+/// 0711 (slot users pass through it) when run as root; others use the temp dir.
+pub const SLOT_VISIBLE_ROOT: &str = "/var/lib/slotpool-tests";
+
+/// A temp dir (removed on drop) a slot login can reach, under [`SLOT_VISIBLE_ROOT`].
+pub fn slot_visible_tempdir(prefix: &str) -> TempDir {
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(prefix);
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return builder.tempdir().expect("temp dir");
+    }
+    let root = Path::new(SLOT_VISIBLE_ROOT);
+    std::fs::create_dir_all(root).unwrap_or_else(|e| panic!("creating {}: {e}", root.display()));
+    set_mode(root, 0o711);
+    builder
+        .tempdir_in(root)
+        .unwrap_or_else(|e| panic!("temp dir in {}: {e}", root.display()))
+}
+
 /// Panics unless the test runs as root: isolation tests never skip silently.
 pub fn require_root() {
     // SAFETY: geteuid cannot fail.
@@ -197,6 +219,8 @@ fn remove_slot_namespaces(dir: &Path) {
             let _ = rustix::mount::unmount(file.path(), rustix::mount::UnmountFlags::DETACH);
             let _ = std::fs::remove_file(file.path());
         }
+        // The agent makes its directory of mount namespaces a mount of its own.
+        let _ = rustix::mount::unmount(agent.path(), rustix::mount::UnmountFlags::DETACH);
     }
 }
 
@@ -339,10 +363,7 @@ impl Sshd {
             Path::new(SSHD).is_file(),
             "{SSHD} missing: install openssh-server (scripts/test.sh does)"
         );
-        let dir = tempfile::Builder::new()
-            .prefix("slotpool-sshd-")
-            .tempdir()
-            .expect("sshd dir");
+        let dir = slot_visible_tempdir("slotpool-sshd-");
         // Slot users run the agent binary at login (ForceCommand). The build's target dir
         // may sit where they cannot reach it (a clone under a 0700 directory), so they run
         // a copy from this dir, opened to everyone as /usr/bin would be.

@@ -112,10 +112,8 @@ impl Pool {
         serve_extra: &[&str],
     ) -> Pool {
         let nats = NatsServer::start().await;
-        let dir = tempfile::Builder::new()
-            .prefix("slotpool-pool-")
-            .tempdir()
-            .expect("temp dir");
+        // Agents in users mode keep their slots' workspaces here.
+        let dir = crate::isolation::slot_visible_tempdir("slotpool-pool-");
         let yaml = config(&dir.path().join("agents"));
         let config = dir.path().join("pool.yaml");
         std::fs::write(&config, yaml).expect("writing config");

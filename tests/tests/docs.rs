@@ -1299,3 +1299,52 @@ fn the_wait_causes_the_docs_name_are_the_codes() {
         .collect();
     assert_eq!(said, causes, "docs/protocol.md's Waiting paragraph");
 }
+
+/// The table of attacks in docs/isolation.md names, in each row, the tests that prove it
+/// (`` `path::name` ``): each is a test function of that file.
+#[test]
+fn every_test_the_isolation_table_names_exists() {
+    let doc = read(&repo().join("docs/isolation.md"));
+    let after = doc
+        .split("<!-- attacks: each row names the tests that prove it -->")
+        .nth(1)
+        .expect("docs/isolation.md's table of attacks");
+    let (_, rows) = &tables(after)[0];
+    let mut named = 0;
+    for row in rows.iter().skip(2) {
+        let cell = row.last().expect("a tests column");
+        let tests: Vec<&str> = cell
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|t| t.contains("::"))
+            .collect();
+        assert!(!tests.is_empty(), "a row names no test: {row:?}");
+        for test in tests {
+            let (file, function) = test.split_once("::").expect("path::name");
+            let source = read(&repo().join(file));
+            let lines: Vec<&str> = source.lines().collect();
+            let at = lines
+                .iter()
+                .position(|l| {
+                    l.trim_start()
+                        .strip_prefix("async fn ")
+                        .or_else(|| l.trim_start().strip_prefix("fn "))
+                        .is_some_and(|rest| rest.starts_with(&format!("{function}(")))
+                })
+                .unwrap_or_else(|| panic!("{file} has no fn {function}"));
+            let attributes = &lines[at.saturating_sub(3)..at];
+            assert!(
+                attributes
+                    .iter()
+                    .any(|l| l.trim_start().starts_with("#[") && l.contains("test")),
+                "{file}: {function} is not a test"
+            );
+            named += 1;
+        }
+    }
+    eprintln!(
+        "attacks in the isolation table: {}, tests named: {named}",
+        rows.len() - 2
+    );
+}

@@ -116,11 +116,25 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
         &format!("echo secret > secret; {}", LEAVE_TRACES),
     );
     assert!(ok, "login as {user_b} failed: {err}");
+    // They are in the slot's own IPC namespace: its next login sees them, the host and
+    // the other slots do not.
+    let ipc_of_b = |out: &str| {
+        let uid = info_b.uid.to_string();
+        out.lines()
+            .filter(|l| l.split_whitespace().any(|f| f == uid))
+            .count()
+    };
+    let tables = "for t in shm sem msg; do cat /proc/sysvipc/$t; done";
+    let (ok, out, err) = key.ssh(sshd.port, &user_b, tables);
+    assert!(ok, "{err}");
+    assert_eq!(ipc_of_b(&out), 3, "the job made its IPC objects:\n{out}");
     assert_eq!(
-        procs::ipc_objects_of(Path::new("/proc"), info_b.uid).len(),
-        3,
-        "the job made its IPC objects"
+        procs::ipc_objects_of(Path::new("/proc"), info_b.uid),
+        vec![],
+        "the host sees the slot's IPC objects"
     );
+    let (_, out, _) = key.ssh(sshd.port, &user_a, tables);
+    assert_eq!(ipc_of_b(&out), 0, "slot a sees b's IPC objects:\n{out}");
 
     // A cannot read B's workspace.
     let (ok, out, err) = key.ssh(
@@ -130,6 +144,20 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     );
     assert!(!ok && !out.contains("secret"), "a read b's file: {out}");
     assert!(err.contains("Permission denied"), "{err}");
+
+    // Nor the agent's log (every slot's node, uid and logins), in the directory A passes
+    // through to its home, nor that directory's listing.
+    let agent_dir = pool.agent_dir(a.backing_id.as_str());
+    let (ok, out, err) = key.ssh(
+        sshd.port,
+        &user_a,
+        &format!("cat {dir}/agent.log; ls {dir}", dir = agent_dir.display()),
+    );
+    assert!(
+        !ok && !out.contains(&user_b) && !out.contains("agent.log"),
+        "a slot read the agent's log or directory: {out}"
+    );
+    assert_eq!(err.matches("Permission denied").count(), 2, "{err}");
 
     // A leaves a daemon behind that survives the logout...
     let (ok, _, err) = key.ssh(
@@ -585,18 +613,29 @@ fn namespace(env: &IsolationEnv, user: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_a_job_leaves_in_shared_directories_survives_release() {
+    // /run/lock is the host's in every slot; /dev/shm too when slots share the host's.
+    left_in_shared_directories("on", &["/run/lock", "/run/lock"]).await;
+    left_in_shared_directories("off", &["/run/lock", "/run/lock", "/dev/shm"]).await;
+}
+
+/// A job of an agent with `--slot-private-tmp private_tmp` leaves a file, a hard link and
+/// a file in `dirs` (the host's); none survives the release.
+async fn left_in_shared_directories(private_tmp: &str, dirs: &[&str]) {
     let env = IsolationEnv::new();
-    let (sshd, key, agent) = login_env(&env, 1).await;
+    let (sshd, key, agent) = login_env_with(&env, 1, &["--slot-private-tmp", private_tmp]).await;
     let prepared = agent
         .prepare(0, "node-a", Some(&key.public()))
         .await
         .unwrap();
     let (user, _) = login_of(&prepared);
-    let left: Vec<PathBuf> = ["/run/lock", "/run/lock", "/dev/shm"]
+    let left: Vec<PathBuf> = dirs
         .iter()
         .zip(["lock", "link", "shm"])
         .map(|(d, what)| Path::new(d).join(format!("{user}-{what}")))
         .collect();
+    let shm = left
+        .get(2)
+        .map_or_else(|| "/dev/null".to_string(), |p| p.display().to_string());
     // A hard link to a workspace file where protected_hardlinks allows it (own file),
     // else a plain file.
     let (ok, _, err) = key.ssh(
@@ -606,7 +645,6 @@ async fn nothing_a_job_leaves_in_shared_directories_survives_release() {
             "echo x > {lock} && echo y > job-file && (ln job-file {link} || echo y > {link}) && echo z > {shm}",
             lock = left[0].display(),
             link = left[1].display(),
-            shm = left[2].display()
         ),
     );
     assert!(ok, "{err}\n{}", sshd.log());
@@ -915,10 +953,12 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
     );
     assert!(ok && out.trim() == "fine", "slot 1: {out}{err}");
 
+    // The uid of this tenancy: the warm-up after the release gives the user the next one
+    // (and runs a moment as it to make the slot's namespaces).
+    let uid = uid_of(&user_a).expect("slot user a");
     agent.release(0, "node-a").await.unwrap();
     agent.release(1, "node-b").await.unwrap();
-    let uid = passwd::lookup(&user_a).map(|i| i.uid);
-    assert!(uid.is_none_or(|uid| procs::processes_of(Path::new("/proc"), uid).is_empty()));
+    assert!(procs::processes_of(Path::new("/proc"), uid).is_empty());
     assert!(cgroups.procs(&user_a).unwrap().is_empty());
 }
 
@@ -1634,8 +1674,9 @@ async fn release_sends_sigterm_before_it_kills_a_slots_processes() {
     let (sshd, key, agent) = login_env_with(&env, 1, &["--slot-term-grace-ms", "1000"]).await;
     let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let uid = uid_of(&user).unwrap();
-    // Root's file the slot user may write to: what the user owns goes at release.
-    let marks = tempfile::tempdir().unwrap();
+    // Root's file the slot user may write to: what the user owns goes at release. Not in
+    // /tmp: the slot has a /tmp of its own, where the test would not see its writes.
+    let marks = slotpool_tests::slot_visible_tempdir("slotpool-marks-");
     set_mode(marks.path(), 0o755);
     let mark = marks.path().join("term");
     std::fs::write(&mark, "").unwrap();
@@ -1773,4 +1814,94 @@ async fn the_agent_says_who_is_in_a_slot_and_after_release_nobody() {
     let after = agent.occupants(0).await;
     assert_eq!(after.processes, 0, "{after:?}");
     assert!(after.logins.is_empty(), "{after:?}");
+}
+
+/// On a host whose mounts are shared (systemd's default: what one mount namespace mounts
+/// reaches its peers and slaves), the slots' private /tmp still works: the agent keeps
+/// the files of the slots' mount namespaces on a private mount of their own, so binding
+/// one cannot propagate into the very namespace it names (which the kernel refuses).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_tmp_works_with_the_run_dir_on_a_shared_mount() {
+    let env = IsolationEnv::new();
+    let run_dir = env.run_dir.path().to_path_buf();
+    let _unmount = slotpool_tests::UnmountOnDrop(run_dir.clone());
+    for args in [
+        vec![
+            "--bind",
+            run_dir.to_str().unwrap(),
+            run_dir.to_str().unwrap(),
+        ],
+        vec!["--make-shared", run_dir.to_str().unwrap()],
+    ] {
+        let status = std::process::Command::new("mount")
+            .args(&args)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mount {args:?}");
+    }
+    let (sshd, key, agent) = login_env_with(&env, 2, &["--slot-private-tmp", "on"]).await;
+    for (slot, node) in [(0, "node-a"), (1, "node-b")] {
+        let prepared = agent.prepare(slot, node, Some(&key.public())).await;
+        let prepared = prepared.unwrap_or_else(|e| panic!("{e:?}\n{}", agent.log()));
+        let (user, _) = login_of(&prepared);
+        let (ok, out, err) = key.ssh(sshd.port, &user, "stat -f -c %T /tmp");
+        assert!(ok && out.trim() == "tmpfs", "{out}{err}\n{}", agent.log());
+    }
+    for (slot, node) in [(0, "node-a"), (1, "node-b")] {
+        agent.release(slot, node).await.unwrap();
+        assert_eq!(agent.dirty(slot), None, "{}", agent.log());
+    }
+}
+
+/// A job cannot make `slotpool occupants` show a login that never existed: a process it
+/// names `sshd…` whose child carries an `SSH_CONNECTION` of its choosing is no login,
+/// while a real login beside it still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cannot_fake_a_login_in_the_occupants() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    // Kept under its parent (a process named sshd-fake) and orphaned (its parent then
+    // init), both with the forged variable.
+    let (ok, _, err) = key.ssh(
+        sshd.port,
+        &user,
+        "cp /bin/bash sshd-fake && export SSH_CONNECTION='10.9.8.7 4444 10.0.0.1 22' && \
+         (setsid ./sshd-fake -c 'sleep 600 & wait' </dev/null >/dev/null 2>&1 &) && \
+         (setsid ./sshd-fake -c 'sleep 601 & exit' </dev/null >/dev/null 2>&1 &) && echo started",
+    );
+    assert!(ok, "{err}\n{}", sshd.log());
+    let fakes = wait_for_some("the fake sessions to run", LONG, || async {
+        let uid = uid_of(&user)?;
+        let sleeps = procs::processes_of(Path::new("/proc"), uid)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.trim() == "sleep")
+            })
+            .count();
+        (sleeps == 2).then_some(sleeps)
+    })
+    .await;
+    let seen = agent.occupants(0).await;
+    assert!(seen.processes as usize > fakes, "{seen:?}");
+    assert!(seen.logins.is_empty(), "a job faked a login: {seen:?}");
+    // A real login is still seen.
+    let mut login = key
+        .command(sshd.port, &user)
+        .arg("sleep 60")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("running ssh");
+    let seen = wait_for_some("the agent to report the open login", LONG, || async {
+        let o = agent.occupants(0).await;
+        (!o.logins.is_empty()).then_some(o)
+    })
+    .await;
+    let _ = login.kill();
+    let _ = login.wait();
+    assert_eq!(seen.logins.len(), 1, "{seen:?}");
+    assert!(seen.logins[0].from.starts_with("127.0.0.1:"), "{seen:?}");
+    agent.release(0, "node-a").await.unwrap();
 }

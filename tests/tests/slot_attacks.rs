@@ -463,3 +463,71 @@ async fn a_slots_tmp_is_its_own_and_leaves_with_it() {
     );
     agent.release(0, "node-a").await.expect("release");
 }
+
+/// A slot user's script: `make NAME` creates a POSIX message queue (mode 0666), `open
+/// NAME` opens one for reading, `unlink NAME` removes it; prints `ok` or `errno N`.
+const MQUEUE: &str = r#"
+import ctypes, os, sys
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+what, name = sys.argv[1], sys.argv[2].encode()
+if what == "make":
+    r = rt.mq_open(name, os.O_CREAT | os.O_RDWR, 0o666, None)
+elif what == "open":
+    r = rt.mq_open(name, os.O_RDONLY)
+else:
+    r = rt.mq_unlink(name)
+print("ok" if r >= 0 else "errno %d" % ctypes.get_errno())
+"#;
+
+/// Runs [`MQUEUE`] as `user` (or, without an sshd, as the test itself, root on the host).
+fn mqueue(login: Option<(&Sshd, &ClientKey, &str)>, what: &str, name: &str) -> String {
+    let out = match login {
+        Some((sshd, key, user)) => {
+            let (_, out, err) = key.ssh(
+                sshd.port,
+                user,
+                &format!("python3 -c '{MQUEUE}' {what} {name}"),
+            );
+            format!("{out}{err}")
+        }
+        None => {
+            let out = std::process::Command::new("python3")
+                .args(["-c", MQUEUE, what, name])
+                .output()
+                .expect("running python3");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    };
+    out.trim().to_string()
+}
+
+/// A POSIX message queue a job makes is the slot's own (each slot has an IPC namespace of
+/// its own) and goes with the release: the next tenant of the slot does not find it.
+/// With `--slot-private-tmp off` the queue is the host's and outlives the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_message_queue_does_not_outlive_its_slot() {
+    let name = format!("/slotpool-test-{}", std::process::id());
+    for (private, survives) in [("on", false), ("off", true)] {
+        let env = IsolationEnv::new();
+        let (sshd, key, agent) = login_env_with(&env, 1, &["--slot-private-tmp", private]).await;
+        let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+        assert_eq!(mqueue(Some((&sshd, &key, &user)), "make", &name), "ok");
+        // Another login of the same tenancy finds it.
+        assert_eq!(mqueue(Some((&sshd, &key, &user)), "open", &name), "ok");
+        agent.release(0, "node-a").await.expect("release");
+        let (next, _) = agent.prepare_login(0, "node-b", &key.public()).await;
+        let seen = mqueue(Some((&sshd, &key, &next)), "open", &name);
+        println!("--slot-private-tmp {private}: the next tenant opening {name}: {seen}");
+        // The queue of the run with the protection off is the host's: remove it.
+        let _ = mqueue(None, "unlink", &name);
+        if survives {
+            assert_eq!(
+                seen, "ok",
+                "with --slot-private-tmp off the queue is the host's"
+            );
+        } else {
+            assert_eq!(seen, "errno 2", "the next tenant found the queue");
+        }
+        agent.release(0, "node-b").await.expect("release");
+    }
+}

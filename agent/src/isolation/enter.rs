@@ -48,7 +48,7 @@ const OK: &str = "ok\n";
 /// sent with it, whose kinds follow in order.
 const OK_NS: &str = "ok ns";
 /// Most namespaces sent with an answer.
-const MAX_NAMESPACES: usize = 3;
+const MAX_NAMESPACES: usize = 4;
 
 /// A namespace a login joins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +56,7 @@ pub enum NsKind {
     User,
     Net,
     Mnt,
+    Ipc,
 }
 
 impl NsKind {
@@ -64,11 +65,12 @@ impl NsKind {
             NsKind::User => "user",
             NsKind::Net => "net",
             NsKind::Mnt => "mnt",
+            NsKind::Ipc => "ipc",
         }
     }
 
     fn parse(word: &str) -> Option<NsKind> {
-        [NsKind::User, NsKind::Net, NsKind::Mnt]
+        [NsKind::User, NsKind::Net, NsKind::Mnt, NsKind::Ipc]
             .into_iter()
             .find(|k| k.as_str() == word)
     }
@@ -393,6 +395,7 @@ fn join_namespaces(kinds: &[NsKind], fds: &[OwnedFd]) -> Result<(), EnterSlotErr
             NsKind::User => LinkNameSpaceType::User,
             NsKind::Net => LinkNameSpaceType::Network,
             NsKind::Mnt => LinkNameSpaceType::Mount,
+            NsKind::Ipc => LinkNameSpaceType::InterProcessCommunication,
         };
         move_into_link_name_space(fd.as_fd(), Some(link)).map_err(|e| {
             EnterSlotError::Namespace {
@@ -520,13 +523,17 @@ mod tests {
             parse_ok_ns("ok ns user mnt\n"),
             Some(vec![NsKind::User, NsKind::Mnt])
         );
+        assert_eq!(
+            parse_ok_ns("ok ns user net mnt ipc\n"),
+            Some(vec![NsKind::User, NsKind::Net, NsKind::Mnt, NsKind::Ipc])
+        );
         for bad in [
             "ok\n",
             "ok ns\n",
             "ok ns pid\n",
             "ok nsuser\n",
             "ok ns user",
-            "ok ns user net mnt user\n",
+            "ok ns user net mnt ipc user\n",
             "error: ok ns user\n",
         ] {
             assert_eq!(parse_ok_ns(bad), None, "{bad:?}");

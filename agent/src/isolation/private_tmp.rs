@@ -1,5 +1,5 @@
-//! A private `/tmp`, `/var/tmp` and `/dev/shm` per slot (`--slot-private-tmp on`, users
-//! mode; off by default).
+//! A private `/tmp`, `/var/tmp` and `/dev/shm` per slot, and IPC of its own
+//! (`--slot-private-tmp on`, users mode; the default).
 //!
 //! Without it a slot's files in the host's shared directories are found and removed at
 //! release one by one ([`crate::isolation::shared_dirs`]), within the release's budget: a
@@ -23,8 +23,12 @@
 //! - **A workspace under one of them** (an agent whose work directory is in `/tmp`, as in
 //!   tests) is bind-mounted back on its own path in the tmpfs, so the slot still finds
 //!   its home.
+//! - **IPC.** The holder's second step also makes an IPC namespace owned by the slot's
+//!   user namespace, mounted on `<slot>.ipc`: System V objects and POSIX message queues
+//!   of the slot's logins are the slot's alone, invisible to other slots, and gone with
+//!   the namespace at release (the host's `/dev/mqueue` need not even be mounted).
 //! - **Logins** join the user namespace, then (with [`crate::isolation::netns`]) the
-//!   network namespace, then the mount namespace, handed over by the placement socket
+//!   network namespace, then the mount and IPC namespaces, handed over by the placement socket
 //!   ([`crate::isolation::enter`]).
 //! - **Size.** A tmpfs's pages are charged to the memory cgroup of the process that
 //!   writes them: a slot's `/tmp` counts in its memory limit, not its disk limit. Its
@@ -68,19 +72,54 @@ pub struct SlotMounts {
 }
 
 impl SlotMounts {
-    /// Uses (and creates, 0700) `dir` for the namespace mounts.
+    /// Uses (and creates, 0700) `dir` for the namespace mounts, and makes it a mount of
+    /// private propagation (bound on itself unless it is a mount already).
+    ///
+    /// A mount namespace's file cannot be bind-mounted where the mount would propagate
+    /// into a namespace as new as the one it names (the kernel refuses a reference
+    /// loop, `EINVAL`): on a host whose mounts are shared (systemd's default) the slot's
+    /// own namespace, a copy of the host's, would receive the bind of its own file. The
+    /// private mount keeps the binds here.
     pub fn new(dir: PathBuf, logins_ns: Option<PathBuf>) -> Result<SlotMounts, PrivateTmpError> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(&dir)
             .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
+        if !is_mount_root(&dir)? {
+            rustix::mount::mount_bind(&dir, &dir).map_err(|e| {
+                fail(format!("bind-mounting {} on itself", dir.display()))(e.to_string())
+            })?;
+        }
+        rustix::mount::mount_change(&dir, rustix::mount::MountPropagationFlags::PRIVATE)
+            .map_err(|e| fail(format!("making {} private", dir.display()))(e.to_string()))?;
         Ok(SlotMounts { dir, logins_ns })
+    }
+
+    /// Unmounts the directory [`SlotMounts::new`] made a mount of and removes it (when
+    /// the agent removes its slots on stop); the slots' files must be gone.
+    pub fn close(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        match rustix::mount::unmount(&self.dir, rustix::mount::UnmountFlags::DETACH) {
+            Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
+            Err(e) => problems.push(format!("unmounting {}: {e}", self.dir.display())),
+        }
+        match fs::remove_dir(&self.dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => problems.push(format!("removing {}: {e}", self.dir.display())),
+        }
+        problems
     }
 
     /// The file the slot's mount namespace is mounted on.
     pub fn mnt_file(&self, slot: u32) -> PathBuf {
         self.dir.join(format!("{slot}.mnt"))
+    }
+
+    /// The file the slot's IPC namespace is mounted on.
+    pub fn ipc_file(&self, slot: u32) -> PathBuf {
+        self.dir.join(format!("{slot}.ipc"))
     }
 
     /// The file the slot's user namespace is mounted on (when it has none of
@@ -116,7 +155,7 @@ impl SlotMounts {
         workspace: &Path,
         user_ns: Option<&Path>,
     ) -> Result<(), PrivateTmpError> {
-        let mut files = vec![self.mnt_file(slot)];
+        let mut files = vec![self.mnt_file(slot), self.ipc_file(slot)];
         if user_ns.is_none() {
             files.push(self.user_file(slot));
         }
@@ -168,79 +207,129 @@ impl SlotMounts {
             }
         };
         let user_raw = user_fd.as_ref().map(|f| f.as_raw_fd());
-        let mut holder = Command::new("sleep");
-        holder
-            .arg("600")
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: only async-signal-safe system calls run between fork and exec, on
-        // memory made before the fork.
-        unsafe {
-            holder.pre_exec(move || {
-                let check = |r: libc::c_int| {
-                    if r != 0 {
-                        Err(std::io::Error::last_os_error())
-                    } else {
-                        Ok(())
-                    }
-                };
-                if let Some(fd) = logins_raw {
-                    check(libc::setns(fd, libc::CLONE_NEWNS))?;
-                }
-                check(libc::unshare(libc::CLONE_NEWNS))?;
-                check(libc::mount(
-                    c"none".as_ptr(),
-                    c"/".as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_REC | libc::MS_SLAVE,
-                    std::ptr::null(),
-                ))?;
-                // The workspace as this namespace sees it, before the tmpfs covers it.
-                if let Some(at) = &keep_at {
-                    let fd = libc::open(at.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
-                    if fd < 0 || libc::dup2(fd, KEEP_FD) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                for target in &targets {
-                    check(libc::mount(
-                        c"tmpfs".as_ptr(),
-                        target.as_ptr(),
-                        c"tmpfs".as_ptr(),
-                        libc::MS_NOSUID | libc::MS_NODEV,
-                        options.as_ptr().cast(),
-                    ))?;
-                }
-                if let (Some(from), Some(at)) = (&keep_from, &keep_at) {
-                    for dir in &keep_dirs {
-                        check(libc::mkdir(dir.as_ptr(), 0o755))?;
-                    }
-                    check(libc::mount(
-                        from.as_ptr(),
-                        at.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND | libc::MS_REC,
-                        std::ptr::null(),
-                    ))?;
-                }
-                check(libc::setgroups(0, std::ptr::null()))?;
-                check(libc::setgid(gid))?;
-                check(libc::setuid(uid))?;
-                match user_raw {
-                    Some(fd) => {
-                        check(libc::setns(fd, libc::CLONE_NEWUSER))?;
-                        check(libc::unshare(libc::CLONE_NEWNS))?;
-                    }
-                    None => check(libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS))?,
-                }
-                Ok(())
-            });
+        // The kernel refuses to bind a mount namespace's file from a namespace whose id is
+        // not below it (a guard against reference loops). Ids are handed out in batches
+        // per CPU, so a namespace made after the agent's may still have a lower id when
+        // made on another CPU: the holder tries each CPU the agent may use, keeping the
+        // first namespace newer than the agent's. (Kernels before 6.8 cannot say the ids;
+        // theirs grow with time, and the first holder is kept.)
+        let agent_ns = mntns_id(Path::new("/proc/thread-self/ns/mnt"));
+        let mut choices: Vec<Option<libc::cpu_set_t>> = vec![None];
+        if agent_ns.is_some() {
+            choices.extend(allowed_cpus().into_iter().map(Some));
         }
-        let mut child = holder
-            .spawn()
-            .map_err(|e| fail(format!("making the private /tmp of slot {slot}"))(e.to_string()))?;
+        let mut tried = Vec::new();
+        let mut child = None;
+        for cpu_set in choices {
+            let targets = targets.clone();
+            let options = options.clone();
+            let keep_dirs = keep_dirs.clone();
+            let keep_from = keep_from.clone();
+            let keep_at = keep_at.clone();
+            let mut holder = Command::new("sleep");
+            holder
+                .arg("600")
+                .env_clear()
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            // SAFETY: only async-signal-safe system calls run between fork and exec, on
+            // memory made before the fork.
+            unsafe {
+                holder.pre_exec(move || {
+                    let check = |r: libc::c_int| {
+                        if r != 0 {
+                            Err(std::io::Error::last_os_error())
+                        } else {
+                            Ok(())
+                        }
+                    };
+                    if let Some(set) = &cpu_set {
+                        check(libc::sched_setaffinity(
+                            0,
+                            size_of::<libc::cpu_set_t>(),
+                            set,
+                        ))?;
+                    }
+                    if let Some(fd) = logins_raw {
+                        check(libc::setns(fd, libc::CLONE_NEWNS))?;
+                    }
+                    check(libc::unshare(libc::CLONE_NEWNS))?;
+                    check(libc::mount(
+                        c"none".as_ptr(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_SLAVE,
+                        std::ptr::null(),
+                    ))?;
+                    // The workspace as this namespace sees it, before the tmpfs covers it.
+                    if let Some(at) = &keep_at {
+                        let fd = libc::open(at.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+                        if fd < 0 || libc::dup2(fd, KEEP_FD) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    for target in &targets {
+                        check(libc::mount(
+                            c"tmpfs".as_ptr(),
+                            target.as_ptr(),
+                            c"tmpfs".as_ptr(),
+                            libc::MS_NOSUID | libc::MS_NODEV,
+                            options.as_ptr().cast(),
+                        ))?;
+                    }
+                    if let (Some(from), Some(at)) = (&keep_from, &keep_at) {
+                        for dir in &keep_dirs {
+                            check(libc::mkdir(dir.as_ptr(), 0o755))?;
+                        }
+                        check(libc::mount(
+                            from.as_ptr(),
+                            at.as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_BIND | libc::MS_REC,
+                            std::ptr::null(),
+                        ))?;
+                    }
+                    check(libc::setgroups(0, std::ptr::null()))?;
+                    check(libc::setgid(gid))?;
+                    check(libc::setuid(uid))?;
+                    match user_raw {
+                        Some(fd) => {
+                            check(libc::setns(fd, libc::CLONE_NEWUSER))?;
+                            check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWIPC))?;
+                        }
+                        None => check(libc::unshare(
+                            libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWIPC,
+                        ))?,
+                    }
+                    Ok(())
+                });
+            }
+            let spawned = holder.spawn().map_err(|e| {
+                fail(format!("making the private /tmp of slot {slot}"))(e.to_string())
+            })?;
+            let mut child_now = spawned;
+            let made_ns = mntns_id(Path::new(&format!("/proc/{}/ns/mnt", child_now.id())));
+            match (agent_ns, made_ns) {
+                (Some(agent), Some(made)) if made <= agent => {
+                    tried.push(made);
+                    let _ = child_now.kill();
+                    let _ = child_now.wait();
+                }
+                _ => {
+                    child = Some(child_now);
+                    break;
+                }
+            }
+        }
+        let Some(mut child) = child else {
+            return Err(fail(format!("making the private /tmp of slot {slot}"))(
+                format!(
+                    "every CPU made a mount namespace older than the agent's ({:?}, ids {tried:?})",
+                    agent_ns
+                ),
+            ));
+        };
         let made = self.set_up(slot, child.id(), uid, gid, user_ns.is_none());
         let _ = child.kill();
         let _ = child.wait();
@@ -256,7 +345,7 @@ impl SlotMounts {
         own_user_ns: bool,
     ) -> Result<(), PrivateTmpError> {
         let proc = PathBuf::from(format!("/proc/{pid}"));
-        let mut mounts = vec![("mnt", self.mnt_file(slot))];
+        let mut mounts = vec![("mnt", self.mnt_file(slot)), ("ipc", self.ipc_file(slot))];
         if own_user_ns {
             for (file, text) in [
                 ("uid_map", format!("{uid} {uid} 1\n")),
@@ -277,16 +366,41 @@ impl SlotMounts {
                     "bind-mounting {} on {}",
                     source.display(),
                     file.display()
-                ))(e.to_string())
+                ))(format!("{e} ({})", self.diagnose(&source)))
             })?;
         }
         Ok(())
     }
 
+    /// What a failed bind of `source` may depend on: whose mount namespace this thread
+    /// is in, the one bound, and how the directory is mounted.
+    fn diagnose(&self, source: &Path) -> String {
+        let link = |p: &Path| {
+            format!(
+                "{} id {:?}",
+                fs::read_link(p).map_or_else(|e| e.to_string(), |l| l.display().to_string()),
+                mntns_id(p)
+            )
+        };
+        let mount = fs::read_to_string("/proc/thread-self/mountinfo")
+            .ok()
+            .and_then(|text| {
+                text.lines()
+                    .find(|l| l.split(' ').nth(4) == Some(&*self.dir.to_string_lossy()))
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| "not a mount".into());
+        format!(
+            "agent in {}, binding {}, directory: {mount}",
+            link(Path::new("/proc/thread-self/ns/mnt")),
+            link(source)
+        )
+    }
+
     /// Unmounts and removes the slot's namespace files; returns what failed.
     pub fn remove(&self, slot: u32) -> Vec<String> {
         let mut problems = Vec::new();
-        for file in [self.mnt_file(slot), self.user_file(slot)] {
+        for file in self.files(slot) {
             match rustix::mount::unmount(&file, rustix::mount::UnmountFlags::DETACH) {
                 // EINVAL: not a mount point; ENOENT: no file.
                 Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
@@ -303,24 +417,99 @@ impl SlotMounts {
 
     /// What is left of the slot's namespaces (after [`SlotMounts::remove`]).
     pub fn leftovers(&self, slot: u32) -> Vec<String> {
-        [self.mnt_file(slot), self.user_file(slot)]
+        self.files(slot)
             .into_iter()
             .filter(|f| fs::symlink_metadata(f).is_ok())
             .map(|f| format!("namespace mount {}", f.display()))
             .collect()
     }
 
-    /// The slot's user namespace (when it is this module's) and mount namespace, to hand
-    /// to a login.
-    pub fn open(&self, slot: u32) -> Result<(Option<OwnedFd>, OwnedFd), PrivateTmpError> {
+    /// Every file a slot's namespaces may be mounted on.
+    fn files(&self, slot: u32) -> [PathBuf; 3] {
+        [
+            self.mnt_file(slot),
+            self.ipc_file(slot),
+            self.user_file(slot),
+        ]
+    }
+
+    /// The slot's user namespace (when it is this module's), mount namespace and IPC
+    /// namespace, to hand to a login.
+    pub fn open(&self, slot: u32) -> Result<SlotNamespaces, PrivateTmpError> {
         let user = self.user_file(slot);
         let user = if fs::symlink_metadata(&user).is_ok() {
             Some(open_nsfs(&user)?)
         } else {
             None
         };
-        Ok((user, open_nsfs(&self.mnt_file(slot))?))
+        Ok(SlotNamespaces {
+            user,
+            mnt: open_nsfs(&self.mnt_file(slot))?,
+            ipc: open_nsfs(&self.ipc_file(slot))?,
+        })
     }
+}
+
+/// A slot's namespaces of this module, open, for a login to join.
+pub struct SlotNamespaces {
+    /// The user namespace, when the slot has none of [`crate::isolation::netns`].
+    pub user: Option<OwnedFd>,
+    pub mnt: OwnedFd,
+    pub ipc: OwnedFd,
+}
+
+/// The id the kernel orders mount namespaces by (`NS_GET_MNTNS_ID`, Linux 6.8), of the
+/// namespace file `path`; `None` where the kernel does not say.
+fn mntns_id(path: &Path) -> Option<u64> {
+    const NS_GET_MNTNS_ID: libc::c_ulong = (2 << 30) | (8 << 16) | (0xb7 << 8) | 0x5;
+    let file = fs::File::open(path).ok()?;
+    let mut id: u64 = 0;
+    // SAFETY: the ioctl writes one u64 into `id`.
+    let r = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_MNTNS_ID as _, &mut id) };
+    (r == 0).then_some(id)
+}
+
+/// One CPU set per CPU this process may run on.
+fn allowed_cpus() -> Vec<libc::cpu_set_t> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills it.
+    let mut all: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = size_of::<libc::cpu_set_t>();
+    // SAFETY: `all` is a valid cpu_set_t of `size` bytes.
+    if unsafe { libc::sched_getaffinity(0, size, &mut all) } != 0 {
+        return Vec::new();
+    }
+    (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `cpu` is below CPU_SETSIZE.
+        .filter(|cpu| unsafe { libc::CPU_ISSET(*cpu, &all) })
+        .map(|cpu| {
+            // SAFETY: a zeroed cpu_set_t is an empty set.
+            let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `cpu` is below CPU_SETSIZE.
+            unsafe { libc::CPU_SET(cpu, &mut one) };
+            one
+        })
+        .collect()
+}
+
+/// Whether `dir` is the root of a mount (`STATX_ATTR_MOUNT_ROOT`, Linux 5.8).
+fn is_mount_root(dir: &Path) -> Result<bool, PrivateTmpError> {
+    use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+    let stat = rustix::fs::statx(
+        rustix::fs::CWD,
+        dir,
+        AtFlags::NO_AUTOMOUNT | AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::empty(),
+    )
+    .map_err(|e| fail(format!("examining {}", dir.display()))(e.to_string()))?;
+    if !stat
+        .stx_attributes_mask
+        .contains(StatxAttributes::MOUNT_ROOT)
+    {
+        return Err(fail(format!("examining {}", dir.display()))(
+            "the kernel does not say whether it is a mount (Linux 5.8 or later needed)".into(),
+        ));
+    }
+    Ok(stat.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
 }
 
 fn c_path(path: &Path) -> Result<std::ffi::CString, PrivateTmpError> {

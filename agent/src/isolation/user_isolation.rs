@@ -881,13 +881,14 @@ impl SlotIsolation for UserIsolation {
             namespaces.push((NsKind::Net, netns));
         }
         if let Some(mounts) = &self.private_tmp {
-            let (user, mnt) = mounts
+            let opened = mounts
                 .open(slot)
                 .map_err(|e| self.private_tmp_error(slot, e))?;
-            if let Some(user) = user {
+            if let Some(user) = opened.user {
                 namespaces.push((NsKind::User, user));
             }
-            namespaces.push((NsKind::Mnt, mnt));
+            namespaces.push((NsKind::Mnt, opened.mnt));
+            namespaces.push((NsKind::Ipc, opened.ipc));
         }
         Ok(namespaces)
     }
@@ -931,6 +932,11 @@ impl SlotIsolation for UserIsolation {
             .collect();
         // The parent groups too, when no other agent's slots are in them.
         if problems.is_empty() {
+            if let Some(mounts) = &self.private_tmp {
+                for problem in mounts.close() {
+                    tracing::warn!(%problem, "the slots' namespace directory stays");
+                }
+            }
             for parent in self
                 .cgroups
                 .paths(&self.user(0))
