@@ -11,8 +11,9 @@ use super::IsolationError;
 use rustix::process::{kill_process, Pid, Signal};
 use slotpool_protocol::api::SlotSession;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Longest a kill by uid keeps trying.
@@ -72,8 +73,110 @@ pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
     found
 }
 
+/// Scans of `/proc` shared by the threads that ask at the same time. A caller's uid
+/// joins the next scan to start; one scan, of every status file once, answers every
+/// uid that joined it. A scan that answers a caller always starts after the caller
+/// asked, so it sees everything a scan of the caller's own would have seen: concurrent
+/// releases of one agent (each scans twice: the kill by uid and the clean check) share
+/// scans instead of reading every process's status each.
+#[derive(Debug)]
+pub struct SharedScans {
+    proc_root: PathBuf,
+    queue: Mutex<ScanQueue>,
+    scanned: Condvar,
+}
+
+/// A waiting caller's uid and where its answer goes.
+type Waiting = (u32, Arc<OnceLock<Vec<i32>>>);
+
+#[derive(Debug, Default)]
+struct ScanQueue {
+    /// A scan runs now (its callers are no longer in `waiting`).
+    scanning: bool,
+    /// The callers the next scan answers.
+    waiting: Vec<Waiting>,
+}
+
+impl SharedScans {
+    pub fn new(proc_root: PathBuf) -> SharedScans {
+        SharedScans {
+            proc_root,
+            queue: Mutex::new(ScanQueue::default()),
+            scanned: Condvar::new(),
+        }
+    }
+
+    /// The processes of which any uid is `uid`, from a scan that started after this
+    /// call: the caller that finds no scan running makes the next one, for every uid
+    /// waiting by then; the others wait for it.
+    pub fn processes_of(&self, uid: u32) -> Vec<i32> {
+        let answer = Arc::new(OnceLock::new());
+        let mut queue = self.lock();
+        queue.waiting.push((uid, answer.clone()));
+        loop {
+            if let Some(pids) = answer.get() {
+                return pids.clone();
+            }
+            if queue.scanning {
+                queue = self
+                    .scanned
+                    .wait(queue)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            queue.scanning = true;
+            let batch = std::mem::take(&mut queue.waiting);
+            drop(queue);
+            // Whatever happens in the scan, the next caller may scan again.
+            let finish = ScanDone(self);
+            let mut uids: Vec<u32> = batch.iter().map(|(uid, _)| *uid).collect();
+            uids.sort_unstable();
+            uids.dedup();
+            let found = processes_of_any(&self.proc_root, &uids);
+            for (uid, answer) in batch {
+                let pids = found
+                    .iter()
+                    .filter(|(u, _)| *u == uid)
+                    .map(|(_, pid)| *pid)
+                    .collect();
+                let _ = answer.set(pids);
+            }
+            drop(finish);
+            queue = self.lock();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ScanQueue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Ends a scan: lets the next caller scan and wakes the waiting ones.
+struct ScanDone<'a>(&'a SharedScans);
+
+impl Drop for ScanDone<'_> {
+    fn drop(&mut self) {
+        self.0.lock().scanning = false;
+        self.0.scanned.notify_all();
+    }
+}
+
 /// Kills every process of `uid` and waits until none is left.
 pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationError> {
+    kill_uid_scanned(|uid| processes_of(proc_root, uid), uid, gid)
+}
+
+/// [`kill_uid`] with the scans of `scans`.
+pub fn kill_uid_shared(scans: &SharedScans, uid: u32, gid: u32) -> Result<(), IsolationError> {
+    kill_uid_scanned(|uid| scans.processes_of(uid), uid, gid)
+}
+
+/// [`kill_uid`], finding the processes of a uid with `processes_of`.
+fn kill_uid_scanned(
+    processes_of: impl Fn(u32) -> Vec<i32>,
+    uid: u32,
+    gid: u32,
+) -> Result<(), IsolationError> {
     if uid < MIN_SLOT_UID {
         return Err(IsolationError::new(
             "killing processes of",
@@ -84,7 +187,7 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
     }
     let deadline = Instant::now() + KILL_TIMEOUT;
     loop {
-        let left = processes_of(proc_root, uid);
+        let left = processes_of(uid);
         if left.is_empty() {
             return Ok(());
         }
@@ -113,10 +216,7 @@ pub fn kill_uid(proc_root: &Path, uid: u32, gid: u32) -> Result<(), IsolationErr
             }
         }
         // Also one by one, for processes that only kept a saved or fs uid.
-        for pid in processes_of(proc_root, uid)
-            .into_iter()
-            .filter_map(Pid::from_raw)
-        {
+        for pid in processes_of(uid).into_iter().filter_map(Pid::from_raw) {
             let _ = kill_process(pid, Signal::KILL);
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -299,6 +399,50 @@ fn clock_ticks() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn write_status(root: &Path, pid: i32, uid: u32) {
+        let dir = root.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("status"),
+            format!("Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"),
+        )
+        .unwrap();
+    }
+
+    /// Callers at the same time share scans, and each sees what a scan started after
+    /// its call sees: a process written just before asking is always found, whatever
+    /// scan runs meanwhile.
+    #[test]
+    fn shared_scans_answer_each_caller_from_a_scan_after_its_call() {
+        let root = tempfile::tempdir().unwrap();
+        for pid in 1..200 {
+            write_status(root.path(), pid, 70_000 + (pid as u32 % 4));
+        }
+        let scans = Arc::new(SharedScans::new(root.path().to_path_buf()));
+        let threads: Vec<_> = (0..8u32)
+            .map(|t| {
+                let (scans, root) = (scans.clone(), root.path().to_path_buf());
+                std::thread::spawn(move || {
+                    for round in 0..50 {
+                        let uid = 80_000 + t * 1000 + round;
+                        assert!(scans.processes_of(uid).is_empty());
+                        let pid = 1000 + (t * 100 + round) as i32;
+                        write_status(&root, pid, uid);
+                        assert_eq!(scans.processes_of(uid), vec![pid], "thread {t}");
+                        std::fs::remove_dir_all(root.join(pid.to_string())).unwrap();
+                        assert!(scans.processes_of(uid).is_empty(), "thread {t}");
+                    }
+                    let mut some = scans.processes_of(70_000 + t % 4);
+                    some.sort_unstable();
+                    assert_eq!(some.len(), if t % 4 == 0 { 49 } else { 50 });
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
 
     #[test]
     fn stat_gives_parent_and_start_even_with_a_strange_command_name() {

@@ -147,6 +147,8 @@ pub struct UserIsolation {
     cgroups: Box<dyn CgroupDriver>,
     uids: UidAllocator,
     proc_root: PathBuf,
+    /// The release path's scans of `proc_root`, shared by concurrent releases.
+    scans: procs::SharedScans,
     /// Where the password database is (`/etc`).
     etc: PathBuf,
     /// World-writable directories and spools, cleaned of the uid's entries at release
@@ -200,6 +202,7 @@ impl UserIsolation {
             cgroups,
             uids,
             proc_root: PathBuf::from("/proc"),
+            scans: procs::SharedScans::new(PathBuf::from("/proc")),
             etc: PathBuf::from("/etc"),
             shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
@@ -507,7 +510,7 @@ impl UserIsolation {
         self.cgroups.kill_all(&user)?;
         clock.lap("kill_cgroup");
         if let Some(info) = &info {
-            procs::kill_uid(&self.proc_root, info.uid, info.gid)?;
+            procs::kill_uid_shared(&self.scans, info.uid, info.gid)?;
         }
         clock.lap("kill_uid");
         // From here on no process of the slot exists: nothing can be re-created.
@@ -634,7 +637,7 @@ impl UserIsolation {
         let user = self.user(slot);
         let mut left = Vec::new();
         if let Some(uid) = uid {
-            let procs = procs::processes_of(&self.proc_root, uid);
+            let procs = self.scans.processes_of(uid);
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
             }
