@@ -9,7 +9,13 @@
 //! The count survives restarts in `<work-dir>/uids.json`. It is **recorded before** a uid
 //! is handed out, a block of [`RESERVE_BLOCK`] at a time: the file always names a count
 //! past every uid handed out, so a crash between recording and `useradd` can only skip
-//! uids, never hand one out twice. Agents sharing a host need ranges of their own.
+//! uids, never hand one out twice.
+//!
+//! A new agent (no state file yet) starts its count at a random place in the range, so
+//! that agents sharing a host and a range (the local provider's, a test host's) do not
+//! count through the same uids in step and take each other's next uid at every warm-up;
+//! such a collision costs a retry with the next uid. Agents sharing a host should still
+//! have ranges of their own.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -115,8 +121,19 @@ pub struct UidAllocator {
 }
 
 impl UidAllocator {
-    /// Reads the count from `<work_dir>/uids.json` (none yet: the start of the range).
+    /// Reads the count from `<work_dir>/uids.json` (none yet: a random place in the
+    /// range).
     pub fn open(work_dir: &Path, range: UidRange) -> Result<UidAllocator, UidError> {
+        use std::hash::{BuildHasher, Hasher};
+        // A random u64 from the standard library's per-process random hash keys.
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        UidAllocator::open_from(work_dir, range, random % range.size())
+    }
+
+    /// [`UidAllocator::open`], a new count starting at position `start`.
+    fn open_from(work_dir: &Path, range: UidRange, start: u64) -> Result<UidAllocator, UidError> {
         let file = work_dir.join(STATE_FILE);
         let reserved = match std::fs::read_to_string(&file) {
             Ok(text) => {
@@ -128,7 +145,7 @@ impl UidAllocator {
                     })?
                     .reserved
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => start,
             Err(error) => {
                 return Err(UidError::State {
                     action: "reading",
@@ -237,7 +254,7 @@ mod tests {
     fn uids_go_up_skip_those_in_use_and_wrap_only_at_the_end() {
         let work = tempfile::tempdir().unwrap();
         let range = UidRange::parse("5000-5003").unwrap();
-        let alloc = UidAllocator::open(work.path(), range).unwrap();
+        let alloc = UidAllocator::open_from(work.path(), range, 0).unwrap();
         let free = |_| false;
         assert_eq!(alloc.allocate(free).unwrap(), 5000);
         assert_eq!(alloc.allocate(|uid| uid == 5001).unwrap(), 5002);
@@ -251,21 +268,41 @@ mod tests {
         assert_eq!(err, "every uid of 5000-5003 is in use");
     }
 
+    /// Two new agents on one range do not start at the same uid (1 chance in a million
+    /// to, with the default range), and a new count wraps through the whole range.
+    #[test]
+    fn new_agents_start_at_random_places_in_the_range() {
+        let range = UidRange::parse(DEFAULT_RANGE).unwrap();
+        let starts: Vec<u32> = (0..2)
+            .map(|_| {
+                let work = tempfile::tempdir().unwrap();
+                let alloc = UidAllocator::open(work.path(), range).unwrap();
+                alloc.allocate(|_| false).unwrap()
+            })
+            .collect();
+        assert_ne!(starts[0], starts[1]);
+        let work = tempfile::tempdir().unwrap();
+        let small = UidRange::parse("5000-5003").unwrap();
+        let alloc = UidAllocator::open_from(work.path(), small, 3).unwrap();
+        let uids: Vec<u32> = (0..5).map(|_| alloc.allocate(|_| false).unwrap()).collect();
+        assert_eq!(uids, vec![5003, 5000, 5001, 5002, 5003]);
+    }
+
     #[test]
     fn a_restart_never_hands_out_a_uid_again() {
         let work = tempfile::tempdir().unwrap();
         let range = UidRange::parse("5000-9999").unwrap();
-        let alloc = UidAllocator::open(work.path(), range).unwrap();
+        let alloc = UidAllocator::open_from(work.path(), range, 0).unwrap();
         let first: Vec<u32> = (0..3).map(|_| alloc.allocate(|_| false).unwrap()).collect();
         assert_eq!(first, vec![5000, 5001, 5002]);
         // A crash right after: the recorded count is past every uid handed out.
         drop(alloc);
-        let again = UidAllocator::open(work.path(), range).unwrap();
+        let again = UidAllocator::open_from(work.path(), range, 0).unwrap();
         let next = again.allocate(|_| false).unwrap();
         assert!(next > 5002, "{next}");
         assert_eq!(u64::from(next - 5000), RESERVE_BLOCK);
         std::fs::write(work.path().join(STATE_FILE), "garbage").unwrap();
-        let err = UidAllocator::open(work.path(), range)
+        let err = UidAllocator::open_from(work.path(), range, 0)
             .unwrap_err()
             .to_string();
         assert!(err.contains(STATE_FILE), "{err}");
