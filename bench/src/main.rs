@@ -7,10 +7,12 @@
 //! figures simulated agents ([`sim_agents`]) on a second nats-server. The figures are
 //! printed as a table and, with `--json FILE`, written as JSON. See docs/benchmarks.md.
 //!
-//! That bus is anonymous and without TLS, to measure slotpool's own path. With
-//! `--secure-compare` the warm-up, warm and throughput phases run again on another
-//! nats-server with the shipped authorisation and TLS with client certificates, and the
-//! report gives both and their ratios.
+//! The headline is the installation users run: warm-up, warm allocations and throughput
+//! on a nats-server with the shipped authorisation and TLS with client certificates (as
+//! `slotpool nats-setup` makes it by default), with agents in `users` mode when run as root.
+//! The same loads run on an anonymous bus without TLS (where every other figure is
+//! measured too) and, in users mode, on a secure bus with agents in mode `none`; the
+//! report gives each ratio with its target.
 //!
 //! Clients submit and wait through [`slotpool_protocol::client::RequestWatcher`]: a
 //! `status` call per request that a launcher answers when the request ends (clients
@@ -53,28 +55,33 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Tiny counts, to check that the benchmark works (CI); the figures mean nothing.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "quick")]
     pub smoke: bool,
-    /// Floor chains measured (default 2000; smoke 20).
+    /// The headline and its comparisons in about two minutes: fewer warm allocations,
+    /// 5 s loads, no cold, scale or `--http` phases.
+    #[arg(long)]
+    pub quick: bool,
+    /// Floor chains measured (default 2000; quick 500; smoke 20).
     #[arg(long)]
     pub floor: Option<usize>,
-    /// Sequential warm allocations (default 2000; smoke 20).
+    /// Sequential warm allocations (default 2000; quick 500; smoke 20).
     #[arg(long)]
     pub warm: Option<usize>,
-    /// Concurrent clients for the throughput figure (default 64; smoke 4).
+    /// Concurrent clients for the throughput figures (default 64; smoke 4).
     #[arg(long)]
     pub clients: Option<usize>,
-    /// Seconds of throughput load (default 10; smoke 1).
+    /// Seconds of each throughput load (default 10; quick 5; smoke 1).
     #[arg(long)]
     pub throughput_secs: Option<u64>,
     /// Cold allocations, each followed by a release after grace-time (default 100;
-    /// smoke 2).
+    /// quick 0; smoke 2).
     #[arg(long)]
     pub cold: Option<usize>,
     /// grace-time of the backing nodes of the cold/release figure, in seconds.
     #[arg(long, default_value_t = 2)]
     pub grace_time: u64,
-    /// Simulated backing nodes for the scale figures (default 10000; smoke 20; 0 skips).
+    /// Simulated backing nodes for the scale figures (default 10000; quick 0; smoke 20;
+    /// 0 skips).
     #[arg(long)]
     pub scale_backing: Option<usize>,
     /// Slots per simulated backing node.
@@ -83,10 +90,10 @@ pub struct BenchArgs {
     /// Heartbeat interval of the simulated agents, in ms (the real agent's default).
     #[arg(long, default_value_t = 2000)]
     pub scale_heartbeat_ms: u64,
-    /// Warm allocations measured at scale (default 1000; smoke 5).
+    /// Warm allocations measured at scale (default 1000; quick 0; smoke 5).
     #[arg(long)]
     pub scale_warm: Option<usize>,
-    /// Seconds over which idle memory and CPU are measured (default 20; smoke 1).
+    /// Seconds over which idle memory and CPU are measured (default 20; quick 2; smoke 1).
     #[arg(long)]
     pub idle_secs: Option<u64>,
     /// Keep the temp dir (logs, configs, stores) instead of removing it. It is also kept,
@@ -98,18 +105,14 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 2)]
     pub launchers: usize,
     /// Skip the warm and throughput loads with `serve --http` scraped every second (the
-    /// cost of observability).
+    /// cost of observability; skipped with `--quick` too).
     #[arg(long)]
     pub no_http_compare: bool,
-    /// The agents' slot isolation: `none` measures slotpool's own path; `users` adds the
-    /// per-slot Unix users and cgroups of a production backing node (needs root).
-    #[arg(long, default_value = "none", value_parser = ["none", "users"])]
-    pub isolation: String,
-    /// After the warm and throughput phases, run warm-up, warm and throughput again on
-    /// a nats-server with the shipped authorisation and TLS with client certificates,
-    /// and report both and their ratios.
-    #[arg(long)]
-    pub secure_compare: bool,
+    /// The agents' slot isolation (default: `users`, a production backing node's
+    /// per-slot Unix users and cgroups, when run as root; else `none`). In `users` mode
+    /// the headline's loads run again with agents in mode `none`, for the ratio.
+    #[arg(long, value_parser = ["none", "users"])]
+    pub isolation: Option<String>,
     /// After the cold phase, N allocations + releases at full speed (with --clients
     /// clients) on the real request TTL and mirror, with the launcher's RSS every N/10
     /// (default 0: no soak).
@@ -121,6 +124,7 @@ pub struct BenchArgs {
 #[derive(Clone, Debug, Serialize)]
 struct Settings {
     smoke: bool,
+    quick: bool,
     floor: usize,
     warm: usize,
     clients: usize,
@@ -133,7 +137,6 @@ struct Settings {
     scale_warm: usize,
     idle_secs: u64,
     isolation: String,
-    secure_compare: bool,
     launchers: usize,
     http_compare: bool,
     soak: usize,
@@ -141,26 +144,41 @@ struct Settings {
 
 impl Settings {
     fn from(a: &BenchArgs) -> Settings {
-        let pick = |given: Option<usize>, full: usize, smoke: usize| {
-            given.unwrap_or(if a.smoke { smoke } else { full })
+        // A count given, else the default of the run's kind: full, quick or smoke.
+        let pick = |given: Option<usize>, full: usize, quick: usize, smoke: usize| {
+            given.unwrap_or(if a.smoke {
+                smoke
+            } else if a.quick {
+                quick
+            } else {
+                full
+            })
         };
+        let secs = |given: Option<u64>, full: usize, quick: usize, smoke: usize| {
+            pick(given.map(|s| s as usize), full, quick, smoke) as u64
+        };
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
         Settings {
             smoke: a.smoke,
-            floor: pick(a.floor, 2000, 20),
-            warm: pick(a.warm, 2000, 20),
-            clients: pick(a.clients, 64, 4).max(1),
-            throughput_secs: pick(a.throughput_secs.map(|s| s as usize), 10, 1) as u64,
-            cold: pick(a.cold, 100, 2),
+            quick: a.quick,
+            floor: pick(a.floor, 2000, 500, 20),
+            warm: pick(a.warm, 2000, 500, 20),
+            clients: pick(a.clients, 64, 64, 4).max(1),
+            throughput_secs: secs(a.throughput_secs, 10, 5, 1),
+            cold: pick(a.cold, 100, 0, 2),
             grace_time_secs: a.grace_time,
-            scale_backing: pick(a.scale_backing, 10_000, 20),
+            scale_backing: pick(a.scale_backing, 10_000, 0, 20),
             scale_slots: a.scale_slots,
             scale_heartbeat_ms: a.scale_heartbeat_ms,
-            scale_warm: pick(a.scale_warm, 1000, 5),
-            idle_secs: pick(a.idle_secs.map(|s| s as usize), 20, 1) as u64,
-            isolation: a.isolation.clone(),
-            secure_compare: a.secure_compare,
+            scale_warm: pick(a.scale_warm, 1000, 0, 5),
+            idle_secs: secs(a.idle_secs, 20, 2, 1),
+            isolation: a
+                .isolation
+                .clone()
+                .unwrap_or_else(|| if root { "users" } else { "none" }.into()),
             launchers: a.launchers.max(1),
-            http_compare: !a.no_http_compare,
+            http_compare: !a.no_http_compare && !a.quick,
             soak: a.soak.unwrap_or(0),
         }
     }
@@ -199,8 +217,13 @@ struct Report {
     launchers: Option<MoreLaunchers>,
     /// Warm and throughput with `serve --http` scraped every second, against without.
     observability: Option<Observability>,
-    /// With `--secure-compare`: the same phases with authentication and TLS on.
-    secure: Option<Secure>,
+    /// The headline: the default installation (authentication and TLS, agents in the
+    /// run's isolation mode). `warm` and `throughput` above are the plain bus's.
+    production: Production,
+    /// In `users` mode: the same loads on a secure bus with agents in mode `none`.
+    isolation_none: Option<Allocations>,
+    /// The production run over each comparison run, with their targets in `targets`.
+    comparisons: Vec<Comparison>,
     /// Every latency figure of the run with its ratios to this run's floor (the rows of
     /// the printed table).
     latencies: Vec<Latency>,
@@ -248,12 +271,21 @@ struct Allocations {
 }
 
 #[derive(Debug, Serialize)]
-struct Secure {
+struct Production {
     /// What this bus has on that the plain one has not.
     bus: &'static str,
+    /// The agents' slot isolation.
+    isolation: String,
     warm: phases::Warm,
     throughput: Throughput,
-    /// Secure over plain.
+}
+
+/// The production run against one that differs in one thing.
+#[derive(Debug, Serialize)]
+struct Comparison {
+    /// What the other run had instead.
+    against: String,
+    /// Production over the other run.
     ratios: Ratios,
 }
 
@@ -281,16 +313,10 @@ impl Ratios {
 
 const SECURE_BUS: &str = "per-role credentials (decentralised JWT), TLS with client certificates";
 
-impl Secure {
-    fn new(secure: Allocations, plain: &Allocations) -> Secure {
-        Secure {
-            bus: SECURE_BUS,
-            ratios: Ratios::of(&secure.warm, &secure.throughput, plain),
-            warm: secure.warm,
-            throughput: secure.throughput,
-        }
-    }
-}
+/// What the plain comparison's bus lacks.
+const PLAIN_BUS: &str = "plain bus (anonymous, no TLS), same isolation";
+/// What the `none` comparison's agents lack.
+const NONE_AGENTS: &str = "agents in slot mode none, same bus";
 
 #[derive(Debug, Serialize)]
 struct Target {
@@ -352,8 +378,8 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let result = run_all(&settings, &binary, &agent_binary, &dir).await;
     // Normally none are left (run_all stops them); this catches the ones a failed run left.
     remove_local_agents(&agent_binary, &dir).await;
-    if settings.secure_compare {
-        remove_local_agents(&agent_binary, &dir.join(SECURE_DIR)).await;
+    for run in [SECURE_DIR, NONE_DIR] {
+        remove_local_agents(&agent_binary, &dir.join(run)).await;
     }
     let report = result.map(|figures| report(settings, figures, &binary, load_at_start));
     match &report {
@@ -418,7 +444,22 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
             ratios: Ratios::of(&observed.warm, &observed.throughput, &plain),
             observed,
         }),
-        secure: f.secure.map(|secure| Secure::new(secure, &plain)),
+        comparisons: std::iter::once(Comparison {
+            against: PLAIN_BUS.into(),
+            ratios: Ratios::of(&f.production.warm, &f.production.throughput, &plain),
+        })
+        .chain(f.isolation_none.as_ref().map(|none| Comparison {
+            against: NONE_AGENTS.into(),
+            ratios: Ratios::of(&f.production.warm, &f.production.throughput, none),
+        }))
+        .collect(),
+        production: Production {
+            bus: SECURE_BUS,
+            isolation: settings.isolation.clone(),
+            warm: f.production.warm,
+            throughput: f.production.throughput,
+        },
+        isolation_none: f.isolation_none,
         settings,
         warm: plain.warm,
         throughput: plain.throughput,
@@ -448,7 +489,8 @@ struct Figures {
     launchers: Option<Throughput>,
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
-    secure: Option<Allocations>,
+    production: Allocations,
+    isolation_none: Option<Allocations>,
 }
 
 /// What the plain bus measures after its warm and throughput loads.
@@ -463,8 +505,10 @@ struct PlainMore {
 const WARM_LABEL: &str = "warm";
 const COLD_LABEL: &str = "cold";
 const SLOTS_PER_WARM_NODE: usize = 8;
-/// The secure bus's directory (its server, PKI, credentials, launcher and agents).
+/// The production run's directory (its server, PKI, credentials, launcher and agents).
 const SECURE_DIR: &str = "secure";
+/// The directory of the production bus's run with agents in mode `none`.
+const NONE_DIR: &str = "secure-none";
 
 async fn run_all(
     s: &Settings,
@@ -492,10 +536,34 @@ async fn run_all(
         )
         .await?;
 
+        step(format!(
+            "production: {SECURE_BUS}, agents in mode {}",
+            s.isolation
+        ));
+        let production = run_secure(
+            s,
+            &s.isolation,
+            nats_binary,
+            agent_binary,
+            &dir.join(SECURE_DIR),
+        )
+        .await?;
+        let isolation_none = if s.isolation != "none" {
+            step("production bus, agents in mode none".into());
+            Some(run_secure(s, "none", nats_binary, agent_binary, &dir.join(NONE_DIR)).await?)
+        } else {
+            None
+        };
+
+        step(format!(
+            "plain bus: anonymous, no TLS, agents in mode {}",
+            s.isolation
+        ));
         let plain = BusSetup {
             client: phases::anonymous(&url, "slotpool-bench"),
             serve_args: procs::ANONYMOUS_BUS.iter().map(|a| a.to_string()).collect(),
             agent_args: Vec::new(),
+            isolation: s.isolation.clone(),
         };
         let client = Client::from_bus(bus.clone());
         let (plain, more) = on_bus(
@@ -568,18 +636,11 @@ async fn run_all(
             },
         )
         .await?;
-        anyhow::Ok((floor, plain, more, agent))
+        anyhow::Ok((floor, plain, more, agent, production, isolation_none))
     }
     .await;
     stop_child(&mut server).await;
-    let (floor, plain, more, agent) = result?;
-
-    let secure = if s.secure_compare {
-        step(format!("secure bus: {SECURE_BUS}"));
-        Some(run_secure(s, nats_binary, agent_binary, &dir.join(SECURE_DIR)).await?)
-    } else {
-        None
-    };
+    let (floor, plain, more, agent, production, isolation_none) = result?;
 
     let scale = if s.scale_backing > 0 {
         step(format!(
@@ -613,7 +674,8 @@ async fn run_all(
         launchers: more.launchers,
         observed: more.observed,
         scale,
-        secure,
+        production,
+        isolation_none,
     })
 }
 
@@ -644,6 +706,8 @@ struct BusSetup {
     serve_args: Vec<String>,
     /// More arguments of the local agents (`agent-args`).
     agent_args: Vec<String>,
+    /// The local agents' `--isolation`.
+    isolation: String,
 }
 
 /// Warm-up, warm allocations and throughput on one bus, with a launcher and local agents
@@ -673,7 +737,7 @@ async fn on_bus<T>(
             &setup.agent_args,
             warm_nodes,
             s.grace_time_secs,
-            &s.isolation,
+            &setup.isolation,
         ),
     )?;
     let (server_pid, monitor) = server;
@@ -724,11 +788,12 @@ async fn on_bus<T>(
 }
 
 /// [`on_bus`] on a nats-server of its own with the shipped authorisation and TLS with
-/// client certificates, as `slotpool nats-setup --tls` makes it: the benchmark's clients
+/// client certificates, as `slotpool nats-setup` makes it by default: the benchmark's clients
 /// log in as a client, the launcher as a launcher that mints each local agent its own
 /// credential, and every one shows a certificate from the installation's CA.
 async fn run_secure(
     s: &Settings,
+    isolation: &str,
     nats_binary: &Path,
     agent_binary: &Path,
     dir: &Path,
@@ -783,6 +848,7 @@ async fn run_secure(
         // The launcher hands its own TLS files to the agents it starts on its host
         // (the `local` provider), so the agents need no options of their own here.
         agent_args: Vec::new(),
+        isolation: isolation.into(),
     };
     let result = async {
         // A client may not create slotpool's buckets: a launcher makes them, as the one
@@ -902,8 +968,8 @@ fn latencies(r: &Report) -> Vec<Latency> {
         ("  floor: KV create".into(), r.floor.create),
         ("  floor: KV CAS update".into(), r.floor.update),
     ];
-    warm_rows(&mut rows, "", &r.warm);
-    load_rows(&mut rows, "", &r.throughput);
+    warm_rows(&mut rows, "plain: ", &r.warm);
+    load_rows(&mut rows, "plain: ", &r.throughput);
     if let Some(l) = &r.launchers {
         load_rows(
             &mut rows,
@@ -927,9 +993,12 @@ fn latencies(r: &Report) -> Vec<Latency> {
             s.allocation,
         ));
     }
-    if let Some(s) = &r.secure {
-        warm_rows(&mut rows, "auth+TLS: ", &s.warm);
-        load_rows(&mut rows, "auth+TLS: ", &s.throughput);
+    let p = &r.production;
+    warm_rows(&mut rows, "production: ", &p.warm);
+    load_rows(&mut rows, "production: ", &p.throughput);
+    if let Some(n) = &r.isolation_none {
+        warm_rows(&mut rows, "production bus, mode none: ", &n.warm);
+        load_rows(&mut rows, "production bus, mode none: ", &n.throughput);
     }
     let floor = &r.floor.chain;
     rows.into_iter()
@@ -1013,6 +1082,25 @@ fn targets(r: &Report) -> Vec<Target> {
             met,
         })
     };
+    for c in &r.comparisons {
+        let (what, throughput_at_least, warm_p50_at_most) = if c.against == PLAIN_BUS {
+            ("auth + TLS / plain", 0.9, 1.1)
+        } else {
+            ("users / none", 0.25, 3.0)
+        };
+        add(
+            &format!("{what}, throughput"),
+            &format!(">= {throughput_at_least}x"),
+            format!("{:.3}x", c.ratios.allocations_per_sec),
+            c.ratios.allocations_per_sec >= throughput_at_least,
+        );
+        add(
+            &format!("{what}, warm p50"),
+            &format!("<= {warm_p50_at_most}x"),
+            format!("{:.2}x", c.ratios.warm_p50),
+            c.ratios.warm_p50 <= warm_p50_at_most,
+        );
+    }
     let floor = r.floor.chain.p50_ms;
     let w = &r.warm.allocation;
     add(
@@ -1129,6 +1217,16 @@ fn print_table(r: &Report) {
         }
     );
     println!();
+    let p = &r.production;
+    println!(
+        "PRODUCTION ({}; agents in mode {}): warm allocation p50 {:.2} ms, p99 {:.2} ms",
+        p.bus, p.isolation, p.warm.allocation.p50_ms, p.warm.allocation.p99_ms
+    );
+    print_throughput("production: throughput", &p.throughput);
+    for c in &r.comparisons {
+        print_ratios(&format!("production against {}", c.against), &c.ratios);
+    }
+    println!();
     println!(
         "{:<48} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "latency (ms)", "n", "p50", "p90", "p99", "max", "p50/floor", "p99/floor"
@@ -1170,9 +1268,11 @@ fn print_table(r: &Report) {
             o.observed.scrapes.scrapes, o.observed.scrapes.bytes, o.observed.scrapes.failures
         );
     }
-    if let Some(s) = &r.secure {
-        print_throughput("auth + TLS: throughput", &s.throughput);
-        print_ratios(&format!("auth + TLS against plain ({})", s.bus), &s.ratios);
+    if let Some(n) = &r.isolation_none {
+        print_throughput(
+            "production bus, agents in mode none: throughput",
+            &n.throughput,
+        );
     }
     let c = &r.cold_and_release;
     println!(

@@ -1,8 +1,9 @@
 //! `slotpool-bench --smoke`: the benchmark runs end to end with tiny counts, so it cannot
 //! rot. Its figures are not checked (timing assertions do not belong in CI); only that it
-//! completes and writes every figure, those of `--secure-compare` (the phases again on a
-//! bus with authentication and TLS) included, the ratios to the floor, the messages per
-//! allocation from nats-server's `/varz`, two launchers on one bus and `--http` scraped.
+//! completes and writes every figure: the production run (authentication and TLS, and,
+//! as root, agents in users mode) with its comparisons (the plain bus; agents in mode
+//! `none`) and their targets, the ratios to the floor, the messages per allocation from
+//! nats-server's `/varz`, two launchers on one bus and `--http` scraped.
 
 use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
 use std::process::Command;
@@ -16,7 +17,7 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
     let mut cmd = Command::new(bin_path("slotpool-bench"));
-    cmd.args(["--smoke", "--secure-compare", "--json"])
+    cmd.args(["--smoke", "--json"])
         .arg(&json)
         .env("SLOTPOOL_NATS_SERVER", nats_server_binary())
         .env("SLOTPOOL_LOG", "warn")
@@ -36,7 +37,8 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "cold_and_release",
         "agent",
         "scale",
-        "secure",
+        "production",
+        "comparisons",
         "launchers",
         "observability",
         "latencies",
@@ -45,9 +47,13 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     ] {
         assert!(!report[figure].is_null(), "{figure} missing from {report}");
     }
-    let secure = &report["secure"];
+    // Tests run as root: the default installation's agents are in users mode, and the
+    // loads run again with agents in mode none.
+    assert_eq!(report["production"]["isolation"], "users", "{report}");
+    let production = &report["production"];
+    let none = &report["isolation_none"];
     let observed = &report["observability"];
-    for figures in [&report, secure, observed] {
+    for figures in [&report, production, none, observed] {
         assert!(figures["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
         assert!(figures["throughput"]["allocations"].as_u64().unwrap() > 0);
         for load in [&figures["warm"], &figures["throughput"]] {
@@ -85,7 +91,13 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
             "{report}"
         );
     }
-    for ratios in [&secure["ratios"], &observed["ratios"]] {
+    let comparisons = report["comparisons"].as_array().unwrap();
+    assert_eq!(comparisons.len(), 2, "plain and none: {report}");
+    let ratios = comparisons
+        .iter()
+        .map(|c| &c["ratios"])
+        .chain([&observed["ratios"]]);
+    for ratios in ratios {
         for ratio in [
             "warm_p50",
             "warm_p99",
@@ -115,6 +127,10 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     }
     let targets = report["targets"].as_array().unwrap();
     for figure in [
+        "auth + TLS / plain, throughput",
+        "auth + TLS / plain, warm p50",
+        "users / none, throughput",
+        "users / none, warm p50",
         "NATS messages per allocation",
         "2 launchers / one, throughput",
     ] {
