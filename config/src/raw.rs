@@ -28,6 +28,7 @@ pub(crate) struct RawTenant {
     pub(crate) weight: Option<Spanned<u32>>,
     #[serde(default)]
     pub(crate) guaranteed: std::collections::BTreeMap<String, Spanned<u32>>,
+    pub(crate) guaranteed_slots: Option<Spanned<u32>>,
     pub(crate) max_slots: Option<Spanned<u32>>,
     pub(crate) max_waiting: Option<Spanned<u32>>,
     pub(crate) max_submits_per_second: Option<Spanned<f64>>,

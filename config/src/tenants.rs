@@ -33,6 +33,9 @@ pub struct Tenant {
     pub weight: u32,
     /// Slots of each label it gets before fair share counts (while it has that few).
     pub guaranteed: BTreeMap<String, u32>,
+    /// Slots of any label it gets before fair share counts, while it holds fewer of
+    /// all labels together (0: none).
+    pub guaranteed_slots: u32,
     /// Slots it may hold at once, of every label together; its requests beyond wait.
     pub max_slots: Option<u32>,
     /// Open requests it may have; a submit beyond is refused.
@@ -49,6 +52,7 @@ impl Tenant {
             clients: Vec::new(),
             weight: 1,
             guaranteed: BTreeMap::new(),
+            guaranteed_slots: 0,
             max_slots: None,
             max_waiting: None,
             max_submits_per_second: None,
@@ -147,6 +151,7 @@ pub(crate) fn validate(
     let mut default: Option<Tenant> = None;
     let mut by_client: HashMap<UserName, usize> = HashMap::new();
     let mut guaranteed_sum: BTreeMap<String, u64> = BTreeMap::new();
+    let mut guaranteed_total: u64 = 0;
     for t in raw {
         let t = t.value;
         let name = v.name("tenant", &t.name)?;
@@ -228,6 +233,20 @@ pub(crate) fn validate(
             None => Ok(None),
         };
         let max_slots = positive(&t.max_slots, "max-slots")?;
+        let guaranteed_slots = positive(&t.guaranteed_slots, "guaranteed-slots")?.unwrap_or(0);
+        if let Some(slots) = &t.guaranteed_slots {
+            guaranteed_total += u64::from(slots.value);
+            let most: u64 = label_slots.values().sum();
+            if guaranteed_total > most {
+                return Err(v.at(
+                    slots,
+                    format!(
+                        "the tenants are guaranteed {guaranteed_total} slots together \
+                         (guaranteed-slots), but the pools hold at most {most}"
+                    ),
+                ));
+            }
+        }
         let max_waiting = positive(&t.max_waiting, "max-waiting")?;
         let max_submits_per_second = match &t.max_submits_per_second {
             Some(r) if !(r.value > 0.0 && r.value <= MAX_SUBMIT_RATE) => {
@@ -247,6 +266,7 @@ pub(crate) fn validate(
             clients,
             weight,
             guaranteed,
+            guaranteed_slots,
             max_slots,
             max_waiting,
             max_submits_per_second,
@@ -291,6 +311,24 @@ mod tests {
         assert_eq!((d.name.as_str(), d.max_waiting), (DEFAULT_TENANT, Some(10)));
         assert_eq!(t.of(None), t.named(DEFAULT_TENANT).unwrap());
         assert!(parse("").unwrap().tenants.is_single());
+    }
+
+    #[test]
+    fn guaranteed_slots_count_every_label_and_fit_the_pools() {
+        let c = parse("tenants:\n  - {name: a, clients: [x], guaranteed-slots: 3}\n").unwrap();
+        assert_eq!(c.tenants.get(0).guaranteed_slots, 3);
+        assert_eq!(c.tenants.get(1).guaranteed_slots, 0);
+        let err = parse(
+            "tenants:\n  - {name: a, clients: [x], guaranteed-slots: 5}\n  - {name: b, clients: [y], guaranteed-slots: 4}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(
+                "guaranteed 9 slots together (guaranteed-slots), but the pools hold at most 8"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -400,6 +400,8 @@ impl Sim<'_> {
                     weight: t.weight,
                     guaranteed: t.guaranteed(label),
                     held: self.held.get(&(i, label.clone())).copied().unwrap_or(0),
+                    guaranteed_total: t.guaranteed_slots,
+                    held_total: self.held_total.get(&i).copied().unwrap_or(0),
                     room: t.max_slots.map(|max| {
                         max.saturating_sub(self.held_total.get(&i).copied().unwrap_or(0))
                     }),

@@ -310,6 +310,9 @@ pub struct Share {
     pub guaranteed: u32,
     /// Slots of the label it holds now.
     pub held: u32,
+    /// Slots of any label it gets first (`guaranteed-slots`), and those it holds now.
+    pub guaranteed_total: u32,
+    pub held_total: u32,
     /// Slots of any label it may still take before its `max-slots` (None: no limit).
     pub room: Option<u32>,
 }
@@ -445,8 +448,11 @@ where
             return;
         }
         let used = u64::from(share.held) + u64::from(self.given[i]);
+        let used_total = u64::from(share.held_total) + u64::from(self.given[i]);
+        let guaranteed =
+            used < u64::from(share.guaranteed) || used_total < u64::from(share.guaranteed_total);
         self.heap.push(Turn {
-            class: u8::from(used >= u64::from(share.guaranteed)),
+            class: u8::from(!guaranteed),
             used,
             weight: u64::from(share.weight.max(1)),
             head,
@@ -592,6 +598,7 @@ mod tests {
             guaranteed,
             held,
             room: None,
+            ..Share::default()
         }
     }
 
@@ -636,6 +643,19 @@ mod tests {
         // A tenant below its guarantee goes first, however much the other is below.
         assert_eq!(served(&[share(1, 0, 0), share(1, 2, 5)], 3)[..3], [0, 0, 0]);
         assert_eq!(served(&[share(1, 0, 5), share(1, 7, 5)], 3)[..3], [1, 1, 0]);
+    }
+
+    #[test]
+    fn a_tenant_below_its_guarantee_of_every_label_goes_first() {
+        // Tenant 1 holds 5 of this label already but only 1 of its 3 guaranteed slots of
+        // all labels together: it goes first twice, then shares by holdings.
+        let mut below = share(1, 0, 5);
+        below.guaranteed_total = 3;
+        below.held_total = 1;
+        assert_eq!(served(&[share(1, 0, 0), below], 3)[..4], [1, 1, 0, 0]);
+        // Holding its guarantee elsewhere, it gets no turn ahead.
+        below.held_total = 3;
+        assert_eq!(served(&[share(1, 0, 0), below], 3)[..3], [0, 0, 0]);
     }
 
     #[test]
