@@ -12,7 +12,7 @@
 //!   comments say, outside the unit's own cgroup), a job process run as the slot user is
 //!   moved into them, and release kills it and removes what the job left in its
 //!   workspace, `/tmp`, `/var/tmp`, `/dev/shm` and `/run/lock`, leaving the slot clean
-//!   (not dirty);
+//!   (not dirty); a login placed by `enter-slot` has the slot's own `/tmp`;
 //! - `systemctl restart` kills the processes of a prepared slot (the agent does, at
 //!   SIGTERM) and keeps the slot prepared; an agent killed with SIGKILL leaves them
 //!   running (they are not in the unit's cgroup), systemd restarts it, the new agent
@@ -276,6 +276,31 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     for path in &leftovers {
         assert!(container.path(path).exists(), "{path} was not made");
     }
+    // A login, placed as sshd's ForceCommand places it: its /tmp is the slot's own tmpfs
+    // (the agent made the slot's mount namespace under the unit's hardening), and what it
+    // writes there never reaches the host's /tmp.
+    let login = container.ok(&[
+        "runuser",
+        "-u",
+        &user,
+        "--",
+        "env",
+        "SSH_ORIGINAL_COMMAND=stat -f -c %T /tmp && echo x >/tmp/sd-login && cat /tmp/sd-login",
+        "/usr/bin/slotpool-agent",
+        "enter-slot",
+        "--run-dir",
+        "/run/slotpool",
+    ]);
+    assert_eq!(
+        login.lines().collect::<Vec<_>>(),
+        ["tmpfs", "x"],
+        "{}",
+        container.journal()
+    );
+    assert!(
+        !container.path("/tmp/sd-login").exists(),
+        "a login's /tmp is the host's"
+    );
 
     release(&bus, &backing, 0, "node-sd-0").await;
     assert!(
