@@ -1848,6 +1848,7 @@ mod tests {
                 v: 1,
                 holder: LauncherId::parse(launcher).unwrap(),
                 acquired_at: 0,
+                renewed_at: None,
                 passed_at: None,
             },
         });

@@ -769,6 +769,10 @@ pub struct Lease {
     pub v: u32,
     pub holder: LauncherId,
     pub acquired_at: UnixMillis,
+    /// When the holder last wrote the lease (taken or renewed), by its clock: how old the
+    /// lease is, for an operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewed_at: Option<UnixMillis>,
     /// When the holder's supervisor last finished a pass, as of the lease's last
     /// renewal: how an operator sees that a launcher still decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]

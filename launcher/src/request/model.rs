@@ -208,6 +208,7 @@ impl Model {
                             v: 1,
                             holder: other.clone(),
                             acquired_at: 0,
+                            renewed_at: None,
                             passed_at: None,
                         },
                     });
