@@ -78,12 +78,17 @@ pub struct Config {
     /// three-server JetStream cluster (so one server may fail), 5 at most.
     pub kv_replicas: usize,
     /// How long a launcher's supervisor may go without finishing a pass before its
-    /// `/readyz` says it is stalled (`stall-after`, default 60 s).
+    /// `/readyz` says it is stalled (`stall-after`, default [`DEFAULT_STALL_AFTER`]);
+    /// the console marks such a launcher with the same threshold.
     pub stall_after: Duration,
     pub providers: Vec<ProviderConfig>,
     /// The teams sharing the pool ([`tenants`]).
     pub tenants: tenants::Tenants,
 }
+
+/// `stall-after` when the configuration does not say: how long a launcher's supervisor
+/// may go without finishing a pass before it counts as stalled.
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProviderConfig {

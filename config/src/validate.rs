@@ -432,7 +432,7 @@ impl Validator<'_> {
                 ))
             }
             Some(s) => Duration::from_secs(s.value.0),
-            None => Duration::from_secs(60),
+            None => DEFAULT_STALL_AFTER,
         };
         if raw.providers.is_empty() {
             return Err(ConfigError::Whole {

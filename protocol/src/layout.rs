@@ -121,6 +121,9 @@ pub fn launcher_lease_key(launcher: &LauncherId) -> String {
     format!("launcher.{launcher}")
 }
 
+/// The watch filter of every [`launcher_lease_key`].
+pub const LAUNCHER_LEASE_KEYS: &str = "launcher.>";
+
 /// Key of a backing seat's lease in [`LEASES`].
 pub fn backing_lease_key(seat_key: &str) -> String {
     format!("backing.{seat_key}")

@@ -22,7 +22,7 @@ const BATCH: usize = 2048;
 /// Pause before restarting a watch that failed.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 
-/// Starts the six feeds.
+/// Starts one feed per [`Bucket`].
 pub fn spawn_feeds(
     bus: &Bus,
     link: watch::Receiver<Link>,
@@ -39,6 +39,8 @@ pub fn spawn_feeds(
             Bucket::Events => bus.events.clone(),
             // The providers' status records are in the leases bucket.
             Bucket::Providers => bus.leases.clone(),
+            // So are the launchers' liveness leases.
+            Bucket::Launchers => bus.leases.clone(),
         };
         tracker.spawn(feed(bucket, store, link.clone(), tx.clone(), stop.clone()));
     }
@@ -55,6 +57,7 @@ pub fn decode(bucket: Bucket, change: store::Change) -> Change {
                 Bucket::Agents => serde_json_decode(&value).map(Record::Agent),
                 Bucket::Events => serde_json_decode(&value).map(Record::Event),
                 Bucket::Providers => serde_json_decode(&value).map(Record::Provider),
+                Bucket::Launchers => serde_json_decode(&value).map(Record::Launcher),
             };
             match record {
                 Ok(record) => Change::Put { key, record },
@@ -93,6 +96,10 @@ async fn feed(
                 .map(|w| w.boxed()),
             Bucket::Providers => store
                 .watch_keys(layout::PROVIDER_STATUS_KEYS)
+                .await
+                .map(|w| w.boxed()),
+            Bucket::Launchers => store
+                .watch_keys(layout::LAUNCHER_LEASE_KEYS)
                 .await
                 .map(|w| w.boxed()),
             _ => store.watch().await.map(|w| w.boxed()),

@@ -8,9 +8,9 @@ use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use slotpool_config::timing::IdleRules;
 use slotpool_protocol::model::{
     AgentHeartbeat, BackingNode, BackingState, Event, EventKind, Health, IdleBehaviour, Instance,
-    Node, NodeRequest, NodeState, RequestState,
+    Lease, Node, NodeRequest, NodeState, RequestState,
 };
-use slotpool_protocol::{BackingId, EventId, NodeId, RequestId};
+use slotpool_protocol::{BackingId, EventId, LauncherId, NodeId, RequestId};
 use std::time::Duration;
 
 /// 2026-01-01 12:00:00 UTC.
@@ -169,6 +169,18 @@ pub fn ready_backing(count: u32, slots: u32) -> Vec<Change> {
         .collect()
 }
 
+/// The liveness lease of launcher `id` (a ULID's end), renewed `lease_age_s` ago, its
+/// last pass `pass_age_s` ago.
+pub fn launcher(id: &str, lease_age_s: u64, pass_age_s: Option<u64>) -> Lease {
+    Lease {
+        v: 1,
+        holder: LauncherId::parse(&format!("launcher-01jq3kz9w8v7t6s5r4q3p2{id}")).unwrap(),
+        acquired_at: NOW - 3600 * SEC,
+        renewed_at: Some(NOW - lease_age_s * SEC),
+        passed_at: pass_age_s.map(|s| NOW - s * SEC),
+    }
+}
+
 pub fn put(record: Record) -> Change {
     let key = match &record {
         Record::Backing(b) => slotpool_protocol::layout::seat_key(&b.provider, &b.pool, b.seat),
@@ -177,6 +189,7 @@ pub fn put(record: Record) -> Change {
         Record::Agent(a) => a.backing_id.to_string(),
         Record::Event(e) => e.id.to_string(),
         Record::Provider(p) => slotpool_protocol::layout::provider_status_key(&p.provider),
+        Record::Launcher(l) => slotpool_protocol::layout::launcher_lease_key(&l.holder),
     };
     Change::Put { key, record }
 }
@@ -313,6 +326,7 @@ pub fn sample() -> Vec<Change> {
         )))),
         put(Record::Agent(Box::new(agent(&busy, NOW - SEC)))),
         put(Record::Agent(Box::new(agent(&idle, NOW - 2 * SEC)))),
+        put(Record::Launcher(Box::new(launcher("n1m0", 2, Some(3))))),
         put(Record::Request(Box::new(fulfilled))),
         put(Record::Request(Box::new(request(
             "req-02",

@@ -6,7 +6,7 @@
 //! Pure: no NATS, no terminal, no clock (the time of a removal is passed in).
 
 use slotpool_protocol::model::{
-    AgentHeartbeat, BackingNode, Event, Node, NodeRequest, ProviderStatus,
+    AgentHeartbeat, BackingNode, Event, Lease, Node, NodeRequest, ProviderStatus,
 };
 use slotpool_protocol::time::UnixMillis;
 use std::collections::{BTreeMap, HashMap};
@@ -23,16 +23,19 @@ pub enum Bucket {
     Agents,
     Events,
     Providers,
+    /// The launchers' liveness leases (in the leases bucket).
+    Launchers,
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 6] = [
+    pub const ALL: [Bucket; 7] = [
         Bucket::Backing,
         Bucket::Slots,
         Bucket::Requests,
         Bucket::Agents,
         Bucket::Events,
         Bucket::Providers,
+        Bucket::Launchers,
     ];
 
     fn index(self) -> usize {
@@ -49,6 +52,7 @@ pub enum Record {
     Agent(Box<AgentHeartbeat>),
     Event(Box<Event>),
     Provider(Box<ProviderStatus>),
+    Launcher(Box<Lease>),
 }
 
 impl Record {
@@ -60,6 +64,7 @@ impl Record {
             Record::Agent(_) => Bucket::Agents,
             Record::Event(_) => Bucket::Events,
             Record::Provider(_) => Bucket::Providers,
+            Record::Launcher(_) => Bucket::Launchers,
         }
     }
 }
@@ -103,8 +108,9 @@ pub struct Mirror {
     agents: HashMap<String, Seen<AgentHeartbeat>>,
     events: BTreeMap<String, Seen<Event>>,
     providers: BTreeMap<String, Seen<ProviderStatus>>,
-    epochs: [u32; 6],
-    synced: [bool; 6],
+    launchers: BTreeMap<String, Seen<Lease>>,
+    epochs: [u32; 7],
+    synced: [bool; 7],
     /// When a slot of each backing node (by id) was last seen coming back: a term of the
     /// release rule ([`slotpool_config::timing::release_at`]).
     last_release: HashMap<String, UnixMillis>,
@@ -139,6 +145,9 @@ impl Mirror {
                     Record::Provider(v) => {
                         self.providers.insert(key, Seen { value: *v, epoch });
                     }
+                    Record::Launcher(v) => {
+                        self.launchers.insert(key, Seen { value: *v, epoch });
+                    }
                 }
             }
             Change::Removed { bucket, key } => match bucket {
@@ -153,6 +162,7 @@ impl Mirror {
                 Bucket::Agents => drop(self.agents.remove(&key)),
                 Bucket::Events => drop(self.events.remove(&key)),
                 Bucket::Providers => drop(self.providers.remove(&key)),
+                Bucket::Launchers => drop(self.launchers.remove(&key)),
             },
             Change::Restarted(bucket) => {
                 self.epochs[bucket.index()] += 1;
@@ -167,6 +177,7 @@ impl Mirror {
                     Bucket::Agents => self.agents.retain(|_, s| s.epoch == epoch),
                     Bucket::Events => self.events.retain(|_, s| s.epoch == epoch),
                     Bucket::Providers => self.providers.retain(|_, s| s.epoch == epoch),
+                    Bucket::Launchers => self.launchers.retain(|_, s| s.epoch == epoch),
                 }
                 self.synced[bucket.index()] = true;
             }
@@ -232,6 +243,11 @@ impl Mirror {
     /// The last error of each provider whose last call failed.
     pub fn provider_errors(&self) -> impl Iterator<Item = &ProviderStatus> {
         self.providers.values().map(|p| &p.value)
+    }
+
+    /// Every launcher's liveness lease, by launcher id.
+    pub fn launchers(&self) -> impl Iterator<Item = &Lease> {
+        self.launchers.values().map(|l| &l.value)
     }
 
     /// When a slot of backing node `id` was last seen coming back.

@@ -309,6 +309,10 @@ pub struct Index {
     pools: Vec<PoolRow>,
     /// One row per tenant, when the config names tenants.
     tenants: Vec<TenantRow>,
+    /// One row per launcher whose liveness lease stands.
+    launchers: Vec<LauncherRow>,
+    /// Requests that wait for free slots while no launcher decides, if any.
+    unattended: Option<Unattended>,
     used_by_backing: HashMap<String, u32>,
     backing_by_id: HashMap<String, String>,
     /// The requests of the labels with a `warm-window`, as the launcher counts them.
@@ -326,6 +330,23 @@ impl Index {
         &self.tenants
     }
 
+    /// The launchers' rows, as of the last build.
+    pub fn launchers(&self) -> &[LauncherRow] {
+        &self.launchers
+    }
+
+    /// Requests that wait for free slots while no launcher decides, as of the last build.
+    pub fn unattended(&self) -> Option<&Unattended> {
+        self.unattended.as_ref()
+    }
+
+    /// Rederives the launchers' rows and [`Index::unattended`] at `now`: their ages move
+    /// with the clock in every view, not only when the rows are rebuilt.
+    pub fn refresh_liveness(&mut self, mirror: &Mirror, rules: &Rules, now: UnixMillis) {
+        self.launchers = launcher_rows(mirror, rules, now);
+        self.unattended = unattended(mirror, &self.used_by_backing, &self.launchers);
+    }
+
     pub fn build(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Index {
         let mut used_by_backing: HashMap<String, u32> = HashMap::new();
         for s in mirror.slots() {
@@ -341,9 +362,13 @@ impl Index {
                 arrivals.note(r.id.as_str(), r.client.as_ref(), &r.labels, r.created_at);
             }
         }
+        let launchers = launcher_rows(mirror, rules, now);
+        let unattended = unattended(mirror, &used_by_backing, &launchers);
         let mut index = Index {
             pools: Vec::new(),
             tenants: tenant_rows(mirror, rules, now),
+            launchers,
+            unattended,
             used_by_backing,
             backing_by_id,
             arrivals,
@@ -428,6 +453,115 @@ fn tenant_rows(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Vec<TenantRow
             }
         })
         .collect()
+}
+
+/// One launcher in the Pools view, from its liveness lease.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LauncherRow {
+    pub id: String,
+    /// Since its lease was last written (taken or renewed), by the launcher's clock.
+    pub lease_age_ms: u64,
+    /// Since its supervisor last finished a pass; `None` before its first.
+    pub pass_age_ms: Option<u64>,
+    /// It has not finished a pass for longer than `stall-after` (or, before its first,
+    /// since it took its lease): its `/readyz` says "stalled".
+    pub stalled: bool,
+}
+
+/// The launchers' rows from their leases, by id.
+fn launcher_rows(mirror: &Mirror, rules: &Rules, now: UnixMillis) -> Vec<LauncherRow> {
+    let stall_after = u64::try_from(rules.stall_after().as_millis()).unwrap_or(u64::MAX);
+    mirror
+        .launchers()
+        .map(|lease| {
+            let pass_age_ms = lease.passed_at.map(|at| now.saturating_sub(at));
+            let deciding_age = pass_age_ms.unwrap_or(now.saturating_sub(lease.acquired_at));
+            LauncherRow {
+                id: lease.holder.to_string(),
+                lease_age_ms: now.saturating_sub(lease.renewed_at.unwrap_or(lease.acquired_at)),
+                pass_age_ms,
+                stalled: deciding_age > stall_after,
+            }
+        })
+        .collect()
+}
+
+/// Requests waiting while slots of their labels are free on running nodes, and no
+/// launcher decides: nobody hands those slots out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unattended {
+    /// Waiting requests with a free slot of one of their labels.
+    pub waiting: usize,
+    /// Free slots of those labels on ready, running nodes.
+    pub free: u32,
+    /// Launchers whose lease stands (all of them stalled).
+    pub launchers: usize,
+}
+
+impl Unattended {
+    /// Who is missing: no launcher at all, or none that passed within `stall_after`.
+    pub fn nobody(&self, stall_after: std::time::Duration) -> String {
+        if self.launchers == 0 {
+            "no launcher holds a liveness lease".to_string()
+        } else {
+            format!(
+                "no launcher finished a pass in the last {}s",
+                stall_after.as_secs()
+            )
+        }
+    }
+
+    /// What it says, in a line.
+    pub fn line(&self, stall_after: std::time::Duration) -> String {
+        format!(
+            "nobody acts: {} requests wait with {} slots of their labels free, and {}",
+            self.waiting,
+            self.free,
+            self.nobody(stall_after)
+        )
+    }
+}
+
+fn unattended(
+    mirror: &Mirror,
+    used_by_backing: &HashMap<String, u32>,
+    launchers: &[LauncherRow],
+) -> Option<Unattended> {
+    if launchers.iter().any(|l| !l.stalled) {
+        return None;
+    }
+    let mut free_by_label: HashMap<&str, u32> = HashMap::new();
+    for (_, b) in mirror.backing_nodes() {
+        if b.state != BackingState::Ready || b.idle != IdleBehaviour::Run {
+            continue;
+        }
+        let used = used_by_backing.get(b.id.as_str()).copied().unwrap_or(0);
+        let dirty = mirror
+            .agent(b.id.as_str())
+            .map_or(0, |a| a.dirty_slots.len() as u32);
+        *free_by_label.entry(b.label.as_str()).or_default() +=
+            b.slots.saturating_sub(used).saturating_sub(dirty);
+    }
+    let mut labels = std::collections::BTreeSet::new();
+    let waiting = mirror
+        .requests()
+        .filter(|(_, r)| r.state == RequestState::Requested)
+        .filter(|(_, r)| {
+            let free: Vec<&String> = r
+                .labels
+                .iter()
+                .filter(|l| free_by_label.get(l.as_str()).is_some_and(|f| *f > 0))
+                .collect();
+            labels.extend(free.iter().map(|l| l.as_str()));
+            !free.is_empty()
+        })
+        .count();
+    let free = labels.iter().map(|l| free_by_label[l]).sum();
+    (waiting > 0).then_some(Unattended {
+        waiting,
+        free,
+        launchers: launchers.len(),
+    })
 }
 
 /// What every row is derived from: the records, the rules, the time and the index.

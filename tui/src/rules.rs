@@ -40,6 +40,8 @@ pub struct Rules {
     pools: BTreeMap<(String, String), u32>,
     /// The teams sharing the pool (`tenants[]`): the Pools view shows each one.
     tenants: Tenants,
+    /// The launchers' `stall-after`, when the config is known.
+    stall_after: Option<std::time::Duration>,
 }
 
 impl Rules {
@@ -51,6 +53,7 @@ impl Rules {
     pub fn from_config(config: &Config) -> Rules {
         let mut rules = Rules {
             tenants: config.tenants.clone(),
+            stall_after: Some(config.stall_after),
             ..Rules::default()
         };
         for provider in &config.providers {
@@ -97,6 +100,13 @@ impl Rules {
     /// Sets the teams (for tests and callers without a config file).
     pub fn set_tenants(&mut self, tenants: Tenants) {
         self.tenants = tenants;
+    }
+
+    /// How long a launcher may go without finishing a pass before it counts as stalled:
+    /// the `stall-after` its `/readyz` holds it to (the default without `--config`).
+    pub fn stall_after(&self) -> std::time::Duration {
+        self.stall_after
+            .unwrap_or(slotpool_config::DEFAULT_STALL_AFTER)
     }
 
     pub fn is_known(&self) -> bool {

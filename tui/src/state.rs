@@ -19,8 +19,8 @@ use crate::input::{Action, Input, PendingOrder, Taken};
 use crate::layout::table_rows;
 use crate::mirror::{Change, Mirror};
 use crate::rows::{
-    self, BackingRow, Facts, Gone, IdleTimer, Index, PoolRow, PoolScope, SlotRow, TenantRow, View,
-    ViewState,
+    self, BackingRow, Facts, Gone, IdleTimer, Index, LauncherRow, PoolRow, PoolScope, SlotRow,
+    TenantRow, Unattended, View, ViewState,
 };
 use crate::rules::Rules;
 use slotpool_protocol::api::SlotOccupants;
@@ -428,6 +428,16 @@ impl State {
     /// The tenants' rows (none without a `tenants` section in `--config`).
     pub fn tenant_rows(&self) -> &[TenantRow] {
         self.index.tenants()
+    }
+
+    /// One row per launcher whose liveness lease stands.
+    pub fn launcher_rows(&self) -> &[LauncherRow] {
+        self.index.launchers()
+    }
+
+    /// Requests that wait for free slots while no launcher decides, if any.
+    pub fn unattended(&self) -> Option<&Unattended> {
+        self.index.unattended()
     }
 
     /// The finished requests (see [`rows::is_finished`]), by state: released, failed and
@@ -915,6 +925,11 @@ pub fn update(state: &mut State, msg: Msg) -> Option<Command> {
             }
             if state.view == View::Pools || state.view_state().sort != 0 {
                 state.dirty = true;
+            }
+            if !state.dirty {
+                state
+                    .index
+                    .refresh_liveness(&state.mirror, &state.rules, now);
             }
             None
         }

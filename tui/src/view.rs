@@ -96,10 +96,101 @@ fn draw_header(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         spans.push(Span::styled(format!("{} failed", t.failed), theme.error()));
     }
     spans.push(Span::raw(format!(
-        " · {}/{} slots · {} waiting │ {}",
-        t.used, t.slots, t.waiting, state.endpoint
+        " · {}/{} slots · {} waiting │ ",
+        t.used, t.slots, t.waiting
     )));
+    // Free slots nobody hands out take the endpoint's place: a stall must not hide.
+    match state.unattended() {
+        Some(u) => spans.push(Span::styled(
+            format!("nobody hands out {} free slots", u.free),
+            theme.error(),
+        )),
+        None => spans.push(Span::raw(state.endpoint.clone())),
+    }
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+/// The launchers' table under the pools: each one's lease age and last pass, marked
+/// stalled past `stall-after` (as its `/readyz` is), and the line saying when requests
+/// wait for free slots while no launcher decides.
+fn draw_launchers(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    let wide = area.width >= WIDE;
+    let stall_after = state.rules.stall_after();
+    let (warning, area) = match state.unattended() {
+        Some(u) => {
+            let [line, rest] =
+                Layout::vertical([Constraint::Length(1), Constraint::Fill(1)]).areas(area);
+            (Some((line, u.line(stall_after))), rest)
+        }
+        None => (None, area),
+    };
+    if let Some((line, text)) = warning {
+        frame.render_widget(Paragraph::new(text).style(theme.error()), line);
+    }
+    let width = if wide { 36 } else { 20 };
+    let cols = [
+        col("LAUNCHER", width, 0),
+        col("LEASE", 6, 0),
+        col("LAST PASS", 9, 0),
+        fill("DECIDING", 8, 1),
+    ];
+    let keep = fit(&cols, area.width);
+    let pick = |cells: Vec<Cell<'static>>| -> Vec<Cell<'static>> {
+        cells
+            .into_iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c)
+            .collect()
+    };
+    let header = pick(cols.iter().map(|c| Cell::from(c.header)).collect());
+    let widths: Vec<Constraint> = cols
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(c, _)| {
+            if c.fill {
+                Constraint::Fill(1)
+            } else {
+                Constraint::Length(c.width)
+            }
+        })
+        .collect();
+    let rows: Vec<Row> = state
+        .launcher_rows()
+        .iter()
+        .map(|l| {
+            let pass = l.pass_age_ms.map_or("never".into(), fmt_duration);
+            let (pass_style, deciding) = if l.stalled {
+                (
+                    theme.warn(),
+                    format!("stalled: past stall-after ({}s)", stall_after.as_secs()),
+                )
+            } else {
+                (Style::new(), "yes".to_string())
+            };
+            Row::new(pick(vec![
+                Cell::from(short_id(&l.id, width as usize)),
+                Cell::from(fmt_duration(l.lease_age_ms)),
+                Cell::from(Span::styled(pass, pass_style)),
+                Cell::from(Span::styled(deciding, pass_style)),
+            ]))
+        })
+        .collect();
+    let empty = rows.is_empty();
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(Row::new(header).style(theme.header_row()))
+            .column_spacing(1),
+        area,
+    );
+    if empty && area.height > 1 {
+        let [_, below] = Layout::vertical([Constraint::Length(1), Constraint::Fill(1)]).areas(area);
+        frame.render_widget(
+            Paragraph::new(" no launcher holds a liveness lease").style(theme.warn()),
+            below,
+        );
+    }
 }
 
 /// The view tabs, then the view's sort, pool and filter. When they do not all fit, the
@@ -611,6 +702,23 @@ fn draw_tenants(frame: &mut Frame, area: Rect, tenants: &[TenantRow], theme: &Th
 }
 
 fn draw_pools(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
+    // The launchers' table (and the line saying nobody acts) takes the bottom, if the
+    // pools keep room.
+    let launchers =
+        state.launcher_rows().len().max(1) + 1 + usize::from(state.unattended().is_some());
+    let area = match u16::try_from(launchers) {
+        Ok(height) if area.height >= height + 8 => {
+            let [pools, _, below] = Layout::vertical([
+                Constraint::Fill(1),
+                Constraint::Length(1),
+                Constraint::Length(height),
+            ])
+            .areas(area);
+            draw_launchers(frame, below, state, theme);
+            pools
+        }
+        _ => area,
+    };
     // With tenants configured, their table takes the bottom, if the pools keep room.
     let tenants = state.tenant_rows();
     let area = match u16::try_from(tenants.len() + 1) {
@@ -1323,7 +1431,8 @@ mod tests {
         let mut state = sample_state(80, 24);
         // Five minutes of samples: more slots used, then requests waiting.
         for i in 0..60u64 {
-            let waiting: Vec<Change> = (0..i / 20)
+            let at = NOW + i * crate::history::SAMPLE_MS;
+            let mut waiting: Vec<Change> = (0..i / 20)
                 .map(|n| {
                     put(Record::Request(Box::new(request(
                         &format!("req-w{n}"),
@@ -1333,13 +1442,11 @@ mod tests {
                     ))))
                 })
                 .collect();
-            apply_all(
-                &mut state,
-                [
-                    Msg::Feed(waiting),
-                    Msg::Tick(NOW + i * crate::history::SAMPLE_MS),
-                ],
-            );
+            // The launcher goes on deciding.
+            let mut live = launcher("n1m0", 0, Some(0));
+            (live.renewed_at, live.passed_at) = (Some(at), Some(at));
+            waiting.push(put(Record::Launcher(Box::new(live))));
+            apply_all(&mut state, [Msg::Feed(waiting), Msg::Tick(at)]);
         }
         press(&mut state, [key('1'), key('i')]);
         let text = screen(&state);
@@ -1453,6 +1560,137 @@ mod tests {
         let mut state = sample_state(100, 24);
         press(&mut state, [key('1')]);
         assert!(!screen(&state).contains("TENANT"));
+    }
+
+    /// The launcher's own line of the Pools view's launchers' table, split in cells.
+    fn launcher_cells(text: &str, id_end: &str) -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.contains(id_end))
+            .unwrap_or_else(|| panic!("no row of launcher …{id_end}:\n{text}"));
+        line.trim_matches('"')
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Each launcher's lease age and last pass; one that passed 75 s ago is stalled
+    /// (past the default `stall-after`, 60 s); while another decides, nobody is said
+    /// to be missing.
+    #[test]
+    fn pools_view_shows_each_launchers_liveness() {
+        let mut changes = sample();
+        changes.push(put(Record::Launcher(Box::new(launcher(
+            "zzzz",
+            1,
+            Some(75),
+        )))));
+        let mut state = loaded(rules(), changes, 120, 30);
+        press(&mut state, [key('1')]);
+        let text = screen(&state);
+        assert_eq!(
+            launcher_cells(&text, "LAUNCHER"),
+            ["LAUNCHER", "LEASE", "LAST", "PASS", "DECIDING"],
+            "{text}"
+        );
+        assert_eq!(
+            launcher_cells(&text, "n1m0"),
+            ["launcher-01jq3kz9w8v7t6s5r4q3p2n1m0", "2s", "3s", "yes"],
+            "{text}"
+        );
+        assert_eq!(
+            launcher_cells(&text, "zzzz")[1..],
+            ["1s", "1m15s", "stalled:", "past", "stall-after", "(60s)"],
+            "{text}"
+        );
+        assert!(!text.contains("nobody"), "{text}");
+        insta::assert_snapshot!(text);
+    }
+
+    /// A waiting request with free slots of its label and no launcher deciding: the
+    /// header, the Pools view and the pool's pane say nobody hands the slots out, in
+    /// every view and as the clock moves; a pass ends it.
+    #[test]
+    fn a_stall_cannot_hide_free_slots_nobody_hands_out() {
+        let mut state = sample_state(120, 30);
+        // The sample's launcher passed 3 s ago; 70 s later, with no renewal since, it
+        // has not passed for 73 s. Seen from the Backing view, which is not rebuilt
+        // on a tick.
+        apply_all(&mut state, [Msg::Tick(NOW + 70 * SEC)]);
+        let text = screen(&state);
+        assert!(text.contains("nobody hands out 2 free slots"), "{text}");
+        press(&mut state, [key('1')]);
+        let text = screen(&state);
+        assert!(
+            text.contains(
+                "nobody acts: 1 requests wait with 2 slots of their labels free, and no \
+                 launcher finished a pass in the last 60s"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            launcher_cells(&text, "n1m0")[1..4],
+            ["1m12s", "1m13s", "stalled:"],
+            "{text}"
+        );
+        press(&mut state, [key('i')]);
+        let text = screen(&state);
+        assert!(
+            text.contains("2 free slots on running nodes, but nobody hands them out"),
+            "{text}"
+        );
+        insta::assert_snapshot!(text);
+        // A renewal that says it passed: the warnings go.
+        let mut fresh = launcher("n1m0", 0, Some(0));
+        fresh.renewed_at = Some(NOW + 70 * SEC);
+        fresh.passed_at = Some(NOW + 69 * SEC);
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![put(Record::Launcher(Box::new(fresh)))])],
+        );
+        let text = screen(&state);
+        assert!(!text.contains("nobody"), "{text}");
+        assert!(text.contains("handed out next pass"), "{text}");
+        // No launcher at all (its lease expired).
+        apply_all(
+            &mut state,
+            [Msg::Feed(vec![Change::Removed {
+                bucket: Bucket::Launchers,
+                key: "launcher.launcher-01jq3kz9w8v7t6s5r4q3p2n1m0".into(),
+            }])],
+        );
+        let text = screen(&state);
+        assert!(
+            text.contains("and no launcher holds a liveness lease"),
+            "{text}"
+        );
+    }
+
+    /// The console's threshold is the launchers' own `stall-after`, from `--config`.
+    #[test]
+    fn a_launcher_is_stalled_past_the_configs_stall_after() {
+        let config = slotpool_config::Config::parse(
+            std::path::Path::new("pool.yaml"),
+            "launcher:\n  stall-after: 120\nproviders:\n  - name: cloud\n    driver: local\n    pools:\n      - name: main\n        max-servers: 4\n        labels:\n          - {name: small, backing-label: vm, max-parallel-jobs: 4}\n",
+        )
+        .unwrap();
+        let mut changes = sample();
+        changes.push(put(Record::Launcher(Box::new(launcher(
+            "zzzz",
+            1,
+            Some(75),
+        )))));
+        let mut state = loaded(Rules::from_config(&config), changes, 100, 30);
+        press(&mut state, [key('1')]);
+        let text = screen(&state);
+        assert_eq!(launcher_cells(&text, "zzzz")[3], "yes", "{text}");
+        apply_all(&mut state, [Msg::Tick(NOW + 50 * SEC)]);
+        let text = screen(&state);
+        assert_eq!(
+            launcher_cells(&text, "zzzz")[3..],
+            ["stalled:", "past", "stall-after", "(120s)"],
+            "{text}"
+        );
     }
 
     #[test]

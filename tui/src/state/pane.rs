@@ -274,13 +274,22 @@ fn pool_pane(state: &State, p: &PoolRow) -> Pane {
     }
     let c = Capacity::of(state, p);
     if p.waiting > 0 {
+        // Free slots are handed out at the next pass only while a launcher passes.
+        let why = match state.unattended() {
+            Some(u) if c.free > 0 => format!(
+                "{} free slots on running nodes, but nobody hands them out: {}",
+                c.free,
+                u.nobody(state.rules.stall_after())
+            ),
+            _ => c.why_waiting(),
+        };
         pane.line(
             Tone::Warn,
             format!(
                 "{} waiting, oldest {}: {}",
                 p.waiting,
                 p.oldest_wait_ms.map_or("-".into(), fmt_duration),
-                c.why_waiting()
+                why
             ),
         );
     } else {
