@@ -10,8 +10,8 @@
 
 use slotpool_protocol::api::SlotLimits;
 use slotpool_tests::{
-    bin_path, login_env_with, login_of, wait_for, ClientKey, IsolationEnv, NatsServer, SlotAgent,
-    Sshd,
+    bin_path, login_env, login_env_with, login_of, wait_for, ClientKey, IsolationEnv, NatsServer,
+    SlotAgent, Sshd,
 };
 use std::path::Path;
 use std::process::Command;
@@ -382,4 +382,102 @@ async fn an_agent_asked_for_quotas_it_cannot_make_says_why_and_stops() {
             .contains("--slot-disk-quota-mb: per-slot disk quotas need loop devices and mkfs.ext4"),
         "{stderr}"
     );
+}
+
+/// The files of `user`'s cgroup that say what it runs and uses: its `cgroup.procs` in
+/// every hierarchy and its memory usage (`memory.current` in v2,
+/// `memory.usage_in_bytes` in v1), as paths, with the hierarchy's file for the limit.
+fn cgroup_files(env: &IsolationEnv, user: &str) -> (Vec<String>, String, String) {
+    let dirs = env.cgroups().paths(user);
+    let procs = dirs
+        .iter()
+        .map(|d| d.join("cgroup.procs").display().to_string())
+        .collect();
+    let find = |files: [&str; 2]| {
+        dirs.iter()
+            .flat_map(|d| files.map(|f| d.join(f)))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("none of {files:?} under {dirs:?}"))
+            .display()
+            .to_string()
+    };
+    (
+        procs,
+        find(["memory.current", "memory.usage_in_bytes"]),
+        find(["memory.max", "memory.limit_in_bytes"]),
+    )
+}
+
+/// Slot A tries to learn what slot B runs and uses from B's cgroup (its pids, its memory
+/// usage), the parent's total usage, and to list the slots' cgroup parent; it still
+/// reads its own limit, at the path its `/proc/self/cgroup` names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_cannot_read_its_neighbours_cgroup() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 2).await;
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
+    let started = run_in_slot(
+        &sshd,
+        &key,
+        &user_b,
+        "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo started",
+    );
+    assert!(started.contains("started"), "{started}");
+    let (procs_b, usage_b, _) = cgroup_files(&env, &user_b);
+    let (_, _, limit_a) = cgroup_files(&env, &user_a);
+    let parents: Vec<String> = env
+        .parent_dirs()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    // The parent's own usage: the total of every slot below it.
+    let usage_parent = {
+        let usage = Path::new(&usage_b);
+        let parent = usage.parent().and_then(Path::parent).unwrap();
+        parent
+            .join(usage.file_name().unwrap())
+            .display()
+            .to_string()
+    };
+    let mut attack = String::new();
+    for file in procs_b.iter().chain([&usage_b, &usage_parent]) {
+        attack.push_str(&format!(
+            "echo \"== {file}\"; cat {file} 2>&1 && echo NEIGHBOUR-READ; "
+        ));
+    }
+    for parent in &parents {
+        attack.push_str(&format!(
+            "echo \"== {parent}\"; ls {parent} 2>&1 && echo LISTED; "
+        ));
+    }
+    attack.push_str(&format!(
+        "echo \"== own\"; grep -c /{user_a} /proc/self/cgroup; cat {limit_a} && echo OWN-LIMIT-READ"
+    ));
+    let seen = run_in_slot(&sshd, &key, &user_a, &attack);
+    println!("--- slot A ({user_a}) reading slot B's ({user_b}) cgroup:\n{seen}");
+    assert!(
+        !seen.contains("NEIGHBOUR-READ"),
+        "slot A read slot B's cgroup:\n{seen}"
+    );
+    assert!(
+        !seen.contains("LISTED"),
+        "slot A listed the parent:\n{seen}"
+    );
+    assert_eq!(
+        seen.matches("Permission denied").count(),
+        procs_b.len() + 2 + parents.len(),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("OWN-LIMIT-READ"),
+        "slot A lost its own limit:\n{seen}"
+    );
+    // Root (the agent's sweep, the test) still reads B's group: it has the sleep.
+    let pids = env.cgroups().procs(&user_b).unwrap();
+    assert!(!pids.is_empty(), "slot B's cgroup is empty");
+    for (slot, node) in [(0, "node-a"), (1, "node-b")] {
+        agent.release(slot, node).await.unwrap();
+        assert_eq!(agent.dirty(slot), None, "{}", agent.log());
+    }
 }

@@ -24,6 +24,13 @@
 //! `cgroup.procs` gets them all; the group is thawed (killed processes only die once
 //! thawed) and the whole round repeats until `cgroup.procs` is empty.
 //!
+//! **Closed to other slots.** The parent directory is root's, 0711, and its own files
+//! (the totals of every slot below it) are readable by root only; a slot's directory is
+//! root's with the slot user's group, 0750 ([`close_parent`], [`close_slot_dir`]). A job
+//! reads its own group (its limits and usage, at the path `/proc/self/cgroup` names, as
+//! runtimes that size themselves to their limits do) but cannot enter a neighbour's to
+//! read its `cgroup.procs` or usage, nor list the parent to find it.
+//!
 //! Every function takes its roots as data ([`CgroupLayout`]), so unit tests run on a
 //! temp dir.
 
@@ -33,6 +40,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::fs::inotify;
 use rustix::process::{kill_process, Pid, Signal};
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -44,6 +52,13 @@ const KILL_ROUND_PAUSE: Duration = Duration::from_millis(5);
 pub const TERM_POLL: Duration = Duration::from_millis(10);
 /// CFS period used for the cpu limit, in microseconds.
 pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Mode of the parent directory: slot users pass through it to their own group and
+/// list nothing.
+pub const PARENT_DIR_MODE: u32 = 0o711;
+/// Mode of a slot's group directory (root's, the slot user's group): only its own
+/// slot gets in.
+pub const SLOT_DIR_MODE: u32 = 0o750;
 
 /// The v1 controllers a slot group lives in.
 pub const V1_CONTROLLERS: [&str; 4] = ["cpu", "memory", "pids", "freezer"];
@@ -180,8 +195,9 @@ pub fn driver(layout: &CgroupLayout, parent: &str) -> Box<dyn CgroupDriver> {
 pub trait CgroupDriver: Send + Sync + 'static {
     /// `v2` or `v1`, for logs.
     fn version(&self) -> &'static str;
-    /// Creates the group (if absent) and applies `limits` (a missing limit means `max`).
-    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError>;
+    /// Creates the group (if absent), open to the group `gid` (the slot user's) only,
+    /// and applies `limits` (a missing limit means `max`).
+    fn create(&self, name: &str, gid: u32, limits: &Limits) -> Result<(), IsolationError>;
     /// Moves process `pid` into the group.
     fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError>;
     /// The processes in the group (empty when it does not exist).
@@ -244,6 +260,49 @@ fn make_dir(path: &Path) -> Result<(), IsolationError> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
         Err(e) => Err(IsolationError::new("creating", path)(e)),
     }
+}
+
+/// Makes the parent directory [`PARENT_DIR_MODE`] and its own files readable by their
+/// owner (root) only: they hold the totals of every slot below. Skipped when the
+/// directory already has that mode, which is set last.
+pub fn close_parent(parent: &Path) -> Result<(), IsolationError> {
+    let meta = fs::metadata(parent).map_err(IsolationError::new("reading", parent))?;
+    if meta.permissions().mode() & 0o7777 == PARENT_DIR_MODE {
+        return Ok(());
+    }
+    let entries = fs::read_dir(parent).map_err(IsolationError::new("listing", parent))?;
+    for entry in entries {
+        let entry = entry.map_err(IsolationError::new("listing", parent))?;
+        let path = entry.path();
+        let meta = match entry.metadata() {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(IsolationError::new("reading", &path)(e)),
+        };
+        let mode = meta.permissions().mode() & 0o7777;
+        if meta.is_file() && mode & 0o077 != 0 {
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode & !0o077))
+                .map_err(IsolationError::new("closing", &path))?;
+        }
+    }
+    fs::set_permissions(parent, fs::Permissions::from_mode(PARENT_DIR_MODE))
+        .map_err(IsolationError::new("closing", parent))
+}
+
+/// Gives a slot's group directory the group `gid` and [`SLOT_DIR_MODE`] (one `stat`
+/// when it has them already).
+pub fn close_slot_dir(dir: &Path, gid: u32) -> Result<(), IsolationError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(dir).map_err(IsolationError::new("reading", dir))?;
+    if meta.gid() != gid {
+        std::os::unix::fs::chown(dir, None, Some(gid))
+            .map_err(IsolationError::new("closing", dir))?;
+    }
+    if meta.permissions().mode() & 0o7777 != SLOT_DIR_MODE {
+        fs::set_permissions(dir, fs::Permissions::from_mode(SLOT_DIR_MODE))
+            .map_err(IsolationError::new("closing", dir))?;
+    }
+    Ok(())
 }
 
 /// Removes a group directory, retrying while the kernel still counts exiting processes.
@@ -412,13 +471,15 @@ impl CgroupDriver for CgroupV2 {
         "v2"
     }
 
-    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
+    fn create(&self, name: &str, gid: u32, limits: &Limits) -> Result<(), IsolationError> {
         let parent = self.mount.join(&self.parent);
         CgroupV2::delegate(&self.mount)?;
         make_dir(&parent)?;
         CgroupV2::delegate(&parent)?;
+        close_parent(&parent)?;
         let dir = self.dir(name);
         make_dir(&dir)?;
+        close_slot_dir(&dir, gid)?;
         let cpu = match limits.cpu_millis {
             Some(m) => format!("{} {CPU_PERIOD_US}", cpu_quota_us(m)),
             None => format!("max {CPU_PERIOD_US}"),
@@ -518,10 +579,14 @@ impl CgroupDriver for CgroupV1 {
         "v1"
     }
 
-    fn create(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
+    fn create(&self, name: &str, gid: u32, limits: &Limits) -> Result<(), IsolationError> {
         for (_, mount) in &self.mounts {
-            make_dir(&mount.join(&self.parent))?;
-            make_dir(&mount.join(&self.parent).join(name))?;
+            let parent = mount.join(&self.parent);
+            make_dir(&parent)?;
+            close_parent(&parent)?;
+            let dir = parent.join(name);
+            make_dir(&dir)?;
+            close_slot_dir(&dir, gid)?;
         }
         if let Some(dir) = self.dir("cpu", name) {
             write_control(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
@@ -671,8 +736,19 @@ mod tests {
             pids: Some(64),
             disk_bytes: None,
         };
-        v2.create("u1", &limits).unwrap();
+        fs::create_dir(root.path().join("sp")).unwrap();
+        fs::write(root.path().join("sp/memory.current"), "7").unwrap();
+        let gid = rustix::process::getegid().as_raw();
+        v2.create("u1", gid, &limits).unwrap();
         let dir = root.path().join("sp/u1");
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&root.path().join("sp")), PARENT_DIR_MODE);
+        assert_eq!(mode(&root.path().join("sp/memory.current")), 0o600);
+        assert_eq!(mode(&dir), SLOT_DIR_MODE);
+        {
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!(fs::metadata(&dir).unwrap().gid(), gid);
+        }
         let read = |f: &str| fs::read_to_string(dir.join(f)).unwrap();
         assert_eq!(read("cpu.max"), "150000 100000");
         assert_eq!(read("memory.max"), "1048576");
@@ -705,6 +781,7 @@ mod tests {
         };
         v1.create(
             "u1",
+            rustix::process::getegid().as_raw(),
             &Limits {
                 pids: Some(10),
                 ..Default::default()
@@ -720,6 +797,19 @@ mod tests {
             "10"
         );
         assert_eq!(v1.paths("u1").len(), 4);
+        for c in V1_CONTROLLERS {
+            let mode = |p: &str| {
+                fs::metadata(root.path().join(c).join(p))
+                    .unwrap()
+                    .permissions()
+                    .mode()
+                    & 0o7777
+            };
+            assert_eq!(
+                (mode("sp"), mode("sp/u1")),
+                (PARENT_DIR_MODE, SLOT_DIR_MODE)
+            );
+        }
         fs::write(root.path().join("pids/sp/u1/cgroup.procs"), "7\n3\n").unwrap();
         fs::write(root.path().join("cpu/sp/u1/cgroup.procs"), "3\n").unwrap();
         assert_eq!(v1.procs("u1").unwrap(), vec![3, 7]);

@@ -589,7 +589,7 @@ impl UserIsolation {
         let disk_bytes = self.warm_disk_bytes;
         self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         clock.lap("workspace");
-        self.cgroups.create(&user, &Limits::default())?;
+        self.cgroups.create(&user, info.gid, &Limits::default())?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
             net.create(slot, info.uid, info.gid)
@@ -737,7 +737,7 @@ impl SlotIsolation for UserIsolation {
         if let Some(key) = ssh_public_key {
             self.write_key(&dir, key)?;
         }
-        self.cgroups.create(&warm.user, limits)?;
+        self.cgroups.create(&warm.user, warm.gid, limits)?;
         self.write_state(
             slot,
             &SlotState {
@@ -816,7 +816,7 @@ impl SlotIsolation for UserIsolation {
                 }
             }
             // Re-apply the limits (the group may be gone after a reboot).
-            self.cgroups.create(&state.user, &state.limits)?;
+            self.cgroups.create(&state.user, info.gid, &state.limits)?;
             // Likewise the network namespace of a prepared slot (a warm one without it
             // was made cold above).
             if let Some(net) = &self.network {
