@@ -1465,6 +1465,74 @@ async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
     agent.release(1, "node-b").await.unwrap();
 }
 
+/// Slot `a` listens on 127.0.0.1:`port` and on an abstract Unix socket; returns what
+/// slot `b` learns of them: whether its `/proc/net/tcp` and `/proc/net/unix` list them
+/// (`TCP-LISTED`, `UNIX-LISTED`, else `…-HIDDEN`) and whether it connects to the
+/// abstract socket (`ABSTRACT-CONNECTED`, else Python's error).
+fn neighbour_sockets(key: &ClientKey, ssh_port: u16, a: &str, b: &str, port: u16) -> String {
+    let name = format!("slotpool-probe-{port}");
+    let listen = format!(
+        "setsid python3 -c 'import socket, time\n\
+         t = socket.socket(); t.bind((\"127.0.0.1\", {port})); t.listen()\n\
+         u = socket.socket(socket.AF_UNIX); u.bind(\"\\0{name}\"); u.listen()\n\
+         time.sleep(300)' </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 100); do \
+         grep -q @{name} /proc/net/unix && echo LISTENING && exit 0; \
+         sleep 0.1; done; echo NOT-LISTENING"
+    );
+    let (_, out, err) = key.ssh(ssh_port, a, &listen);
+    assert!(
+        out.contains("LISTENING") && !out.contains("NOT-"),
+        "slot a's listeners: {out}{err}"
+    );
+    let probe = format!(
+        "grep -q 0100007F:{port:04X} /proc/net/tcp && echo TCP-LISTED || echo TCP-HIDDEN; \
+         grep -q @{name} /proc/net/unix && echo UNIX-LISTED || echo UNIX-HIDDEN; \
+         python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); \
+         s.connect(\"\\0{name}\"); print(\"ABSTRACT-CONNECTED\")' 2>&1 | tail -n 1"
+    );
+    let (_, out, err) = key.ssh(ssh_port, b, &probe);
+    format!("{}{}", out.trim(), err.trim())
+}
+
+/// With `--slot-netns on` a slot sees nothing of its neighbour's sockets: not its
+/// loopback listener in `/proc/net/tcp`, not its abstract Unix socket in
+/// `/proc/net/unix`, and it cannot connect to that socket (abstract names are kept per
+/// network namespace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_slot_netns_a_slot_sees_no_neighbours_sockets() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent, _) = netns_env(&env, 2).await;
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
+    let port = free_port();
+    let seen = neighbour_sockets(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b on slot a's sockets (port {port}) with --slot-netns on:\n{seen}");
+    for hidden in ["TCP-HIDDEN", "UNIX-HIDDEN", "ConnectionRefusedError"] {
+        assert!(seen.contains(hidden), "{hidden}: {seen}\n{}", agent.log());
+    }
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+}
+
+/// The same probe with `--slot-netns off` (the default): slot b lists slot a's
+/// listener and abstract socket and connects to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_slot_netns_a_slot_sees_its_neighbours_sockets() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 2).await;
+    let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
+    let port = free_port();
+    let seen = neighbour_sockets(&key, sshd.port, &user_a, &user_b, port);
+    eprintln!("slot b on slot a's sockets (port {port}) with --slot-netns off:\n{seen}");
+    for shown in ["TCP-LISTED", "UNIX-LISTED", "ABSTRACT-CONNECTED"] {
+        assert!(seen.contains(shown), "{shown}: {seen}");
+    }
+    agent.release(0, "node-a").await.unwrap();
+    agent.release(1, "node-b").await.unwrap();
+}
+
 /// A network namespace standing for the world beyond the host: a holder process in a
 /// fresh network namespace, joined to the host by a veth pair with `host`/`outside` as
 /// addresses. Killing the holder deletes the namespace and the pair with it.
