@@ -4,7 +4,9 @@
 //! A launcher has checked that the client holds the node; the agent checks the slot is
 //! prepared for that node, starts the command and binds the session to the client. Input
 //! is accepted only from that client's own subject (the bus lets no one else publish
-//! there), output goes to that client's inbox (no one else may read it).
+//! there), output goes to that client's inbox (no one else may read it) under a subject
+//! naming this backing node: the only output subjects its credential may publish to, so
+//! it cannot speak in sessions on other nodes.
 //!
 //! Placement: with slot users the command is started as the slot's user through the
 //! same `enter-slot` helper sshd runs for logins, so the placement socket puts it in the
@@ -124,15 +126,24 @@ pub struct Runner {
     run_dir: PathBuf,
     /// The `slotpool-agent` binary, which is also the `enter-slot` helper.
     helper: PathBuf,
+    /// This agent's backing node: the output subjects its credential may publish to
+    /// name it.
+    backing: BackingId,
     shutdown: CancellationToken,
 }
 
 impl Runner {
-    pub fn new(bus: Bus, run_dir: PathBuf, shutdown: CancellationToken) -> Runner {
+    pub fn new(
+        bus: Bus,
+        backing: BackingId,
+        run_dir: PathBuf,
+        shutdown: CancellationToken,
+    ) -> Runner {
         let helper = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("slotpool-agent"));
         Runner {
             sessions: Arc::default(),
             bus,
+            backing,
             run_dir,
             helper,
             shutdown,
@@ -199,7 +210,8 @@ impl Runner {
         let span = tracing::info_span!("exec", slot, %node_id, %client, session = %request.session);
         tokio::spawn(
             async move {
-                let output = subjects::exec_output(&request.inbox, &request.session);
+                let output =
+                    subjects::exec_output(&request.inbox, &request.session, &runner.backing);
                 let exit = runner.run(child, &request, &output, rx).await;
                 tracing::info!(code = ?exit.code, signal = ?exit.signal, timed_out = exit.timed_out, error = ?exit.error, "command ended");
                 let json = serde_json::to_vec(&exit).expect("exit serializes");

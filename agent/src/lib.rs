@@ -278,7 +278,12 @@ pub async fn run_with(
             .in_current_span(),
         );
 
-        let runner = exec::Runner::new(bus.clone(), config.run_dir.clone(), background.clone());
+        let runner = exec::Runner::new(
+            bus.clone(),
+            config.backing_id.clone(),
+            config.run_dir.clone(),
+            background.clone(),
+        );
         let input = runner
             .subscribe_input(&config.backing_id)
             .await

@@ -15,8 +15,8 @@ use slotpool_protocol::api::{ApiError, ErrorCode};
 use slotpool_protocol::client::{submission, Client};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::exec::{
-    ExecExit, ExecRequest, ExecStarted, IN_ACK, IN_SIGNAL, IN_STDIN, MAX_CHUNK_BYTES, OUT_EXIT,
-    OUT_STDERR, OUT_STDIN_ACK, OUT_STDOUT, STDIN_WINDOW,
+    output_of, ExecExit, ExecRequest, ExecStarted, IN_ACK, IN_SIGNAL, IN_STDIN, MAX_CHUNK_BYTES,
+    OUT_EXIT, OUT_STDERR, OUT_STDIN_ACK, OUT_STDOUT, STDIN_WINDOW,
 };
 use slotpool_protocol::layout::subjects::{self, ApiOp};
 use slotpool_protocol::model::RequestState;
@@ -328,24 +328,28 @@ async fn run_in(
     } = streams;
     let mut filtered = Vec::new();
     let bus = client.bus();
-    let session = ulid::Ulid::new().to_string();
-    let inbox = bus.user().inbox_prefix();
-    let output = subjects::exec_output(&inbox, &session);
-    let mut messages = Box::pin(
-        bus.serve(&format!("{output}.>"), None)
-            .await
-            .map_err(|e| infra(exit::EXEC_BUS, e))?,
-    );
     let request = ExecRequest {
         v: PROTOCOL_VERSION,
         node_id: node.clone(),
         argv,
         env,
         timeout_secs: timeout.map(|d| d.as_secs().max(1)),
-        session: session.clone(),
-        inbox,
+        session: ulid::Ulid::new().to_string(),
+        inbox: bus.user().inbox_prefix(),
         window: None,
     };
+    // Output from the agent of the node's backing node, and from no other.
+    let output = output_of(&request).ok_or_else(|| {
+        infra(
+            exit::EXEC_NOT_AUTHORISED,
+            anyhow::anyhow!("no node {node}: the id names no slot"),
+        )
+    })?;
+    let mut messages = Box::pin(
+        bus.serve(&format!("{output}.>"), None)
+            .await
+            .map_err(|e| infra(exit::EXEC_BUS, e))?,
+    );
     let started: ExecStarted = bus
         .call(
             &subjects::api(client.name(), ApiOp::Exec),

@@ -82,7 +82,7 @@ pub(crate) async fn start(
         input: subjects::exec_input(caller, &node.backing_id, &r.session, "")
             .trim_end_matches('.')
             .to_string(),
-        output: subjects::exec_output(&r.inbox, &r.session),
+        output: subjects::exec_output(&r.inbox, &r.session, &node.backing_id),
         session: r.session,
     })
 }

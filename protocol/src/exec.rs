@@ -6,8 +6,9 @@
 //! binds the session to the caller. From then on bytes flow between the caller and the
 //! agent directly, never through a launcher:
 //!
-//! - agent → caller on `<caller's inbox prefix>.exec.<session>.<kind>`
-//!   ([`crate::layout::subjects::exec_output`]): kinds [`OUT_STDOUT`], [`OUT_STDERR`]
+//! - agent → caller on `<caller's inbox prefix>.exec.<session>.<backing>.<kind>`
+//!   ([`crate::layout::subjects::exec_output`]; only the agent of `<backing>` may
+//!   publish there, only the caller subscribe): kinds [`OUT_STDOUT`], [`OUT_STDERR`]
 //!   (raw bytes, never empty), [`OUT_STDIN_ACK`] and [`OUT_EXIT`] ([`ExecExit`], JSON, the
 //!   last message of a session);
 //! - caller → agent on `slotpool.exec.v2.<caller>.<backing>.<session>.<kind>`
@@ -69,7 +70,8 @@ pub struct ExecRequest {
     /// runs (a random one each time).
     pub session: String,
     /// The caller's inbox prefix (`_INBOX.<role>.<user>`, as it connected): output
-    /// goes to `<inbox>.exec.<session>.<kind>`. Subscribe before sending the request.
+    /// goes to `<inbox>.exec.<session>.<backing>.<kind>`, `<backing>` the backing node
+    /// named in `node_id` ([`output_of`]). Subscribe before sending the request.
     pub inbox: String,
     /// Output chunks the agent may have unacknowledged (default [`DEFAULT_WINDOW`], at
     /// most [`MAX_WINDOW`]).
@@ -106,6 +108,18 @@ pub struct ExecExit {
     /// It could not be run, or the session broke (the caller went silent...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// The output subject of `request` (without its kind; subscribe to it with `.>`): the
+/// backing node in it is the one `node_id` names, whose agent alone may publish there.
+/// `None` for a node id that names no slot (the launcher refuses it as `not_found`).
+pub fn output_of(request: &ExecRequest) -> Option<String> {
+    let (backing, _slot) = request.node_id.slot()?;
+    Some(crate::layout::subjects::exec_output(
+        &request.inbox,
+        &request.session,
+        &backing,
+    ))
 }
 
 /// Whether `session` is a valid session name (one subject token of safe characters).

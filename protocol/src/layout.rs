@@ -342,15 +342,24 @@ pub mod subjects {
             _ => None,
         }
     }
-    /// Where the agent sends a command's output and exit: `<inbox>.exec.<session>.<kind>`
-    /// under the caller's own inbox prefix (`_INBOX.<role>.<user>`), which only the
-    /// caller may subscribe to.
-    pub fn exec_output(inbox_prefix: &str, session: &str) -> String {
-        format!("{inbox_prefix}.exec.{session}")
+    /// Where the agent of backing node `backing` sends a command's output and exit:
+    /// `<inbox>.exec.<session>.<backing>.<kind>` under the caller's own inbox prefix
+    /// (`_INBOX.<role>.<user>`), which only the caller may subscribe to. The backing
+    /// node's id is there so that each agent may publish only into sessions on its own
+    /// node ([`exec_output_from`]): a caller subscribed to this subject (with `.>`)
+    /// hears the agent of the node its command runs on, and no other.
+    pub fn exec_output(inbox_prefix: &str, session: &str, backing: &BackingId) -> String {
+        format!("{inbox_prefix}.exec.{session}.{backing}")
     }
-    /// The output subjects agents may publish to (permission patterns): clients' and
-    /// operators' exec inboxes, nothing else of theirs.
-    pub const EXEC_OUTPUT_ALL: [&str; 2] = ["_INBOX.client.*.exec.>", "_INBOX.operator.*.exec.>"];
+    /// The output subjects the agent of `backing` may publish to (a permission
+    /// pattern): exec inboxes, in sessions on its own node only. One pattern for every
+    /// role's inbox, not one each for clients' and operators' (the only callers, whose
+    /// inboxes alone have such subjects: no reply inbox has `exec` for its fourth
+    /// token), keeps an agent's credential, which names its node in several patterns,
+    /// small (see `connect`'s test of the CONNECT line).
+    pub fn exec_output_from(backing: &str) -> String {
+        format!("_INBOX.*.*.exec.*.{backing}.>")
+    }
 
     /// Every client's API subject, for serving them all in one subscription.
     pub const API_V2_ALL: &str = "slotpool.api.v2.*.>";

@@ -687,7 +687,7 @@ mod exec {
     use super::*;
     use futures::StreamExt;
     use slotpool_protocol::api::ApiError;
-    use slotpool_protocol::exec::{ExecRequest, ExecStarted, IN_STDIN};
+    use slotpool_protocol::exec::{output_of, ExecRequest, ExecStarted, IN_STDIN};
     use slotpool_protocol::layout::subjects::ApiOp;
     use slotpool_protocol::model::Node;
     use slotpool_protocol::{UserName, PROTOCOL_VERSION};
@@ -813,7 +813,13 @@ mod exec {
         let inbox = "_INBOX.client.ci";
         let mut output = ci
             .bus()
-            .serve(&format!("{inbox}.exec.{session}.>"), None)
+            .serve(
+                &format!(
+                    "{}.>",
+                    output_of(&request(&node, inbox, session, &[])).unwrap()
+                ),
+                None,
+            )
             .await
             .unwrap();
         let started: ExecStarted = ci
@@ -879,6 +885,107 @@ mod exec {
         let log = server_log(&pool);
         assert!(log.contains("Subscription Violation"), "{log}");
         assert!(log.contains("Publish Violation"), "{log}");
+    }
+
+    /// A compromised backing node holds its agent's credential. With it, it writes
+    /// into a command running on another node, whose session name it has learnt: output
+    /// and an exit on that session's output subject, as the session's own agent would.
+    /// The bus refuses them (the agent's credential may publish only into sessions on
+    /// its own node) and the session hears only its own agent: the command's real
+    /// output and exit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_nodes_agent_cannot_write_into_my_session() {
+        let env = IsolationEnv::new();
+        let pool = users_pool(&env, &[]).await;
+        let ci = client_as(&pool, Role::Client, "ci").await;
+        let node = held_node(&ci).await;
+        let attacker = bus_as(&pool, Role::Agent, "bn-attacker").await;
+        let ci_name = UserName::parse("ci").unwrap();
+
+        let (inbox, session) = ("_INBOX.client.ci", "victim1");
+        let run = request(&node, inbox, session, &["cat"]);
+        let output = output_of(&run).unwrap();
+        assert!(output.ends_with(node.backing_id.as_str()), "{output}");
+        let mut heard = ci.bus().serve(&format!("{output}.>"), None).await.unwrap();
+        let started: ExecStarted = ci
+            .bus()
+            .call(&subjects::api(&ci_name, ApiOp::Exec), &run, SOON)
+            .await
+            .expect("ci runs in its own node");
+
+        // Forged output on the session's own subject: refused by the bus, which the
+        // attacker's connection is told ("Permissions Violation for Publish").
+        let forged = format!("{output}.stdout");
+        let refused = attacker
+            .call_raw(&forged, Bytes::from_static(b"forged output\n"), REFUSED)
+            .await
+            .expect_err("another node's agent may not publish into ci's session");
+        assert!(
+            matches!(&refused, BusError::NotPermitted { subject, .. } if *subject == forged),
+            "expected a permissions violation for {forged}, got {refused}"
+        );
+        attacker
+            .publish_raw(
+                format!("{output}.exit"),
+                raw(&serde_json::json!({"code": 0})),
+            )
+            .await
+            .unwrap();
+        // Its own node's token in the subject is allowed, but ci does not listen there;
+        // nor on the subject that named no node at all.
+        let elsewhere = format!("{inbox}.exec.{session}.bn-attacker");
+        for subject in [
+            format!("{elsewhere}.stdout"),
+            format!("{inbox}.exec.{session}.stdout"),
+        ] {
+            attacker
+                .publish_raw(subject, Bytes::from_static(b"forged output\n"))
+                .await
+                .unwrap();
+        }
+        let _ = attacker.flush().await;
+
+        // The session goes on: ci's input comes back, then the real exit.
+        for chunk in [&b"from ci\n"[..], b""] {
+            ci.bus()
+                .publish_raw(
+                    format!("{}.{IN_STDIN}", started.input),
+                    Bytes::copy_from_slice(chunk),
+                )
+                .await
+                .unwrap();
+        }
+        let mut seen = Vec::new();
+        let exit = loop {
+            let msg = tokio::time::timeout(WAIT, heard.next())
+                .await
+                .expect("output in time")
+                .expect("the subscription");
+            assert!(
+                msg.subject.starts_with(&format!("{output}.")),
+                "the session heard {}",
+                msg.subject
+            );
+            match msg.subject.rsplit('.').next().unwrap() {
+                "stdout" | "stderr" => {
+                    seen.extend_from_slice(&msg.payload);
+                    ci.bus()
+                        .publish_raw(format!("{}.ack", started.input), "1000".into())
+                        .await
+                        .unwrap();
+                }
+                "exit" => break String::from_utf8_lossy(&msg.payload).into_owned(),
+                _ => {}
+            }
+        };
+        assert_eq!(String::from_utf8_lossy(&seen), "from ci\n");
+        assert_eq!(exit, r#"{"code":0}"#);
+        let log = server_log(&pool);
+        assert!(
+            log.lines()
+                .any(|l| l.contains("Publish Violation") && l.contains(&forged)),
+            "{log}"
+        );
     }
 
     /// The agent's resident memory in KiB, and the launcher's.

@@ -24,10 +24,9 @@ use serde::{Deserialize, Serialize};
 use slotpool_protocol::api::{ApiError, ErrorCode};
 use slotpool_protocol::connect::Incoming;
 use slotpool_protocol::exec::{
-    ExecExit, ExecRequest, IN_ACK, IN_SIGNAL, IN_STDIN, MAX_CHUNK_BYTES, OUT_EXIT, OUT_STDERR,
-    OUT_STDIN_ACK, OUT_STDOUT, SIGNALS, STDIN_WINDOW,
+    self, ExecExit, ExecRequest, IN_ACK, IN_SIGNAL, IN_STDIN, MAX_CHUNK_BYTES, OUT_EXIT,
+    OUT_STDERR, OUT_STDIN_ACK, OUT_STDOUT, SIGNALS, STDIN_WINDOW,
 };
-use slotpool_protocol::layout::subjects;
 use slotpool_protocol::model::NodeState;
 use slotpool_protocol::{NodeId, UserName, PROTOCOL_VERSION};
 use std::collections::BTreeMap;
@@ -123,24 +122,24 @@ impl Channel {
         node: NodeId,
         start: ExecStart,
     ) -> Result<Channel, ApiError> {
-        let session = Alphanumeric.sample_string(&mut rand::rng(), 26);
-        let inbox = format!("_INBOX.client.{caller}");
-        let output = subjects::exec_output(&inbox, &session);
-        let output = shared
-            .bus
-            .serve(&format!("{output}.>"), None)
-            .await
-            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         let request = ExecRequest {
             v: PROTOCOL_VERSION,
             node_id: node.clone(),
             argv: start.argv,
             env: start.env,
             timeout_secs: start.timeout_secs,
-            session,
-            inbox,
+            session: Alphanumeric.sample_string(&mut rand::rng(), 26),
+            inbox: format!("_INBOX.client.{caller}"),
             window: None,
         };
+        // Output from the agent of the node's own backing node only.
+        let output = exec::output_of(&request)
+            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no node {node}")))?;
+        let output = shared
+            .bus
+            .serve(&format!("{output}.>"), None)
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         let record = nodes::record(shared, &node)
             .await
             .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
@@ -551,7 +550,7 @@ async fn write_file(
 ) -> Result<(), (hyper::StatusCode, String)> {
     use http_body_util::BodyExt;
     let start = ExecStart {
-        argv: slotpool_protocol::exec::copy_in_argv(path),
+        argv: exec::copy_in_argv(path),
         env: BTreeMap::new(),
         timeout_secs: None,
     };
@@ -605,7 +604,7 @@ pub(crate) async fn get_file(
     path: &str,
 ) -> Result<tokio::sync::mpsc::Receiver<FileChunk>, (hyper::StatusCode, String)> {
     let start = ExecStart {
-        argv: slotpool_protocol::exec::copy_out_argv(path),
+        argv: exec::copy_out_argv(path),
         env: BTreeMap::new(),
         timeout_secs: None,
     };

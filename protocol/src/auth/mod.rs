@@ -216,8 +216,9 @@ pub fn permissions(user: &BusUser) -> Permissions {
             ));
             // Commands it runs for clients (see `crate::exec`): their input comes from
             // each client's own subject and to this node only; output goes to the exec
-            // inboxes, which only the command's owner may read.
-            publish.extend(subjects::EXEC_OUTPUT_ALL.map(String::from));
+            // inboxes, which only the command's owner may read, and only into sessions
+            // that name this node, so no agent can speak in another node's sessions.
+            publish.push(subjects::exec_output_from(name));
             Permissions {
                 publish,
                 subscribe: vec![
@@ -719,17 +720,26 @@ mod tests {
             .filter(|s| !s.starts_with("$JS.API"))
             .collect();
         // Its heartbeat, and the output of commands it runs to their callers' exec
-        // inboxes (never to a caller's replies: `_INBOX.client.ci.x` is not covered).
+        // inboxes (never to a caller's replies: `_INBOX.client.ci.x` is not covered),
+        // in sessions on its own node only.
         assert_eq!(
             writes,
-            vec![
-                "$KV.slotpool_agents.bn-abc",
-                "_INBOX.client.*.exec.>",
-                "_INBOX.operator.*.exec.>"
-            ]
+            vec!["$KV.slotpool_agents.bn-abc", "_INBOX.*.*.exec.*.bn-abc.>"]
         );
         assert!(!writes.iter().any(|w| matches(w, "_INBOX.client.ci.reply1")));
+        let output = |backing: &str| {
+            let backing = BackingId::parse(backing).unwrap();
+            format!(
+                "{}.stdout",
+                subjects::exec_output("_INBOX.client.ci", "s1", &backing)
+            )
+        };
+        assert!(writes.iter().any(|w| matches(w, &output("bn-abc"))));
         assert!(writes
+            .iter()
+            .any(|w| matches(w, "_INBOX.operator.alice.exec.s1.bn-abc.exit")));
+        assert!(!writes.iter().any(|w| matches(w, &output("bn-other"))));
+        assert!(!writes
             .iter()
             .any(|w| matches(w, "_INBOX.client.ci.exec.s1.stdout")));
         assert!(p.responses);
