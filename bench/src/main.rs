@@ -19,6 +19,7 @@
 //! read no bucket).
 
 mod compare;
+mod exec_job;
 mod load;
 mod phases;
 mod procs;
@@ -118,6 +119,14 @@ pub struct BenchArgs {
     /// (default 0: no soak).
     #[arg(long, value_name = "N")]
     pub soak: Option<usize>,
+    /// `slotpool exec --label L -- true` jobs timed one after another on the production
+    /// bus, and as many again in a held node beside `ssh node true` (users mode), and
+    /// `--exec-parallel` at a time (default 200; quick 50; smoke 3; 0 skips).
+    #[arg(long, value_name = "N")]
+    pub exec_rounds: Option<usize>,
+    /// Jobs run at a time for the jobs-per-second figure (default 16; smoke 2).
+    #[arg(long, value_name = "N")]
+    pub exec_parallel: Option<usize>,
 }
 
 /// The counts a run uses.
@@ -140,6 +149,8 @@ struct Settings {
     launchers: usize,
     http_compare: bool,
     soak: usize,
+    exec_rounds: usize,
+    exec_parallel: usize,
 }
 
 impl Settings {
@@ -180,6 +191,8 @@ impl Settings {
             launchers: a.launchers.max(1),
             http_compare: !a.no_http_compare && !a.quick,
             soak: a.soak.unwrap_or(0),
+            exec_rounds: pick(a.exec_rounds, 200, 50, 3),
+            exec_parallel: pick(a.exec_parallel, 16, 16, 2).max(1),
         }
     }
 }
@@ -222,6 +235,9 @@ struct Report {
     production: Production,
     /// In `users` mode: the same loads on a secure bus with agents in mode `none`.
     isolation_none: Option<Allocations>,
+    /// A CI job's turnaround through `slotpool exec`, beside `ssh`, on the production
+    /// bus after its loads (`--exec-rounds 0`: none).
+    exec: Option<exec_job::ExecFigures>,
     /// The production run over each comparison run, with their targets in `targets`.
     comparisons: Vec<Comparison>,
     /// Every latency figure of the run with its ratios to this run's floor (the rows of
@@ -460,6 +476,7 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
             throughput: f.production.throughput,
         },
         isolation_none: f.isolation_none,
+        exec: f.exec,
         settings,
         warm: plain.warm,
         throughput: plain.throughput,
@@ -491,6 +508,7 @@ struct Figures {
     scale: Option<phases::Scale>,
     production: Allocations,
     isolation_none: Option<Allocations>,
+    exec: Option<exec_job::ExecFigures>,
 }
 
 /// What the plain bus measures after its warm and throughput loads.
@@ -540,17 +558,23 @@ async fn run_all(
             "production: {SECURE_BUS}, agents in mode {}",
             s.isolation
         ));
-        let production = run_secure(
+        let (production, exec) = run_secure(
             s,
             &s.isolation,
             nats_binary,
             agent_binary,
             &dir.join(SECURE_DIR),
+            s.exec_rounds > 0,
         )
         .await?;
         let isolation_none = if s.isolation != "none" {
             step("production bus, agents in mode none".into());
-            Some(run_secure(s, "none", nats_binary, agent_binary, &dir.join(NONE_DIR)).await?)
+            let none = dir.join(NONE_DIR);
+            Some(
+                run_secure(s, "none", nats_binary, agent_binary, &none, false)
+                    .await?
+                    .0,
+            )
         } else {
             None
         };
@@ -636,11 +660,11 @@ async fn run_all(
             },
         )
         .await?;
-        anyhow::Ok((floor, plain, more, agent, production, isolation_none))
+        anyhow::Ok((floor, plain, more, agent, production, isolation_none, exec))
     }
     .await;
     stop_child(&mut server).await;
-    let (floor, plain, more, agent, production, isolation_none) = result?;
+    let (floor, plain, more, agent, production, isolation_none, exec) = result?;
 
     let scale = if s.scale_backing > 0 {
         step(format!(
@@ -676,6 +700,7 @@ async fn run_all(
         scale,
         production,
         isolation_none,
+        exec,
     })
 }
 
@@ -790,14 +815,16 @@ async fn on_bus<T>(
 /// [`on_bus`] on a nats-server of its own with the shipped authorisation and TLS with
 /// client certificates, as `slotpool nats-setup` makes it by default: the benchmark's clients
 /// log in as a client, the launcher as a launcher that mints each local agent its own
-/// credential, and every one shows a certificate from the installation's CA.
+/// credential, and every one shows a certificate from the installation's CA. With
+/// `exec`, the `slotpool exec` figures follow the loads ([`exec_job`]).
 async fn run_secure(
     s: &Settings,
     isolation: &str,
     nats_binary: &Path,
     agent_binary: &Path,
     dir: &Path,
-) -> anyhow::Result<Allocations> {
+    exec: bool,
+) -> anyhow::Result<(Allocations, Option<exec_job::ExecFigures>)> {
     let launcher = BusUser::new(Role::Launcher, "bench-launcher")?;
     let clients = BusUser::new(Role::Client, "bench-clients")?;
     let pki = pki::write_pki(&PkiPlan {
@@ -863,15 +890,41 @@ async fn run_secure(
             agent_binary,
             dir,
             async |_: &load::Rig,
-                   _: &mut procs::LauncherProcess,
-                   _: &Client,
-                   _: &Arc<RequestWatcher>| { anyhow::Ok(()) },
+                   launcher: &mut procs::LauncherProcess,
+                   client: &Client,
+                   _: &Arc<RequestWatcher>| {
+                if !exec {
+                    return anyhow::Ok(None);
+                }
+                let plan = exec_job::Plan {
+                    slotpool: sibling_binary("slotpool"),
+                    bus_args: ["--nats".to_string(), bus.client.url.clone()]
+                        .into_iter()
+                        .chain(nats_args(&bus.client))
+                        .collect(),
+                    label: WARM_LABEL,
+                    rounds: s.exec_rounds,
+                    parallel: s.exec_parallel,
+                    ssh: isolation == "users",
+                    agent_binary,
+                    run_dir: dir,
+                    dir: dir.join("exec"),
+                };
+                step(format!(
+                    "exec: {} jobs with slotpool exec --label {WARM_LABEL}, {} in a held node beside ssh, {} at a time",
+                    s.exec_rounds, s.exec_rounds, s.exec_parallel
+                ));
+                let figures = exec_job::measure(&plan, client).await?;
+                launcher.check_alive()?;
+                Ok(Some(figures))
+            },
         )
         .await
     }
     .await;
     stop_child(&mut server).await;
-    Ok(result?.0)
+    let (allocations, exec) = result?;
+    Ok((allocations, exec))
 }
 
 fn step(what: String) {
@@ -996,6 +1049,19 @@ fn latencies(r: &Report) -> Vec<Latency> {
     let p = &r.production;
     warm_rows(&mut rows, "production: ", &p.warm);
     load_rows(&mut rows, "production: ", &p.throughput);
+    if let Some(e) = &r.exec {
+        rows.push((
+            format!("exec: slotpool exec --label {} -- true", e.label),
+            e.job,
+        ));
+        rows.push((
+            "exec: slotpool exec --node N -- true".into(),
+            e.exec_in_held_node,
+        ));
+        if let Some(ssh) = e.ssh {
+            rows.push(("exec: ssh USER@HOST true (sshd drop-in)".into(), ssh));
+        }
+    }
     if let Some(n) = &r.isolation_none {
         warm_rows(&mut rows, "production bus, mode none: ", &n.warm);
         load_rows(&mut rows, "production bus, mode none: ", &n.throughput);
@@ -1228,6 +1294,9 @@ fn print_table(r: &Report) {
     print_throughput("production: throughput", &p.throughput);
     for c in &r.comparisons {
         print_ratios(&format!("production against {}", c.against), &c.ratios);
+    }
+    if let Some(e) = &r.exec {
+        exec_job::print(e);
     }
     println!();
     println!(

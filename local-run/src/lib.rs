@@ -1,10 +1,13 @@
 //! Running slotpool's parts on one machine: the one nats-server spawner the demo, the
-//! benchmark and the tests share, and the workspace binaries next to this one.
+//! benchmark and the tests share, the workspace binaries next to this one, and a
+//! private sshd for slot logins ([`sshd`]).
 //!
 //! `slotpool serve` never starts a server: a production launcher connects to a bus it is
 //! given, and takes from here only [`sibling_binary`] (its default agent binary). The
 //! demo, shipped in the same binary, starts one, so this crate is linked into the
 //! `slotpool` binary; it is no package of its own.
+
+pub mod sshd;
 
 use rustix::process::{kill_process, Pid, Signal};
 use slotpool_launcher::provider::local::end_with_parent;

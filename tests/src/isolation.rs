@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use tempfile::TempDir;
 
-/// Where Debian's openssh-server puts sshd.
-pub const SSHD: &str = "/usr/sbin/sshd";
+use slotpool_local_run::sshd;
+pub use slotpool_local_run::sshd::SSHD;
 
 /// A random lowercase tag, for names unique to one test.
 fn tag(len: usize) -> String {
@@ -335,19 +335,6 @@ pub fn set_mode(path: &Path, mode: u32) {
         .unwrap_or_else(|e| panic!("chmod {mode:o} {}: {e}", path.display()));
 }
 
-/// Runs a command to completion, panicking with its output when it fails.
-fn run(cmd: &mut Command) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A private sshd on 127.0.0.1 with its own host key and config: logins run
 /// `slotpool-agent enter-slot`, as on a real backing node. Killed on drop.
 pub struct Sshd {
@@ -359,10 +346,6 @@ pub struct Sshd {
 impl Sshd {
     /// Starts sshd for the users of `env`; waits until it answers.
     pub async fn start(env: &IsolationEnv) -> Sshd {
-        assert!(
-            Path::new(SSHD).is_file(),
-            "{SSHD} missing: install openssh-server (scripts/test.sh does)"
-        );
         let dir = slot_visible_tempdir("slotpool-sshd-");
         // Slot users run the agent binary at login (ForceCommand). The build's target dir
         // may sit where they cannot reach it (a clone under a 0700 directory), so they run
@@ -371,45 +354,20 @@ impl Sshd {
         std::fs::copy(bin_path("slotpool-agent"), &agent).expect("copying slotpool-agent");
         set_mode(dir.path(), 0o755);
         set_mode(&agent, 0o755);
-        let key = dir.path().join("ssh_host_ed25519_key");
-        run(Command::new("ssh-keygen")
-            .args(["-q", "-t", "ed25519", "-N", "", "-C", "slotpool-test", "-f"])
-            .arg(&key));
-        // sshd insists on its privilege separation directory.
-        std::fs::create_dir_all("/run/sshd").expect("creating /run/sshd");
-        let port = free_port();
-        let config = dir.path().join("sshd_config");
-        std::fs::write(
-            &config,
-            format!(
-                "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
-                 UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-                 PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
-                 StrictModes yes\nAllowUsers {prefix}*\nLogLevel VERBOSE\n{slots}",
-                key = key.display(),
-                pid = dir.path().join("sshd.pid").display(),
-                prefix = env.user_prefix,
-                slots = slot_match_block(
-                    &env.user_prefix,
-                    &format!(
-                        "{} enter-slot --run-dir {}",
-                        agent.display(),
-                        env.run_dir.path().display()
-                    )
-                ),
+        let files = sshd::SshdFiles::write(
+            dir.path(),
+            &env.user_prefix,
+            &format!(
+                "{} enter-slot --run-dir {}",
+                agent.display(),
+                env.run_dir.path().display()
             ),
         )
-        .expect("writing sshd_config");
-        let log = std::fs::File::create(dir.path().join("sshd.log")).expect("sshd log");
+        .unwrap_or_else(|e| panic!("{e} (scripts/test.sh installs openssh-server)"));
         let mut cmd = env.command(SSHD);
-        cmd.arg("-D")
-            .arg("-e")
-            .arg("-f")
-            .arg(&config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
+        files.arguments(&mut cmd).expect("sshd's log");
         let child = ChildGuard::spawn("sshd", cmd).expect("starting sshd");
+        let port = files.port;
         crate::wait_for(
             "sshd to accept connections",
             Duration::from_secs(20),
@@ -443,71 +401,30 @@ pub fn shipped_sshd_drop_in() -> PathBuf {
 /// `command` instead of `/usr/bin/slotpool-agent enter-slot`: what is tested is what
 /// ships.
 pub fn slot_match_block(prefix: &str, command: &str) -> String {
-    let shipped = std::fs::read_to_string(shipped_sshd_drop_in()).expect("reading the drop-in");
-    let block = shipped
-        .replace("Match User sp*", &format!("Match User {prefix}*"))
-        .replace("/usr/bin/slotpool-agent enter-slot", command);
-    assert!(
-        block.contains(&format!("Match User {prefix}*")) && block.contains(command),
-        "the shipped drop-in no longer has the lines the tests replace:\n{shipped}"
-    );
-    block
-}
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding a free port")
-        .port()
+    sshd::slot_match_block(prefix, command).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A client key pair in a temp dir.
 pub struct ClientKey {
     pub dir: TempDir,
+    key: sshd::ClientKey,
 }
 
 impl ClientKey {
     pub fn new() -> ClientKey {
         let dir = tempfile::tempdir().expect("key dir");
-        run(Command::new("ssh-keygen")
-            .args(["-q", "-t", "ed25519", "-N", "", "-C", "requester", "-f"])
-            .arg(dir.path().join("id")));
-        ClientKey { dir }
+        let key = sshd::ClientKey::generate(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        ClientKey { dir, key }
     }
 
     pub fn public(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("id.pub"))
-            .expect("public key")
-            .trim()
-            .to_string()
+        self.key.public().unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// `ssh` with this key to `user` on 127.0.0.1:`port`, non-interactive, trusting any
     /// host key; the caller adds what to do (a command, `-N -L …`).
     pub fn command(&self, port: u16, user: &str) -> Command {
-        let mut cmd = Command::new("ssh");
-        cmd.args([
-            "-F",
-            "/dev/null",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "IdentitiesOnly=yes",
-            "-o",
-            "StrictHostKeyChecking=no",
-            "-o",
-            "UserKnownHostsFile=/dev/null",
-            "-o",
-            "LogLevel=ERROR",
-            "-o",
-            "ConnectTimeout=10",
-            "-i",
-        ])
-        .arg(self.dir.path().join("id"))
-        .args(["-p", &port.to_string(), &format!("{user}@127.0.0.1")])
-        .stdin(Stdio::null());
-        cmd
+        self.key.command(port, user)
     }
 
     /// Runs `command` as `user` over ssh; returns (success, stdout, stderr).

@@ -3,9 +3,10 @@
 //! completes and writes every figure: the production run (authentication and TLS, and,
 //! as root, agents in users mode) with its comparisons (the plain bus; agents in mode
 //! `none`) and their targets, the ratios to the floor, the messages per allocation from
-//! nats-server's `/varz`, two launchers on one bus and `--http` scraped.
+//! nats-server's `/varz`, two launchers on one bus, `--http` scraped, and `slotpool exec`
+//! jobs beside `ssh` into a slot.
 
-use slotpool_tests::{bin_path, nats_server_binary, ChildGuard};
+use slotpool_tests::{bin_path, nats_server_binary, set_mode, slot_visible_tempdir, ChildGuard};
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Duration;
@@ -15,7 +16,10 @@ const SMOKE_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[tokio::test]
 async fn bench_smoke_run_completes_and_writes_every_figure() {
-    let dir = tempfile::tempdir().unwrap();
+    // Slot users log in over ssh through the benchmark's working dir (their homes and
+    // the login's agent binary are there), so they must be able to pass through it.
+    let dir = slot_visible_tempdir("slotpool-bench-smoke-");
+    set_mode(dir.path(), 0o711);
     let json = dir.path().join("bench.json");
     let mut cmd = Command::new(bin_path("slotpool-bench"));
     cmd.args(["--smoke", "--json"])
@@ -45,6 +49,7 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "latencies",
         "outliers",
         "targets",
+        "exec",
     ] {
         assert!(!report[figure].is_null(), "{figure} missing from {report}");
     }
@@ -146,4 +151,13 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         );
     }
     assert_eq!(report["cold_and_release"]["early"], 0, "{report}");
+    // Whole `slotpool exec` jobs, commands in a held node beside ssh into it (users
+    // mode), and jobs at once.
+    let exec = &report["exec"];
+    for figure in ["job", "exec_in_held_node", "ssh"] {
+        let count = exec[figure]["count"].as_u64().unwrap_or(0);
+        assert!(count > 0, "exec {figure}: {exec}");
+    }
+    assert!(exec["jobs_per_sec"].as_f64().unwrap() > 0.0, "{exec}");
+    assert!(exec["exec_over_ssh_p50"].as_f64().unwrap() > 0.0, "{exec}");
 }
