@@ -15,6 +15,7 @@ use slotpool_launcher::provider::local::{
     end_with_parent, AgentLifetime, LocalProvider, STOP_GRACE,
 };
 use slotpool_launcher::{run, LauncherDeps, LauncherError};
+use slotpool_local_run::sshd::{SshdFiles, SSHD};
 use slotpool_local_run::{find_nats_server, start_nats_server, stop_child};
 use slotpool_protocol::auth::setup::{self, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
@@ -74,13 +75,6 @@ pub enum Isolation {
     Users,
     None,
 }
-
-/// Where Debian's openssh-server puts sshd.
-const SSHD: &str = "/usr/sbin/sshd";
-
-/// The sshd drop-in the agent package ships: the demo's sshd runs slot logins through
-/// the agent the same way.
-const SLOT_LOGINS: &str = include_str!("../../packaging/etc/sshd/slotpool-slots.conf");
 
 /// The environment file a second terminal sources to reach the demo: in the temporary
 /// directory, at a name that does not change, so the README can say it.
@@ -486,41 +480,17 @@ async fn start_sshd(
     let run = dir.join("run");
     std::fs::create_dir_all(&run)?;
     std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755))?;
-    let host_key = sshd_dir.join("ssh_host_ed25519_key");
-    ssh_keygen(&host_key, "slotpool-demo-host").await?;
-    // sshd insists on its privilege separation directory.
-    std::fs::create_dir_all("/run/sshd").context("creating /run/sshd")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let logins = SLOT_LOGINS
-        .replace("Match User sp*", &format!("Match User {prefix}*"))
-        .replace(
-            "/usr/bin/slotpool-agent enter-slot",
-            &format!("{} enter-slot --run-dir {}", agent.display(), run.display()),
-        );
-    let config = sshd_dir.join("sshd_config");
-    std::fs::write(
-        &config,
-        format!(
-            "Port {port}\nListenAddress 127.0.0.1\nHostKey {key}\nPidFile {pid}\n\
-             UsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-             PubkeyAuthentication yes\nAuthorizedKeysFile .ssh/authorized_keys\n\
-             StrictModes yes\nAllowUsers {prefix}*\n{logins}",
-            key = host_key.display(),
-            pid = sshd_dir.join("sshd.pid").display(),
-        ),
+    // The shipped drop-in's logins, through this agent and run dir.
+    let files = SshdFiles::write(
+        &sshd_dir,
+        &prefix,
+        &format!("{} enter-slot --run-dir {}", agent.display(), run.display()),
     )?;
-    let log = std::fs::File::create(sshd_dir.join("sshd.log"))?;
-    let mut cmd = Command::new(SSHD);
-    cmd.arg("-D")
-        .arg("-e")
-        .arg("-f")
-        .arg(&config)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true);
+    let port = files.port;
+    let mut cmd = std::process::Command::new(SSHD);
+    files.arguments(&mut cmd)?;
+    let mut cmd = Command::from(cmd);
+    cmd.kill_on_drop(true);
     let demo = std::process::id();
     // SAFETY: end_with_parent calls only async-signal-safe functions.
     unsafe {
@@ -532,7 +502,7 @@ async fn start_sshd(
         if let Some(status) = child.try_wait()? {
             bail!(
                 "sshd exited at start ({status}); its log: {}",
-                sshd_dir.join("sshd.log").display()
+                files.log().display()
             );
         }
         if Instant::now() >= deadline {

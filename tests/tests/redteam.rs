@@ -749,6 +749,47 @@ mod exec {
         std::fs::read_to_string(pool.nats.dir().join("nats-server.log")).unwrap_or_default()
     }
 
+    /// Sends `stdin` to a started command as `client` and ends its input, then reads its
+    /// output to the end, acknowledging as it goes: the subjects heard, stdout and
+    /// stderr together, and the exit's payload.
+    async fn feed_and_read(
+        client: &Client,
+        started: &ExecStarted,
+        stdin: &[u8],
+        output: &mut (impl futures::Stream<Item = slotpool_protocol::connect::Incoming> + Unpin),
+    ) -> (Vec<String>, Vec<u8>, Bytes) {
+        for chunk in [stdin, b""] {
+            client
+                .bus()
+                .publish_raw(
+                    format!("{}.{IN_STDIN}", started.input),
+                    Bytes::copy_from_slice(chunk),
+                )
+                .await
+                .unwrap();
+        }
+        let (mut subjects, mut bytes) = (Vec::new(), Vec::new());
+        loop {
+            let msg = tokio::time::timeout(WAIT, output.next())
+                .await
+                .expect("output in time")
+                .expect("the subscription");
+            subjects.push(msg.subject.clone());
+            match msg.subject.rsplit('.').next().unwrap() {
+                "stdout" | "stderr" => {
+                    bytes.extend_from_slice(&msg.payload);
+                    client
+                        .bus()
+                        .publish_raw(format!("{}.ack", started.input), "1000".into())
+                        .await
+                        .unwrap();
+                }
+                "exit" => return (subjects, bytes, msg.payload),
+                _ => {}
+            }
+        }
+    }
+
     /// Another client tries every way into ci's node: asking a launcher to run there,
     /// pointing the output at ci's inbox, listening to ci's output, feeding ci's
     /// command. The launcher refuses the first two; the bus the others. ci, meanwhile,
@@ -842,33 +883,7 @@ mod exec {
             .unwrap();
         let _ = mallory.bus().flush().await;
         // ...then ci feeds it and ends its input.
-        for chunk in [&b"from ci\n"[..], b""] {
-            ci.bus()
-                .publish_raw(
-                    format!("{}.{IN_STDIN}", started.input),
-                    Bytes::copy_from_slice(chunk),
-                )
-                .await
-                .unwrap();
-        }
-        let mut stdout = Vec::new();
-        loop {
-            let msg = tokio::time::timeout(WAIT, output.next())
-                .await
-                .expect("output in time")
-                .expect("the subscription");
-            match msg.subject.rsplit('.').next().unwrap() {
-                "stdout" => {
-                    stdout.extend_from_slice(&msg.payload);
-                    ci.bus()
-                        .publish_raw(format!("{}.ack", started.input), "1000".into())
-                        .await
-                        .unwrap();
-                }
-                "exit" => break,
-                _ => {}
-            }
-        }
+        let (_, stdout, _) = feed_and_read(&ci, &started, b"from ci\n", &mut output).await;
         assert_eq!(String::from_utf8_lossy(&stdout), "from ci\n");
         // Mallory heard nothing of it, and the server says why.
         let nothing = tokio::time::timeout(REFUSED, async {
@@ -946,40 +961,15 @@ mod exec {
         let _ = attacker.flush().await;
 
         // The session goes on: ci's input comes back, then the real exit.
-        for chunk in [&b"from ci\n"[..], b""] {
-            ci.bus()
-                .publish_raw(
-                    format!("{}.{IN_STDIN}", started.input),
-                    Bytes::copy_from_slice(chunk),
-                )
-                .await
-                .unwrap();
-        }
-        let mut seen = Vec::new();
-        let exit = loop {
-            let msg = tokio::time::timeout(WAIT, heard.next())
-                .await
-                .expect("output in time")
-                .expect("the subscription");
+        let (subjects, seen, exit) = feed_and_read(&ci, &started, b"from ci\n", &mut heard).await;
+        for subject in &subjects {
             assert!(
-                msg.subject.starts_with(&format!("{output}.")),
-                "the session heard {}",
-                msg.subject
+                subject.starts_with(&format!("{output}.")),
+                "the session heard {subject}"
             );
-            match msg.subject.rsplit('.').next().unwrap() {
-                "stdout" | "stderr" => {
-                    seen.extend_from_slice(&msg.payload);
-                    ci.bus()
-                        .publish_raw(format!("{}.ack", started.input), "1000".into())
-                        .await
-                        .unwrap();
-                }
-                "exit" => break String::from_utf8_lossy(&msg.payload).into_owned(),
-                _ => {}
-            }
-        };
+        }
         assert_eq!(String::from_utf8_lossy(&seen), "from ci\n");
-        assert_eq!(exit, r#"{"code":0}"#);
+        assert_eq!(String::from_utf8_lossy(&exit), r#"{"code":0}"#);
         let log = server_log(&pool);
         assert!(
             log.lines()
