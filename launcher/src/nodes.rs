@@ -307,50 +307,19 @@ pub(crate) async fn call_agent<R: serde::de::DeserializeOwned>(
     backing_id: &BackingId,
     cmd: &AgentCommand,
 ) -> Result<R, SlotError> {
-    let subject = subjects::agent(backing_id);
-    let payload = bytes::Bytes::from(serde_json::to_vec(cmd).expect("commands serialize"));
-    let wrap = |source| SlotError::Agent {
-        backing_id: backing_id.clone(),
-        source,
-    };
-    let deadline = tokio::time::Instant::now() + AGENT_TIMEOUT;
-    let attempt = || {
-        let (bus, subject, payload) = (shared.bus.clone(), subject.clone(), payload.clone());
-        async move {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            bus.call_raw(&subject, payload, left).await
-        }
-    };
-    let mut pending = futures::stream::FuturesUnordered::new();
-    pending.push(attempt());
-    let mut gap = AGENT_RESEND;
-    let mut resend = tokio::time::Instant::now() + gap;
-    let answer = loop {
-        tokio::select! {
-            Some(answered) = futures::StreamExt::next(&mut pending) => match answered {
-                Err(BusError::Timeout { .. }) => {}
-                other => break other,
-            },
-            _ = tokio::time::sleep_until(resend), if resend < deadline => {
-                tracing::debug!(%subject, waited = ?gap, "no answer from the agent yet; sending again");
-                pending.push(attempt());
-                gap *= 2;
-                resend += gap;
-            }
-            _ = tokio::time::sleep_until(deadline) => {
-                break Err(BusError::Timeout { subject: subject.clone(), timeout: AGENT_TIMEOUT })
-            }
-        }
-    };
-    let bytes = answer.map_err(wrap)?;
-    let reply: slotpool_protocol::api::Reply<R> =
-        serde_json::from_slice(&bytes).map_err(|source| {
-            wrap(BusError::BadReply {
-                subject: subject.clone(),
-                source,
-            })
-        })?;
-    reply.into_result().map_err(|err| wrap(BusError::Api(err)))
+    shared
+        .bus
+        .call_resending(
+            &subjects::agent(backing_id),
+            cmd,
+            AGENT_TIMEOUT,
+            AGENT_RESEND,
+        )
+        .await
+        .map_err(|source| SlotError::Agent {
+            backing_id: backing_id.clone(),
+            source,
+        })
 }
 
 /// The label's limits and host-key-checking, and the seat key of the node's backing node.

@@ -18,6 +18,12 @@ use std::time::Duration;
 
 /// How long API calls wait for a launcher's answer.
 pub const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a call waits for a launcher's answer (past the wait it asked for, if any)
+/// before it sends the same message again, beside the first; each further wait is
+/// twice as long, within [`API_TIMEOUT`]. A message or a reply lost with a server that
+/// died costs this, not [`API_TIMEOUT`]. Every operation sent this way is answered
+/// alike when it comes twice (docs/protocol.md, "Sending a call again").
+pub const API_RESEND: Duration = Duration::from_secs(1);
 /// How often a read is sent again while no launcher answers.
 const RETRY_INTERVAL: Duration = Duration::from_millis(100);
 /// How long one status or wait_released call is held open: a launcher killed while it
@@ -47,9 +53,13 @@ impl Client {
         &self.bus
     }
 
-    /// Submits a node request; returns its id at once (it is fulfilled later).
+    /// Submits a node request; returns its id at once (it is fulfilled later). The
+    /// request gets an id of the client's if it has none, so that the submit may be sent
+    /// again while no launcher answered.
     pub async fn submit(&self, req: &SubmitRequest) -> Result<RequestId, BusError> {
-        let s: Submitted = self.call(ApiOp::Submit, req).await?;
+        let mut req = req.clone();
+        req.id.get_or_insert_with(RequestId::generate);
+        let s: Submitted = self.call(ApiOp::Submit, &req).await?;
         Ok(s.request_id)
     }
 
@@ -86,18 +96,26 @@ impl Client {
         &self.bus.user().name
     }
 
+    /// Sends `msg` on the caller's API subject for `op`, again after [`API_RESEND`] (then
+    /// twice that, and so on) while no launcher answered, for up to [`API_TIMEOUT`].
     async fn call<Q: serde::Serialize, R: serde::de::DeserializeOwned>(
         &self,
         op: ApiOp,
         msg: &Q,
     ) -> Result<R, BusError> {
         self.bus
-            .call(&subjects::api(self.name(), op), msg, API_TIMEOUT)
+            .call_resending(
+                &subjects::api(self.name(), op),
+                msg,
+                API_TIMEOUT,
+                API_RESEND,
+            )
             .await
     }
 
     /// Like `call`, for reads that are safe to repeat, held open by the launcher for up
-    /// to `wait`: each attempt gets `wait` + [`REPLY_MARGIN`] for its answer, and while no
+    /// to `wait`: each attempt gets `wait` + [`REPLY_MARGIN`] for its answer, sent again
+    /// beside it after `wait` + [`API_RESEND`] (then as `call` does), and while no
     /// launcher answers (one died holding the call, or all are restarting) the read is
     /// sent again, for up to `wait` + [`API_TIMEOUT`] in all.
     async fn call_read<Q: serde::Serialize, R: serde::de::DeserializeOwned>(
@@ -109,7 +127,10 @@ impl Client {
         let subject = subjects::api(self.name(), op);
         let deadline = tokio::time::Instant::now() + wait + API_TIMEOUT;
         loop {
-            match self.bus.call(&subject, msg, wait + REPLY_MARGIN).await {
+            let resent =
+                self.bus
+                    .call_resending(&subject, msg, wait + REPLY_MARGIN, wait + API_RESEND);
+            match resent.await {
                 Err(BusError::NoResponders { .. } | BusError::Timeout { .. })
                     if tokio::time::Instant::now() < deadline =>
                 {

@@ -266,12 +266,7 @@ impl Bus {
                 timeout,
             )
             .await?;
-        let reply: Reply<R> =
-            serde_json::from_slice(&bytes).map_err(|source| BusError::BadReply {
-                subject: subject.to_string(),
-                source,
-            })?;
-        Ok(reply.into_result()?)
+        decode_reply(subject, &bytes)
     }
 
     /// Sends raw bytes and returns the raw reply.
@@ -330,6 +325,72 @@ impl Bus {
                 },
             }),
         }
+    }
+
+    /// Like [`Bus::call_raw`] for an operation its responders answer alike when it comes
+    /// twice: while no answer came, `payload` is sent again after `first_gap`, then after
+    /// twice that, and so on, each beside the ones before (whose answers still count),
+    /// for up to `timeout` in all. A message or a reply in flight through a server that
+    /// dies is lost while this connection stays up; the resend, not `timeout`, bounds
+    /// what that costs. The first answer wins; an error other than a time-out (no
+    /// responders, say) ends the call at once. An attempt that ended early because this
+    /// connection came back ([`Bus::call_raw`]) is sent again at once.
+    pub async fn call_raw_resending(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        timeout: Duration,
+        first_gap: Duration,
+    ) -> Result<Bytes, BusError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let attempt = || {
+            let (bus, payload) = (self.clone(), payload.clone());
+            async move {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                bus.call_raw(subject, payload, left).await
+            }
+        };
+        let mut pending = futures::stream::FuturesUnordered::new();
+        pending.push(attempt());
+        let mut gap = first_gap;
+        let mut resend = tokio::time::Instant::now() + gap;
+        loop {
+            tokio::select! {
+                biased;
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(BusError::Timeout { subject: subject.to_string(), timeout })
+                }
+                Some(answered) = pending.next() => match answered {
+                    Err(BusError::Timeout { .. }) => {
+                        if pending.is_empty() && tokio::time::Instant::now() < deadline {
+                            pending.push(attempt());
+                        }
+                    }
+                    other => return other,
+                },
+                _ = tokio::time::sleep_until(resend), if resend < deadline => {
+                    tracing::debug!(%subject, waited = ?gap, "no answer yet; sending again");
+                    pending.push(attempt());
+                    gap *= 2;
+                    resend += gap;
+                }
+            }
+        }
+    }
+
+    /// [`Bus::call_raw_resending`] with a typed message and reply.
+    pub async fn call_resending<Q: Serialize, R: DeserializeOwned>(
+        &self,
+        subject: &str,
+        msg: &Q,
+        timeout: Duration,
+        first_gap: Duration,
+    ) -> Result<R, BusError> {
+        let payload = Bytes::from(serde_json::to_vec(msg).expect("messages serialize"));
+        let bytes = self
+            .call_raw_resending(subject, payload, timeout, first_gap)
+            .await?;
+        decode_reply(subject, &bytes)
     }
 
     /// Messages on `subject`; with `queue`, each message goes to one member of the group.
@@ -592,6 +653,15 @@ pub fn check_server_version(found: &str) -> Result<(), BusError> {
             needed,
         })
     }
+}
+
+/// A responder's reply to a call on `subject`: its value, or its error as [`BusError::Api`].
+fn decode_reply<R: DeserializeOwned>(subject: &str, bytes: &[u8]) -> Result<R, BusError> {
+    let reply: Reply<R> = serde_json::from_slice(bytes).map_err(|source| BusError::BadReply {
+        subject: subject.to_string(),
+        source,
+    })?;
+    Ok(reply.into_result()?)
 }
 
 #[cfg(test)]
