@@ -29,6 +29,7 @@ use slotpool_protocol::model::{Node, NodeRequest, OperatorAction, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::{RequestId, UserName, PROTOCOL_VERSION};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -651,9 +652,11 @@ async fn release(
             ),
         ));
     }
+    let mut held = HashSet::new();
     for id in &r.nodes {
         if let Some(node) = nodes::record(sh, id).await.map_err(internal)? {
             check_owner(caller, node.client.as_ref(), || format!("node {id}"))?;
+            held.insert(id);
         }
     }
     let mut out = Released::default();
@@ -663,7 +666,10 @@ async fn release(
     }))
     .await;
     for (id, result) in results {
-        match result? {
+        // A node of the caller's gone from its slot was released before: by this
+        // release's first sending (whose answer was lost), say. It is answered alike.
+        let before = || held.contains(id) || sh.world().released.was_of(id, caller, now_ms());
+        match result? || before() {
             true => out.released.push(id.clone()),
             false => out.not_found.push(id.clone()),
         }

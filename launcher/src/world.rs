@@ -13,6 +13,7 @@
 mod agent;
 pub mod capacity;
 pub mod queue;
+pub mod released;
 pub mod seats;
 
 pub use agent::{agent_ok, AgentReport, SlotLoginPlan};
@@ -152,6 +153,9 @@ pub struct World {
     /// queue no longer keeps them ([`World::kept_for`]), since nothing else about them
     /// changes then.
     pub kept_for_queue: HashMap<String, BTreeSet<String>>,
+    /// Nodes that left their slots lately, with their clients: a release sent again
+    /// is answered as the first was.
+    pub released: released::Released,
 }
 
 /// The pools serving each label, as the configuration has them: what
@@ -549,6 +553,8 @@ impl World {
             return;
         };
         let node = old.value;
+        self.released
+            .note(node.id.clone(), node.client.clone(), now_ms());
         self.given_back.remove(&node.id);
         self.node_keys.remove(&node.id);
         if let Some(set) = self.nodes_by_request.get_mut(&node.request_id) {

@@ -260,7 +260,10 @@ pub struct StillHeld {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Released {
     pub released: Vec<NodeId>,
-    /// Nodes that did not exist (already released, or never handed out).
+    /// Nodes that hold no slot and did not leave one of the caller's lately (never handed
+    /// out to the caller, or released long ago). A node released by an earlier sending
+    /// of the same release is listed in `released` (docs/protocol.md, "Sending a call
+    /// again").
     pub not_found: Vec<NodeId>,
 }
 

@@ -742,6 +742,145 @@ async fn a_request_times_out_with_its_reason_and_can_be_canceled() {
     assert_eq!(pool.nodes().await[0].id, next.nodes[0]);
 }
 
+/// The client sends a call again while no launcher answered (a message or a reply lost
+/// with a server that died), so every call must be answered alike when it comes twice:
+/// a release sent again after the first finished lists the nodes `released` as the
+/// first did, even once the slot holds another request's node (which it leaves alone),
+/// and a cancel sent again answers `canceled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_or_cancel_sent_again_is_answered_as_the_first() {
+    let pool = Pool::start(1, 5, &label("small", 1, 30, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    assert_eq!(
+        pool.release_and_wait(&first.nodes).await.released,
+        first.nodes
+    );
+    let again = pool.client.release(first.nodes.clone()).await.unwrap();
+    assert_eq!(
+        (again.released, again.not_found),
+        (first.nodes.clone(), vec![]),
+        "a release sent again after the first finished"
+    );
+
+    // The only slot now holds the next request's node: a release of the first node sent
+    // again still answers as the first did, and takes nothing from the next request.
+    let next = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let again = pool.client.release(first.nodes.clone()).await.unwrap();
+    assert_eq!(
+        (again.released, again.not_found),
+        (first.nodes.clone(), vec![])
+    );
+    assert_eq!(pool.node(&next.nodes[0]).await.state, NodeState::Ready);
+
+    let waiting = pool.submit(&["small"]).await;
+    for _ in 0..2 {
+        let c = pool.client.cancel(waiting.clone()).await.unwrap();
+        assert_eq!(c.state, RequestState::Canceled);
+    }
+    // A node that was never handed out is still not found.
+    let never =
+        NodeId::parse("node-01jq3m8x5v9k2c7t4r6y0a1b2d_0_bn-01jq3m2f7h8g9k0m1n2p3q4r5s").unwrap();
+    let released = pool.client.release(vec![never.clone()]).await.unwrap();
+    assert_eq!(
+        (released.released, released.not_found),
+        (vec![], vec![never])
+    );
+    pool.release_and_wait(&next.nodes).await;
+}
+
+/// A client's call whose message (or reply) is lost, as with a server that dies on its
+/// way while the client's own connection stays up, is sent again after a second
+/// (`API_RESEND`), not given up after the whole time-out; a submit sent again carries
+/// the same request id, so that the launcher takes it for the same request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_without_an_answer_is_sent_again_after_a_second() {
+    use futures::StreamExt;
+    use slotpool_protocol::api::{Released, Reply, SubmitRequest, Submitted};
+    use slotpool_protocol::auth::Role;
+    use slotpool_protocol::client::{submission, Client, API_RESEND};
+    use slotpool_protocol::connect::Bus;
+
+    let nats = slotpool_tests::NatsServer::start().await;
+    let responder = nats.bus().await;
+    let client = Client::connect(&nats.options_as(Role::Client, "ci"))
+        .await
+        .expect("client connects");
+    // Every message the launcher got: its subject and payload.
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Vec<u8>)>>>;
+    let seen: Seen = Default::default();
+    // A launcher whose first message of each operation is lost on the way.
+    let mut incoming = responder
+        .serve("slotpool.api.v2.ci.*", None)
+        .await
+        .expect("subscribed");
+    responder
+        .flush()
+        .await
+        .expect("the subscription reached the server");
+    let answering = {
+        let seen = seen.clone();
+        let responder: Bus = responder.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = incoming.next().await {
+                let first = {
+                    let mut seen = seen.lock().unwrap();
+                    let first = !seen.iter().any(|(s, _)| *s == msg.subject);
+                    seen.push((msg.subject.clone(), msg.payload.to_vec()));
+                    first
+                };
+                let Some(reply_to) = msg.reply_to.filter(|_| !first) else {
+                    continue;
+                };
+                if msg.subject.ends_with(".submit") {
+                    let s: SubmitRequest = serde_json::from_slice(&msg.payload).unwrap();
+                    let reply = Reply::Ok(Submitted {
+                        request_id: s.id.expect("a submit sent again has an id"),
+                        request: None,
+                    });
+                    responder.respond(&reply_to, &reply).await.unwrap();
+                } else {
+                    let reply = Reply::Ok(Released::default());
+                    responder.respond(&reply_to, &reply).await.unwrap();
+                }
+            }
+        })
+    };
+
+    let started = Instant::now();
+    client
+        .release(vec![])
+        .await
+        .expect("a release sent again is answered");
+    let took = started.elapsed();
+    assert!(
+        took >= API_RESEND && took < API_RESEND * 2,
+        "answered after {took:?}: sent again after {API_RESEND:?}"
+    );
+    let started = Instant::now();
+    let id = client
+        .submit(&submission(vec!["small".into()], "t"))
+        .await
+        .expect("a submit sent again is answered");
+    assert!(
+        started.elapsed() < API_RESEND * 2,
+        "{:?}",
+        started.elapsed()
+    );
+    let submits: Vec<SubmitRequest> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(s, _)| s.ends_with(".submit"))
+        .map(|(_, p)| serde_json::from_slice(p).unwrap())
+        .collect();
+    assert_eq!(submits.len(), 2, "{submits:?}");
+    assert!(
+        submits.iter().all(|s| s.id.as_ref() == Some(&id)),
+        "{submits:?}"
+    );
+    answering.abort();
+}
+
 #[test]
 fn config_errors_name_file_line_and_column() {
     let dir = tempfile::tempdir().unwrap();

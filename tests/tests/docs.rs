@@ -1348,3 +1348,43 @@ fn every_test_the_isolation_table_names_exists() {
         rows.len() - 2
     );
 }
+
+/// The contract for sending a call again (docs/protocol.md) names the client's resend
+/// wait and time-out and how long a launcher remembers a released node, as the code
+/// holds them.
+#[test]
+fn the_resend_contract_states_the_codes_figures() {
+    use slotpool_launcher::world::released::{MAX_REMEMBERED, REMEMBERED_MS};
+    use slotpool_protocol::client::{API_RESEND, API_TIMEOUT};
+    let text = read(&repo().join("docs/protocol.md"));
+    let start = text.find("### Sending a call again").expect("the section");
+    let section = &text[start..];
+    let section = &section[..section.find("\n---").unwrap_or(section.len())];
+    let remembered = |n: usize| {
+        let digits = n.to_string();
+        let (head, tail) = digits.split_at(digits.len() % 3);
+        let groups: Vec<&str> = tail
+            .as_bytes()
+            .chunks(3)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect();
+        [head]
+            .into_iter()
+            .chain(groups)
+            .filter(|g| !g.is_empty())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    for fact in [
+        format!("**{} s**", API_RESEND.as_secs()),
+        format!("`API_RESEND`, {} s", API_RESEND.as_secs()),
+        format!("`API_TIMEOUT`, {} s", API_TIMEOUT.as_secs()),
+        format!("for {} minutes", REMEMBERED_MS / 60_000),
+        format!("at most {} of them", remembered(MAX_REMEMBERED)),
+    ] {
+        assert!(
+            section.contains(&fact),
+            "docs/protocol.md's resend contract does not say {fact:?}"
+        );
+    }
+}
