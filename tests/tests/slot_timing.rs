@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo build --workspace --bins
-//! cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
+//! cargo test -p slotpool-tests --test slot_timing prepare_release -- --ignored --nocapture
 //! ```
 //!
 //! or with `--release` on both commands for release-build figures. More agent flags
@@ -16,9 +16,9 @@
 //!
 //! ```text
 //! SLOTPOOL_BENCH_AGENT_ARGS="--slot-disk-quota-mb 1024" \
-//!     cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
+//!     cargo test -p slotpool-tests --test slot_timing prepare_release -- --ignored --nocapture
 //! SLOTPOOL_BENCH_AGENT_ARGS="--slot-netns on --slot-netns-range 10.199.7.0/24" \
-//!     cargo test -p slotpool-tests --test slot_timing -- --ignored --nocapture
+//!     cargo test -p slotpool-tests --test slot_timing prepare_release -- --ignored --nocapture
 //! ```
 
 use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared};
@@ -251,4 +251,84 @@ fn slot_netns_create_and_remove_times() {
     }
     summary("slot network namespace: create", &mut create);
     summary("slot network namespace: remove", &mut remove);
+}
+
+/// Figures, not assertions: what `--slot-netns on` costs a job, measured in one run
+/// against an agent without it, side by side (each with its own sshd; the two take
+/// turns, first one then the other, so drift on a shared host falls on both). Each of
+/// [`ROUNDS`] rounds, per agent: `prepare_slot` of a warm slot, an SSH login running
+/// `true` (the ssh client's handshake included), `release_slot`, then `prepare_slot`
+/// right after it (which waits for the warm-up making the next namespace) and its
+/// release (no login in between). Run as root with
+///
+/// ```text
+/// cargo build --workspace --bins
+/// cargo test -p slotpool-tests --test slot_timing slot_netns_cost -- --ignored --nocapture
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: run by hand as root"]
+async fn slot_netns_cost_on_prepare_login_and_release() {
+    use slotpool_tests::login_env_with;
+    use std::collections::BTreeMap;
+    let range = {
+        use rand::Rng;
+        format!(
+            "10.{}.{}.0/24",
+            rand::rng().random_range(100..250u8),
+            rand::rng().random_range(0..=255u8)
+        )
+    };
+    let envs = [IsolationEnv::new(), IsolationEnv::new()];
+    let off = login_env_with(&envs[0], 1, &["--slot-netns", "off"]).await;
+    let on = login_env_with(
+        &envs[1],
+        1,
+        &["--slot-netns", "on", "--slot-netns-range", &range],
+    )
+    .await;
+    let agents = [("off", &off), ("on", &on)];
+    let mut times: BTreeMap<(&str, &str), Vec<Duration>> = BTreeMap::new();
+    for round in 0..ROUNDS {
+        for i in 0..2 {
+            let (name, (sshd, key, agent)) = agents[(round + i) % 2];
+            let node = format!("node-{round}");
+            wait_for("slot 0 to be warm", TIMEOUT, || async { agent.warm(0) }).await;
+            let t = Instant::now();
+            let (user, _) = agent.prepare_login(0, &node, &key.public()).await;
+            times
+                .entry(("prepare, warm", name))
+                .or_default()
+                .push(t.elapsed());
+            let t = Instant::now();
+            let (ok, _, err) = key.ssh(sshd.port, &user, "true");
+            times
+                .entry(("login (ssh true)", name))
+                .or_default()
+                .push(t.elapsed());
+            assert!(ok, "login with --slot-netns {name}: {err}");
+            let t = Instant::now();
+            agent.release(0, &node).await.unwrap();
+            times
+                .entry(("release after a login", name))
+                .or_default()
+                .push(t.elapsed());
+            let node = format!("node-{round}-again");
+            let t = Instant::now();
+            agent.prepare(0, &node, None).await.unwrap();
+            times
+                .entry(("prepare right after release", name))
+                .or_default()
+                .push(t.elapsed());
+            let t = Instant::now();
+            agent.release(0, &node).await.unwrap();
+            times
+                .entry(("release without a login", name))
+                .or_default()
+                .push(t.elapsed());
+            assert_eq!(agent.dirty(0), None, "{}", agent.log());
+        }
+    }
+    for ((what, name), mut samples) in times {
+        summary(&format!("{what}, --slot-netns {name}"), &mut samples);
+    }
 }
