@@ -205,12 +205,13 @@ fn seconds(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
-// A client's call whose message or reply went through the dead server still waits out
-// the client library's 10 s request time-out when the client's own connection stayed up
-// (a release in flight, say): in about half the runs one wait goes on 3-6 s past the
-// election. Run it with `--ignored` until client calls are sent again as agent commands
-// are.
-#[ignore = "a client's call lost with the dead server still waits 10 s"]
+// Client calls are sent again after 1 s, 2 s, 4 s (`client::API_RESEND`), so a call lost
+// with the dead server no longer waits out the 10 s time-out. Still, in 2 of 7 runs a
+// request ended 2.4 s and 7.2 s past the election; the one looked at had been accepted
+// before the kill and waited in its launcher's queue, served 2.3 s after the fresh
+// submits that came once the buckets answered again. Run it with `--ignored` until that
+// is held to the bound too.
+#[ignore = "a request queued through the election is sometimes served over 2 s past it"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_leaders_death_stalls_no_request_in_flight_past_the_election() {
     let seed = chaos::seed();
