@@ -1185,7 +1185,7 @@ impl World {
     /// it need of the label: it need not wait until those (which another launcher may
     /// drive) are seen to have claimed theirs, and they still find enough free. It
     /// takes from its launcher's [`Lane`] (by [`capacity::packing_rank`], then seat
-    /// key, then slot), passing over one slot for each slot needed ahead in the same
+    /// key, then the slot free the longest), passing over one slot for each slot needed ahead in the same
     /// lane; only when the lane has none left does it take from the others. So requests
     /// that two launchers claim for at the same time, each not yet seeing the other's,
     /// go for different slots. `tenant`: the request's; a tenant at its `max-slots`
@@ -1242,14 +1242,14 @@ impl World {
         Some(r)
     }
 
-    /// The lowest slot that is neither used, reserved, nor reported dirty by the agent
-    /// (a dirty slot is never handed out again until an operator acts).
+    /// The first free slot of [`World::free_slots_avoiding`]'s order (a dirty slot is
+    /// never handed out again until an operator acts).
     fn first_free(&self, b: &BackingNode) -> Option<u32> {
         self.free_slots_avoiding(b, |_| false).next()
     }
 
     /// The free slots of `label` that `which` selects: by [`capacity::packing_rank`], then by seat
-    /// key and slot, passing over those `avoid` names.
+    /// key, then in [`World::free_slots_avoiding`]'s order, passing over those `avoid` names.
     fn free_slots_in<'a>(
         &'a self,
         label: &'a str,
@@ -1266,8 +1266,13 @@ impl World {
             })
     }
 
-    /// The slots of `b`, lowest first, that are neither used, reserved, reported dirty
-    /// by the agent, nor named by `avoid`.
+    /// The slots of `b` that are neither used, reserved, reported dirty by the agent,
+    /// nor named by `avoid`: the one free the longest first (never used, then by the
+    /// revision of its deletion), then the lowest. An agent makes a released slot warm
+    /// again after answering the release (in mode `users` a new uid, cgroup and
+    /// namespaces: tens of milliseconds), and a prepare on it waits for that; a slot
+    /// free for longer is warm already. Every launcher sees the same revisions, so the
+    /// order is the same in each.
     fn free_slots_avoiding<'a>(
         &'a self,
         b: &'a BackingNode,
@@ -1279,12 +1284,16 @@ impl World {
             .get(&b.id)
             .map(|a| a.dirty_slots.as_slice())
             .unwrap_or_default();
-        (0..b.slots).filter(move |s| {
-            !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s) && {
-                let key = layout::slot_key(&b.id, *s);
-                !self.reserved.contains(&key) && !avoid(&key)
-            }
-        })
+        let mut free: Vec<(u64, u32)> = (0..b.slots)
+            .filter(|s| !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s))
+            .filter_map(|s| {
+                let key = layout::slot_key(&b.id, s);
+                (!self.reserved.contains(&key) && !avoid(&key))
+                    .then(|| (self.tombstones.get(&key).copied().unwrap_or(0), s))
+            })
+            .collect();
+        free.sort_unstable();
+        free.into_iter().map(|(_, s)| s)
     }
 
     pub fn unreserve(&mut self, r: &SlotRef) {
@@ -1985,6 +1994,36 @@ mod tests {
         w.put_slot(node("bn-a", 3, "req-y", "small"));
         let r = w.reserve_slot(&pos(100, 5, "req-1"), "small", 0).unwrap();
         assert_eq!(r.slot, 0, "its own lane (1, 3) is used: the first other");
+    }
+
+    #[test]
+    fn a_claim_takes_the_slot_free_the_longest() {
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
+        w.put_backing(backing("bn-a", "small", 3, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        let b = BackingId::parse("bn-a").unwrap();
+        let used = |w: &mut World, slot: u32, freed_at: u64| {
+            let mut n = node("bn-a", slot, "req-x", "small");
+            n.revision = freed_at - 1;
+            w.put_slot(n);
+            w.remove_slot(&layout::slot_key(&b, slot), freed_at);
+        };
+        used(&mut w, 0, 20);
+        used(&mut w, 1, 10);
+        let take = |w: &mut World, id: &str| {
+            let r = w.reserve_slot(&pos(100, 5, id), "small", 0).unwrap();
+            r.slot
+        };
+        assert_eq!(
+            take(&mut w, "req-1"),
+            2,
+            "never used: warm since the agent started"
+        );
+        assert_eq!(take(&mut w, "req-2"), 1, "freed before slot 0");
+        assert_eq!(take(&mut w, "req-3"), 0, "the one just freed comes last");
     }
 
     #[test]
