@@ -219,6 +219,8 @@ struct Report {
     floor: phases::Floor,
     warm: phases::Warm,
     throughput: Throughput,
+    /// The plain bus's release to reusable ([`phases::release_to_reusable`]).
+    release_to_reusable: stats::Summary,
     /// The launcher process after the throughput load (RSS, CPU while idle).
     launcher_idle: procs::Usage,
     cold_and_release: phases::ColdAndRelease,
@@ -279,11 +281,14 @@ struct Observability {
     ratios: Ratios,
 }
 
-/// Warm allocations and throughput on one bus.
+/// Warm allocations, throughput and release to reusable on one bus.
 #[derive(Debug, Serialize)]
 struct Allocations {
     warm: phases::Warm,
     throughput: Throughput,
+    /// A one-slot node released and asked for again at once: from the release call to
+    /// the next request fulfilled on that slot ([`phases::release_to_reusable`]).
+    release_to_reusable: stats::Summary,
 }
 
 #[derive(Debug, Serialize)]
@@ -294,6 +299,8 @@ struct Production {
     isolation: String,
     warm: phases::Warm,
     throughput: Throughput,
+    /// From a release call to the next request fulfilled on the same slot.
+    release_to_reusable: stats::Summary,
 }
 
 /// The production run against one that differs in one thing.
@@ -474,12 +481,14 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
             isolation: settings.isolation.clone(),
             warm: f.production.warm,
             throughput: f.production.throughput,
+            release_to_reusable: f.production.release_to_reusable,
         },
         isolation_none: f.isolation_none,
         exec: f.exec,
         settings,
         warm: plain.warm,
         throughput: plain.throughput,
+        release_to_reusable: plain.release_to_reusable,
         launcher_idle: f.launcher_idle,
         cold_and_release: f.cold_and_release,
         soak: f.soak,
@@ -522,6 +531,8 @@ struct PlainMore {
 
 const WARM_LABEL: &str = "warm";
 const COLD_LABEL: &str = "cold";
+/// One backing node of one slot: release to reusable.
+const REUSE_LABEL: &str = "reuse";
 const SLOTS_PER_WARM_NODE: usize = 8;
 /// The production run's directory (its server, PKI, credentials, launcher and agents).
 const SECURE_DIR: &str = "secure";
@@ -802,8 +813,21 @@ async fn on_bus<T>(
         ));
         let throughput = rig.throughput(&[launcher.pid], &client, &watcher).await?;
         launcher.check_alive()?;
+        let cycles = (s.warm / 10).max(2);
+        step(format!(
+            "release to reusable: a one-slot node released and asked for again, {cycles} times"
+        ));
+        let release_to_reusable =
+            phases::release_to_reusable(&client, &watcher, REUSE_LABEL, cycles).await?;
         let more = more(&rig, &mut launcher, &client, &watcher).await?;
-        anyhow::Ok((Allocations { warm, throughput }, more))
+        anyhow::Ok((
+            Allocations {
+                warm,
+                throughput,
+                release_to_reusable,
+            },
+            more,
+        ))
     }
     .await;
     launcher.stop().await;
@@ -999,6 +1023,14 @@ providers:
             backing-label: bench-vm
             max-parallel-jobs: 1
             grace-time: {grace}
+      - name: {REUSE_LABEL}
+        max-servers: 1
+        boot-timeout: 60
+        labels:
+          - name: {REUSE_LABEL}
+            backing-label: bench-vm
+            max-parallel-jobs: 1
+            grace-time: 86400
 ",
         work = work_dir.display(),
         agent = agent.display(),
@@ -1023,6 +1055,10 @@ fn latencies(r: &Report) -> Vec<Latency> {
     ];
     warm_rows(&mut rows, "plain: ", &r.warm);
     load_rows(&mut rows, "plain: ", &r.throughput);
+    rows.push((
+        "plain: release to reusable (one slot)".into(),
+        r.release_to_reusable,
+    ));
     if let Some(l) = &r.launchers {
         load_rows(
             &mut rows,
@@ -1049,6 +1085,10 @@ fn latencies(r: &Report) -> Vec<Latency> {
     let p = &r.production;
     warm_rows(&mut rows, "production: ", &p.warm);
     load_rows(&mut rows, "production: ", &p.throughput);
+    rows.push((
+        "production: release to reusable (one slot)".into(),
+        p.release_to_reusable,
+    ));
     if let Some(e) = &r.exec {
         rows.push((
             format!("exec: slotpool exec --label {} -- true", e.label),
@@ -1065,6 +1105,10 @@ fn latencies(r: &Report) -> Vec<Latency> {
     if let Some(n) = &r.isolation_none {
         warm_rows(&mut rows, "production bus, mode none: ", &n.warm);
         load_rows(&mut rows, "production bus, mode none: ", &n.throughput);
+        rows.push((
+            "production bus, mode none: release to reusable".into(),
+            n.release_to_reusable,
+        ));
     }
     let floor = &r.floor.chain;
     rows.into_iter()
@@ -1167,6 +1211,13 @@ fn targets(r: &Report) -> Vec<Target> {
             c.ratios.warm_p50 <= warm_p50_at_most,
         );
     }
+    let reuse = &r.production.release_to_reusable;
+    add(
+        "release to reusable p50 (production)",
+        "<= 100 ms",
+        format!("{:.1} ms", reuse.p50_ms),
+        reuse.p50_ms <= 100.0,
+    );
     let floor = r.floor.chain.p50_ms;
     let w = &r.warm.allocation;
     add(
@@ -1292,6 +1343,10 @@ fn print_table(r: &Report) {
         p.bus, p.isolation, p.warm.allocation.p50_ms, p.warm.allocation.p99_ms
     );
     print_throughput("production: throughput", &p.throughput);
+    println!(
+        "production: release to reusable (a one-slot node released and asked for again) p50 {:.1} ms, p99 {:.1} ms",
+        p.release_to_reusable.p50_ms, p.release_to_reusable.p99_ms
+    );
     for c in &r.comparisons {
         print_ratios(&format!("production against {}", c.against), &c.ratios);
     }

@@ -209,6 +209,32 @@ pub async fn warm(
     })
 }
 
+/// Release to reusable: a node of `label`, whose pool is one backing node of one slot,
+/// released and asked for again at once, `n` times after one unmeasured cycle (which
+/// launches the backing node). Each figure runs from the start of the release call to
+/// the client seeing the next request fulfilled on that same slot: the agent's release
+/// (kill, wipe, check), its warm-up of the slot again and the warm prepare, as a job
+/// waiting for a busy pool sees them.
+pub async fn release_to_reusable(
+    client: &Client,
+    watcher: &RequestWatcher,
+    label: &str,
+    n: usize,
+) -> anyhow::Result<Summary> {
+    let mut samples = Samples::default();
+    let mut nodes = allocate(watcher, label).await?;
+    for i in 0..=n {
+        let t0 = Instant::now();
+        release(client, nodes).await?;
+        nodes = allocate(watcher, label).await?;
+        if i > 0 {
+            samples.push(t0.elapsed());
+        }
+    }
+    release(client, nodes).await?;
+    Ok(samples.summary())
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Throughput {
     pub clients: usize,

@@ -59,6 +59,11 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     let production = &report["production"];
     let none = &report["isolation_none"];
     let observed = &report["observability"];
+    for figures in [&report, production, none] {
+        let reuse = &figures["release_to_reusable"];
+        assert!(reuse["count"].as_u64().unwrap() > 0, "{report}");
+        assert!(reuse["p50_ms"].as_f64().unwrap() > 0.0, "{report}");
+    }
     for figures in [&report, production, none, observed] {
         assert!(figures["warm"]["allocation"]["count"].as_u64().unwrap() > 0);
         assert!(figures["throughput"]["allocations"].as_u64().unwrap() > 0);
@@ -144,6 +149,7 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "users / none, warm p50",
         "NATS messages per allocation",
         "2 launchers / one, throughput",
+        "release to reusable p50 (production)",
     ] {
         assert!(
             targets.iter().any(|t| t["figure"] == figure),
