@@ -68,6 +68,31 @@ pub fn in_namespace(ns: Option<&Path>, program: impl AsRef<OsStr>) -> Command {
     }
 }
 
+/// Whether `dir` is the root of a mount in this process's namespace
+/// (`STATX_ATTR_MOUNT_ROOT`, Linux 5.8): `Some(false)` when nothing is there, `None`
+/// when the kernel does not say (older kernels) or `dir` cannot be examined.
+fn is_mount_root(dir: &Path) -> Option<bool> {
+    use rustix::fs::{AtFlags, StatxAttributes, StatxFlags};
+    match rustix::fs::statx(
+        rustix::fs::CWD,
+        dir,
+        AtFlags::NO_AUTOMOUNT | AtFlags::SYMLINK_NOFOLLOW,
+        StatxFlags::empty(),
+    ) {
+        Ok(stat)
+            if stat
+                .stx_attributes_mask
+                .contains(StatxAttributes::MOUNT_ROOT) =>
+        {
+            Some(stat.stx_attributes.contains(StatxAttributes::MOUNT_ROOT))
+        }
+        Ok(_) => None,
+        // Nothing can be mounted on a path that does not exist in this namespace.
+        Err(rustix::io::Errno::NOENT) => Some(false),
+        Err(_) => None,
+    }
+}
+
 impl MountNamespace {
     pub fn new(enter: Option<PathBuf>) -> MountNamespace {
         MountNamespace { enter }
@@ -150,6 +175,13 @@ impl MountNamespace {
     /// only where the agent does). `true` when the mounts cannot be read, so a release
     /// tries to unmount and fails (the slot goes dirty) rather than believing it clean.
     pub fn is_mount_point(&self, dir: &Path) -> bool {
+        // In the agent's own namespace the kernel says it of the path itself, without
+        // rendering every mount of the host (a release asks twice per slot).
+        if self.enter.is_none() {
+            if let Some(root) = is_mount_root(dir) {
+                return root;
+            }
+        }
         match self.mounts() {
             Ok(mounts) => mounts.iter().any(|m| m.mount_point == dir),
             Err(err) => {
@@ -224,6 +256,33 @@ mod tests {
 65 22 0:40 / /proc rw,relatime - proc proc rw,gid=4,hidepid=invisible
 70 27 7:0 / /var/lib/slotpool/agent/slots/3 rw,nosuid,nodev - ext4 /dev/loop0 rw
 ";
+
+    #[test]
+    fn the_kernel_and_the_mount_table_agree_on_what_is_a_mount_point() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("gone");
+        let table = parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+        for (path, mounted) in [
+            (Path::new("/"), true),
+            (Path::new("/proc"), true),
+            (dir.path(), false),
+            (missing.as_path(), false),
+        ] {
+            assert_eq!(is_mount_root(path), Some(mounted), "{}", path.display());
+            assert_eq!(
+                table.iter().any(|m| m.mount_point == path),
+                mounted,
+                "{}",
+                path.display()
+            );
+            assert_eq!(
+                MountNamespace::default().is_mount_point(path),
+                mounted,
+                "{}",
+                path.display()
+            );
+        }
+    }
 
     #[test]
     fn the_top_proc_mount_decides() {
