@@ -1,7 +1,8 @@
 //! A slot user's processes, IPC objects and SSH logins, found by scanning `/proc`.
 //!
-//! Processes are found by scanning `<proc>/<pid>/status` for any of the real, effective,
-//! saved or file-system uid; [`kill_uid`] kills them with `kill(-1, SIGKILL)` run *as the
+//! Processes are found by scanning `<proc>` for any of the real, effective, saved or
+//! file-system uid (from each process's pidfd where the kernel says them, Linux 6.13;
+//! else from `<proc>/<pid>/status`); [`kill_uid`] kills them with `kill(-1, SIGKILL)` run *as the
 //! slot user*, which the kernel applies to every process of that user at once, and
 //! repeats until a scan finds none. Every function takes the `/proc` root as a
 //! parameter.
@@ -52,6 +53,7 @@ pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
         return found;
     };
     let mut text = String::with_capacity(2048);
+    let live = proc_root == Path::new("/proc") && pidfd_info_works();
     for entry in entries.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -60,6 +62,14 @@ pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
         else {
             continue;
         };
+        if live {
+            if let Some(ids) = pidfd_uids(pid) {
+                if let Some(uid) = ids.into_iter().find(|u| uids.contains(u)) {
+                    found.push((uid, pid));
+                }
+                continue;
+            }
+        }
         text.clear();
         let read = std::fs::File::open(entry.path().join("status"))
             .and_then(|mut f| f.read_to_string(&mut text));
@@ -71,6 +81,75 @@ pub fn processes_of_any(proc_root: &Path, uids: &[u32]) -> Vec<(u32, i32)> {
         }
     }
     found
+}
+
+/// `PIDFD_GET_INFO` (Linux 6.13): `_IOWR(0xFF, 11, struct pidfd_info)` with the
+/// first version of the struct (64 bytes; the kernel takes any size from that one on).
+const PIDFD_GET_INFO: libc::c_ulong = (3 << 30) | (64 << 16) | (0xFF << 8) | 11;
+/// `PIDFD_INFO_CREDS`: ask for the credentials.
+const PIDFD_INFO_CREDS: u64 = 1 << 1;
+
+/// `struct pidfd_info` as Linux 6.13 made it.
+const _: () = assert!(size_of::<PidfdInfo>() == 64);
+#[repr(C)]
+#[derive(Default)]
+struct PidfdInfo {
+    mask: u64,
+    cgroupid: u64,
+    pid: u32,
+    tgid: u32,
+    ppid: u32,
+    ruid: u32,
+    rgid: u32,
+    euid: u32,
+    egid: u32,
+    suid: u32,
+    sgid: u32,
+    fsuid: u32,
+    fsgid: u32,
+    exit_code: i32,
+}
+
+/// The real, effective, saved and file-system uids of process `pid` from its pidfd
+/// (`PIDFD_GET_INFO`): three system calls instead of the kernel rendering the whole
+/// `status` file. `None` when the kernel cannot say (too old, the process gone); the
+/// caller then reads `status`.
+fn pidfd_uids(pid: i32) -> Option<[u32; 4]> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just returned open by the kernel and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = PidfdInfo {
+        mask: PIDFD_INFO_CREDS,
+        ..PidfdInfo::default()
+    };
+    use std::os::fd::AsRawFd;
+    // SAFETY: the kernel writes at most the 64 bytes the request's size names into
+    // `info`, which is larger.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), PIDFD_GET_INFO as _, &mut info) };
+    (r == 0 && info.mask & PIDFD_INFO_CREDS != 0)
+        .then_some([info.ruid, info.euid, info.suid, info.fsuid])
+}
+
+/// Whether [`pidfd_uids`] answers for `/proc`'s processes: this kernel has
+/// `PIDFD_GET_INFO`, and `/proc` is of this process's pid namespace (pids mean the same
+/// processes there and to `pidfd_open`). Checked once.
+fn pidfd_info_works() -> bool {
+    static WORKS: OnceLock<bool> = OnceLock::new();
+    *WORKS.get_or_init(|| {
+        let me = std::process::id();
+        let same_namespace = std::fs::read_link("/proc/self")
+            .ok()
+            .and_then(|l| l.to_str().and_then(|s| s.parse::<u32>().ok()))
+            == Some(me);
+        // SAFETY: getuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::getuid() };
+        same_namespace && pidfd_uids(me as i32).is_some_and(|ids| ids[0] == uid)
+    })
 }
 
 /// Scans of `/proc` shared by the threads that ask at the same time. A caller's uid
@@ -408,6 +487,53 @@ mod tests {
             format!("Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"),
         )
         .unwrap();
+    }
+
+    /// The pidfd's uids are the ones `status` shows, for every process of this host,
+    /// and a scan finds a process that has the uid only as its real one.
+    #[test]
+    fn pidfd_uids_agree_with_the_status_files() {
+        if !pidfd_info_works() {
+            eprintln!("this kernel has no PIDFD_GET_INFO: only status files are read");
+            return;
+        }
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("needs root to start a process of another uid");
+            return;
+        }
+        let uid = 2_999_123;
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .uid(uid)
+            .gid(uid)
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let mut compared = 0;
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(p) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            // Twice, for a process of the host that changed its uids in between.
+            let read = || {
+                Some((
+                    pidfd_uids(p)?.to_vec(),
+                    parse_status_uids(&std::fs::read_to_string(entry.path().join("status")).ok()?),
+                ))
+            };
+            let Some((ids, status)) = read().filter(|(a, b)| a == b).or_else(read) else {
+                continue;
+            };
+            assert_eq!(ids, status, "pid {p}");
+            compared += 1;
+        }
+        assert!(compared > 1, "{compared}");
+        assert_eq!(pidfd_uids(pid), Some([uid; 4]));
+        let found = processes_of(Path::new("/proc"), uid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found, vec![pid]);
     }
 
     /// Callers at the same time share scans, and each sees what a scan started after
