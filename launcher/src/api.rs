@@ -387,16 +387,22 @@ async fn accept(
         return serve_at_once(sh, caller, req, &slots, within).await;
     }
     let key = req.id.to_string();
+    let sent_at = now_ms();
     let (created, claimed) = tokio::join!(
         sh.bus.requests.create(&key, &req, None),
         exec::claim(sh, &req, &slots)
     );
     let claimed: Vec<Versioned<Node>> = claimed.into_iter().filter_map(Result::ok).collect();
+    // The worker knows these claims for its own ([`exec::claims_stand`]).
+    let mut memory = Memory::default();
+    for node in &claimed {
+        memory.claim_won(&node.value.id, sent_at);
+    }
     let made = Made {
         request: req,
         claimed,
         mine,
-        memory: Memory::default(),
+        memory,
     };
     made.recorded(sh, caller, created, retried_id).await
 }
@@ -434,6 +440,9 @@ async fn serve_at_once(
             Ok(Ok(())) => {
                 let look = observe::look(sh, &req, &memory);
                 match plan::next(&req, &look, now_ms()) {
+                    // Without `exec::claims_stand`: these claims were made by this call
+                    // moments ago for a request not created yet, and no launcher gives
+                    // such a claim back before it is 45 s old (a stray).
                     RequestStep::Fulfil { nodes, hold_until } => {
                         record = Some(exec::fulfilled(&req, nodes, hold_until));
                     }

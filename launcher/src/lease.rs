@@ -93,7 +93,15 @@ pub async fn acquire(shared: &Arc<Shared>, key: &str) -> Result<Option<LeaseGuar
                     tracing::debug!(lease = %k, %err, "renewal failed and unreadable; retrying");
                 }
                 Renewal::Lost => {
-                    tracing::warn!(lease = %k, %err, "lease lost; stopping its work");
+                    let now = match &found {
+                        Ok(None) => "gone: its ttl ran out".to_string(),
+                        Ok(Some(v)) => format!(
+                            "held by {} (taken at {}) at revision {}",
+                            v.value.holder, v.value.acquired_at, v.revision
+                        ),
+                        Err(read) => format!("unreadable ({read}) for longer than its ttl"),
+                    };
+                    tracing::warn!(lease = %k, %err, found = %now, "lease lost; stopping its work");
                     l.cancel();
                     return;
                 }

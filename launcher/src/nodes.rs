@@ -244,6 +244,9 @@ pub async fn prepare(
     ready.state = NodeState::Ready;
     ready.workspace = Some(prepared.workspace);
     ready.login = prepared.login;
+    // A claim written `ready` needs no second write: one write claims a slot and hands
+    // it out. Whether the claim still stands when its request is fulfilled is for the
+    // fulfilment to check (`request::exec::claims_stand`).
     if ready == node.value {
         return Ok(node);
     }

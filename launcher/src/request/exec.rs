@@ -118,6 +118,9 @@ pub async fn carry_out(
             Ok(After::Wait { until })
         }
         RequestStep::Fulfil { nodes, hold_until } => {
+            if !claims_stand(sh, &nodes, memory).await? {
+                return Ok(After::Again);
+            }
             let done = fulfilled(r, nodes, hold_until);
             // A hold with a deadline keeps this worker: its timer reclaims the nodes.
             let held = done.hold_deadline().is_some();
@@ -185,8 +188,8 @@ pub async fn prepare_all(
     let mut result = Ok(());
     for (id, outcome) in prepared {
         match outcome {
-            Prepared::Ready => {
-                memory.prepared.insert(id);
+            Prepared::Ready(record) => {
+                memory.prepared.insert(id, *record);
             }
             Prepared::GivenBack => memory.refused_at = Some(now_ms()),
             Prepared::GivingBackFailed(err) => {
@@ -238,6 +241,7 @@ pub async fn claim_noting(
     slots: &[(u32, SlotRef)],
     memory: &mut Memory,
 ) -> Claimed {
+    let sent_at = now_ms();
     let claims = claim(sh, r, slots).await;
     let mut claimed = Claimed {
         won: Vec::new(),
@@ -248,7 +252,7 @@ pub async fn claim_noting(
     for (claim, (_, slot)) in claims.into_iter().zip(slots) {
         match claim {
             Ok(node) => {
-                memory.claim_won();
+                memory.claim_won(&node.value.id, sent_at);
                 world.put_slot(node.clone());
                 claimed.won.push(node);
                 continue;
@@ -268,8 +272,8 @@ pub async fn claim_noting(
 
 /// How one node's prepare ended ([`prepare`]).
 enum Prepared {
-    /// The agent prepared it; the mirror has its record.
-    Ready,
+    /// The agent prepared it; the mirror has its record, this one.
+    Ready(Box<Versioned<Node>>),
     /// The agent refused it (or its reply or host keys were refused): it was given back.
     GivenBack,
     /// Refused, and giving it back failed: the mirror never offers it again
@@ -288,8 +292,8 @@ async fn prepare(
     let id = node.value.id.clone();
     match nodes::prepare(sh, node, ssh_public_key).await {
         Ok(ready) => {
-            sh.world().put_slot(ready);
-            return (id, Prepared::Ready);
+            sh.world().put_slot(ready.clone());
+            return (id, Prepared::Ready(Box::new(ready)));
         }
         Err(SlotError::Agent { backing_id, source }) => {
             tracing::warn!(%backing_id, err = %source, "prepare failed; giving the slot back");
@@ -303,6 +307,72 @@ async fn prepare(
         Ok(_) => (id, Prepared::GivenBack),
         Err(err) => (id, Prepared::GivingBackFailed(err)),
     }
+}
+
+/// Whether the claims the prepares of `nodes` were made for still stand, as a
+/// fulfilment with them requires.
+///
+/// The mirror is trusted for a node this worker claimed itself while every mirror has
+/// stayed synced since ([`crate::mirror_sync`]): nothing but this worker gives such a
+/// claim back before its request ends, and the mirror has seen every change of it. Any
+/// other node (claimed by a launcher that drove the request before, or while a watch
+/// was away, as during a leader election) has its record written again, unchanged,
+/// expecting the revision its prepare left ([`Memory::prepared`]): whatever changed it
+/// since, whatever the mirror still says, the write conflicts, that node is given back
+/// ([`crate::world::World::give_back`]) and never handed out, and the plan looks again.
+pub async fn claims_stand(
+    sh: &Arc<Shared>,
+    nodes: &[NodeId],
+    memory: &mut Memory,
+) -> Result<bool, SlotError> {
+    let synced_since = sh.mirror_sync.since();
+    let nodes: Vec<&NodeId> = nodes
+        .iter()
+        .filter(|id| {
+            let trusted = memory
+                .claimed
+                .get(*id)
+                .is_some_and(|sent| synced_since.is_some_and(|since| since <= *sent));
+            !(trusted && memory.prepared.contains_key(*id))
+        })
+        .collect();
+    let prepared: Vec<Option<Versioned<Node>>> = nodes
+        .iter()
+        .map(|id| memory.prepared.get(*id).cloned())
+        .collect();
+    let written = futures::future::join_all(prepared.iter().map(|p| async move {
+        match p {
+            Some(p) => Some(
+                sh.bus
+                    .slots
+                    .update(&p.key, &p.value, p.revision, None)
+                    .await,
+            ),
+            None => None,
+        }
+    }))
+    .await;
+    let mut stand = true;
+    for ((id, p), outcome) in nodes.into_iter().zip(prepared).zip(written) {
+        match (p, outcome) {
+            (Some(p), Some(Ok(revision))) => {
+                let touched = Versioned { revision, ..p };
+                sh.world().put_slot(touched.clone());
+                memory.prepared.insert(id.clone(), touched);
+            }
+            (_, Some(Err(err))) if !matches!(err, KvError::Conflict { .. }) => {
+                return Err(err.into())
+            }
+            // A conflict, or a node no prepare of this worker's made ready.
+            _ => {
+                tracing::warn!(node_id = %id, "the node's claim changed since its prepare; not handed out");
+                memory.prepared.remove(id);
+                sh.world().give_back(id);
+                stand = false;
+            }
+        }
+    }
+    Ok(stand)
 }
 
 /// Gives back nodes of a request that ended without them.

@@ -519,7 +519,6 @@ impl Model {
                         memory.claim_lost(key, self.now);
                         continue;
                     }
-                    memory.claim_won();
                     let mut node = tests_support::node(
                         slot.backing_id.as_str(),
                         slot.slot,
@@ -527,6 +526,7 @@ impl Model {
                         &r.labels[index as usize],
                     );
                     node.value.id = NodeId::for_slot(&slot.backing_id, slot.slot);
+                    memory.claim_won(&node.value.id, self.now);
                     node.value.index = index;
                     node.value.client = r.client.clone();
                     node.revision = self.next_revision();
@@ -540,7 +540,7 @@ impl Model {
                 for key in nodes {
                     if let Some(n) = self.slots.get(&key) {
                         if n.value.request_id == r.id {
-                            memory.prepared.insert(n.value.id.clone());
+                            memory.prepared.insert(n.value.id.clone(), n.clone());
                         }
                     }
                 }

@@ -9,16 +9,20 @@ use crate::release::claimed_for;
 use crate::shared::Shared;
 use crate::world::{HeldBack, QueuePosition, World};
 use slotpool_protocol::layout;
-use slotpool_protocol::model::{BackingState, NodeRequest};
+use slotpool_protocol::model::{BackingState, Node, NodeRequest};
+use slotpool_protocol::store::Versioned;
 use slotpool_protocol::time::UnixMillis;
 use slotpool_protocol::{LauncherId, NodeId};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 /// What a request worker remembers between looks.
 #[derive(Debug, Default)]
 pub struct Memory {
-    /// The nodes it had their agents prepare.
-    pub prepared: HashSet<NodeId>,
+    /// The nodes it had their agents prepare, with the record each prepare left: a
+    /// fulfilment is conditioned on it ([`super::exec::claims_stand`]).
+    pub prepared: HashMap<NodeId, Versioned<Node>>,
+    /// The nodes whose claim this worker won, with when it sent the claim.
+    pub claimed: HashMap<NodeId, UnixMillis>,
     /// When a prepare was last refused.
     pub refused_at: Option<UnixMillis>,
     /// Since when it waits for slots.
@@ -48,9 +52,11 @@ impl Memory {
         self.lost_claims.insert(key, now + pause);
     }
 
-    /// Notes a claim that landed: the back-off starts over.
-    pub fn claim_won(&mut self) {
+    /// Notes the claim of `node` that landed, sent at `sent_at`: the back-off starts
+    /// over.
+    pub fn claim_won(&mut self, node: &NodeId, sent_at: UnixMillis) {
         self.conflicts = 0;
+        self.claimed.insert(node.clone(), sent_at);
     }
 
     /// Forgets lost claims whose pause is over; returns when the next one ends.
@@ -99,7 +105,7 @@ pub fn look_in(
             id: n.value.id.clone(),
             key: n.key.clone(),
             state: n.value.state,
-            prepared_here: memory.prepared.contains(&n.value.id),
+            prepared_here: memory.prepared.contains_key(&n.value.id),
             given_back: world.given_back.contains(&n.value.id),
         })
         .collect();
@@ -281,7 +287,7 @@ mod tests {
         assert!((CONFLICT_BACKOFF_MAX_MS / 2..=CONFLICT_BACKOFF_MAX_MS).contains(&last));
         assert_eq!(m.next_retry(1_000), Some(1_000 + last));
         assert_eq!(m.next_retry(1_000 + last), None, "the pause is over");
-        m.claim_won();
+        m.claim_won(&NodeId::generate(), 0);
         m.claim_lost("bn-a.1".into(), 0);
         assert!(
             m.lost_claims["bn-a.1"] <= CONFLICT_BACKOFF_MIN_MS,
