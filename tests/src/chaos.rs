@@ -47,11 +47,12 @@ pub fn seed() -> u64 {
 /// One node a client held: its slot, from when the client saw it until it asked for
 /// its release.
 #[derive(Clone, Debug)]
-struct Hold {
-    slot: (BackingId, u32),
-    request: RequestId,
-    from: Instant,
-    to: Option<Instant>,
+pub struct Hold {
+    pub node: NodeId,
+    pub slot: (BackingId, u32),
+    pub request: RequestId,
+    pub from: Instant,
+    pub to: Option<Instant>,
 }
 
 /// What the clients of a [`Load`] saw.
@@ -99,6 +100,7 @@ impl Ledger {
             for node in &req.nodes {
                 if let Some(slot) = node.slot() {
                     self.holds.push(Hold {
+                        node: node.clone(),
                         slot,
                         request: req.id.clone(),
                         from: now,
@@ -145,6 +147,11 @@ impl Ledger {
             .iter()
             .filter(|w| w.from <= at)
             .all(|w| w.to.is_some())
+    }
+
+    /// Every node a client held, in the order the clients saw them.
+    pub fn holds(&self) -> &[Hold] {
+        &self.holds
     }
 
     /// How long after `at` the first fulfilment came (`None`: none came).
@@ -475,6 +482,7 @@ mod tests {
 
     fn hold(request: &RequestId, from: Instant, to: Option<Instant>) -> Hold {
         Hold {
+            node: NodeId::for_slot(&BackingId::parse("bn-a").unwrap(), 0),
             slot: (BackingId::parse("bn-a").unwrap(), 0),
             request: request.clone(),
             from,
