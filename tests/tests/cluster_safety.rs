@@ -319,6 +319,19 @@ async fn run(kills: usize) {
     // The agents' side.
     let agent_log = AgentLog::read(&work_dir);
     let agent_violations = agent_log.violations(ledger.holds(), &clock);
+    // Fulfilments the launchers stopped because a node's claim had changed since its
+    // prepare (`request::exec::claims_stand`), and leases they gave up.
+    let said = |what: &str| {
+        (0..2)
+            .map(|n| launchers.log(n).matches(what).count())
+            .sum::<usize>()
+    };
+    eprintln!(
+        "launchers: {} nodes not handed out for a claim changed since its prepare, {} \
+         leases lost",
+        said("claim changed since its prepare"),
+        said("lease lost;")
+    );
     eprintln!(
         "cluster safety: {} kills, {} requests, {} fulfilled, {} nodes held by clients, \
          {} prepares ({} nodes) and {} releases in the agents' logs; violations: {} in KV, \
