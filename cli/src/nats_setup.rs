@@ -5,7 +5,7 @@
 use crate::pki::{self, PkiPlan};
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use slotpool_protocol::auth::setup::{self, SetupPlan};
+use slotpool_protocol::auth::setup::{self, ClusterPlan, ClusterServer, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::BackingId;
 
@@ -27,7 +27,10 @@ use std::process::ExitCode;
       --creds /etc/slotpool/nats/creds/launcher-launcher-1.creds \\
       serve --config pool.yaml --agent-signing-key /etc/slotpool/nats/agent-signing.json
   slotpool nats-setup mint --signing-key /etc/slotpool/nats/agent-signing.json \\
-      --role client --name jenkins --out jenkins.creds")]
+      --role client --name jenkins --out jenkins.creds
+  slotpool nats-setup --dir /etc/slotpool/nats --cluster 3 \\
+      --cluster-hosts nats-a.example,nats-b.example,nats-c.example
+  nats-server -c /etc/slotpool/nats/server-1.conf   # on nats-a; server-2.conf on nats-b…")]
 pub struct NatsSetupArgs {
     #[command(subcommand)]
     pub command: Option<SetupCommand>,
@@ -37,6 +40,39 @@ pub struct NatsSetupArgs {
     /// Address the server listens on, `host:port`.
     #[arg(long, default_value = "127.0.0.1:4222")]
     pub listen: String,
+    /// Write a JetStream cluster of N servers instead of one: `server-1.conf`… (unique
+    /// `server_name`, its own store `jetstream/server-I` and resolver directory
+    /// `accounts/server-I`, a `cluster { }` block routing it to the others, with TLS
+    /// from the same CA unless --no-tls), the same installation trusted by all. At least
+    /// 3 (odd: 3 or 5), so a majority is left when one dies; run the launchers with
+    /// `kv-replicas: 3` (or 5) and give every process all servers' URLs, as printed.
+    #[arg(long, value_name = "N", conflicts_with = "listen")]
+    pub cluster: Option<usize>,
+    /// The cluster's servers' hosts (names or addresses), one per server, comma-separated:
+    /// server I listens on host I. Default: all on 127.0.0.1.
+    #[arg(
+        long,
+        value_name = "HOST,…",
+        value_delimiter = ',',
+        requires = "cluster"
+    )]
+    pub cluster_hosts: Vec<String>,
+    /// With --cluster: server I takes clients on this port + I - 1.
+    #[arg(
+        long,
+        value_name = "PORT",
+        default_value_t = 4222,
+        requires = "cluster"
+    )]
+    pub client_port: u16,
+    /// With --cluster: server I takes the others' routes on this port + I - 1.
+    #[arg(
+        long,
+        value_name = "PORT",
+        default_value_t = 6222,
+        requires = "cluster"
+    )]
+    pub cluster_port: u16,
     /// A launcher's credential (repeat for several launchers).
     #[arg(long = "launcher", value_name = "NAME", default_value = "launcher")]
     pub launchers: Vec<String>,
@@ -156,6 +192,23 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|id| BackingId::parse(id).with_context(|| format!("--static-agent {id}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut cluster = args
+        .cluster
+        .map(|size| {
+            cluster_plan(
+                size,
+                &args.cluster_hosts,
+                args.client_port,
+                args.cluster_port,
+            )
+        })
+        .transpose()?;
+    let mut server_names = args.server_names.clone();
+    for host in &args.cluster_hosts {
+        if !server_names.contains(host) {
+            server_names.push(host.clone());
+        }
+    }
     let mut extra_config = String::new();
     if !args.no_tls {
         let clients = users
@@ -165,12 +218,16 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
             .collect();
         let pki = pki::write_pki(&PkiPlan {
             dir: dir.join("tls"),
-            server_names: args.server_names.clone(),
+            server_names,
             clients,
             validity_days: TLS_VALIDITY_DAYS,
             overwrite: false,
         })?;
         extra_config = pki::tls_server_block(&pki, true);
+        if let Some(cluster) = &mut cluster {
+            // The servers dial each other with the server certificate and verify it.
+            cluster.extra_config = pki::tls_server_block(&pki, true);
+        }
         println!(
             "{}: CA certificate (--tls-ca); server and client certificates beside it",
             pki.ca_cert.display()
@@ -184,11 +241,14 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
         static_agents,
         extra_config,
         valid_for: args.validity.duration(),
+        cluster: cluster.clone(),
     })?;
-    println!(
-        "{}: nats-server configuration (nats-server -c …)",
-        files.server_config.display()
-    );
+    for config in &files.server_configs {
+        println!(
+            "{}: nats-server configuration (nats-server -c …)",
+            config.display()
+        );
+    }
     println!(
         "{}: signing key for `slotpool serve --agent-signing-key` (secret, 0600)",
         files.signing_key.display()
@@ -196,5 +256,116 @@ pub fn run(args: NatsSetupArgs) -> anyhow::Result<ExitCode> {
     for (user, path) in &files.creds {
         println!("{}: credentials of {user} (secret, 0600)", path.display());
     }
+    if let Some(cluster) = &cluster {
+        let scheme = if args.no_tls { "nats" } else { "tls" };
+        let urls: Vec<String> = cluster
+            .servers
+            .iter()
+            .map(|s| format!("{scheme}://{}", s.listen))
+            .collect();
+        println!(
+            "next: start each server on its host (nats-server -c server-I.conf), set \
+             `kv-replicas: {}` in the launchers' pool configuration, and give launchers, \
+             agents and clients every server: --nats {}",
+            cluster.servers.len(),
+            urls.join(",")
+        );
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The servers of a cluster of `size`: server I (from 1) on host I of `hosts` (all on
+/// 127.0.0.1 when none are given), clients on `client_port` + I - 1, routes on
+/// `cluster_port` + I - 1.
+fn cluster_plan(
+    size: usize,
+    hosts: &[String],
+    client_port: u16,
+    cluster_port: u16,
+) -> anyhow::Result<ClusterPlan> {
+    if size < 3 {
+        anyhow::bail!(
+            "--cluster {size}: a cluster needs at least 3 servers (3 or 5): JetStream \
+             keeps serving only while a majority is up, and of 2 servers one dying leaves \
+             no majority"
+        );
+    }
+    if !hosts.is_empty() && hosts.len() != size {
+        anyhow::bail!(
+            "--cluster-hosts names {} hosts for --cluster {size}: give one per server",
+            hosts.len()
+        );
+    }
+    let port = |base: u16, i: usize, flag: &str| {
+        u16::try_from(usize::from(base) + i).map_err(|_| {
+            anyhow::anyhow!(
+                "--{flag} {base}: server {} would need a port above 65535",
+                i + 1
+            )
+        })
+    };
+    let servers = (0..size)
+        .map(|i| {
+            let host = match hosts.get(i).map_or("127.0.0.1", String::as_str) {
+                ipv6 if ipv6.contains(':') => format!("[{ipv6}]"),
+                host => host.to_string(),
+            };
+            Ok(ClusterServer {
+                name: format!("server-{}", i + 1),
+                listen: format!("{host}:{}", port(client_port, i, "client-port")?),
+                route: format!("{host}:{}", port(cluster_port, i, "cluster-port")?),
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(ClusterPlan {
+        name: "slotpool".into(),
+        servers,
+        extra_config: String::new(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_of_two_is_refused_for_its_quorum() {
+        let err = cluster_plan(2, &[], 4222, 6222).unwrap_err().to_string();
+        assert!(
+            err.contains("at least 3") && err.contains("majority"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn each_server_has_its_own_ports_on_its_host() {
+        let plan = cluster_plan(3, &[], 4222, 6222).unwrap();
+        let got: Vec<_> = plan
+            .servers
+            .iter()
+            .map(|s| (s.name.as_str(), s.listen.as_str(), s.route.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("server-1", "127.0.0.1:4222", "127.0.0.1:6222"),
+                ("server-2", "127.0.0.1:4223", "127.0.0.1:6223"),
+                ("server-3", "127.0.0.1:4224", "127.0.0.1:6224"),
+            ]
+        );
+        let hosts = ["a".to_string(), "b".into(), "::1".into()];
+        let plan = cluster_plan(3, &hosts, 4222, 6222).unwrap();
+        assert_eq!(plan.servers[0].listen, "a:4222");
+        assert_eq!(plan.servers[2].route, "[::1]:6224");
+    }
+
+    #[test]
+    fn hosts_must_match_the_servers() {
+        let err = cluster_plan(3, &["a".into(), "b".into()], 4222, 6222)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("one per server"), "{err}");
+        let err = cluster_plan(3, &[], 65534, 6222).unwrap_err().to_string();
+        assert!(err.contains("above 65535"), "{err}");
+    }
 }

@@ -173,7 +173,11 @@ pub fn write_pki(plan: &PkiPlan) -> Result<Pki, PkiError> {
     let server = make_leaf(
         &plan.server_names[0],
         plan.server_names.clone(),
-        ExtendedKeyUsagePurpose::ServerAuth,
+        // A server of a cluster also presents it when it dials the others' routes.
+        &[
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
         &validity,
         &ca,
     )
@@ -184,7 +188,7 @@ pub fn write_pki(plan: &PkiPlan) -> Result<Pki, PkiError> {
             make_leaf(
                 &c.name,
                 Vec::new(),
-                ExtendedKeyUsagePurpose::ClientAuth,
+                &[ExtendedKeyUsagePurpose::ClientAuth],
                 &validity,
                 &ca,
             )
@@ -316,18 +320,18 @@ fn make_ca(validity: &Validity) -> Result<CertifiedIssuer<'static, KeyPair>, rcg
 }
 
 /// A certificate for `common_name` with the subject alternative names `sans` (each an IP
-/// address or a DNS name) and the one extended key usage `usage`, signed by `ca`.
+/// address or a DNS name) and the extended key usages `usages`, signed by `ca`.
 fn make_leaf(
     common_name: &str,
     sans: Vec<String>,
-    usage: ExtendedKeyUsagePurpose,
+    usages: &[ExtendedKeyUsagePurpose],
     validity: &Validity,
     ca: &CertifiedIssuer<'_, KeyPair>,
 ) -> Result<Made, rcgen::Error> {
     let mut params = CertificateParams::new(sans)?;
     params.distinguished_name = subject(common_name);
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    params.extended_key_usages = vec![usage];
+    params.extended_key_usages = usages.to_vec();
     params.use_authority_key_identifier_extension = true;
     params.not_before = validity.not_before;
     params.not_after = validity.not_after;
@@ -543,7 +547,7 @@ mod tests {
     }
 
     #[test]
-    fn server_certificate_has_the_names_and_server_auth() {
+    fn server_certificate_has_the_names_and_server_and_route_auth() {
         let tmp = tempfile::tempdir().unwrap();
         let pki = write_pki(&plan(tmp.path())).unwrap();
         verifies(&pki.ca_cert, &pki.server_cert, EKU_SERVER_AUTH).unwrap();
@@ -553,7 +557,8 @@ mod tests {
         for name in ["example.com", "127.0.0.2", "launcher"] {
             assert!(!valid_for(&pki.server_cert, name), "{name}");
         }
-        assert!(verifies(&pki.ca_cert, &pki.server_cert, EKU_CLIENT_AUTH).is_err());
+        // A server of a cluster presents it when it dials another's route.
+        verifies(&pki.ca_cert, &pki.server_cert, EKU_CLIENT_AUTH).unwrap();
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! - `creds/<role>-<name>.creds` (0600): one credential per launcher, operator, client
 //!   and static host's agent asked for, and beside each `creds/<role>-<name>.token`
 //!   (0600), its token for the launchers' HTTP API ([`super::http_token`]).
+//!
+//! With a [`ClusterPlan`], `server-1.conf`… take the place of `nats-server.conf`: one
+//! configuration per server of a JetStream cluster, each with its own `server_name`,
+//! store (`jetstream/server-N`), resolver directory (`accounts/server-N`) and a
+//! `cluster { }` block routing it to the others, all trusting the same installation.
 
 use super::{AuthError, BusUser, Installation, Role};
 use crate::BackingId;
@@ -33,12 +38,38 @@ pub struct SetupPlan {
     pub valid_for: Option<Duration>,
     /// More server configuration, appended as is (a `tls { … }` block, say).
     pub extra_config: String,
+    /// Servers of a cluster to write a configuration for each (none: one server).
+    pub cluster: Option<ClusterPlan>,
+}
+
+/// The servers of a JetStream cluster.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterPlan {
+    /// The cluster's name (`cluster { name }`).
+    pub name: String,
+    pub servers: Vec<ClusterServer>,
+    /// More configuration inside each `cluster { }` block (its `tls { … }`, say).
+    pub extra_config: String,
+}
+
+/// One server of a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterServer {
+    /// Its `server_name`, unique in the cluster; also names its configuration file.
+    pub name: String,
+    /// `host:port` it takes clients on.
+    pub listen: String,
+    /// `host:port` it takes the other servers' routes on (and they dial).
+    pub route: String,
 }
 
 /// What was written.
 #[derive(Clone, Debug)]
 pub struct SetupFiles {
+    /// The server's configuration (a cluster's: its first server's).
     pub server_config: PathBuf,
+    /// Every server's configuration (one unless a cluster was asked for).
+    pub server_configs: Vec<PathBuf>,
     pub signing_key: PathBuf,
     pub creds: Vec<(BusUser, PathBuf)>,
 }
@@ -77,9 +108,16 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
         let path = path.to_path_buf();
         move |source| AuthError::Io { path, source }
     };
-    let server_config = plan.dir.join("nats-server.conf");
+    let server_configs: Vec<PathBuf> = match &plan.cluster {
+        None => vec![plan.dir.join("nats-server.conf")],
+        Some(cluster) => cluster
+            .servers
+            .iter()
+            .map(|s| plan.dir.join(format!("{}.conf", s.name)))
+            .collect(),
+    };
     let signing_key = plan.dir.join("agent-signing.json");
-    for existing in [&server_config, &signing_key] {
+    for existing in server_configs.iter().chain([&signing_key]) {
         if existing.exists() {
             return Err(AuthError::File {
                 path: existing.clone(),
@@ -90,8 +128,6 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
         }
     }
     std::fs::create_dir_all(plan.dir.join("creds")).map_err(io(&plan.dir))?;
-    let resolver_dir = plan.dir.join("accounts");
-    std::fs::create_dir_all(&resolver_dir).map_err(io(&resolver_dir))?;
     let installation = Installation::generate();
     let minter = installation.minter();
     minter.save(&signing_key, Some(&installation.revoker()?))?;
@@ -106,23 +142,85 @@ pub fn write(plan: &SetupPlan) -> Result<SetupFiles, AuthError> {
         write_creds(&minter.mint(&user, plan.valid_for)?, &path)?;
         creds.push((user, path));
     }
+    match &plan.cluster {
+        None => {
+            let text = server_config(
+                plan,
+                &installation,
+                plan.listen.as_deref(),
+                plan.store_dir.clone(),
+                &plan.dir.join("accounts"),
+                "",
+            )?;
+            std::fs::write(&server_configs[0], text).map_err(io(&server_configs[0]))?;
+        }
+        Some(cluster) => {
+            for (server, path) in cluster.servers.iter().zip(&server_configs) {
+                let routes: Vec<String> = cluster
+                    .servers
+                    .iter()
+                    .filter(|other| other.name != server.name)
+                    .map(|other| format!("\"nats-route://{}\"", other.route))
+                    .collect();
+                let block = format!(
+                    "server_name: \"{name}\"\ncluster {{\n  name: \"{cluster}\"\n  \
+                     listen: \"{route}\"\n  routes: [{routes}]\n{extra}}}\n",
+                    name = server.name,
+                    cluster = cluster.name,
+                    route = server.route,
+                    routes = routes.join(", "),
+                    extra = cluster.extra_config,
+                );
+                let store_dir = plan.store_dir.as_ref().map(|d| d.join(&server.name));
+                let resolver_dir = plan.dir.join("accounts").join(&server.name);
+                let text = server_config(
+                    plan,
+                    &installation,
+                    Some(&server.listen),
+                    store_dir,
+                    &resolver_dir,
+                    &block,
+                )?;
+                std::fs::write(path, text).map_err(io(path))?;
+            }
+        }
+    }
+    Ok(SetupFiles {
+        server_config: server_configs[0].clone(),
+        server_configs,
+        signing_key,
+        creds,
+    })
+}
+
+/// One server's configuration: `listen`, its store and resolver directories (the
+/// resolver's created), the installation's trust, `plan.extra_config`, then `more`.
+fn server_config(
+    plan: &SetupPlan,
+    installation: &Installation,
+    listen: Option<&str>,
+    store_dir: Option<PathBuf>,
+    resolver_dir: &Path,
+    more: &str,
+) -> Result<String, AuthError> {
+    let io = |source| AuthError::Io {
+        path: resolver_dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(resolver_dir).map_err(io)?;
     let mut text = String::from("# slotpool's nats-server configuration (slotpool nats-setup).\n");
-    if let Some(listen) = &plan.listen {
+    if let Some(listen) = listen {
         text.push_str(&format!("listen: \"{listen}\"\n"));
     }
-    if let Some(store_dir) = &plan.store_dir {
+    if let Some(store_dir) = store_dir {
         text.push_str(&format!(
             "jetstream {{\n  store_dir: \"{}\"\n}}\n",
             store_dir.display()
         ));
     }
-    let resolver_dir = std::path::absolute(&resolver_dir).map_err(io(&resolver_dir))?;
+    let resolver_dir = std::path::absolute(resolver_dir).map_err(io)?;
     text.push_str(&installation.server_config(&resolver_dir)?);
     text.push_str(&plan.extra_config);
-    std::fs::write(&server_config, text).map_err(io(&server_config))?;
-    Ok(SetupFiles {
-        server_config,
-        signing_key,
-        creds,
-    })
+    text.push_str(more);
+    Ok(text)
 }
