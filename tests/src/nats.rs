@@ -2,7 +2,7 @@
 
 use crate::process::{workspace_root, ChildGuard};
 use slotpool_local_run as local_run;
-use slotpool_protocol::auth::setup::{self, SetupFiles, SetupPlan};
+use slotpool_protocol::auth::setup::{self, ClusterPlan, SetupFiles, SetupPlan};
 use slotpool_protocol::auth::{BusUser, Minter, Role};
 use slotpool_protocol::connect::{Bus, NatsOptions};
 use std::path::{Path, PathBuf};
@@ -280,6 +280,12 @@ impl Drop for NatsServer {
 /// Writes slotpool's installation for a test bus into `<dir>/auth`, as `slotpool
 /// nats-setup` does, with `extra_config` added to the server configuration.
 fn install(dir: &Path, extra_config: &str) -> SetupFiles {
+    install_with(dir, extra_config, None)
+}
+
+/// [`install`], of a cluster's servers too when `cluster` (as `slotpool nats-setup
+/// --cluster` writes them).
+fn install_with(dir: &Path, extra_config: &str, cluster: Option<ClusterPlan>) -> SetupFiles {
     setup::write(&SetupPlan {
         dir: dir.join("auth"),
         users: vec![
@@ -288,6 +294,7 @@ fn install(dir: &Path, extra_config: &str) -> SetupFiles {
             BusUser::new(Role::Client, "client").expect("a name"),
         ],
         extra_config: extra_config.to_string(),
+        cluster,
         ..Default::default()
     })
     .expect("writing the test installation")
@@ -341,7 +348,7 @@ struct ClusterServer {
     /// The server's own dir: its store (`js/`), ports file and log.
     dir: PathBuf,
     config: PathBuf,
-    /// Its client port, taken at the first start and kept for restarts.
+    /// Its client port, chosen before the first start and kept for restarts.
     port: Option<u16>,
     child: Option<ChildGuard>,
 }
@@ -354,41 +361,39 @@ impl NatsCluster {
             .prefix("slotpool-cluster-")
             .tempdir()
             .expect("creating a temp dir for the cluster");
-        let files = install(dir.path(), "");
-        let base = std::fs::read_to_string(&files.server_config).expect("reading the config");
-        let route_ports = free_ports(size);
-        let routes: Vec<String> = route_ports
+        // The servers' configurations are `slotpool nats-setup --cluster`'s, on ports free
+        // now (every server must know the others' route ports before any starts).
+        let ports = free_ports(2 * size);
+        let (client_ports, route_ports) = ports.split_at(size);
+        let plan = ClusterPlan {
+            name: "slotpool-test".into(),
+            servers: (0..size)
+                .map(|i| setup::ClusterServer {
+                    name: format!("n{}", i + 1),
+                    listen: format!("127.0.0.1:{}", client_ports[i]),
+                    route: format!("127.0.0.1:{}", route_ports[i]),
+                })
+                .collect(),
+            extra_config: String::new(),
+        };
+        let files = install_with(dir.path(), "", Some(plan.clone()));
+        let servers = plan
+            .servers
             .iter()
-            .map(|p| format!("nats-route://127.0.0.1:{p}"))
+            .zip(&files.server_configs)
+            .zip(client_ports)
+            .map(|((server, config), port)| {
+                let server_dir = dir.path().join(&server.name);
+                std::fs::create_dir_all(&server_dir).expect("creating a server dir");
+                ClusterServer {
+                    name: server.name.clone(),
+                    dir: server_dir,
+                    config: config.clone(),
+                    port: Some(*port),
+                    child: None,
+                }
+            })
             .collect();
-        let mut servers = Vec::new();
-        for (i, route_port) in route_ports.iter().enumerate() {
-            let name = format!("n{}", i + 1);
-            let server_dir = dir.path().join(&name);
-            std::fs::create_dir_all(&server_dir).expect("creating a server dir");
-            let config = server_dir.join("nats-server.conf");
-            // Each server keeps the accounts pushed to it in a directory of its own.
-            let accounts = server_dir.join("accounts");
-            std::fs::create_dir_all(&accounts).expect("creating a resolver dir");
-            let base = base.replace(
-                &format!("dir: \"{}\"", dir.path().join("auth/accounts").display()),
-                &format!("dir: \"{}\"", accounts.display()),
-            );
-            assert!(base.contains(&accounts.display().to_string()), "{base}");
-            let text = format!(
-                "{base}\nserver_name: {name}\ncluster {{\n  name: slotpool-test\n  \
-                 listen: 127.0.0.1:{route_port}\n  routes: [{}]\n}}\n",
-                routes.join(", ")
-            );
-            std::fs::write(&config, text).expect("writing a server config");
-            servers.push(ClusterServer {
-                name,
-                dir: server_dir,
-                config,
-                port: None,
-                child: None,
-            });
-        }
         let mut cluster = NatsCluster {
             dir,
             files,
