@@ -36,8 +36,13 @@ use std::process::Stdio;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How long an agent may take to exit after SIGTERM before it is killed.
-pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long an agent may take to exit after SIGTERM before it is killed: what the
+/// packaged unit gives it (`TimeoutStopSec=` in `slotpool-agent.service`, checked by a
+/// test). In users mode an agent stops every slot process and, with
+/// `--remove-slots-on-stop`, removes its slot users, cgroups and bus guard; on a loaded
+/// host that takes more than a few seconds, and an agent killed half-way leaves them
+/// behind on the host.
+pub const STOP_GRACE: Duration = Duration::from_secs(30);
 /// How long to wait for the kernel to finish an agent off after SIGKILL.
 const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How often to look whether a stopping agent has exited (it is not our child, in
@@ -628,6 +633,16 @@ mod tests {
         assert!(is_alive(second));
         p.delete(&p.instance("bn-local-c", second)).await.unwrap();
         assert!(!is_alive(second));
+    }
+
+    #[test]
+    fn an_agent_gets_the_time_to_stop_the_packaged_unit_gives_it() {
+        let unit = include_str!("../../../packaging/systemd/slotpool-agent.service");
+        let line = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("TimeoutStopSec="))
+            .expect("the unit sets TimeoutStopSec");
+        assert_eq!(line, format!("{}s", STOP_GRACE.as_secs()));
     }
 
     #[tokio::test]
