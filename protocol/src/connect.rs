@@ -101,6 +101,9 @@ fn no_responders_message(subject: &str) -> String {
 /// first: it may have committed) once the servers have elected another leader, so this
 /// bounds what an election costs beyond its own few seconds.
 pub const JETSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a launcher ([`Bus::connect_replicated`]) waits at start for JetStream to
+/// answer and its buckets to open before it gives up.
+pub const STARTUP_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A connection to NATS with slotpool's buckets open.
 #[derive(Clone)]
@@ -185,28 +188,34 @@ impl Bus {
         check_server_version(&client.server_info().version)?;
         let mut js = async_nats::jetstream::new(client.clone());
         js.set_timeout(JETSTREAM_TIMEOUT);
-        if js.query_account().await.is_err() {
-            return Err(BusError::NoJetStream);
-        }
-        let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
-        for spec in ALL_BUCKETS {
-            let mut store = Store::open(&js, spec, replicas.unwrap_or(1))
-                .await?
-                .with_refusals(refusals.clone());
-            if replicas.is_some() {
-                store.apply_discard(spec).await?;
-            }
-            match replicas {
-                Some(wanted) if store.replicas() != wanted => {
-                    return Err(BusError::Replicas {
-                        bucket: spec.name.to_string(),
-                        found: store.replicas(),
-                        wanted,
-                    })
+        // A launcher started beside a cluster that is still electing (or a server that
+        // just rejoined one) finds JetStream silent for a while: it waits, as it would
+        // for a bucket leader later. A client is told at once.
+        let patience = if replicas.is_some() {
+            STARTUP_PATIENCE
+        } else {
+            Duration::ZERO
+        };
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut pause = Duration::from_millis(250);
+        let stores = loop {
+            match open_stores(&js, replicas, &refusals).await {
+                Ok(stores) => break stores,
+                Err(err)
+                    if matches!(err, BusError::NoJetStream | BusError::Kv(_))
+                        && tokio::time::Instant::now() + pause < deadline =>
+                {
+                    tracing::warn!(
+                        %err,
+                        "JetStream does not answer yet (a cluster electing, or a server \
+                         just started?): trying again in {pause:?}"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
                 }
-                _ => stores.push(store),
+                Err(err) => return Err(err),
             }
-        }
+        };
         let find = |name: &str| {
             stores
                 .iter()
@@ -662,6 +671,39 @@ fn decode_reply<R: DeserializeOwned>(subject: &str, bytes: &[u8]) -> Result<R, B
         source,
     })?;
     Ok(reply.into_result()?)
+}
+
+/// Checks that JetStream answers and opens every slotpool bucket (creating it with
+/// `replicas` copies when absent; a launcher's existing bucket with another count is
+/// refused).
+async fn open_stores(
+    js: &async_nats::jetstream::Context,
+    replicas: Option<usize>,
+    refusals: &Option<Refusals>,
+) -> Result<Vec<Store>, BusError> {
+    if js.query_account().await.is_err() {
+        return Err(BusError::NoJetStream);
+    }
+    let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
+    for spec in ALL_BUCKETS {
+        let mut store = Store::open(js, spec, replicas.unwrap_or(1))
+            .await?
+            .with_refusals(refusals.clone());
+        if replicas.is_some() {
+            store.apply_discard(spec).await?;
+        }
+        match replicas {
+            Some(wanted) if store.replicas() != wanted => {
+                return Err(BusError::Replicas {
+                    bucket: spec.name.to_string(),
+                    found: store.replicas(),
+                    wanted,
+                })
+            }
+            _ => stores.push(store),
+        }
+    }
+    Ok(stores)
 }
 
 #[cfg(test)]

@@ -368,3 +368,39 @@ async fn a_launcher_set_to_other_replicas_than_the_buckets_refuses_to_start() {
         "{text}"
     );
 }
+
+/// A launcher started while the cluster has no majority (two of three servers down, or
+/// rejoining) waits for JetStream to answer instead of exiting with "JetStream is not
+/// enabled", and opens its buckets once a majority is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_started_while_the_cluster_has_no_majority_waits_for_it() {
+    let mut cluster = NatsCluster::start(3).await;
+    let names = cluster.names();
+    // The buckets exist with three copies; now only one server is left.
+    drop(cluster.bus().await);
+    cluster.crash(&names[1]);
+    cluster.crash(&names[2]);
+    let options = cluster.options();
+    let started = Instant::now();
+    let launcher = tokio::spawn(async move { Bus::connect_replicated(&options, 3).await });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !launcher.is_finished(),
+        "the launcher's connect ended without a majority: {:?}",
+        launcher.await.expect("joined").err()
+    );
+    cluster.resume(&names[1]).await;
+    let bus = tokio::time::timeout(RECOVERY, launcher)
+        .await
+        .expect("the launcher's connect ended")
+        .expect("joined")
+        .unwrap_or_else(|err| panic!("the launcher gave up: {err}\n{}", cluster.logs()));
+    println!(
+        "the launcher opened its buckets {:.1} s after it started, a majority back after 3 s",
+        started.elapsed().as_secs_f64()
+    );
+    bus.events
+        .put("probe", &serde_json::json!({"probe": true}), None)
+        .await
+        .expect("a write once a majority is back");
+}
