@@ -134,28 +134,9 @@ fn draw_launchers(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
         col("LAST PASS", 9, 0),
         fill("DECIDING", 8, 1),
     ];
-    let keep = fit(&cols, area.width);
-    let pick = |cells: Vec<Cell<'static>>| -> Vec<Cell<'static>> {
-        cells
-            .into_iter()
-            .zip(&keep)
-            .filter(|(_, k)| **k)
-            .map(|(c, _)| c)
-            .collect()
-    };
-    let header = pick(cols.iter().map(|c| Cell::from(c.header)).collect());
-    let widths: Vec<Constraint> = cols
-        .iter()
-        .zip(&keep)
-        .filter(|(_, k)| **k)
-        .map(|(c, _)| {
-            if c.fill {
-                Constraint::Fill(1)
-            } else {
-                Constraint::Length(c.width)
-            }
-        })
-        .collect();
+    let fitted = Fitted::new(&cols, area.width);
+    let header = fitted.headers();
+    let widths = fitted.widths();
     let rows: Vec<Row> = state
         .launcher_rows()
         .iter()
@@ -169,7 +150,7 @@ fn draw_launchers(frame: &mut Frame, area: Rect, state: &State, theme: &Theme) {
             } else {
                 (Style::new(), "yes".to_string())
             };
-            Row::new(pick(vec![
+            Row::new(fitted.pick(vec![
                 Cell::from(short_id(&l.id, width as usize)),
                 Cell::from(fmt_duration(l.lease_age_ms)),
                 Cell::from(Span::styled(pass, pass_style)),
@@ -274,6 +255,49 @@ const fn fill(header: &'static str, width: u16, drop: u8) -> Col {
     }
 }
 
+/// The columns of a table that fit in its width, and the cells and widths of those.
+struct Fitted<'c> {
+    cols: &'c [Col],
+    keep: Vec<bool>,
+}
+
+impl<'c> Fitted<'c> {
+    fn new(cols: &'c [Col], width: u16) -> Self {
+        Fitted {
+            cols,
+            keep: fit(cols, width),
+        }
+    }
+
+    /// The items of `all` (one per column) whose columns fit.
+    fn pick<T>(&self, all: Vec<T>) -> Vec<T> {
+        all.into_iter()
+            .zip(&self.keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| c)
+            .collect()
+    }
+
+    fn headers(&self) -> Vec<Cell<'static>> {
+        self.pick(self.cols.iter().map(|c| Cell::from(c.header)).collect())
+    }
+
+    fn widths(&self) -> Vec<Constraint> {
+        self.pick(
+            self.cols
+                .iter()
+                .map(|c| {
+                    if c.fill {
+                        Constraint::Fill(1)
+                    } else {
+                        Constraint::Length(c.width)
+                    }
+                })
+                .collect(),
+        )
+    }
+}
+
 /// Which columns fit in `width`: the ones most willing to go are dropped first.
 fn fit(cols: &[Col], width: u16) -> Vec<bool> {
     let mut keep = vec![true; cols.len()];
@@ -332,43 +356,23 @@ fn render_table<'a>(
     theme: &Theme,
 ) {
     let (sorted, mark) = sort_mark(state);
-    let keep = fit(cols, area.width);
-    let pick = |cells: Vec<Cell<'a>>| -> Vec<Cell<'a>> {
-        cells
-            .into_iter()
-            .zip(&keep)
-            .filter(|(_, k)| **k)
-            .map(|(c, _)| c)
-            .collect()
-    };
-    let header: Vec<Cell> = cols
-        .iter()
-        .zip(&keep)
-        .filter(|(_, k)| **k)
-        .map(|(c, _)| {
-            if c.header == sorted {
-                Cell::from(format!("{}{mark}", c.header))
-            } else {
-                Cell::from(c.header)
-            }
-        })
-        .collect();
-    let widths: Vec<Constraint> = cols
-        .iter()
-        .zip(&keep)
-        .filter(|(_, k)| **k)
-        .map(|(c, _)| {
-            if c.fill {
-                Constraint::Fill(1)
-            } else {
-                Constraint::Length(c.width)
-            }
-        })
-        .collect();
+    let fitted = Fitted::new(cols, area.width);
+    let header: Vec<Cell> = fitted.pick(
+        cols.iter()
+            .map(|c| {
+                if c.header == sorted {
+                    Cell::from(format!("{}{mark}", c.header))
+                } else {
+                    Cell::from(c.header)
+                }
+            })
+            .collect(),
+    );
+    let widths = fitted.widths();
     let rows: Vec<Row> = rows
         .into_iter()
         .map(|(cells, selected)| {
-            let row = Row::new(pick(cells));
+            let row = Row::new(fitted.pick(cells));
             if selected {
                 row.style(theme.selected())
             } else {
@@ -646,33 +650,14 @@ fn draw_tenants(frame: &mut Frame, area: Rect, tenants: &[TenantRow], theme: &Th
         col("WAITING", 8, 0),
         fill("P95 WAIT (1H)", 8, 3),
     ];
-    let keep = fit(&cols, area.width);
-    let pick = |cells: Vec<Cell<'static>>| -> Vec<Cell<'static>> {
-        cells
-            .into_iter()
-            .zip(&keep)
-            .filter(|(_, k)| **k)
-            .map(|(c, _)| c)
-            .collect()
-    };
-    let header = pick(cols.iter().map(|c| Cell::from(c.header)).collect());
-    let widths: Vec<Constraint> = cols
-        .iter()
-        .zip(&keep)
-        .filter(|(_, k)| **k)
-        .map(|(c, _)| {
-            if c.fill {
-                Constraint::Fill(1)
-            } else {
-                Constraint::Length(c.width)
-            }
-        })
-        .collect();
+    let fitted = Fitted::new(&cols, area.width);
+    let header = fitted.headers();
+    let widths = fitted.widths();
     let rows: Vec<Row> = tenants
         .iter()
         .map(|t| {
             let over = t.max_slots.is_some_and(|m| t.held >= m);
-            Row::new(pick(vec![
+            Row::new(fitted.pick(vec![
                 Cell::from(t.name.clone()),
                 Cell::from(t.weight.to_string()),
                 Cell::from(Span::styled(
