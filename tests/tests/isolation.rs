@@ -1921,6 +1921,32 @@ async fn private_tmp_works_with_the_run_dir_on_a_shared_mount() {
     }
 }
 
+/// A slot's mount namespace holds no namespace file of another slot (nor of anything
+/// else bound on the host): each is copied from one the agent cleaned of them at start,
+/// so a slot neither keeps its neighbours' namespaces alive nor pays at every warm-up
+/// for copying their files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slots_mounts_hold_no_namespace_file() {
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env_with(&env, 2, &["--slot-private-tmp", "on"]).await;
+    for (slot, node) in [(0, "node-a"), (1, "node-b")] {
+        let prepared = agent.prepare(slot, node, Some(&key.public())).await;
+        let prepared = prepared.unwrap_or_else(|e| panic!("{e:?}\n{}", agent.log()));
+        let (user, _) = login_of(&prepared);
+        let (ok, out, err) = key.ssh(
+            sshd.port,
+            &user,
+            "stat -f -c %T /tmp; awk '$9 == \"nsfs\" { print $5 }' /proc/self/mountinfo",
+        );
+        assert!(ok, "{out}{err}\n{}", agent.log());
+        assert_eq!(out.trim(), "tmpfs", "slot {slot}: {out}{err}");
+    }
+    for (slot, node) in [(0, "node-a"), (1, "node-b")] {
+        agent.release(slot, node).await.unwrap();
+        assert_eq!(agent.dirty(slot), None, "{}", agent.log());
+    }
+}
+
 /// A job cannot make `slotpool occupants` show a login that never existed: a process it
 /// names `sshd…` whose child carries an `SSH_CONNECTION` of its choosing is no login,
 /// while a real login beside it still is.

@@ -7,9 +7,16 @@
 //! those directories are, for the slot's logins, tmpfs mounts of the slot's own, which
 //! leave with the slot as one piece, however many files they hold:
 //!
+//! - **A clean copy of the host's mounts.** Once, when the agent starts, a thread of it
+//!   makes a mount namespace from the one slot logins live in (`--mount-namespace`, else
+//!   the agent's), its mounts slaves of those, and detaches there every namespace file
+//!   bound on the host (the slots' own, other agents', [`crate::isolation::netns`]'s) and
+//!   the agents' namespace directories: every slot's namespaces are copies of this one,
+//!   and a copy of a mount table costs in proportion to its mounts (twice at each
+//!   warm-up, once more at each release), whereas these would only keep other slots'
+//!   namespaces alive. The agent holds it open ([`SlotMounts::base_mounts`]).
 //! - **Namespaces.** At warm-up the agent forks a holder process. Still root, it enters
-//!   the mount namespace slot logins live in (`--mount-namespace`), unshares a mount
-//!   namespace of its own, turns its mounts into slaves (nothing it mounts reaches the
+//!   that clean copy, unshares a mount namespace of its own, turns its mounts into slaves (nothing it mounts reaches the
 //!   host; what the host mounts later, a workspace image say, still reaches it) and mounts
 //!   a tmpfs on each of [`PRIVATE_DIRS`] (mode 1777, `nosuid,nodev`, at most
 //!   [`MAX_INODES`] entries). It then becomes the slot user and makes a second mount
@@ -67,8 +74,9 @@ fn fail(action: impl Into<String>) -> impl FnOnce(String) -> PrivateTmpError {
 #[derive(Clone, Debug)]
 pub struct SlotMounts {
     dir: PathBuf,
-    /// The mount namespace slot logins live in (`--mount-namespace`); `None`: the agent's.
-    logins_ns: Option<PathBuf>,
+    /// The clean copy of the logins' mount namespace every slot's is made from (see the
+    /// module's doc).
+    base: std::sync::Arc<OwnedFd>,
 }
 
 impl SlotMounts {
@@ -93,7 +101,16 @@ impl SlotMounts {
         }
         rustix::mount::mount_change(&dir, rustix::mount::MountPropagationFlags::PRIVATE)
             .map_err(|e| fail(format!("making {} private", dir.display()))(e.to_string()))?;
-        Ok(SlotMounts { dir, logins_ns })
+        let base = base_mounts(&dir, logins_ns.as_deref())?;
+        Ok(SlotMounts {
+            dir,
+            base: std::sync::Arc::new(base),
+        })
+    }
+
+    /// The mount namespace every slot's is copied from, to look into (tests).
+    pub fn base_mounts(&self) -> &OwnedFd {
+        &self.base
     }
 
     /// Unmounts the directory [`SlotMounts::new`] made a mount of and removes it (when
@@ -176,7 +193,6 @@ impl SlotMounts {
             )
             .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
         };
-        let logins_fd = self.logins_ns.as_deref().map(open_ns).transpose()?;
         let user_fd = user_ns.map(open_ns).transpose()?;
         // Everything the child needs, made before the fork (no allocation after it).
         let targets: Vec<std::ffi::CString> = PRIVATE_DIRS
@@ -185,7 +201,7 @@ impl SlotMounts {
             .collect();
         let options =
             std::ffi::CString::new(format!("mode=1777,nr_inodes={MAX_INODES}")).expect("no nul");
-        let logins_raw = logins_fd.as_ref().map(|f| f.as_raw_fd());
+        let base_raw = self.base.as_raw_fd();
         // A workspace under a private directory: the directories to make in the tmpfs
         // down to it, and where to bind it from.
         let covered = PRIVATE_DIRS
@@ -251,9 +267,7 @@ impl SlotMounts {
                             set,
                         ))?;
                     }
-                    if let Some(fd) = logins_raw {
-                        check(libc::setns(fd, libc::CLONE_NEWNS))?;
-                    }
+                    check(libc::setns(base_raw, libc::CLONE_NEWNS))?;
                     check(libc::unshare(libc::CLONE_NEWNS))?;
                     check(libc::mount(
                         c"none".as_ptr(),
@@ -458,6 +472,101 @@ pub struct SlotNamespaces {
     pub ipc: OwnedFd,
 }
 
+/// Makes the clean copy of the mount namespace at `logins_ns` (`None`: the agent's) that
+/// every slot's is made from: its mounts slaves of the original's, without the
+/// namespace files bound there nor the namespace directories of the agents beside
+/// `dir` (see the module's doc). Made by a thread of its own, which no other thread
+/// shares file-system state with, so the agent's own namespace is never changed.
+fn base_mounts(dir: &Path, logins_ns: Option<&Path>) -> Result<OwnedFd, PrivateTmpError> {
+    let agents_dir = dir.parent().unwrap_or(dir).to_path_buf();
+    let logins = logins_ns
+        .map(|path| {
+            rustix::fs::open(
+                path,
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
+        })
+        .transpose()?;
+    let made = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let step = |what: &str, r: libc::c_int| {
+                    if r == 0 {
+                        Ok(())
+                    } else {
+                        Err(format!("{what}: {}", std::io::Error::last_os_error()))
+                    }
+                };
+                // SAFETY: plain system calls on this thread's own state, on descriptors
+                // and strings that outlive them.
+                unsafe {
+                    step(
+                        "unsharing the file-system state",
+                        libc::unshare(libc::CLONE_FS),
+                    )?;
+                    if let Some(fd) = &logins {
+                        step(
+                            "entering the logins' mount namespace",
+                            libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNS),
+                        )?;
+                    }
+                    step(
+                        "unsharing a mount namespace",
+                        libc::unshare(libc::CLONE_NEWNS),
+                    )?;
+                    step(
+                        "making its mounts slaves",
+                        libc::mount(
+                            c"none".as_ptr(),
+                            c"/".as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_REC | libc::MS_SLAVE,
+                            std::ptr::null(),
+                        ),
+                    )?;
+                }
+                let table = fs::read_to_string("/proc/thread-self/mountinfo")
+                    .map_err(|e| format!("reading its mounts: {e}"))?;
+                for point in to_detach(
+                    &crate::isolation::cgroup::parse_mountinfo(&table),
+                    &agents_dir,
+                ) {
+                    // Gone with a mount above it, or busy: what stays is only copied.
+                    let _ = rustix::mount::unmount(&point, rustix::mount::UnmountFlags::DETACH);
+                }
+                rustix::fs::open(
+                    "/proc/thread-self/ns/mnt",
+                    rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(|e| format!("opening its namespace: {e}"))
+            })
+            .join()
+            .unwrap_or_else(|_| Err("the thread making it panicked".into()))
+    });
+    made.map_err(fail("making the mount namespace slots are copied from"))
+}
+
+/// The mount points a slot's namespace need not have, outermost first: namespace files
+/// (`nsfs`) and what is mounted at or under `agents_dir`; none under another.
+fn to_detach(mounts: &[crate::isolation::cgroup::MountEntry], agents_dir: &Path) -> Vec<PathBuf> {
+    let mut points: Vec<&Path> = mounts
+        .iter()
+        .filter(|m| m.fs_type == "nsfs" || m.mount_point.starts_with(agents_dir))
+        .map(|m| m.mount_point.as_path())
+        .collect();
+    points.sort_by_key(|p| p.components().count());
+    let mut outer: Vec<PathBuf> = Vec::new();
+    for point in points {
+        if !outer.iter().any(|o| point.starts_with(o)) {
+            outer.push(point.to_path_buf());
+        }
+    }
+    outer
+}
+
 /// The id the kernel orders mount namespaces by (`NS_GET_MNTNS_ID`, Linux 6.8), of the
 /// namespace file `path`; `None` where the kernel does not say.
 fn mntns_id(path: &Path) -> Option<u64> {
@@ -537,3 +646,30 @@ pub fn open_nsfs(path: &Path) -> Result<OwnedFd, PrivateTmpError> {
 
 /// `statfs` type of the namespace file system.
 const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolation::cgroup::parse_mountinfo;
+
+    #[test]
+    fn namespace_files_and_agents_directories_are_detached_outermost_first() {
+        let table = "\
+1 0 8:1 / / rw - ext4 /dev/vda rw
+2 1 0:4 net:[4026532] /run/netns/a rw - nsfs nsfs rw
+3 1 8:1 /run/sp/mntns/a /run/sp/mntns/a rw - ext4 /dev/vda rw
+4 3 0:4 mnt:[4026533] /run/sp/mntns/a/0.mnt rw - nsfs nsfs rw
+5 3 0:4 user:[4026534] /run/sp/mntns/a/0.user rw - nsfs nsfs rw
+6 1 8:1 /run/sp/mntns/b /run/sp/mntns/b rw - ext4 /dev/vda rw
+7 1 0:5 / /tmp rw - tmpfs tmpfs rw
+8 1 8:1 /run/sp/mntnsx /run/sp/mntnsx rw - ext4 /dev/vda rw
+";
+        let points = to_detach(&parse_mountinfo(table), Path::new("/run/sp/mntns"));
+        let points: Vec<&str> = points.iter().map(|p| p.to_str().unwrap()).collect();
+        assert_eq!(
+            points,
+            ["/run/netns/a", "/run/sp/mntns/a", "/run/sp/mntns/b"],
+            "the files under a detached directory go with it; /tmp and a look-alike stay"
+        );
+    }
+}
