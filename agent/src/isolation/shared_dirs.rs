@@ -7,8 +7,9 @@
 //! each listing is bounded). The spools where setuid tools write files owned by the user
 //! (crontabs, at jobs, mail) are added by name ([`SPOOL_DIRS`]). At release, every
 //! top-level entry the slot's uid owns in these directories is removed with
-//! [`crate::isolation::wipe`] (no recursion, nothing followed, within the release's budget), and
-//! [`owned_by`] checks that none is left.
+//! [`crate::isolation::wipe`] (no recursion, nothing followed, within the release's budget);
+//! an entry that cannot be removed is returned, and makes the slot dirty. The listing is
+//! the check: it is made once no process of the uid is left to add an entry.
 //!
 //! Not covered: entries deeper than the top level of these directories that are owned by
 //! the uid inside a directory owned by someone else, and world-writable directories

@@ -40,9 +40,10 @@
 //! the cgroup nor one that double-forked or called setsid survives. Then it removes the
 //! cgroup, the workspace (with the key; see [`crate::isolation::wipe`]), what the uid owns in the
 //! host's shared directories ([`crate::isolation::shared_dirs`]), its System V IPC objects, the
-//! user's crontab, at jobs and mail, and **verifies** the slot is clean (no process, IPC
-//! object or shared-directory entry of the uid, no cgroup, no workspace, no crontab)
-//! before reporting success. It keeps the user for the warm-up to renumber; a slot that
+//! user's crontab, at jobs and mail, and **verifies** the slot is clean (no process or IPC
+//! object of the uid, no cgroup, no workspace, no crontab; the shared directories were
+//! listed once no process of the uid was left, and any entry their removal could not
+//! take is a problem) before reporting success. It keeps the user for the warm-up to renumber; a slot that
 //! is not clean loses its user, and so does a slot removed for good
 //! ([`SlotIsolation::destroy`]). Any removal that failed is an error too:
 //! the slot becomes dirty with the reasons.
@@ -632,7 +633,9 @@ impl UserIsolation {
     }
 
     /// What is left of a slot after cleaning (but its user when `user_kept`), or `None`
-    /// when it is clean.
+    /// when it is clean. The uid's entries in the shared directories are not looked for
+    /// again: their removal listed them after the uid's last process was gone, and
+    /// reported every one it could not remove.
     fn leftovers(&self, slot: u32, uid: Option<u32>, user_kept: bool) -> Option<String> {
         let user = self.user(slot);
         let mut left = Vec::new();
@@ -640,10 +643,6 @@ impl UserIsolation {
             let procs = self.scans.processes_of(uid);
             if !procs.is_empty() {
                 left.push(format!("processes {procs:?} of uid {uid}"));
-            }
-            let owned = shared_dirs::owned_by(&self.shared_dirs, uid);
-            if !owned.is_empty() {
-                left.push(format!("entries {owned:?} of uid {uid}"));
             }
             let ipc = procs::ipc_objects_of(&self.proc_root, uid);
             if !ipc.is_empty() {
