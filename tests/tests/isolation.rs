@@ -1947,6 +1947,64 @@ async fn a_slots_mounts_hold_no_namespace_file() {
     }
 }
 
+/// A release unmounts a slot's namespace files and keeps them, empty, for the next
+/// tenancy's namespaces (no file is made and removed per tenancy); the next prepare gets
+/// new namespaces on the same files, and an agent removing its slots on stop leaves none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_keeps_the_namespace_files_empty_for_the_next_tenancy() {
+    use std::os::unix::fs::MetadataExt;
+    let env = IsolationEnv::new();
+    let mut agent = SlotAgent::start(&env, 1, &["--remove-slots-on-stop".into()]).await;
+    let (user, _) = login_of(&agent.prepare(0, "node-a", None).await.unwrap());
+    let dir = env
+        .run_dir
+        .path()
+        .join("mntns")
+        .join(namespace(&env, &user));
+    let files = [dir.join("0.mnt"), dir.join("0.ipc")];
+    // The namespace bound on a file (its inode on the namespace file system), if any.
+    let bound = |files: &[PathBuf]| -> Vec<Option<u64>> {
+        let dir_dev = std::fs::metadata(&dir).unwrap().dev();
+        files
+            .iter()
+            .map(|f| {
+                let meta = std::fs::metadata(f).unwrap();
+                (meta.dev() != dir_dev).then_some(meta.ino())
+            })
+            .collect()
+    };
+    let first = bound(&files);
+    assert!(first.iter().all(Option::is_some), "{first:?}");
+    let inodes = |files: &[PathBuf]| -> Vec<u64> {
+        files
+            .iter()
+            .map(|f| std::fs::symlink_metadata(f).unwrap().ino())
+            .collect()
+    };
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+    assert_eq!(bound(&files), [None, None], "unmounted at release");
+    let kept = inodes(&files);
+    for file in &files {
+        let meta = std::fs::symlink_metadata(file).unwrap();
+        assert!(meta.is_file() && meta.len() == 0, "{}", file.display());
+    }
+    wait_for("the slot to be warm again", LONG, || async {
+        agent.warm(0)
+    })
+    .await;
+    agent.prepare(0, "node-b", None).await.unwrap();
+    let second = bound(&files);
+    assert!(
+        second.iter().all(Option::is_some) && second != first,
+        "new namespaces: {first:?} then {second:?}"
+    );
+    agent.release(0, "node-b").await.unwrap();
+    assert_eq!(inodes(&files), kept, "the same files are kept");
+    agent.stop().await;
+    assert!(!dir.exists(), "{} left", dir.display());
+}
+
 /// A job cannot make `slotpool occupants` show a login that never existed: a process it
 /// names `sshd…` whose child carries an `SSH_CONNECTION` of its choosing is no login,
 /// while a real login beside it still is.

@@ -41,7 +41,8 @@
 //!   writes them: a slot's `/tmp` counts in its memory limit, not its disk limit. Its
 //!   entries are bounded by [`MAX_INODES`] per directory.
 //! - **Release** kills the slot's processes and unmounts the namespace files: the last
-//!   reference to the mount namespace goes, and the tmpfs mounts with it.
+//!   reference to the mount namespace goes, and the tmpfs mounts with it. The files stay,
+//!   empty, as the mount points of the next warm-up (removing a slot removes them).
 
 use std::fs;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -413,13 +414,8 @@ impl SlotMounts {
 
     /// Unmounts and removes the slot's namespace files; returns what failed.
     pub fn remove(&self, slot: u32) -> Vec<String> {
-        let mut problems = Vec::new();
+        let mut problems = self.unmount(slot);
         for file in self.files(slot) {
-            match rustix::mount::unmount(&file, rustix::mount::UnmountFlags::DETACH) {
-                // EINVAL: not a mount point; ENOENT: no file.
-                Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
-                Err(e) => problems.push(format!("unmounting {}: {e}", file.display())),
-            }
             match fs::remove_file(&file) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -429,11 +425,34 @@ impl SlotMounts {
         problems
     }
 
-    /// What is left of the slot's namespaces (after [`SlotMounts::remove`]).
-    pub fn leftovers(&self, slot: u32) -> Vec<String> {
+    /// Unmounts the slot's namespace files and keeps them, empty, for its next warm-up
+    /// (a release: a file made and removed at every tenancy costs an inode each time);
+    /// returns what failed.
+    pub fn unmount(&self, slot: u32) -> Vec<String> {
+        let mut problems = Vec::new();
+        for file in self.files(slot) {
+            match rustix::mount::unmount(&file, rustix::mount::UnmountFlags::DETACH) {
+                // EINVAL: not a mount point; ENOENT: no file.
+                Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => problems.push(format!("unmounting {}: {e}", file.display())),
+            }
+        }
+        problems
+    }
+
+    /// What is left of the slot's namespaces after [`SlotMounts::unmount`] (a file still
+    /// naming a namespace) or, unless `files_kept`, after [`SlotMounts::remove`] (any
+    /// file).
+    pub fn leftovers(&self, slot: u32, files_kept: bool) -> Vec<String> {
         self.files(slot)
             .into_iter()
-            .filter(|f| fs::symlink_metadata(f).is_ok())
+            .filter(|f| {
+                if files_kept {
+                    is_nsfs(f)
+                } else {
+                    fs::symlink_metadata(f).is_ok()
+                }
+            })
             .map(|f| format!("namespace mount {}", f.display()))
             .collect()
     }
@@ -450,8 +469,9 @@ impl SlotMounts {
     /// The slot's user namespace (when it is this module's), mount namespace and IPC
     /// namespace, to hand to a login.
     pub fn open(&self, slot: u32) -> Result<SlotNamespaces, PrivateTmpError> {
+        // A file kept empty from an earlier warm-up names no namespace.
         let user = self.user_file(slot);
-        let user = if fs::symlink_metadata(&user).is_ok() {
+        let user = if is_nsfs(&user) {
             Some(open_nsfs(&user)?)
         } else {
             None
@@ -642,6 +662,11 @@ pub fn open_nsfs(path: &Path) -> Result<OwnedFd, PrivateTmpError> {
         ));
     }
     Ok(fd)
+}
+
+/// Whether `path` is a namespace file (bound there), not an empty mount point.
+fn is_nsfs(path: &Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|s| s.f_type == NSFS_MAGIC)
 }
 
 /// `statfs` type of the namespace file system.

@@ -534,7 +534,10 @@ impl UserIsolation {
         }
         clock.lap("wipe");
         if let Some(mounts) = &self.private_tmp {
-            problems.extend(mounts.remove(slot));
+            problems.extend(match keep {
+                KeepUser::IfClean => mounts.unmount(slot),
+                KeepUser::No => mounts.remove(slot),
+            });
         }
         if let Some(net) = &self.network {
             problems.extend(net.remove(slot));
@@ -561,7 +564,10 @@ impl UserIsolation {
             passwd::remove(&user)?;
         }
         clock.lap("user_remove");
-        if let Some(left) = self.leftovers(slot, info.as_ref().map(|i| i.uid), user_kept) {
+        let files_kept = keep == KeepUser::IfClean;
+        if let Some(left) =
+            self.leftovers(slot, info.as_ref().map(|i| i.uid), user_kept, files_kept)
+        {
             problems.push(format!("still present: {left}"));
             if user_kept {
                 passwd::remove(&user)?;
@@ -636,7 +642,14 @@ impl UserIsolation {
     /// when it is clean. The uid's entries in the shared directories are not looked for
     /// again: their removal listed them after the uid's last process was gone, and
     /// reported every one it could not remove.
-    fn leftovers(&self, slot: u32, uid: Option<u32>, user_kept: bool) -> Option<String> {
+    /// `files_kept`: the slot's namespace files were only unmounted, not removed.
+    fn leftovers(
+        &self,
+        slot: u32,
+        uid: Option<u32>,
+        user_kept: bool,
+        files_kept: bool,
+    ) -> Option<String> {
         let user = self.user(slot);
         let mut left = Vec::new();
         if let Some(uid) = uid {
@@ -668,7 +681,7 @@ impl UserIsolation {
             left.extend(net.leftovers(slot));
         }
         if let Some(mounts) = &self.private_tmp {
-            left.extend(mounts.leftovers(slot));
+            left.extend(mounts.leftovers(slot, files_kept));
         }
         if !user_kept && passwd::lookup(&user).is_some() {
             left.push(format!("user {user}"));
