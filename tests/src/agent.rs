@@ -169,7 +169,7 @@ impl SlotAgent {
     /// Whether the agent's state says `slot` is warm (free, its user made).
     pub fn warm(&self, slot: u32) -> bool {
         std::fs::read_to_string(self.work_dir().join(format!("state/{slot}.json")))
-            .is_ok_and(|s| !s.contains("node_id"))
+            .is_ok_and(|s| s.contains("\"user\"") && !s.contains("node_id"))
     }
 
     /// What the launcher's claim writes under the slot's key before it has the agent

@@ -1948,10 +1948,11 @@ async fn a_slots_mounts_hold_no_namespace_file() {
 }
 
 /// A release unmounts a slot's namespace files and keeps them, empty, for the next
-/// tenancy's namespaces (no file is made and removed per tenancy); the next prepare gets
-/// new namespaces on the same files, and an agent removing its slots on stop leaves none.
+/// tenancy's namespaces, and blanks the slot's state file in place (no file is made and
+/// removed per tenancy); the next prepare gets new namespaces on the same files, and an
+/// agent removing its slots on stop leaves none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_keeps_the_namespace_files_empty_for_the_next_tenancy() {
+async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
     use std::os::unix::fs::MetadataExt;
     let env = IsolationEnv::new();
     let mut agent = SlotAgent::start(&env, 1, &["--remove-slots-on-stop".into()]).await;
@@ -1981,6 +1982,8 @@ async fn a_release_keeps_the_namespace_files_empty_for_the_next_tenancy() {
             .map(|f| std::fs::symlink_metadata(f).unwrap().ino())
             .collect()
     };
+    let state = agent.work_dir().join("state/0.json");
+    let state_inode = std::fs::metadata(&state).unwrap().ino();
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
     assert_eq!(bound(&files), [None, None], "unmounted at release");
@@ -2001,6 +2004,15 @@ async fn a_release_keeps_the_namespace_files_empty_for_the_next_tenancy() {
     );
     agent.release(0, "node-b").await.unwrap();
     assert_eq!(inodes(&files), kept, "the same files are kept");
+    assert_eq!(
+        std::fs::metadata(&state).unwrap().ino(),
+        state_inode,
+        "the state file is rewritten in place"
+    );
+    assert!(
+        std::fs::read_to_string(&state).unwrap().trim().is_empty(),
+        "a released slot's state is blank"
+    );
     agent.stop().await;
     assert!(!dir.exists(), "{} left", dir.display());
 }

@@ -46,7 +46,7 @@ fn cpu_ticks(pid: u32) -> u64 {
 /// Whether the agent's state file for `slot` says the slot is warm (free, no node).
 fn warm(work: &std::path::Path, slot: u32) -> bool {
     std::fs::read_to_string(work.join(format!("state/{slot}.json")))
-        .is_ok_and(|s| !s.contains("node_id"))
+        .is_ok_and(|s| s.contains("\"user\"") && !s.contains("node_id"))
 }
 
 fn summary(name: &str, times: &mut [Duration]) {

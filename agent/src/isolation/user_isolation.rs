@@ -8,7 +8,9 @@
 //! <work-dir>/slots/<slot>/                        workspace = home, owned by the slot user, 0700
 //! <work-dir>/slots/<slot>/.ssh/authorized_keys    root-owned (the user cannot add keys)
 //! <work-dir>/state/<slot>.json                    root-only: user, uid, limits and the node id
-//!                                                 (none while warm); written last
+//!                                                 (none while warm); written last; a
+//!                                                 fixed-size record rewritten in place,
+//!                                                 blank once the slot is released
 //! ```
 //!
 //! **Warm-up** ([`SlotIsolation::warm`], on a slot a release just verified clean, or one
@@ -89,6 +91,9 @@ use std::time::Duration;
 const TRAVERSE_MODE: u32 = 0o711;
 /// How many uids a warm-up tries when `useradd` finds each one taken.
 const UID_ATTEMPTS: u32 = 16;
+/// Size of a slot's state file: a record rewritten in place (see
+/// [`UserIsolation::write_state_record`]).
+const STATE_LEN: usize = 1024;
 /// Login shell of slot users.
 pub const SLOT_SHELL: &str = "/bin/bash";
 
@@ -318,12 +323,49 @@ impl UserIsolation {
     }
 
     fn write_state(&self, slot: u32, state: &SlotState) -> Result<(), IsolationError> {
-        let file = self.state_file(slot);
-        let tmp = file.with_extension("json.tmp");
-        let _ = fs::remove_file(&tmp);
         let json = serde_json::to_string(state).expect("slot state serializes");
-        write_file(&tmp, &with_newline(&json), 0o600)?;
-        fs::rename(&tmp, &file).map_err(IsolationError::new("renaming", &tmp))
+        self.write_state_record(slot, &json)
+    }
+
+    /// Rewrites the slot's state file in place as a [`STATE_LEN`]-byte record: `text`
+    /// padded with spaces (blank: a released slot). One write of a file that stays,
+    /// rather than a new file renamed over it at every warm-up and prepare: like any
+    /// other file the agent writes (see [`write_file`]), a record torn by a host crash
+    /// reads as unreadable, and the slot as free and cold.
+    fn write_state_record(&self, slot: u32, text: &str) -> Result<(), IsolationError> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let file = self.state_file(slot);
+        if text.len() >= STATE_LEN {
+            return Err(IsolationError::new("writing", &file)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "a slot state of {} bytes does not fit a {STATE_LEN}-byte record",
+                    text.len()
+                ),
+            )));
+        }
+        let mut record = vec![b' '; STATE_LEN];
+        record[..text.len()].copy_from_slice(text.as_bytes());
+        record[STATE_LEN - 1] = b'\n';
+        let open = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&file)
+            .map_err(IsolationError::new("opening", &file))?;
+        open.write_all_at(&record, 0)
+            .map_err(IsolationError::new("writing", &file))?;
+        // A longer file of an older agent: its tail goes.
+        let len = open
+            .metadata()
+            .map_err(IsolationError::new("reading", &file))?
+            .len();
+        if len > STATE_LEN as u64 {
+            open.set_len(STATE_LEN as u64)
+                .map_err(IsolationError::new("truncating", &file))?;
+        }
+        Ok(())
     }
 
     /// The next uid of the range no user has (see [`crate::isolation::uid_range`]).
@@ -580,6 +622,10 @@ impl UserIsolation {
             ));
         }
         let state = self.state_file(slot);
+        if keep == KeepUser::IfClean && state.exists() {
+            // Blank: the slot is free and cold until its warm-up writes it again.
+            return self.write_state_record(slot, "");
+        }
         match fs::remove_file(&state) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -791,9 +837,18 @@ impl SlotIsolation for UserIsolation {
             };
             let state: SlotState = match fs::read_to_string(&path)
                 .map_err(|e| e.to_string())
-                .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
-            {
-                Ok(state) => state,
+                .and_then(|t| {
+                    if t.trim().is_empty() {
+                        Ok(None)
+                    } else {
+                        serde_json::from_str(&t)
+                            .map(Some)
+                            .map_err(|e| e.to_string())
+                    }
+                }) {
+                // Blank: released, free and cold.
+                Ok(None) => continue,
+                Ok(Some(state)) => state,
                 Err(err) => {
                     tracing::warn!(slot, path = %path.display(), %err, "unreadable slot state; treating the slot as free");
                     continue;
