@@ -16,7 +16,9 @@
 //!   warm-up, once more at each release), whereas these would only keep other slots'
 //!   namespaces alive. The agent holds it open ([`SlotMounts::base_mounts`]).
 //! - **Namespaces.** At warm-up the agent forks a holder process. Still root, it enters
-//!   that clean copy, unshares a mount namespace of its own, turns its mounts into slaves (nothing it mounts reaches the
+//!   that clean copy (or, for a workspace that is an image of its own, mounted after the
+//!   clean copy was made, the logins' namespace itself), unshares a mount namespace of
+//!   its own, turns its mounts into slaves (nothing it mounts reaches the
 //!   host; what the host mounts later, a workspace image say, still reaches it) and mounts
 //!   a tmpfs on each of [`PRIVATE_DIRS`] (mode 1777, `nosuid,nodev`, at most
 //!   [`MAX_INODES`] entries). It then becomes the slot user and makes a second mount
@@ -47,9 +49,7 @@
 use std::fs;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 /// The directories each slot has its own tmpfs on.
 pub const PRIVATE_DIRS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
@@ -78,6 +78,19 @@ pub struct SlotMounts {
     /// The clean copy of the logins' mount namespace every slot's is made from (see the
     /// module's doc).
     base: std::sync::Arc<OwnedFd>,
+    /// The mount namespace slot logins live in (`--mount-namespace`); `None`: the agent's.
+    logins: Option<std::sync::Arc<OwnedFd>>,
+}
+
+/// What a slot's mount namespace is copied from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyOf {
+    /// The clean copy made at start: for a workspace that is a directory.
+    Clean,
+    /// The logins' namespace as it is now, with every mount the host has: for a
+    /// workspace that is an image of its own, mounted after the clean copy was made (the
+    /// host's mounts need not propagate to copies).
+    Logins,
 }
 
 impl SlotMounts {
@@ -103,9 +116,20 @@ impl SlotMounts {
         rustix::mount::mount_change(&dir, rustix::mount::MountPropagationFlags::PRIVATE)
             .map_err(|e| fail(format!("making {} private", dir.display()))(e.to_string()))?;
         let base = base_mounts(&dir, logins_ns.as_deref())?;
+        let logins = logins_ns
+            .map(|path| {
+                rustix::fs::open(
+                    &path,
+                    rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
+            })
+            .transpose()?;
         Ok(SlotMounts {
             dir,
             base: std::sync::Arc::new(base),
+            logins: logins.map(std::sync::Arc::new),
         })
     }
 
@@ -146,8 +170,8 @@ impl SlotMounts {
         self.dir.join(format!("{slot}.user"))
     }
 
-    /// Makes the slot's mount namespace for `uid`/`gid`, with `workspace` seen through,
-    /// owned by the user namespace at
+    /// Makes the slot's mount namespace for `uid`/`gid` as a copy of `copy_of`, with
+    /// `workspace` seen through, owned by the user namespace at
     /// `user_ns` (one of the slot's own, owned by `uid`) or, without it, by a new one; on
     /// failure removes what was made.
     pub fn create(
@@ -157,8 +181,9 @@ impl SlotMounts {
         gid: u32,
         workspace: &Path,
         user_ns: Option<&Path>,
+        copy_of: CopyOf,
     ) -> Result<(), PrivateTmpError> {
-        let result = self.try_create(slot, uid, gid, workspace, user_ns);
+        let result = self.try_create(slot, uid, gid, workspace, user_ns, copy_of);
         if result.is_err() {
             let _ = self.remove(slot);
         }
@@ -172,6 +197,7 @@ impl SlotMounts {
         gid: u32,
         workspace: &Path,
         user_ns: Option<&Path>,
+        copy_of: CopyOf,
     ) -> Result<(), PrivateTmpError> {
         let mut files = vec![self.mnt_file(slot), self.ipc_file(slot)];
         if user_ns.is_none() {
@@ -202,7 +228,11 @@ impl SlotMounts {
             .collect();
         let options =
             std::ffi::CString::new(format!("mode=1777,nr_inodes={MAX_INODES}")).expect("no nul");
-        let base_raw = self.base.as_raw_fd();
+        // None: the agent's own, which the holder starts in.
+        let source_raw = match copy_of {
+            CopyOf::Clean => Some(self.base.as_raw_fd()),
+            CopyOf::Logins => self.logins.as_ref().map(|fd| fd.as_raw_fd()),
+        };
         // A workspace under a private directory: the directories to make in the tmpfs
         // down to it, and where to bind it from.
         let covered = PRIVATE_DIRS
@@ -243,17 +273,10 @@ impl SlotMounts {
             let keep_dirs = keep_dirs.clone();
             let keep_from = keep_from.clone();
             let keep_at = keep_at.clone();
-            let mut holder = Command::new("sleep");
-            holder
-                .arg("600")
-                .env_clear()
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
-            // SAFETY: only async-signal-safe system calls run between fork and exec, on
-            // memory made before the fork.
-            unsafe {
-                holder.pre_exec(move || {
+            let mut steps = move || -> std::io::Result<()> {
+                // SAFETY: only async-signal-safe system calls, on memory made before the
+                // fork (see `Holder::spawn`).
+                unsafe {
                     let check = |r: libc::c_int| {
                         if r != 0 {
                             Err(std::io::Error::last_os_error())
@@ -268,7 +291,9 @@ impl SlotMounts {
                             set,
                         ))?;
                     }
-                    check(libc::setns(base_raw, libc::CLONE_NEWNS))?;
+                    if let Some(fd) = source_raw {
+                        check(libc::setns(fd, libc::CLONE_NEWNS))?;
+                    }
                     check(libc::unshare(libc::CLONE_NEWNS))?;
                     check(libc::mount(
                         c"none".as_ptr(),
@@ -318,18 +343,17 @@ impl SlotMounts {
                         ))?,
                     }
                     Ok(())
-                });
-            }
-            let spawned = holder.spawn().map_err(|e| {
+                }
+            };
+            // SAFETY: the steps are async-signal-safe system calls on memory made before
+            // the fork.
+            let child_now = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
                 fail(format!("making the private /tmp of slot {slot}"))(e.to_string())
             })?;
-            let mut child_now = spawned;
             let made_ns = mntns_id(Path::new(&format!("/proc/{}/ns/mnt", child_now.id())));
             match (agent_ns, made_ns) {
                 (Some(agent), Some(made)) if made <= agent => {
                     tried.push(made);
-                    let _ = child_now.kill();
-                    let _ = child_now.wait();
                 }
                 _ => {
                     child = Some(child_now);
@@ -337,7 +361,7 @@ impl SlotMounts {
                 }
             }
         }
-        let Some(mut child) = child else {
+        let Some(child) = child else {
             return Err(fail(format!("making the private /tmp of slot {slot}"))(
                 format!(
                     "every CPU made a mount namespace older than the agent's ({:?}, ids {tried:?})",
@@ -346,8 +370,7 @@ impl SlotMounts {
             ));
         };
         let made = self.set_up(slot, child.id(), uid, gid, user_ns.is_none());
-        let _ = child.kill();
-        let _ = child.wait();
+        drop(child);
         made
     }
 
@@ -481,6 +504,110 @@ impl SlotMounts {
             mnt: open_nsfs(&self.mnt_file(slot))?,
             ipc: open_nsfs(&self.ipc_file(slot))?,
         })
+    }
+}
+
+/// How long a holder lives at most, should the agent not kill it (as `sleep 600` did).
+const HOLDER_LIFETIME_SECS: libc::c_uint = 600;
+
+/// A forked child of the agent that set up a slot's namespaces and waits, doing nothing,
+/// for the agent to bind them; killed (and reaped) when dropped. It runs no other program:
+/// an `exec` (of `sleep`, before) cost as much as the rest of the warm-up's namespace
+/// work. It dies with the thread that forked it, and after [`HOLDER_LIFETIME_SECS`] in
+/// any case.
+struct Holder {
+    pid: libc::pid_t,
+}
+
+impl Holder {
+    /// Forks a child that runs `steps`, then waits to be killed; returns once the steps
+    /// are done, or with their error.
+    ///
+    /// # Safety
+    /// `steps` runs in the child of a fork of a multi-threaded process: it may only make
+    /// async-signal-safe system calls, on memory made before the fork.
+    unsafe fn spawn(steps: &mut dyn FnMut() -> std::io::Result<()>) -> std::io::Result<Holder> {
+        // SAFETY: a fork whose child runs the caller's steps (async-signal-safe, as the
+        // caller promises) and then only system calls, on descriptors this function owns.
+        unsafe {
+            use std::os::fd::FromRawFd;
+            let mut fds = [0; 2];
+            if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let (ready, done) = (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]));
+            let pid = libc::fork();
+            if pid < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if pid == 0 {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGALRM] {
+                    libc::sigaction(signal, &default, std::ptr::null_mut());
+                }
+                libc::alarm(HOLDER_LIFETIME_SECS);
+                let code: libc::c_int = match steps() {
+                    Ok(()) => 0,
+                    Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+                };
+                libc::write(
+                    done.as_raw_fd(),
+                    (&code as *const libc::c_int).cast(),
+                    size_of::<libc::c_int>(),
+                );
+                if code != 0 {
+                    libc::_exit(1);
+                }
+                loop {
+                    libc::pause();
+                }
+            }
+            drop(done);
+            let holder = Holder { pid };
+            let mut code: libc::c_int = 0;
+            let read = loop {
+                let n = libc::read(
+                    ready.as_raw_fd(),
+                    (&mut code as *mut libc::c_int).cast(),
+                    size_of::<libc::c_int>(),
+                );
+                if n < 0
+                    && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                {
+                    continue;
+                }
+                break n;
+            };
+            if read != size_of::<libc::c_int>() as isize {
+                return Err(std::io::Error::other(
+                    "the holder ended before it was ready",
+                ));
+            }
+            if code != 0 {
+                return Err(std::io::Error::from_raw_os_error(code));
+            }
+            Ok(holder)
+        }
+    }
+
+    fn id(&self) -> u32 {
+        self.pid as u32
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // SAFETY: `pid` is this holder's child, not reaped before.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            let mut status = 0;
+            while libc::waitpid(self.pid, &mut status, 0) < 0
+                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+            {
+            }
+        }
     }
 }
 

@@ -66,7 +66,7 @@ use crate::isolation::cgroup::CgroupDriver;
 use crate::isolation::disk_quota::WorkspaceImages;
 use crate::isolation::enter::NsKind;
 use crate::isolation::netns::{NetnsError, SlotNetworks};
-use crate::isolation::private_tmp::SlotMounts;
+use crate::isolation::private_tmp::{CopyOf, SlotMounts};
 use crate::isolation::shared_dirs;
 use crate::isolation::uid_range::UidAllocator;
 use crate::isolation::wipe::Budget;
@@ -650,13 +650,17 @@ impl UserIsolation {
             clock.lap("netns");
         }
         if let Some(mounts) = &self.private_tmp {
+            let copy_of = match disk_bytes {
+                Some(_) => CopyOf::Logins,
+                None => CopyOf::Clean,
+            };
             let user_ns = self
                 .network
                 .as_ref()
                 .and_then(|n| n.names(slot))
                 .map(|n| n.user_ns);
             mounts
-                .create(slot, info.uid, info.gid, &dir, user_ns.as_deref())
+                .create(slot, info.uid, info.gid, &dir, user_ns.as_deref(), copy_of)
                 .map_err(|e| self.private_tmp_error(slot, e))?;
             clock.lap("private_tmp");
         }
