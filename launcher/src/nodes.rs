@@ -304,7 +304,8 @@ pub const AGENT_RESEND: Duration = Duration::from_secs(1);
 /// Sends `cmd` to the agent of `backing_id` and decodes its reply, waiting at most
 /// [`AGENT_TIMEOUT`] and sending `cmd` again after [`AGENT_RESEND`], then twice that,
 /// and so on, while no answer came. The first answer wins; an error other than a
-/// time-out (no agent subscribed, say) ends the call at once, as a refusal does.
+/// time-out (no agent subscribed when the first was sent, say) ends the call at once,
+/// as a refusal does (docs/protocol.md, "Sending a call again").
 pub(crate) async fn call_agent<R: serde::de::DeserializeOwned>(
     shared: &Shared,
     backing_id: &BackingId,

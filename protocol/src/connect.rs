@@ -341,9 +341,11 @@ impl Bus {
     /// twice that, and so on, each beside the ones before (whose answers still count),
     /// for up to `timeout` in all. A message or a reply in flight through a server that
     /// dies is lost while this connection stays up; the resend, not `timeout`, bounds
-    /// what that costs. The first answer wins; an error other than a time-out (no
-    /// responders, say) ends the call at once. An attempt that ended early because this
-    /// connection came back ([`Bus::call_raw`]) is sent again at once.
+    /// what that costs. The first answer wins; an error other than a time-out ends the
+    /// call at once, except "no responders" for a copy sent again while another copy may
+    /// still be answered (docs/protocol.md, "Sending a call again"): the first copy's
+    /// "no responders" ends it. An attempt that ended early because this connection came
+    /// back ([`Bus::call_raw`]) is sent again at once.
     pub async fn call_raw_resending(
         &self,
         subject: &str,
@@ -361,6 +363,10 @@ impl Bus {
         };
         let mut pending = futures::stream::FuturesUnordered::new();
         pending.push(attempt());
+        // Whether a copy ended without an answer of the server's (a time-out, or this
+        // connection coming back): it may have reached a responder whose reply was lost,
+        // so a "no responders" heard since says nothing about whether one runs.
+        let mut unanswered = false;
         let mut gap = first_gap;
         let mut resend = tokio::time::Instant::now() + gap;
         loop {
@@ -371,9 +377,17 @@ impl Bus {
                 }
                 Some(answered) = pending.next() => match answered {
                     Err(BusError::Timeout { .. }) => {
+                        unanswered = true;
                         if pending.is_empty() && tokio::time::Instant::now() < deadline {
                             pending.push(attempt());
                         }
+                    }
+                    Err(BusError::NoResponders { .. }) if unanswered || !pending.is_empty() => {
+                        // A copy sent again met no subscription on its server: a server
+                        // this connection or a responder's just reconnected to may not
+                        // know a responder's subscription yet. The earlier copies, or the
+                        // next one, may still be answered.
+                        tracing::debug!(%subject, "a copy sent again met no responders; listening on");
                     }
                     other => return other,
                 },
@@ -455,12 +469,26 @@ impl Bus {
             })
     }
 
-    /// Waits until everything published so far has reached the server.
+    /// Waits until everything published so far is written to the connection's socket.
+    /// The server may not have read it yet: see [`Bus::sync`].
     pub async fn flush(&self) -> Result<(), BusError> {
         self.client.flush().await.map_err(|err| BusError::Request {
             subject: "flush".into(),
             message: err.to_string(),
         })
+    }
+
+    /// Waits until the server has taken in everything this connection sent before, its
+    /// subscriptions included, so that a message another connection publishes from now
+    /// on reaches them. A server reads each connection in order but connections side by
+    /// side, and [`Bus::flush`] only writes to the socket: a subscription merely flushed
+    /// may still be unknown to the server when another connection's message arrives,
+    /// which that connection then hears as "no responders". The round trip is a
+    /// JetStream account-info request, which every role may send.
+    pub async fn sync(&self, timeout: Duration) -> Result<(), BusError> {
+        self.call_raw(layout::subjects::JETSTREAM_INFO, Bytes::new(), timeout)
+            .await
+            .map(drop)
     }
 
     /// Whether the connection is currently up.

@@ -260,6 +260,8 @@ pub mod subjects {
     }
     /// The inbox prefix of the system user that pushes slotpool's account.
     pub const REVOKER_INBOX: &str = "_INBOX.revoker";
+    /// JetStream's account information: every role may ask it (opening a bucket does).
+    pub const JETSTREAM_INFO: &str = "$JS.API.INFO";
 
     /// `operator`'s subject for an order ([`crate::api::BackingOrder`] for hold, drain,
     /// run and kill; [`crate::api::ReleaseNodeOrder`] for release_node).

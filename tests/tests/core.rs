@@ -14,6 +14,10 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(60);
+/// How long a round trip to the test's nats-server may take ([`Bus::sync`]).
+///
+/// [`Bus::sync`]: slotpool_protocol::connect::Bus::sync
+const SYNC: Duration = Duration::from_secs(10);
 
 fn ids(reqs: &[NodeRequest]) -> Vec<NodeId> {
     reqs.iter().flat_map(|r| r.nodes.clone()).collect()
@@ -792,11 +796,7 @@ async fn a_release_or_cancel_sent_again_is_answered_as_the_first() {
 /// way while the client's own connection stays up, is sent again after a second
 /// (`API_RESEND`), not given up after the whole time-out; a submit sent again carries
 /// the same request id, so that the launcher takes it for the same request.
-///
-/// On demand until a failure in a loaded suite run is explained: the release sent again
-/// was answered `NoResponders` although the test's responder was subscribed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a loaded suite run saw NoResponders on the resend; being traced"]
 async fn a_call_without_an_answer_is_sent_again_after_a_second() {
     use futures::StreamExt;
     use slotpool_protocol::api::{Released, Reply, SubmitRequest, Submitted};
@@ -817,10 +817,12 @@ async fn a_call_without_an_answer_is_sent_again_after_a_second() {
         .serve("slotpool.api.v2.ci.*", None)
         .await
         .expect("subscribed");
+    // A flush only writes the subscription to the socket: the client's first copy,
+    // on its own connection, could reach the server before it and meet no responders.
     responder
-        .flush()
+        .sync(SYNC)
         .await
-        .expect("the subscription reached the server");
+        .expect("the server took in the subscription");
     let answering = {
         let seen = seen.clone();
         let responder: Bus = responder.clone();
@@ -883,6 +885,82 @@ async fn a_call_without_an_answer_is_sent_again_after_a_second() {
         "{submits:?}"
     );
     answering.abort();
+}
+
+/// A copy of a call sent again that meets no responders, as one can in a cluster whose
+/// server does not know a launcher's subscription yet (the launcher reconnecting, or
+/// its server's routes), does not end a call whose first copy may still be answered.
+/// The launcher here takes the first copy of a release, is gone from the bus while the
+/// copy sent after a second (`API_RESEND`) arrives, is back for the one sent two seconds
+/// later, and then answers the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_sent_again_that_meets_no_responders_does_not_end_the_call() {
+    use futures::StreamExt;
+    use slotpool_protocol::api::{Released, Reply};
+    use slotpool_protocol::auth::Role;
+    use slotpool_protocol::client::{Client, API_RESEND};
+    use slotpool_protocol::layout::subjects::ApiOp;
+
+    let nats = slotpool_tests::NatsServer::start().await;
+    let responder = nats.bus().await;
+    let client = Client::connect(&nats.options_as(Role::Client, "ci"))
+        .await
+        .expect("client connects");
+    let subject = subjects::api(client.name(), ApiOp::Release);
+    let mut incoming = responder.serve(&subject, None).await.expect("subscribed");
+    responder
+        .sync(SYNC)
+        .await
+        .expect("the server took in the subscription");
+    let answering = tokio::spawn(async move {
+        let first = incoming.next().await.expect("the first copy arrives");
+        let first_at = Instant::now();
+        drop(incoming);
+        responder
+            .sync(SYNC)
+            .await
+            .expect("the server took in the unsubscribe");
+        // Away from the bus across the second copy's sending (`API_RESEND` after the
+        // first) and back well before the third's (twice that later): what is waited
+        // on here is the client's schedule, and the test checks below which copy came.
+        tokio::time::sleep(API_RESEND * 2).await;
+        let mut incoming = responder.serve(&subject, None).await.expect("subscribed");
+        responder
+            .sync(SYNC)
+            .await
+            .expect("the server took in the subscription");
+        incoming.next().await.expect("a later copy arrives");
+        let later = first_at.elapsed();
+        let reply_to = first.reply_to.expect("a call has a reply subject");
+        responder
+            .respond(&reply_to, &Reply::Ok(Released::default()))
+            .await
+            .expect("the first copy is answered");
+        // The answer is on its way before this connection closes with the task.
+        responder
+            .sync(SYNC)
+            .await
+            .expect("the server took in the answer");
+        later
+    });
+    let answered = client.release(vec![]);
+    let released = match tokio::time::timeout(LONG, answered).await {
+        Ok(Ok(released)) => released,
+        Ok(Err(err)) => {
+            answering.abort();
+            panic!("the first copy's answer ends the call: {err}");
+        }
+        Err(_) => panic!("the release was answered nothing within {LONG:?}"),
+    };
+    let later = answering.await.expect("the responder ran");
+    // The third copy is sent three `API_RESEND` after the first; the second, had it
+    // been heard, would have come at once when the responder was back, two after.
+    assert!(
+        later >= API_RESEND * 5 / 2,
+        "the copy heard after the gap came {later:?} after the first: the second copy was \
+         heard, so none met no responders"
+    );
+    assert_eq!(released, Released::default());
 }
 
 #[test]

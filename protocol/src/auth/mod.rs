@@ -144,7 +144,7 @@ pub fn permissions(user: &BusUser) -> Permissions {
     let name = user.name.as_str();
     let inbox = format!("{}.>", user.inbox_prefix());
     // Every slotpool connection opens the six buckets (stream info, no contents).
-    let mut open_buckets = vec!["$JS.API.INFO".to_string()];
+    let mut open_buckets = vec![subjects::JETSTREAM_INFO.to_string()];
     open_buckets.extend(
         ALL_BUCKETS
             .iter()
