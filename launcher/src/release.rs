@@ -112,8 +112,10 @@ async fn begin_release(
 
 /// Finishes the release of a node marked releasing: has the agent clean the slot
 /// (skipped when the agent is gone: there is nothing left to clean) and deletes the slot
-/// key. Safe to run twice: the agent wipes only the node named, and the key is deleted
-/// only while it still holds that node.
+/// key. Safe to run twice, by two launchers at once or by a late copy of the agent call:
+/// the agent wipes only the node named, the key is deleted only while it still holds
+/// that node, and another node the agent holds is wiped only once KV proves it has no
+/// claim ([`release_unclaimed_holder`]).
 async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<(), SlotError> {
     let agent_alive = shared.world().agents.contains_key(&node.value.backing_id);
     if agent_alive {
@@ -122,8 +124,10 @@ async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<()
             node_id: node.value.id.clone(),
         };
         let answer: SlotReleased = call_agent(shared, &node.value.backing_id, &cmd).await?;
-        if let Some(stale) = answer.held_by {
-            release_stale_holder(shared, &node.value, stale).await?;
+        if let Some(holder) = answer.held_by {
+            if let Some(confirmed) = release_unclaimed_holder(shared, &node, holder).await? {
+                node = confirmed;
+            }
         }
     }
     loop {
@@ -144,11 +148,88 @@ async fn finish_release(shared: &Shared, mut node: Versioned<Node>) -> Result<()
     Ok(())
 }
 
-/// The agent holds `node`'s slot for `stale`, another node. The slot's key names `node`
-/// (it is being released), and a key is the only claim on a slot, so `stale` holds it
-/// without a claim: a prepare that reached the agent after its node was released, say.
-/// Left there, every later claim of the slot would be refused at its prepare, for ever;
-/// so the agent is told to release `stale` too.
+/// What to make of the agent holding the slot of `releasing` (a node being released)
+/// for `holder`, another node, given what the slot's key holds now.
+#[derive(Debug, PartialEq)]
+enum HolderStep {
+    /// The key still names `releasing`: rewrite its record unchanged expecting this
+    /// revision. A write that lands proves the key named `releasing`, not `holder`,
+    /// after the agent answered; `holder` was prepared before, so its claim was written
+    /// before that and is gone (a node id is claimed once): `holder` is a stray, and is
+    /// wiped at the agent.
+    Confirm { revision: u64 },
+    /// The key names `holder` (its claim stands: this release reached the agent after
+    /// another releaser finished it and the slot was claimed again), or holds no node or
+    /// a third one (another releaser finished this release; nothing here proves `holder`
+    /// has no claim). Left alone: a stray holder is found again by the next claim's
+    /// refused prepare, whose own release proves it.
+    LeaveAlone,
+}
+
+/// [`HolderStep`] for the agent's answer `holder` to the release of `releasing`, with
+/// `now` the slot's record as read after that answer.
+fn holder_step(releasing: &NodeId, now: Option<&Versioned<Node>>) -> HolderStep {
+    match now {
+        Some(n) if &n.value.id == releasing && n.value.state == NodeState::Releasing => {
+            HolderStep::Confirm {
+                revision: n.revision,
+            }
+        }
+        _ => HolderStep::LeaveAlone,
+    }
+}
+
+/// The agent holds the slot of `node` (being released) for `holder`, another node.
+/// A holder without a claim (a prepare that reached the agent after its node was
+/// released, say) would have every later prepare of the slot refused, for ever; so once
+/// KV proves `holder` has no claim ([`HolderStep::Confirm`]) the agent is told to
+/// release it too. Never on what a read alone says: this release may be a late copy,
+/// arriving after another launcher finished it and the slot was claimed and prepared
+/// for a node a client now holds (or a lagging replica may answer the read). Returns
+/// `node`'s record as rewritten, when it was.
+async fn release_unclaimed_holder(
+    shared: &Shared,
+    node: &Versioned<Node>,
+    holder: NodeId,
+) -> Result<Option<Versioned<Node>>, SlotError> {
+    let mut now = Some(node.clone());
+    loop {
+        let HolderStep::Confirm { revision } = holder_step(&node.value.id, now.as_ref()) else {
+            tracing::warn!(
+                backing_id = %node.value.backing_id,
+                slot = node.value.slot,
+                %holder,
+                "the agent holds this slot for another node, and this release was \
+                 finished elsewhere; the holder is left alone"
+            );
+            return Ok(None);
+        };
+        let current = now.take().expect("confirmed from a record");
+        match shared
+            .bus
+            .slots
+            .update(&current.key, &current.value, revision, None)
+            .await
+        {
+            Ok(revision) => {
+                let confirmed = Versioned {
+                    revision,
+                    ..current
+                };
+                shared.world().put_slot(confirmed.clone());
+                release_stale_holder(shared, &confirmed.value, holder).await?;
+                return Ok(Some(confirmed));
+            }
+            Err(KvError::Conflict { .. }) => {
+                now = shared.bus.slots.get::<Node>(&current.key).await?;
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// Has the agent release `stale`, which holds `node`'s slot without a claim
+/// ([`release_unclaimed_holder`]).
 async fn release_stale_holder(
     shared: &Shared,
     node: &Node,
@@ -509,6 +590,42 @@ mod tests {
         assert!(
             !claimed_for(&r, &node),
             "a claim for an index the request has not"
+        );
+    }
+
+    #[test]
+    fn a_holder_is_wiped_only_while_the_key_names_the_node_being_released() {
+        let at = |value: Node, revision| Versioned {
+            key: "slot".into(),
+            revision,
+            value,
+        };
+        let releasing = node(NodeState::Releasing, 1);
+        assert_eq!(
+            holder_step(&releasing.id, Some(&at(releasing.clone(), 7))),
+            HolderStep::Confirm { revision: 7 }
+        );
+        // Another releaser finished this release and the slot was claimed again: the
+        // agent's holder is that claim's node, which a client may hold by now.
+        let mut claimed = node(NodeState::Ready, 2);
+        claimed.id = NodeId::for_slot(&releasing.backing_id, 0);
+        assert_ne!(claimed.id, releasing.id);
+        assert_eq!(
+            holder_step(&releasing.id, Some(&at(claimed.clone(), 9))),
+            HolderStep::LeaveAlone
+        );
+        claimed.state = NodeState::Preparing;
+        assert_eq!(
+            holder_step(&releasing.id, Some(&at(claimed, 9))),
+            HolderStep::LeaveAlone
+        );
+        assert_eq!(holder_step(&releasing.id, None), HolderStep::LeaveAlone);
+        let mut ready = releasing.clone();
+        ready.state = NodeState::Ready;
+        assert_eq!(
+            holder_step(&releasing.id, Some(&at(ready, 8))),
+            HolderStep::LeaveAlone,
+            "a record that does not say releasing is not this release's"
         );
     }
 

@@ -226,6 +226,159 @@ async fn a_slot_the_agent_holds_for_a_node_without_a_claim_is_freed_and_served()
     );
 }
 
+/// A release whose agent call arrives late (after another launcher finished the same
+/// release and the slot was claimed and prepared for a new node) finds the agent holding
+/// the new node. Its claim stands, and a client may hold it by now: the late release
+/// leaves it alone. It used to release it at the agent as "held for a node without a
+/// claim", trusting that the key still named the node being released: in a cluster run
+/// with leader kills, that wiped a node under the client holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_leaves_alone_the_node_the_slot_was_claimed_for_since() {
+    use slotpool_protocol::api::{AgentCommand, SlotLimits, SlotPrepared, SlotReleased};
+    use slotpool_protocol::layout::subjects;
+    use slotpool_protocol::model::AgentHeartbeat;
+    use slotpool_protocol::{NodeId, RequestId};
+    let pool = Pool::start(1, 5, &label("small", 1, 600, &[]), 1).await;
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    let old = pool.node(&first.nodes[0]).await;
+    let key = slot_key(&old.backing_id, old.slot);
+    let agent = subjects::agent(&old.backing_id);
+
+    // Another launcher finishes the release of the old node at the agent, and the slot
+    // is prepared for a new node...
+    let other = pool.nats.bus().await;
+    let wiped: SlotReleased = other
+        .call(
+            &agent,
+            &AgentCommand::ReleaseSlot {
+                slot: old.slot,
+                node_id: old.id.clone(),
+            },
+            PROMPT,
+        )
+        .await
+        .expect("the agent releases the old node");
+    assert_eq!(wiped.held_by, None);
+    let new = NodeId::for_slot(&old.backing_id, old.slot);
+    let _: SlotPrepared = other
+        .call(
+            &agent,
+            &AgentCommand::PrepareSlot {
+                slot: old.slot,
+                node_id: new.clone(),
+                ssh_public_key: None,
+                limits: SlotLimits::default(),
+            },
+            PROMPT,
+        )
+        .await
+        .expect("the agent prepares the new node");
+
+    // ...while the launcher's call releasing the old node is held up on its way (the
+    // agent frozen here; a reply lost with a server holds it up until its resend).
+    let pid: i32 =
+        std::fs::read_to_string(pool.agent_dir(old.backing_id.as_str()).join("agent.pid"))
+            .expect("the agent's pid file")
+            .trim()
+            .parse()
+            .unwrap();
+    let frozen = Frozen::stop(pid);
+    let answer = pool
+        .client
+        .release(first.nodes.clone())
+        .await
+        .expect("the release is answered once the node is marked");
+    assert_eq!(answer.released, first.nodes);
+    // The other launcher deletes the key and claims the slot for the new node.
+    let marked = other
+        .slots
+        .get::<Node>(&key)
+        .await
+        .expect("reading the slot")
+        .expect("the old node marked releasing");
+    assert_eq!(
+        (&marked.value.id, marked.value.state),
+        (&old.id, NodeState::Releasing)
+    );
+    other
+        .slots
+        .delete(&key, marked.revision)
+        .await
+        .expect("deleting the old node's key");
+    let mut claim = marked.value.clone();
+    claim.id = new.clone();
+    claim.request_id = RequestId::generate();
+    claim.state = NodeState::Ready;
+    claim.released_at = None;
+    other
+        .slots
+        .create(&key, &claim, None)
+        .await
+        .expect("claiming the slot for the new node");
+    drop(frozen);
+
+    // The launcher's release ends: the first request's nodes are all released.
+    wait_for_some(
+        "the launcher to finish the old node's release",
+        PROMPT,
+        || async {
+            pool.client
+                .request(&first.id)
+                .await
+                .ok()
+                .flatten()
+                .filter(|r| r.nodes_released_at.is_some())
+        },
+    )
+    .await;
+    let after = now_ms();
+    let heartbeat = wait_for_some("a heartbeat of the agent since", PROMPT, || async {
+        other
+            .agents
+            .list::<AgentHeartbeat>()
+            .await
+            .ok()?
+            .into_iter()
+            .filter_map(|h| h.ok().map(|h| h.value))
+            .find(|h| h.backing_id == old.backing_id && h.sent_at > after + 100)
+    })
+    .await;
+    let held: Vec<(u32, NodeId)> = heartbeat
+        .slots
+        .iter()
+        .map(|s| (s.slot, s.node_id.clone()))
+        .collect();
+    assert_eq!(
+        held,
+        vec![(old.slot, new)],
+        "the slot's new node was taken from it by a late release of the old one"
+    );
+    assert!(
+        pool.logs()
+            .contains("this release was finished elsewhere; the holder is left alone"),
+        "the launcher says why it left the holder alone"
+    );
+}
+
+/// A process stopped (`SIGSTOP`) until dropped, even when the test fails.
+struct Frozen(i32);
+
+impl Frozen {
+    fn stop(pid: i32) -> Frozen {
+        // SAFETY: kill(2) of the pool's own agent; touches no memory.
+        let stopped = unsafe { libc::kill(pid, libc::SIGSTOP) };
+        assert_eq!(stopped, 0, "stopping {pid}");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // SAFETY: as in `Frozen::stop`.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
 /// A node of a fulfilled request whose backing node fails (its agent killed) leaves
 /// the request fulfilled, with its nodes still the request's until released, but a
 /// client following the request by `status` is told: `nodes_failed` names the node and
