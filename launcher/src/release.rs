@@ -14,7 +14,7 @@ use slotpool_protocol::layout::{self, FINISHED_REQUEST_TTL_SECS};
 use slotpool_protocol::model::{Node, NodeRequest, NodeState, RequestState};
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::{now_ms, UnixMillis};
-use slotpool_protocol::{NodeId, RequestId};
+use slotpool_protocol::{LauncherId, NodeId, RequestId};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,8 +41,74 @@ pub enum Finish {
 /// record it still holds says; the mirror gets the node's `releasing` record and its
 /// deletion as they are written, not only once the watch brings them back.
 pub async fn release(shared: &Arc<Shared>, id: &NodeId, finish: Finish) -> Result<bool, SlotError> {
+    Ok(release_unless(shared, id, finish, None).await? == Begun::Marked)
+}
+
+/// What a give-back by a request's worker came to ([`give_back`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GaveBack {
+    /// The node was released (or already being released).
+    Released,
+    /// There was nothing to release: the slot is free or holds another node.
+    Nothing,
+    /// Left alone: by KV, the request is another launcher's now, or was handed the node
+    /// ([`may_give_back`]). The worker looks again once its mirror says so.
+    Refused,
+}
+
+/// Gives back node `id` of request `request`, which this launcher's worker drives and
+/// which has not ended: [`release`], but only while KV says the request is still this
+/// launcher's and was not handed the node ([`may_give_back`]).
+///
+/// Two launchers can drive one request for a while (one took it over while the other's
+/// watches were away), each preparing the same claimed node; the one whose
+/// fulfilment's claim check ([`crate::request::exec::claims_stand`]) conflicts gives the
+/// node back, by then perhaps handed to the client by the other. The request is read
+/// after the node's record, and the node marked releasing expecting that record's
+/// revision: the other launcher took the request over, then wrote the node's record
+/// again (its claim check) before it wrote the request fulfilled; so either the read
+/// sees the request theirs, or the mark lands before their claim check, which then
+/// conflicts and hands nothing out.
+pub async fn give_back(
+    shared: &Arc<Shared>,
+    request: &RequestId,
+    id: &NodeId,
+) -> Result<GaveBack, SlotError> {
+    Ok(
+        match release_unless(shared, id, Finish::Wait, Some(request)).await? {
+            Begun::Marked => GaveBack::Released,
+            Begun::Nothing => GaveBack::Nothing,
+            Begun::Refused => GaveBack::Refused,
+        },
+    )
+}
+
+/// Whether the worker of a request may give back its node `id`, with `r` the request as
+/// KV has it (`None`: no record, so nothing holds the node through it): not once another
+/// launcher owns the request, nor once the request was handed the node.
+pub(crate) fn may_give_back(r: Option<&NodeRequest>, me: &LauncherId, id: &NodeId) -> bool {
+    r.is_none_or(|r| {
+        r.owner.as_ref() == Some(me)
+            && !(r.state == RequestState::Fulfilled && r.nodes.contains(id))
+    })
+}
+
+/// How [`begin_release`] ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Begun {
+    Marked,
+    Nothing,
+    Refused,
+}
+
+async fn release_unless(
+    shared: &Arc<Shared>,
+    id: &NodeId,
+    finish: Finish,
+    worker_of: Option<&RequestId>,
+) -> Result<Begun, SlotError> {
     let Some((backing, slot)) = id.slot() else {
-        return Ok(false);
+        return Ok(Begun::Nothing);
     };
     let key = layout::slot_key(&backing, slot);
     // The mirror's record, when it has one, saves a read (a stale one costs a conflict
@@ -52,39 +118,61 @@ pub async fn release(shared: &Arc<Shared>, id: &NodeId, finish: Finish) -> Resul
         world.give_back(id);
         world.slots.get(&key).filter(|n| &n.value.id == id).cloned()
     };
-    let Some(node) = begin_release(shared, &key, id, mirrored).await? else {
-        return Ok(false);
+    let node = match begin_release(shared, &key, id, mirrored, worker_of).await? {
+        Ok(node) => node,
+        Err(begun) => return Ok(begun),
     };
     match finish {
         Finish::Wait => finish_release(shared, node).await?,
         Finish::Background => spawn_finish_release(shared, node),
     }
-    Ok(true)
+    Ok(Begun::Marked)
 }
 
 /// Marks node `expect` in slot `key` releasing (revision-checked), starting from `read`
-/// when the caller has a recent record (a stale one costs a conflict and a re-read):
-/// `None` when the slot is free or holds another node. Once this returns the record,
-/// the release is durable: whoever finishes it.
+/// when the caller has a recent record (a stale one costs a conflict and a re-read);
+/// with `worker_of`, only while [`may_give_back`] says so of that request, read after
+/// the node's record. `Err(Nothing)` when the slot is free or holds another node. Once
+/// this returns the record, the release is durable: whoever finishes it.
 async fn begin_release(
     shared: &Shared,
     key: &str,
     expect: &NodeId,
     mut read: Option<Versioned<Node>>,
-) -> Result<Option<Versioned<Node>>, SlotError> {
+    worker_of: Option<&RequestId>,
+) -> Result<Result<Versioned<Node>, Begun>, SlotError> {
     loop {
         let current = match read.take() {
             Some(current) => current,
             None => match shared.bus.slots.get::<Node>(key).await? {
                 Some(current) => current,
-                None => return Ok(None),
+                None => return Ok(Err(Begun::Nothing)),
             },
         };
         if *expect != current.value.id {
-            return Ok(None);
+            return Ok(Err(Begun::Nothing));
         }
         if current.value.state == NodeState::Releasing {
-            return Ok(Some(current));
+            return Ok(Ok(current));
+        }
+        if let Some(request) = worker_of {
+            let r = readable(
+                shared
+                    .bus
+                    .requests
+                    .get::<NodeRequest>(request.as_str())
+                    .await,
+            )?;
+            if !may_give_back(r.as_ref().map(|r| &r.value), &shared.id, expect) {
+                tracing::warn!(
+                    node_id = %expect,
+                    %request,
+                    owner = ?r.as_ref().and_then(|r| r.value.owner.clone()),
+                    "not giving the node back: the request is another launcher's now, or \
+                     was handed the node"
+                );
+                return Ok(Err(Begun::Refused));
+            }
         }
         let mut node = current.value.clone();
         node.state = NodeState::Releasing;
@@ -102,7 +190,7 @@ async fn begin_release(
                     value: node,
                 };
                 shared.world().put_slot(marked.clone());
-                return Ok(Some(marked));
+                return Ok(Ok(marked));
             }
             Err(KvError::Conflict { .. }) => continue,
             Err(err) => return Err(err.into()),
@@ -590,6 +678,39 @@ mod tests {
         assert!(
             !claimed_for(&r, &node),
             "a claim for an index the request has not"
+        );
+    }
+
+    /// Two launchers drove one request: one took it over while the other's watches were
+    /// away. The other's fulfilment check conflicted (the first had rewritten the node
+    /// preparing it), so it gave the node back, by then handed to the client by the
+    /// first: the give-back wiped it under the client. A worker gives back a node only
+    /// while KV says the request is its own and was not handed the node.
+    #[test]
+    fn a_worker_gives_back_no_node_of_a_request_another_launcher_owns_or_handed_out() {
+        let me = LauncherId::parse("launcher-a").unwrap();
+        let other = LauncherId::parse("launcher-b").unwrap();
+        let n = node(NodeState::Ready, 1).id;
+        let mut r = request(RequestState::Requested, vec![]);
+        r.owner = Some(me.clone());
+        assert!(may_give_back(Some(&r), &me, &n), "its own open request");
+        assert!(may_give_back(None, &me, &n), "no request holds it");
+        let mut theirs = r.clone();
+        theirs.owner = Some(other.clone());
+        assert!(!may_give_back(Some(&theirs), &me, &n), "taken over");
+        theirs.state = RequestState::Fulfilled;
+        theirs.nodes = vec![n.clone()];
+        assert!(
+            !may_give_back(Some(&theirs), &me, &n),
+            "handed out by the other"
+        );
+        let mut handed = theirs.clone();
+        handed.owner = Some(me.clone());
+        assert!(!may_give_back(Some(&handed), &me, &n), "handed out");
+        handed.nodes = vec![NodeId::for_slot(&BackingId::parse("bn-1").unwrap(), 0)];
+        assert!(
+            may_give_back(Some(&handed), &me, &n),
+            "fulfilled without it: a stray of its own"
         );
     }
 

@@ -6,7 +6,7 @@ use super::observe::Memory;
 use super::plan::RequestStep;
 use crate::metrics;
 use crate::nodes::{self, SlotError};
-use crate::release::{self, claimed_for, Finish};
+use crate::release::{self, claimed_for, Finish, GaveBack};
 use crate::shared::{request_topic, Shared};
 use crate::world::SlotRef;
 use slotpool_protocol::layout::FINISHED_REQUEST_TTL_SECS;
@@ -16,6 +16,11 @@ use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::NodeId;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How long a worker whose give-back was refused ([`release::give_back`]) waits before
+/// it looks again, unless its request changes first (its mirror catching up with the
+/// launcher that owns it now).
+const GIVE_BACK_RECHECK_MS: UnixMillis = 1_000;
 
 /// What the worker does once a step is carried out.
 #[derive(Debug, PartialEq)]
@@ -89,10 +94,18 @@ pub async fn carry_out(
             Ok(After::Stop)
         }
         RequestStep::Release(nodes) => {
+            let mut refused = false;
             for id in nodes {
-                release::release(sh, &id, Finish::Wait).await?;
+                refused |= release::give_back(sh, &r.id, &id).await? == GaveBack::Refused;
             }
-            Ok(After::Again)
+            // Left alone because KV says the request is another launcher's (or was
+            // handed the node): the worker waits until its mirror says so too.
+            Ok(match refused {
+                true => After::Wait {
+                    until: Some(now_ms() + GIVE_BACK_RECHECK_MS),
+                },
+                false => After::Again,
+            })
         }
         RequestStep::Claim { slots, .. } => {
             // The claims won leave the queue as they enter the mirror: the requests
@@ -290,6 +303,7 @@ async fn prepare(
     ssh_public_key: Option<String>,
 ) -> (NodeId, Prepared) {
     let id = node.value.id.clone();
+    let request = node.value.request_id.clone();
     match nodes::prepare(sh, node, ssh_public_key).await {
         Ok(ready) => {
             sh.world().put_slot(ready.clone());
@@ -303,7 +317,7 @@ async fn prepare(
         }
         Err(err) => return (id, Prepared::Failed(err)),
     }
-    match release::release(sh, &id, Finish::Wait).await {
+    match release::give_back(sh, &request, &id).await {
         Ok(_) => (id, Prepared::GivenBack),
         Err(err) => (id, Prepared::GivingBackFailed(err)),
     }
