@@ -53,6 +53,19 @@ pub struct Hold {
     pub request: RequestId,
     pub from: Instant,
     pub to: Option<Instant>,
+    /// `from` and `to` on the wall clock (microseconds since the epoch), read at the
+    /// same moments: what other processes' logs are compared with, on the clock they
+    /// date their lines by, whatever it did meanwhile.
+    pub from_unix_us: u64,
+    pub to_unix_us: Option<u64>,
+}
+
+/// The wall clock now, in microseconds since the epoch.
+pub fn unix_us_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros() as u64
 }
 
 /// What the clients of a [`Load`] saw.
@@ -97,6 +110,7 @@ impl Ledger {
         self.ends.entry(req.id.clone()).or_default().push(req.state);
         if req.state == RequestState::Fulfilled {
             self.fulfilled_at.push(now);
+            let wall = unix_us_now();
             for node in &req.nodes {
                 if let Some(slot) = node.slot() {
                     self.holds.push(Hold {
@@ -105,6 +119,8 @@ impl Ledger {
                         request: req.id.clone(),
                         from: now,
                         to: None,
+                        from_unix_us: wall,
+                        to_unix_us: None,
                     });
                 }
             }
@@ -112,8 +128,10 @@ impl Ledger {
     }
 
     pub(crate) fn releasing(&mut self, request: &RequestId, now: Instant) {
+        let wall = unix_us_now();
         for hold in self.holds.iter_mut().filter(|h| &h.request == request) {
             hold.to.get_or_insert(now);
+            hold.to_unix_us.get_or_insert(wall);
         }
     }
 
@@ -487,6 +505,8 @@ mod tests {
             request: request.clone(),
             from,
             to,
+            from_unix_us: 0,
+            to_unix_us: None,
         }
     }
 

@@ -27,7 +27,7 @@ use slotpool_tests::{
 };
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio::time::Instant;
 
 /// How long the load may take to get going again after a kill.
@@ -234,8 +234,6 @@ async fn run(kills: usize) {
         .expect("client connects");
     wait_served(&client).await;
     let mut placement = settled(&bus, 3).await;
-    // Instants of the clients' ledger, as wall-clock times of the agents' logs.
-    let clock = Clock::now();
     // Six clients on up to 3 × 4 slots: some wait, so slots change hands all the time.
     let load = Load::start(&client, 6, &["small"], Duration::from_millis(400), seed);
     wait_fulfilments(&load, FULFILMENTS_PER_STEP, "before any kill").await;
@@ -322,7 +320,7 @@ async fn run(kills: usize) {
 
     // The agents' side.
     let agent_log = AgentLog::read(&work_dir);
-    let agent_violations = agent_log.violations(ledger.holds(), &clock);
+    let agent_violations = agent_log.violations(ledger.holds());
     // Fulfilments the launchers stopped because a node's claim had changed since its
     // prepare (`request::exec::claims_stand`), and leases they gave up.
     let said = |what: &str| {
@@ -371,33 +369,6 @@ async fn run(kills: usize) {
         "too few nodes handed out to tell anything"
     );
     drop(launchers);
-}
-
-/// Maps the clients' [`Instant`]s to wall-clock milliseconds, as the agents' logs
-/// date their lines.
-struct Clock {
-    instant: Instant,
-    unix_us: u64,
-}
-
-impl Clock {
-    fn now() -> Clock {
-        Clock {
-            instant: Instant::now(),
-            unix_us: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .expect("after 1970")
-                .as_micros() as u64,
-        }
-    }
-
-    fn unix_us(&self, at: Instant) -> u64 {
-        if at >= self.instant {
-            self.unix_us + (at - self.instant).as_micros() as u64
-        } else {
-            self.unix_us - (self.instant - at).as_micros() as u64
-        }
-    }
 }
 
 /// What an agent did to one slot, from its log.
@@ -450,10 +421,10 @@ impl AgentLog {
     }
 
     /// Each broken promise, in words: a slot prepared while it holds another node; a
-    /// node a client held from `from` to `to` (as [`chaos::Hold`] says) not prepared for
-    /// it first, released before the client let go, or another node prepared in its
-    /// slot meanwhile.
-    fn violations(&self, holds: &[chaos::Hold], clock: &Clock) -> Vec<String> {
+    /// node a client held (as [`chaos::Hold`] says, on the wall clock the agents date
+    /// their lines by) not prepared for it first, released before the client let go, or
+    /// another node prepared in its slot meanwhile.
+    fn violations(&self, holds: &[chaos::Hold]) -> Vec<String> {
         let mut out = Vec::new();
         let mut by_slot: BTreeMap<(&str, u32), Vec<&SlotEvent>> = BTreeMap::new();
         for e in &self.events {
@@ -476,8 +447,7 @@ impl AgentLog {
         for hold in holds {
             let (backing, slot) = (&hold.slot.0, hold.slot.1);
             let node = hold.node.to_string();
-            let from = clock.unix_us(hold.from);
-            let to = hold.to.map(|t| clock.unix_us(t));
+            let (from, to) = (hold.from_unix_us, hold.to_unix_us);
             let events = by_slot
                 .get(&(backing.as_str(), slot))
                 .map(Vec::as_slice)
@@ -578,8 +548,8 @@ fn agent_log_lines_and_their_times_are_read() {
 /// prepared for two nodes: what the fulfilment after a give-back did.
 #[test]
 fn a_node_released_under_its_holder_is_a_violation() {
-    let clock = Clock::now();
-    let t = |ms: u64| clock.unix_us(clock.instant) + ms * 1000;
+    let start = chaos::unix_us_now();
+    let t = |ms: u64| start + ms * 1000;
     let ev = |ms, node: &str, what| SlotEvent {
         at_us: t(ms),
         backing: "bn-01jq3m2f7h8g9k0m1n2p3q4r00".into(),
@@ -596,8 +566,10 @@ fn a_node_released_under_its_holder_is_a_violation() {
             1,
         ),
         request: slotpool_protocol::RequestId::parse("req-01jq3m8x5v9k2c7t4r6y0a1b2d").unwrap(),
-        from: clock.instant + Duration::from_millis(100),
-        to: Some(clock.instant + Duration::from_millis(5000)),
+        from: Instant::now(),
+        to: None,
+        from_unix_us: t(100),
+        to_unix_us: Some(t(5000)),
     };
     let kept = AgentLog {
         events: vec![
@@ -607,7 +579,7 @@ fn a_node_released_under_its_holder_is_a_violation() {
         ],
     };
     assert_eq!(
-        kept.violations(std::slice::from_ref(&hold), &clock),
+        kept.violations(std::slice::from_ref(&hold)),
         Vec::<String>::new()
     );
     let wiped = AgentLog {
@@ -617,10 +589,10 @@ fn a_node_released_under_its_holder_is_a_violation() {
             ev(2100, b, "slot prepared"),
         ],
     };
-    let found = wiped.violations(std::slice::from_ref(&hold), &clock);
+    let found = wiped.violations(std::slice::from_ref(&hold));
     assert_eq!(found.len(), 2, "{found:#?}");
     let twice = AgentLog {
         events: vec![ev(50, a, "slot prepared"), ev(60, b, "slot prepared")],
     };
-    assert!(twice.violations(&[], &clock)[0].contains("while it holds"));
+    assert!(twice.violations(&[])[0].contains("while it holds"));
 }
