@@ -75,14 +75,24 @@ pub struct Args {
     #[arg(long = "guard-port", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub guard_ports: Vec<u16>,
     /// In users mode, give every slot a network namespace of its own (its own loopback;
-    /// out through the host by a veth pair and masquerading). Off by default: slots then
-    /// share the host's network, loopback included. See docs/slot-network.md.
-    #[arg(long, value_enum, value_name = "ON|OFF", default_value = "off")]
-    pub slot_netns: Switch,
-    /// IPv4 block the slots' veth pairs are numbered from (a /30 per slot); agents
-    /// sharing a host need blocks of their own.
+    /// out through the host by a veth pair and masquerading). On by default in users mode;
+    /// `off` lets slots share the host's network, loopback included (logged loudly). See
+    /// docs/slot-network.md.
+    #[arg(long, value_enum, value_name = "ON|OFF")]
+    pub slot_netns: Option<Switch>,
+    /// IPv4 range the slots' veth pairs are numbered from (a /30 per slot), shared by
+    /// the agents of a host: each takes a free block of it at start.
     #[arg(long, value_name = "CIDR", default_value = crate::isolation::netns::DEFAULT_RANGE)]
     pub slot_netns_range: String,
+    /// The host's resolver configuration, read at start: when it names only servers a
+    /// slot's network namespace cannot reach (loopback, IPv6), slots get a resolv.conf of
+    /// their own. See docs/slot-network.md.
+    #[arg(long, value_name = "FILE", default_value = crate::isolation::slot_dns::HOST_RESOLV_CONF)]
+    pub resolv_conf: PathBuf,
+    /// systemd-resolved's list of upstream servers, given to slots when the host's
+    /// resolv.conf names only a resolver on loopback.
+    #[arg(long, value_name = "FILE", default_value = crate::isolation::slot_dns::UPSTREAM_RESOLV_CONF)]
+    pub upstream_resolv_conf: PathBuf,
     /// In users mode, give every slot a /tmp, /var/tmp and /dev/shm of its own (tmpfs
     /// mounts in a mount namespace of the slot's, counted in its memory limit), gone with
     /// the slot at release however many files they hold. `off` lets slots share the
@@ -233,6 +243,9 @@ pub struct AgentConfig {
     /// The block of the slots' veth addresses, when every slot has a network namespace
     /// of its own (users mode with --slot-netns on).
     pub slot_netns: Option<crate::isolation::netns::AddressRange>,
+    /// `--resolv-conf` and `--upstream-resolv-conf`.
+    pub resolv_conf: PathBuf,
+    pub upstream_resolv_conf: PathBuf,
     /// Whether every slot has a private `/tmp` (users mode with --slot-private-tmp on).
     pub slot_private_tmp: bool,
     pub run_dir: PathBuf,
@@ -392,9 +405,9 @@ impl Args {
             _ => None,
         };
         let slot_netns = match (isolation, self.slot_netns) {
-            (_, Switch::Off) => None,
-            (IsolationMode::None, Switch::On) => return Err(ConfigError::NetnsNeedsUsers),
-            (IsolationMode::Users, Switch::On) => {
+            (_, Some(Switch::Off)) | (IsolationMode::None, None) => None,
+            (IsolationMode::None, Some(Switch::On)) => return Err(ConfigError::NetnsNeedsUsers),
+            (IsolationMode::Users, Some(Switch::On) | None) => {
                 let range = crate::isolation::netns::AddressRange::parse(&self.slot_netns_range)
                     .map_err(ConfigError::NetnsRange)?;
                 if range.capacity() < self.slots {
@@ -463,6 +476,8 @@ impl Args {
             slot_uids,
             bus_guard_ports,
             slot_netns,
+            resolv_conf: self.resolv_conf,
+            upstream_resolv_conf: self.upstream_resolv_conf,
             slot_private_tmp: matches!(isolation, IsolationMode::Users)
                 && matches!(self.slot_private_tmp, Switch::On),
             run_dir: self.run_dir,
@@ -708,12 +723,16 @@ mod tests {
     }
 
     #[test]
-    fn slot_netns_is_off_by_default_and_needs_users_mode_and_room() {
-        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
+    fn slot_netns_is_on_by_default_in_users_mode_and_needs_room() {
+        let c = args(&["--isolation", "none"])
+            .into_config_as(env_secret(), false)
+            .unwrap();
         assert_eq!(c.slot_netns, None);
-        let c = args(&["--slot-netns", "on"])
+        let c = args(&["--slot-netns", "off"])
             .into_config_as(env_secret(), true)
             .unwrap();
+        assert_eq!(c.slot_netns, None);
+        let c = args(&[]).into_config_as(env_secret(), true).unwrap();
         assert_eq!(
             c.slot_netns.map(|r| r.to_string()).as_deref(),
             Some(crate::isolation::netns::DEFAULT_RANGE)

@@ -6,8 +6,8 @@
 
 use crate::config::IsolationMode;
 use crate::isolation::{
-    self, bus_guard, cgroup, disk_quota, enter, mounts, netns, private_tmp, shared_dirs, uid_range,
-    user_isolation::UserIsolation, SlotIsolation, WorkspaceOnly,
+    self, bus_guard, cgroup, disk_quota, enter, mounts, netns, netns_blocks, private_tmp,
+    shared_dirs, slot_dns, uid_range, user_isolation::UserIsolation, SlotIsolation, WorkspaceOnly,
 };
 use crate::slots::Slots;
 use crate::{health, reconcile, AgentConfig, AgentError, PLACEMENT_SWEEP_INTERVAL, PROC_ROOT};
@@ -88,16 +88,32 @@ pub fn isolation_of(config: &AgentConfig) -> Result<Arc<dyn SlotIsolation>, Agen
                         config.run_dir.join("netns").join(&config.namespace),
                         config.namespace.clone(),
                         range,
+                        config.slots,
+                        std::path::Path::new(netns_blocks::CLAIMS_DIR),
                         config.bus_guard_ports.clone().unwrap_or_default(),
                     )
                     .map_err(AgentError::Netns)?;
-                    tracing::info!(%range, "every slot gets a network namespace of its own");
+                    tracing::info!(
+                        block = %networks.block(),
+                        "every slot gets a network namespace of its own"
+                    );
                     isolation = isolation.with_network(networks);
                 }
-                None => tracing::info!(
+                None => tracing::warn!(
                     "slots share the host's network namespace (--slot-netns off): a service \
                  on loopback in one slot is reachable from the others"
                 ),
+            }
+            if config.slot_netns.is_some() && !config.slot_private_tmp {
+                if let slot_dns::SlotDns::Own(_) | slot_dns::SlotDns::Unreachable =
+                    read_slot_dns(config)
+                {
+                    tracing::warn!(
+                        resolv_conf = %config.resolv_conf.display(),
+                        "slots cannot reach the resolvers the host names (on loopback) and, \
+                         without --slot-private-tmp, get no resolv.conf of their own"
+                    );
+                }
             }
             if config.slot_private_tmp {
                 let mounts = private_tmp::SlotMounts::new(
@@ -106,11 +122,73 @@ pub fn isolation_of(config: &AgentConfig) -> Result<Arc<dyn SlotIsolation>, Agen
                 )
                 .map_err(AgentError::PrivateTmp)?;
                 tracing::info!("every slot gets a /tmp, /var/tmp and /dev/shm of its own");
+                let mounts = match slot_resolv_conf(config)? {
+                    Some(file) => mounts.with_resolv_conf(file),
+                    None => mounts,
+                };
                 isolation = isolation.with_private_tmp(mounts);
             }
             Arc::new(isolation)
         }
     })
+}
+
+/// What a slot's resolv.conf is, from the files the configuration names.
+fn read_slot_dns(config: &AgentConfig) -> slot_dns::SlotDns {
+    let host = std::fs::read_to_string(&config.resolv_conf).unwrap_or_default();
+    let upstream = std::fs::read_to_string(&config.upstream_resolv_conf).ok();
+    slot_dns::slot_dns(&host, upstream.as_deref())
+}
+
+/// The resolv.conf to bind in slots' mount namespaces, written to the run dir (0644),
+/// when slots have network namespaces and cannot reach the host's resolvers.
+fn slot_resolv_conf(config: &AgentConfig) -> Result<Option<std::path::PathBuf>, AgentError> {
+    if config.slot_netns.is_none() {
+        return Ok(None);
+    }
+    match read_slot_dns(config) {
+        slot_dns::SlotDns::Host => Ok(None),
+        slot_dns::SlotDns::Unreachable => {
+            tracing::warn!(
+                resolv_conf = %config.resolv_conf.display(),
+                upstream = %config.upstream_resolv_conf.display(),
+                "no DNS server a slot's network namespace can reach: the host names only \
+                 resolvers on loopback (or IPv6) and no upstream server is known; slots \
+                 resolve no names"
+            );
+            Ok(None)
+        }
+        slot_dns::SlotDns::Own(_) if !std::path::Path::new("/etc/resolv.conf").exists() => {
+            tracing::warn!(
+                "slots cannot reach the resolvers the host names, and there is no \
+                 /etc/resolv.conf to put one of their own on"
+            );
+            Ok(None)
+        }
+        slot_dns::SlotDns::Own(text) => {
+            let file = config
+                .run_dir
+                .join(format!("{}.resolv.conf", config.namespace));
+            let partial = file.with_extension("conf.partial");
+            std::fs::write(&partial, text)
+                .and_then(|()| {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o644))
+                })
+                .and_then(|()| std::fs::rename(&partial, &file))
+                .map_err(|e| {
+                    AgentError::PrivateTmp(private_tmp::PrivateTmpError {
+                        action: format!("writing {}", file.display()),
+                        reason: e.to_string(),
+                    })
+                })?;
+            tracing::info!(
+                file = %file.display(),
+                "slots get a resolv.conf of their own: the host's resolvers are on loopback"
+            );
+            Ok(Some(file))
+        }
+    }
 }
 
 /// The slot table and what runs beside it for as long as the agent takes commands.

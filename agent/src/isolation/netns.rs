@@ -1,4 +1,5 @@
-//! Optional per-slot network namespace (`--slot-netns on`, users mode; off by default).
+//! A network namespace per slot (`--slot-netns`, users mode; on by default, see
+//! docs/slot-network.md).
 //!
 //! Without it every slot shares the host's network namespace: a service a job runs on
 //! `127.0.0.1` in one slot is reachable from every other slot. With it each slot has a
@@ -24,8 +25,10 @@
 //!   sends out of the host, drops what comes from the veth with another source address or
 //!   goes to another slot's /30, and rejects TCP from the veth to the bus ports (input and
 //!   forward: traffic of the namespace does not pass the host's output hook, where the
-//!   agent's bus guard keys on the uid). The agent turns `net.ipv4.ip_forward` on (and
-//!   never back off).
+//!   agent's bus guard keys on the uid), and the instance metadata service with them. The agent turns `net.ipv4.ip_forward` on (and
+//!   never back off), with a filter that forwards nothing else ([`ensure_forwarding`]).
+//! - **Addresses**: each agent numbers its slots from a block of the range of its own
+//!   ([`crate::isolation::netns_blocks`], the address plan).
 //! - **Release** removes the table, the veth and the mounts, and checks that neither
 //!   the veth nor the mount points are left; what could not be removed makes the slot
 //!   dirty.
@@ -39,63 +42,13 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Each slot gets a /30: network, host end, slot end, broadcast.
-const ADDRESSES_PER_SLOT: u32 = 4;
-/// Default `--slot-netns-range`.
-pub const DEFAULT_RANGE: &str = "10.213.0.0/16";
+use crate::isolation::bus_guard::METADATA_V4;
+
+pub use crate::isolation::netns_blocks::{AddressRange, DEFAULT_RANGE};
+
 const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
-
-/// An IPv4 block the slots' /30s are cut from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AddressRange {
-    pub base: Ipv4Addr,
-    pub prefix: u8,
-}
-
-impl AddressRange {
-    /// Parses `A.B.C.D/N` (host bits must be zero, N from 8 to 30).
-    pub fn parse(text: &str) -> Result<AddressRange, String> {
-        let (addr, prefix) = text
-            .split_once('/')
-            .ok_or_else(|| format!("{text:?}: expected A.B.C.D/N"))?;
-        let base: Ipv4Addr = addr
-            .parse()
-            .map_err(|_| format!("{text:?}: {addr:?} is not an IPv4 address"))?;
-        let prefix: u8 = prefix
-            .parse()
-            .ok()
-            .filter(|p| (8..=30).contains(p))
-            .ok_or_else(|| format!("{text:?}: the prefix length must be 8 to 30"))?;
-        if u32::from(base) & !mask(prefix) != 0 {
-            return Err(format!("{text:?}: host bits are set"));
-        }
-        Ok(AddressRange { base, prefix })
-    }
-
-    /// How many slots the range holds.
-    pub fn capacity(&self) -> u32 {
-        (1u32 << (32 - self.prefix)) / ADDRESSES_PER_SLOT
-    }
-
-    /// The host end and the slot end of `slot`'s /30, if the range holds it.
-    pub fn slot_addresses(&self, slot: u32) -> Option<(Ipv4Addr, Ipv4Addr)> {
-        if slot >= self.capacity() {
-            return None;
-        }
-        let net = u32::from(self.base) + slot * ADDRESSES_PER_SLOT;
-        Some((Ipv4Addr::from(net + 1), Ipv4Addr::from(net + 2)))
-    }
-}
-
-impl std::fmt::Display for AddressRange {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.base, self.prefix)
-    }
-}
-
-fn mask(prefix: u8) -> u32 {
-    u32::MAX << (32 - u32::from(prefix))
-}
+/// The table holding the forward filter an agent installs when it turns forwarding on.
+pub const FORWARD_TABLE: &str = "slotpool_forward";
 
 /// A step of setting up or removing a slot's namespace that failed.
 #[derive(Debug, thiserror::Error)]
@@ -128,18 +81,27 @@ pub struct SlotNetNames {
 pub struct SlotNetworks {
     dir: PathBuf,
     namespace: String,
+    /// `--slot-netns-range`, shared by every agent of the host: no slot reaches into it.
     range: AddressRange,
+    /// This agent's block of `range`, its slots' /30s
+    /// ([`crate::isolation::netns_blocks`]).
+    block: AddressRange,
+    /// Holds `block` for as long as the agent runs.
+    _claim: Option<std::sync::Arc<crate::isolation::netns_blocks::BlockClaim>>,
     /// TCP ports the slots may not reach (the bus); empty with the bus guard off.
     bus_ports: Vec<u16>,
 }
 
 impl SlotNetworks {
-    /// Uses (and creates, 0700) `dir` for the namespace mounts and turns IPv4 forwarding
-    /// on.
+    /// Uses (and creates, 0700) `dir` for the namespace mounts, makes sure the host
+    /// forwards the slots' traffic ([`ensure_forwarding`]) and claims a block of `range`
+    /// for `slots` slots in `claims_dir`.
     pub fn new(
         dir: PathBuf,
         namespace: String,
         range: AddressRange,
+        slots: u32,
+        claims_dir: &Path,
         bus_ports: Vec<u16>,
     ) -> Result<SlotNetworks, NetnsError> {
         fs::DirBuilder::new()
@@ -147,28 +109,36 @@ impl SlotNetworks {
             .mode(0o700)
             .create(&dir)
             .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
-        let forward = fs::read_to_string(IP_FORWARD).unwrap_or_default();
-        if forward.trim() != "1" {
-            fs::write(IP_FORWARD, "1\n").map_err(|e| {
-                fail(format!("writing 1 to {IP_FORWARD}"))(format!(
-                    "{e}; slots reach out through the host only if it forwards: set \
-                     net.ipv4.ip_forward = 1 (sysctl) before starting the agent"
-                ))
-            })?;
-            tracing::warn!(
-                "turned net.ipv4.ip_forward on: slot namespaces reach out through the host"
-            );
-        }
+        ensure_forwarding()?;
+        let claim =
+            crate::isolation::netns_blocks::claim_block(claims_dir, range, slots, &namespace)
+                .map_err(|e| NetnsError {
+                    action: e.action,
+                    reason: e.reason,
+                })?;
+        tracing::info!(
+            block = %claim.block,
+            %range,
+            again = claim.reused,
+            "slot network namespaces are numbered from this block"
+        );
         Ok(SlotNetworks {
             dir,
             namespace,
             range,
+            block: claim.block,
+            _claim: Some(std::sync::Arc::new(claim)),
             bus_ports,
         })
     }
 
+    /// This agent's block of `--slot-netns-range`.
+    pub fn block(&self) -> AddressRange {
+        self.block
+    }
+
     pub fn names(&self, slot: u32) -> Option<SlotNetNames> {
-        let (host_addr, slot_addr) = self.range.slot_addresses(slot)?;
+        let (host_addr, slot_addr) = self.block.slot_addresses(slot)?;
         Some(SlotNetNames {
             user_ns: self.dir.join(format!("{slot}.user")),
             net_ns: self.dir.join(format!("{slot}.net")),
@@ -182,7 +152,7 @@ impl SlotNetworks {
     fn names_or_err(&self, slot: u32) -> Result<SlotNetNames, NetnsError> {
         self.names(slot).ok_or_else(|| NetnsError {
             action: format!("addressing slot {slot}"),
-            reason: format!("--slot-netns-range {} has no room for it", self.range),
+            reason: format!("the agent's block {} has no room for it", self.block),
         })
     }
 
@@ -360,6 +330,85 @@ impl SlotNetworks {
     }
 }
 
+/// How the host came to forward the slots' traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forwarding {
+    /// `net.ipv4.ip_forward` was 1 and no slotpool filter is there: the host routed
+    /// before (Docker, a router); its own firewall decides, the agent adds no filter.
+    HostRoutes,
+    /// Forwarding is on with slotpool's filter ([`forward_filter_script`]): turned on by
+    /// this agent now, or by an agent before.
+    SlotsOnly,
+}
+
+/// Makes sure IPv4 forwarding is on. When it is off, first installs the filter that
+/// forwards nothing but slot traffic ([`forward_filter_script`]), then turns it on; a
+/// filter an agent installed before is kept (and renewed). Forwarding is never turned
+/// back off, and the filter stays with it.
+///
+/// IPv4 decides forwarding by the flag of the interface a packet comes in on, so the
+/// replies arriving on the uplink need `all` forwarding, not only the veths': hence the
+/// host-wide `net.ipv4.ip_forward` and the filter beside it.
+pub fn ensure_forwarding() -> Result<Forwarding, NetnsError> {
+    let forward = fs::read_to_string(IP_FORWARD).unwrap_or_default();
+    let filter_there = Command::new("nft")
+        .args(["list", "table", "ip", FORWARD_TABLE])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if forward.trim() == "1" && !filter_there {
+        tracing::info!(
+            "the host forwards IPv4 already: its own firewall decides what it forwards \
+             besides the slots' traffic"
+        );
+        return Ok(Forwarding::HostRoutes);
+    }
+    run(
+        Command::new("nft").args(["-f", "-"]),
+        Some(&forward_filter_script()),
+    )?;
+    if forward.trim() != "1" {
+        if let Err(e) = fs::write(IP_FORWARD, "1\n") {
+            let _ = Command::new("nft")
+                .args(["delete", "table", "ip", FORWARD_TABLE])
+                .status();
+            return Err(fail(format!("writing 1 to {IP_FORWARD}"))(format!(
+                "{e}; slots reach out through the host only if it forwards: set \
+                 net.ipv4.ip_forward = 1 (sysctl) before starting the agent, or let it \
+                 write the file (or pass --slot-netns off)"
+            )));
+        }
+        tracing::warn!(
+            table = FORWARD_TABLE,
+            "turned net.ipv4.ip_forward on, with a filter forwarding only the slots' traffic"
+        );
+    }
+    Ok(Forwarding::SlotsOnly)
+}
+
+/// The nft script of the forward filter: forward what comes from a slot's veth (every
+/// agent's, `spn*`; each slot's own table then restricts it) and the replies to it, drop
+/// every other forwarded IPv4 packet. IPv4 only (`ip` family): IPv6 forwarding is not
+/// touched.
+pub fn forward_filter_script() -> String {
+    format!(
+        "add table ip {t}\n\
+         delete table ip {t}\n\
+         table ip {t} {{\n\
+         \x20 chain forward {{\n\
+         \x20   type filter hook forward priority 0; policy drop;\n\
+         \x20   iifname \"{VETH_PREFIX}*\" accept\n\
+         \x20   oifname \"{VETH_PREFIX}*\" ct state established,related accept\n\
+         \x20 }}\n\
+         }}\n",
+        t = FORWARD_TABLE
+    )
+}
+
+/// What the host end of every slot's veth is named with.
+pub const VETH_PREFIX: &str = "spn";
+
 /// `statfs` type of the namespace file system.
 const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 
@@ -368,7 +417,7 @@ const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 pub fn veth_name(namespace: &str, slot: u32) -> String {
     use sha2::Digest;
     let hash = hex::encode(sha2::Sha256::digest(namespace.as_bytes()));
-    format!("spn{}{slot}", &hash[..8])
+    format!("{VETH_PREFIX}{}{slot}", &hash[..8])
 }
 
 fn veth_exists(name: &str) -> bool {
@@ -383,7 +432,10 @@ pub fn inside_script(n: &SlotNetNames) -> String {
     )
 }
 
-/// The nft script of the slot's table (replacing one left over).
+/// The nft script of the slot's table (replacing one left over). With the bus guard on
+/// (`bus_ports` not empty) it also closes the instance metadata service to the slot, as
+/// the guard does for slot uids in the host's namespace
+/// ([`crate::isolation::bus_guard`]): the slot's traffic is forwarded, past the uid rule.
 pub fn table_script(n: &SlotNetNames, range: AddressRange, bus_ports: &[u16]) -> String {
     let t = &n.table;
     let v = &n.veth;
@@ -392,7 +444,8 @@ pub fn table_script(n: &SlotNetNames, range: AddressRange, bus_ports: &[u16]) ->
     } else {
         let ports: Vec<String> = bus_ports.iter().map(u16::to_string).collect();
         format!(
-            "iifname \"{v}\" tcp dport {{ {} }} reject with tcp reset\n",
+            "iifname \"{v}\" tcp dport {{ {} }} reject with tcp reset\n\
+             \x20   iifname \"{v}\" ip daddr {METADATA_V4} reject\n",
             ports.join(", ")
         )
     };
@@ -474,6 +527,249 @@ mod tests {
         assert!(AddressRange::parse("nope/16").is_err());
     }
 
+    /// Runs `script` (`ip -batch`) in the network namespace of `pid`.
+    fn ip_in(pid: u32, script: &str) {
+        run(
+            Command::new("nsenter")
+                .arg(format!("--net=/proc/{pid}/ns/net"))
+                .args(["ip", "-batch", "-"]),
+            Some(script),
+        )
+        .unwrap();
+    }
+
+    /// Calls `f` on a thread of its own in the network namespace of `pid`.
+    fn in_netns<T: Send + 'static>(pid: u32, f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(move || {
+            let ns = fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+            rustix::thread::move_into_link_name_space(
+                std::os::fd::AsFd::as_fd(&ns),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// A process in a network namespace of its own, made from this thread's.
+    fn hold(name: &str) -> std::process::Child {
+        let child = Command::new("unshare")
+            .args(["-n", "sleep", "60"])
+            .spawn()
+            .unwrap();
+        // Wait until the child has its own namespace.
+        let mine = fs::read_link("/proc/thread-self/ns/net").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while fs::read_link(format!("/proc/{}/ns/net", child.id())).ok() == Some(mine.clone()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name} has no namespace"
+            );
+            std::thread::yield_now();
+        }
+        child
+    }
+
+    /// Joins this thread's namespace to that of `pid` by a veth pair: `veth` here with
+    /// `<net>.1/30`, `eth0` there with `<net>.2/30` and a default route back.
+    fn link(veth: &str, pid: u32, net: &str) {
+        run(
+            Command::new("ip").args([
+                "link",
+                "add",
+                veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &pid.to_string(),
+            ]),
+            None,
+        )
+        .unwrap();
+        run(
+            Command::new("ip").args(["-batch", "-"]),
+            Some(&format!(
+                "addr add {net}.1/30 dev {veth}\nlink set {veth} up\n"
+            )),
+        )
+        .unwrap();
+        ip_in(
+            pid,
+            &format!(
+                "link set lo up\naddr add {net}.2/30 dev eth0\nlink set eth0 up\n\
+                 route add default via {net}.1\n"
+            ),
+        );
+    }
+
+    fn listen(pid: u32, addr: &'static str) -> std::net::TcpListener {
+        in_netns(pid, move || std::net::TcpListener::bind(addr).unwrap())
+    }
+
+    /// `connected`, or why not, within half a second.
+    fn connect(pid: u32, to: std::net::SocketAddr) -> String {
+        in_netns(pid, move || {
+            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500))
+                .map(|_| "connected".to_string())
+                .unwrap_or_else(|e| e.to_string())
+        })
+    }
+
+    /// A slot's table keeps it off the instance metadata service, which its forwarded
+    /// traffic would otherwise reach past the uid-keyed bus guard: in a network namespace
+    /// of the test's standing for the host, with a "world" namespace answering on
+    /// 169.254.169.254, the slot is refused; the same table without the bus guard's rules
+    /// lets it through.
+    #[test]
+    fn a_slots_table_keeps_it_off_the_metadata_service() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let got = std::thread::spawn(|| {
+            // SAFETY: a new network namespace for this thread only.
+            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }
+                .unwrap();
+            fs::write(IP_FORWARD, "1\n").unwrap();
+            let (slot, world) = (hold("slot"), hold("world"));
+            link("spnmdtest0", slot.id(), "10.251.0");
+            link("wmdtest", world.id(), "10.251.1");
+            ip_in(world.id(), "addr add 169.254.169.254/32 dev lo\n");
+            run(
+                Command::new("ip").args(["route", "add", METADATA_V4, "via", "10.251.1.2"]),
+                None,
+            )
+            .unwrap();
+            let metadata = listen(world.id(), "169.254.169.254:0");
+            let n = SlotNetNames {
+                user_ns: PathBuf::new(),
+                net_ns: PathBuf::new(),
+                veth: "spnmdtest0".into(),
+                table: "slotpool_mdtest_n0".into(),
+                host_addr: "10.251.0.1".parse().unwrap(),
+                slot_addr: "10.251.0.2".parse().unwrap(),
+            };
+            let range = AddressRange::parse("10.251.0.0/24").unwrap();
+            let mut got = Vec::new();
+            for ports in [&[4222][..], &[]] {
+                run(
+                    Command::new("nft").args(["-f", "-"]),
+                    Some(&table_script(&n, range, ports)),
+                )
+                .unwrap();
+                got.push(connect(slot.id(), metadata.local_addr().unwrap()));
+            }
+            for mut child in [slot, world] {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            got
+        })
+        .join()
+        .unwrap();
+        eprintln!(
+            "slot to the metadata service: with the guard {}; without {}",
+            got[0], got[1]
+        );
+        assert_ne!(got[0], "connected", "a slot reached the metadata service");
+        assert_eq!(
+            got[1], "connected",
+            "the test's metadata service is not reachable"
+        );
+    }
+
+    /// On a host (a network namespace of the test's) that did not forward, the agent
+    /// turns forwarding on with its filter: a slot's veth reaches the world and gets
+    /// its replies, while the host forwards nothing between its other interfaces and
+    /// nothing new into the slot.
+    #[test]
+    fn forwarding_turned_on_forwards_only_slot_traffic() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let router = std::thread::spawn(|| {
+            // SAFETY: a new network namespace for this thread only; it shares nothing the
+            // rest of the test relies on.
+            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }
+                .unwrap();
+            fs::write(IP_FORWARD, "0\n").unwrap();
+            let (slot, world, other) = (hold("slot"), hold("world"), hold("other"));
+            for (veth, child, net) in [
+                ("spntest0", &slot, 0),
+                ("wtest", &world, 1),
+                ("otest", &other, 2),
+            ] {
+                link(veth, child.id(), &format!("10.250.{net}"));
+            }
+            let turned = ensure_forwarding().unwrap();
+            let forward = fs::read_to_string(IP_FORWARD).unwrap();
+            let world_port = listen(world.id(), "10.250.1.2:0");
+            let slot_port = listen(slot.id(), "10.250.0.2:0");
+            let results = [
+                connect(slot.id(), world_port.local_addr().unwrap()),
+                connect(other.id(), world_port.local_addr().unwrap()),
+                connect(world.id(), slot_port.local_addr().unwrap()),
+            ];
+            // Already on with the filter: kept.
+            let again = ensure_forwarding().unwrap();
+            for mut child in [slot, world, other] {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            (turned, again, forward, results)
+        });
+        let (turned, again, forward, [slot_out, other_out, into_slot]) = router.join().unwrap();
+        eprintln!(
+            "slot to world: {slot_out}; other to world: {other_out}; world to slot: {into_slot}"
+        );
+        assert_eq!(
+            (turned, again),
+            (Forwarding::SlotsOnly, Forwarding::SlotsOnly)
+        );
+        assert_eq!(forward.trim(), "1");
+        assert_eq!(slot_out, "connected");
+        assert_ne!(
+            other_out, "connected",
+            "the host forwarded between other interfaces"
+        );
+        assert_ne!(
+            into_slot, "connected",
+            "the host forwarded a new connection into a slot"
+        );
+    }
+
+    /// A host that forwarded before gets no filter from the agent.
+    #[test]
+    fn a_host_that_routes_already_gets_no_filter() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let (turned, tables) = std::thread::spawn(|| {
+            // SAFETY: a new network namespace for this thread only; it shares nothing the
+            // rest of the test relies on.
+            unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }
+                .unwrap();
+            fs::write(IP_FORWARD, "1\n").unwrap();
+            let turned = ensure_forwarding().unwrap();
+            let out = Command::new("nft")
+                .args(["list", "tables"])
+                .output()
+                .unwrap();
+            (turned, String::from_utf8_lossy(&out.stdout).into_owned())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(turned, Forwarding::HostRoutes);
+        assert!(!tables.contains(FORWARD_TABLE), "{tables}");
+    }
+
     #[test]
     fn veth_names_fit_ifnamsiz_and_differ_by_agent() {
         let a = veth_name("spab12cd34", 9999);
@@ -487,7 +783,9 @@ mod tests {
         let nets = SlotNetworks {
             dir: PathBuf::from("/run/x"),
             namespace: "spab12cd34".into(),
-            range: AddressRange::parse("10.9.0.0/24").unwrap(),
+            range: AddressRange::parse("10.9.0.0/16").unwrap(),
+            block: AddressRange::parse("10.9.0.0/24").unwrap(),
+            _claim: None,
             bus_ports: vec![4222, 7422],
         };
         let n = nets.names(1).unwrap();
@@ -507,9 +805,17 @@ mod tests {
             2,
             "{s}"
         );
-        assert!(s.contains(&format!("iifname \"{v}\" ip daddr 10.9.0.0/24 drop")));
+        assert!(s.contains(&format!("iifname \"{v}\" ip daddr 10.9.0.0/16 drop")));
         assert!(s.contains(&format!("iifname \"{v}\" ip saddr != 10.9.0.6 drop")));
         assert!(s.contains(&format!("ip saddr 10.9.0.6 oifname != \"{v}\" masquerade")));
+        assert_eq!(
+            s.matches(&format!(
+                "iifname \"{v}\" ip daddr 169.254.169.254 reject\n"
+            ))
+            .count(),
+            2,
+            "{s}"
+        );
         let no_bus = table_script(&n, nets.range, &[]);
         assert!(!no_bus.contains("dport"), "{no_bus}");
         assert_eq!(

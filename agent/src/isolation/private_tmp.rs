@@ -55,6 +55,9 @@ use std::path::{Path, PathBuf};
 pub const PRIVATE_DIRS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
 /// The descriptor the holder keeps a covered workspace open on while it mounts.
 const KEEP_FD: libc::c_int = 999;
+/// The descriptor the holder keeps the slots' resolv.conf open on while it mounts (the
+/// file may be under a directory the tmpfs covers).
+const RESOLV_FD: libc::c_int = 998;
 /// Most entries (inodes) in one of a slot's private directories.
 pub const MAX_INODES: u64 = 262_144;
 
@@ -80,6 +83,9 @@ pub struct SlotMounts {
     base: std::sync::Arc<OwnedFd>,
     /// The mount namespace slot logins live in (`--mount-namespace`); `None`: the agent's.
     logins: Option<std::sync::Arc<OwnedFd>>,
+    /// A file bound on `/etc/resolv.conf` for the slot's logins
+    /// ([`crate::isolation::slot_dns`]).
+    resolv_conf: Option<PathBuf>,
 }
 
 /// What a slot's mount namespace is copied from.
@@ -130,7 +136,15 @@ impl SlotMounts {
             dir,
             base: std::sync::Arc::new(base),
             logins: logins.map(std::sync::Arc::new),
+            resolv_conf: None,
         })
+    }
+
+    /// Binds `file` on `/etc/resolv.conf` in every slot's mount namespace (a path the
+    /// mount namespace of slot logins sees).
+    pub fn with_resolv_conf(mut self, file: PathBuf) -> SlotMounts {
+        self.resolv_conf = Some(file);
+        self
     }
 
     /// The mount namespace every slot's is copied from, to look into (tests).
@@ -254,6 +268,9 @@ impl SlotMounts {
             }
         };
         let user_raw = user_fd.as_ref().map(|f| f.as_raw_fd());
+        let resolv = self.resolv_conf.as_deref().map(c_path).transpose()?;
+        let resolv_from =
+            std::ffi::CString::new(format!("/proc/self/fd/{RESOLV_FD}")).expect("no nul");
         // The kernel refuses to bind a mount namespace's file from a namespace whose id is
         // not below it (a guard against reference loops). Ids are handed out in batches
         // per CPU, so a namespace made after the agent's may still have a lower id when
@@ -273,6 +290,8 @@ impl SlotMounts {
             let keep_dirs = keep_dirs.clone();
             let keep_from = keep_from.clone();
             let keep_at = keep_at.clone();
+            let resolv = resolv.clone();
+            let resolv_from = resolv_from.clone();
             let mut steps = move || -> std::io::Result<()> {
                 // SAFETY: only async-signal-safe system calls, on memory made before the
                 // fork (see `Holder::spawn`).
@@ -302,6 +321,12 @@ impl SlotMounts {
                         libc::MS_REC | libc::MS_SLAVE,
                         std::ptr::null(),
                     ))?;
+                    if let Some(file) = &resolv {
+                        let fd = libc::open(file.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+                        if fd < 0 || libc::dup2(fd, RESOLV_FD) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
                     // The workspace as this namespace sees it, before the tmpfs covers it.
                     if let Some(at) = &keep_at {
                         let fd = libc::open(at.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
@@ -327,6 +352,15 @@ impl SlotMounts {
                             at.as_ptr(),
                             std::ptr::null(),
                             libc::MS_BIND | libc::MS_REC,
+                            std::ptr::null(),
+                        ))?;
+                    }
+                    if resolv.is_some() {
+                        check(libc::mount(
+                            resolv_from.as_ptr(),
+                            c"/etc/resolv.conf".as_ptr(),
+                            std::ptr::null(),
+                            libc::MS_BIND,
                             std::ptr::null(),
                         ))?;
                     }
