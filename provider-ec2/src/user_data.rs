@@ -8,10 +8,11 @@
 //!   arguments, read by a drop-in of `slotpool-agent.service`
 //!   (`/etc/systemd/system/slotpool-agent.service.d/ec2.conf`), so the package's own
 //!   `/etc/slotpool/agent.env` stays the package's;
-//! - `/etc/sysctl.d/60-slotpool-slot-netns.conf` (0644), applied with `sysctl -p`, when
-//!   the agent's arguments turn `--slot-netns` on: the packaged unit cannot turn on
-//!   forwarding itself (docs/slot-network.md, "Under the shipped systemd unit");
 //! - then the configured install commands, and `systemctl enable --now slotpool-agent`.
+//!
+//! Nothing turns IPv4 forwarding on: the agent does, for its slots' network namespaces,
+//! together with a filter that forwards nothing else (docs/slot-network.md); a sysctl
+//! setting made here would make the instance forward everything, without that filter.
 //!
 //! File contents travel base64-encoded (`encoding: b64`); the secret and the credential
 //! are never on a command line. The instance metadata service hands user data to any
@@ -26,25 +27,6 @@ pub const CREDS_PATH: &str = "/etc/slotpool/agent.creds";
 pub const ENV_PATH: &str = "/etc/slotpool/ec2-agent.env";
 pub const DROP_IN_PATH: &str = "/etc/systemd/system/slotpool-agent.service.d/ec2.conf";
 pub const AGENT_UNIT: &str = "slotpool-agent";
-pub const SYSCTL_PATH: &str = "/etc/sysctl.d/60-slotpool-slot-netns.conf";
-
-/// Whether `args` turn the agent's `--slot-netns` on (its last mention wins, as the
-/// agent's own parser takes it).
-fn slot_netns_on(args: &[String]) -> bool {
-    let mut on = false;
-    let mut words = args.iter();
-    while let Some(word) = words.next() {
-        let value = match word.strip_prefix("--slot-netns") {
-            Some("") => words.next().map(String::as_str),
-            Some(rest) => rest.strip_prefix('='),
-            None => None,
-        };
-        if let Some(value) = value {
-            on = value == "on";
-        }
-    }
-    on
-}
 
 /// What the agent on a new instance is started with.
 pub struct AgentBoot<'a> {
@@ -107,15 +89,6 @@ pub fn render(boot: &AgentBoot<'_>, max: usize) -> Result<String, UserDataError>
         "content": format!("[Service]\nEnvironmentFile={ENV_PATH}\n"),
     }));
     let mut runcmd: Vec<serde_json::Value> = Vec::new();
-    if slot_netns_on(&boot.args) {
-        files.push(json!({
-            "path": SYSCTL_PATH,
-            "owner": "root:root",
-            "permissions": "0644",
-            "content": "# Written at boot by slotpool-provider-ec2: the agent runs with --slot-netns on.\nnet.ipv4.ip_forward = 1\n",
-        }));
-        runcmd.push(json!(["sysctl", "-p", SYSCTL_PATH]));
-    }
     runcmd.extend(boot.install.iter().map(|cmd| json!(["sh", "-c", cmd])));
     runcmd.push(json!(["systemctl", "daemon-reload"]));
     runcmd.push(json!(["systemctl", "enable", "--now", AGENT_UNIT]));
@@ -256,30 +229,21 @@ mod tests {
     }
 
     #[test]
-    fn an_agent_with_slot_netns_on_boots_with_forwarding_on() {
-        let words = |a: &[&str]| a.iter().map(|w| w.to_string()).collect::<Vec<_>>();
-        for (args, on) in [
-            (words(&["--slots", "8"]), false),
-            (words(&["--slots", "8", "--slot-netns", "on"]), true),
-            (words(&["--slot-netns=on"]), true),
-            (words(&["--slot-netns", "on", "--slot-netns", "off"]), false),
-            (words(&["--slot-netns-range", "10.9.0.0/16"]), false),
-        ] {
-            let mut b = boot(None, &[]);
-            b.args = args.clone();
-            let p = parse(&render(&b, 16384).unwrap()).unwrap();
-            let sysctl = p.files.iter().find(|f| f.path == SYSCTL_PATH);
-            assert_eq!(sysctl.is_some(), on, "{args:?}");
-            let applied = p.commands.iter().position(|c| c[0] == "sysctl");
-            assert_eq!(applied.is_some(), on, "{args:?}");
-            if let (Some(file), Some(at)) = (sysctl, applied) {
-                assert!(file.content.contains("net.ipv4.ip_forward = 1\n"));
-                assert_eq!(file.permissions, "0644");
-                assert_eq!(p.commands[at], ["sysctl", "-p", SYSCTL_PATH]);
-                let start = p.commands.iter().position(|c| c[0] == "systemctl").unwrap();
-                assert!(at < start, "forwarding is on before the agent starts");
-            }
-        }
+    fn forwarding_is_left_to_the_agent() {
+        let mut b = boot(None, &[]);
+        b.args = vec![
+            "--slots".into(),
+            "8".into(),
+            "--slot-netns".into(),
+            "on".into(),
+        ];
+        let p = parse(&render(&b, 16384).unwrap()).unwrap();
+        assert!(p.files.iter().all(|f| !f.path.starts_with("/etc/sysctl")));
+        assert!(
+            p.commands.iter().all(|c| c[0] != "sysctl"),
+            "{:?}",
+            p.commands
+        );
     }
 
     #[test]
