@@ -52,8 +52,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// Names the cached root file system: change it when the debootstrap command changes.
-const ROOTFS_KEY: &str = "bookworm-minbase-systemd-dbus-nftables-1";
-const DEBOOTSTRAP_INCLUDE: &str = "systemd,systemd-sysv,dbus,nftables";
+const ROOTFS_KEY: &str = "bookworm-minbase-systemd-dbus-nftables-iproute2-1";
+const DEBOOTSTRAP_INCLUDE: &str = "systemd,systemd-sysv,dbus,nftables,iproute2";
 /// How long the container may take to boot to a running system.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the container gets to power off before it is killed.
@@ -136,6 +136,9 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     );
 
     container.make_slot_cgroups_writable();
+    // A host that does not forward (Debian's default): the agent turns forwarding on for
+    // the slots' network namespaces, under the unit's read-only /proc/sys.
+    container.ok(&["sh", "-c", "echo 0 >/proc/sys/net/ipv4/ip_forward"]);
     container.ok(&["systemctl", "enable", "--now", UNIT]);
     let main_pid = wait_for_heartbeat(&container, &bus, &backing).await;
     assert_eq!(container.run(&["systemctl", "is-active", UNIT]).0, "active");
@@ -223,6 +226,34 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "no bus guard table:\n{tables}"
     );
 
+    // Forwarding on, with the filter that forwards nothing but the slots' traffic.
+    assert_eq!(
+        container.ok(&["cat", "/proc/sys/net/ipv4/ip_forward"]),
+        "1",
+        "{}",
+        container.journal()
+    );
+    let filter = container.ok(&["nft", "list", "table", "ip", "slotpool_forward"]);
+    assert!(filter.contains("policy drop"), "{filter}");
+    // The agent may write ip_forward. (Not a proof of the unit's `ReadWritePaths=` line:
+    // under systemd-nspawn the agent's /proc/sys is writable whatever the unit says —
+    // /proc/sys/kernel too, tried — so a container cannot show that
+    // `ReadOnlyPaths=/proc/sys` would stop it on a host.)
+    let write = |path: &str| {
+        container.run(&[
+            "nsenter",
+            "-t",
+            &pid,
+            "-m",
+            "--",
+            "sh",
+            "-c",
+            &format!("cat {path} >{path}"),
+        ])
+    };
+    let (_, out) = write("/proc/sys/net/ipv4/ip_forward");
+    assert!(out.status.success(), "ip_forward: {}", text(&out));
+
     // Both slots warm up: users and cgroups made under the hardening.
     for slot in 0..2 {
         wait_for(format!("slot {slot} to be warm"), AGENT_TIMEOUT, || async {
@@ -301,6 +332,25 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         !container.path("/tmp/sd-login").exists(),
         "a login's /tmp is the host's"
     );
+    // The login is in the slot's network namespace, numbered from the agent's block of
+    // the default range.
+    let addr = container.ok(&[
+        "runuser",
+        "-u",
+        &user,
+        "--",
+        "env",
+        "SSH_ORIGINAL_COMMAND=ip -4 -o addr show dev eth0",
+        "/usr/bin/slotpool-agent",
+        "enter-slot",
+        "--run-dir",
+        "/run/slotpool",
+    ]);
+    assert!(
+        addr.contains("inet 10.213."),
+        "{addr}\n{}",
+        container.journal()
+    );
 
     release(&bus, &backing, 0, "node-sd-0").await;
     assert!(
@@ -376,7 +426,10 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     );
     assert_eq!(container.dirty(1), None, "{}", container.journal());
 
-    // Stop: the runtime directory and the bus guard table go.
+    // Stop: the runtime directory and the bus guard table go. The forward filter stays
+    // with forwarding; the tables of the warm slots' namespaces stay for the next start,
+    // which replaces them (their namespaces went with the unit's mount namespace, so they
+    // match no interface meanwhile).
     container.ok(&["systemctl", "stop", UNIT]);
     assert_eq!(
         container.run(&["systemctl", "is-active", UNIT]).0,
@@ -387,9 +440,16 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "/run/slotpool left after stop"
     );
     let tables = container.ok(&["nft", "list", "tables"]);
+    let slot_table = format!("table inet slotpool_{namespace}_n");
+    for table in tables.lines().filter(|t| t.contains("slotpool_")) {
+        assert!(
+            table == "table ip slotpool_forward" || table.starts_with(&slot_table),
+            "{table} left after stop:\n{tables}"
+        );
+    }
     assert!(
-        !tables.contains("slotpool_"),
-        "bus guard table left:\n{tables}"
+        tables.contains("table ip slotpool_forward"),
+        "the forward filter went before forwarding:\n{tables}"
     );
 
     // Nothing the hardening refused along the way.
