@@ -96,6 +96,9 @@ need_command() {
 
 # Users-mode agents keep slot users off the bus with nftables (agent/src/isolation/bus_guard.rs).
 need_command nft nftables "keeping slot users off the bus"
+# Users-mode agents give each slot a network namespace with a veth pair (ip, nsenter;
+# agent/src/isolation/netns.rs).
+need_command ip iproute2 "the slots' network namespaces"
 # The console's end-to-end test runs slotpool-console in tmux.
 need_command tmux tmux "the console's end-to-end test"
 # The packaging test boots a minimal Debian with systemd-nspawn to run the agent's unit

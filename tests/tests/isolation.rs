@@ -783,8 +783,12 @@ async fn port_forwarding_from_a_slot_login_is_refused() {
 /// guard switched off the same connection goes through, so the refusal is the guard's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_login_cannot_reach_the_bus() {
+    // Slots in the host's network namespace, where the uid-keyed guard is what keeps a
+    // slot off the bus on 127.0.0.1 (a slot with a namespace of its own has a loopback
+    // of its own; the guard on its veth is shown by
+    // with_slot_netns_one_slot_cannot_reach_anothers_loopback).
     let env = IsolationEnv::new();
-    let (sshd, key, agent) = login_env(&env, 1).await;
+    let (sshd, key, agent) = login_env_with(&env, 1, &["--slot-netns", "off"]).await;
     let prepared = agent
         .prepare(0, "node-a", Some(&key.public()))
         .await
@@ -822,7 +826,8 @@ async fn a_slot_login_cannot_reach_the_bus() {
 
     // The same login with the guard off reaches the port: what refused it was the guard.
     let env = IsolationEnv::new();
-    let (sshd, key, agent) = login_env_with(&env, 1, &["--bus-guard", "off"]).await;
+    let (sshd, key, agent) =
+        login_env_with(&env, 1, &["--bus-guard", "off", "--slot-netns", "off"]).await;
     let prepared = agent
         .prepare(0, "node-b", Some(&key.public()))
         .await
@@ -1188,6 +1193,84 @@ async fn a_restarted_agent_releases_the_slots_whose_node_is_gone() {
     agent.release(1, "node-kept").await.unwrap();
 }
 
+/// Two agents on one host, given the same `--slot-netns-range` (as every agent is given
+/// the default), number their slots from blocks of their own: no two slots have the same
+/// address.
+#[tokio::test(flavor = "multi_thread")]
+async fn agents_sharing_a_range_give_their_slots_different_addresses() {
+    let range = netns_range();
+    let mut seen = Vec::new();
+    let mut keep = Vec::new();
+    for node in ["node-a", "node-b"] {
+        let env = IsolationEnv::new();
+        let (sshd, key, agent) = login_env_with(&env, 2, &["--slot-netns-range", &range]).await;
+        for slot in 0..2 {
+            let (user, _) = agent
+                .prepare_login(slot, &format!("{node}-{slot}"), &key.public())
+                .await;
+            let (ok, out, err) = key.ssh(sshd.port, &user, "ip -4 -o addr show dev eth0");
+            assert!(ok, "login: {err}\n{}", agent.log());
+            let addr = out
+                .split_whitespace()
+                .skip_while(|w| *w != "inet")
+                .nth(1)
+                .unwrap_or_default()
+                .to_string();
+            eprintln!("{node} slot {slot}: {addr}");
+            assert!(
+                !seen.contains(&addr),
+                "two slots have {addr} (range {range}):\n{}",
+                agent.log()
+            );
+            seen.push(addr);
+        }
+        keep.push((env, sshd, key, agent));
+    }
+}
+
+/// A host whose resolv.conf names only a resolver on loopback (systemd-resolved's stub)
+/// gives its slots, whose network namespaces cannot reach it, the upstream servers
+/// instead, in a resolv.conf of their own.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_slot_netns_a_loopback_resolver_gives_slots_the_upstream_servers() {
+    let env = IsolationEnv::new();
+    let files = tempfile::tempdir().unwrap();
+    let host = files.path().join("resolv.conf");
+    let upstream = files.path().join("upstream-resolv.conf");
+    std::fs::write(&host, "nameserver 127.0.0.53\noptions edns0 trust-ad\n").unwrap();
+    std::fs::write(
+        &upstream,
+        "nameserver 192.0.2.53\nnameserver ::1\nsearch slotpool.test\n",
+    )
+    .unwrap();
+    let (sshd, key, agent) = login_env_with(
+        &env,
+        1,
+        &[
+            "--slot-netns-range",
+            &netns_range(),
+            "--resolv-conf",
+            host.to_str().unwrap(),
+            "--upstream-resolv-conf",
+            upstream.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let (user, _) = agent.prepare_login(0, "node-dns", &key.public()).await;
+    let (ok, out, err) = key.ssh(sshd.port, &user, "cat /etc/resolv.conf");
+    eprintln!("a slot's /etc/resolv.conf:\n{out}");
+    assert!(ok, "login: {err}\n{}", agent.log());
+    let servers: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("nameserver"))
+        .collect();
+    assert_eq!(servers, ["nameserver 192.0.2.53"], "{out}\n{}", agent.log());
+    assert!(out.contains("search slotpool.test"), "{out}");
+    // The host's own file is untouched.
+    let host_file = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    assert!(!host_file.contains("192.0.2.53"), "{host_file}");
+}
+
 /// A login environment whose agent gives each of its `slots` a network namespace, in a
 /// range of its own (returned, for checks of the slots' addresses).
 async fn netns_env(env: &IsolationEnv, slots: u32) -> (Sshd, ClientKey, SlotAgent, String) {
@@ -1451,7 +1534,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_slot_netns_one_slot_reaches_anothers_loopback() {
     let env = IsolationEnv::new();
-    let (sshd, key, agent) = login_env(&env, 2).await;
+    let (sshd, key, agent) = login_env_with(&env, 2, &["--slot-netns", "off"]).await;
     let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
     let port = free_port();
@@ -1520,7 +1603,7 @@ async fn with_slot_netns_a_slot_sees_no_neighbours_sockets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_slot_netns_a_slot_sees_its_neighbours_sockets() {
     let env = IsolationEnv::new();
-    let (sshd, key, agent) = login_env(&env, 2).await;
+    let (sshd, key, agent) = login_env_with(&env, 2, &["--slot-netns", "off"]).await;
     let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
     let port = free_port();

@@ -1142,7 +1142,12 @@ mod exec {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_job_cannot_reach_the_bus_to_write_into_another_stream() {
         let env = IsolationEnv::new();
-        let pool = users_pool(&env, &[]).await;
+        // Slots in the host's network namespace, so that 127.0.0.1 is the host's and the
+        // refusal is the bus guard's (with a namespace of its own, a slot's 127.0.0.1 is
+        // its own and the bus is not even there).
+        let args = [env.agent_args(), vec!["--slot-netns".into(), "off".into()]].concat();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let pool = Pool::start_serving_with(1, 5, &label("small", 2, 60, &[]), 1, &args, &[]).await;
         let ci = client_as(&pool, Role::Client, "ci").await;
         let node = held_node(&ci).await;
         let bus_port = pool.nats.url().rsplit(':').next().unwrap().to_string();

@@ -12,12 +12,12 @@
 //!
 //! or with `--release` on both commands for release-build figures. More agent flags
 //! (space-separated) come from `SLOTPOOL_BENCH_AGENT_ARGS`, e.g. for quota'd
-//! workspaces or the per-slot network namespace (docs/slot-network.md):
+//! workspaces or without the per-slot network namespace (docs/slot-network.md):
 //!
 //! ```text
 //! SLOTPOOL_BENCH_AGENT_ARGS="--slot-disk-quota-mb 1024" \
 //!     cargo test -p slotpool-tests --test slot_timing prepare_release -- --ignored --nocapture
-//! SLOTPOOL_BENCH_AGENT_ARGS="--slot-netns on --slot-netns-range 10.199.7.0/24" \
+//! SLOTPOOL_BENCH_AGENT_ARGS="--slot-netns off" \
 //!     cargo test -p slotpool-tests --test slot_timing prepare_release -- --ignored --nocapture
 //! ```
 
@@ -225,7 +225,15 @@ fn slot_netns_create_and_remove_times() {
         rand::rng().random_range(0..=255u8)
     ))
     .unwrap();
-    let nets = SlotNetworks::new(run.path().join("netns"), namespace, range, vec![4222]).unwrap();
+    let nets = SlotNetworks::new(
+        run.path().join("netns"),
+        namespace,
+        range,
+        1,
+        &run.path().join("blocks"),
+        vec![4222],
+    )
+    .unwrap();
     /// Removes the slot's namespace, veth and table also when the benchmark panics.
     struct RemoveOnDrop(SlotNetworks);
     impl Drop for RemoveOnDrop {
