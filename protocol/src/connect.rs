@@ -251,6 +251,20 @@ impl Bus {
         &self.user
     }
 
+    /// slotpool's bucket named `bucket` ([`crate::layout::ALL_BUCKETS`]), as opened here.
+    pub fn store(&self, bucket: &str) -> Option<&Store> {
+        [
+            &self.requests,
+            &self.slots,
+            &self.backing,
+            &self.agents,
+            &self.leases,
+            &self.events,
+        ]
+        .into_iter()
+        .find(|s| s.bucket() == bucket)
+    }
+
     /// Opens (creating it if absent) a bucket that is not one of slotpool's own, on this
     /// connection: for tools such as the benchmark's KV floor.
     pub async fn open_bucket(&self, spec: crate::store::BucketSpec) -> Result<Store, KvError> {
@@ -728,7 +742,15 @@ async fn open_stores(
                     wanted,
                 })
             }
-            _ => stores.push(store),
+            _ => {
+                // One server's death moves the leaders of every bucket it led: a
+                // recovery seen on one is news for all.
+                let store = match stores.first() {
+                    Some(first) => store.with_recoveries_of(first),
+                    None => store,
+                };
+                stores.push(store)
+            }
         }
     }
     Ok(stores)

@@ -15,7 +15,8 @@ use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Writes this process had refused for a changed revision ([`KvError::Conflict`]).
@@ -24,7 +25,7 @@ static CONFLICTS: AtomicU64 = AtomicU64::new(0);
 /// How many writes of this process were refused because the record had changed since
 /// it was read (its `/metrics` counts them).
 pub fn conflicts() -> u64 {
-    CONFLICTS.load(std::sync::atomic::Ordering::Relaxed)
+    CONFLICTS.load(Ordering::Relaxed)
 }
 
 /// Writes of this process sent again because no server took them, or read back
@@ -35,7 +36,7 @@ static RETRIES: AtomicU64 = AtomicU64::new(0);
 /// clustered bucket electing its leader) or read back after they timed out (its
 /// `/metrics` counts them).
 pub fn retries() -> u64 {
-    RETRIES.load(std::sync::atomic::Ordering::Relaxed)
+    RETRIES.load(Ordering::Relaxed)
 }
 
 mod watch;
@@ -104,6 +105,18 @@ impl KvError {
     pub fn is_conflict(&self) -> bool {
         matches!(self, KvError::Conflict { .. })
     }
+
+    /// The bucket the failed operation was on.
+    pub fn bucket(&self) -> &str {
+        match self {
+            KvError::Conflict { bucket, .. }
+            | KvError::NotFound { bucket, .. }
+            | KvError::Timeout { bucket, .. }
+            | KvError::Decode { bucket, .. }
+            | KvError::NotPermitted { bucket, .. }
+            | KvError::Transport { bucket, .. } => bucket,
+        }
+    }
 }
 
 /// A decoded value with the revision it was read at.
@@ -157,6 +170,43 @@ pub struct Store {
     /// The server's refusals of this connection's subjects (`None`: a launcher's, which
     /// may use every subject, delete consumers included).
     refusals: Option<Refusals>,
+    /// Whether the bucket takes writes, as this connection's last write found.
+    answering: Arc<Answering>,
+}
+
+/// Whether a bucket takes writes, shared by the clones of one [`Store`]: a write that
+/// found no leader (the bucket electing one) or timed out marks it failing, and the
+/// next that a leader answers (it lands, or conflicts) marks it answering again and
+/// wakes whoever waits for that ([`Store::answering_again`]). The wake-up is shared by
+/// the buckets of one connection ([`Store::with_recoveries_of`]).
+struct Answering {
+    failing: AtomicBool,
+    back: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Answering {
+    fn new() -> Arc<Answering> {
+        Arc::new(Answering {
+            failing: AtomicBool::new(false),
+            back: Arc::new(tokio::sync::watch::channel(0).0),
+        })
+    }
+
+    fn failed(&self) {
+        self.failing.store(true, Ordering::Release);
+    }
+
+    fn answered(&self) {
+        if self.failing.swap(false, Ordering::AcqRel) {
+            self.back.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// [`Store::answering_again`].
+    async fn again(&self, at_most: Duration) {
+        let mut back = self.back.subscribe();
+        let _ = tokio::time::timeout(at_most, back.changed()).await;
+    }
 }
 
 fn transport(bucket: &str, key: &str, err: impl std::fmt::Display) -> KvError {
@@ -204,6 +254,7 @@ impl Store {
             kv,
             bucket: spec.name,
             refusals: None,
+            answering: Answering::new(),
         })
     }
 
@@ -211,6 +262,19 @@ impl Store {
     /// the server refuses a subject they need ([`Refusals`]; `None` for a launcher).
     pub fn with_refusals(self, refusals: Option<Refusals>) -> Store {
         Store { refusals, ..self }
+    }
+
+    /// The same bucket, whose recoveries ([`Store::recoveries`]) are `other`'s: a leader
+    /// elected for one bucket is most often one server's death, which moved the leaders
+    /// of the others it led too, and the consumers of their watches.
+    pub fn with_recoveries_of(self, other: &Store) -> Store {
+        Store {
+            answering: Arc::new(Answering {
+                failing: AtomicBool::new(false),
+                back: other.answering.back.clone(),
+            }),
+            ..self
+        }
     }
 
     /// Runs `op` on `key`, ended with [`KvError::NotPermitted`] when the server refuses
@@ -264,7 +328,25 @@ impl Store {
             kv,
             bucket: name,
             refusals: None,
+            answering: Answering::new(),
         })
+    }
+
+    /// Waits until a leader answers a write to this bucket, or to one sharing its
+    /// recoveries ([`Store::with_recoveries_of`]), after one on this connection failed
+    /// (found no leader while the bucket elected one, or timed out), or for `at_most`. Whoever met a failing bucket waits here
+    /// rather than for a blind pause: the first write a leader answers again, anyone's,
+    /// wakes them all, and `at_most` lets them try again themselves when nobody writes.
+    pub async fn answering_again(&self, at_most: Duration) {
+        self.answering.again(at_most).await
+    }
+
+    /// Changes each time a leader answers a write to this bucket, or to one sharing its
+    /// recoveries, after one on this connection failed ([`Store::answering_again`]): in a
+    /// cluster, a leader was elected meanwhile, and a watch's consumer may have died with
+    /// the old one.
+    pub fn recoveries(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.answering.back.subscribe()
     }
 
     pub fn bucket(&self) -> &'static str {
@@ -307,7 +389,7 @@ impl Store {
     }
 
     fn conflict(&self, key: &str) -> KvError {
-        CONFLICTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        CONFLICTS.fetch_add(1, Ordering::Relaxed);
         KvError::Conflict {
             bucket: self.bucket.to_string(),
             key: key.to_string(),
@@ -452,18 +534,33 @@ impl Store {
                     if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound
                         && tokio::time::Instant::now() + pause < give_up =>
                 {
-                    RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::time::sleep(pause).await;
+                    RETRIES.fetch_add(1, Ordering::Relaxed);
+                    self.answering.failed();
+                    // Sent again once another write lands, or after the pause.
+                    self.answering_again(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
                 other => break other,
             }
         };
         match written.map_err(|err| self.publish_error(key, err)) {
-            Ok(ack) => Ok(ack.sequence),
+            Ok(ack) => {
+                self.answering.answered();
+                Ok(ack.sequence)
+            }
+            // A leader answered it.
+            Err(err @ KvError::Conflict { .. }) => {
+                self.answering.answered();
+                Err(err)
+            }
             Err(KvError::Timeout { .. }) => {
-                RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.answering.failed();
+                RETRIES.fetch_add(1, Ordering::Relaxed);
                 match self.landed(key, &payload, expected, op).await {
+                    Ok(revision) => {
+                        self.answering.answered();
+                        Ok(revision)
+                    }
                     // A compare-and-set that did not land, or could not be read back while
                     // the bucket elects its leader, is sent again: the revision it expects
                     // makes a second landing impossible, and the read-back after its
@@ -479,7 +576,12 @@ impl Store {
                     other => other,
                 }
             }
-            Err(err) => Err(err),
+            Err(err) => {
+                if matches!(err, KvError::Transport { .. }) {
+                    self.answering.failed();
+                }
+                Err(err)
+            }
         }
     }
 
@@ -964,5 +1066,41 @@ impl Change {
                 key: key.to_string(),
                 source,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whoever waits after a failed write is woken by the first write a leader answers
+    /// again, not after its pause; a write that lands while none failed wakes nobody.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_write_answered_after_a_failure_wakes_the_waiters() {
+        let answering = Answering::new();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let answering = answering.clone();
+                tokio::spawn(async move {
+                    let started = tokio::time::Instant::now();
+                    answering.again(Duration::from_secs(60)).await;
+                    started.elapsed()
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        // Answered while nothing failed: no news.
+        answering.answered();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        answering.failed();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        answering.answered();
+        for waiter in waiters {
+            assert_eq!(waiter.await.unwrap(), Duration::from_secs(2));
+        }
+        // Nobody waits for an answer that came before.
+        let started = tokio::time::Instant::now();
+        answering.again(Duration::from_millis(300)).await;
+        assert_eq!(started.elapsed(), Duration::from_millis(300));
     }
 }
