@@ -444,9 +444,17 @@ fn spawn_finish_release(shared: &Arc<Shared>, node: Versioned<Node>) {
                 let pause = retry_pause(attempt);
                 attempt += 1;
                 tracing::warn!(%err, retry_in = ?pause, "cannot finish the release; retrying");
+                // A write that failed while its bucket elected a leader is tried again
+                // as soon as the bus is back.
+                let back = async {
+                    match &err {
+                        SlotError::Kv(err) => crate::shared::bus_back(&sh, err, pause).await,
+                        _ => tokio::time::sleep(pause).await,
+                    }
+                };
                 tokio::select! {
                     _ = sh.shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(pause) => {}
+                    _ = back => {}
                 }
                 match releasing(&sh, &node.key).filter(|n| n.value.id == node.value.id) {
                     Some(again) => node = again,

@@ -10,6 +10,7 @@ use crate::provider::status::{Recorded, StatusBook};
 use crate::provider::Provider;
 use crate::world::World;
 use slotpool_protocol::connect::Bus;
+use slotpool_protocol::store::KvError;
 use slotpool_protocol::{LauncherId, NodeId, RequestId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -218,6 +219,33 @@ pub fn request_topic(id: &RequestId) -> Topic {
 }
 pub fn seat_topic(seat_key: &str) -> Topic {
     Topic::Seat(seat_key.to_string())
+}
+
+/// Waits, after `err`, until the bus is back for what failed: a leader answers a write to
+/// the bucket `err` names again (anyone's: [`Store::answering_again`]), or every mirror is
+/// synced again after the connection or a watch came back, or `at_most` passed.
+///
+/// [`Store::answering_again`]: slotpool_protocol::store::Store::answering_again
+pub async fn bus_back(sh: &Shared, err: &KvError, at_most: std::time::Duration) {
+    let mut synced = sh.mirror_sync.subscribe();
+    let resynced = async {
+        while synced.changed().await.is_ok() {
+            if synced.borrow_and_update().is_some() {
+                return;
+            }
+        }
+        std::future::pending().await
+    };
+    let answering = async {
+        match sh.bus.store(err.bucket()) {
+            Some(store) => store.answering_again(at_most).await,
+            None => tokio::time::sleep(at_most).await,
+        }
+    };
+    tokio::select! {
+        _ = resynced => {}
+        _ = answering => {}
+    }
 }
 
 /// Waits until any of `rxs` changes, `deadline` passes, or `stop` is cancelled.

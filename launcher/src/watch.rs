@@ -70,10 +70,13 @@ pub async fn run(
     let mut reconnects = link.borrow_and_update().reconnects;
     loop {
         let store = mirror.store(&shared).clone();
-        let mut reconnected = false;
+        // Whether to watch again at once (the connection came back, or a leader changed).
+        let mut rewatch_now = false;
         match store.watch_timed().await {
             Ok(changes) => {
                 let mut changes = Box::pin(changes);
+                // From now on, a leader elected for a bucket reloads the mirror.
+                let mut recoveries = store.recoveries();
                 let mut seen: Option<HashSet<String>> = Some(HashSet::new());
                 loop {
                     let next = tokio::select! {
@@ -90,10 +93,20 @@ pub async fn run(
                             if state.reconnects != reconnects {
                                 reconnects = state.reconnects;
                                 tracing::info!(bucket = store.bucket(), "reconnected; reloading the mirror");
-                                reconnected = true;
+                                rewatch_now = true;
                                 break;
                             }
                             continue;
+                        }
+                        // Writes to the buckets failed and are answered again: a leader
+                        // was elected, and this watch's consumer may have died with the
+                        // old one, which the watch would notice only when the server's
+                        // idle heartbeats stop coming (seconds later), the mirror stale
+                        // meanwhile.
+                        Ok(()) = recoveries.changed() => {
+                            tracing::info!(bucket = store.bucket(), "the buckets take writes again after a leader change; reloading the mirror");
+                            rewatch_now = true;
+                            break;
                         }
                         next = changes.next() => next,
                     };
@@ -151,12 +164,14 @@ pub async fn run(
             }
         }
         shared.mirror_sync.lost(mirror as usize);
-        if reconnected {
+        if rewatch_now {
             continue;
         }
+        // A watch fails while its bucket elects a leader: watched again as soon as a
+        // write to the bucket is answered again, or after the pause.
         tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            _ = tokio::time::sleep(REWATCH_PAUSE) => {}
+            _ = mirror.store(&shared).answering_again(REWATCH_PAUSE) => {}
         }
     }
 }

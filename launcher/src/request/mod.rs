@@ -136,37 +136,41 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
     }
 }
 
-/// How many bus errors a request worker rides out before it leaves the request to
-/// another pass: enough to span a bucket's leader election (nats-server starts one 4–9 s
-/// after it last heard the dead leader).
-const WORKER_BUS_ERRORS: u32 = 10;
-/// The pause after a worker's first bus error; it doubles after each, up to
-/// [`WORKER_RETRY_PAUSE_MAX`].
+/// How long a request worker rides out bus errors, from the first, before it leaves the
+/// request to another pass: beyond a bucket's leader election (nats-server starts one
+/// 4–9 s after it last heard the dead leader, and it takes a few seconds more).
+const WORKER_BUS_PATIENCE: Duration = Duration::from_secs(20);
+/// The longest a worker waits after its first bus error for the bus to be back before
+/// it tries again itself; it doubles after each, up to [`WORKER_RETRY_PAUSE_MAX`].
 const WORKER_RETRY_PAUSE: Duration = Duration::from_millis(100);
 const WORKER_RETRY_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 async fn drive(sh: &Arc<Shared>, id: RequestId, memory: Memory) {
     let mut lost = sh.liveness.token();
     let mut memory = memory;
-    let mut bus_errors = 0;
+    let mut first_bus_error: Option<tokio::time::Instant> = None;
+    let mut pause = WORKER_RETRY_PAUSE;
     loop {
         // What the submit did counts for the first run only.
         match worker::run(sh, &id, &lost, std::mem::take(&mut memory)).await {
             // A write in flight when a bucket's leader died, or one sent while the bucket
             // elects another ("no stream found"): the bucket answers again once it has a
-            // leader, and every write of the worker is revision-checked, so it goes on
-            // after a short pause (re-reading what a conflict says changed) rather than
-            // waiting for another pass.
+            // leader, and every write of the worker is revision-checked, so it goes on as
+            // soon as the bus is back (re-reading what a conflict says changed) rather
+            // than waiting for another pass.
             Err(SlotError::Kv(err @ (KvError::Timeout { .. } | KvError::Transport { .. })))
-                if bus_errors < WORKER_BUS_ERRORS =>
+                if first_bus_error
+                    .get_or_insert_with(tokio::time::Instant::now)
+                    .elapsed()
+                    < WORKER_BUS_PATIENCE =>
             {
-                let pause = (WORKER_RETRY_PAUSE * 2u32.pow(bus_errors)).min(WORKER_RETRY_PAUSE_MAX);
-                bus_errors += 1;
-                tracing::warn!(%err, ?pause, "request worker met a bus error; driving the request on");
+                tracing::warn!(%err, at_most = ?pause, "request worker met a bus error; driving the request on once the bus is back");
                 tokio::select! {
                     _ = sh.shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(pause) => continue,
+                    _ = crate::shared::bus_back(sh, &err, pause) => {}
                 }
+                pause = (pause * 2).min(WORKER_RETRY_PAUSE_MAX);
+                continue;
             }
             Err(err) => {
                 tracing::warn!(%err, "request worker stopped; another pass will resume it");
