@@ -77,6 +77,7 @@ pub async fn run(
                 let mut changes = Box::pin(changes);
                 // From now on, a leader elected for a bucket reloads the mirror.
                 let mut recoveries = store.recoveries();
+                let watching_since = tokio::time::Instant::now();
                 let mut seen: Option<HashSet<String>> = Some(HashSet::new());
                 loop {
                     let next = tokio::select! {
@@ -103,7 +104,9 @@ pub async fn run(
                         // old one, which the watch would notice only when the server's
                         // idle heartbeats stop coming (seconds later), the mirror stale
                         // meanwhile.
-                        Ok(()) = recoveries.changed() => {
+                        // At most one reload a second: writes of a loaded server that
+                        // time out and land in turn cost no reload each.
+                        Ok(()) = recoveries.changed(), if watching_since.elapsed() >= REWATCH_PAUSE => {
                             tracing::info!(bucket = store.bucket(), "the buckets take writes again after a leader change; reloading the mirror");
                             rewatch_now = true;
                             break;

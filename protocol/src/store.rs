@@ -576,12 +576,9 @@ impl Store {
                     other => other,
                 }
             }
-            Err(err) => {
-                if matches!(err, KvError::Transport { .. }) {
-                    self.answering.failed();
-                }
-                Err(err)
-            }
+            // Only the want of a leader marks the bucket failing: a write refused for
+            // what it is (too large, say) says nothing of whether the bucket answers.
+            Err(err) => Err(err),
         }
     }
 
