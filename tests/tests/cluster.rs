@@ -206,12 +206,12 @@ fn seconds(d: Duration) -> String {
 }
 
 // Client calls are sent again after 1 s, 2 s, 4 s (`client::API_RESEND`), so a call lost
-// with the dead server no longer waits out the 10 s time-out. Still, in 2 of 7 runs a
-// request ended 2.4 s and 7.2 s past the election; the one looked at had been accepted
-// before the kill and waited in its launcher's queue, served 2.3 s after the fresh
-// submits that came once the buckets answered again. Run it with `--ignored` until that
-// is held to the bound too.
-#[ignore = "a request queued through the election is sometimes served over 2 s past it"]
+// with the dead server does not wait out the 10 s time-out; a request worker, a release
+// and a KV watch go on as soon as the buckets take writes again after the election, and
+// the watches reload then (a watch's consumer may have died with the old leader). On
+// demand: on a loaded machine an election once took 14.7 s, past the 10 s a write waits
+// for a leader, and the launcher answered a release `internal`.
+#[ignore = "an election longer than a write's patience makes the launcher answer internal"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_leaders_death_stalls_no_request_in_flight_past_the_election() {
     let seed = chaos::seed();
