@@ -512,13 +512,24 @@ impl Made {
                     request::abandon(sh, &req.id);
                 }
                 let read = if reads_holder(&err, retried_id) {
-                    Some(
-                        sh.bus
+                    let direct = sh
+                        .bus
+                        .requests
+                        .get::<NodeRequest>(&key)
+                        .await
+                        .map_err(internal)?;
+                    // The create conflicted, so the key was there: a direct get that
+                    // finds nothing may have been answered by a replica that lags
+                    // behind a leader change; the leader says whether it is gone.
+                    Some(match direct {
+                        Some(found) => Some(found),
+                        None => sh
+                            .bus
                             .requests
-                            .get::<NodeRequest>(&key)
+                            .get_from_leader::<NodeRequest>(&key)
                             .await
                             .map_err(internal)?,
-                    )
+                    })
                 } else {
                     None
                 };

@@ -156,11 +156,13 @@ async fn begin_release(
             return Ok(Ok(current));
         }
         if let Some(request) = worker_of {
+            // From the leader: a replica lagging behind a leader change could still show
+            // the request as this launcher's after another took it over.
             let r = readable(
                 shared
                     .bus
                     .requests
-                    .get::<NodeRequest>(request.as_str())
+                    .get_from_leader::<NodeRequest>(request.as_str())
                     .await,
             )?;
             if !may_give_back(r.as_ref().map(|r| &r.value), &shared.id, expect) {

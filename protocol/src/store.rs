@@ -9,7 +9,10 @@
 pub use crate::layout::BucketSpec;
 use crate::refusals::{has_token, Refusal, Refusals};
 use async_nats::header::{HeaderMap, HeaderValue};
-use async_nats::jetstream::{self, consumer, kv, stream::DirectGetErrorKind};
+use async_nats::jetstream::{
+    self, consumer, kv,
+    stream::{DirectGetErrorKind, LastRawMessageErrorKind},
+};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -419,6 +422,44 @@ impl Store {
             .entry(key)
             .await?
             .and_then(|(revision, value)| Some((revision, value?))))
+    }
+
+    /// Reads and decodes `key` as the bucket's leader holds it; `None` when absent or
+    /// deleted. [`Store::get`] is a direct get, which any replica may answer, one that
+    /// lags behind after a leader change included; this asks the stream's leader (one
+    /// more hop), for the few reads a stale answer would make a wrong decision of: a
+    /// launcher's lease that a lagging replica has let expire, say.
+    pub async fn get_from_leader<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<Versioned<T>>, KvError> {
+        let read = async {
+            match self
+                .kv
+                .stream
+                .get_last_raw_message_by_subject(&self.subject(key))
+                .await
+            {
+                Ok(message) => Ok(Some(message)),
+                Err(err) if matches!(err.kind(), LastRawMessageErrorKind::NoMessageFound) => {
+                    Ok(None)
+                }
+                Err(err) => Err(transport(self.bucket, key, format!("leader read: {err}"))),
+            }
+        };
+        let Some(message) = self.guard("read", key, read).await? else {
+            return Ok(None);
+        };
+        let headers = &message.headers;
+        let put = headers
+            .get("KV-Operation")
+            .is_none_or(|op| op.as_str() == "PUT")
+            && headers.get("Nats-Marker-Reason").is_none();
+        if !put {
+            return Ok(None);
+        }
+        self.decode(key, message.sequence, &message.payload)
+            .map(Some)
     }
 
     /// The raw latest entry: its revision and value (`None` value for a tombstone/marker).

@@ -144,6 +144,60 @@ async fn ttl_expiry_is_a_removal_and_the_key_can_be_created_again() {
     expect_expiry(&bus.leases, key, rev2).await;
 }
 
+/// A read from the bucket's leader sees what a direct get sees on one server: the last
+/// value with its revision, and nothing for a key never written, deleted or expired
+/// (a tombstone or an expiry marker is no value).
+#[tokio::test]
+async fn a_read_from_the_leader_sees_values_and_no_markers() {
+    let server = NatsServer::start().await;
+    let bus = server.bus().await;
+    let leases = &bus.leases;
+    assert_eq!(
+        leases
+            .get_from_leader::<Rec>("launcher.none")
+            .await
+            .unwrap(),
+        None
+    );
+
+    let rev = leases
+        .create("launcher.a", &Rec { n: 1 }, None)
+        .await
+        .unwrap();
+    let rev2 = leases
+        .update("launcher.a", &Rec { n: 2 }, rev, None)
+        .await
+        .unwrap();
+    let read = leases
+        .get_from_leader::<Rec>("launcher.a")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((read.revision, read.value), (rev2, Rec { n: 2 }));
+    assert_eq!(
+        leases
+            .get::<Rec>("launcher.a")
+            .await
+            .unwrap()
+            .unwrap()
+            .revision,
+        rev2
+    );
+
+    leases.delete("launcher.a", rev2).await.unwrap();
+    assert_eq!(
+        leases.get_from_leader::<Rec>("launcher.a").await.unwrap(),
+        None
+    );
+
+    let rev = take_lease(&bus, "launcher.b", 3).await;
+    expect_expiry(leases, "launcher.b", rev).await;
+    assert_eq!(
+        leases.get_from_leader::<Rec>("launcher.b").await.unwrap(),
+        None
+    );
+}
+
 /// Renewing a lease is an `update` with a TTL: the key must still expire afterwards.
 #[tokio::test]
 async fn update_with_ttl_keeps_the_key_expiring() {

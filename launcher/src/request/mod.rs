@@ -23,6 +23,8 @@ use crate::nodes::SlotError;
 use crate::shared::{Shared, Work};
 use observe::Memory;
 use plan::Ownership;
+use slotpool_protocol::layout;
+use slotpool_protocol::model::Lease;
 use slotpool_protocol::store::{KvError, Versioned};
 use slotpool_protocol::time::now_ms;
 use slotpool_protocol::RequestId;
@@ -105,6 +107,23 @@ async fn take(sh: &Shared, id: &RequestId) -> Result<bool, KvError> {
             Ownership::Mine => return Ok(true),
             Ownership::Ended | Ownership::Theirs => return Ok(false),
             Ownership::TakeOver => {}
+        }
+        if let Some(owner) = &req.value.owner {
+            // The mirror says the owner's lease is gone. A watch re-created after a
+            // leader change may have loaded from a replica that lags behind and let
+            // the lease expire there while its launcher renews it with the leader:
+            // the leader has the last word before a live launcher's request is taken.
+            let key = layout::launcher_lease_key(owner);
+            if sh
+                .bus
+                .leases
+                .get_from_leader::<Lease>(&key)
+                .await?
+                .is_some()
+            {
+                tracing::info!(%owner, "the owner's lease stands at the bucket's leader; not taken over");
+                return Ok(false);
+            }
         }
         let mut mine = req.value.clone();
         let previous = mine.owner.replace(sh.id.clone());
