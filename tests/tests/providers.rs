@@ -423,13 +423,15 @@ async fn a_launch_that_times_out_leaves_no_machine_behind() {
     let sub = slotpool_protocol::client::submission(vec!["small".into()], "providers-test");
     client.submit(&sub).await.expect("submit");
 
+    // A record the provider is still writing is read again on the next look.
     let machine = |entry: &std::fs::DirEntry| {
         let name = entry.file_name().to_string_lossy().to_string();
-        name.ends_with(".json").then(|| {
-            let record: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
-            record["data"]["pid"].as_i64().unwrap() as i32
-        })
+        if !name.ends_with(".json") {
+            return None;
+        }
+        let bytes = std::fs::read(entry.path()).ok()?;
+        let record: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+        Some(record["data"]["pid"].as_i64()? as i32)
     };
     let machines = || -> Vec<i32> {
         std::fs::read_dir(&state)
@@ -537,16 +539,18 @@ async fn a_launch_interrupted_by_the_launchers_death_is_adopted_by_the_next() {
     let id = client.submit(&sub).await.expect("submit");
 
     // The create started its machine, whose agent reports in, and hangs.
+    // A record the provider is still writing is read again on the next look.
     let machine = |entry: &std::fs::DirEntry| {
         let name = entry.file_name().to_string_lossy().to_string();
-        name.ends_with(".json").then(|| {
-            let record: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
-            (
-                record["id"].as_str().unwrap().to_string(),
-                record["backing_id"].as_str().unwrap().to_string(),
-            )
-        })
+        if !name.ends_with(".json") {
+            return None;
+        }
+        let bytes = std::fs::read(entry.path()).ok()?;
+        let record: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+        Some((
+            record["id"].as_str()?.to_string(),
+            record["backing_id"].as_str()?.to_string(),
+        ))
     };
     let machines = || -> Vec<(String, String)> {
         std::fs::read_dir(&state)
