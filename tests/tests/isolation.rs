@@ -1310,7 +1310,7 @@ fn host_address() -> std::net::Ipv4Addr {
 }
 
 /// What the agent of `namespace` in `env` may have left of slot network namespaces: its
-/// veths (`ip -o link`), its slot tables (`nft list tables`) and namespace mounts.
+/// veths (`ip -o link`), its slots' table (`nft list tables`) and namespace mounts.
 fn network_leftovers(env: &IsolationEnv, namespace: &str) -> Vec<String> {
     let veth = slotpool_agent::isolation::netns::veth_name(namespace, 0);
     let veth_prefix = &veth[..veth.len() - 1];
@@ -1327,7 +1327,7 @@ fn network_leftovers(env: &IsolationEnv, namespace: &str) -> Vec<String> {
         .chain(
             run(&["nft", "list", "tables"])
                 .lines()
-                .filter(|l| l.contains(&format!("slotpool_{namespace}_n"))),
+                .filter(|l| l.contains(&format!("slotpool_{namespace}_slotnet"))),
         )
         .map(str::to_string)
         .collect();
@@ -1404,7 +1404,7 @@ fn accept_within(listener: &std::net::TcpListener, within: Duration) -> Option<S
 /// With `--slot-netns on` a slot's loopback is its own: slot b cannot reach what slot a
 /// serves on 127.0.0.1. The login still lands in the slot's cgroup, as the slot's uid; the
 /// slot reaches the host's address through its veth but not the bus port there; release
-/// leaves no veth, nftables table or namespace mount.
+/// leaves no veth or namespace mount of the tenancy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     let env = IsolationEnv::new();
@@ -1485,8 +1485,9 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
         None
     );
 
-    // Release removes the tenancy's namespace, veth and table; the warm-up after it makes
-    // new ones for the slot's next user: one veth and one table per slot, never more.
+    // Release removes the tenancy's namespace and veth; the warm-up after it makes new
+    // ones for the slot's next user: one veth per slot, never more, and the agent's one
+    // table of its slots.
     // (Namespace inode numbers are reused at once; interface indexes are not.)
     let veth_index = |slot: u32| {
         let veth = slotpool_agent::isolation::netns::veth_name(&namespace, slot);
@@ -1504,7 +1505,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     assert_eq!(
         left.iter().filter(|l| l.contains("link")).count()
             + left.iter().filter(|l| l.contains("table")).count(),
-        4,
+        3,
         "{left:?}"
     );
     let run_dir = env.run_dir.path().to_path_buf();

@@ -20,18 +20,24 @@
 //!   netns` but got no namespaces refuses the login. Nobody else can join: setns needs
 //!   `CAP_SYS_ADMIN` over the user namespace, which only its owner uid (and root) has.
 //! - **Egress.** A veth pair: `eth0` inside (`.2` of the slot's /30 of
-//!   `--slot-netns-range`, default route via `.1`), the host end `spn<hash><slot>`. A
-//!   table `slotpool_<namespace>_n<slot>` of the slot's own masquerades what the slot
-//!   sends out of the host, drops what comes from the veth with another source address or
-//!   goes to another slot's /30, and rejects TCP from the veth to the bus ports (input and
-//!   forward: traffic of the namespace does not pass the host's output hook, where the
-//!   agent's bus guard keys on the uid), and the instance metadata service with them. The agent turns `net.ipv4.ip_forward` on (and
+//!   `--slot-netns-range`, default route via `.1`), the host end `spn<hash><slot>`. One
+//!   table per agent, `slotpool_<namespace>_slotnet` ([`agent_table_script`]), written
+//!   once when the agent starts and covering every slot it has (sets keyed by veth name
+//!   and slot address), masquerades what a slot sends out of the host, drops what comes
+//!   from a slot's veth with another source address than the slot's or goes anywhere in
+//!   the range (another slot's /30, another agent's), and rejects TCP from the slots'
+//!   veths to the bus ports (input and forward: traffic of the namespace does not pass
+//!   the host's output hook, where the agent's bus guard keys on the uid), and the
+//!   instance metadata service with them. Its rules match only the agent's own veths,
+//!   which exist only while their slot is warm or prepared, so warm-ups and releases
+//!   touch no nftables at all. The agent turns `net.ipv4.ip_forward` on (and
 //!   never back off), with a filter that forwards nothing else ([`ensure_forwarding`]).
 //! - **Addresses**: each agent numbers its slots from a block of the range of its own
 //!   ([`crate::isolation::netns_blocks`], the address plan).
-//! - **Release** removes the table, the veth and the mounts, and checks that neither
-//!   the veth nor the mount points are left; what could not be removed makes the slot
-//!   dirty.
+//! - **Release** removes the veth and the mounts, and checks that neither the veth nor
+//!   the mount points are left; what could not be removed makes the slot dirty. The
+//!   agent's table stays (it matches no veth of a released slot); removing every slot
+//!   ([`SlotNetworks::close`]) removes it.
 
 use std::fs;
 use std::io::Write;
@@ -70,8 +76,6 @@ pub struct SlotNetNames {
     pub net_ns: PathBuf,
     /// The host end of the veth pair.
     pub veth: String,
-    /// The slot's nftables table.
-    pub table: String,
     pub host_addr: Ipv4Addr,
     pub slot_addr: Ipv4Addr,
 }
@@ -122,14 +126,44 @@ impl SlotNetworks {
             again = claim.reused,
             "slot network namespaces are numbered from this block"
         );
-        Ok(SlotNetworks {
+        let networks = SlotNetworks {
             dir,
             namespace,
             range,
             block: claim.block,
             _claim: Some(std::sync::Arc::new(claim)),
             bus_ports,
-        })
+        };
+        let slots: Vec<SlotNetNames> = (0..slots).filter_map(|s| networks.names(s)).collect();
+        let script = agent_table_script(
+            &networks.table(),
+            &legacy_tables(&networks.namespace, slots.len() as u32),
+            &slots,
+            networks.range,
+            &networks.bus_ports,
+        );
+        run(Command::new("nft").args(["-f", "-"]), Some(&script))?;
+        tracing::info!(
+            table = networks.table(),
+            "the slots' nftables table is installed"
+        );
+        Ok(networks)
+    }
+
+    /// The agent's nftables table of its slots' traffic ([`agent_table_script`]).
+    pub fn table(&self) -> String {
+        format!("slotpool_{}_slotnet", self.namespace)
+    }
+
+    /// Removes the agent's table (every slot is removed; the agent is stopping).
+    pub fn close(&self) -> Result<(), NetnsError> {
+        run(
+            Command::new("nft").args(["-f", "-"]),
+            Some(&format!(
+                "add table inet {t}\ndelete table inet {t}\n",
+                t = self.table()
+            )),
+        )
     }
 
     /// This agent's block of `--slot-netns-range`.
@@ -143,7 +177,6 @@ impl SlotNetworks {
             user_ns: self.dir.join(format!("{slot}.user")),
             net_ns: self.dir.join(format!("{slot}.net")),
             veth: veth_name(&self.namespace, slot),
-            table: format!("slotpool_{}_n{slot}", self.namespace),
             host_addr,
             slot_addr,
         })
@@ -248,10 +281,6 @@ impl SlotNetworks {
                 .arg(format!("--net={}", n.net_ns.display()))
                 .args(["ip", "-batch", "-"]),
             Some(&inside_script(n)),
-        )?;
-        run(
-            Command::new("nft").args(["-f", "-"]),
-            Some(&table_script(n, self.range, &self.bus_ports)),
         )
     }
 
@@ -261,10 +290,6 @@ impl SlotNetworks {
             return Vec::new();
         };
         let mut problems = Vec::new();
-        let drop_table = format!("add table inet {t}\ndelete table inet {t}\n", t = n.table);
-        if let Err(e) = run(Command::new("nft").args(["-f", "-"]), Some(&drop_table)) {
-            problems.push(e.to_string());
-        }
         if veth_exists(&n.veth) {
             if let Err(e) = run(Command::new("ip").args(["link", "del", &n.veth]), None) {
                 problems.push(e.to_string());
@@ -388,7 +413,7 @@ pub fn ensure_forwarding() -> Result<Forwarding, NetnsError> {
 }
 
 /// The nft script of the forward filter: forward what comes from a slot's veth (every
-/// agent's, `spn*`; each slot's own table then restricts it) and the replies to it, drop
+/// agent's, `spn*`; each agent's slot table then restricts it) and the replies to it, drop
 /// every other forwarded IPv4 packet. IPv4 only (`ip` family): IPv6 forwarding is not
 /// touched.
 pub fn forward_filter_script() -> String {
@@ -432,45 +457,83 @@ pub fn inside_script(n: &SlotNetNames) -> String {
     )
 }
 
-/// The nft script of the slot's table (replacing one left over). With the bus guard on
-/// (`bus_ports` not empty) it also closes the instance metadata service to the slot, as
-/// the guard does for slot uids in the host's namespace
-/// ([`crate::isolation::bus_guard`]): the slot's traffic is forwarded, past the uid rule.
-pub fn table_script(n: &SlotNetNames, range: AddressRange, bus_ports: &[u16]) -> String {
-    let t = &n.table;
-    let v = &n.veth;
+/// The per-slot tables (`slotpool_<namespace>_n<slot>`) agents made before the agent's
+/// table replaced them: removed with the agent's table written, so an agent upgraded with
+/// warm slots keeps no stale copy.
+fn legacy_tables(namespace: &str, slots: u32) -> Vec<String> {
+    (0..slots)
+        .map(|slot| format!("slotpool_{namespace}_n{slot}"))
+        .collect()
+}
+
+/// The nft script of the agent's table `table` over its `slots` (replacing one left
+/// over, and removing the tables named in `remove`), in one transaction. For each slot's
+/// veth: traffic whose source address is not the slot's is dropped (input and forward),
+/// traffic to anywhere in `range` is not forwarded, and what the slot sends out of the
+/// host is masqueraded. With the bus guard on (`bus_ports` not empty) it also closes the
+/// bus ports and the instance metadata service to the slots, as the guard does for slot
+/// uids in the host's namespace ([`crate::isolation::bus_guard`]): the slots' traffic is
+/// forwarded, past the uid rule.
+pub fn agent_table_script(
+    table: &str,
+    remove: &[String],
+    slots: &[SlotNetNames],
+    range: AddressRange,
+    bus_ports: &[u16],
+) -> String {
+    let t = table;
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
+            String::new()
+        } else {
+            format!(" elements = {{ {} }};", items.join(", "))
+        }
+    };
+    let ifs = list(slots.iter().map(|n| format!("\"{}\"", n.veth)).collect());
+    let addrs = list(slots.iter().map(|n| n.slot_addr.to_string()).collect());
+    let pairs = list(
+        slots
+            .iter()
+            .map(|n| format!("\"{}\" . {}", n.veth, n.slot_addr))
+            .collect(),
+    );
     let bus = if bus_ports.is_empty() {
         String::new()
     } else {
         let ports: Vec<String> = bus_ports.iter().map(u16::to_string).collect();
         format!(
-            "iifname \"{v}\" tcp dport {{ {} }} reject with tcp reset\n\
-             \x20   iifname \"{v}\" ip daddr {METADATA_V4} reject\n",
+            "iifname @slot_ifs tcp dport {{ {} }} reject with tcp reset\n\
+             \x20   iifname @slot_ifs ip daddr {METADATA_V4} reject\n",
             ports.join(", ")
         )
     };
-    format!(
-        "add table inet {t}\n\
-         delete table inet {t}\n\
-         table inet {t} {{\n\
+    let mut script = String::new();
+    for old in remove.iter().map(String::as_str).chain([t]) {
+        script.push_str(&format!("add table inet {old}\ndelete table inet {old}\n"));
+    }
+    script.push_str(&format!(
+        "table inet {t} {{\n\
+         \x20 set slot_ifs {{ type ifname;{ifs} }}\n\
+         \x20 set slot_addrs {{ type ipv4_addr;{addrs} }}\n\
+         \x20 set slot_pairs {{ type ifname . ipv4_addr;{pairs} }}\n\
          \x20 chain input {{\n\
          \x20   type filter hook input priority 0; policy accept;\n\
-         \x20   iifname \"{v}\" ip saddr != {slot} drop\n\
+         \x20   iifname @slot_ifs iifname . ip saddr != @slot_pairs drop\n\
          \x20   {bus}\
          \x20 }}\n\
          \x20 chain forward {{\n\
          \x20   type filter hook forward priority 0; policy accept;\n\
-         \x20   iifname \"{v}\" ip saddr != {slot} drop\n\
-         \x20   iifname \"{v}\" ip daddr {range} drop\n\
+         \x20   iifname @slot_ifs iifname . ip saddr != @slot_pairs drop\n\
+         \x20   iifname @slot_ifs ip daddr {range} drop\n\
          \x20   {bus}\
          \x20 }}\n\
          \x20 chain postrouting {{\n\
          \x20   type nat hook postrouting priority srcnat; policy accept;\n\
-         \x20   ip saddr {slot} oifname != \"{v}\" masquerade\n\
+         \x20   ip saddr @slot_addrs oifname . ip saddr != @slot_pairs masquerade\n\
          \x20 }}\n\
-         }}\n",
-        slot = n.slot_addr,
-    )
+         }}\n"
+    ));
+    script
 }
 
 /// Runs `cmd` (with `input` on stdin); an error says what it was and what it printed.
@@ -575,6 +638,11 @@ mod tests {
     /// Joins this thread's namespace to that of `pid` by a veth pair: `veth` here with
     /// `<net>.1/30`, `eth0` there with `<net>.2/30` and a default route back.
     fn link(veth: &str, pid: u32, net: &str) {
+        link_at(veth, pid, &format!("{net}.1"), &format!("{net}.2"));
+    }
+
+    /// [`link`] with the two ends' addresses (of one /30) given.
+    fn link_at(veth: &str, pid: u32, here: &str, there: &str) {
         run(
             Command::new("ip").args([
                 "link",
@@ -594,15 +662,15 @@ mod tests {
         run(
             Command::new("ip").args(["-batch", "-"]),
             Some(&format!(
-                "addr add {net}.1/30 dev {veth}\nlink set {veth} up\n"
+                "addr add {here}/30 dev {veth}\nlink set {veth} up\n"
             )),
         )
         .unwrap();
         ip_in(
             pid,
             &format!(
-                "link set lo up\naddr add {net}.2/30 dev eth0\nlink set eth0 up\n\
-                 route add default via {net}.1\n"
+                "link set lo up\naddr add {there}/30 dev eth0\nlink set eth0 up\n\
+                 route add default via {here}\n"
             ),
         );
     }
@@ -620,13 +688,39 @@ mod tests {
         })
     }
 
-    /// A slot's table keeps it off the instance metadata service, which its forwarded
-    /// traffic would otherwise reach past the uid-keyed bus guard: in a network namespace
-    /// of the test's standing for the host, with a "world" namespace answering on
-    /// 169.254.169.254, the slot is refused; the same table without the bus guard's rules
-    /// lets it through.
+    /// [`connect`] from the source address `from` (which the namespace must have).
+    fn connect_from(pid: u32, from: Ipv4Addr, to: std::net::SocketAddr) -> String {
+        use rustix::net::{sockopt, AddressFamily, SocketType};
+        in_netns(pid, move || {
+            let attempt = || -> rustix::io::Result<()> {
+                let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None)?;
+                // A connect waits at most the send timeout.
+                sockopt::set_socket_timeout(
+                    &fd,
+                    sockopt::Timeout::Send,
+                    Some(std::time::Duration::from_millis(500)),
+                )?;
+                rustix::net::bind(&fd, &std::net::SocketAddr::from((from, 0)))?;
+                rustix::net::connect(&fd, &to)
+            };
+            match attempt() {
+                Ok(()) => "connected".to_string(),
+                // What connect(2) says when the send timeout ends it.
+                Err(rustix::io::Errno::INPROGRESS) => "connection timed out".to_string(),
+                Err(e) => e.to_string(),
+            }
+        })
+    }
+
+    /// The agent's table keeps its slots off the instance metadata service (which their
+    /// forwarded traffic would otherwise reach past the uid-keyed bus guard), off each
+    /// other, and from sending with an address not their own: in a network namespace of
+    /// the test's standing for the host, with two slots and a "world" namespace answering
+    /// on 169.254.169.254, slot 0 reaches the world from its address and nothing else;
+    /// the same table without the bus guard's rules lets it reach the metadata service,
+    /// and without the table everything connects.
     #[test]
-    fn a_slots_table_keeps_it_off_the_metadata_service() {
+    fn the_agents_table_keeps_slots_off_the_metadata_service_and_each_other() {
         if !rustix::process::geteuid().is_root() {
             eprintln!("skipped: needs root");
             return;
@@ -636,35 +730,59 @@ mod tests {
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }
                 .unwrap();
             fs::write(IP_FORWARD, "1\n").unwrap();
-            let (slot, world) = (hold("slot"), hold("world"));
-            link("spnmdtest0", slot.id(), "10.251.0");
+            let (slot0, slot1, world) = (hold("slot 0"), hold("slot 1"), hold("world"));
+            link_at("spnmdtest0", slot0.id(), "10.251.0.1", "10.251.0.2");
+            link_at("spnmdtest1", slot1.id(), "10.251.0.5", "10.251.0.6");
             link("wmdtest", world.id(), "10.251.1");
             ip_in(world.id(), "addr add 169.254.169.254/32 dev lo\n");
+            // An address that is not the slot's, routed back to it by the host.
+            ip_in(slot0.id(), "addr add 10.251.0.9/32 dev eth0\n");
             run(
-                Command::new("ip").args(["route", "add", METADATA_V4, "via", "10.251.1.2"]),
-                None,
+                Command::new("ip").args(["-batch", "-"]),
+                Some(&format!(
+                    "route add {METADATA_V4} via 10.251.1.2\n\
+                     route add 10.251.0.9/32 dev spnmdtest0\n"
+                )),
             )
             .unwrap();
-            let metadata = listen(world.id(), "169.254.169.254:0");
-            let n = SlotNetNames {
-                user_ns: PathBuf::new(),
-                net_ns: PathBuf::new(),
-                veth: "spnmdtest0".into(),
-                table: "slotpool_mdtest_n0".into(),
-                host_addr: "10.251.0.1".parse().unwrap(),
-                slot_addr: "10.251.0.2".parse().unwrap(),
+            let listeners = [
+                listen(world.id(), "169.254.169.254:0"),
+                listen(world.id(), "10.251.1.2:0"),
+                listen(slot1.id(), "10.251.0.6:0"),
+            ];
+            let [metadata, out, neighbour] = listeners.each_ref().map(|l| l.local_addr().unwrap());
+            let names = |slot: u32, veth: &str| {
+                let (host_addr, slot_addr) = AddressRange::parse("10.251.0.0/24")
+                    .unwrap()
+                    .slot_addresses(slot)
+                    .unwrap();
+                SlotNetNames {
+                    user_ns: PathBuf::new(),
+                    net_ns: PathBuf::new(),
+                    veth: veth.into(),
+                    host_addr,
+                    slot_addr,
+                }
             };
+            let slots = [names(0, "spnmdtest0"), names(1, "spnmdtest1")];
             let range = AddressRange::parse("10.251.0.0/24").unwrap();
+            let table = "slotpool_mdtest_slotnet";
             let mut got = Vec::new();
-            for ports in [&[4222][..], &[]] {
-                run(
-                    Command::new("nft").args(["-f", "-"]),
-                    Some(&table_script(&n, range, ports)),
-                )
-                .unwrap();
-                got.push(connect(slot.id(), metadata.local_addr().unwrap()));
+            for ports in [Some(&[4222][..]), Some(&[]), None] {
+                let script = match ports {
+                    Some(ports) => agent_table_script(table, &[], &slots, range, ports),
+                    None => format!("delete table inet {table}\n"),
+                };
+                run(Command::new("nft").args(["-f", "-"]), Some(&script)).unwrap();
+                let spoofed: Ipv4Addr = "10.251.0.9".parse().unwrap();
+                got.push([
+                    connect(slot0.id(), metadata),
+                    connect(slot0.id(), neighbour),
+                    connect_from(slot0.id(), spoofed, out),
+                    connect(slot0.id(), out),
+                ]);
             }
-            for mut child in [slot, world] {
+            for mut child in [slot0, slot1, world] {
                 let _ = child.kill();
                 let _ = child.wait();
             }
@@ -672,15 +790,22 @@ mod tests {
         })
         .join()
         .unwrap();
-        eprintln!(
-            "slot to the metadata service: with the guard {}; without {}",
-            got[0], got[1]
-        );
-        assert_ne!(got[0], "connected", "a slot reached the metadata service");
-        assert_eq!(
-            got[1], "connected",
-            "the test's metadata service is not reachable"
-        );
+        for (run, [metadata, neighbour, spoofed, out]) in
+            ["with the guard", "without the guard", "without the table"]
+                .iter()
+                .zip(&got)
+        {
+            eprintln!(
+                "{run}: slot 0 to the metadata service: {metadata}; to slot 1: {neighbour}; \
+                 to the world with another address: {spoofed}; from its own: {out}"
+            );
+        }
+        let connected = |r: &[String; 4]| r.clone().map(|c| c == "connected");
+        assert_eq!(connected(&got[0]), [false, false, false, true], "{got:?}");
+        assert_eq!(connected(&got[1]), [true, false, false, true], "{got:?}");
+        // Without the table the test's network connects everything: the refusals above
+        // are the table's.
+        assert_eq!(connected(&got[2]), [true, true, true, true], "{got:?}");
     }
 
     /// On a host (a network namespace of the test's) that did not forward, the agent
@@ -789,35 +914,59 @@ mod tests {
             bus_ports: vec![4222, 7422],
         };
         let n = nets.names(1).unwrap();
-        assert_eq!(n.table, "slotpool_spab12cd34_n1");
+        assert_eq!(nets.table(), "slotpool_spab12cd34_slotnet");
         assert_eq!(n.user_ns, PathBuf::from("/run/x/1.user"));
-        let s = table_script(&n, nets.range, &nets.bus_ports);
-        assert!(s.starts_with(&format!(
-            "add table inet {t}\ndelete table inet {t}\n",
-            t = n.table
-        )));
-        let v = &n.veth;
+        let slots = [nets.names(0).unwrap(), n.clone()];
+        let old = legacy_tables("spab12cd34", 2);
+        let s = agent_table_script(&nets.table(), &old, &slots, nets.range, &nets.bus_ports);
+        assert!(s.starts_with(
+            "add table inet slotpool_spab12cd34_n0\ndelete table inet slotpool_spab12cd34_n0\n\
+             add table inet slotpool_spab12cd34_n1\ndelete table inet slotpool_spab12cd34_n1\n\
+             add table inet slotpool_spab12cd34_slotnet\n\
+             delete table inet slotpool_spab12cd34_slotnet\n"
+        ));
+        let (v0, v1) = (&slots[0].veth, &n.veth);
+        assert!(
+            s.contains(&format!(
+                "set slot_pairs {{ type ifname . ipv4_addr; elements = \
+                 {{ \"{v0}\" . 10.9.0.2, \"{v1}\" . 10.9.0.6 }}; }}"
+            )),
+            "{s}"
+        );
+        assert!(
+            s.contains(&format!("elements = {{ \"{v0}\", \"{v1}\" }}")),
+            "{s}"
+        );
+        assert!(s.contains("elements = { 10.9.0.2, 10.9.0.6 }"), "{s}");
         assert_eq!(
-            s.matches(&format!(
-                "iifname \"{v}\" tcp dport {{ 4222, 7422 }} reject with tcp reset"
-            ))
-            .count(),
+            s.matches("iifname @slot_ifs tcp dport { 4222, 7422 } reject with tcp reset")
+                .count(),
             2,
             "{s}"
         );
-        assert!(s.contains(&format!("iifname \"{v}\" ip daddr 10.9.0.0/16 drop")));
-        assert!(s.contains(&format!("iifname \"{v}\" ip saddr != 10.9.0.6 drop")));
-        assert!(s.contains(&format!("ip saddr 10.9.0.6 oifname != \"{v}\" masquerade")));
         assert_eq!(
-            s.matches(&format!(
-                "iifname \"{v}\" ip daddr 169.254.169.254 reject\n"
-            ))
-            .count(),
+            s.matches("iifname @slot_ifs iifname . ip saddr != @slot_pairs drop")
+                .count(),
             2,
             "{s}"
         );
-        let no_bus = table_script(&n, nets.range, &[]);
+        assert!(
+            s.contains("iifname @slot_ifs ip daddr 10.9.0.0/16 drop"),
+            "{s}"
+        );
+        assert!(
+            s.contains("ip saddr @slot_addrs oifname . ip saddr != @slot_pairs masquerade"),
+            "{s}"
+        );
+        assert_eq!(
+            s.matches("iifname @slot_ifs ip daddr 169.254.169.254 reject\n")
+                .count(),
+            2,
+            "{s}"
+        );
+        let no_bus = agent_table_script(&nets.table(), &[], &slots, nets.range, &[]);
         assert!(!no_bus.contains("dport"), "{no_bus}");
+        assert!(!no_bus.contains("169.254"), "{no_bus}");
         assert_eq!(
             inside_script(&n),
             "link set lo up\naddr add 10.9.0.6/30 dev eth0\nlink set eth0 up\n\

@@ -3,7 +3,7 @@
 //!
 //! - **The range** (`--slot-netns-range`, default [`DEFAULT_RANGE`])
 //!   is shared by every agent on the host. No slot's traffic may go to any address of it
-//!   but its own /30's host end (each slot table drops the rest), so no slot reaches
+//!   but its own /30's host end (each agent's slot table drops the rest), so no slot reaches
 //!   another's, whichever agent it belongs to.
 //! - **A block per agent**: at start each agent takes the first block of the range
 //!   that holds its `--slots` /30s (a power of two of them: 1 slot a /30, 8 slots a /27)

@@ -1011,6 +1011,11 @@ impl SlotIsolation for UserIsolation {
                     tracing::warn!(%problem, "the slots' namespace directory stays");
                 }
             }
+            if let Some(net) = &self.network {
+                if let Err(problem) = net.close() {
+                    tracing::warn!(%problem, "the slots' nftables table stays");
+                }
+            }
             for parent in self
                 .cgroups
                 .paths(&self.user(0))
