@@ -30,6 +30,10 @@
 //! between the clean check and the warm-up. ([`crate::commands`] also queues commands
 //! per slot, so they are answered in order.) The closed flag is kept in memory only: a
 //! restarted agent is open again.
+//!
+//! - releases and warm-ups run at a lower scheduling priority ([`BACKGROUND_NICE`],
+//!   [`Background`]) than prepares: on a busy host the prepare of a warm slot, which a
+//!   job is waiting for, gets the CPU before other slots' wipes and warm-ups.
 
 use crate::isolation::Limits;
 use crate::isolation::{FoundSlot, IsolationError, SlotIsolation};
@@ -427,11 +431,17 @@ impl Slots {
             return;
         }
         let isolation = self.isolation.clone();
+        // A quick warm-up runs on the event loop, whose priority stays.
+        let background = !self.isolation.quick_setup();
         let result = if clean {
-            self.setup(slot, "warm-up", move || isolation.warm_after_destroy(slot))
-                .await
+            self.setup(slot, "warm-up", move || {
+                let _background = background.then(Background::enter);
+                isolation.warm_after_destroy(slot)
+            })
+            .await
         } else {
             blocking(slot, "warm-up", move || {
+                let _background = Background::enter();
                 isolation.destroy(slot)?;
                 isolation.warm(slot)
             })
@@ -585,7 +595,11 @@ impl Slots {
             ReleasePlan::Destroy => {}
         }
         let isolation = self.isolation.clone();
-        let result = blocking(slot, "release", move || isolation.release(slot)).await;
+        let result = blocking(slot, "release", move || {
+            let _background = Background::enter();
+            isolation.release(slot)
+        })
+        .await;
         clock.lap("clean");
         clock.log(slot, "release_reply");
         self.table().mark_released(slot);
@@ -602,6 +616,44 @@ impl Slots {
         self.warming
             .spawn(async move { slots.warm_locked(slot, lock, true).await }.in_current_span());
         Ok(ReleaseOutcome::Wiped)
+    }
+}
+
+/// The nice value releases and warm-ups run at (prepares run at the agent's own, 0 by
+/// default): a thread at nice 10 gets about a tenth of the CPU time of one at 0 when
+/// both want it, and all of it when nothing else does.
+pub const BACKGROUND_NICE: i32 = 10;
+
+/// Runs the calling thread at [`BACKGROUND_NICE`] until dropped; the processes it starts
+/// meanwhile inherit it. Only as root (with `CAP_SYS_NICE`): the thread is one of the
+/// blocking pool, which also runs prepares, and nobody else could raise it back.
+pub struct Background {
+    thread: rustix::process::Pid,
+    before: i32,
+}
+
+impl Background {
+    /// Lowers the thread's priority; `None` when it was not lowered (not root, or
+    /// already at [`BACKGROUND_NICE`] or lower).
+    pub fn enter() -> Option<Background> {
+        if !rustix::process::geteuid().is_root() {
+            return None;
+        }
+        let thread = rustix::thread::gettid();
+        let before = rustix::process::getpriority_process(Some(thread)).ok()?;
+        if before >= BACKGROUND_NICE {
+            return None;
+        }
+        rustix::process::setpriority_process(Some(thread), BACKGROUND_NICE).ok()?;
+        Some(Background { thread, before })
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Err(err) = rustix::process::setpriority_process(Some(self.thread), self.before) {
+            tracing::warn!(%err, nice = self.before, "cannot restore a thread's priority");
+        }
     }
 }
 
@@ -753,6 +805,89 @@ mod tests {
         ));
         assert_eq!(slots.open().await, vec![0]);
         slots.prepare(1, &node("node-c"), None, L).await.unwrap();
+    }
+
+    /// Mode `none` run off the event loop, noting the nice value each call ran at.
+    struct NiceProbe {
+        inner: WorkspaceOnly,
+        seen: Mutex<Vec<(&'static str, i32)>>,
+    }
+
+    impl NiceProbe {
+        fn note(&self, call: &'static str) {
+            let nice = rustix::process::getpriority_process(Some(rustix::thread::gettid()));
+            self.seen.lock().unwrap().push((call, nice.unwrap()));
+        }
+    }
+
+    impl SlotIsolation for NiceProbe {
+        fn name(&self) -> &'static str {
+            "nice-probe"
+        }
+        fn workspace(&self, slot: u32) -> PathBuf {
+            self.inner.workspace(slot)
+        }
+        fn slot_names(&self) -> slotpool_protocol::model::SlotNames {
+            self.inner.slot_names()
+        }
+        fn warm(&self, slot: u32) -> Result<(), IsolationError> {
+            self.note("warm");
+            self.inner.warm(slot)
+        }
+        fn prepare_warm(
+            &self,
+            slot: u32,
+            node_id: &NodeId,
+            key: Option<&str>,
+            limits: &Limits,
+        ) -> Result<PathBuf, IsolationError> {
+            self.note("prepare");
+            self.inner.prepare_warm(slot, node_id, key, limits)
+        }
+        fn destroy(&self, slot: u32) -> Result<(), IsolationError> {
+            self.note("destroy");
+            self.inner.destroy(slot)
+        }
+        fn recover(&self) -> Result<Vec<FoundSlot>, IsolationError> {
+            self.inner.recover()
+        }
+    }
+
+    /// Releases and warm-ups run at [`BACKGROUND_NICE`], prepares at the agent's own
+    /// priority, on the same pool of threads: the priority is lowered for the call only.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn releases_and_warm_ups_run_at_a_lower_priority_than_prepares() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let work = tempfile::tempdir().unwrap();
+        let probe = Arc::new(NiceProbe {
+            inner: WorkspaceOnly::new(work.path()).unwrap(),
+            seen: Mutex::new(Vec::new()),
+        });
+        let slots = Slots::recover(probe.clone(), 1).await.unwrap();
+        let own = rustix::process::getpriority_process(None).unwrap();
+        assert!(own < BACKGROUND_NICE, "the test runs at nice {own}");
+        slots.warm_free_slots();
+        slots.warm_ups_done().await;
+        let a = node("node-a");
+        for _ in 0..3 {
+            slots.prepare(0, &a, None, L).await.unwrap();
+            assert_eq!(slots.release(0, &a).await.unwrap(), ReleaseOutcome::Wiped);
+            slots.warm_ups_done().await;
+        }
+        let seen = probe.seen.lock().unwrap().clone();
+        eprintln!("calls and their nice values: {seen:?}");
+        assert_eq!(seen.len(), 2 + 3 * 3, "{seen:?}");
+        for (call, nice) in &seen {
+            let want = if *call == "prepare" {
+                own
+            } else {
+                BACKGROUND_NICE
+            };
+            assert_eq!(*nice, want, "{call} ran at nice {nice}: {seen:?}");
+        }
     }
 
     /// Mode `none` with a destroy of its own (failing, panicking), to see what a slot
