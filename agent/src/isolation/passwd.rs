@@ -357,26 +357,66 @@ fn lock_holder(text: &[u8]) -> Option<i32> {
     text.trim_end_matches('\0').trim().parse().ok()
 }
 
-/// Replaces `<etc>/<file>` by `text`, keeping its mode and owner: written to
-/// `<file>+`, synced, renamed over it.
-fn replace_db_file(etc: &Path, file: &str, text: &str) -> std::io::Result<()> {
+/// Replaces the files `<etc>/<file>` by their texts, keeping each one's mode and owner,
+/// in the order given: each is written to `<file>+` and synced (all at once: the
+/// syncs share the file system's journal commits, so they wait about as long as one),
+/// and only once every one is on disk are they renamed over the files, one after the
+/// other. A file that cannot be written leaves every file as it was.
+fn replace_db_files(etc: &Path, files: &[(&str, &str)]) -> Result<(), (PathBuf, std::io::Error)> {
     use std::io::Write;
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-    let path = etc.join(file);
-    let meta = std::fs::metadata(&path)?;
-    let new = etc.join(format!("{file}+"));
-    let mut out = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(meta.mode() & 0o7777)
-        .open(&new)?;
-    out.write_all(text.as_bytes())?;
-    std::os::unix::fs::fchown(&out, Some(meta.uid()), Some(meta.gid()))?;
-    out.set_permissions(std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
-    out.sync_all()?;
-    drop(out);
-    std::fs::rename(&new, &path)
+    let stage = |file: &str, text: &str| -> std::io::Result<(PathBuf, std::fs::File)> {
+        let meta = std::fs::metadata(etc.join(file))?;
+        let new = etc.join(format!("{file}+"));
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(meta.mode() & 0o7777)
+            .open(&new)?;
+        out.write_all(text.as_bytes())?;
+        std::os::unix::fs::fchown(&out, Some(meta.uid()), Some(meta.gid()))?;
+        out.set_permissions(std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+        Ok((new, out))
+    };
+    let mut staged = Vec::with_capacity(files.len());
+    let unstage = |staged: &[(PathBuf, std::fs::File)]| {
+        for (new, _) in staged {
+            let _ = std::fs::remove_file(new);
+        }
+    };
+    for (file, text) in files {
+        match stage(file, text) {
+            Ok(done) => staged.push(done),
+            Err(e) => {
+                unstage(&staged);
+                return Err((etc.join(file), e));
+            }
+        }
+    }
+    let synced: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
+        let syncs: Vec<_> = staged
+            .iter()
+            .map(|(_, out)| scope.spawn(move || out.sync_all()))
+            .collect();
+        syncs
+            .into_iter()
+            .map(|sync| {
+                sync.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
+            })
+            .collect()
+    });
+    for ((file, _), result) in files.iter().zip(synced) {
+        if let Err(e) = result {
+            unstage(&staged);
+            return Err((etc.join(file), e));
+        }
+    }
+    for ((file, _), (new, _)) in files.iter().zip(&staged) {
+        std::fs::rename(new, etc.join(file)).map_err(|e| (etc.join(file), e))?;
+    }
+    Ok(())
 }
 
 /// `text` with field `field` (0-based, `:`-separated) of the line of `name` set to
@@ -553,17 +593,13 @@ fn renumber_batch(etc: &Path, batch: Vec<QueuedRenumber>) {
     if written.is_empty() {
         return;
     }
-    // The group first: a crash between the two leaves the users with their old gids,
-    // which no group names (the next warm-up finds the uid changed and makes the slot
-    // anew).
-    if let Err(e) = replace_db_file(etc, "group", &group) {
-        return everyone(&written, as_outcome("writing", &etc.join("group"), e));
+    // The group first: a crash between the two renames leaves the users with their old
+    // gids, which no group names (the next warm-up finds the uid changed and makes the
+    // slot anew).
+    if let Err((path, e)) = replace_db_files(etc, &[("group", &group), ("passwd", &passwd)]) {
+        return everyone(&written, as_outcome("writing", &path, e));
     }
-    clock.lap("group");
-    if let Err(e) = replace_db_file(etc, "passwd", &passwd) {
-        return everyone(&written, as_outcome("writing", &etc.join("passwd"), e));
-    }
-    clock.lap("passwd");
+    clock.lap("group_passwd");
     #[cfg(test)]
     tests::note_rewrite(etc);
     everyone(&written, Ok(()));
@@ -750,6 +786,29 @@ mod tests {
         assert_eq!(lock_holder(b"1234\0"), Some(1234));
         assert_eq!(lock_holder(b"1234\n"), Some(1234));
         assert_eq!(lock_holder(b"12x4"), None);
+    }
+
+    /// Both files are on disk before either is replaced: a renumber that cannot write
+    /// `passwd` leaves `group` as it was too, so no user is left with a gid its group
+    /// does not have.
+    #[test]
+    fn a_renumber_that_cannot_write_passwd_changes_neither_file() {
+        let etc = passwd_dir();
+        let before = ["passwd", "group"].map(|f| std::fs::read(etc.path().join(f)).unwrap());
+        // What the new passwd is written to cannot be a file.
+        std::fs::create_dir(etc.path().join("passwd+")).unwrap();
+        let err = renumber(etc.path(), "sp1s0", 2000005).unwrap_err();
+        assert_eq!(err.path, etc.path().join("passwd"), "{err}");
+        let after = ["passwd", "group"].map(|f| std::fs::read(etc.path().join(f)).unwrap());
+        assert_eq!(
+            after
+                .each_ref()
+                .map(|b| String::from_utf8_lossy(b).into_owned()),
+            before
+                .each_ref()
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+        ); // The staged group is not left behind.
+        assert!(!etc.path().join("group+").exists());
     }
 
     #[test]
