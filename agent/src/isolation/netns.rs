@@ -42,13 +42,14 @@
 use std::fs;
 use std::io::Write;
 use std::net::Ipv4Addr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::isolation::bus_guard::METADATA_V4;
+use crate::isolation::private_tmp::Holder;
 
 pub use crate::isolation::netns_blocks::{AddressRange, DEFAULT_RANGE};
 
@@ -210,33 +211,29 @@ impl SlotNetworks {
                 .open(file)
                 .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
         }
-        let mut holder = Command::new("sleep");
-        holder
-            .arg("600")
-            .uid(uid)
-            .gid(gid)
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: only the async-signal-safe unshare(2) runs between fork and exec.
-        unsafe {
-            holder.pre_exec(|| {
-                if libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = holder.spawn().map_err(|e| {
+        // The holder becomes the slot user (no supplementary groups), then makes both
+        // namespaces: a fork of the agent that runs no other program.
+        let mut steps = || -> std::io::Result<()> {
+            // SAFETY: plain system calls on values of this frame, async-signal-safe.
+            unsafe {
+                let checked = |rc: libc::c_int| match rc {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                };
+                checked(libc::setgroups(0, std::ptr::null()))?;
+                checked(libc::setresgid(gid, gid, gid))?;
+                checked(libc::setresuid(uid, uid, uid))?;
+                checked(libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET))
+            }
+        };
+        // SAFETY: the steps make only async-signal-safe system calls, on values made
+        // before the fork.
+        let holder = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
             fail(format!(
                 "making the user and network namespace of uid {uid}"
             ))(e.to_string())
         })?;
-        let made = self.set_up(n, child.id(), uid, gid);
-        let _ = child.kill();
-        let _ = child.wait();
-        made
+        self.set_up(n, holder.id(), uid, gid)
     }
 
     fn set_up(&self, n: &SlotNetNames, pid: u32, uid: u32, gid: u32) -> Result<(), NetnsError> {
@@ -261,27 +258,26 @@ impl SlotNetworks {
                 ))(e.to_string())
             })?;
         }
-        let pid = pid.to_string();
-        run(
-            Command::new("ip").args([
-                "link", "add", &n.veth, "type", "veth", "peer", "name", "eth0", "netns", &pid,
-            ]),
-            None,
-        )?;
         run(
             Command::new("ip").args(["-batch", "-"]),
-            Some(&format!(
-                "addr add {}/30 dev {v}\nlink set {v} up\n",
-                n.host_addr,
-                v = n.veth
-            )),
+            Some(&host_script(n, pid)),
         )?;
-        run(
-            Command::new("nsenter")
-                .arg(format!("--net={}", n.net_ns.display()))
-                .args(["ip", "-batch", "-"]),
-            Some(&inside_script(n)),
-        )
+        // `ip` joins the slot's network namespace before it starts (no `nsenter`).
+        let net_ns = open_ns(&n.net_ns)?;
+        let mut inside = Command::new("ip");
+        inside.args(["-batch", "-"]);
+        let fd = net_ns.as_raw_fd();
+        // SAFETY: only the async-signal-safe setns(2), on a descriptor open until the
+        // spawn returns, runs between fork and exec.
+        unsafe {
+            inside.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        run(&mut inside, Some(&inside_script(n)))
     }
 
     /// Removes everything of the slot's namespace that is there; returns what failed.
@@ -335,23 +331,7 @@ impl SlotNetworks {
     /// The slot's user and network namespaces, to hand to a login.
     pub fn open(&self, slot: u32) -> Result<[OwnedFd; 2], NetnsError> {
         let n = self.names_or_err(slot)?;
-        let open = |path: &Path| -> Result<OwnedFd, NetnsError> {
-            let fd = rustix::fs::open(
-                path,
-                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )
-            .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))?;
-            // An empty mount point left by a failed set-up is no namespace.
-            let is_nsfs = rustix::fs::fstatfs(&fd).is_ok_and(|s| s.f_type == NSFS_MAGIC);
-            if !is_nsfs {
-                return Err(fail(format!("opening {}", path.display()))(
-                    "not a namespace".into(),
-                ));
-            }
-            Ok(fd)
-        };
-        Ok([open(&n.user_ns)?, open(&n.net_ns)?])
+        Ok([open_ns(&n.user_ns)?, open_ns(&n.net_ns)?])
     }
 }
 
@@ -434,6 +414,24 @@ pub fn forward_filter_script() -> String {
 /// What the host end of every slot's veth is named with.
 pub const VETH_PREFIX: &str = "spn";
 
+/// Opens the namespace file `path`, checked to be one (an empty mount point left by a
+/// failed set-up is none).
+fn open_ns(path: &Path) -> Result<OwnedFd, NetnsError> {
+    let fd = rustix::fs::open(
+        path,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))?;
+    let is_nsfs = rustix::fs::fstatfs(&fd).is_ok_and(|s| s.f_type == NSFS_MAGIC);
+    if !is_nsfs {
+        return Err(fail(format!("opening {}", path.display()))(
+            "not a namespace".into(),
+        ));
+    }
+    Ok(fd)
+}
+
 /// `statfs` type of the namespace file system.
 const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 
@@ -447,6 +445,17 @@ pub fn veth_name(namespace: &str, slot: u32) -> String {
 
 fn veth_exists(name: &str) -> bool {
     Path::new("/sys/class/net").join(name).exists()
+}
+
+/// `ip -batch` lines run on the host: the veth pair, its peer `eth0` moved into the
+/// network namespace of `pid`, and the host end's address.
+pub fn host_script(n: &SlotNetNames, pid: u32) -> String {
+    format!(
+        "link add {v} type veth peer name eth0 netns {pid}\naddr add {}/30 dev {v}\n\
+         link set {v} up\n",
+        n.host_addr,
+        v = n.veth
+    )
 }
 
 /// `ip -batch` lines run inside the slot's network namespace.
@@ -967,6 +976,13 @@ mod tests {
         let no_bus = agent_table_script(&nets.table(), &[], &slots, nets.range, &[]);
         assert!(!no_bus.contains("dport"), "{no_bus}");
         assert!(!no_bus.contains("169.254"), "{no_bus}");
+        assert_eq!(
+            host_script(&n, 77),
+            format!(
+                "link add {v1} type veth peer name eth0 netns 77\naddr add 10.9.0.5/30 dev {v1}\n\
+                 link set {v1} up\n"
+            )
+        );
         assert_eq!(
             inside_script(&n),
             "link set lo up\naddr add 10.9.0.6/30 dev eth0\nlink set eth0 up\n\

@@ -542,14 +542,14 @@ impl SlotMounts {
 }
 
 /// How long a holder lives at most, should the agent not kill it (as `sleep 600` did).
-const HOLDER_LIFETIME_SECS: libc::c_uint = 600;
+pub(crate) const HOLDER_LIFETIME_SECS: libc::c_uint = 600;
 
 /// A forked child of the agent that set up a slot's namespaces and waits, doing nothing,
 /// for the agent to bind them; killed (and reaped) when dropped. It runs no other program:
 /// an `exec` (of `sleep`, before) cost as much as the rest of the warm-up's namespace
 /// work. It dies with the thread that forked it, and after [`HOLDER_LIFETIME_SECS`] in
 /// any case.
-struct Holder {
+pub(crate) struct Holder {
     pid: libc::pid_t,
 }
 
@@ -560,7 +560,9 @@ impl Holder {
     /// # Safety
     /// `steps` runs in the child of a fork of a multi-threaded process: it may only make
     /// async-signal-safe system calls, on memory made before the fork.
-    unsafe fn spawn(steps: &mut dyn FnMut() -> std::io::Result<()>) -> std::io::Result<Holder> {
+    pub(crate) unsafe fn spawn(
+        steps: &mut dyn FnMut() -> std::io::Result<()>,
+    ) -> std::io::Result<Holder> {
         // SAFETY: a fork whose child runs the caller's steps (async-signal-safe, as the
         // caller promises) and then only system calls, on descriptors this function owns.
         unsafe {
@@ -626,7 +628,7 @@ impl Holder {
         }
     }
 
-    fn id(&self) -> u32 {
+    pub(crate) fn id(&self) -> u32 {
         self.pid as u32
     }
 }
