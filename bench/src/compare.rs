@@ -24,7 +24,6 @@ pub async fn launchers(
     first: &LauncherProcess,
     launchers: usize,
     client: &Client,
-    watcher: &Arc<RequestWatcher>,
 ) -> anyhow::Result<Throughput> {
     let mut more = Vec::new();
     for i in 2..=launchers {
@@ -35,7 +34,7 @@ pub async fn launchers(
         let pids: Vec<u32> = std::iter::once(first.pid)
             .chain(more.iter().map(|l| l.pid))
             .collect();
-        rig.throughput(&pids, client, watcher).await
+        rig.throughput(&pids).await
     }
     .await;
     for launcher in more {
@@ -104,7 +103,7 @@ pub async fn observed(
         let scraper = Scraper::start(base.clone());
         let measured = async {
             let warm = rig.warm(client, watcher).await?;
-            let throughput = rig.throughput(&[launcher.pid], client, watcher).await?;
+            let throughput = rig.throughput(&[launcher.pid]).await?;
             anyhow::Ok((warm, throughput))
         }
         .await;

@@ -1,6 +1,6 @@
 //! One bus with its launcher config and local agents, and the two measured loads every
-//! comparison runs on it: sequential warm allocations and `clients` concurrent clients.
-//! Each load counts the NATS messages it cost (`/varz`) and, under throughput, the CPU
+//! comparison runs on it: sequential warm allocations and `clients` concurrent clients,
+//! each on a NATS connection of its own, as CI jobs on many machines are. Each load counts the NATS messages it cost (`/varz`) and, under throughput, the CPU
 //! time of every process involved, so a phase that varies one thing (a second launcher,
 //! `--http` scraped) is measured exactly as the plain one.
 
@@ -8,8 +8,8 @@ use super::phases::{self, Throughput, Warm};
 use super::procs::{self, CpuMeter, LauncherProcess, Role};
 use super::scrape::{Messages, Varz};
 use slotpool_protocol::client::{Client, RequestWatcher};
+use slotpool_protocol::connect::NatsOptions;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// A bus and what runs on it: its server, the launcher config, the local agents.
@@ -18,6 +18,9 @@ pub struct Rig {
     /// nats-server's monitoring URL (`http://…`), for `/varz`.
     pub monitor: Option<String>,
     pub nats_url: String,
+    /// How the benchmark's clients reach the bus (credentials, TLS): each throughput
+    /// client connects with these.
+    pub client_options: NatsOptions,
     /// `slotpool serve` arguments besides --nats and --config.
     pub serve_args: Vec<String>,
     pub config: PathBuf,
@@ -49,14 +52,11 @@ impl Rig {
         Ok(warm)
     }
 
-    /// `clients` concurrent clients for `load_time`, served by `launchers`, with the CPU
-    /// time of every process and the messages per allocation.
-    pub async fn throughput(
-        &self,
-        launchers: &[u32],
-        client: &Client,
-        watcher: &Arc<RequestWatcher>,
-    ) -> anyhow::Result<Throughput> {
+    /// `clients` concurrent clients for `load_time`, each on a connection of its own
+    /// (made before the load starts), served by `launchers`, with the CPU time of every
+    /// process and the messages per allocation.
+    pub async fn throughput(&self, launchers: &[u32]) -> anyhow::Result<Throughput> {
+        let clients = self.connect_clients().await?;
         let cpu = CpuMeter::start(vec![
             Role {
                 name: "launcher",
@@ -76,13 +76,25 @@ impl Rig {
             },
         ]);
         let before = self.varz().await?;
-        let mut t =
-            phases::throughput(client, watcher, self.label, self.clients, self.load_time).await?;
+        let mut t = phases::throughput(&clients, self.label, self.load_time).await?;
         t.cpu = cpu.per_allocation(t.allocations);
         t.cpu_ms_per_allocation = t.cpu.iter().map(|c| c.ms_per_allocation).sum();
         t.stolen_percent = cpu.stolen_percent();
         t.messages = self.messages_since(before, t.allocations).await?;
         Ok(t)
+    }
+
+    /// One client per connection, named apart so the server's connection list tells
+    /// them from each other.
+    async fn connect_clients(&self) -> anyhow::Result<Vec<Client>> {
+        let connections = (0..self.clients).map(|i| {
+            let opts = NatsOptions {
+                name: format!("{}-client-{i}", self.client_options.name),
+                ..self.client_options.clone()
+            };
+            async move { phases::connect(&opts).await.map(Client::from_bus) }
+        });
+        futures::future::try_join_all(connections).await
     }
 
     async fn varz(&self) -> anyhow::Result<Option<Varz>> {

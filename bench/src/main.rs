@@ -617,7 +617,7 @@ async fn run_all(
                         "throughput: {} clients for {}s, {} launchers",
                         s.clients, s.throughput_secs, s.launchers
                     ));
-                    Some(compare::launchers(rig, launcher, s.launchers, client, watcher).await?)
+                    Some(compare::launchers(rig, launcher, s.launchers, client).await?)
                 } else {
                     None
                 };
@@ -781,6 +781,7 @@ async fn on_bus<T>(
         server_pid,
         monitor,
         nats_url: setup.client.url.clone(),
+        client_options: setup.client.clone(),
         serve_args: setup.serve_args.clone(),
         config,
         agent_binary: agent_binary.to_path_buf(),
@@ -811,7 +812,7 @@ async fn on_bus<T>(
             "throughput: {} clients for {}s",
             s.clients, s.throughput_secs
         ));
-        let throughput = rig.throughput(&[launcher.pid], &client, &watcher).await?;
+        let throughput = rig.throughput(&[launcher.pid]).await?;
         launcher.check_alive()?;
         let cycles = (s.warm / 10).max(2);
         step(format!(

@@ -253,20 +253,21 @@ pub struct Throughput {
     pub stolen_percent: Option<f64>,
 }
 
-/// `clients` concurrent clients, each requesting a node and releasing it, for `duration`.
+/// Concurrent clients, one per entry of `clients` (each on its own connection), each
+/// requesting a node and releasing it, for `duration`.
 pub async fn throughput(
-    client: &Client,
-    watcher: &Arc<RequestWatcher>,
+    clients: &[Client],
     label: &str,
-    clients: usize,
     duration: Duration,
 ) -> anyhow::Result<Throughput> {
     let start = Instant::now();
     let end = start + duration;
-    let tasks: Vec<_> = (0..clients)
-        .map(|_| {
-            let (client, watcher, label) = (client.clone(), watcher.clone(), label.to_string());
+    let tasks: Vec<_> = clients
+        .iter()
+        .map(|client| {
+            let (client, label) = (client.clone(), label.to_string());
             tokio::spawn(async move {
+                let watcher = client.watcher().await?;
                 let (mut alloc, mut rel) = (Samples::default(), Samples::default());
                 while Instant::now() < end {
                     let t0 = Instant::now();
@@ -288,7 +289,7 @@ pub async fn throughput(
     }
     let seconds = start.elapsed().as_secs_f64();
     Ok(Throughput {
-        clients,
+        clients: clients.len(),
         seconds,
         allocations: alloc.len(),
         allocations_per_sec: alloc.len() as f64 / seconds,
