@@ -17,19 +17,57 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often readiness is looked at while waiting.
 const READY_POLL: Duration = Duration::from_millis(50);
 
+/// Throughput with several launchers on the bus, and with one launcher alone just before
+/// and just after ([`launchers`]): the ratio is taken against the two loads beside it, so
+/// a host whose other load changes during the run moves both sides alike.
+#[derive(Clone, Debug, Serialize)]
+pub struct Launchers {
+    /// `first` alone, right before the others start and right after they stopped.
+    pub alone: [Throughput; 2],
+    /// `first` and the others.
+    pub together: Throughput,
+}
+
+impl Launchers {
+    /// Allocations/s of the launchers together over those of one alone (the mean of the
+    /// loads before and after).
+    pub fn allocations_per_sec_ratio(&self) -> f64 {
+        let alone: f64 = self
+            .alone
+            .iter()
+            .map(|t| t.allocations_per_sec)
+            .sum::<f64>()
+            / 2.0;
+        self.together.allocations_per_sec / alone
+    }
+
+    /// CPU of every process per allocation, together over alone (the same way).
+    pub fn cpu_ratio(&self) -> f64 {
+        let alone: f64 = self
+            .alone
+            .iter()
+            .map(|t| t.cpu_ms_per_allocation)
+            .sum::<f64>()
+            / 2.0;
+        self.together.cpu_ms_per_allocation / alone
+    }
+}
+
 /// Throughput with `launchers` `slotpool serve` processes on the bus: `first` and as many
-/// more, all with the same config. The extra ones are stopped before this returns.
+/// more, all with the same config, between two loads of `first` alone. The extra ones
+/// are stopped before the second load alone (and before this returns, also on failure).
 pub async fn launchers(
     rig: &Rig,
     first: &LauncherProcess,
     launchers: usize,
     client: &Client,
-) -> anyhow::Result<Throughput> {
+) -> anyhow::Result<Launchers> {
+    let before = rig.throughput(&[first.pid]).await?;
     let mut more = Vec::new();
     for i in 2..=launchers {
         more.push(rig.spawn_launcher(&[], &format!("launcher-{i}.log"))?);
     }
-    let result = async {
+    let together = async {
         wait_for_launchers(client, launchers).await?;
         let pids: Vec<u32> = std::iter::once(first.pid)
             .chain(more.iter().map(|l| l.pid))
@@ -40,12 +78,37 @@ pub async fn launchers(
     for launcher in more {
         launcher.stop().await;
     }
-    result
+    let together = together?;
+    wait_for_launchers_at_most(client, 1).await?;
+    let after = rig.throughput(&[first.pid]).await?;
+    Ok(Launchers {
+        alone: [before, after],
+        together,
+    })
 }
 
 /// Waits until `n` launchers hold their liveness lease (taken just before a launcher
 /// answers its first request).
 async fn wait_for_launchers(client: &Client, n: usize) -> anyhow::Result<()> {
+    wait_for_live(client, |live| live >= n, &format!("{n} launchers serving")).await
+}
+
+/// Waits until at most `n` launchers hold their liveness lease (a launcher stopped gives
+/// its lease back), so that the one left takes every slot again.
+async fn wait_for_launchers_at_most(client: &Client, n: usize) -> anyhow::Result<()> {
+    wait_for_live(
+        client,
+        |live| live <= n,
+        &format!("at most {n} launchers live"),
+    )
+    .await
+}
+
+async fn wait_for_live(
+    client: &Client,
+    done: impl Fn(usize) -> bool,
+    what: &str,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         let live = client
@@ -57,11 +120,11 @@ async fn wait_for_launchers(client: &Client, n: usize) -> anyhow::Result<()> {
             .filter_map(Result::ok)
             .filter(|l| l.key.starts_with("launcher."))
             .count();
-        if live >= n {
+        if done(live) {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("{live} of {n} launchers serving after {READY_TIMEOUT:?}");
+            bail!("{live} launchers live after {READY_TIMEOUT:?}, waiting for {what}");
         }
         tokio::time::sleep(READY_POLL).await;
     }

@@ -265,9 +265,11 @@ struct Latency {
 struct MoreLaunchers {
     launchers: usize,
     throughput: Throughput,
-    /// Allocations/s over one launcher's in the same run.
+    /// One launcher alone, the same load right before and right after `throughput`.
+    alone: [Throughput; 2],
+    /// Allocations/s over one launcher's alone (the mean of `alone`).
     allocations_per_sec_ratio: f64,
-    /// CPU of all processes per allocation over one launcher's.
+    /// CPU of all processes per allocation over one launcher's alone (the same way).
     cpu_ratio: f64,
 }
 
@@ -452,12 +454,12 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine,
         floor: f.floor,
-        launchers: f.launchers.map(|throughput| MoreLaunchers {
+        launchers: f.launchers.map(|l| MoreLaunchers {
             launchers: settings.launchers,
-            allocations_per_sec_ratio: throughput.allocations_per_sec
-                / plain.throughput.allocations_per_sec,
-            cpu_ratio: throughput.cpu_ms_per_allocation / plain.throughput.cpu_ms_per_allocation,
-            throughput,
+            allocations_per_sec_ratio: l.allocations_per_sec_ratio(),
+            cpu_ratio: l.cpu_ratio(),
+            throughput: l.together,
+            alone: l.alone,
         }),
         observability: f.observed.map(|observed| Observability {
             with: format!(
@@ -512,7 +514,7 @@ struct Figures {
     cold_and_release: phases::ColdAndRelease,
     soak: Option<soak::Soak>,
     agent: phases::Agent,
-    launchers: Option<Throughput>,
+    launchers: Option<compare::Launchers>,
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
     production: Allocations,
@@ -524,7 +526,7 @@ struct Figures {
 struct PlainMore {
     idle: procs::Usage,
     cold: phases::ColdAndRelease,
-    launchers: Option<Throughput>,
+    launchers: Option<compare::Launchers>,
     observed: Option<compare::Observed>,
     soak: Option<soak::Soak>,
 }
@@ -614,7 +616,7 @@ async fn run_all(
                    watcher: &Arc<RequestWatcher>| {
                 let launchers = if s.launchers > 1 {
                     step(format!(
-                        "throughput: {} clients for {}s, {} launchers",
+                        "throughput: {} clients for {}s, one launcher, then {} launchers, then one again",
                         s.clients, s.throughput_secs, s.launchers
                     ));
                     Some(compare::launchers(rig, launcher, s.launchers, client).await?)
