@@ -135,6 +135,16 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         "both launchers counted: {report}"
     );
     assert!(launchers["allocations_per_sec_ratio"].as_f64().unwrap() > 0.0);
+    // The ratio's other side: one launcher alone right before and right after.
+    let alone = launchers["alone"].as_array().expect("launchers.alone");
+    assert_eq!(alone.len(), 2, "{report}");
+    for load in alone {
+        assert_eq!(
+            load["cpu"][0]["processes"], 1,
+            "one launcher counted: {report}"
+        );
+        assert!(load["allocations"].as_u64().unwrap() > 0, "{report}");
+    }
     let latencies = report["latencies"].as_array().unwrap();
     assert!(latencies.len() >= 10, "{report}");
     for latency in latencies {
