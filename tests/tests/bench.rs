@@ -96,7 +96,9 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         for (role, at_least, at_most) in [
             ("launcher", 1, 1),
             ("nats-server", 1, 1),
-            ("agents", 2, 2 + 8),
+            // Its agents, and a namespace holder (a fork of the agent) for each slot
+            // warming up at that moment: the smoke run's 2 warm nodes have 8 slots each.
+            ("agents", 2, 2 + 16),
             ("benchmark clients", 1, 1),
         ] {
             let n = roles.get(role).copied().unwrap_or(0);
