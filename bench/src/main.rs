@@ -221,6 +221,9 @@ struct Report {
     throughput: Throughput,
     /// The plain bus's release to reusable ([`phases::release_to_reusable`]).
     release_to_reusable: stats::Summary,
+    /// The plain bus's throughput load again, right after the production run: the plain
+    /// comparison's throughput ratios are over the mean of `throughput` and this.
+    throughput_after_production: Throughput,
     /// The launcher process after the throughput load (RSS, CPU while idle).
     launcher_idle: procs::Usage,
     cold_and_release: phases::ColdAndRelease,
@@ -332,6 +335,23 @@ impl Ratios {
             warm_p99: w.p99_ms / bw.p99_ms,
             allocations_per_sec: throughput.allocations_per_sec / bt.allocations_per_sec,
             cpu_ms_per_allocation: throughput.cpu_ms_per_allocation / bt.cpu_ms_per_allocation,
+        }
+    }
+
+    /// These ratios with the throughput ones taken over the mean of `base`'s throughput
+    /// load and `base_again`, the same load run again after `throughput`'s.
+    fn with_throughput_over_both(
+        self,
+        throughput: &Throughput,
+        base: &Allocations,
+        base_again: &Throughput,
+    ) -> Ratios {
+        let mean = |f: fn(&Throughput) -> f64| (f(&base.throughput) + f(base_again)) / 2.0;
+        Ratios {
+            allocations_per_sec: throughput.allocations_per_sec / mean(|t| t.allocations_per_sec),
+            cpu_ms_per_allocation: throughput.cpu_ms_per_allocation
+                / mean(|t| t.cpu_ms_per_allocation),
+            ..self
         }
     }
 }
@@ -471,7 +491,8 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         }),
         comparisons: std::iter::once(Comparison {
             against: PLAIN_BUS.into(),
-            ratios: Ratios::of(&f.production.warm, &f.production.throughput, &plain),
+            ratios: Ratios::of(&f.production.warm, &f.production.throughput, &plain)
+                .with_throughput_over_both(&f.production.throughput, &plain, &f.plain_again),
         })
         .chain(f.isolation_none.as_ref().map(|none| Comparison {
             against: NONE_AGENTS.into(),
@@ -491,6 +512,7 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         warm: plain.warm,
         throughput: plain.throughput,
         release_to_reusable: plain.release_to_reusable,
+        throughput_after_production: f.plain_again,
         launcher_idle: f.launcher_idle,
         cold_and_release: f.cold_and_release,
         soak: f.soak,
@@ -518,12 +540,20 @@ struct Figures {
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
     production: Allocations,
+    /// The plain bus's throughput load again, right after the production run.
+    plain_again: Throughput,
     isolation_none: Option<Allocations>,
     exec: Option<exec_job::ExecFigures>,
 }
 
-/// What the plain bus measures after its warm and throughput loads.
+/// What runs while the plain bus's launcher and agents are up, after their warm and
+/// throughput loads: the production run, the plain throughput load again, the `none`
+/// run, and what the plain bus alone measures.
 struct PlainMore {
+    production: Allocations,
+    exec: Option<exec_job::ExecFigures>,
+    plain_again: Throughput,
+    isolation_none: Option<Allocations>,
     idle: procs::Usage,
     cold: phases::ColdAndRelease,
     launchers: Option<compare::Launchers>,
@@ -567,31 +597,11 @@ async fn run_all(
         )
         .await?;
 
-        step(format!(
-            "production: {SECURE_BUS}, agents in mode {}",
-            s.isolation
-        ));
-        let (production, exec) = run_secure(
-            s,
-            &s.isolation,
-            nats_binary,
-            agent_binary,
-            &dir.join(SECURE_DIR),
-            s.exec_rounds > 0,
-        )
-        .await?;
-        let isolation_none = if s.isolation != "none" {
-            step("production bus, agents in mode none".into());
-            let none = dir.join(NONE_DIR);
-            Some(
-                run_secure(s, "none", nats_binary, agent_binary, &none, false)
-                    .await?
-                    .0,
-            )
-        } else {
-            None
-        };
-
+        // The plain bus's loads come first and its throughput load again right after the
+        // production run (which runs meanwhile on a bus of its own, the plain one's
+        // launcher and agents idle): the plain comparison's throughput ratio is over the
+        // mean of the two, so a host whose other load drifts during the run moves both
+        // sides alike.
         step(format!(
             "plain bus: anonymous, no TLS, agents in mode {}",
             s.isolation
@@ -614,6 +624,36 @@ async fn run_all(
                    launcher: &mut procs::LauncherProcess,
                    client: &Client,
                    watcher: &Arc<RequestWatcher>| {
+                step(format!(
+                    "production: {SECURE_BUS}, agents in mode {}",
+                    s.isolation
+                ));
+                let (production, exec) = run_secure(
+                    s,
+                    &s.isolation,
+                    nats_binary,
+                    agent_binary,
+                    &dir.join(SECURE_DIR),
+                    s.exec_rounds > 0,
+                )
+                .await?;
+                step(format!(
+                    "plain bus again: throughput, {} clients for {}s",
+                    s.clients, s.throughput_secs
+                ));
+                let plain_again = rig.throughput(&[launcher.pid]).await?;
+                launcher.check_alive()?;
+                let isolation_none = if s.isolation != "none" {
+                    step("production bus, agents in mode none".into());
+                    let none = dir.join(NONE_DIR);
+                    Some(
+                        run_secure(s, "none", nats_binary, agent_binary, &none, false)
+                            .await?
+                            .0,
+                    )
+                } else {
+                    None
+                };
                 let launchers = if s.launchers > 1 {
                     step(format!(
                         "throughput: {} clients for {}s, one launcher, then {} launchers, then one again",
@@ -664,6 +704,10 @@ async fn run_all(
                     None
                 };
                 anyhow::Ok(PlainMore {
+                    production,
+                    exec,
+                    plain_again,
+                    isolation_none,
                     idle,
                     cold,
                     launchers,
@@ -673,11 +717,11 @@ async fn run_all(
             },
         )
         .await?;
-        anyhow::Ok((floor, plain, more, agent, production, isolation_none, exec))
+        anyhow::Ok((floor, plain, more, agent))
     }
     .await;
     stop_child(&mut server).await;
-    let (floor, plain, more, agent, production, isolation_none, exec) = result?;
+    let (floor, plain, more, agent) = result?;
 
     let scale = if s.scale_backing > 0 {
         step(format!(
@@ -711,9 +755,10 @@ async fn run_all(
         launchers: more.launchers,
         observed: more.observed,
         scale,
-        production,
-        isolation_none,
-        exec,
+        production: more.production,
+        plain_again: more.plain_again,
+        isolation_none: more.isolation_none,
+        exec: more.exec,
     })
 }
 
@@ -1346,6 +1391,14 @@ fn print_table(r: &Report) {
         p.bus, p.isolation, p.warm.allocation.p50_ms, p.warm.allocation.p99_ms
     );
     print_throughput("production: throughput", &p.throughput);
+    print_throughput(
+        "plain bus, before production's loads: throughput",
+        &r.throughput,
+    );
+    print_throughput(
+        "plain bus, right after production's loads: throughput",
+        &r.throughput_after_production,
+    );
     println!(
         "production: release to reusable (a one-slot node released and asked for again) p50 {:.1} ms, p99 {:.1} ms",
         p.release_to_reusable.p50_ms, p.release_to_reusable.p99_ms

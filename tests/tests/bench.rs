@@ -147,6 +147,21 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         );
         assert!(load["allocations"].as_u64().unwrap() > 0, "{report}");
     }
+    // The plain comparison's other side: the plain load before the production run and
+    // again right after it, the throughput ratio over the mean of the two.
+    let again = &report["throughput_after_production"];
+    assert!(again["allocations"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(again["cpu"][0]["processes"], 1, "{report}");
+    let per_sec = |t: &serde_json::Value| t["allocations_per_sec"].as_f64().unwrap();
+    let plain_mean = (per_sec(&report["throughput"]) + per_sec(again)) / 2.0;
+    let over_plain = comparisons[0]["ratios"]["allocations_per_sec"]
+        .as_f64()
+        .unwrap();
+    let expected = per_sec(&report["production"]["throughput"]) / plain_mean;
+    assert!(
+        (over_plain - expected).abs() < 1e-9 * expected,
+        "plain ratio {over_plain}, not production over the mean of both plain loads {expected}: {report}"
+    );
     let latencies = report["latencies"].as_array().unwrap();
     assert!(latencies.len() >= 10, "{report}");
     for latency in latencies {
