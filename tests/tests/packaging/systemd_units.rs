@@ -427,9 +427,9 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
     assert_eq!(container.dirty(1), None, "{}", container.journal());
 
     // Stop: the runtime directory and the bus guard table go. The forward filter stays
-    // with forwarding; the tables of the warm slots' namespaces stay for the next start,
-    // which replaces them (their namespaces went with the unit's mount namespace, so they
-    // match no interface meanwhile).
+    // with forwarding; the agent's table of its slots' networks stays for the next start,
+    // which replaces it (the warm slots' namespaces went with the unit's mount namespace,
+    // so it matches no interface meanwhile).
     container.ok(&["systemctl", "stop", UNIT]);
     assert_eq!(
         container.run(&["systemctl", "is-active", UNIT]).0,
@@ -440,10 +440,10 @@ async fn agent_unit_runs_hardened_under_systemd_and_cleans_its_slots() {
         "/run/slotpool left after stop"
     );
     let tables = container.ok(&["nft", "list", "tables"]);
-    let slot_table = format!("table inet slotpool_{namespace}_n");
+    let slots_table = format!("table inet slotpool_{namespace}_slotnet");
     for table in tables.lines().filter(|t| t.contains("slotpool_")) {
         assert!(
-            table == "table ip slotpool_forward" || table.starts_with(&slot_table),
+            table == "table ip slotpool_forward" || table == slots_table,
             "{table} left after stop:\n{tables}"
         );
     }
