@@ -26,7 +26,7 @@ use slotpool_config::warm::Arrivals;
 use slotpool_config::Config;
 use slotpool_protocol::layout::{self, parse_slot_key, LeaseOf};
 use slotpool_protocol::model::{
-    BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
+    BackingNode, HeartbeatGist, IdleBehaviour, Lease, Node, NodeRequest, NodeState, RequestState,
     DEFAULT_HEARTBEAT_TTL_SECS,
 };
 use slotpool_protocol::store::Versioned;
@@ -34,6 +34,14 @@ use slotpool_protocol::time::{now_ms, UnixMillis};
 use slotpool_protocol::{BackingId, LauncherId, NodeId, RequestId, UserName};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
+
+/// How many open seats of one packing rank a claim looks across for the slot free the
+/// longest. Backing nodes equally full are equally good to pack; looking across a few
+/// of them lets a slot just released warm up again before it is handed out (a client
+/// that allocates and releases one node at a time would otherwise get the same few
+/// slots of one node back, each still warming), while a claim still costs no more than
+/// this many nodes' slots when thousands of empty nodes tie.
+pub const TIED_SEATS: usize = 4;
 
 /// A backing node together with what is known about it.
 #[derive(Clone, Debug)]
@@ -74,6 +82,8 @@ pub struct World {
     pub nodes_by_request: HashMap<RequestId, BTreeSet<String>>,
     /// Backing id → slot indexes in use.
     pub used: HashMap<BackingId, BTreeSet<u32>>,
+    /// Backing id → slot indexes whose node is being released (of `used`).
+    releasing: HashMap<BackingId, BTreeSet<u32>>,
     /// Seat key → backing node.
     pub backing: HashMap<String, Versioned<BackingNode>>,
     pub seat_of: HashMap<BackingId, String>,
@@ -497,6 +507,18 @@ impl World {
             .entry(n.value.backing_id.clone())
             .or_default()
             .insert(n.value.slot);
+        let releasing = self
+            .releasing
+            .entry(n.value.backing_id.clone())
+            .or_default();
+        if n.value.state == NodeState::Releasing {
+            releasing.insert(n.value.slot);
+        } else {
+            releasing.remove(&n.value.slot);
+            if releasing.is_empty() {
+                self.releasing.remove(&n.value.backing_id);
+            }
+        }
         self.reserved.remove(&key);
         self.tombstones.remove(&key);
         let backing = n.value.backing_id.clone();
@@ -563,10 +585,12 @@ impl World {
                 self.nodes_by_request.remove(&node.request_id);
             }
         }
-        if let Some(set) = self.used.get_mut(&node.backing_id) {
-            set.remove(&node.slot);
-            if set.is_empty() {
-                self.used.remove(&node.backing_id);
+        for index in [&mut self.used, &mut self.releasing] {
+            if let Some(set) = index.get_mut(&node.backing_id) {
+                set.remove(&node.slot);
+                if set.is_empty() {
+                    index.remove(&node.backing_id);
+                }
             }
         }
         self.restand_backing(&node.backing_id);
@@ -788,7 +812,11 @@ impl World {
             b,
             self.takes_slots(b).then(|| {
                 let used = self.used_count(&b.id);
-                (used, used < b.slots && self.first_free(b).is_some())
+                capacity::Use {
+                    used,
+                    held: self.held_count(&b.id),
+                    open: used < b.slots && self.first_free(b).is_some(),
+                }
             }),
         )
     }
@@ -817,6 +845,13 @@ impl World {
 
     pub fn used_count(&self, id: &BackingId) -> u32 {
         self.used.get(id).map_or(0, |s| s.len() as u32)
+    }
+
+    /// Slots of backing node `id` holding a node that is not being released: what it
+    /// is packed by ([`capacity::packing_rank`]).
+    pub fn held_count(&self, id: &BackingId) -> u32 {
+        let releasing = self.releasing.get(id).map_or(0, |s| s.len() as u32);
+        self.used_count(id).saturating_sub(releasing)
     }
 
     /// Whether new slots may go to this backing node now.
@@ -1184,9 +1219,8 @@ impl World {
     /// A request takes a slot when more are free than the standing requests ahead of
     /// it need of the label: it need not wait until those (which another launcher may
     /// drive) are seen to have claimed theirs, and they still find enough free. It
-    /// takes from its launcher's [`Lane`] (by [`capacity::packing_rank`], then seat
-    /// key, then the slot free the longest), passing over one slot for each slot needed ahead in the same
-    /// lane; only when the lane has none left does it take from the others. So requests
+    /// takes from its launcher's [`Lane`] (in [`World::free_slots_in`]'s order), passing
+    /// over one slot for each slot needed ahead in the same lane; only when the lane has none left does it take from the others. So requests
     /// that two launchers claim for at the same time, each not yet seeing the other's,
     /// go for different slots. `tenant`: the request's; a tenant at its `max-slots`
     /// gets nothing. Costs O((free slots + node sets not standing ahead) x log tenants).
@@ -1248,22 +1282,45 @@ impl World {
         self.free_slots_avoiding(b, |_| false).next()
     }
 
-    /// The free slots of `label` that `which` selects: by [`capacity::packing_rank`], then by seat
-    /// key, then in [`World::free_slots_avoiding`]'s order, passing over those `avoid` names.
+    /// The free slots of `label` that `which` selects: by [`capacity::packing_rank`];
+    /// among up to [`TIED_SEATS`] seats of one rank (by seat key), the slot free the
+    /// longest first ([`World::free_slots_avoiding`]), then by seat key and slot;
+    /// passing over those `avoid` names.
     fn free_slots_in<'a>(
         &'a self,
         label: &'a str,
         avoid: &'a dyn Fn(&str) -> bool,
         which: impl Fn(u32) -> bool + Copy + 'a,
     ) -> impl Iterator<Item = (&'a Versioned<BackingNode>, u32)> + 'a {
-        self.capacity
-            .open_seats(label)
-            .filter_map(|seat| self.backing.get(seat))
-            .flat_map(move |b| {
-                self.free_slots_avoiding(&b.value, avoid)
-                    .filter(move |slot| which(*slot))
-                    .map(move |slot| (b, slot))
-            })
+        let mut seats = self
+            .capacity
+            .ranked_open_seats(label)
+            .filter_map(|(rank, seat)| self.backing.get(seat).map(|b| (rank, b)))
+            .peekable();
+        let tied = std::iter::from_fn(move || {
+            let (rank, first) = seats.next()?;
+            let mut group = vec![first];
+            while group.len() < TIED_SEATS {
+                match seats.next_if(|(r, _)| *r == rank) {
+                    Some((_, b)) => group.push(b),
+                    None => break,
+                }
+            }
+            Some(group)
+        });
+        tied.flat_map(move |group| {
+            let mut free: Vec<(u64, usize, u32)> = group
+                .iter()
+                .enumerate()
+                .flat_map(|(i, b)| {
+                    self.aged_free_slots(&b.value, avoid)
+                        .filter(move |(_, slot)| which(*slot))
+                        .map(move |(age, slot)| (age, i, slot))
+                })
+                .collect();
+            free.sort_unstable();
+            free.into_iter().map(move |(_, i, slot)| (group[i], slot))
+        })
     }
 
     /// The slots of `b` that are neither used, reserved, reported dirty by the agent,
@@ -1278,22 +1335,31 @@ impl World {
         b: &'a BackingNode,
         avoid: impl Fn(&str) -> bool + 'a,
     ) -> impl Iterator<Item = u32> + 'a {
+        let mut free: Vec<(u64, u32)> = self.aged_free_slots(b, avoid).collect();
+        free.sort_unstable();
+        free.into_iter().map(|(_, s)| s)
+    }
+
+    /// The free slots of [`World::free_slots_avoiding`], unordered, each with the
+    /// revision of its deletion (0: never used since this launcher started).
+    fn aged_free_slots<'a>(
+        &'a self,
+        b: &'a BackingNode,
+        avoid: impl Fn(&str) -> bool + 'a,
+    ) -> impl Iterator<Item = (u64, u32)> + 'a {
         let used = self.used.get(&b.id);
         let dirty = self
             .agents
             .get(&b.id)
             .map(|a| a.dirty_slots.as_slice())
             .unwrap_or_default();
-        let mut free: Vec<(u64, u32)> = (0..b.slots)
-            .filter(|s| !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s))
-            .filter_map(|s| {
+        (0..b.slots)
+            .filter(move |s| !used.is_some_and(|u| u.contains(s)) && !dirty.contains(s))
+            .filter_map(move |s| {
                 let key = layout::slot_key(&b.id, s);
                 (!self.reserved.contains(&key) && !avoid(&key))
                     .then(|| (self.tombstones.get(&key).copied().unwrap_or(0), s))
             })
-            .collect();
-        free.sort_unstable();
-        free.into_iter().map(|(_, s)| s)
     }
 
     pub fn unreserve(&mut self, r: &SlotRef) {
@@ -1400,6 +1466,15 @@ use slotpool_protocol::model::BackingState;
 impl World {
     /// Panics unless the index says what the walk says, for every label.
     pub fn check_capacity_index(&self) {
+        // Walked: the slots in use less those whose node is being released.
+        let held = |b: &BackingNode| {
+            let releasing = self
+                .slots
+                .values()
+                .filter(|n| n.value.backing_id == b.id && n.value.state == NodeState::Releasing)
+                .count() as u32;
+            self.used_count(&b.id) - releasing
+        };
         let mut fresh = CapacityIndex::default();
         for (seat, b) in &self.backing {
             let standing = Standing {
@@ -1427,11 +1502,11 @@ impl World {
                         && self.used_count(&b.id) < b.slots
                         && self.first_free(b).is_some()
                 })
-                .map(|b| capacity::packing_rank(b.slots, self.used_count(&b.id)))
+                .map(|b| capacity::packing_rank(b.slots, held(b)))
                 .min();
             let picked = self.capacity.first_open(label).map(|seat| {
                 let b = &self.backing[seat].value;
-                capacity::packing_rank(b.slots, self.used_count(&b.id))
+                capacity::packing_rank(b.slots, held(b))
             });
             assert_eq!(
                 picked, first,
@@ -1502,7 +1577,7 @@ pub mod tests_support {
                 label: label.into(),
                 backing_id: b.clone(),
                 slot,
-                state: slotpool_protocol::model::NodeState::Ready,
+                state: NodeState::Ready,
                 requestor: "t".into(),
                 client: None,
                 host: "h".into(),
@@ -2026,6 +2101,115 @@ mod tests {
         assert_eq!(take(&mut w, "req-3"), 0, "the one just freed comes last");
     }
 
+    /// Nodes `ids` of label "small", `slots` each, ready with their agents.
+    fn ready_nodes(ids: &[&str], slots: u32) -> World {
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
+        for id in ids {
+            w.put_backing(backing(id, "small", slots, BackingState::Ready));
+            w.put_agent(agent(id));
+        }
+        w
+    }
+
+    /// Claims a slot for request `id` and puts a node in it at revision `at`, as the
+    /// claim's echo would: (backing node, slot).
+    fn claim(w: &mut World, id: &str, at: u64) -> (String, u32) {
+        let r = w.reserve_slot(&pos(100, 5, id), "small", 0).unwrap();
+        let mut n = node(r.backing_id.as_str(), r.slot, id, "small");
+        n.revision = at;
+        w.put_slot(n);
+        (r.backing_id.as_str().to_string(), r.slot)
+    }
+
+    fn free(w: &mut World, (backing, slot): &(String, u32), at: u64) {
+        let b = BackingId::parse(backing).unwrap();
+        w.remove_slot(&layout::slot_key(&b, *slot), at);
+    }
+
+    #[test]
+    fn one_node_at_a_time_goes_round_the_slots_of_equally_full_nodes() {
+        let mut w = ready_nodes(&["bn-a", "bn-b", "bn-c"], 2);
+        let mut taken = vec![];
+        for i in 0..7u64 {
+            let got = claim(&mut w, &format!("req-{i}"), 10 * i + 1);
+            free(&mut w, &got, 10 * i + 2);
+            taken.push(got);
+        }
+        let first_six: HashSet<_> = taken[..6].iter().collect();
+        assert_eq!(
+            first_six.len(),
+            6,
+            "a slot just released (still warming on its agent) was taken again while \
+             another node as full had slots free for longer: {taken:?}"
+        );
+        assert_eq!(taken[6], taken[0], "then the one free the longest");
+    }
+
+    #[test]
+    fn packing_comes_before_the_slot_free_the_longest() {
+        let mut w = ready_nodes(&["bn-a", "bn-b"], 2);
+        let held = claim(&mut w, "req-held", 1);
+        let brief = claim(&mut w, "req-brief", 2);
+        assert_eq!((held.0.as_str(), brief.0.as_str()), ("bn-a", "bn-a"));
+        free(&mut w, &brief, 3);
+        assert_eq!(
+            claim(&mut w, "req-next", 4),
+            brief,
+            "the fuller node's slot just freed, not the empty node's never used"
+        );
+    }
+
+    #[test]
+    fn a_slot_being_released_does_not_make_its_node_the_fullest() {
+        let mut w = ready_nodes(&["bn-a", "bn-b"], 2);
+        let a0 = claim(&mut w, "req-1", 1);
+        let a1 = claim(&mut w, "req-2", 2);
+        let b0 = claim(&mut w, "req-3", 3);
+        let b1 = claim(&mut w, "req-4", 4);
+        assert_eq!((a0.0.as_str(), a1.0.as_str()), ("bn-a", "bn-a"));
+        free(&mut w, &b0, 5);
+        free(&mut w, &b1, 6);
+        free(&mut w, &a1, 7);
+        // bn-a's other node is being released: the client was answered, the agent
+        // cleans the slot, then the key goes.
+        let mut marked = node("bn-a", a0.1, "req-1", "small");
+        marked.revision = 8;
+        marked.value.state = NodeState::Releasing;
+        w.put_slot(marked);
+        assert_eq!(w.used_count(&BackingId::parse("bn-a").unwrap()), 1);
+        assert_eq!(
+            claim(&mut w, "req-next", 9),
+            b0,
+            "bn-a's slot freed last (warming up again) was taken over bn-b's, freed \
+             before it, as if bn-a were fuller"
+        );
+    }
+
+    #[test]
+    fn a_claim_looks_across_a_bounded_number_of_tied_nodes() {
+        let ids: Vec<String> = (0..TIED_SEATS + 1).map(|i| format!("bn-{i}")).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let mut w = ready_nodes(&ids, 1);
+        // Every node but the last used once, the first the latest.
+        let mut order = vec![];
+        for i in 0..TIED_SEATS as u64 {
+            order.push(claim(&mut w, &format!("req-{i}"), 10 * i + 1));
+        }
+        for (i, got) in order.iter().rev().enumerate() {
+            free(&mut w, got, 100 + i as u64);
+        }
+        let last = format!("bn-{TIED_SEATS}");
+        let got = claim(&mut w, "req-next", 200);
+        assert_ne!(
+            got.0, last,
+            "the node beyond the first {TIED_SEATS} tied ones"
+        );
+        assert_eq!(got, order[TIED_SEATS - 1], "of those, the one freed first");
+    }
+
     #[test]
     fn a_node_set_stands_once_it_waited_its_patience_and_can_be_held() {
         let mut w = World::of(
@@ -2481,6 +2665,9 @@ mod tests {
                 5 => {
                     let mut n = node(&id, slot, "req-r", label);
                     n.revision = revision;
+                    if rng.below(3) == 0 {
+                        n.value.state = NodeState::Releasing;
+                    }
                     w.put_slot(n);
                 }
                 6 => w.remove_slot(&layout::slot_key(&backing_id, slot), revision),

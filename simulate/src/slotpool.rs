@@ -287,8 +287,13 @@ impl Sim<'_> {
         let standing = self.nodes.get(seat).map(|n| {
             let b = &n.record.value;
             let used = n.used.len() as u32;
+            // A release is one step here: no slot is ever seen being released.
             let serving = (b.state.takes_slots() && b.idle == IdleBehaviour::Run && n.booted)
-                .then_some((used, used < b.slots));
+                .then_some(capacity::Use {
+                    used,
+                    held: used,
+                    open: used < b.slots,
+                });
             Standing {
                 label: b.label.clone(),
                 offer: capacity::offer(b, serving),

@@ -11,9 +11,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 
 /// What the backing node `b` offers its label, given, when it takes slots (ready, with
-/// a healthy agent, not held), how many it has in use and whether another can be
-/// handed out now.
-pub fn offer(b: &BackingNode, serving: Option<(u32, bool)>) -> Offer {
+/// a healthy agent, not held), its [`Use`].
+pub fn offer(b: &BackingNode, serving: Option<Use>) -> Offer {
     match (b.state, serving) {
         // A seat whose provider said it is out of capacity brings nothing until a
         // launch succeeds: counting it would keep the planner from the next pool.
@@ -21,13 +20,25 @@ pub fn offer(b: &BackingNode, serving: Option<(u32, bool)>) -> Offer {
             Offer::Nothing
         }
         (BackingState::Requested | BackingState::Launching, _) => Offer::Booting { slots: b.slots },
-        (_, Some((used, open))) => Offer::Serving {
+        (_, Some(u)) => Offer::Serving {
             slots: b.slots,
-            used,
-            open,
+            used: u.used,
+            held: u.held,
+            open: u.open,
         },
         (_, None) => Offer::Nothing,
     }
+}
+
+/// How a backing node taking slots uses them now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Use {
+    /// Slots holding a node, releasing ones included.
+    pub used: u32,
+    /// Of those, the ones not being released: what the node is packed by.
+    pub held: u32,
+    /// Whether one of the others can be handed out now (not dirty, not reserved).
+    pub open: bool,
 }
 
 /// What one backing node offers its label now.
@@ -35,9 +46,14 @@ pub fn offer(b: &BackingNode, serving: Option<(u32, bool)>) -> Offer {
 pub enum Offer {
     /// Requested or launching: all its slots are coming.
     Booting { slots: u32 },
-    /// Taking slots, `used` of `slots` in use; `open` when one of the others can be
-    /// handed out now (not dirty, not reserved).
-    Serving { slots: u32, used: u32, open: bool },
+    /// Taking slots, `used` of `slots` in use, `held` of them not being released;
+    /// `open` when one of the others can be handed out now (not dirty, not reserved).
+    Serving {
+        slots: u32,
+        used: u32,
+        held: u32,
+        open: bool,
+    },
     /// Nothing now or soon: held, draining, failed, without a healthy agent…
     Nothing,
 }
@@ -73,9 +89,10 @@ impl Offer {
         match *self {
             Offer::Serving {
                 slots,
-                used,
+                held,
                 open: true,
-            } => Some(packing_rank(slots, used)),
+                ..
+            } => Some(packing_rank(slots, held)),
             _ => None,
         }
     }
@@ -86,11 +103,15 @@ impl Offer {
 pub type Rank = (u32, Reverse<u32>);
 
 /// The packing rule, the one the launcher's claims and the simulator follow: the
-/// smallest node first (fewest slots), then the fullest. When load falls, the big nodes
-/// are the ones left empty, and lifecycle releases them after their grace-time; among
-/// nodes of one size, the fullest is filled, so the others empty.
-pub fn packing_rank(slots: u32, used: u32) -> Rank {
-    (slots, Reverse(used))
+/// smallest node first (fewest slots), then the fullest (`held`: slots holding a node
+/// not being released). When load falls, the big nodes are the ones left empty, and
+/// lifecycle releases them after their grace-time; among nodes of one size, the fullest
+/// is filled, so the others empty. A slot being released does not count: its node is
+/// about to be that much emptier, and counting it would send a client that releases a
+/// node and asks for the next one back to the same node each time, to a slot still
+/// warming up again there while equally full nodes have warm ones.
+pub fn packing_rank(slots: u32, held: u32) -> Rank {
+    (slots, Reverse(held))
 }
 
 impl Offer {}
@@ -169,10 +190,18 @@ impl CapacityIndex {
 
     /// The seats of `label` with a slot to hand out now, in [`packing_rank`] order.
     pub fn open_seats<'a>(&'a self, label: &str) -> impl Iterator<Item = &'a str> + 'a {
+        self.ranked_open_seats(label).map(|(_, seat)| seat)
+    }
+
+    /// [`CapacityIndex::open_seats`], each with its rank.
+    pub fn ranked_open_seats<'a>(
+        &'a self,
+        label: &str,
+    ) -> impl Iterator<Item = (Rank, &'a str)> + 'a {
         self.by_label
             .get(label)
             .into_iter()
-            .flat_map(|l| l.open.iter().map(|(_, seat)| seat.as_str()))
+            .flat_map(|l| l.open.iter().map(|(rank, seat)| (*rank, seat.as_str())))
     }
 
     /// Slots of `label` free now or soon.
@@ -203,6 +232,7 @@ mod tests {
             offer: Offer::Serving {
                 slots: 4,
                 used,
+                held: used,
                 open,
             },
         })
@@ -249,6 +279,7 @@ mod tests {
                 offer: Offer::Serving {
                     slots,
                     used,
+                    held: used,
                     open: true,
                 },
             })
