@@ -13,7 +13,7 @@
 //! - [`disk_quota`]: a workspace as a filesystem image of its own; [`mounts`]: the agent's
 //!   mount namespace and the `/proc` that hides other users' processes;
 //! - [`netns`]: a network namespace per slot; [`bus_guard`]: the nftables table that keeps
-//!   slot users off the bus;
+//!   slot users off the bus; [`nsfs`]: the namespace files that keep a slot's namespaces;
 //! - [`wipe`]: removing a job-controlled tree without following a link; [`shared_dirs`]:
 //!   a slot user's entries in the host's shared directories;
 //! - [`enter`]: the placement socket and the `enter-slot` helper sshd runs for logins.
@@ -47,6 +47,7 @@ pub mod enter;
 pub mod mounts;
 pub mod netns;
 pub mod netns_blocks;
+pub mod nsfs;
 pub mod passwd;
 pub mod private_tmp;
 pub mod procs;

@@ -414,26 +414,10 @@ pub fn forward_filter_script() -> String {
 /// What the host end of every slot's veth is named with.
 pub const VETH_PREFIX: &str = "spn";
 
-/// Opens the namespace file `path`, checked to be one (an empty mount point left by a
-/// failed set-up is none).
+/// Opens the namespace file `path` ([`super::nsfs::open`]).
 fn open_ns(path: &Path) -> Result<OwnedFd, NetnsError> {
-    let fd = rustix::fs::open(
-        path,
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))?;
-    let is_nsfs = rustix::fs::fstatfs(&fd).is_ok_and(|s| s.f_type == NSFS_MAGIC);
-    if !is_nsfs {
-        return Err(fail(format!("opening {}", path.display()))(
-            "not a namespace".into(),
-        ));
-    }
-    Ok(fd)
+    super::nsfs::open(path).map_err(|(action, reason)| NetnsError { action, reason })
 }
-
-/// `statfs` type of the namespace file system.
-const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 
 /// The host end's name: at most 15 bytes (`spn`, 8 hex of the namespace's hash, the
 /// slot), the same for the same agent namespace and slot.

@@ -505,7 +505,7 @@ impl SlotMounts {
             .into_iter()
             .filter(|f| {
                 if files_kept {
-                    is_nsfs(f)
+                    super::nsfs::is_bound(f)
                 } else {
                     fs::symlink_metadata(f).is_ok()
                 }
@@ -528,7 +528,7 @@ impl SlotMounts {
     pub fn open(&self, slot: u32) -> Result<SlotNamespaces, PrivateTmpError> {
         // A file kept empty from an earlier warm-up names no namespace.
         let user = self.user_file(slot);
-        let user = if is_nsfs(&user) {
+        let user = if super::nsfs::is_bound(&user) {
             Some(open_nsfs(&user)?)
         } else {
             None
@@ -810,30 +810,10 @@ fn c_path(path: &Path) -> Result<std::ffi::CString, PrivateTmpError> {
         .map_err(|e| fail(format!("using {}", path.display()))(e.to_string()))
 }
 
-/// Opens a namespace file, refusing an empty mount point left by a failed set-up.
+/// Opens a namespace file ([`super::nsfs::open`]).
 pub fn open_nsfs(path: &Path) -> Result<OwnedFd, PrivateTmpError> {
-    let fd = rustix::fs::open(
-        path,
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))?;
-    let is_nsfs = rustix::fs::fstatfs(&fd).is_ok_and(|s| s.f_type == NSFS_MAGIC);
-    if !is_nsfs {
-        return Err(fail(format!("opening {}", path.display()))(
-            "not a namespace".into(),
-        ));
-    }
-    Ok(fd)
+    super::nsfs::open(path).map_err(|(action, reason)| PrivateTmpError { action, reason })
 }
-
-/// Whether `path` is a namespace file (bound there), not an empty mount point.
-fn is_nsfs(path: &Path) -> bool {
-    rustix::fs::statfs(path).is_ok_and(|s| s.f_type == NSFS_MAGIC)
-}
-
-/// `statfs` type of the namespace file system.
-const NSFS_MAGIC: rustix::fs::FsWord = 0x6e73_6673;
 
 #[cfg(test)]
 mod tests {
