@@ -29,27 +29,19 @@ pub struct Launchers {
 }
 
 impl Launchers {
-    /// Allocations/s of the launchers together over those of one alone (the mean of the
-    /// loads before and after).
+    /// Allocations/s of the launchers together over those of one alone
+    /// ([`Throughput::over_mean`] of the loads before and after).
     pub fn allocations_per_sec_ratio(&self) -> f64 {
-        let alone: f64 = self
-            .alone
-            .iter()
-            .map(|t| t.allocations_per_sec)
-            .sum::<f64>()
-            / 2.0;
-        self.together.allocations_per_sec / alone
+        let [before, after] = &self.alone;
+        self.together
+            .over_mean(|t| t.allocations_per_sec, before, after)
     }
 
     /// CPU of every process per allocation, together over alone (the same way).
     pub fn cpu_ratio(&self) -> f64 {
-        let alone: f64 = self
-            .alone
-            .iter()
-            .map(|t| t.cpu_ms_per_allocation)
-            .sum::<f64>()
-            / 2.0;
-        self.together.cpu_ms_per_allocation / alone
+        let [before, after] = &self.alone;
+        self.together
+            .over_mean(|t| t.cpu_ms_per_allocation, before, after)
     }
 }
 

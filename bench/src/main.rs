@@ -346,11 +346,10 @@ impl Ratios {
         base: &Allocations,
         base_again: &Throughput,
     ) -> Ratios {
-        let mean = |f: fn(&Throughput) -> f64| (f(&base.throughput) + f(base_again)) / 2.0;
+        let over_both = |f| throughput.over_mean(f, &base.throughput, base_again);
         Ratios {
-            allocations_per_sec: throughput.allocations_per_sec / mean(|t| t.allocations_per_sec),
-            cpu_ms_per_allocation: throughput.cpu_ms_per_allocation
-                / mean(|t| t.cpu_ms_per_allocation),
+            allocations_per_sec: over_both(|t| t.allocations_per_sec),
+            cpu_ms_per_allocation: over_both(|t| t.cpu_ms_per_allocation),
             ..self
         }
     }

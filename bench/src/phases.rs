@@ -253,6 +253,20 @@ pub struct Throughput {
     pub stolen_percent: Option<f64>,
 }
 
+impl Throughput {
+    /// Figure `f` of this load over its mean in `before` and `after`, two runs of the
+    /// load it is compared with, just before and just after it: a host whose other load
+    /// changes during the run moves both sides alike.
+    pub fn over_mean(
+        &self,
+        f: fn(&Throughput) -> f64,
+        before: &Throughput,
+        after: &Throughput,
+    ) -> f64 {
+        f(self) / ((f(before) + f(after)) / 2.0)
+    }
+}
+
 /// Concurrent clients, one per entry of `clients` (each on its own connection), each
 /// requesting a node and releasing it, for `duration`.
 pub async fn throughput(
