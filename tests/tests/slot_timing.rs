@@ -215,7 +215,7 @@ async fn prepare_release_times_and_idle_memory() {
 #[ignore = "a benchmark: run by hand as root"]
 fn slot_netns_create_and_remove_times() {
     use rand::Rng;
-    use slotpool_agent::isolation::netns::{AddressRange, SlotNetworks};
+    use slotpool_agent::isolation::netns::{AddressRange, SlotNetworks, Teardown};
     slotpool_tests::require_root();
     let run = tempfile::tempdir().unwrap();
     let namespace = format!("sptb{:08x}", rand::rng().random::<u32>());
@@ -238,36 +238,47 @@ fn slot_netns_create_and_remove_times() {
     struct RemoveOnDrop(SlotNetworks);
     impl Drop for RemoveOnDrop {
         fn drop(&mut self) {
-            let _ = self.0.remove(0);
+            let _ = self.0.remove(0, Teardown::Remove);
         }
     }
     let guard = RemoveOnDrop(nets);
     let nets = &guard.0;
     // Any unprivileged uid owns the namespaces; no user needs to exist.
     let uid = 3_999_000 + rand::rng().random_range(0..999u32);
-    let (mut create, mut remove) = (Vec::new(), Vec::new());
-    let (mut create_cpu, mut remove_cpu) = (Duration::ZERO, Duration::ZERO);
-    for _ in 0..ROUNDS {
-        let (t, cpu) = (Instant::now(), cpu_used());
-        nets.create(0, uid, uid).unwrap();
-        create.push(t.elapsed());
-        create_cpu += cpu_used() - cpu;
-        nets.open(0).expect("the namespaces are there");
-        let (t, cpu) = (Instant::now(), cpu_used());
-        let problems = nets.remove(0);
-        remove.push(t.elapsed());
-        remove_cpu += cpu_used() - cpu;
-        assert!(problems.is_empty(), "{problems:?}");
-        assert!(nets.leftovers(0).is_empty(), "{:?}", nets.leftovers(0));
+    // As a release and its warm-up go (the veth left to the kernel), then as a slot
+    // made anew does (deleted at once).
+    for (how, name) in [(Teardown::Release, "release"), (Teardown::Remove, "remove")] {
+        let (mut create, mut remove) = (Vec::new(), Vec::new());
+        let (mut create_cpu, mut remove_cpu) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..ROUNDS {
+            let (t, cpu) = (Instant::now(), cpu_used());
+            nets.create(0, uid, uid).unwrap();
+            create.push(t.elapsed());
+            create_cpu += cpu_used() - cpu;
+            nets.open(0).expect("the namespaces are there");
+            let (t, cpu) = (Instant::now(), cpu_used());
+            let problems = nets.remove(0, how);
+            remove.push(t.elapsed());
+            remove_cpu += cpu_used() - cpu;
+            assert!(problems.is_empty(), "{problems:?}");
+            assert!(
+                nets.leftovers(0, how).is_empty(),
+                "{:?}",
+                nets.leftovers(0, how)
+            );
+        }
+        summary(
+            &format!("slot network namespace: create (after {name})"),
+            &mut create,
+        );
+        summary(&format!("slot network namespace: {name}"), &mut remove);
+        println!(
+            "slot network namespace: CPU of this process and the programs it ran, per \
+             create {:?}, per {name} {:?} (the kernel's own work on namespaces not counted)",
+            create_cpu / ROUNDS as u32,
+            remove_cpu / ROUNDS as u32
+        );
     }
-    summary("slot network namespace: create", &mut create);
-    summary("slot network namespace: remove", &mut remove);
-    println!(
-        "slot network namespace: CPU of this process and the programs it ran, per create \
-         {:?}, per remove {:?} (the kernel's own work on namespaces not counted)",
-        create_cpu / ROUNDS as u32,
-        remove_cpu / ROUNDS as u32
-    );
 }
 
 /// The CPU time (user and system) this process and its waited-for children used so far.

@@ -70,6 +70,22 @@ fn fail(action: impl Into<String>) -> impl FnOnce(String) -> NetnsError {
     move |reason| NetnsError { action, reason }
 }
 
+/// How much of a slot's namespace [`SlotNetworks::remove`] takes away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Teardown {
+    /// Everything, the veth pair deleted now: the slot is destroyed, or its set-up
+    /// failed.
+    Remove,
+    /// At a release, the slot to be warmed again: the namespace files only. The veth
+    /// pair goes with the namespace once nothing holds it, in the kernel's cleanup,
+    /// which takes all the namespaces going at the time in one pass; an `ip link del`
+    /// holds the host's routing lock through an RCU grace period for each pair, and the
+    /// warm-ups and releases of every slot on the host queue behind it (figures in
+    /// docs/slot-network.md). A veth still there at the slot's next warm-up is deleted
+    /// then, before the new pair is made.
+    Release,
+}
+
 /// What one slot's namespace is made of.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotNetNames {
@@ -196,7 +212,7 @@ impl SlotNetworks {
         let names = self.names_or_err(slot)?;
         let result = self.try_create(&names, uid, gid);
         if result.is_err() {
-            let _ = self.remove(slot);
+            let _ = self.remove(slot, Teardown::Remove);
         }
         result
     }
@@ -258,6 +274,16 @@ impl SlotNetworks {
                 ))(e.to_string())
             })?;
         }
+        // The veth of the slot's last namespace, if the kernel has not removed it with
+        // that namespace yet (or something keeps that namespace), goes first. The kernel
+        // may take it meanwhile: its name is free before its entry in /sys goes.
+        if veth_exists(&n.veth) {
+            if let Err(e) = run(Command::new("ip").args(["link", "del", &n.veth]), None) {
+                if !e.reason.contains("Cannot find device") {
+                    return Err(e);
+                }
+            }
+        }
         run(
             Command::new("ip").args(["-batch", "-"]),
             Some(&host_script(n, pid)),
@@ -280,13 +306,14 @@ impl SlotNetworks {
         run(&mut inside, Some(&inside_script(n)))
     }
 
-    /// Removes everything of the slot's namespace that is there; returns what failed.
-    pub fn remove(&self, slot: u32) -> Vec<String> {
+    /// Removes everything of the slot's namespace that is there (with
+    /// [`Teardown::Release`], all but the veth pair); returns what failed.
+    pub fn remove(&self, slot: u32, how: Teardown) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
         let mut problems = Vec::new();
-        if veth_exists(&n.veth) {
+        if how == Teardown::Remove && veth_exists(&n.veth) {
             if let Err(e) = run(Command::new("ip").args(["link", "del", &n.veth]), None) {
                 problems.push(e.to_string());
             }
@@ -306,13 +333,13 @@ impl SlotNetworks {
         problems
     }
 
-    /// What is left of the slot's namespace (after [`SlotNetworks::remove`]).
-    pub fn leftovers(&self, slot: u32) -> Vec<String> {
+    /// What is left of the slot's namespace (after [`SlotNetworks::remove`] with `how`).
+    pub fn leftovers(&self, slot: u32, how: Teardown) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
         let mut left = Vec::new();
-        if veth_exists(&n.veth) {
+        if how == Teardown::Remove && veth_exists(&n.veth) {
             left.push(format!("veth {}", n.veth));
         }
         for file in [&n.user_ns, &n.net_ns] {

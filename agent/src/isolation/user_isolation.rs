@@ -65,7 +65,7 @@ use super::Limits;
 use crate::isolation::cgroup::CgroupDriver;
 use crate::isolation::disk_quota::WorkspaceImages;
 use crate::isolation::enter::NsKind;
-use crate::isolation::netns::{NetnsError, SlotNetworks};
+use crate::isolation::netns::{NetnsError, SlotNetworks, Teardown};
 use crate::isolation::private_tmp::{CopyOf, SlotMounts};
 use crate::isolation::shared_dirs;
 use crate::isolation::uid_range::UidAllocator;
@@ -582,7 +582,13 @@ impl UserIsolation {
             });
         }
         if let Some(net) = &self.network {
-            problems.extend(net.remove(slot));
+            problems.extend(net.remove(
+                slot,
+                match keep {
+                    KeepUser::IfClean => Teardown::Release,
+                    KeepUser::No => Teardown::Remove,
+                },
+            ));
         }
         if let Some(info) = &info {
             for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
@@ -728,7 +734,11 @@ impl UserIsolation {
             left.push(format!("file {}", file.display()));
         }
         if let Some(net) = &self.network {
-            left.extend(net.leftovers(slot));
+            let how = match files_kept {
+                true => Teardown::Release,
+                false => Teardown::Remove,
+            };
+            left.extend(net.leftovers(slot, how));
         }
         if let Some(mounts) = &self.private_tmp {
             left.extend(mounts.leftovers(slot, files_kept));
@@ -892,7 +902,7 @@ impl SlotIsolation for UserIsolation {
             // was made cold above).
             if let Some(net) = &self.network {
                 if !net.exists(slot) {
-                    let _ = net.remove(slot);
+                    let _ = net.remove(slot, Teardown::Remove);
                     if let Err(err) = net.create(slot, info.uid, info.gid) {
                         tracing::warn!(slot, %err, "cannot make the slot's network namespace again; its logins are refused");
                     }
