@@ -28,6 +28,53 @@ fn tag(len: usize) -> String {
 /// 0711 (slot users pass through it) when run as root; others use the temp dir.
 pub const SLOT_VISIBLE_ROOT: &str = "/var/lib/slotpool-tests";
 
+/// One slot's network namespaces made with the agent's own code, outside any agent: a
+/// random agent namespace and a random /24 of 10.0.0.0/8, in a temp dir. Slot 0's
+/// namespace, veth and table are removed on drop, also when the test panics.
+pub struct SlotNetworksForTest {
+    pub nets: slotpool_agent::isolation::netns::SlotNetworks,
+    _run: TempDir,
+}
+
+impl SlotNetworksForTest {
+    pub fn new() -> SlotNetworksForTest {
+        use rand::Rng;
+        use slotpool_agent::isolation::netns::{AddressRange, SlotNetworks};
+        require_root();
+        let run = tempfile::tempdir().unwrap();
+        let namespace = format!("sptb{:08x}", rand::rng().random::<u32>());
+        let range = AddressRange::parse(&format!(
+            "10.{}.{}.0/24",
+            rand::rng().random_range(100..250u8),
+            rand::rng().random_range(0..=255u8)
+        ))
+        .unwrap();
+        let nets = SlotNetworks::new(
+            run.path().join("netns"),
+            namespace,
+            range,
+            1,
+            &run.path().join("blocks"),
+            vec![4222],
+        )
+        .unwrap();
+        SlotNetworksForTest { nets, _run: run }
+    }
+}
+
+impl Default for SlotNetworksForTest {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for SlotNetworksForTest {
+    fn drop(&mut self) {
+        use slotpool_agent::isolation::netns::Teardown;
+        let _ = self.nets.remove(0, Teardown::Remove);
+    }
+}
+
 /// A temp dir (removed on drop) a slot login can reach, under [`SLOT_VISIBLE_ROOT`].
 pub fn slot_visible_tempdir(prefix: &str) -> TempDir {
     let mut builder = tempfile::Builder::new();

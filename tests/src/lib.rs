@@ -50,8 +50,8 @@ pub use agent::{
 };
 pub use isolation::{
     in_namespace, require_root, set_mode, shipped_sshd_drop_in, slot_match_block,
-    slot_visible_tempdir, unmount_all_under, ClientKey, IsolationEnv, PrivateMounts, Sshd,
-    UnmountOnDrop, SLOT_VISIBLE_ROOT, SSHD,
+    slot_visible_tempdir, unmount_all_under, ClientKey, IsolationEnv, PrivateMounts,
+    SlotNetworksForTest, Sshd, UnmountOnDrop, SLOT_VISIBLE_ROOT, SSHD,
 };
 pub use moto::{moto_server_binary, Moto, MOTO_START_TIMEOUT};
 pub use nats::{nats_server_binary, NatsCluster, NatsServer, NATS_START_TIMEOUT};

@@ -1764,6 +1764,39 @@ async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }
 
+/// A release leaves the slot's veth pair to go with its namespace (here something still
+/// holds the old namespace, as when the kernel has not cleaned it up yet) and counts it
+/// as no leftover; the next warm-up replaces the stale veth; a removal deletes the veth
+/// at once.
+#[test]
+fn a_released_slots_veth_goes_with_its_namespace_and_a_stale_one_is_replaced() {
+    use slotpool_agent::isolation::netns::Teardown;
+    let slot = slotpool_tests::SlotNetworksForTest::new();
+    let nets = &slot.nets;
+    let uid = 3_998_000 + std::process::id() % 999;
+    nets.create(0, uid, uid).unwrap();
+    let veth = nets.names(0).unwrap().veth;
+    let sys = Path::new("/sys/class/net").join(&veth);
+    let ifindex = || std::fs::read_to_string(sys.join("ifindex")).ok();
+    let first = ifindex().expect("the veth is there");
+    let held = nets.open(0).unwrap();
+    assert_eq!(nets.remove(0, Teardown::Release), Vec::<String>::new());
+    assert_eq!(nets.leftovers(0, Teardown::Release), Vec::<String>::new());
+    assert_eq!(
+        ifindex().as_ref(),
+        Some(&first),
+        "a release deleted the veth of a namespace still held"
+    );
+    nets.create(0, uid, uid)
+        .expect("the warm-up replaces the stale veth");
+    let second = ifindex().expect("the new veth is there");
+    assert_ne!(second, first, "still the old veth");
+    drop(held);
+    assert_eq!(nets.remove(0, Teardown::Remove), Vec::<String>::new());
+    assert_eq!(ifindex(), None, "a removal leaves the veth");
+    assert_eq!(nets.leftovers(0, Teardown::Remove), Vec::<String>::new());
+}
+
 /// A release that cannot remove a slot's namespace mount leaves the slot dirty, with the
 /// reason. (The test stacks a second mount on the slot's `.net` file, so the agent's
 /// unmount leaves a mount point it cannot delete.)

@@ -215,34 +215,9 @@ async fn prepare_release_times_and_idle_memory() {
 #[ignore = "a benchmark: run by hand as root"]
 fn slot_netns_create_and_remove_times() {
     use rand::Rng;
-    use slotpool_agent::isolation::netns::{AddressRange, SlotNetworks, Teardown};
-    slotpool_tests::require_root();
-    let run = tempfile::tempdir().unwrap();
-    let namespace = format!("sptb{:08x}", rand::rng().random::<u32>());
-    let range = AddressRange::parse(&format!(
-        "10.{}.{}.0/24",
-        rand::rng().random_range(100..250u8),
-        rand::rng().random_range(0..=255u8)
-    ))
-    .unwrap();
-    let nets = SlotNetworks::new(
-        run.path().join("netns"),
-        namespace,
-        range,
-        1,
-        &run.path().join("blocks"),
-        vec![4222],
-    )
-    .unwrap();
-    /// Removes the slot's namespace, veth and table also when the benchmark panics.
-    struct RemoveOnDrop(SlotNetworks);
-    impl Drop for RemoveOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.remove(0, Teardown::Remove);
-        }
-    }
-    let guard = RemoveOnDrop(nets);
-    let nets = &guard.0;
+    use slotpool_agent::isolation::netns::Teardown;
+    let slot_networks = slotpool_tests::SlotNetworksForTest::new();
+    let nets = &slot_networks.nets;
     // Any unprivileged uid owns the namespaces; no user needs to exist.
     let uid = 3_999_000 + rand::rng().random_range(0..999u32);
     // As a release and its warm-up go (the veth left to the kernel), then as a slot
