@@ -1,5 +1,6 @@
 //! The processes the benchmark starts and what `/proc` says about them: resident memory
-//! (`VmRSS` in `/proc/<pid>/status`) and CPU time (`utime + stime` in `/proc/<pid>/stat`).
+//! (`VmRSS` in `/proc/<pid>/status`) and CPU time (`utime + stime + cutime + cstime` in
+//! `/proc/<pid>/stat`: its own and that of the children it waited for).
 
 use anyhow::{bail, Context};
 use serde::Serialize;
@@ -23,19 +24,22 @@ pub fn rss_kb(pid: u32) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// CPU time used so far (user + system).
+/// CPU time used so far (user + system) by the process and by the children it has
+/// waited for: an agent's `ip`, `useradd` and `nft` runs and the namespace holders it
+/// forks count as the agent's once it reaps them.
 pub fn cpu_time(pid: u32) -> Option<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may contain spaces) start at field 3.
+    // Fields after the command name (which may contain spaces) start at field 3:
+    // utime, stime, cutime, cstime are fields 14 to 17.
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
+    let mut ticks_used = 0u64;
+    for field in 11..15 {
+        ticks_used += fields.get(field)?.parse::<u64>().ok()?;
+    }
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some(Duration::from_secs_f64(
-        (utime + stime) as f64 / ticks as f64,
-    ))
+    Some(Duration::from_secs_f64(ticks_used as f64 / ticks as f64))
 }
 
 /// Memory and CPU of a process over a window in which nothing is asked of it.
@@ -259,5 +263,31 @@ impl LauncherProcess {
     /// SIGKILL: a crash, leaving its leases behind.
     pub async fn crash(mut self) {
         let _ = self.child.kill().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_cpu_time_counts_the_children_it_waited_for() {
+        let me = std::process::id();
+        let before = cpu_time(me).unwrap();
+        // A child that spins on the CPU for about half a second, then is waited for.
+        let status = std::process::Command::new("sh")
+            .args([
+                "-c",
+                "end=$(( $(date +%s%N) + 500000000 )); \
+                 while [ $(date +%s%N) -lt $end ]; do :; done",
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let counted = cpu_time(me).unwrap() - before;
+        assert!(
+            counted >= Duration::from_millis(100),
+            "the child's CPU time is not counted: {counted:?}"
+        );
     }
 }
