@@ -1797,6 +1797,56 @@ fn a_released_slots_veth_goes_with_its_namespace_and_a_stale_one_is_replaced() {
     assert_eq!(nets.leftovers(0, Teardown::Remove), Vec::<String>::new());
 }
 
+/// A warm-up's network (made over route-netlink) is what the `ip` commands it replaced
+/// made: inside, `lo` and `eth0` up, the slot's /30 on `eth0`, the default route via the
+/// host's end; on the host, the veth up with the host's address.
+#[test]
+fn a_slots_network_is_what_ip_shows_for_it() {
+    use slotpool_agent::isolation::netns::Teardown;
+    let slot = slotpool_tests::SlotNetworksForTest::new();
+    let nets = &slot.nets;
+    let uid = 3_997_000 + std::process::id() % 999;
+    nets.create(0, uid, uid).unwrap();
+    let n = nets.names(0).unwrap();
+    let ip = |netns: Option<&Path>, args: &str| {
+        let mut cmd = match netns {
+            Some(file) => {
+                let mut c = std::process::Command::new("nsenter");
+                c.arg(format!("--net={}", file.display())).arg("ip");
+                c
+            }
+            None => std::process::Command::new("ip"),
+        };
+        let out = cmd.args(args.split(' ')).output().unwrap();
+        assert!(out.status.success(), "ip {args}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let inside = Some(n.net_ns.as_path());
+    let links = ip(inside, "-o link show up");
+    assert!(links.contains(" lo: "), "{links}");
+    assert!(links.contains(" eth0@"), "{links}");
+    let addrs = ip(inside, "-o -4 addr show");
+    assert!(addrs.contains("lo    inet 127.0.0.1/8"), "{addrs}");
+    assert!(
+        addrs.contains(&format!(
+            "eth0    inet {}/30 scope global eth0",
+            n.slot_addr
+        )),
+        "{addrs}"
+    );
+    let routes = ip(inside, "-4 route show");
+    let default = format!("default via {} dev eth0", n.host_addr);
+    assert!(routes.lines().any(|l| l.trim() == default), "{routes}");
+    let host = ip(None, &format!("-o -4 addr show dev {}", n.veth));
+    assert!(
+        host.contains(&format!("inet {}/30 scope global {}", n.host_addr, n.veth)),
+        "{host}"
+    );
+    let up = ip(None, &format!("-o link show dev {} up", n.veth));
+    assert!(up.contains(&n.veth), "the host's end is not up: {up}");
+    assert_eq!(nets.remove(0, Teardown::Remove), Vec::<String>::new());
+}
+
 /// A release that cannot remove a slot's namespace mount leaves the slot dirty, with the
 /// reason. (The test stacks a second mount on the slot's `.net` file, so the agent's
 /// unmount leaves a mount point it cannot delete.)

@@ -51,6 +51,7 @@ pub mod nsfs;
 pub mod passwd;
 pub mod private_tmp;
 pub mod procs;
+pub mod rtnl;
 pub mod shared_dirs;
 pub mod slot_dns;
 pub mod uid_range;

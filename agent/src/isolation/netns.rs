@@ -20,7 +20,8 @@
 //!   netns` but got no namespaces refuses the login. Nobody else can join: setns needs
 //!   `CAP_SYS_ADMIN` over the user namespace, which only its owner uid (and root) has.
 //! - **Egress.** A veth pair: `eth0` inside (`.2` of the slot's /30 of
-//!   `--slot-netns-range`, default route via `.1`), the host end `spn<hash><slot>`. One
+//!   `--slot-netns-range`, default route via `.1`), the host end `spn<hash><slot>`,
+//!   both set up by the agent over route-netlink ([`crate::isolation::rtnl`]). One
 //!   table per agent, `slotpool_<namespace>_slotnet` ([`agent_table_script`]), written
 //!   once when the agent starts and covering every slot it has (sets keyed by veth name
 //!   and slot address), masquerades what a slot sends out of the host, drops what comes
@@ -34,22 +35,23 @@
 //!   never back off), with a filter that forwards nothing else ([`ensure_forwarding`]).
 //! - **Addresses**: each agent numbers its slots from a block of the range of its own
 //!   ([`crate::isolation::netns_blocks`], the address plan).
-//! - **Release** removes the veth and the mounts, and checks that neither the veth nor
-//!   the mount points are left; what could not be removed makes the slot dirty. The
+//! - **Release** removes the mounts ([`Teardown::Release`]: the veth goes with the
+//!   namespace) and checks that no mount point is left; removing a slot deletes its
+//!   veth too. What could not be removed makes the slot dirty. The
 //!   agent's table stays (it matches no veth of a released slot); removing every slot
 //!   ([`SlotNetworks::close`]) removes it.
 
 use std::fs;
 use std::io::Write;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::isolation::bus_guard::METADATA_V4;
 use crate::isolation::private_tmp::Holder;
+use crate::isolation::rtnl::{Rtnl, LOOPBACK_INDEX};
 
 pub use crate::isolation::netns_blocks::{AddressRange, DEFAULT_RANGE};
 
@@ -277,33 +279,40 @@ impl SlotNetworks {
         // The veth of the slot's last namespace, if the kernel has not removed it with
         // that namespace yet (or something keeps that namespace), goes first. The kernel
         // may take it meanwhile: its name is free before its entry in /sys goes.
+        let mut host =
+            Rtnl::open().map_err(|e| fail("opening a route-netlink socket")(e.to_string()))?;
         if veth_exists(&n.veth) {
-            if let Err(e) = run(Command::new("ip").args(["link", "del", &n.veth]), None) {
-                if !e.reason.contains("Cannot find device") {
-                    return Err(e);
-                }
-            }
+            delete_veth(&mut host, &n.veth)?;
         }
-        run(
-            Command::new("ip").args(["-batch", "-"]),
-            Some(&host_script(n, pid)),
-        )?;
-        // `ip` joins the slot's network namespace before it starts (no `nsenter`).
+        let host_end = (|| {
+            host.add_veth(&n.veth, SLOT_LINK, pid)?;
+            let index = host.index(&n.veth)?;
+            host.add_address(index, n.host_addr, SLOT_PREFIX)?;
+            host.set_up(index)
+        })();
+        host_end.map_err(|e| {
+            fail(format!(
+                "adding the veth pair {} ({SLOT_LINK} in the namespace of pid {pid}), {}/{SLOT_PREFIX}",
+                n.veth, n.host_addr
+            ))(e.to_string())
+        })?;
         let net_ns = open_ns(&n.net_ns)?;
-        let mut inside = Command::new("ip");
-        inside.args(["-batch", "-"]);
-        let fd = net_ns.as_raw_fd();
-        // SAFETY: only the async-signal-safe setns(2), on a descriptor open until the
-        // spawn returns, runs between fork and exec.
-        unsafe {
-            inside.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        run(&mut inside, Some(&inside_script(n)))
+        let inside = (|| {
+            let mut inside = Rtnl::open_in(net_ns.as_fd())?;
+            inside.set_up(LOOPBACK_INDEX)?;
+            let index = inside.index(SLOT_LINK)?;
+            inside.add_address(index, n.slot_addr, SLOT_PREFIX)?;
+            inside.set_up(index)?;
+            inside.add_default_route(n.host_addr)
+        })();
+        inside.map_err(|e| {
+            fail(format!(
+                "setting up lo and {SLOT_LINK} ({}/{SLOT_PREFIX}, default route via {}) in {}",
+                n.slot_addr,
+                n.host_addr,
+                n.net_ns.display()
+            ))(e.to_string())
+        })
     }
 
     /// Removes everything of the slot's namespace that is there (with
@@ -314,7 +323,10 @@ impl SlotNetworks {
         };
         let mut problems = Vec::new();
         if how == Teardown::Remove && veth_exists(&n.veth) {
-            if let Err(e) = run(Command::new("ip").args(["link", "del", &n.veth]), None) {
+            let deleted = Rtnl::open()
+                .map_err(|e| fail("opening a route-netlink socket")(e.to_string()))
+                .and_then(|mut host| delete_veth(&mut host, &n.veth));
+            if let Err(e) = deleted {
                 problems.push(e.to_string());
             }
         }
@@ -458,23 +470,19 @@ fn veth_exists(name: &str) -> bool {
     Path::new("/sys/class/net").join(name).exists()
 }
 
-/// `ip -batch` lines run on the host: the veth pair, its peer `eth0` moved into the
-/// network namespace of `pid`, and the host end's address.
-pub fn host_script(n: &SlotNetNames, pid: u32) -> String {
-    format!(
-        "link add {v} type veth peer name eth0 netns {pid}\naddr add {}/30 dev {v}\n\
-         link set {v} up\n",
-        n.host_addr,
-        v = n.veth
-    )
-}
+/// The slot's end of its veth pair, inside its network namespace.
+pub const SLOT_LINK: &str = "eth0";
+/// Each slot's link is a /30: the host's end, the slot's end.
+const SLOT_PREFIX: u8 = 30;
 
-/// `ip -batch` lines run inside the slot's network namespace.
-pub fn inside_script(n: &SlotNetNames) -> String {
-    format!(
-        "link set lo up\naddr add {}/30 dev eth0\nlink set eth0 up\nroute add default via {}\n",
-        n.slot_addr, n.host_addr
-    )
+/// Deletes the veth `name` (and its peer); one already gone is no error.
+fn delete_veth(host: &mut Rtnl, name: &str) -> Result<(), NetnsError> {
+    match host.delete_link(name) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(fail(format!("deleting the veth {name}"))(e.to_string()))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The per-slot tables (`slotpool_<namespace>_n<slot>`) agents made before the agent's
@@ -626,7 +634,7 @@ mod tests {
         std::thread::spawn(move || {
             let ns = fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
             rustix::thread::move_into_link_name_space(
-                std::os::fd::AsFd::as_fd(&ns),
+                AsFd::as_fd(&ns),
                 Some(rustix::thread::LinkNameSpaceType::Network),
             )
             .unwrap();
@@ -987,17 +995,5 @@ mod tests {
         let no_bus = agent_table_script(&nets.table(), &[], &slots, nets.range, &[]);
         assert!(!no_bus.contains("dport"), "{no_bus}");
         assert!(!no_bus.contains("169.254"), "{no_bus}");
-        assert_eq!(
-            host_script(&n, 77),
-            format!(
-                "link add {v1} type veth peer name eth0 netns 77\naddr add 10.9.0.5/30 dev {v1}\n\
-                 link set {v1} up\n"
-            )
-        );
-        assert_eq!(
-            inside_script(&n),
-            "link set lo up\naddr add 10.9.0.6/30 dev eth0\nlink set eth0 up\n\
-             route add default via 10.9.0.5\n"
-        );
     }
 }
