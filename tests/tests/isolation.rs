@@ -1764,37 +1764,68 @@ async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }
 
-/// A release leaves the slot's veth pair to go with its namespace (here something still
-/// holds the old namespace, as when the kernel has not cleaned it up yet) and counts it
-/// as no leftover; the next warm-up replaces the stale veth; a removal deletes the veth
-/// at once.
+/// A release retires the slot's veth pair rather than deleting it: renamed out of the
+/// slots' prefix, down, without its address, it goes with the slot's old namespace (here
+/// something still holds that namespace, as when the kernel has not cleaned it up yet),
+/// and counts as no leftover. The next warm-up makes a new pair under the slot's name;
+/// a removal deletes the veth at once.
 #[test]
-fn a_released_slots_veth_goes_with_its_namespace_and_a_stale_one_is_replaced() {
+fn a_released_slots_veth_is_retired_and_goes_with_its_namespace() {
     use slotpool_agent::isolation::netns::Teardown;
     let slot = slotpool_tests::SlotNetworksForTest::new();
     let nets = &slot.nets;
     let uid = 3_998_000 + std::process::id() % 999;
     nets.create(0, uid, uid).unwrap();
-    let veth = nets.names(0).unwrap().veth;
-    let sys = Path::new("/sys/class/net").join(&veth);
-    let ifindex = || std::fs::read_to_string(sys.join("ifindex")).ok();
-    let first = ifindex().expect("the veth is there");
+    let n = nets.names(0).unwrap();
+    let sys = Path::new("/sys/class/net");
+    let ifindex = |name: &str| std::fs::read_to_string(sys.join(name).join("ifindex")).ok();
+    let named = |index: &str| {
+        std::fs::read_dir(sys)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|name| ifindex(name).as_deref() == Some(index))
+    };
+    let first = ifindex(&n.veth).expect("the veth is there");
     let held = nets.open(0).unwrap();
     assert_eq!(nets.remove(0, Teardown::Release), Vec::<String>::new());
-    assert_eq!(nets.leftovers(0, Teardown::Release), Vec::<String>::new());
+    assert_eq!(nets.leftovers(0), Vec::<String>::new());
     assert_eq!(
-        ifindex().as_ref(),
-        Some(&first),
-        "a release deleted the veth of a namespace still held"
+        ifindex(&n.veth),
+        None,
+        "the slot's veth name is still taken"
+    );
+    let retired = named(&first).expect("a release deleted the veth of a namespace still held");
+    assert!(retired.starts_with("spd"), "retired as {retired}");
+    let flags = std::fs::read_to_string(sys.join(&retired).join("flags")).unwrap();
+    let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(flags & 1, 0, "the retired veth {retired} is up");
+    let addrs = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "dev", &retired])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&addrs.stdout),
+        "",
+        "{retired} kept its address"
     );
     nets.create(0, uid, uid)
-        .expect("the warm-up replaces the stale veth");
-    let second = ifindex().expect("the new veth is there");
+        .expect("the warm-up makes a new pair");
+    let second = ifindex(&n.veth).expect("the new veth is there");
     assert_ne!(second, first, "still the old veth");
     drop(held);
     assert_eq!(nets.remove(0, Teardown::Remove), Vec::<String>::new());
-    assert_eq!(ifindex(), None, "a removal leaves the veth");
-    assert_eq!(nets.leftovers(0, Teardown::Remove), Vec::<String>::new());
+    assert_eq!(ifindex(&n.veth), None, "a removal leaves the veth");
+    assert_eq!(nets.leftovers(0), Vec::<String>::new());
+    // Nothing holds the old namespace now: the kernel's cleanup takes the retired pair.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while named(&first).is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retired veth {retired} outlived its namespace"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A warm-up's network (made over route-netlink) is what the `ip` commands it replaced

@@ -236,11 +236,7 @@ fn slot_netns_create_and_remove_times() {
             remove.push(t.elapsed());
             remove_cpu += cpu_used() - cpu;
             assert!(problems.is_empty(), "{problems:?}");
-            assert!(
-                nets.leftovers(0, how).is_empty(),
-                "{:?}",
-                nets.leftovers(0, how)
-            );
+            assert!(nets.leftovers(0).is_empty(), "{:?}", nets.leftovers(0));
         }
         summary(
             &format!("slot network namespace: create (after {name})"),

@@ -35,9 +35,10 @@
 //!   never back off), with a filter that forwards nothing else ([`ensure_forwarding`]).
 //! - **Addresses**: each agent numbers its slots from a block of the range of its own
 //!   ([`crate::isolation::netns_blocks`], the address plan).
-//! - **Release** removes the mounts ([`Teardown::Release`]: the veth goes with the
-//!   namespace) and checks that no mount point is left; removing a slot deletes its
-//!   veth too. What could not be removed makes the slot dirty. The
+//! - **Release** removes the mounts and retires the veth ([`Teardown::Release`]: it goes
+//!   with the namespace) and checks that neither the slot's veth name nor a mount point
+//!   is left; removing a slot deletes its veth. What could not be removed makes the slot
+//!   dirty. The
 //!   agent's table stays (it matches no veth of a released slot); removing every slot
 //!   ([`SlotNetworks::close`]) removes it.
 
@@ -78,13 +79,14 @@ pub enum Teardown {
     /// Everything, the veth pair deleted now: the slot is destroyed, or its set-up
     /// failed.
     Remove,
-    /// At a release, the slot to be warmed again: the namespace files only. The veth
-    /// pair goes with the namespace once nothing holds it, in the kernel's cleanup,
-    /// which takes all the namespaces going at the time in one pass; an `ip link del`
-    /// holds the host's routing lock through an RCU grace period for each pair, and the
-    /// warm-ups and releases of every slot on the host queue behind it (figures in
-    /// docs/slot-network.md). A veth still there at the slot's next warm-up is deleted
-    /// then, before the new pair is made.
+    /// At a release, the slot to be warmed again: the namespace files, and the veth
+    /// pair is retired, not deleted ([`RETIRED_VETHS`]): set down, renamed, its address
+    /// removed. It goes with the namespace once nothing holds it, in the kernel's
+    /// cleanup, which takes all the namespaces going at the time in one pass. A deletion
+    /// holds the host's routing lock through RCU grace periods for each pair (about
+    /// 35 ms), and the warm-ups and releases of every slot on the host queue behind it
+    /// (figures in docs/slot-network.md); retiring takes no grace period. The slot's
+    /// name and address are free at once for its next warm-up.
     Release,
 }
 
@@ -316,17 +318,20 @@ impl SlotNetworks {
     }
 
     /// Removes everything of the slot's namespace that is there (with
-    /// [`Teardown::Release`], all but the veth pair); returns what failed.
+    /// [`Teardown::Release`], the veth pair retired, not deleted); returns what failed.
     pub fn remove(&self, slot: u32, how: Teardown) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
         let mut problems = Vec::new();
-        if how == Teardown::Remove && veth_exists(&n.veth) {
-            let deleted = Rtnl::open()
+        if veth_exists(&n.veth) {
+            let removed = Rtnl::open()
                 .map_err(|e| fail("opening a route-netlink socket")(e.to_string()))
-                .and_then(|mut host| delete_veth(&mut host, &n.veth));
-            if let Err(e) = deleted {
+                .and_then(|mut host| match how {
+                    Teardown::Remove => delete_veth(&mut host, &n.veth),
+                    Teardown::Release => retire_veth(&mut host, &n),
+                });
+            if let Err(e) = removed {
                 problems.push(e.to_string());
             }
         }
@@ -345,13 +350,14 @@ impl SlotNetworks {
         problems
     }
 
-    /// What is left of the slot's namespace (after [`SlotNetworks::remove`] with `how`).
-    pub fn leftovers(&self, slot: u32, how: Teardown) -> Vec<String> {
+    /// What is left of the slot's namespace after [`SlotNetworks::remove`] (either way:
+    /// a retired veth has another name).
+    pub fn leftovers(&self, slot: u32) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
         let mut left = Vec::new();
-        if how == Teardown::Remove && veth_exists(&n.veth) {
+        if veth_exists(&n.veth) {
             left.push(format!("veth {}", n.veth));
         }
         for file in [&n.user_ns, &n.net_ns] {
@@ -474,6 +480,40 @@ fn veth_exists(name: &str) -> bool {
 pub const SLOT_LINK: &str = "eth0";
 /// Each slot's link is a /30: the host's end, the slot's end.
 const SLOT_PREFIX: u8 = 30;
+
+/// What a released slot's veth is renamed to (`%d`: the kernel's first free number):
+/// outside [`VETH_PREFIX`], so neither the forward filter nor the agent's table lets
+/// anything through it, down and without an address, until the kernel removes it with
+/// the slot's old namespace.
+pub const RETIRED_VETHS: &str = "spd%d";
+
+/// Retires the slot's veth ([`Teardown::Release`]); one already gone is no error. If it
+/// cannot be retired, it is deleted.
+fn retire_veth(host: &mut Rtnl, n: &SlotNetNames) -> Result<(), NetnsError> {
+    let index = match host.index(&n.veth) {
+        Ok(index) => index,
+        // Gone meanwhile, with its namespace.
+        Err(_) if !veth_exists(&n.veth) => return Ok(()),
+        Err(e) => {
+            return Err(fail(format!("looking up the veth {}", n.veth))(
+                e.to_string(),
+            ))
+        }
+    };
+    let retired = (|| {
+        host.set_down(index)?;
+        match host.delete_address(index, n.host_addr, SLOT_PREFIX) {
+            Err(e) if e.raw_os_error() != Some(libc::EADDRNOTAVAIL) => return Err(e),
+            _ => {}
+        }
+        host.rename(index, RETIRED_VETHS)
+    })();
+    if let Err(e) = retired {
+        tracing::warn!(veth = n.veth, %e, "cannot retire the veth; deleting it");
+        return delete_veth(host, &n.veth);
+    }
+    Ok(())
+}
 
 /// Deletes the veth `name` (and its peer); one already gone is no error.
 fn delete_veth(host: &mut Rtnl, name: &str) -> Result<(), NetnsError> {

@@ -734,11 +734,7 @@ impl UserIsolation {
             left.push(format!("file {}", file.display()));
         }
         if let Some(net) = &self.network {
-            let how = match files_kept {
-                true => Teardown::Release,
-                false => Teardown::Remove,
-            };
-            left.extend(net.leftovers(slot, how));
+            left.extend(net.leftovers(slot));
         }
         if let Some(mounts) = &self.private_tmp {
             left.extend(mounts.leftovers(slot, files_kept));
