@@ -53,6 +53,7 @@ use std::process::{Command, Stdio};
 use crate::isolation::bus_guard::METADATA_V4;
 use crate::isolation::private_tmp::Holder;
 use crate::isolation::rtnl::{Rtnl, LOOPBACK_INDEX};
+use crate::step_clock::StepClock;
 
 pub use crate::isolation::netns_blocks::{AddressRange, DEFAULT_RANGE};
 
@@ -213,15 +214,32 @@ impl SlotNetworks {
     /// Makes the slot's namespaces for the user `uid`/`gid`; on failure removes what was
     /// made.
     pub fn create(&self, slot: u32, uid: u32, gid: u32) -> Result<(), NetnsError> {
+        self.create_timed(slot, uid, gid, &mut StepClock::start())
+    }
+
+    /// [`SlotNetworks::create`], each step noted on `clock`.
+    pub fn create_timed(
+        &self,
+        slot: u32,
+        uid: u32,
+        gid: u32,
+        clock: &mut StepClock,
+    ) -> Result<(), NetnsError> {
         let names = self.names_or_err(slot)?;
-        let result = self.try_create(&names, uid, gid);
+        let result = self.try_create(&names, uid, gid, clock);
         if result.is_err() {
             let _ = self.remove(slot, Teardown::Remove);
         }
         result
     }
 
-    fn try_create(&self, n: &SlotNetNames, uid: u32, gid: u32) -> Result<(), NetnsError> {
+    fn try_create(
+        &self,
+        n: &SlotNetNames,
+        uid: u32,
+        gid: u32,
+        clock: &mut StepClock,
+    ) -> Result<(), NetnsError> {
         for file in [&n.user_ns, &n.net_ns] {
             fs::OpenOptions::new()
                 .write(true)
@@ -253,10 +271,18 @@ impl SlotNetworks {
                 "making the user and network namespace of uid {uid}"
             ))(e.to_string())
         })?;
-        self.set_up(n, holder.id(), uid, gid)
+        clock.lap("netns_holder");
+        self.set_up(n, holder.id(), uid, gid, clock)
     }
 
-    fn set_up(&self, n: &SlotNetNames, pid: u32, uid: u32, gid: u32) -> Result<(), NetnsError> {
+    fn set_up(
+        &self,
+        n: &SlotNetNames,
+        pid: u32,
+        uid: u32,
+        gid: u32,
+        clock: &mut StepClock,
+    ) -> Result<(), NetnsError> {
         let proc = PathBuf::from(format!("/proc/{pid}"));
         for (file, text) in [
             ("uid_map", format!("{uid} {uid} 1\n")),
@@ -278,9 +304,10 @@ impl SlotNetworks {
                 ))(e.to_string())
             })?;
         }
-        // The veth of the slot's last namespace, if the kernel has not removed it with
-        // that namespace yet (or something keeps that namespace), goes first. The kernel
-        // may take it meanwhile: its name is free before its entry in /sys goes.
+        clock.lap("netns_mounts");
+        // A veth still under the slot's name (a release that could not retire it) goes
+        // first. The kernel may take it meanwhile: its name is free before its entry in
+        // /sys goes.
         let mut host =
             Rtnl::open().map_err(|e| fail("opening a route-netlink socket")(e.to_string()))?;
         if veth_exists(&n.veth) {
@@ -289,9 +316,9 @@ impl SlotNetworks {
         let host_end = (|| {
             host.add_veth(&n.veth, SLOT_LINK, pid)?;
             let index = host.index(&n.veth)?;
-            host.add_address(index, n.host_addr, SLOT_PREFIX)?;
-            host.set_up(index)
+            host.add_address(index, n.host_addr, SLOT_PREFIX)
         })();
+        clock.lap("netns_host_end");
         host_end.map_err(|e| {
             fail(format!(
                 "adding the veth pair {} ({SLOT_LINK} in the namespace of pid {pid}), {}/{SLOT_PREFIX}",
@@ -307,6 +334,7 @@ impl SlotNetworks {
             inside.set_up(index)?;
             inside.add_default_route(n.host_addr)
         })();
+        clock.lap("netns_inside");
         inside.map_err(|e| {
             fail(format!(
                 "setting up lo and {SLOT_LINK} ({}/{SLOT_PREFIX}, default route via {}) in {}",

@@ -69,7 +69,8 @@ impl Rtnl {
         })
     }
 
-    /// Adds the veth pair `name`/`peer`, the peer in the network namespace of `peer_pid`.
+    /// Adds the veth pair `name`/`peer`, `name` up, the peer in the network namespace of
+    /// `peer_pid` (and down: the kernel opens no end before both are made).
     pub fn add_veth(&mut self, name: &str, peer: &str, peer_pid: u32) -> io::Result<()> {
         let mut peer_end = LinkMessage::default();
         peer_end.attributes = vec![
@@ -77,6 +78,8 @@ impl Rtnl {
             LinkAttribute::NetNsPid(peer_pid),
         ];
         let mut link = LinkMessage::default();
+        link.header.flags = LinkFlags::Up;
+        link.header.change_mask = LinkFlags::Up;
         link.attributes = vec![
             LinkAttribute::IfName(name.to_string()),
             LinkAttribute::LinkInfo(vec![

@@ -580,6 +580,7 @@ impl UserIsolation {
                 KeepUser::IfClean => mounts.unmount(slot),
                 KeepUser::No => mounts.remove(slot),
             });
+            clock.lap("private_tmp");
         }
         if let Some(net) = &self.network {
             problems.extend(net.remove(
@@ -589,6 +590,7 @@ impl UserIsolation {
                     KeepUser::No => Teardown::Remove,
                 },
             ));
+            clock.lap("netns");
         }
         if let Some(info) = &info {
             for err in shared_dirs::remove_owned(&self.shared_dirs, info.uid, &mut budget) {
@@ -651,9 +653,8 @@ impl UserIsolation {
         self.cgroups.create(&user, info.gid, &Limits::default())?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
-            net.create(slot, info.uid, info.gid)
+            net.create_timed(slot, info.uid, info.gid, clock)
                 .map_err(|e| self.network_error(slot, e))?;
-            clock.lap("netns");
         }
         if let Some(mounts) = &self.private_tmp {
             let copy_of = match disk_bytes {
