@@ -76,6 +76,13 @@ pub struct World {
     /// and the echo of this launcher's own write still has its effects. Holds only
     /// writes whose echo is in flight.
     finished: HashMap<RequestId, Versioned<NodeRequest>>,
+    /// The highest revision the requests' watch has delivered. The watch delivers in
+    /// revision order, so the mirror already holds every record up to it as the watch
+    /// brought it, or a later one: a write of this launcher acknowledged at or below it
+    /// has been overtaken (say its request was canceled, and the mirror let the
+    /// finished request go), and putting it in would bring back a record KV no longer
+    /// holds, for good.
+    requests_delivered: u64,
     /// Slot key → node.
     pub slots: HashMap<String, Versioned<Node>>,
     pub node_keys: HashMap<NodeId, String>,
@@ -272,10 +279,11 @@ impl World {
             &r.value.labels,
             r.value.created_at,
         );
-        if self
-            .requests
-            .get(&r.value.id)
-            .is_some_and(|old| old.revision >= r.revision)
+        if r.revision <= self.requests_delivered
+            || self
+                .requests
+                .get(&r.value.id)
+                .is_some_and(|old| old.revision >= r.revision)
             || self
                 .unreadable_requests
                 .get(&r.value.id)
@@ -314,7 +322,12 @@ impl World {
         self.requeue(&id);
     }
 
+    /// The watch has brought the removal of request `key` at `revision` (`u64::MAX`: the
+    /// key was found gone when the watch reloaded).
     pub fn remove_request(&mut self, key: &str, revision: u64) {
+        if revision != u64::MAX {
+            self.requests_delivered = self.requests_delivered.max(revision);
+        }
         if let Ok(id) = RequestId::parse(key) {
             if self
                 .unreadable_requests
@@ -345,6 +358,7 @@ impl World {
     /// more, since the watch will bring nothing older. Whether the mirror holds the
     /// request (or its unreadable record) now.
     pub fn request_delivered(&mut self, key: &str, revision: u64) -> bool {
+        self.requests_delivered = self.requests_delivered.max(revision);
         if self
             .finished
             .get(key)
@@ -2315,35 +2329,72 @@ mod tests {
             RequestState::Canceled,
             RequestState::Reclaimed,
         ];
+        // Revisions are the bucket's: one sequence for every key.
         for i in 0..1000u64 {
             let id = format!("req-{i}");
-            w.put_request(versioned(&id, 1, RequestState::Requested));
-            w.request_written.insert(id.clone(), (1, 5));
+            let (opened, ended) = (2 * i + 1, 2 * i + 2);
+            w.put_request(versioned(&id, opened, RequestState::Requested));
+            w.request_written.insert(id.clone(), (opened, 5));
             // Finished by this launcher: applied at once, its echo still to come.
-            w.put_request(versioned(&id, 2, finished[i as usize % 4]));
+            w.put_request(versioned(&id, ended, finished[i as usize % 4]));
             assert!(!w.requests.contains_key(id.as_str()), "{id} left at once");
             // An older revision the watch delivers meanwhile does not bring it back.
-            w.put_request(versioned(&id, 1, RequestState::Requested));
-            assert!(!w.request_delivered(&id, 1));
-            assert!(w.finished_at(&id, 2).is_some(), "waiting for its echo");
+            w.put_request(versioned(&id, opened, RequestState::Requested));
+            assert!(!w.request_delivered(&id, opened));
+            assert!(w.finished_at(&id, ended).is_some(), "waiting for its echo");
             // The echo ends the tombstone.
-            assert!(!w.request_delivered(&id, 2));
+            assert!(!w.request_delivered(&id, ended));
         }
         assert!(w.requests.is_empty());
         assert!(w.open_requests.is_empty() && w.queue().labels().count() == 0);
         assert!(w.request_written.is_empty());
         assert!(w.finished.is_empty());
         // Finished by another launcher: the watch brings it, and nothing stays.
-        w.put_request(versioned("req-x", 1, RequestState::Requested));
-        w.put_request(versioned("req-x", 2, RequestState::Canceled));
-        assert!(!w.request_delivered("req-x", 2));
+        w.put_request(versioned("req-x", 3001, RequestState::Requested));
+        w.put_request(versioned("req-x", 3002, RequestState::Canceled));
+        assert!(!w.request_delivered("req-x", 3002));
         assert!(w.requests.is_empty() && w.finished.is_empty());
         // A fulfilled request holding its nodes stays.
-        let mut held = versioned("req-h", 1, RequestState::Fulfilled);
+        let mut held = versioned("req-h", 3003, RequestState::Fulfilled);
         held.value.nodes_released_at = None;
         w.put_request(held);
-        assert!(w.request_delivered("req-h", 1));
+        assert!(w.request_delivered("req-h", 3003));
         assert!(w.requests.contains_key("req-h") && w.held_requests.is_empty());
+    }
+
+    /// A worker's write is acknowledged, then its task waits to run while the watch
+    /// brings that write and the cancel that overtook it, and the mirror lets the
+    /// finished request go. The write put in late must not bring the request back: its
+    /// worker would take it for open and write on a revision KV moved past, for good.
+    /// (Found by `tests/tests/mix.rs`: a set canceled while its worker wrote its status.)
+    #[test]
+    fn a_write_the_watch_overtook_does_not_bring_its_request_back() {
+        let mut w = World::default();
+        w.put_request(versioned("req-1", 10, RequestState::Requested));
+        assert!(w.request_delivered("req-1", 10));
+        // The worker's status write lands as revision 11; another launcher cancels at 12.
+        let written = versioned("req-1", 11, RequestState::Requested);
+        for (revision, state) in [(11, RequestState::Requested), (12, RequestState::Canceled)] {
+            w.put_request(versioned("req-1", revision, state));
+            w.request_delivered("req-1", revision);
+        }
+        assert!(w.requests.is_empty() && w.finished.is_empty());
+        w.put_request(written);
+        assert!(w.requests.is_empty(), "the overtaken write stays out");
+        assert!(w.open_requests.is_empty() && w.queue().labels().count() == 0);
+        // So does a record read from KV before the cancel, put in after it.
+        w.put_request(versioned("req-1", 11, RequestState::Requested));
+        assert!(w.requests.is_empty());
+        // A removal the watch brings moves the mark too; a reload's (u64::MAX) does not.
+        w.put_request(versioned("req-2", 13, RequestState::Requested));
+        w.request_delivered("req-2", 13);
+        w.remove_request("req-2", 14);
+        w.remove_request("req-3", u64::MAX);
+        w.put_request(versioned("req-2", 13, RequestState::Requested));
+        assert!(w.requests.is_empty());
+        // A write newer than anything the watch brought goes in at once.
+        w.put_request(versioned("req-4", 15, RequestState::Requested));
+        assert!(w.requests.contains_key("req-4"));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! serve in the queue's order is left waiting after [`PROGRESS_BOUND`] (the reference
 //! rule, `launcher/src/request/reference.rs`); every request then ends once the nodes
 //! are given back; no request ended twice, none is lost, no slot was held by two
-//! requests at once. Each launcher's CPU time over the run is printed.
+//! requests at once; no request worker spun. Each launcher's CPU time over the run is printed.
 
 use slotpool_protocol::auth::Role;
 use slotpool_protocol::client::Client;
@@ -30,6 +30,10 @@ const PROGRESS_BOUND: Duration = Duration::from_secs(10);
 /// How long the requests left when the load stops may take to end, each released as it
 /// is served.
 const DRAIN_BOUND: Duration = Duration::from_secs(60);
+
+/// What a launcher logs when a request worker takes its steps without waiting
+/// (`launcher/src/request/worker.rs`): a request needs a handful, so any is a fault.
+const SPIN_WARNING: &str = "request worker took its steps without waiting";
 
 /// Three pools of one local provider, one label each: `main` (3 backing nodes of 4
 /// slots) serves `small`, `mid` (2 of 2) `medium`, `big` (2 of 1) `large`; an idle node
@@ -202,6 +206,21 @@ async fn run_mix(shared_seats: bool) {
         failures.push(format!(
             "requests not ended {DRAIN_BOUND:?} after their nodes were given back: {unended:?}"
         ));
+    }
+    for n in 0..2 {
+        let spins: Vec<String> = pool
+            .launcher_log(n)
+            .lines()
+            .filter(|l| l.contains(SPIN_WARNING))
+            .take(3)
+            .map(String::from)
+            .collect();
+        if !spins.is_empty() {
+            failures.push(format!(
+                "launcher {n}'s request workers spun (took their steps without waiting): \
+                 {spins:#?}"
+            ));
+        }
     }
     if !verdict.violations.is_empty() {
         failures.push(format!(

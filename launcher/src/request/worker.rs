@@ -21,6 +21,10 @@ use tokio_util::sync::CancellationToken;
 /// release, a lost claim's retry); a request needs a handful.
 pub const STEP_BOUND: u32 = 200;
 
+/// How many of a spin's last steps its warning shows, each with the request's revision
+/// and state as the worker saw them and what came of the step.
+const SPIN_STEPS_SHOWN: u32 = 3;
+
 /// How long a spinning worker pauses.
 const SPIN_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
@@ -39,6 +43,8 @@ pub async fn run(
 ) -> Result<(), SlotError> {
     let mut request_rx = sh.signals.subscribe(&request_topic(id));
     let mut steps = 0u32;
+    // The last steps of a run without waiting, for the warning a spin logs.
+    let mut last_steps: Vec<String> = Vec::new();
     loop {
         if lost.is_cancelled() {
             return Ok(());
@@ -51,9 +57,11 @@ pub async fn run(
             metrics::worker_spin();
             tracing::warn!(
                 steps = STEP_BOUND,
+                last_steps = ?last_steps,
                 "request worker took its steps without waiting; pausing"
             );
             steps = 0;
+            last_steps.clear();
             tokio::select! {
                 _ = tokio::time::sleep(SPIN_PAUSE) => {}
                 _ = lost.cancelled() => return Ok(()),
@@ -67,10 +75,19 @@ pub async fn run(
         };
         let obs = observe::look(sh, &req.value, &memory);
         let step = plan::next(&req.value, &obs, now_ms());
+        let shown = (steps + SPIN_STEPS_SHOWN > STEP_BOUND)
+            .then(|| format!("rev {} {:?}: {step:?}", req.revision, req.value.state));
         if !matches!(step, RequestStep::Claim { .. }) {
             observe::unreserve(sh, &obs);
         }
-        let after = match exec::carry_out(sh, &req, step, &mut memory).await {
+        let outcome = exec::carry_out(sh, &req, step, &mut memory).await;
+        if let Some(shown) = shown {
+            last_steps.push(match &outcome {
+                Ok(after) => format!("{shown} -> {after:?}"),
+                Err(err) => format!("{shown} -> {err}"),
+            });
+        }
+        let after = match outcome {
             Ok(after) => after,
             Err(SlotError::Kv(KvError::Conflict { .. })) => After::Again,
             Err(err) => return Err(err),
@@ -80,6 +97,7 @@ pub async fn run(
             After::Again => continue,
             After::Pause(at) => {
                 steps = 0;
+                last_steps.clear();
                 tokio::select! {
                     _ = tokio::time::sleep(until(at)) => {}
                     _ = lost.cancelled() => {}
@@ -87,6 +105,7 @@ pub async fn run(
             }
             After::Wait { until: at } => {
                 steps = 0;
+                last_steps.clear();
                 // A slot passed over after a lost claim may be tried again then.
                 let at = match (at, memory.next_retry(now_ms())) {
                     (Some(a), Some(b)) => Some(a.min(b)),
