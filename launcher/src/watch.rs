@@ -7,7 +7,7 @@
 //! would miss it). [`crate::mirror_sync::MirrorSync`] hears when each mirror is synced.
 
 use crate::shared::{request_topic, seat_topic, Shared, Topic};
-use crate::world::World;
+use crate::world::{Watched, World};
 use futures::StreamExt;
 use slotpool_protocol::layout::{self, LeaseOf};
 use slotpool_protocol::model::{
@@ -378,9 +378,21 @@ fn apply(
             }
         }
     }
-    let held = match (mirror, change) {
-        (Mirror::Requests, Change::Put { key, revision, .. }) => {
-            shared.world().request_delivered(key, *revision)
+    let watched = match mirror {
+        Mirror::Requests => Some(Watched::Requests),
+        Mirror::Slots => Some(Watched::Slots),
+        Mirror::Backing => Some(Watched::Backing),
+        Mirror::Agents | Mirror::Leases => None,
+    };
+    let held = match (watched, change) {
+        (Some(watched), Change::Put { key, revision, .. }) => {
+            let mut world = shared.world();
+            world.watch_delivered(watched, *revision);
+            watched != Watched::Requests || world.request_delivered(key, *revision)
+        }
+        (Some(watched), Change::Removed { revision, .. }) => {
+            shared.world().watch_delivered(watched, *revision);
+            true
         }
         _ => true,
     };

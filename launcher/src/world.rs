@@ -64,6 +64,29 @@ impl SlotRef {
     }
 }
 
+/// A bucket whose records a launcher also puts into its mirror from its own
+/// acknowledged writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watched {
+    Requests,
+    Slots,
+    Backing,
+}
+
+/// The highest revision each bucket's watch has delivered. A watch delivers in revision
+/// order (a reload from the current values may go back, never past a revision it
+/// skipped), so the mirror holds every record up to the mark as the watch brought it,
+/// or a later one. A launcher's own write acknowledged at or below the mark has been
+/// overtaken (say a request it wrote was canceled meanwhile, and the mirror let the
+/// finished request go), and is not put in: it would bring back a record KV no longer
+/// holds, for good.
+#[derive(Default)]
+struct Delivered {
+    requests: u64,
+    slots: u64,
+    backing: u64,
+}
+
 #[derive(Default)]
 pub struct World {
     /// Requests that are open or hold nodes. A finished one
@@ -76,13 +99,8 @@ pub struct World {
     /// and the echo of this launcher's own write still has its effects. Holds only
     /// writes whose echo is in flight.
     finished: HashMap<RequestId, Versioned<NodeRequest>>,
-    /// The highest revision the requests' watch has delivered. The watch delivers in
-    /// revision order, so the mirror already holds every record up to it as the watch
-    /// brought it, or a later one: a write of this launcher acknowledged at or below it
-    /// has been overtaken (say its request was canceled, and the mirror let the
-    /// finished request go), and putting it in would bring back a record KV no longer
-    /// holds, for good.
-    requests_delivered: u64,
+    /// The highest revision each bucket's watch has delivered ([`World::watch_delivered`]).
+    delivered: Delivered,
     /// Slot key → node.
     pub slots: HashMap<String, Versioned<Node>>,
     pub node_keys: HashMap<NodeId, String>,
@@ -279,7 +297,7 @@ impl World {
             &r.value.labels,
             r.value.created_at,
         );
-        if r.revision <= self.requests_delivered
+        if r.revision <= self.delivered.requests
             || self
                 .requests
                 .get(&r.value.id)
@@ -322,12 +340,7 @@ impl World {
         self.requeue(&id);
     }
 
-    /// The watch has brought the removal of request `key` at `revision` (`u64::MAX`: the
-    /// key was found gone when the watch reloaded).
     pub fn remove_request(&mut self, key: &str, revision: u64) {
-        if revision != u64::MAX {
-            self.requests_delivered = self.requests_delivered.max(revision);
-        }
         if let Ok(id) = RequestId::parse(key) {
             if self
                 .unreadable_requests
@@ -353,12 +366,26 @@ impl World {
         }
     }
 
+    /// The watch of `bucket` has brought a change at `revision` (`u64::MAX`, a key found
+    /// gone when the watch reloaded, is no revision). Called only by the watch, once the
+    /// change is applied: a launcher's own writes never move the mark.
+    pub fn watch_delivered(&mut self, bucket: Watched, revision: u64) {
+        if revision == u64::MAX {
+            return;
+        }
+        let mark = match bucket {
+            Watched::Requests => &mut self.delivered.requests,
+            Watched::Slots => &mut self.delivered.slots,
+            Watched::Backing => &mut self.delivered.backing,
+        };
+        *mark = (*mark).max(revision);
+    }
+
     /// The watch has brought revision `revision` of request `key` (decoded or not):
     /// a request that finished at that revision or an older one needs no tombstone any
     /// more, since the watch will bring nothing older. Whether the mirror holds the
     /// request (or its unreadable record) now.
     pub fn request_delivered(&mut self, key: &str, revision: u64) -> bool {
-        self.requests_delivered = self.requests_delivered.max(revision);
         if self
             .finished
             .get(key)
@@ -492,10 +519,11 @@ impl World {
         let key = n.key.clone();
         // A record older than the slot's deletion (a claim given back meanwhile) would
         // bring back a node nobody holds.
-        if self
-            .tombstones
-            .get(&key)
-            .is_some_and(|gone| *gone >= n.revision)
+        if n.revision <= self.delivered.slots
+            || self
+                .tombstones
+                .get(&key)
+                .is_some_and(|gone| *gone >= n.revision)
         {
             return;
         }
@@ -670,6 +698,9 @@ impl World {
     }
 
     pub fn put_backing(&mut self, b: Versioned<BackingNode>) {
+        if b.revision <= self.delivered.backing {
+            return;
+        }
         match self.unreadable_seats.get(&b.key) {
             Some(rev) if *rev >= b.revision => return,
             Some(_) => {
@@ -2370,13 +2401,18 @@ mod tests {
     #[test]
     fn a_write_the_watch_overtook_does_not_bring_its_request_back() {
         let mut w = World::default();
-        w.put_request(versioned("req-1", 10, RequestState::Requested));
-        assert!(w.request_delivered("req-1", 10));
+        // What the watch does with each change it brings.
+        let deliver = |w: &mut World, r: Versioned<NodeRequest>| {
+            let (key, revision) = (r.key.clone(), r.revision);
+            w.put_request(r);
+            w.request_delivered(&key, revision);
+            w.watch_delivered(Watched::Requests, revision);
+        };
+        deliver(&mut w, versioned("req-1", 10, RequestState::Requested));
         // The worker's status write lands as revision 11; another launcher cancels at 12.
         let written = versioned("req-1", 11, RequestState::Requested);
         for (revision, state) in [(11, RequestState::Requested), (12, RequestState::Canceled)] {
-            w.put_request(versioned("req-1", revision, state));
-            w.request_delivered("req-1", revision);
+            deliver(&mut w, versioned("req-1", revision, state));
         }
         assert!(w.requests.is_empty() && w.finished.is_empty());
         w.put_request(written);
@@ -2386,15 +2422,50 @@ mod tests {
         w.put_request(versioned("req-1", 11, RequestState::Requested));
         assert!(w.requests.is_empty());
         // A removal the watch brings moves the mark too; a reload's (u64::MAX) does not.
-        w.put_request(versioned("req-2", 13, RequestState::Requested));
-        w.request_delivered("req-2", 13);
+        deliver(&mut w, versioned("req-2", 13, RequestState::Requested));
         w.remove_request("req-2", 14);
-        w.remove_request("req-3", u64::MAX);
+        w.watch_delivered(Watched::Requests, 14);
+        w.watch_delivered(Watched::Requests, u64::MAX);
         w.put_request(versioned("req-2", 13, RequestState::Requested));
         assert!(w.requests.is_empty());
         // A write newer than anything the watch brought goes in at once.
         w.put_request(versioned("req-4", 15, RequestState::Requested));
         assert!(w.requests.contains_key("req-4"));
+    }
+
+    /// The same for a seat and a slot: an operator's order acknowledged late, after the
+    /// watch brought it and the seat's deletion, must not take the seat again; nor may a
+    /// claim put in after the watch brought it and its release.
+    #[test]
+    fn a_late_write_takes_no_seat_or_slot_again() {
+        let mut w = World::default();
+        let mut seat = backing("bn-a", "small", 2, BackingState::Ready);
+        seat.revision = 20;
+        w.put_backing(seat.clone());
+        w.watch_delivered(Watched::Backing, 20);
+        let mut ordered = seat.clone();
+        ordered.revision = 21;
+        ordered.value.idle = IdleBehaviour::Drain;
+        w.put_backing(ordered.clone());
+        w.watch_delivered(Watched::Backing, 21);
+        w.remove_backing(&seat.key, 22);
+        w.watch_delivered(Watched::Backing, 22);
+        w.put_backing(ordered);
+        assert!(w.backing.is_empty(), "the deleted seat stays free");
+
+        let mut seat = backing("bn-b", "small", 2, BackingState::Ready);
+        seat.revision = 23;
+        w.put_backing(seat);
+        let mut claim = node("bn-b", 0, "req-1", "small");
+        claim.revision = 30;
+        w.put_slot(claim.clone());
+        w.watch_delivered(Watched::Slots, 30);
+        w.remove_slot(&claim.key, 31);
+        w.watch_delivered(Watched::Slots, 31);
+        // The tombstones of a seat's slots go with the seat; the mark stays.
+        w.tombstones.clear();
+        w.put_slot(claim);
+        assert!(w.slots.is_empty(), "the released slot stays free");
     }
 
     #[test]
