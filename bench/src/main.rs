@@ -221,7 +221,10 @@ struct Report {
     throughput: Throughput,
     /// The plain bus's release to reusable ([`phases::release_to_reusable`]).
     release_to_reusable: stats::Summary,
-    /// The plain bus's throughput load again, right after the production run: the plain
+    /// The plain bus's sequential allocations again, right after the production run: the
+    /// plain comparison's warm ratios are over the mean of `warm` and this.
+    warm_after_production: phases::Warm,
+    /// The plain bus's throughput load again, after `warm_after_production`: the plain
     /// comparison's throughput ratios are over the mean of `throughput` and this.
     throughput_after_production: Throughput,
     /// The launcher process after the throughput load (RSS, CPU while idle).
@@ -338,19 +341,26 @@ impl Ratios {
         }
     }
 
-    /// These ratios with the throughput ones taken over the mean of `base`'s throughput
-    /// load and `base_again`, the same load run again after `throughput`'s.
-    fn with_throughput_over_both(
-        self,
+    /// `warm` and `throughput` over the mean of `base`'s and `again`'s, the same loads
+    /// run again after these: a host whose other load drifts, or that still works off
+    /// the loads before (a namespace's cleanup outlives its slot), moves both sides alike.
+    fn over_both(
+        warm: &phases::Warm,
         throughput: &Throughput,
         base: &Allocations,
-        base_again: &Throughput,
+        again: &Again,
     ) -> Ratios {
-        let over_both = |f| throughput.over_mean(f, &base.throughput, base_again);
+        let over_both = |f| throughput.over_mean(f, &base.throughput, &again.throughput);
+        let (w, before, after) = (
+            &warm.allocation,
+            &base.warm.allocation,
+            &again.warm.allocation,
+        );
         Ratios {
+            warm_p50: w.p50_ms / ((before.p50_ms + after.p50_ms) / 2.0),
+            warm_p99: w.p99_ms / ((before.p99_ms + after.p99_ms) / 2.0),
             allocations_per_sec: over_both(|t| t.allocations_per_sec),
             cpu_ms_per_allocation: over_both(|t| t.cpu_ms_per_allocation),
-            ..self
         }
     }
 }
@@ -490,8 +500,12 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         }),
         comparisons: std::iter::once(Comparison {
             against: PLAIN_BUS.into(),
-            ratios: Ratios::of(&f.production.warm, &f.production.throughput, &plain)
-                .with_throughput_over_both(&f.production.throughput, &plain, &f.plain_again),
+            ratios: Ratios::over_both(
+                &f.production.warm,
+                &f.production.throughput,
+                &plain,
+                &f.plain_again,
+            ),
         })
         .chain(f.isolation_none.as_ref().map(|none| Comparison {
             against: NONE_AGENTS.into(),
@@ -511,7 +525,8 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         warm: plain.warm,
         throughput: plain.throughput,
         release_to_reusable: plain.release_to_reusable,
-        throughput_after_production: f.plain_again,
+        warm_after_production: f.plain_again.warm,
+        throughput_after_production: f.plain_again.throughput,
         launcher_idle: f.launcher_idle,
         cold_and_release: f.cold_and_release,
         soak: f.soak,
@@ -539,19 +554,25 @@ struct Figures {
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
     production: Allocations,
-    /// The plain bus's throughput load again, right after the production run.
-    plain_again: Throughput,
+    /// The plain bus's loads again, right after the production run.
+    plain_again: Again,
     isolation_none: Option<Allocations>,
     exec: Option<exec_job::ExecFigures>,
 }
 
+/// A bus's sequential allocations and throughput load, run again after another run's.
+struct Again {
+    warm: phases::Warm,
+    throughput: Throughput,
+}
+
 /// What runs while the plain bus's launcher and agents are up, after their warm and
-/// throughput loads: the production run, the plain throughput load again, the `none`
-/// run, and what the plain bus alone measures.
+/// throughput loads: the production run, the plain loads again, the `none` run, and what
+/// the plain bus alone measures.
 struct PlainMore {
     production: Allocations,
     exec: Option<exec_job::ExecFigures>,
-    plain_again: Throughput,
+    plain_again: Again,
     isolation_none: Option<Allocations>,
     idle: procs::Usage,
     cold: phases::ColdAndRelease,
@@ -596,11 +617,10 @@ async fn run_all(
         )
         .await?;
 
-        // The plain bus's loads come first and its throughput load again right after the
-        // production run (which runs meanwhile on a bus of its own, the plain one's
-        // launcher and agents idle): the plain comparison's throughput ratio is over the
-        // mean of the two, so a host whose other load drifts during the run moves both
-        // sides alike.
+        // The plain bus's loads come first and again right after the production run
+        // (which runs meanwhile on a bus of its own, the plain one's launcher and agents
+        // idle): the plain comparison's ratios are over the mean of the two
+        // ([`Ratios::over_both`]).
         step(format!(
             "plain bus: anonymous, no TLS, agents in mode {}",
             s.isolation
@@ -637,10 +657,13 @@ async fn run_all(
                 )
                 .await?;
                 step(format!(
-                    "plain bus again: throughput, {} clients for {}s",
+                    "plain bus again: warm, then throughput, {} clients for {}s",
                     s.clients, s.throughput_secs
                 ));
-                let plain_again = rig.throughput(&[launcher.pid]).await?;
+                let plain_again = Again {
+                    warm: rig.warm(client, watcher).await?,
+                    throughput: rig.throughput(&[launcher.pid]).await?,
+                };
                 launcher.check_alive()?;
                 let isolation_none = if s.isolation != "none" {
                     step("production bus, agents in mode none".into());
@@ -1101,6 +1124,11 @@ fn latencies(r: &Report) -> Vec<Latency> {
         ("  floor: KV CAS update".into(), r.floor.update),
     ];
     warm_rows(&mut rows, "plain: ", &r.warm);
+    warm_rows(
+        &mut rows,
+        "plain, right after production: ",
+        &r.warm_after_production,
+    );
     load_rows(&mut rows, "plain: ", &r.throughput);
     rows.push((
         "plain: release to reusable (one slot)".into(),
@@ -1397,6 +1425,10 @@ fn print_table(r: &Report) {
     print_throughput(
         "plain bus, right after production's loads: throughput",
         &r.throughput_after_production,
+    );
+    println!(
+        "plain bus warm allocation p50 before production's loads {:.2} ms, right after them {:.2} ms",
+        r.warm.allocation.p50_ms, r.warm_after_production.allocation.p50_ms
     );
     println!(
         "production: release to reusable (a one-slot node released and asked for again) p50 {:.1} ms, p99 {:.1} ms",

@@ -147,8 +147,8 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         );
         assert!(load["allocations"].as_u64().unwrap() > 0, "{report}");
     }
-    // The plain comparison's other side: the plain load before the production run and
-    // again right after it, the throughput ratio over the mean of the two.
+    // The plain comparison's other side: the plain loads before the production run and
+    // again right after it, each ratio over the mean of the two.
     let again = &report["throughput_after_production"];
     assert!(again["allocations"].as_u64().unwrap() > 0, "{report}");
     assert_eq!(again["cpu"][0]["processes"], 1, "{report}");
@@ -161,6 +161,17 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     assert!(
         (over_plain - expected).abs() < 1e-9 * expected,
         "plain ratio {over_plain}, not production over the mean of both plain loads {expected}: {report}"
+    );
+    // And the warm ratio over the mean of the plain warm allocations before and after.
+    let p50 = |w: &serde_json::Value| w["allocation"]["p50_ms"].as_f64().unwrap();
+    let warm_again = &report["warm_after_production"];
+    assert!(p50(warm_again) > 0.0, "{report}");
+    let warm_over_plain = comparisons[0]["ratios"]["warm_p50"].as_f64().unwrap();
+    let expected =
+        p50(&report["production"]["warm"]) / ((p50(&report["warm"]) + p50(warm_again)) / 2.0);
+    assert!(
+        (warm_over_plain - expected).abs() < 1e-9 * expected,
+        "plain warm ratio {warm_over_plain}, not production over the mean of both plain runs {expected}: {report}"
     );
     let latencies = report["latencies"].as_array().unwrap();
     assert!(latencies.len() >= 10, "{report}");
