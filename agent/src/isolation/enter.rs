@@ -130,6 +130,7 @@ pub fn bind(run_dir: &Path, namespace: &str) -> Result<UnixListener, EnterError>
         }
     };
     std::fs::create_dir_all(run_dir).map_err(err("creating", run_dir))?;
+    reachable_by_all(run_dir).map_err(err("making searchable by every user", run_dir))?;
     let path = socket_path(run_dir, namespace);
     match std::fs::remove_file(&path) {
         Ok(()) => {}
@@ -140,6 +141,23 @@ pub fn bind(run_dir: &Path, namespace: &str) -> Result<UnixListener, EnterError>
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
         .map_err(err("setting mode 0666 on", &path))?;
     Ok(listener)
+}
+
+/// Makes `run_dir` searchable by every user, as a slot user's login must be to reach the
+/// socket in it. A run directory made 0700 (as one made by a recursive `DirBuilder` with
+/// that mode was, before [`crate::isolation::create_private_dir_all`]) would refuse
+/// every login; it gains the search bits only, never read.
+fn reachable_by_all(run_dir: &Path) -> std::io::Result<()> {
+    let mode = std::fs::metadata(run_dir)?.permissions().mode() & 0o7777;
+    if mode & 0o011 == 0o011 {
+        return Ok(());
+    }
+    tracing::warn!(
+        run_dir = %run_dir.display(),
+        mode = format!("{mode:o}"),
+        "the run directory keeps slot users from the placement socket; adding search for all"
+    );
+    std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(mode | 0o011))
 }
 
 /// Answers placement requests until `shutdown`, then removes the socket file.
@@ -511,6 +529,29 @@ fn exec_shell(shell: &Path, command: Option<String>) -> EnterSlotError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mode_of(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// On a fresh boot the run directory does not exist: the slots' namespace
+    /// directories, made first, leave it searchable; and the socket's bind makes a run
+    /// directory left 0700 searchable by every user, without read.
+    #[tokio::test]
+    async fn every_user_reaches_the_placement_socket_whatever_made_the_run_dir() {
+        let work = tempfile::tempdir().unwrap();
+        let run_dir = work.path().join("run");
+        crate::isolation::create_private_dir_all(&run_dir.join("netns").join("sp1")).unwrap();
+        assert_eq!(mode_of(&run_dir.join("netns").join("sp1")), 0o700);
+        let made = mode_of(&run_dir);
+        assert_eq!(made & 0o011, 0o011, "run dir {made:o}");
+        assert_eq!(mode_of(&run_dir.join("netns")) & 0o011, 0o011);
+
+        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let _listener = bind(&run_dir, "sp1").unwrap();
+        assert_eq!(mode_of(&run_dir), 0o711);
+        assert_eq!(mode_of(&socket_path(&run_dir, "sp1")), 0o666);
+    }
 
     #[test]
     fn an_ok_ns_answer_lists_its_kinds_in_order_and_nothing_else_passes() {

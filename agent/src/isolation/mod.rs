@@ -529,6 +529,24 @@ pub(crate) fn with_newline(s: &str) -> String {
     s
 }
 
+/// Creates `dir` with mode 0700 and its missing parents with 0755 (both less the
+/// umask). A recursive `DirBuilder` gives the parents the leaf's mode: the slots'
+/// namespace directories, made under the agent's run directory before its placement
+/// socket, would make that directory 0700 on a fresh boot and shut every slot user's
+/// login out of the socket.
+pub(crate) fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
+    if let Some(parent) = dir.parent() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)?;
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 /// Creates `dir` with mode 0700 (set explicitly, whatever the umask).
 pub(crate) fn make_private_dir(dir: &Path) -> Result<(), IsolationError> {
     fs::DirBuilder::new()

@@ -46,7 +46,7 @@ use std::fs;
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -130,10 +130,7 @@ impl SlotNetworks {
         claims_dir: &Path,
         bus_ports: Vec<u16>,
     ) -> Result<SlotNetworks, NetnsError> {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&dir)
+        crate::isolation::create_private_dir_all(&dir)
             .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
         ensure_forwarding()?;
         let claim =

@@ -24,7 +24,7 @@
 use std::fs;
 use std::io::Write;
 use std::net::Ipv4Addr;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::process::Command;
 
@@ -213,17 +213,7 @@ pub fn claim_block(
     slots: u32,
     namespace: &str,
 ) -> Result<BlockClaim, BlockError> {
-    if let Some(parent) = dir.parent() {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(parent)
-            .map_err(io_fail(format!("creating {}", parent.display())))?;
-    }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
+    crate::isolation::create_private_dir_all(dir)
         .map_err(io_fail(format!("creating {}", dir.display())))?;
     let lock_path = dir.join("lock");
     let lock = fs::OpenOptions::new()

@@ -48,7 +48,7 @@
 
 use std::fs;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// The directories each slot has its own tmpfs on.
@@ -109,10 +109,7 @@ impl SlotMounts {
     /// own namespace, a copy of the host's, would receive the bind of its own file. The
     /// private mount keeps the binds here.
     pub fn new(dir: PathBuf, logins_ns: Option<PathBuf>) -> Result<SlotMounts, PrivateTmpError> {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&dir)
+        crate::isolation::create_private_dir_all(&dir)
             .map_err(|e| fail(format!("creating {}", dir.display()))(e.to_string()))?;
         if !is_mount_root(&dir)? {
             rustix::mount::mount_bind(&dir, &dir).map_err(|e| {
