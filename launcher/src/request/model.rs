@@ -4,8 +4,10 @@
 //! `worker.rs` does: look ([`observe::look_in`]), ask ([`plan::next`]), carry the step
 //! out on the model's KV (create-if-absent claims, revision-checked request writes), and
 //! wait until woken. Every KV change reaches each other launcher's mirror only when an
-//! op delivers it, so the mirrors lag as the generated op sequence says. There is no
-//! bus, clock or task: each op is one step, so a failing mix shrinks to a minimal case.
+//! op delivers it, so the mirrors lag as the generated op sequence says; a worker's
+//! request write reaches its own mirror when its launcher next runs, and the watch
+//! brings it back too, maybe first, with later changes. There is no bus, clock or task:
+//! each op is one step, so a failing mix shrinks to a minimal case.
 //!
 //! The invariants, checked after every op and once everything is delivered and every
 //! worker sleeps:
@@ -22,7 +24,7 @@ use super::plan::{self, RequestStep};
 use super::reference::{servable_yet_waiting, unserved_in_seats};
 use crate::backing::{lifecycle, planner};
 use crate::config::Config;
-use crate::world::{tests_support, World};
+use crate::world::{tests_support, Watched, World};
 use slotpool_protocol::layout;
 use slotpool_protocol::model::{
     BackingNode, BackingState, IdleBehaviour, Lease, Node, NodeRequest, RequestState,
@@ -160,6 +162,11 @@ struct Launcher {
     world: World,
     workers: BTreeMap<RequestId, Worker>,
     pending: VecDeque<Change>,
+    /// Request writes of its workers that KV acknowledged and that are not yet in its
+    /// mirror: a worker puts its write in once its task runs again (the next `Run`),
+    /// and meanwhile the watch may bring that write and later ones (`Deliver`). The
+    /// worker waits until then.
+    acks: Vec<(RequestId, Versioned<NodeRequest>)>,
 }
 
 /// The model: KV and the launchers.
@@ -222,6 +229,7 @@ impl Model {
                     world,
                     workers: BTreeMap::new(),
                     pending: VecDeque::new(),
+                    acks: Vec::new(),
                 }
             })
             .collect();
@@ -333,13 +341,17 @@ impl Model {
             // or of one of its slots.
             let topic = match change {
                 Change::Request(r) => {
-                    let id = r.value.id.clone();
+                    let (id, key, revision) = (r.value.id.clone(), r.key.clone(), r.revision);
                     launcher.world.put_request(r);
+                    launcher.world.request_delivered(&key, revision);
+                    launcher.world.watch_delivered(Watched::Requests, revision);
                     Some(id)
                 }
                 Change::Slot(n) => {
                     let id = n.value.request_id.clone();
+                    let revision = n.revision;
                     launcher.world.put_slot(n);
+                    launcher.world.watch_delivered(Watched::Slots, revision);
                     Some(id)
                 }
                 Change::SlotGone { key, revision } => {
@@ -349,16 +361,20 @@ impl Model {
                         .get(&key)
                         .map(|n| n.value.request_id.clone());
                     launcher.world.remove_slot(&key, revision);
+                    launcher.world.watch_delivered(Watched::Slots, revision);
                     id
                 }
                 Change::Backing(b) => {
                     let id = b.value.id.to_string();
+                    let revision = b.revision;
                     launcher.world.put_backing(b);
+                    launcher.world.watch_delivered(Watched::Backing, revision);
                     launcher.world.put_agent(tests_support::agent(&id));
                     None
                 }
                 Change::BackingGone { key, revision } => {
                     launcher.world.remove_backing(&key, revision);
+                    launcher.world.watch_delivered(Watched::Backing, revision);
                     None
                 }
             };
@@ -383,13 +399,21 @@ impl Model {
         Self::wake(launcher, wakes.iter());
     }
 
-    /// Steps `l`'s awake workers until all of them wait.
+    /// Puts `l`'s acknowledged request writes into its mirror, then steps its awake
+    /// workers until all of them wait (or wait for a write of theirs to be put in).
     fn run(&mut self, l: usize) -> Result<(), String> {
+        let now = self.now;
+        let launcher = &mut self.launchers[l];
+        for (_, write) in std::mem::take(&mut launcher.acks) {
+            launcher.world.put_request(write);
+            Self::flush(launcher, now);
+        }
         loop {
-            let awake: Vec<RequestId> = self.launchers[l]
+            let launcher = &self.launchers[l];
+            let awake: Vec<RequestId> = launcher
                 .workers
                 .iter()
-                .filter(|(_, w)| w.awake)
+                .filter(|(id, w)| w.awake && !launcher.acks.iter().any(|(a, _)| a == *id))
                 .map(|(id, _)| id.clone())
                 .collect();
             if awake.is_empty() {
@@ -596,8 +620,11 @@ impl Model {
             value,
         };
         self.requests.insert(req.value.id.clone(), v.clone());
-        self.launchers[l].world.put_request(v.clone());
-        self.publish(Change::Request(v), Some(l));
+        self.launchers[l]
+            .acks
+            .push((req.value.id.clone(), v.clone()));
+        // The watch brings the write back to its own launcher too.
+        self.publish(Change::Request(v), None);
         Ok(())
     }
 
@@ -842,10 +869,11 @@ impl Model {
         let mut wrote = self.seats.is_some();
         for _ in 0..1_000 {
             let busy = wrote
-                || self
-                    .launchers
-                    .iter()
-                    .any(|l| !l.pending.is_empty() || l.workers.values().any(|w| w.awake));
+                || self.launchers.iter().any(|l| {
+                    !l.pending.is_empty()
+                        || !l.acks.is_empty()
+                        || l.workers.values().any(|w| w.awake)
+                });
             if !busy {
                 let now = self.now;
                 let next = self
@@ -1058,6 +1086,31 @@ mod tests {
             m.apply(op).unwrap();
         }
         m.settle().unwrap();
+    }
+
+    /// A waiting request's status write is acknowledged, and before its worker puts it
+    /// into the mirror the client cancels the request, the watch brings both, and the
+    /// mirror lets the finished request go. The late put brought the request back as
+    /// open: its worker, woken by the slot the release freed, wrote on a revision KV had
+    /// moved past, for good (`tests/tests/mix.rs` saw it as requests never ending).
+    #[test]
+    fn a_write_put_in_after_its_request_was_canceled_does_not_bring_it_back() {
+        let fleet = Fleet {
+            labels: vec![(1, 1)],
+            seats: None,
+        };
+        let ops = [
+            submit(0, &[(0, 1)], 0),
+            submit(0, &[(0, 1)], 0),
+            Op::Run { launcher: 0 },
+            Op::Tick { ms: 250 },
+            Op::Run { launcher: 0 },
+            Op::Cancel { pick: 0 },
+            Op::Release { pick: 0 },
+            Op::Deliver { launcher: 0 },
+            submit(0, &[(0, 1)], 0),
+        ];
+        play(&fleet, 1, &ops).unwrap();
     }
 
     /// Two labels sharing four seats, each with a set waiting that its nodes could not
