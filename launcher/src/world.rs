@@ -121,6 +121,11 @@ pub struct World {
     pub lost_heartbeats: HashMap<BackingId, LostHeartbeat>,
     /// Slot keys this launcher's workers are claiming right now.
     pub reserved: HashSet<String>,
+    /// Requests of this launcher that last looked and found themselves behind others for
+    /// a label's free slots ([`HeldBack::Behind`]), by label. What they wait behind ends
+    /// with the claims of those ahead, which leave no slot free and so wake nobody; they
+    /// are woken at the label's next change instead, to say what they wait for now.
+    behind: HashMap<String, HashSet<RequestId>>,
     /// Nodes this launcher began to give back ([`World::give_back`]) that the mirror
     /// still holds: never prepared or handed out again, whatever record it holds.
     pub given_back: HashSet<NodeId>,
@@ -1171,10 +1176,21 @@ impl World {
         self.touch_every_queue();
     }
 
+    /// Notes that request `id` looked and found itself behind others for `label`'s free
+    /// slots: it is woken at the label's next change ([`World::take_wakes`]).
+    pub fn note_behind(&mut self, label: &str, id: &RequestId) {
+        self.behind
+            .entry(label.to_string())
+            .or_default()
+            .insert(id.clone());
+    }
+
     /// This launcher's requests that could claim now ([`World::each_fitting`]), for
     /// every label whose free slots or queue changed since the last call (and the labels
     /// of the sets waiting for one of those); and all of its requests waiting for a label
-    /// whose backing nodes or agents changed (their status may say something new).
+    /// whose backing nodes or agents changed (their status may say something new); and
+    /// those that last found themselves behind others for a changed label
+    /// ([`World::note_behind`]).
     pub fn take_wakes(&mut self, now: UnixMillis) -> Vec<RequestId> {
         if self.touched.is_empty() && self.causes_touched.is_empty() {
             return Vec::new();
@@ -1194,6 +1210,9 @@ impl World {
         let linked = self.queue.linked_labels(&touched);
         touched.extend(linked);
         for label in &touched {
+            if let Some(behind) = self.behind.remove(label) {
+                wake.extend(behind);
+            }
             self.each_fitting(label, now, |pos, e| {
                 if e.owner.is_some() && e.owner == self.me {
                     wake.insert(pos.2.clone());
@@ -2466,6 +2485,28 @@ mod tests {
         w.tombstones.clear();
         w.put_slot(claim);
         assert!(w.slots.is_empty(), "the released slot stays free");
+    }
+
+    /// A request behind others for a label's free slots is woken when they claim them,
+    /// though no slot is left free for it: it says what it waits for now (here the
+    /// launch its provider's create limits hold). Once.
+    #[test]
+    fn a_request_behind_others_is_woken_when_they_claim() {
+        let mut w = World::default();
+        w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
+        w.put_agent(agent("bn-a"));
+        w.take_wakes(0);
+        let behind = RequestId::parse("req-9").unwrap();
+        w.note_behind("small", &behind);
+        let claim = node("bn-a", 0, "req-1", "small");
+        let key = claim.key.clone();
+        w.put_slot(claim);
+        assert_eq!(w.take_wakes(0), vec![behind.clone()]);
+        w.remove_slot(&key, 3);
+        assert!(
+            !w.take_wakes(0).contains(&behind),
+            "woken once; a look that finds it behind again notes it again"
+        );
     }
 
     #[test]

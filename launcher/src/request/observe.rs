@@ -135,7 +135,10 @@ pub fn look_in(
                         Some(HeldBack::TenantLimit { tenant, max_slots }) => {
                             WaitCause::TenantLimit { tenant, max_slots }
                         }
-                        Some(HeldBack::Behind { requests }) => WaitCause::Behind { requests },
+                        Some(HeldBack::Behind { requests }) => {
+                            world.note_behind(label, &r.id);
+                            WaitCause::Behind { requests }
+                        }
                         None => wait_cause(config, world, label),
                     };
                     causes.insert(label.clone(), cause);
