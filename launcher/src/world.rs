@@ -124,7 +124,8 @@ pub struct World {
     /// Requests of this launcher that last looked and found themselves behind others for
     /// a label's free slots ([`HeldBack::Behind`]), by label. What they wait behind ends
     /// with the claims of those ahead, which leave no slot free and so wake nobody; they
-    /// are woken at the label's next change instead, to say what they wait for now.
+    /// are woken once a change leaves the label no free slot, to say what they wait for
+    /// now.
     behind: HashMap<String, HashSet<RequestId>>,
     /// Nodes this launcher began to give back ([`World::give_back`]) that the mirror
     /// still holds: never prepared or handed out again, whatever record it holds.
@@ -404,6 +405,9 @@ impl World {
 
     /// Takes request `id` out of the mirror and its queues.
     fn forget_request(&mut self, id: &RequestId) {
+        for behind in self.behind.values_mut() {
+            behind.remove(id);
+        }
         let gone = self.requests.remove(id);
         if self.open_requests.remove(id) {
             let tenant = self
@@ -1177,7 +1181,8 @@ impl World {
     }
 
     /// Notes that request `id` looked and found itself behind others for `label`'s free
-    /// slots: it is woken at the label's next change ([`World::take_wakes`]).
+    /// slots: it is woken once a change leaves the label no free slot
+    /// ([`World::take_wakes`]).
     pub fn note_behind(&mut self, label: &str, id: &RequestId) {
         self.behind
             .entry(label.to_string())
@@ -1189,8 +1194,8 @@ impl World {
     /// every label whose free slots or queue changed since the last call (and the labels
     /// of the sets waiting for one of those); and all of its requests waiting for a label
     /// whose backing nodes or agents changed (their status may say something new); and
-    /// those that last found themselves behind others for a changed label
-    /// ([`World::note_behind`]).
+    /// those that last found themselves behind others for a changed label left with no
+    /// free slot ([`World::note_behind`]).
     pub fn take_wakes(&mut self, now: UnixMillis) -> Vec<RequestId> {
         if self.touched.is_empty() && self.causes_touched.is_empty() {
             return Vec::new();
@@ -1210,8 +1215,12 @@ impl World {
         let linked = self.queue.linked_labels(&touched);
         touched.extend(linked);
         for label in &touched {
-            if let Some(behind) = self.behind.remove(label) {
-                wake.extend(behind);
+            // Behind no more once no slot is left free (while some are, what they wait
+            // behind still stands, and a flood behind a set stays asleep).
+            if self.capacity.free(label) == 0 {
+                if let Some(behind) = self.behind.remove(label) {
+                    wake.extend(behind);
+                }
             }
             self.each_fitting(label, now, |pos, e| {
                 if e.owner.is_some() && e.owner == self.me {
@@ -2487,22 +2496,30 @@ mod tests {
         assert!(w.slots.is_empty(), "the released slot stays free");
     }
 
-    /// A request behind others for a label's free slots is woken when they claim them,
-    /// though no slot is left free for it: it says what it waits for now (here the
-    /// launch its provider's create limits hold). Once.
+    /// A request behind others for a label's free slots is woken when their claims leave
+    /// none free, though none is left for it: it says what it waits for now (in the mix
+    /// that found this, the launch its provider's create limits held). Not before: while
+    /// a slot is free, what it waits behind stands, and a flood behind a set sleeps on.
+    /// Once.
     #[test]
     fn a_request_behind_others_is_woken_when_they_claim() {
         let mut w = World::default();
-        w.put_backing(backing("bn-a", "small", 1, BackingState::Ready));
+        w.put_backing(backing("bn-a", "small", 2, BackingState::Ready));
         w.put_agent(agent("bn-a"));
         w.take_wakes(0);
         let behind = RequestId::parse("req-9").unwrap();
         w.note_behind("small", &behind);
-        let claim = node("bn-a", 0, "req-1", "small");
+        w.put_slot(node("bn-a", 0, "req-1", "small"));
+        assert!(!w.take_wakes(0).contains(&behind), "a slot is still free");
+        let claim = node("bn-a", 1, "req-2", "small");
         let key = claim.key.clone();
         w.put_slot(claim);
         assert_eq!(w.take_wakes(0), vec![behind.clone()]);
         w.remove_slot(&key, 3);
+        let mut again = node("bn-a", 1, "req-3", "small");
+        again.revision = 4;
+        w.put_slot(again);
+        assert_eq!(w.used_count(&BackingId::parse("bn-a").unwrap()), 2);
         assert!(
             !w.take_wakes(0).contains(&behind),
             "woken once; a look that finds it behind again notes it again"
