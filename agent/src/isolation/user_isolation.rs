@@ -777,6 +777,7 @@ impl SlotIsolation for UserIsolation {
         ssh_public_key: Option<&str>,
         limits: &Limits,
     ) -> Result<PathBuf, IsolationError> {
+        let mut clock = StepClock::start();
         let dir = self.workspace(slot);
         let not_warm = |why: String| {
             IsolationError::new("preparing warm slot", &dir)(std::io::Error::other(why))
@@ -794,6 +795,7 @@ impl SlotIsolation for UserIsolation {
             }
             None => return Err(not_warm(format!("user {} is gone", warm.user))),
         }
+        clock.lap("user");
         if limits.disk_bytes != warm.disk_bytes {
             // Another size than the warm-up made: the empty workspace is made again.
             let problems = self.remove_image(slot, &dir);
@@ -806,7 +808,9 @@ impl SlotIsolation for UserIsolation {
         if let Some(key) = ssh_public_key {
             self.write_key(&dir, key)?;
         }
+        clock.lap("key");
         self.cgroups.create(&warm.user, warm.gid, limits)?;
+        clock.lap("cgroup");
         self.write_state(
             slot,
             &SlotState {
@@ -817,10 +821,12 @@ impl SlotIsolation for UserIsolation {
                 disk_bytes: limits.disk_bytes,
             },
         )?;
+        clock.lap("state");
         if let Some(u) = self.users().get_mut(&slot) {
             u.prepared = true;
             u.disk_bytes = limits.disk_bytes;
         }
+        clock.log(slot, "prepare_warm");
         Ok(dir)
     }
 
