@@ -5,7 +5,7 @@
 //! `127.0.0.1` in one slot is reachable from every other slot. With it each slot has a
 //! loopback of its own and reaches the outside through the host:
 //!
-//! - **Namespaces.** At warm-up the agent forks a holder process that becomes the slot
+//! - **Namespaces.** At warm-up the agent starts a holder process that becomes the slot
 //!   user and unshares a user namespace and a network namespace in one call (the kernel
 //!   makes the user namespace first, so it owns the network namespace, and the slot's
 //!   uid owns the user namespace). The agent writes the maps (only the slot's uid and gid,
@@ -51,7 +51,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::isolation::bus_guard::METADATA_V4;
-use crate::isolation::private_tmp::Holder;
+use crate::isolation::private_tmp::{become_ids, Holder};
 use crate::isolation::rtnl::{Rtnl, LOOPBACK_INDEX};
 use crate::step_clock::StepClock;
 
@@ -247,22 +247,19 @@ impl SlotNetworks {
                 .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
         }
         // The holder becomes the slot user (no supplementary groups), then makes both
-        // namespaces: a fork of the agent that runs no other program.
+        // namespaces: a child of the agent that runs no other program.
         let mut steps = || -> std::io::Result<()> {
             // SAFETY: plain system calls on values of this frame, async-signal-safe.
             unsafe {
-                let checked = |rc: libc::c_int| match rc {
+                become_ids(uid, gid)?;
+                match libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) {
                     0 => Ok(()),
                     _ => Err(std::io::Error::last_os_error()),
-                };
-                checked(libc::setgroups(0, std::ptr::null()))?;
-                checked(libc::setresgid(gid, gid, gid))?;
-                checked(libc::setresuid(uid, uid, uid))?;
-                checked(libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET))
+                }
             }
         };
         // SAFETY: the steps make only async-signal-safe system calls, on values made
-        // before the fork.
+        // before the holder, and change ids with `become_ids`.
         let holder = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
             fail(format!(
                 "making the user and network namespace of uid {uid}"

@@ -15,11 +15,11 @@
 //!   and a copy of a mount table costs in proportion to its mounts (twice at each
 //!   warm-up, once more at each release), whereas these would only keep other slots'
 //!   namespaces alive. The agent holds it open ([`SlotMounts::base_mounts`]).
-//! - **Namespaces.** At warm-up the agent forks a holder process. Still root, it enters
-//!   that clean copy (or, for a workspace that is an image of its own, mounted after the
-//!   clean copy was made, the logins' namespace itself), unshares a mount namespace of
-//!   its own, turns its mounts into slaves (nothing it mounts reaches the
-//!   host; what the host mounts later, a workspace image say, still reaches it) and mounts
+//! - **Namespaces.** At warm-up the agent starts a holder process ([`Holder`]). Still
+//!   root, it enters that clean copy (or, for a workspace that is an image of its own,
+//!   mounted after the clean copy was made, the logins' namespace itself), unshares a
+//!   mount namespace of its own, turns its mounts into slaves (nothing it mounts reaches
+//!   the host; what the host mounts later, a workspace image say, still reaches it) and mounts
 //!   a tmpfs on each of [`PRIVATE_DIRS`] (mode 1777, `nosuid,nodev`, at most
 //!   [`MAX_INODES`] entries). It then becomes the slot user and makes a second mount
 //!   namespace, owned by the slot's user namespace (the one of
@@ -232,7 +232,7 @@ impl SlotMounts {
             .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
         };
         let user_fd = user_ns.map(open_ns).transpose()?;
-        // Everything the child needs, made before the fork (no allocation after it).
+        // Everything the child needs, made before the holder starts (no allocation in it).
         let targets: Vec<std::ffi::CString> = PRIVATE_DIRS
             .iter()
             .map(|d| std::ffi::CString::new(*d).expect("no nul"))
@@ -291,7 +291,7 @@ impl SlotMounts {
             let resolv_from = resolv_from.clone();
             let mut steps = move || -> std::io::Result<()> {
                 // SAFETY: only async-signal-safe system calls, on memory made before the
-                // fork (see `Holder::spawn`).
+                // holder (see `Holder::spawn`).
                 unsafe {
                     let check = |r: libc::c_int| {
                         if r != 0 {
@@ -361,9 +361,7 @@ impl SlotMounts {
                             std::ptr::null(),
                         ))?;
                     }
-                    check(libc::setgroups(0, std::ptr::null()))?;
-                    check(libc::setgid(gid))?;
-                    check(libc::setuid(uid))?;
+                    become_ids(uid, gid)?;
                     match user_raw {
                         Some(fd) => {
                             check(libc::setns(fd, libc::CLONE_NEWUSER))?;
@@ -377,7 +375,7 @@ impl SlotMounts {
                 }
             };
             // SAFETY: the steps are async-signal-safe system calls on memory made before
-            // the fork.
+            // the holder, and change ids with `become_ids`.
             let child_now = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
                 fail(format!("making the private /tmp of slot {slot}"))(e.to_string())
             })?;
@@ -541,64 +539,168 @@ impl SlotMounts {
 /// How long a holder lives at most, should the agent not kill it (as `sleep 600` did).
 pub(crate) const HOLDER_LIFETIME_SECS: libc::c_uint = 600;
 
-/// A forked child of the agent that set up a slot's namespaces and waits, doing nothing,
-/// for the agent to bind them; killed (and reaped) when dropped. It runs no other program:
+/// A child of the agent that set up a slot's namespaces and waits, doing nothing, for
+/// the agent to bind them; killed (and reaped) when dropped. It runs no other program:
 /// an `exec` (of `sleep`, before) cost as much as the rest of the warm-up's namespace
-/// work. It dies with the thread that forked it, and after [`HOLDER_LIFETIME_SECS`] in
+/// work. It dies with the thread that made it, and after [`HOLDER_LIFETIME_SECS`] in
 /// any case.
+///
+/// It shares the agent's memory (`clone` with `CLONE_VM`, on a stack of its own) rather
+/// than being a fork: a fork copied the agent's page tables and write-protected its
+/// memory, so every page the agent's threads wrote next took a fault, twice per warm-up
+/// (1.6 ms of the agents' CPU per allocation and release, docs/benchmarks.md). A holder
+/// that becomes a slot's user runs as that uid in the agent's memory while it lives, so:
+/// the uid is the warm-up's new one, of which no process exists (release killed the
+/// slot's); and the memory is made dumpable by root alone first (`PR_SET_DUMPABLE` 0,
+/// which the kernel would also do as the holder changes ids unless `fs.suid_dumpable`
+/// is 1), so no process of that uid may read or trace it. The agent is not dumpable
+/// from its first warm-up on.
 pub(crate) struct Holder {
     pid: libc::pid_t,
+    /// Unmapped after the holder is reaped (fields drop after [`Drop::drop`]).
+    _stack: HolderStack,
+}
+
+/// Size of a holder's stack: its steps are a few system calls.
+const HOLDER_STACK_BYTES: usize = 128 * 1024;
+
+/// A holder's stack, with a guard page below it.
+struct HolderStack {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value alone; nothing else refers to it once the
+// holder on it is reaped.
+unsafe impl Send for HolderStack {}
+
+impl HolderStack {
+    fn new() -> std::io::Result<HolderStack> {
+        // SAFETY: a new private anonymous mapping, owned by the value returned.
+        unsafe {
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                HOLDER_STACK_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return Err(std::io::Error::last_os_error());
+            }
+            let stack = HolderStack {
+                base,
+                len: HOLDER_STACK_BYTES,
+            };
+            let page = usize::try_from(libc::sysconf(libc::_SC_PAGESIZE)).unwrap_or(4096);
+            if libc::mprotect(base, page, libc::PROT_NONE) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(stack)
+        }
+    }
+
+    /// The top of the stack (it grows down), 16-byte aligned: the mapping is whole pages.
+    fn top(&self) -> *mut libc::c_void {
+        // SAFETY: one past the end of the mapping.
+        unsafe { self.base.cast::<u8>().add(self.len).cast() }
+    }
+}
+
+impl Drop for HolderStack {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, no longer used.
+        unsafe {
+            libc::munmap(self.base, self.len);
+        }
+    }
+}
+
+/// What a holder starts with.
+struct HolderStart<'a> {
+    steps: &'a mut dyn FnMut() -> std::io::Result<()>,
+    /// Where it writes its steps' outcome.
+    done: libc::c_int,
+}
+
+/// A holder's life: its steps, their outcome written to the agent, then waiting to be
+/// killed.
+extern "C" fn holder_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `HolderStart` of `Holder::spawn`, whose thread waits in `read`
+    // until this writes `done`; after that write nothing here refers to it. Only system
+    // calls follow (see `Holder::spawn`).
+    unsafe {
+        let start = &mut *arg.cast::<HolderStart<'_>>();
+        let done = start.done;
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGALRM] {
+            libc::sigaction(signal, &default, std::ptr::null_mut());
+        }
+        libc::alarm(HOLDER_LIFETIME_SECS);
+        let code: libc::c_int = match (start.steps)() {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
+        libc::write(
+            done,
+            (&code as *const libc::c_int).cast(),
+            size_of::<libc::c_int>(),
+        );
+        if code != 0 {
+            libc::_exit(1);
+        }
+        loop {
+            libc::pause();
+        }
+    }
 }
 
 impl Holder {
-    /// Forks a child that runs `steps`, then waits to be killed; returns once the steps
+    /// Starts a holder that runs `steps`, then waits to be killed; returns once the steps
     /// are done, or with their error.
     ///
     /// # Safety
-    /// `steps` runs in the child of a fork of a multi-threaded process: it may only make
-    /// async-signal-safe system calls, on memory made before the fork.
+    /// `steps` runs in a child that shares the agent's memory, its thread-local storage
+    /// (errno) that of the calling thread, which waits meanwhile. It may only make
+    /// async-signal-safe system calls, on memory made before the call, and change its
+    /// ids with [`become_ids`] alone: glibc's `setuid` family signals every thread glibc
+    /// knows of to change too, and the holder's glibc knows the agent's threads (the
+    /// kernel refuses, as they are another process, but nothing here relies on that).
     pub(crate) unsafe fn spawn(
         steps: &mut dyn FnMut() -> std::io::Result<()>,
     ) -> std::io::Result<Holder> {
-        // SAFETY: a fork whose child runs the caller's steps (async-signal-safe, as the
-        // caller promises) and then only system calls, on descriptors this function owns.
+        // SAFETY: a child on a stack of its own that runs the caller's steps
+        // (async-signal-safe, as the caller promises) and then only system calls, on
+        // descriptors this function owns; this thread waits for it in `read`.
         unsafe {
             use std::os::fd::FromRawFd;
+            let stack = HolderStack::new()?;
+            if libc::prctl(libc::PR_SET_DUMPABLE, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             let mut fds = [0; 2];
             if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             let (ready, done) = (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]));
-            let pid = libc::fork();
+            let mut start = HolderStart {
+                steps,
+                done: done.as_raw_fd(),
+            };
+            let pid = libc::clone(
+                holder_main,
+                stack.top(),
+                libc::CLONE_VM | libc::SIGCHLD,
+                (&mut start as *mut HolderStart<'_>).cast(),
+            );
             if pid < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if pid == 0 {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                let mut default: libc::sigaction = std::mem::zeroed();
-                default.sa_sigaction = libc::SIG_DFL;
-                for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGALRM] {
-                    libc::sigaction(signal, &default, std::ptr::null_mut());
-                }
-                libc::alarm(HOLDER_LIFETIME_SECS);
-                let code: libc::c_int = match steps() {
-                    Ok(()) => 0,
-                    Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
-                };
-                libc::write(
-                    done.as_raw_fd(),
-                    (&code as *const libc::c_int).cast(),
-                    size_of::<libc::c_int>(),
-                );
-                if code != 0 {
-                    libc::_exit(1);
-                }
-                loop {
-                    libc::pause();
-                }
-            }
             drop(done);
-            let holder = Holder { pid };
+            let holder = Holder { pid, _stack: stack };
             let mut code: libc::c_int = 0;
             let read = loop {
                 let n = libc::read(
@@ -641,6 +743,28 @@ impl Drop for Holder {
             {
             }
         }
+    }
+}
+
+/// Makes a [`Holder`] user `uid` of group `gid`, without supplementary groups, by the
+/// system calls themselves (see [`Holder::spawn`]).
+///
+/// # Safety
+/// For a holder's steps only.
+pub(crate) unsafe fn become_ids(uid: u32, gid: u32) -> std::io::Result<()> {
+    let checked = |rc: libc::c_long| match rc {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    };
+    // SAFETY: plain system calls on values.
+    unsafe {
+        checked(libc::syscall(
+            libc::SYS_setgroups,
+            0 as libc::c_long,
+            std::ptr::null::<libc::gid_t>(),
+        ))?;
+        checked(libc::syscall(libc::SYS_setresgid, gid, gid, gid))?;
+        checked(libc::syscall(libc::SYS_setresuid, uid, uid, uid))
     }
 }
 
@@ -816,6 +940,81 @@ pub fn open_nsfs(path: &Path) -> Result<OwnedFd, PrivateTmpError> {
 mod tests {
     use super::*;
     use crate::isolation::cgroup::parse_mountinfo;
+
+    /// The uids of every thread of this process.
+    fn own_threads_uids() -> Vec<Vec<u32>> {
+        fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .filter_map(|t| fs::read_to_string(t.path().join("status")).ok())
+            .map(|s| crate::isolation::procs::parse_status_uids(&s))
+            .collect()
+    }
+
+    /// A holder shares the agent's memory: its change of ids must be its own, not that of
+    /// the threads whose glibc it shares.
+    #[test]
+    fn a_holder_changes_its_own_ids_and_no_one_elses() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        // Threads besides this one, as the agent has.
+        let stop = std::sync::Arc::new(std::sync::Barrier::new(4));
+        let others: Vec<_> = (0..3)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    stop.wait();
+                })
+            })
+            .collect();
+        let (uid, gid) = (2_999_123, 2_999_123);
+        // As a process that never made a holder is (another test's holder may have
+        // changed it already).
+        // SAFETY: a flag of this process.
+        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1) };
+        // SAFETY: the holder's steps are `become_ids` alone.
+        let mut steps = || unsafe { become_ids(uid, gid) };
+        // SAFETY: as above.
+        let holder = unsafe { Holder::spawn(&mut steps) }.unwrap();
+        let status = fs::read_to_string(format!("/proc/{}/status", holder.id())).unwrap();
+        assert_eq!(
+            crate::isolation::procs::parse_status_uids(&status),
+            [uid; 4]
+        );
+        let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
+        assert_eq!(groups.trim(), "Groups:", "no supplementary groups");
+        // The holder's change of ids made the memory it shares with this process
+        // dumpable by root alone, so no process of the slot's uid may read it.
+        // SAFETY: a flag of this process.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        assert_ne!(dumpable, 1, "the agent's memory is open to the slot's uid");
+        let threads = own_threads_uids();
+        assert!(threads.len() >= 4, "{threads:?}");
+        assert!(
+            threads.iter().all(|ids| ids == &[0; 4]),
+            "the holder changed the ids of this process's threads: {threads:?}"
+        );
+        let pid = holder.id();
+        drop(holder);
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "the holder is killed and reaped when dropped"
+        );
+        stop.wait();
+        for t in others {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_holder_whose_steps_fail_says_why() {
+        let mut steps = || Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        // SAFETY: steps without a system call.
+        let err = unsafe { Holder::spawn(&mut steps) }.err().unwrap();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+    }
 
     #[test]
     fn namespace_files_and_agents_directories_are_detached_outermost_first() {
