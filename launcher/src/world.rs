@@ -1589,9 +1589,7 @@ impl World {
                 .map(|b| match b.state {
                     BackingState::Requested | BackingState::Launching if b.out_of_capacity => 0,
                     BackingState::Requested | BackingState::Launching => b.slots,
-                    BackingState::Ready if self.takes_slots(b) => {
-                        b.slots.saturating_sub(self.used_count(&b.id))
-                    }
+                    BackingState::Ready if self.takes_slots(b) => b.slots.saturating_sub(held(b)),
                     _ => 0,
                 })
                 .sum();
@@ -2594,6 +2592,30 @@ mod tests {
         assert_eq!(peek(&mut w, "small"), None);
         w.put_backing(with_state("bn-c", BackingState::Launching, 1));
         assert_eq!(w.coming_capacity("small"), 2, "a booting node counts whole");
+        w.check_capacity_index();
+    }
+
+    #[test]
+    fn a_slot_being_released_is_coming_back_but_not_free() {
+        let mut w = two_ready_nodes();
+        assert_eq!(
+            (w.coming_capacity("small"), w.capacity.free("small")),
+            (3, 3)
+        );
+        let mut releasing = node("bn-b", 0, "req-x", "small");
+        releasing.revision = 3;
+        releasing.value.state = NodeState::Releasing;
+        w.put_slot(releasing);
+        assert_eq!(
+            w.coming_capacity("small"),
+            4,
+            "the planner launches nothing for a request the release will serve"
+        );
+        assert_eq!(
+            w.capacity.free("small"),
+            3,
+            "nobody claims it before it is back"
+        );
         w.check_capacity_index();
     }
 

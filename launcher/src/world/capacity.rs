@@ -59,11 +59,14 @@ pub enum Offer {
 }
 
 impl Offer {
-    /// Slots free now or soon.
+    /// Slots free now or soon. A slot being released is coming back once its agent has
+    /// cleaned it (milliseconds, or the slot's term grace): counting it as taken would
+    /// launch a backing node, which takes far longer, for a request waiting out a burst
+    /// of releases.
     fn coming(&self) -> u32 {
         match *self {
             Offer::Booting { slots } => slots,
-            Offer::Serving { slots, used, .. } => slots.saturating_sub(used),
+            Offer::Serving { slots, held, .. } => slots.saturating_sub(held),
             Offer::Nothing => 0,
         }
     }
