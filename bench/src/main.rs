@@ -221,11 +221,18 @@ struct Report {
     throughput: Throughput,
     /// The plain bus's release to reusable ([`phases::release_to_reusable`]).
     release_to_reusable: stats::Summary,
-    /// The plain bus's sequential allocations again, right after the production run: the
-    /// plain comparison's warm ratios are over the mean of `warm` and this.
+    /// The plain bus's sequential allocations again, with the production run's launcher
+    /// and agents up and warm, before its loads: the plain comparison's warm ratios are
+    /// over the mean of this and `warm_after_production`.
+    warm_before_production: phases::Warm,
+    /// The plain bus's throughput load after `warm_before_production`.
+    throughput_before_production: Throughput,
+    /// The plain bus's sequential allocations again, right after the production run's
+    /// loads, its launcher and agents still up.
     warm_after_production: phases::Warm,
-    /// The plain bus's throughput load again, after `warm_after_production`: the plain
-    /// comparison's throughput ratios are over the mean of `throughput` and this.
+    /// The plain bus's throughput load after `warm_after_production`: the plain
+    /// comparison's throughput ratios are over the mean of
+    /// `throughput_before_production` and this.
     throughput_after_production: Throughput,
     /// The launcher process after the throughput load (RSS, CPU while idle).
     launcher_idle: procs::Usage,
@@ -347,7 +354,7 @@ impl Ratios {
     fn over_both(
         warm: &phases::Warm,
         throughput: &Throughput,
-        base: &Allocations,
+        base: &Again,
         again: &Again,
     ) -> Ratios {
         let over_both = |f| throughput.over_mean(f, &base.throughput, &again.throughput);
@@ -503,7 +510,7 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
             ratios: Ratios::over_both(
                 &f.production.warm,
                 &f.production.throughput,
-                &plain,
+                &f.plain_before,
                 &f.plain_again,
             ),
         })
@@ -525,6 +532,8 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         warm: plain.warm,
         throughput: plain.throughput,
         release_to_reusable: plain.release_to_reusable,
+        warm_before_production: f.plain_before.warm,
+        throughput_before_production: f.plain_before.throughput,
         warm_after_production: f.plain_again.warm,
         throughput_after_production: f.plain_again.throughput,
         launcher_idle: f.launcher_idle,
@@ -554,6 +563,8 @@ struct Figures {
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
     production: Allocations,
+    /// The plain bus's loads with the production run's agents warm, before its loads.
+    plain_before: Again,
     /// The plain bus's loads again, right after the production run.
     plain_again: Again,
     isolation_none: Option<Allocations>,
@@ -572,6 +583,7 @@ struct Again {
 struct PlainMore {
     production: Allocations,
     exec: Option<exec_job::ExecFigures>,
+    plain_before: Again,
     plain_again: Again,
     isolation_none: Option<Allocations>,
     idle: procs::Usage,
@@ -632,13 +644,14 @@ async fn run_all(
             isolation: s.isolation.clone(),
         };
         let client = Client::from_bus(bus.clone());
-        let (plain, more) = on_bus(
+        let (plain, (), more) = on_bus(
             s,
             &plain,
             client,
             (server_pid, Some(monitor)),
             agent_binary,
             dir,
+            async || anyhow::Ok(()),
             async |rig: &load::Rig,
                    launcher: &mut procs::LauncherProcess,
                    client: &Client,
@@ -647,31 +660,47 @@ async fn run_all(
                     "production: {SECURE_BUS}, agents in mode {}",
                     s.isolation
                 ));
-                let (production, exec) = run_secure(
+                // The plain loads the production run is compared with run while both
+                // buses' launchers and agents are up, as the production loads do.
+                let launcher_pid = launcher.pid;
+                let plain_loads = async |when: &str| {
+                    step(format!(
+                        "plain bus {when}: warm, then throughput, {} clients for {}s",
+                        s.clients, s.throughput_secs
+                    ));
+                    anyhow::Ok(Again {
+                        warm: rig.warm(client, watcher).await?,
+                        throughput: rig.throughput(&[launcher_pid]).await?,
+                    })
+                };
+                let (production, exec, plain_before, plain_again) = run_secure(
                     s,
                     &s.isolation,
                     nats_binary,
                     agent_binary,
                     &dir.join(SECURE_DIR),
                     s.exec_rounds > 0,
+                    async || plain_loads("beside production's warm agents").await,
+                    async || plain_loads("again, right after production's loads").await,
                 )
                 .await?;
-                step(format!(
-                    "plain bus again: warm, then throughput, {} clients for {}s",
-                    s.clients, s.throughput_secs
-                ));
-                let plain_again = Again {
-                    warm: rig.warm(client, watcher).await?,
-                    throughput: rig.throughput(&[launcher.pid]).await?,
-                };
                 launcher.check_alive()?;
                 let isolation_none = if s.isolation != "none" {
                     step("production bus, agents in mode none".into());
                     let none = dir.join(NONE_DIR);
                     Some(
-                        run_secure(s, "none", nats_binary, agent_binary, &none, false)
-                            .await?
-                            .0,
+                        run_secure(
+                            s,
+                            "none",
+                            nats_binary,
+                            agent_binary,
+                            &none,
+                            false,
+                            async || anyhow::Ok(()),
+                            async || anyhow::Ok(()),
+                        )
+                        .await?
+                        .0,
                     )
                 } else {
                     None
@@ -728,6 +757,7 @@ async fn run_all(
                 anyhow::Ok(PlainMore {
                     production,
                     exec,
+                    plain_before,
                     plain_again,
                     isolation_none,
                     idle,
@@ -778,6 +808,7 @@ async fn run_all(
         observed: more.observed,
         scale,
         production: more.production,
+        plain_before: more.plain_before,
         plain_again: more.plain_again,
         isolation_none: more.isolation_none,
         exec: more.exec,
@@ -818,20 +849,22 @@ struct BusSetup {
 /// Warm-up, warm allocations and throughput on one bus, with a launcher and local agents
 /// (under `run_dir/agents`) of their own; then `more` while they still run. The launcher
 /// and its agents are stopped before this returns, also on failure.
-async fn on_bus<T>(
+#[allow(clippy::too_many_arguments)]
+async fn on_bus<R, T>(
     s: &Settings,
     setup: &BusSetup,
     client: Client,
     server: (Option<u32>, Option<String>),
     agent_binary: &Path,
     run_dir: &Path,
+    warmed: impl AsyncFnOnce() -> anyhow::Result<R>,
     more: impl AsyncFnOnce(
         &load::Rig,
         &mut procs::LauncherProcess,
         &Client,
         &Arc<RequestWatcher>,
     ) -> anyhow::Result<T>,
-) -> anyhow::Result<(Allocations, T)> {
+) -> anyhow::Result<(Allocations, R, T)> {
     let warm_nodes = s.clients.div_ceil(SLOTS_PER_WARM_NODE) + 1;
     let config = run_dir.join("launcher.yaml");
     std::fs::write(
@@ -875,6 +908,7 @@ async fn on_bus<T>(
             warm_nodes * SLOTS_PER_WARM_NODE,
         )
         .await?;
+        let warmed = warmed().await?;
         step(format!("warm: {} sequential allocations", s.warm));
         let warm = rig.warm(&client, &watcher).await?;
         step(format!(
@@ -896,6 +930,7 @@ async fn on_bus<T>(
                 throughput,
                 release_to_reusable,
             },
+            warmed,
             more,
         ))
     }
@@ -910,15 +945,20 @@ async fn on_bus<T>(
 /// client certificates, as `slotpool nats-setup` makes it by default: the benchmark's clients
 /// log in as a client, the launcher as a launcher that mints each local agent its own
 /// credential, and every one shows a certificate from the installation's CA. With
-/// `exec`, the `slotpool exec` figures follow the loads ([`exec_job`]).
-async fn run_secure(
+/// `exec`, the `slotpool exec` figures follow the loads ([`exec_job`]). `before` runs
+/// once its agents are warm, before its loads, and `after` right after them (before the
+/// `exec` jobs): another bus's loads measured beside this run's launcher and agents.
+#[allow(clippy::too_many_arguments)]
+async fn run_secure<B, A>(
     s: &Settings,
     isolation: &str,
     nats_binary: &Path,
     agent_binary: &Path,
     dir: &Path,
     exec: bool,
-) -> anyhow::Result<(Allocations, Option<exec_job::ExecFigures>)> {
+    before: impl AsyncFnOnce() -> anyhow::Result<B>,
+    after: impl AsyncFnOnce() -> anyhow::Result<A>,
+) -> anyhow::Result<(Allocations, Option<exec_job::ExecFigures>, B, A)> {
     let launcher = BusUser::new(Role::Launcher, "bench-launcher")?;
     let clients = BusUser::new(Role::Client, "bench-clients")?;
     let pki = pki::write_pki(&PkiPlan {
@@ -983,12 +1023,14 @@ async fn run_secure(
             (server_pid, Some(monitor)),
             agent_binary,
             dir,
+            before,
             async |_: &load::Rig,
                    launcher: &mut procs::LauncherProcess,
                    client: &Client,
                    _: &Arc<RequestWatcher>| {
+                let after = after().await?;
                 if !exec {
-                    return anyhow::Ok(None);
+                    return anyhow::Ok((None, after));
                 }
                 let plan = exec_job::Plan {
                     slotpool: sibling_binary("slotpool"),
@@ -1010,15 +1052,15 @@ async fn run_secure(
                 ));
                 let figures = exec_job::measure(&plan, client).await?;
                 launcher.check_alive()?;
-                Ok(Some(figures))
+                Ok((Some(figures), after))
             },
         )
         .await
     }
     .await;
     stop_child(&mut server).await;
-    let (allocations, exec) = result?;
-    Ok((allocations, exec))
+    let (allocations, before, (exec, after)) = result?;
+    Ok((allocations, exec, before, after))
 }
 
 fn step(what: String) {
@@ -1124,6 +1166,11 @@ fn latencies(r: &Report) -> Vec<Latency> {
         ("  floor: KV CAS update".into(), r.floor.update),
     ];
     warm_rows(&mut rows, "plain: ", &r.warm);
+    warm_rows(
+        &mut rows,
+        "plain, beside production, before it: ",
+        &r.warm_before_production,
+    );
     warm_rows(
         &mut rows,
         "plain, right after production: ",
@@ -1419,16 +1466,18 @@ fn print_table(r: &Report) {
     );
     print_throughput("production: throughput", &p.throughput);
     print_throughput(
-        "plain bus, before production's loads: throughput",
-        &r.throughput,
+        "plain bus, before production's loads (its agents warm): throughput",
+        &r.throughput_before_production,
     );
     print_throughput(
         "plain bus, right after production's loads: throughput",
         &r.throughput_after_production,
     );
     println!(
-        "plain bus warm allocation p50 before production's loads {:.2} ms, right after them {:.2} ms",
-        r.warm.allocation.p50_ms, r.warm_after_production.allocation.p50_ms
+        "plain bus warm allocation p50 before production's loads {:.2} ms, right after them {:.2} ms (alone, first: {:.2} ms)",
+        r.warm_before_production.allocation.p50_ms,
+        r.warm_after_production.allocation.p50_ms,
+        r.warm.allocation.p50_ms
     );
     println!(
         "production: release to reusable (a one-slot node released and asked for again) p50 {:.1} ms, p99 {:.1} ms",

@@ -147,13 +147,17 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         );
         assert!(load["allocations"].as_u64().unwrap() > 0, "{report}");
     }
-    // The plain comparison's other side: the plain loads before the production run and
-    // again right after it, each ratio over the mean of the two.
+    // The plain comparison's other side: the plain loads beside the production run's
+    // warm agents before its loads and again right after them, each ratio over the mean
+    // of the two.
+    let before = &report["throughput_before_production"];
     let again = &report["throughput_after_production"];
-    assert!(again["allocations"].as_u64().unwrap() > 0, "{report}");
-    assert_eq!(again["cpu"][0]["processes"], 1, "{report}");
+    for load in [before, again] {
+        assert!(load["allocations"].as_u64().unwrap() > 0, "{report}");
+        assert_eq!(load["cpu"][0]["processes"], 1, "{report}");
+    }
     let per_sec = |t: &serde_json::Value| t["allocations_per_sec"].as_f64().unwrap();
-    let plain_mean = (per_sec(&report["throughput"]) + per_sec(again)) / 2.0;
+    let plain_mean = (per_sec(before) + per_sec(again)) / 2.0;
     let over_plain = comparisons[0]["ratios"]["allocations_per_sec"]
         .as_f64()
         .unwrap();
@@ -164,11 +168,12 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
     );
     // And the warm ratio over the mean of the plain warm allocations before and after.
     let p50 = |w: &serde_json::Value| w["allocation"]["p50_ms"].as_f64().unwrap();
+    let warm_before = &report["warm_before_production"];
     let warm_again = &report["warm_after_production"];
-    assert!(p50(warm_again) > 0.0, "{report}");
+    assert!(p50(warm_before) > 0.0 && p50(warm_again) > 0.0, "{report}");
     let warm_over_plain = comparisons[0]["ratios"]["warm_p50"].as_f64().unwrap();
     let expected =
-        p50(&report["production"]["warm"]) / ((p50(&report["warm"]) + p50(warm_again)) / 2.0);
+        p50(&report["production"]["warm"]) / ((p50(warm_before) + p50(warm_again)) / 2.0);
     assert!(
         (warm_over_plain - expected).abs() < 1e-9 * expected,
         "plain warm ratio {warm_over_plain}, not production over the mean of both plain runs {expected}: {report}"
