@@ -8,11 +8,11 @@
 //! naming this backing node: the only output subjects its credential may publish to, so
 //! it cannot speak in sessions on other nodes.
 //!
-//! Placement: with slot users the command is started as the slot's user through the
-//! same `enter-slot` helper sshd runs for logins, so the placement socket puts it in the
-//! slot's cgroup (and network namespace) exactly as a login; the helper runs it with the
-//! user's shell, as `ssh node CMD` would. Without slot users it runs as the agent's user
-//! in the workspace.
+//! Placement: with slot users the command is started inside the slot as its user exactly
+//! as a login's shell is ([`crate::isolation::start`]: its cgroup, its namespaces, its
+//! ids), run by the user's shell as `ssh node CMD` would, in a session of its own.
+//! Without slot users it runs as the agent's user in the workspace, in a process group
+//! of its own.
 //!
 //! Memory: the agent reads a pipe only while the client may receive another chunk (at
 //! most `window` unacknowledged), so a slow reader stalls the command in its pipe,
@@ -21,6 +21,7 @@
 //! [`AgentCommand::Exec`]: slotpool_protocol::api::AgentCommand::Exec
 
 use crate::isolation::passwd;
+use crate::isolation::start::{Settings, SlotEntry};
 use crate::slots::Slots;
 use bytes::Bytes;
 use slotpool_protocol::api::{ApiError, ErrorCode};
@@ -122,10 +123,6 @@ type Sessions = HashMap<(UserName, String), SessionInput>;
 pub struct Runner {
     sessions: Arc<Mutex<Sessions>>,
     bus: Bus,
-    /// The agent's `--run-dir` (the placement sockets), for the `enter-slot` helper.
-    run_dir: PathBuf,
-    /// The `slotpool-agent` binary, which is also the `enter-slot` helper.
-    helper: PathBuf,
     /// This agent's backing node: the output subjects its credential may publish to
     /// name it.
     backing: BackingId,
@@ -136,16 +133,12 @@ impl Runner {
     pub fn new(
         bus: Bus,
         backing: BackingId,
-        run_dir: PathBuf,
         shutdown: CancellationToken,
     ) -> Runner {
-        let helper = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("slotpool-agent"));
         Runner {
             sessions: Arc::default(),
             bus,
             backing,
-            run_dir,
-            helper,
             shutdown,
         }
     }
@@ -195,8 +188,21 @@ impl Runner {
         }
         let isolation = slots.isolation();
         let workspace = isolation.workspace(slot);
-        let username = isolation.username(slot);
-        let child = match self.spawn(&request, workspace, username.as_deref()) {
+        let entry = match isolation.username(slot) {
+            None => Ok(None),
+            Some(name) => passwd::lookup(&name)
+                .ok_or_else(|| format!("slot user {name} does not exist"))
+                .and_then(|user| isolation.slot_entry(user.uid).map_err(|e| e.to_string()))
+                .and_then(|entry| {
+                    entry
+                        .map(Some)
+                        .ok_or_else(|| format!("slot {slot} has no prepared user"))
+                }),
+        };
+        let child = match entry
+            .map_err(std::io::Error::other)
+            .and_then(|entry| self.spawn(&request, workspace, entry))
+        {
             Ok(child) => child,
             Err(err) => {
                 self.sessions().remove(&key);
@@ -229,45 +235,52 @@ impl Runner {
         Ok(())
     }
 
-    /// Starts the command: as the slot user through `enter-slot`, or directly.
+    /// Starts the command: inside the slot as its user, or directly.
     fn spawn(
         &self,
         request: &ExecRequest,
         workspace: PathBuf,
-        username: Option<&str>,
+        entry: Option<SlotEntry>,
     ) -> std::io::Result<tokio::process::Child> {
-        let mut command = match username {
-            Some(name) => {
-                let user = passwd::lookup(name).ok_or_else(|| {
-                    std::io::Error::other(format!("slot user {name} does not exist"))
-                })?;
-                let mut c = tokio::process::Command::new(&self.helper);
-                c.arg("enter-slot")
-                    .arg("--run-dir")
-                    .arg(&self.run_dir)
-                    .uid(user.uid)
-                    .gid(user.gid)
+        let mut command = match entry {
+            Some(entry) => {
+                let mut c = tokio::process::Command::new(&entry.shell);
+                let base = entry
+                    .shell
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "sh".into());
+                c.arg0(base)
+                    .arg("-c")
+                    .arg(shell_command(&request.argv))
                     .env_clear()
-                    .env("HOME", &user.home)
-                    .env("USER", name)
-                    .env("LOGNAME", name)
-                    .env("SHELL", &user.shell)
-                    .env("SSH_ORIGINAL_COMMAND", shell_command(&request.argv));
+                    .env("HOME", &entry.home)
+                    .env("USER", &entry.user)
+                    .env("LOGNAME", &entry.user)
+                    .env("SHELL", &entry.shell);
+                // A session of its own, so its process group is its pid.
+                entry.apply(
+                    &mut c,
+                    Settings {
+                        cwd: workspace,
+                        ..Settings::default()
+                    },
+                );
                 c
             }
             None => {
                 let mut c = tokio::process::Command::new(&request.argv[0]);
                 c.args(&request.argv[1..])
                     .env_clear()
-                    .env("HOME", &workspace);
+                    .env("HOME", &workspace)
+                    .current_dir(&workspace)
+                    .process_group(0);
                 c
             }
         };
         command
             .env("PATH", DEFAULT_PATH)
             .envs(&request.env)
-            .current_dir(&workspace)
-            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

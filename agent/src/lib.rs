@@ -281,7 +281,6 @@ pub async fn run_with(
         let runner = exec::Runner::new(
             bus.clone(),
             config.backing_id.clone(),
-            config.run_dir.clone(),
             background.clone(),
         );
         let input = runner

@@ -21,7 +21,8 @@ const MAX_BLOCKING_THREADS: usize = 8;
 /// How long an idle blocking thread lives before it exits.
 const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(2);
 
-/// `slotpool-agent enter-slot`: put this login into its slot's cgroup, then run the shell.
+/// `slotpool-agent enter-slot`: have the agent start this login's shell inside its slot,
+/// and end as it ends.
 #[derive(Debug, Parser)]
 #[command(name = "slotpool-agent enter-slot")]
 struct EnterArgs {
@@ -33,8 +34,14 @@ struct EnterArgs {
 fn enter_slot() -> anyhow::Result<()> {
     let args = EnterArgs::parse_from(std::env::args_os().skip(1));
     let command = std::env::var("SSH_ORIGINAL_COMMAND").ok();
-    let err = slotpool_agent::isolation::enter::enter_slot(&args.run_dir, command);
-    Err(anyhow::Error::new(err).context("login refused"))
+    match slotpool_agent::isolation::enter::enter_slot(&args.run_dir, command) {
+        Ok(end) => slotpool_agent::isolation::enter::end_as(end),
+        Err(err @ slotpool_agent::isolation::enter::EnterSlotError::AgentGone) => {
+            eprintln!("slotpool-agent enter-slot: {err}");
+            std::process::exit(255)
+        }
+        Err(err) => Err(anyhow::Error::new(err).context("login refused")),
+    }
 }
 
 fn main() -> anyhow::Result<()> {

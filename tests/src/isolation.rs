@@ -70,8 +70,7 @@ impl Default for SlotNetworksForTest {
 
 impl Drop for SlotNetworksForTest {
     fn drop(&mut self) {
-        use slotpool_agent::isolation::netns::Teardown;
-        let _ = self.nets.remove(0, Teardown::Remove);
+        let _ = self.nets.remove(0);
     }
 }
 

@@ -1485,22 +1485,45 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
         None
     );
 
-    // Release removes the tenancy's namespace and veth; the warm-up after it makes new
-    // ones for the slot's next user: one veth per slot, never more, and the agent's one
-    // table of its slots.
-    // (Namespace inode numbers are reused at once; interface indexes are not.)
+    // Release keeps the slot's namespace and veth for its next tenancy, with nothing of
+    // the last one in it: slot a's listener went with its processes. One veth per slot,
+    // never more, and the agent's one table of its slots.
     let veth_index = |slot: u32| {
         let veth = slotpool_agent::isolation::netns::veth_name(&namespace, slot);
         std::fs::read_to_string(format!("/sys/class/net/{veth}/ifindex"))
     };
     let before = veth_index(0).unwrap();
+    let login_net = |user: &str| {
+        let (ok, out, err) = key.ssh(sshd.port, user, "readlink /proc/self/ns/net");
+        assert!(ok, "login: {err}\n{}", agent.log());
+        out.trim().to_string()
+    };
+    let net_before = login_net(&user_a);
     agent.release(0, "node-a").await.unwrap();
     agent.release(1, "node-b").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
     assert_eq!(agent.dirty(1), None, "{}", agent.log());
     wait_for("slot 0 warm again", LONG, || async { agent.warm(0) }).await;
     wait_for("slot 1 warm again", LONG, || async { agent.warm(1) }).await;
-    assert_ne!(veth_index(0).unwrap(), before, "slot 0 kept its veth");
+    assert_eq!(veth_index(0).unwrap(), before, "slot 0 got a new veth");
+    let (user_c, _) = agent.prepare_login(0, "node-c", &key.public()).await;
+    assert_ne!(uid_of(&user_c), Some(uid), "the next tenancy has the uid just freed");
+    assert_eq!(login_net(&user_c), net_before, "slot 0 got a new namespace");
+    let (_, out, err) = key.ssh(
+        sshd.port,
+        &user_c,
+        &format!(
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>&1 \
+             && echo CONNECTED || echo NOT-CONNECTED"
+        ),
+    );
+    assert!(
+        out.contains("NOT-CONNECTED"),
+        "the last tenancy's listener is still there: {out}{err}"
+    );
+    agent.release(0, "node-c").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+    wait_for("slot 0 warm again", LONG, || async { agent.warm(0) }).await;
     let left = network_leftovers(&env, &namespace);
     assert_eq!(
         left.iter().filter(|l| l.contains("link")).count()
@@ -1764,68 +1787,36 @@ async fn with_slot_netns_a_slot_reaches_beyond_the_host_masqueraded() {
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }
 
-/// A release retires the slot's veth pair rather than deleting it: renamed out of the
-/// slots' prefix, down, without its address, it goes with the slot's old namespace (here
-/// something still holds that namespace, as when the kernel has not cleaned it up yet),
-/// and counts as no leftover. The next warm-up makes a new pair under the slot's name;
-/// a removal deletes the veth at once.
+/// A slot's network is made once and kept: a second warm-up finds the same namespace
+/// and veth and makes nothing; a removal deletes the veth and the namespace's file. A
+/// namespace of the older kind (beside a user namespace file) is made anew.
 #[test]
-fn a_released_slots_veth_is_retired_and_goes_with_its_namespace() {
-    use slotpool_agent::isolation::netns::Teardown;
+fn a_slots_network_is_kept_for_its_next_tenancy_and_goes_with_the_slot() {
     let slot = slotpool_tests::SlotNetworksForTest::new();
     let nets = &slot.nets;
-    let uid = 3_998_000 + std::process::id() % 999;
-    nets.create(0, uid, uid).unwrap();
-    let n = nets.names(0).unwrap();
     let sys = Path::new("/sys/class/net");
     let ifindex = |name: &str| std::fs::read_to_string(sys.join(name).join("ifindex")).ok();
-    let named = |index: &str| {
-        std::fs::read_dir(sys)
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .find(|name| ifindex(name).as_deref() == Some(index))
+    let ns_of = |file: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(file).map(|m| m.ino()).ok()
     };
+    nets.create(0).unwrap();
+    let n = nets.names(0).unwrap();
     let first = ifindex(&n.veth).expect("the veth is there");
-    let held = nets.open(0).unwrap();
-    assert_eq!(nets.remove(0, Teardown::Release), Vec::<String>::new());
-    assert_eq!(nets.leftovers(0), Vec::<String>::new());
-    assert_eq!(
-        ifindex(&n.veth),
-        None,
-        "the slot's veth name is still taken"
-    );
-    let retired = named(&first).expect("a release deleted the veth of a namespace still held");
-    assert!(retired.starts_with("spd"), "retired as {retired}");
-    let flags = std::fs::read_to_string(sys.join(&retired).join("flags")).unwrap();
-    let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).unwrap();
-    assert_eq!(flags & 1, 0, "the retired veth {retired} is up");
-    let addrs = std::process::Command::new("ip")
-        .args(["-o", "-4", "addr", "show", "dev", &retired])
-        .output()
-        .unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&addrs.stdout),
-        "",
-        "{retired} kept its address"
-    );
-    nets.create(0, uid, uid)
-        .expect("the warm-up makes a new pair");
-    let second = ifindex(&n.veth).expect("the new veth is there");
-    assert_ne!(second, first, "still the old veth");
-    drop(held);
-    assert_eq!(nets.remove(0, Teardown::Remove), Vec::<String>::new());
+    let first_ns = ns_of(&n.net_ns).expect("the namespace is bound");
+    nets.create(0).unwrap();
+    assert_eq!(ifindex(&n.veth), Some(first.clone()), "a new veth for a kept slot");
+    assert_eq!(ns_of(&n.net_ns), Some(first_ns), "a new namespace for a kept slot");
+
+    // An older agent's namespace had a user namespace beside it: made anew.
+    std::fs::write(&n.user_ns, "").unwrap();
+    nets.create(0).unwrap();
+    assert_ne!(ifindex(&n.veth), Some(first), "the older namespace was kept");
+    assert!(!n.user_ns.exists(), "the older user namespace file is left");
+
+    assert_eq!(nets.remove(0), Vec::<String>::new());
     assert_eq!(ifindex(&n.veth), None, "a removal leaves the veth");
     assert_eq!(nets.leftovers(0), Vec::<String>::new());
-    // Nothing holds the old namespace now: the kernel's cleanup takes the retired pair.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while named(&first).is_some() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the retired veth {retired} outlived its namespace"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A warm-up's network (made over route-netlink) is what the `ip` commands it replaced
@@ -1833,11 +1824,9 @@ fn a_released_slots_veth_is_retired_and_goes_with_its_namespace() {
 /// host's end; on the host, the veth up with the host's address.
 #[test]
 fn a_slots_network_is_what_ip_shows_for_it() {
-    use slotpool_agent::isolation::netns::Teardown;
     let slot = slotpool_tests::SlotNetworksForTest::new();
     let nets = &slot.nets;
-    let uid = 3_997_000 + std::process::id() % 999;
-    nets.create(0, uid, uid).unwrap();
+    nets.create(0).unwrap();
     let n = nets.names(0).unwrap();
     let ip = |netns: Option<&Path>, args: &str| {
         let mut cmd = match netns {
@@ -1875,16 +1864,16 @@ fn a_slots_network_is_what_ip_shows_for_it() {
     );
     let up = ip(None, &format!("-o link show dev {} up", n.veth));
     assert!(up.contains(&n.veth), "the host's end is not up: {up}");
-    assert_eq!(nets.remove(0, Teardown::Remove), Vec::<String>::new());
+    assert_eq!(nets.remove(0), Vec::<String>::new());
 }
 
-/// A release that cannot remove a slot's namespace mount leaves the slot dirty, with the
-/// reason. (The test stacks a second mount on the slot's `.net` file, so the agent's
-/// unmount leaves a mount point it cannot delete.)
+/// A slot whose namespace file no longer names the namespace the agent made for it (here
+/// the host's is stacked on it) is not kept: the next tenancy gets a namespace made
+/// anew, and no login lands in the host's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
+async fn a_slot_whose_namespace_file_was_replaced_gets_a_new_one() {
     let env = IsolationEnv::new();
-    let (_sshd, key, agent, _) = netns_env(&env, 1).await;
+    let (sshd, key, agent, _) = netns_env(&env, 1).await;
     agent
         .prepare(0, "node-a", Some(&key.public()))
         .await
@@ -1892,13 +1881,16 @@ async fn a_slot_netns_that_cannot_be_removed_leaves_the_slot_dirty() {
     let namespace = passwd::namespace(&env.user_prefix, agent.backing.as_str());
     let net = env.run_dir.path().join(format!("netns/{namespace}/0.net"));
     rustix::mount::mount_bind("/proc/self/ns/net", &net).expect("stacking a mount");
-    let err = agent.release(0, "node-a").await.unwrap_err().to_string();
-    let dirty = agent.dirty(0).unwrap_or_default();
-    eprintln!("release: {err}\ndirty marker: {dirty}");
-    assert!(
-        dirty.contains(&format!("removing {}", net.display())),
-        "{err}\n{dirty}"
-    );
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
+    let (user, _) = agent.prepare_login(0, "node-b", &key.public()).await;
+    let (ok, out, err) = key.ssh(sshd.port, &user, "readlink /proc/self/ns/net");
+    assert!(ok, "login: {err}\n{}", agent.log());
+    let host_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+    assert_ne!(out.trim(), host_net.to_str().unwrap(), "{}", agent.log());
+    assert!(out.trim().starts_with("net:["), "{out}");
+    agent.release(0, "node-b").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }
 
 /// A restarted agent keeps its slots' namespaces (the mounts outlive it): a login of a
@@ -2182,6 +2174,9 @@ async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
     };
     let state = agent.work_dir().join("state/0.json");
     let state_inode = std::fs::metadata(&state).unwrap().ino();
+    // Held open, the first tenancy's namespaces keep their numbers: the kernel reuses a
+    // freed namespace's number at once.
+    let held: Vec<std::fs::File> = files.iter().map(|f| std::fs::File::open(f).unwrap()).collect();
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
     assert_eq!(bound(&files), [None, None], "unmounted at release");
@@ -2200,6 +2195,7 @@ async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
         second.iter().all(Option::is_some) && second != first,
         "new namespaces: {first:?} then {second:?}"
     );
+    drop(held);
     agent.release(0, "node-b").await.unwrap();
     assert_eq!(inodes(&files), kept, "the same files are kept");
     assert_eq!(

@@ -138,18 +138,31 @@ fn open_descriptors(pid: u32) -> usize {
 }
 
 /// Lowers the descriptor limit of a running process (as a smaller host or a stricter
-/// unit would have it), so that a flood that is not bounded runs it out.
+/// unit would have it), so that a flood that is not bounded runs it out. Only the soft
+/// limit: the logins the agent starts may still raise theirs up to its hard limit
+/// (where the agent lacks `CAP_SYS_RESOURCE`, as under some containers, that is theirs
+/// too).
 fn limit_descriptors(pid: u32, max: u64) {
-    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
-    rustix::process::prlimit(
-        Some(pid),
-        rustix::process::Resource::Nofile,
-        rustix::process::Rlimit {
-            current: Some(max),
-            maximum: Some(max),
-        },
-    )
-    .expect("prlimit");
+    let mut now = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit reads the limit into `now`, then sets the one given.
+    unsafe {
+        assert_eq!(
+            libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut now),
+            0
+        );
+        let lowered = libc::rlimit {
+            rlim_cur: max,
+            rlim_max: now.rlim_max,
+        };
+        assert_eq!(
+            libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &lowered, std::ptr::null_mut()),
+            0,
+            "prlimit"
+        );
+    }
 }
 
 /// A slot cannot connect to the agent's metrics port on any address the guard covers

@@ -205,8 +205,9 @@ async fn prepare_release_times_and_idle_memory() {
 }
 
 /// Figures, not assertions: the per-slot network namespace's own work (`--slot-netns
-/// on`), without the agent around it: what a warm-up adds (make the namespaces, veth and
-/// table) and what a release adds (remove them). Run as root with
+/// on`), without the agent around it: what a slot's first warm-up adds (make the
+/// namespace, veth and table), what a later one costs (finding it kept) and what a
+/// removal costs. Run as root with
 ///
 /// ```text
 /// cargo test -p slotpool-tests --test slot_timing netns -- --ignored --nocapture
@@ -214,42 +215,39 @@ async fn prepare_release_times_and_idle_memory() {
 #[test]
 #[ignore = "a benchmark: run by hand as root"]
 fn slot_netns_create_and_remove_times() {
-    use rand::Rng;
-    use slotpool_agent::isolation::netns::Teardown;
     let slot_networks = slotpool_tests::SlotNetworksForTest::new();
     let nets = &slot_networks.nets;
-    // Any unprivileged uid owns the namespaces; no user needs to exist.
-    let uid = 3_999_000 + rand::rng().random_range(0..999u32);
-    // As a release and its warm-up go (the veth left to the kernel), then as a slot
-    // made anew does (deleted at once).
-    for (how, name) in [(Teardown::Release, "release"), (Teardown::Remove, "remove")] {
-        let (mut create, mut remove) = (Vec::new(), Vec::new());
-        let (mut create_cpu, mut remove_cpu) = (Duration::ZERO, Duration::ZERO);
-        for _ in 0..ROUNDS {
-            let (t, cpu) = (Instant::now(), cpu_used());
-            nets.create(0, uid, uid).unwrap();
-            create.push(t.elapsed());
-            create_cpu += cpu_used() - cpu;
-            nets.open(0).expect("the namespaces are there");
-            let (t, cpu) = (Instant::now(), cpu_used());
-            let problems = nets.remove(0, how);
-            remove.push(t.elapsed());
-            remove_cpu += cpu_used() - cpu;
-            assert!(problems.is_empty(), "{problems:?}");
-            assert!(nets.leftovers(0).is_empty(), "{:?}", nets.leftovers(0));
-        }
-        summary(
-            &format!("slot network namespace: create (after {name})"),
-            &mut create,
-        );
-        summary(&format!("slot network namespace: {name}"), &mut remove);
-        println!(
-            "slot network namespace: CPU of this process and the programs it ran, per \
-             create {:?}, per {name} {:?} (the kernel's own work on namespaces not counted)",
-            create_cpu / ROUNDS as u32,
-            remove_cpu / ROUNDS as u32
-        );
+    let (mut create, mut kept, mut remove) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut create_cpu, mut kept_cpu, mut remove_cpu) =
+        (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    for _ in 0..ROUNDS {
+        let (t, cpu) = (Instant::now(), cpu_used());
+        nets.create(0).unwrap();
+        create.push(t.elapsed());
+        create_cpu += cpu_used() - cpu;
+        let (t, cpu) = (Instant::now(), cpu_used());
+        nets.create(0).unwrap();
+        kept.push(t.elapsed());
+        kept_cpu += cpu_used() - cpu;
+        nets.open(0).expect("the namespace is there");
+        let (t, cpu) = (Instant::now(), cpu_used());
+        let problems = nets.remove(0);
+        remove.push(t.elapsed());
+        remove_cpu += cpu_used() - cpu;
+        assert!(problems.is_empty(), "{problems:?}");
+        assert!(nets.leftovers(0).is_empty(), "{:?}", nets.leftovers(0));
     }
+    summary("slot network namespace: create", &mut create);
+    summary("slot network namespace: warm-up finding it kept", &mut kept);
+    summary("slot network namespace: remove", &mut remove);
+    println!(
+        "slot network namespace: CPU of this process, per create {:?}, per warm-up \
+         finding it kept {:?}, per remove {:?} (the kernel's own work on namespaces not \
+         counted)",
+        create_cpu / ROUNDS as u32,
+        kept_cpu / ROUNDS as u32,
+        remove_cpu / ROUNDS as u32
+    );
 }
 
 /// The CPU time (user and system) this process and its waited-for children used so far.

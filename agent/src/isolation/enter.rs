@@ -1,54 +1,65 @@
-//! Putting SSH logins into their slot's cgroup: the agent's placement socket and the
-//! `slotpool-agent enter-slot` helper.
+//! Logins into slots: the agent's placement socket and the `slotpool-agent enter-slot`
+//! helper.
 //!
 //! sshd runs the helper for every login of a slot user (`ForceCommand`, see
 //! ARCHITECTURE.md for the `sshd_config` lines). The helper runs as the slot user; it
 //! connects to `<run-dir>/<namespace>.sock` (the namespace is its user name without
-//! `s<slot>`), and the agent moves the *connecting process* into the slot's cgroup. The
-//! agent believes only the kernel: the uid and pid come from `SO_PEERCRED`, so a user
-//! can only ever move itself into its own slot. On `ok` the helper execs the user's
-//! shell (or `$SSH_ORIGINAL_COMMAND` through it), so the shell and everything it starts,
-//! daemons included, are in the cgroup. When the agent does not answer, the login is
-//! refused: a login never runs outside its slot's limits.
+//! `s<slot>`) and sends a [`LoginRequest`] (the command and its environment) with its
+//! standard input, output and error attached (`SCM_RIGHTS`). The agent believes only
+//! the kernel about who asks: the uid and pid come from `SO_PEERCRED`, so a user only
+//! ever starts a login in its own slot, and the login's resource limits and umask are
+//! the helper's, read from the kernel (what sshd gave it; a user cannot raise a hard
+//! limit by asking). The agent moves the helper into the slot's cgroup and starts the
+//! user's shell inside the slot ([`crate::isolation::start`]: cgroup, namespaces, then
+//! the user's ids), on the helper's descriptors, and answers `started <pid>`. The helper then waits: it passes
+//! on the signals it gets (`signal <n>`, see [`RELAYED_SIGNALS`]), and ends as the shell
+//! ended (`exit <code>`, or `killed <signal>`: it kills itself with that signal), so sshd
+//! reports the shell's status. A helper that goes before the shell ends hangs up the
+//! shell (SIGHUP to its process group), as a closed terminal would. When the agent does
+//! not answer, or refuses, the login is refused: a login never runs outside its slot.
 //!
-//! When slots have namespaces of their own (a network namespace,
-//! [`crate::isolation::netns`]; a private `/tmp`, [`crate::isolation::private_tmp`]) the
-//! answer is `ok ns` and their kinds in the order to join them (`ok ns user net mnt`),
-//! with the namespaces attached (`SCM_RIGHTS`): the helper joins each, returns to its
-//! working directory, then execs; a helper that cannot join refuses the login rather
-//! than run it in the host's network or `/tmp`.
+//! The shell is the agent's child, not the helper's: only root can join a slot's
+//! namespaces, which are the host's (owned by the host's user namespace) and kept from
+//! one tenancy to the next. An agent that restarts while a login runs leaves it running
+//! in its slot; its helper ends with status 255 and says so.
 //!
 //! The socket is open to every user of the host (it has to be: sshd runs the helper as
 //! the slot user), so it is bounded like slotpool's other listeners: at most
-//! [`MAX_PLACING`] placements in flight (more connections wait in the kernel's backlog,
-//! holding no descriptor of the agent), at most [`MAX_PLACING_PER_UID`] of one uid (more
-//! are refused at once, so one slot cannot make the others' logins wait), a pause after
-//! an accept error, and the line logged per placement limited to [`LOG_BURST`] per slot
-//! and [`LOG_EVERY`] (the next one says how many were not logged).
+//! [`MAX_PLACING`] logins being set up at once (more connections wait in the kernel's
+//! backlog, holding no descriptor of the agent), at most [`MAX_PLACING_PER_UID`] of one
+//! uid (more are refused at once, so one slot cannot make the others' logins wait);
+//! requests of at most [`MAX_REQUEST`] bytes, read within [`ENTER_TIMEOUT`]; at most
+//! [`MAX_LOGINS_PER_UID`] logins running per slot user and [`MAX_LOGINS`] in all; a
+//! pause after an accept error, and the line logged per login limited to [`LOG_BURST`]
+//! per slot and [`LOG_EVERY`] (the next one says how many were not logged).
 
 use crate::isolation::passwd;
+use crate::isolation::start::{limits_of, Settings, SlotEntry};
 use crate::isolation::SlotIsolation;
 use slotpool_protocol::listener::{AcceptErrors, Throttle};
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::io::{Read, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
-/// The agent's answer when the login was placed.
-const OK: &str = "ok\n";
-/// How the agent's answer starts when the login was placed and must join the namespaces
-/// sent with it, whose kinds follow in order.
-const OK_NS: &str = "ok ns";
-/// Most namespaces sent with an answer.
-const MAX_NAMESPACES: usize = 4;
+/// The agent's answer once the login runs: `started <pid>`.
+const STARTED: &str = "started";
+/// The agent's last answer when the login's shell exited: `exit <code>`.
+const EXIT: &str = "exit";
+/// The agent's last answer when a signal ended the login's shell: `killed <signal>`.
+const KILLED: &str = "killed";
+/// A signal the helper passes on: `signal <n>`.
+const SIGNAL: &str = "signal";
 
 /// A namespace a login joins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,48 +70,29 @@ pub enum NsKind {
     Ipc,
 }
 
-impl NsKind {
-    fn as_str(self) -> &'static str {
-        match self {
-            NsKind::User => "user",
-            NsKind::Net => "net",
-            NsKind::Mnt => "mnt",
-            NsKind::Ipc => "ipc",
-        }
-    }
-
-    fn parse(word: &str) -> Option<NsKind> {
-        [NsKind::User, NsKind::Net, NsKind::Mnt, NsKind::Ipc]
-            .into_iter()
-            .find(|k| k.as_str() == word)
-    }
-}
-
-/// The answer for a login that joins `namespaces`, in their order.
-fn ok_answer(namespaces: &[(NsKind, OwnedFd)]) -> String {
-    if namespaces.is_empty() {
-        return OK.to_string();
-    }
-    let kinds: Vec<&str> = namespaces.iter().map(|(k, _)| k.as_str()).collect();
-    format!("{OK_NS} {}\n", kinds.join(" "))
-}
-
-/// The kinds an `ok ns` answer lists, or `None` for any other answer.
-fn parse_ok_ns(answer: &str) -> Option<Vec<NsKind>> {
-    let rest = answer
-        .strip_suffix('\n')?
-        .strip_prefix(OK_NS)?
-        .strip_prefix(' ')?;
-    let kinds: Option<Vec<NsKind>> = rest.split_whitespace().map(NsKind::parse).collect();
-    kinds.filter(|k| !k.is_empty() && k.len() <= MAX_NAMESPACES)
-}
-
-/// Longest the helper waits for the agent's answer.
+/// Longest the helper waits for the login to start, and the agent for its request.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Placements in flight at once, all uids together.
+/// Logins being set up at once, all uids together.
 pub const MAX_PLACING: usize = 64;
-/// Placements in flight at once for one uid; more are refused at once.
+/// Logins being set up at once for one uid; more are refused at once.
 pub const MAX_PLACING_PER_UID: usize = 16;
+/// Logins running at once for one slot user; more are refused.
+pub const MAX_LOGINS_PER_UID: usize = 64;
+/// Logins running at once on this agent, all slots together; more are refused.
+pub const MAX_LOGINS: usize = 1024;
+/// Longest login request (its command and environment), in bytes.
+pub const MAX_REQUEST: usize = 128 * 1024;
+/// Most variables in a login's environment.
+pub const MAX_ENV: usize = 1024;
+/// The signals the helper passes on to the login's shell.
+pub const RELAYED_SIGNALS: [i32; 6] = [
+    libc::SIGHUP,
+    libc::SIGINT,
+    libc::SIGQUIT,
+    libc::SIGTERM,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+];
 /// Placements of one slot logged at once, then one per [`LOG_EVERY`] / [`LOG_BURST`].
 pub const LOG_BURST: u32 = 20;
 pub const LOG_EVERY: Duration = Duration::from_secs(60);
@@ -160,7 +152,47 @@ fn reachable_by_all(run_dir: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(mode | 0o011))
 }
 
-/// Answers placement requests until `shutdown`, then removes the socket file.
+/// What the helper asks for: one JSON line, with its standard input, output and error
+/// attached (`SCM_RIGHTS`, in that order).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoginRequest {
+    /// The command to run with the user's shell (`$SSH_ORIGINAL_COMMAND`); none: a login
+    /// shell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// The login's environment, `NAME=value` each; the slot's `HOME`, `USER`, `LOGNAME`
+    /// and `SHELL` replace any of these names.
+    #[serde(default)]
+    pub env: Vec<String>,
+}
+
+impl LoginRequest {
+    /// Parses and checks a request line.
+    pub fn parse(line: &[u8]) -> Result<LoginRequest, String> {
+        let request: LoginRequest =
+            serde_json::from_slice(line).map_err(|e| format!("a bad login request: {e}"))?;
+        if request.env.len() > MAX_ENV {
+            return Err(format!(
+                "the login's environment has {} variables; at most {MAX_ENV}",
+                request.env.len()
+            ));
+        }
+        for var in &request.env {
+            match var.split_once('=') {
+                Some((name, _)) if !name.is_empty() && !var.contains('\0') => {}
+                _ => return Err(format!("not a NAME=value variable: {var:?}")),
+            }
+        }
+        if request.command.as_deref().is_some_and(|c| c.contains('\0')) {
+            return Err("the command holds a NUL byte".into());
+        }
+        Ok(request)
+    }
+}
+
+/// Answers login requests until `shutdown`, then removes the socket file. Logins
+/// running then keep running; their helpers end (see the module's doc).
 pub async fn serve(
     listener: UnixListener,
     path: PathBuf,
@@ -168,12 +200,14 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) {
     let placing_places = Arc::new(tokio::sync::Semaphore::new(MAX_PLACING));
+    let running_places = Arc::new(tokio::sync::Semaphore::new(MAX_LOGINS));
     let accept_errors = AcceptErrors::new("placement socket");
     let placing = Arc::new(PerUid::default());
+    let running = Arc::new(PerUid::default());
     let logged = Arc::new(PlacementLog::default());
     loop {
-        // A placement never waits on its client (the answer is a few bytes), so one in
-        // flight ends soon; connections beyond wait in the kernel's backlog.
+        // Setting a login up never waits long (its request is read within
+        // ENTER_TIMEOUT); connections beyond wait in the kernel's backlog.
         let place = tokio::select! {
             () = shutdown.cancelled() => break,
             place = placing_places.clone().acquire_owned() => place.expect("never closed"),
@@ -182,123 +216,312 @@ pub async fn serve(
             () = shutdown.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        let mut stream = match accepted {
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(err) => {
                 accept_errors.failed(&err).await;
                 continue;
             }
         };
-        let isolation = isolation.clone();
-        let placing = placing.clone();
-        let logged = logged.clone();
+        let login = Login {
+            isolation: isolation.clone(),
+            placing: placing.clone(),
+            running: running.clone(),
+            running_places: running_places.clone(),
+            logged: logged.clone(),
+        };
+        let shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let _place = place;
-            let (answer, namespaces) = match stream.peer_cred() {
-                Ok(cred) => match cred.pid() {
-                    Some(pid) => match placing.enter(cred.uid()) {
-                        Some(_turn) => place_login(&isolation, cred.uid(), pid, &logged).await,
-                        None => (
-                            format!(
-                                "error: uid {} has {MAX_PLACING_PER_UID} logins being placed already; try again\n",
-                                cred.uid()
-                            ),
-                            None,
-                        ),
-                    },
-                    None => ("error: no peer pid\n".to_string(), None),
-                },
-                Err(err) => (format!("error: peer credentials: {err}\n"), None),
-            };
-            if answer != OK && !answer.starts_with(OK_NS) {
-                if let Some(quiet) = logged.refusals.take(std::time::Instant::now()) {
-                    tracing::warn!(
-                        answer = answer.trim(),
-                        not_logged = quiet,
-                        "login not placed"
-                    );
+            let mut stream = stream;
+            let started = login.start(&mut stream, place).await;
+            let (child, _running) = match started {
+                Ok(started) => started,
+                Err(refusal) => {
+                    if let Some(quiet) = login.logged.refusals.take(std::time::Instant::now()) {
+                        tracing::warn!(answer = refusal, not_logged = quiet, "login refused");
+                    }
+                    let _ = stream.write_all(format!("error: {refusal}\n").as_bytes()).await;
+                    return;
                 }
-            }
-            let sent = match &namespaces {
-                None => stream.write_all(answer.as_bytes()).await,
-                Some(fds) => send_with_fds(&stream, answer.as_bytes(), fds).await,
             };
-            if let Err(err) = sent {
-                tracing::debug!(%err, "cannot answer a login");
-            }
+            relay(stream, child, shutdown).await;
         });
     }
     let _ = std::fs::remove_file(&path);
 }
 
-/// Places the login `pid` of `uid`; the answer for the helper and the namespaces to
-/// send with it.
-async fn place_login(
-    isolation: &Arc<dyn SlotIsolation>,
-    uid: u32,
-    pid: i32,
-    logged: &PlacementLog,
-) -> (String, Option<Vec<OwnedFd>>) {
-    let result = tokio::task::spawn_blocking({
-        let isolation = isolation.clone();
-        move || {
-            let slot = isolation.place(uid, pid)?;
-            let namespaces = match slot {
-                Some(slot) => isolation.login_namespaces(slot)?,
-                None => Vec::new(),
-            };
-            Ok::<_, crate::isolation::IsolationError>((slot, namespaces))
-        }
-    })
-    .await;
-    match result {
-        Ok(Ok((Some(slot), namespaces))) => {
-            if let Some(quiet) = logged.of_slot(slot) {
-                tracing::info!(
-                    slot,
-                    uid,
-                    pid,
-                    namespaces = namespaces.len(),
-                    not_logged = quiet,
-                    "login placed in its slot cgroup"
-                );
+/// What a connection needs to start its login.
+struct Login {
+    isolation: Arc<dyn SlotIsolation>,
+    placing: Arc<PerUid>,
+    running: Arc<PerUid>,
+    running_places: Arc<tokio::sync::Semaphore>,
+    logged: Arc<PlacementLog>,
+}
+
+/// A running login's places: one of the agent's, one of its uid's.
+type Running = (tokio::sync::OwnedSemaphorePermit, Turn);
+
+impl Login {
+    /// Reads the request and starts the login's shell; answers `started <pid>`. The
+    /// refusal otherwise.
+    async fn start(
+        &self,
+        stream: &mut tokio::net::UnixStream,
+        _place: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<(tokio::process::Child, Running), String> {
+        let cred = stream
+            .peer_cred()
+            .map_err(|e| format!("peer credentials: {e}"))?;
+        let uid = cred.uid();
+        let pid = cred.pid().ok_or("no peer pid")?;
+        let _turn = self.placing.enter(uid, MAX_PLACING_PER_UID).ok_or_else(|| {
+            format!("uid {uid} has {MAX_PLACING_PER_UID} logins being placed already; try again")
+        })?;
+        let (line, fds) = tokio::time::timeout(ENTER_TIMEOUT, read_request(stream))
+            .await
+            .map_err(|_| format!("no login request within {ENTER_TIMEOUT:?}"))?
+            .map_err(|e| format!("reading the login request: {e}"))?;
+        let request = LoginRequest::parse(&line)?;
+        let [stdin, stdout, stderr]: [OwnedFd; 3] = fds.try_into().map_err(|fds: Vec<_>| {
+            format!(
+                "a login request comes with 3 descriptors (stdin, stdout, stderr), not {}",
+                fds.len()
+            )
+        })?;
+        let running = self
+            .running
+            .enter(uid, MAX_LOGINS_PER_UID)
+            .ok_or_else(|| format!("uid {uid} has {MAX_LOGINS_PER_UID} logins running"))?;
+        let running_place = self
+            .running_places
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| format!("the agent runs {MAX_LOGINS} logins already"))?;
+        let entry = tokio::task::spawn_blocking({
+            let isolation = self.isolation.clone();
+            move || {
+                // The helper too: every process of the slot's user is in its cgroup.
+                if isolation.place(uid, pid)?.is_none() {
+                    return Ok(None);
+                }
+                isolation.slot_entry(uid)
             }
-            let answer = ok_answer(&namespaces);
-            let fds: Vec<OwnedFd> = namespaces.into_iter().map(|(_, fd)| fd).collect();
-            (answer, (!fds.is_empty()).then_some(fds))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("uid {uid} is not a slot user"))?;
+        let slot = entry.slot;
+        let namespaces = entry.namespaces.len();
+        let settings = Settings {
+            cwd: entry.home.clone(),
+            limits: limits_of(pid),
+            umask: umask_of(pid),
+        };
+        let child = start_shell(entry, request, settings, [stdin, stdout, stderr])
+            .map_err(|e| format!("starting the login's shell: {e}"))?;
+        let Some(shell_pid) = child.id() else {
+            return Err("the login's shell is gone already".into());
+        };
+        if let Some(quiet) = self.logged.of_slot(slot) {
+            tracing::info!(
+                slot,
+                uid,
+                pid = shell_pid,
+                namespaces,
+                not_logged = quiet,
+                "login started in its slot"
+            );
         }
-        Ok(Ok((None, _))) => (format!("error: uid {uid} is not a slot user\n"), None),
-        Ok(Err(err)) => (format!("error: {err}\n"), None),
-        Err(err) => (format!("error: {err}\n"), None),
+        stream
+            .write_all(format!("{STARTED} {shell_pid}\n").as_bytes())
+            .await
+            .map_err(|e| format!("answering: {e}"))?;
+        Ok((child, (running_place, running)))
     }
 }
 
-/// Placements in flight per uid.
-#[derive(Default)]
-struct PerUid(Mutex<HashMap<u32, usize>>);
+/// Starts the user's shell of `entry` inside its slot on `stdio`, as `request` asks.
+fn start_shell(
+    entry: SlotEntry,
+    request: LoginRequest,
+    settings: Settings,
+    stdio: [OwnedFd; 3],
+) -> std::io::Result<tokio::process::Child> {
+    let base = entry
+        .shell
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "sh".into());
+    let mut command = tokio::process::Command::new(&entry.shell);
+    match &request.command {
+        Some(cmd) => {
+            command.arg0(base).arg("-c").arg(cmd);
+        }
+        // A login shell: argv[0] starts with '-'.
+        None => {
+            command.arg0(format!("-{base}"));
+        }
+    }
+    let own = ["HOME", "USER", "LOGNAME", "SHELL"];
+    command.env_clear();
+    for var in &request.env {
+        if let Some((name, value)) = var.split_once('=') {
+            if !own.contains(&name) {
+                command.env(name, value);
+            }
+        }
+    }
+    command
+        .env("HOME", &entry.home)
+        .env("USER", &entry.user)
+        .env("LOGNAME", &entry.user)
+        .env("SHELL", &entry.shell);
+    let [stdin, stdout, stderr] = stdio;
+    command
+        .stdin(Stdio::from(stdin))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr));
+    entry.apply(&mut command, settings);
+    command.spawn()
+}
 
-/// One placement of a uid in flight; ends on drop.
-struct Turn<'a> {
-    of: &'a PerUid,
+/// Passes the helper's signals on to the login's shell until it exits, then tells the
+/// helper how it ended. A helper that goes first hangs the shell up.
+async fn relay(stream: tokio::net::UnixStream, mut child: tokio::process::Child, shutdown: CancellationToken) {
+    use tokio::io::AsyncBufReadExt;
+    let (read, mut write) = stream.into_split();
+    // Lines are a few bytes: a longer one is no helper's.
+    let mut lines = tokio::io::BufReader::new(read.take(u64::MAX)).lines();
+    let mut helper_gone = false;
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status,
+            line = lines.next_line(), if !helper_gone => {
+                let signal = match line {
+                    Ok(Some(line)) if line.len() <= 32 => {
+                        match line.strip_prefix(SIGNAL).and_then(|n| n.trim().parse::<i32>().ok()) {
+                            Some(n) if RELAYED_SIGNALS.contains(&n) => Some(n),
+                            _ => continue,
+                        }
+                    }
+                    // Gone, or not a helper: hang the shell up.
+                    _ => {
+                        helper_gone = true;
+                        if let Some(pid) = child.id() {
+                            // SAFETY: kill(2) on the process group of our unreaped child.
+                            unsafe { libc::kill(-(pid as i32), libc::SIGHUP) };
+                        }
+                        None
+                    }
+                };
+                if let (Some(signal), Some(pid)) = (signal, child.id()) {
+                    // SAFETY: kill(2) on our unreaped child.
+                    unsafe { libc::kill(pid as i32, signal) };
+                }
+            }
+            // The agent stops: the login goes on in its slot, without its helper.
+            () = shutdown.cancelled() => return,
+        }
+    };
+    let answer = match status {
+        Ok(status) => match (status.code(), status.signal()) {
+            (Some(code), _) => format!("{EXIT} {code}\n"),
+            (None, Some(signal)) => format!("{KILLED} {signal}\n"),
+            (None, None) => format!("{EXIT} 255\n"),
+        },
+        Err(err) => {
+            tracing::warn!(%err, "cannot wait for a login's shell");
+            format!("{EXIT} 255\n")
+        }
+    };
+    let _ = write.write_all(answer.as_bytes()).await;
+}
+
+/// The umask of process `pid`, from its status file.
+fn umask_of(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let mask = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+    u32::from_str_radix(mask.trim(), 8).ok()
+}
+
+/// Reads one request line, with the descriptors sent along with it.
+async fn read_request(
+    stream: &tokio::net::UnixStream,
+) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut line = Vec::new();
+    let mut fds = Vec::new();
+    loop {
+        let mut buf = vec![0u8; 16 * 1024];
+        let got = stream
+            .async_io(tokio::io::Interest::READABLE, || {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+                let mut control = RecvAncillaryBuffer::new(&mut space);
+                let msg = recvmsg(
+                    stream,
+                    &mut [std::io::IoSliceMut::new(&mut buf)],
+                    &mut control,
+                    RecvFlags::CMSG_CLOEXEC,
+                )
+                .map_err(std::io::Error::from)?;
+                let mut received = Vec::new();
+                for message in control.drain() {
+                    if let RecvAncillaryMessage::ScmRights(rights) = message {
+                        received.extend(rights);
+                    }
+                }
+                Ok((msg.bytes, received))
+            })
+            .await?;
+        let (n, received) = got;
+        fds.extend(received);
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        line.extend_from_slice(&buf[..n]);
+        if let Some(end) = line.iter().position(|&b| b == b'\n') {
+            line.truncate(end);
+            return Ok((line, fds));
+        }
+        if line.len() > MAX_REQUEST {
+            return Err(std::io::Error::other(format!(
+                "longer than {MAX_REQUEST} bytes"
+            )));
+        }
+    }
+}
+
+/// Logins of each uid being set up or running.
+#[derive(Default)]
+struct PerUid(Arc<Mutex<HashMap<u32, usize>>>);
+
+/// One login of a uid; ends on drop.
+struct Turn {
+    of: Arc<Mutex<HashMap<u32, usize>>>,
     uid: u32,
 }
 
 impl PerUid {
-    /// A turn for `uid`, unless it has [`MAX_PLACING_PER_UID`] in flight.
-    fn enter(&self, uid: u32) -> Option<Turn<'_>> {
+    /// A turn for `uid`, unless it has `most` already.
+    fn enter(&self, uid: u32, most: usize) -> Option<Turn> {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let n = map.entry(uid).or_insert(0);
-        if *n >= MAX_PLACING_PER_UID {
+        if *n >= most {
             return None;
         }
         *n += 1;
-        Some(Turn { of: self, uid })
+        Some(Turn {
+            of: self.0.clone(),
+            uid,
+        })
     }
 }
 
-impl Drop for Turn<'_> {
+impl Drop for Turn {
     fn drop(&mut self) {
-        let mut map = self.of.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.of.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(n) = map.get_mut(&self.uid) {
             *n -= 1;
             if *n == 0 {
@@ -308,7 +531,7 @@ impl Drop for Turn<'_> {
     }
 }
 
-/// How many placement lines each slot may still log, and the refusals'.
+/// How many login lines each slot may still log, and the refusals'.
 struct PlacementLog {
     slots: Mutex<HashMap<u32, Throttle>>,
     refusals: Throttle,
@@ -324,7 +547,7 @@ impl Default for PlacementLog {
 }
 
 impl PlacementLog {
-    /// `Some(not logged since)` when a placement of `slot` may be logged now.
+    /// `Some(not logged since)` when a login of `slot` may be logged now.
     fn of_slot(&self, slot: u32) -> Option<u64> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         slots
@@ -332,103 +555,6 @@ impl PlacementLog {
             .or_insert_with(|| Throttle::new(LOG_BURST, LOG_EVERY))
             .take(std::time::Instant::now())
     }
-}
-
-/// Sends `bytes` with `fds` attached (`SCM_RIGHTS`) in one message.
-async fn send_with_fds(
-    stream: &tokio::net::UnixStream,
-    bytes: &[u8],
-    fds: &[OwnedFd],
-) -> std::io::Result<()> {
-    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    let borrowed: Vec<std::os::fd::BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
-    let sent = stream
-        .async_io(tokio::io::Interest::WRITABLE, || {
-            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_NAMESPACES))];
-            let mut control = SendAncillaryBuffer::new(&mut space);
-            control.push(SendAncillaryMessage::ScmRights(&borrowed));
-            sendmsg(
-                stream,
-                &[std::io::IoSlice::new(bytes)],
-                &mut control,
-                SendFlags::NOSIGNAL,
-            )
-            .map_err(std::io::Error::from)
-        })
-        .await?;
-    if sent != bytes.len() {
-        return Err(std::io::Error::other("short write of the answer"));
-    }
-    Ok(())
-}
-
-/// Reads the agent's answer to the end, with the namespaces sent along with it.
-fn read_answer(stream: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
-    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
-    let mut answer = Vec::new();
-    let mut fds = Vec::new();
-    loop {
-        let mut buf = [0u8; 512];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_NAMESPACES))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let msg = recvmsg(
-            stream,
-            &mut [std::io::IoSliceMut::new(&mut buf)],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        )?;
-        for message in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(received) = message {
-                fds.extend(received);
-            }
-        }
-        if msg.bytes == 0 {
-            break;
-        }
-        answer.extend_from_slice(&buf[..msg.bytes]);
-        if answer.len() > MAX_ANSWER {
-            return Err(std::io::Error::other("the answer is too long"));
-        }
-    }
-    Ok((String::from_utf8_lossy(&answer).into_owned(), fds))
-}
-
-/// Longest answer the helper reads.
-const MAX_ANSWER: usize = 4096;
-
-/// Joins `fds`, namespaces of the `kinds` in that order; a mount namespace moves the
-/// process to its root, so it goes back to the directory it was in.
-fn join_namespaces(kinds: &[NsKind], fds: &[OwnedFd]) -> Result<(), EnterSlotError> {
-    use rustix::thread::{move_into_link_name_space, LinkNameSpaceType};
-    if kinds.len() != fds.len() {
-        return Err(EnterSlotError::Refused(format!(
-            "the agent named {} namespaces but sent {}",
-            kinds.len(),
-            fds.len()
-        )));
-    }
-    let cwd = std::env::current_dir().ok();
-    for (kind, fd) in kinds.iter().zip(fds) {
-        let link = match kind {
-            NsKind::User => LinkNameSpaceType::User,
-            NsKind::Net => LinkNameSpaceType::Network,
-            NsKind::Mnt => LinkNameSpaceType::Mount,
-            NsKind::Ipc => LinkNameSpaceType::InterProcessCommunication,
-        };
-        move_into_link_name_space(fd.as_fd(), Some(link)).map_err(|e| {
-            EnterSlotError::Namespace {
-                kind: kind.as_str(),
-                error: e.into(),
-            }
-        })?;
-    }
-    if kinds.contains(&NsKind::Mnt) {
-        if let Some(cwd) = cwd {
-            // Where the login started (its home): there in the new namespace too.
-            let _ = std::env::set_current_dir(cwd);
-        }
-    }
-    Ok(())
 }
 
 /// Why `enter-slot` refuses the login.
@@ -445,86 +571,212 @@ pub enum EnterSlotError {
     },
     #[error("the slotpool agent refused: {0}")]
     Refused(String),
-    #[error("joining the slot's {kind} namespace: {error}")]
-    Namespace {
-        kind: &'static str,
-        error: std::io::Error,
-    },
-    #[error("running {shell}: {error}")]
-    Exec {
-        shell: PathBuf,
-        error: std::io::Error,
-    },
+    #[error("the slotpool agent stopped answering; the login goes on in its slot without this session")]
+    AgentGone,
 }
 
-/// The helper: has the agent place this process in its slot's cgroup, then replaces
-/// itself with the user's shell (running `command` if given). Returns only on error.
-pub fn enter_slot(run_dir: &Path, command: Option<String>) -> EnterSlotError {
+/// How the login's shell ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoginEnd {
+    Exited(i32),
+    Killed(i32),
+}
+
+/// The helper: has the agent start this login's shell (running `command` if given)
+/// inside its slot on this process's standard descriptors, passes signals on, and
+/// returns how the shell ended.
+pub fn enter_slot(run_dir: &Path, command: Option<String>) -> Result<LoginEnd, EnterSlotError> {
     let uid = rustix::process::getuid().as_raw();
     let Some(name) = passwd::name_of(uid) else {
-        return EnterSlotError::NoUser(uid);
+        return Err(EnterSlotError::NoUser(uid));
     };
     let Some((namespace, _slot)) = passwd::split_user_name(&name) else {
-        return EnterSlotError::NotSlotUser(name);
+        return Err(EnterSlotError::NotSlotUser(name));
     };
     let path = socket_path(run_dir, namespace);
-    let answer = (|| {
-        let stream = UnixStream::connect(&path)?;
-        stream.set_read_timeout(Some(ENTER_TIMEOUT))?;
-        read_answer(&stream)
-    })();
-    let (answer, namespaces) = match answer {
-        Ok(a) => a,
-        Err(error) => return EnterSlotError::Agent { path, error },
-    };
-    let shell = passwd::lookup(&name)
-        .map(|u| u.shell)
-        .filter(|s| !s.as_os_str().is_empty())
-        .unwrap_or_else(|| PathBuf::from("/bin/sh"));
-    match answer.as_str() {
-        OK if namespaces.is_empty() => {}
-        // The slot has namespaces of its own: the login runs in them or not at all.
-        other => match parse_ok_ns(other) {
-            Some(kinds) => {
-                if let Err(err) = join_namespaces(&kinds, &namespaces) {
-                    return err;
-                }
-                drop(namespaces);
-            }
-            None => return EnterSlotError::Refused(answer.trim().to_string()),
-        },
-    }
-    exec_shell(&shell, command)
-}
-
-fn exec_shell(shell: &Path, command: Option<String>) -> EnterSlotError {
-    use std::os::unix::ffi::OsStrExt;
-    let exec_error = |error| EnterSlotError::Exec {
-        shell: shell.to_path_buf(),
+    let agent = |error| EnterSlotError::Agent {
+        path: path.clone(),
         error,
     };
-    let Ok(c_shell) = CString::new(shell.as_os_str().as_bytes()) else {
-        return exec_error(std::io::ErrorKind::InvalidInput.into());
+    let request = LoginRequest {
+        command,
+        env: std::env::vars_os()
+            .filter_map(|(k, v)| Some(format!("{}={}", k.into_string().ok()?, v.into_string().ok()?)))
+            .collect(),
     };
-    let base = shell
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "sh".into());
-    let args: Vec<CString> = match command {
-        Some(cmd) => match CString::new(cmd) {
-            Ok(cmd) => vec![CString::new(base).expect("no nul"), c"-c".into(), cmd],
-            Err(_) => return exec_error(std::io::ErrorKind::InvalidInput.into()),
-        },
-        // A login shell: argv[0] starts with '-'.
-        None => vec![CString::new(format!("-{base}")).expect("no nul")],
-    };
-    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
-    argv.push(std::ptr::null());
-    // SAFETY: argv is a null-terminated array of valid C strings that outlive the call;
-    // execv only returns on failure.
-    unsafe { libc::execv(c_shell.as_ptr(), argv.as_ptr()) };
-    exec_error(std::io::Error::last_os_error())
+    let mut line = serde_json::to_vec(&request).expect("serialisable");
+    line.push(b'\n');
+    // Signals are blocked from here on and read from a signalfd, to pass on.
+    let signals = block_relayed_signals().map_err(agent)?;
+    let stream = UnixStream::connect(&path).map_err(agent)?;
+    stream.set_read_timeout(Some(ENTER_TIMEOUT)).map_err(agent)?;
+    send_request(&stream, &line).map_err(agent)?;
+    let mut answers = Answers::new(&stream);
+    let first = answers.next().map_err(agent)?;
+    match first.as_deref() {
+        Some(a) if a.starts_with(STARTED) => {}
+        Some(a) => {
+            return Err(EnterSlotError::Refused(
+                a.strip_prefix("error: ").unwrap_or(a).to_string(),
+            ))
+        }
+        None => return Err(agent(std::io::ErrorKind::UnexpectedEof.into())),
+    }
+    stream.set_read_timeout(None).map_err(agent)?;
+    stream.set_nonblocking(true).map_err(agent)?;
+    loop {
+        // Whatever the agent sent already, then wait for more or a signal.
+        while let Some(answer) = answers.buffered() {
+            let mut words = answer.split_whitespace();
+            let (kind, n) = (words.next(), words.next().and_then(|n| n.parse().ok()));
+            match (kind, n) {
+                (Some(EXIT), Some(code)) => return Ok(LoginEnd::Exited(code)),
+                (Some(KILLED), Some(signal)) => return Ok(LoginEnd::Killed(signal)),
+                _ => {}
+            }
+        }
+        use rustix::event::{poll, PollFd, PollFlags};
+        let mut fds = [
+            PollFd::new(&stream, PollFlags::IN),
+            PollFd::new(&signals, PollFlags::IN),
+        ];
+        match poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(agent(e.into())),
+        }
+        let (stream_ready, signal_ready) = (
+            !fds[0].revents().is_empty(),
+            !fds[1].revents().is_empty(),
+        );
+        if signal_ready {
+            if let Some(signal) = read_signal(&signals) {
+                let _ = (&stream).write_all(format!("{SIGNAL} {signal}\n").as_bytes());
+            }
+        }
+        if stream_ready && !answers.fill().map_err(agent)? {
+            return Err(EnterSlotError::AgentGone);
+        }
+    }
 }
+
+/// Ends this process as the login's shell ended: with its exit code, or killed by its
+/// signal (128 + the signal when that signal does not kill).
+pub fn end_as(end: LoginEnd) -> ! {
+    match end {
+        LoginEnd::Exited(code) => std::process::exit(code),
+        LoginEnd::Killed(signal) => {
+            // SAFETY: the default action of the signal, unblocked, sent to ourselves.
+            unsafe {
+                libc::signal(signal, libc::SIG_DFL);
+                let mut set = MaybeUninit::<libc::sigset_t>::uninit();
+                libc::sigemptyset(set.as_mut_ptr());
+                libc::sigaddset(set.as_mut_ptr(), signal);
+                libc::sigprocmask(libc::SIG_UNBLOCK, set.as_ptr(), std::ptr::null_mut());
+                libc::raise(signal);
+            }
+            std::process::exit(128 + signal)
+        }
+    }
+}
+
+/// Blocks [`RELAYED_SIGNALS`] and returns a signalfd that reads them.
+fn block_relayed_signals() -> std::io::Result<OwnedFd> {
+    // SAFETY: a sigset on our stack, filled and passed to sigprocmask and signalfd.
+    unsafe {
+        let mut set = MaybeUninit::<libc::sigset_t>::uninit();
+        libc::sigemptyset(set.as_mut_ptr());
+        for signal in RELAYED_SIGNALS {
+            libc::sigaddset(set.as_mut_ptr(), signal);
+        }
+        if libc::sigprocmask(libc::SIG_BLOCK, set.as_ptr(), std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = libc::signalfd(-1, set.as_ptr(), libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// The next signal from the signalfd, if one is there.
+fn read_signal(signals: &OwnedFd) -> Option<i32> {
+    let mut info = MaybeUninit::<libc::signalfd_siginfo>::uninit();
+    let size = size_of::<libc::signalfd_siginfo>();
+    // SAFETY: reads at most `size` bytes into `info`.
+    let n = unsafe { libc::read(signals.as_raw_fd(), info.as_mut_ptr().cast(), size) };
+    // SAFETY: a full read filled the struct.
+    (n == size as isize).then(|| unsafe { info.assume_init() }.ssi_signo as i32)
+}
+
+/// Sends the request line with this process's stdin, stdout and stderr attached.
+fn send_request(stream: &UnixStream, line: &[u8]) -> std::io::Result<()> {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    // SAFETY: descriptors 0, 1 and 2 stay open for as long as this process lives.
+    let stdio = [0, 1, 2].map(|fd| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) });
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&stdio));
+    let sent = sendmsg(stream, &[std::io::IoSlice::new(line)], &mut control, SendFlags::NOSIGNAL)?;
+    // The descriptors went with the first bytes; the rest of a long line follows.
+    (&*stream).write_all(&line[sent..])
+}
+
+/// The agent's answer lines, as they come.
+struct Answers<'a> {
+    stream: &'a UnixStream,
+    buf: Vec<u8>,
+}
+
+impl<'a> Answers<'a> {
+    fn new(stream: &'a UnixStream) -> Answers<'a> {
+        Answers {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next whole line read already.
+    fn buffered(&mut self) -> Option<String> {
+        let end = self.buf.iter().position(|&b| b == b'\n')?;
+        let line: Vec<u8> = self.buf.drain(..=end).collect();
+        Some(String::from_utf8_lossy(&line[..end]).into_owned())
+    }
+
+    /// Reads what is there; false at the end of the stream.
+    fn fill(&mut self) -> std::io::Result<bool> {
+        let mut chunk = [0u8; 512];
+        match (&*self.stream).read(&mut chunk) {
+            Ok(0) => Ok(false),
+            Ok(n) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                if self.buf.len() > MAX_ANSWER {
+                    return Err(std::io::Error::other("the answer is too long"));
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The next line, reading (blocking) until it is there; `None` at the end.
+    fn next(&mut self) -> std::io::Result<Option<String>> {
+        loop {
+            if let Some(line) = self.buffered() {
+                return Ok(Some(line));
+            }
+            if !self.fill()? {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Longest answer the helper reads.
+const MAX_ANSWER: usize = 4096;
 
 #[cfg(test)]
 mod tests {
@@ -554,30 +806,41 @@ mod tests {
     }
 
     #[test]
-    fn an_ok_ns_answer_lists_its_kinds_in_order_and_nothing_else_passes() {
-        assert_eq!(ok_answer(&[]), OK);
-        assert_eq!(
-            parse_ok_ns("ok ns user net mnt\n"),
-            Some(vec![NsKind::User, NsKind::Net, NsKind::Mnt])
-        );
-        assert_eq!(
-            parse_ok_ns("ok ns user mnt\n"),
-            Some(vec![NsKind::User, NsKind::Mnt])
-        );
-        assert_eq!(
-            parse_ok_ns("ok ns user net mnt ipc\n"),
-            Some(vec![NsKind::User, NsKind::Net, NsKind::Mnt, NsKind::Ipc])
-        );
-        for bad in [
-            "ok\n",
-            "ok ns\n",
-            "ok ns pid\n",
-            "ok nsuser\n",
-            "ok ns user",
-            "ok ns user net mnt ipc user\n",
-            "error: ok ns user\n",
+    fn a_login_request_is_checked_before_anything_starts() {
+        let ok = LoginRequest::parse(
+            br#"{"command":"id","env":["A=b c","PATH=/bin"]}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.command.as_deref(), Some("id"));
+        assert_eq!(ok.env, ["A=b c", "PATH=/bin"]);
+        assert_eq!(LoginRequest::parse(b"{}").unwrap(), LoginRequest::default());
+        for (bad, says) in [
+            (&br#"{"env":["NOEQUALS"]}"#[..], "not a NAME=value"),
+            (br#"{"env":["=v"]}"#, "not a NAME=value"),
+            (br#"{"env":["A=\u0000"]}"#, "not a NAME=value"),
+            (br#"{"command":"a\u0000b"}"#, "NUL"),
+            (br#"{"shell":"/bin/evil"}"#, "unknown field"),
+            (br#"{"limits":[{"resource":7,"soft":1,"hard":1}]}"#, "unknown field"),
+            (b"not json", "a bad login request"),
         ] {
-            assert_eq!(parse_ok_ns(bad), None, "{bad:?}");
+            let err = LoginRequest::parse(bad).unwrap_err();
+            assert!(err.contains(says), "{err}");
         }
+        let many = serde_json::to_vec(&LoginRequest {
+            env: (0..=MAX_ENV).map(|i| format!("V{i}=x")).collect(),
+            ..LoginRequest::default()
+        })
+        .unwrap();
+        assert!(LoginRequest::parse(&many).unwrap_err().contains("at most"));
+    }
+
+    #[test]
+    fn logins_of_a_uid_are_counted_until_they_end() {
+        let per_uid = PerUid::default();
+        let a: Vec<Turn> = (0..3).map(|_| per_uid.enter(7, 3).unwrap()).collect();
+        assert!(per_uid.enter(7, 3).is_none());
+        assert!(per_uid.enter(8, 3).is_some());
+        drop(a);
+        assert!(per_uid.enter(7, 3).is_some());
     }
 }

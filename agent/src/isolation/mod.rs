@@ -54,6 +54,7 @@ pub mod procs;
 pub mod rtnl;
 pub mod shared_dirs;
 pub mod slot_dns;
+pub mod start;
 pub mod uid_range;
 pub mod user_isolation;
 pub mod wipe;
@@ -240,6 +241,12 @@ pub trait SlotIsolation: Send + Sync + 'static {
     /// Moves process `pid` of user `uid` into its slot's cgroup; returns the slot, or
     /// `None` when `uid` is no slot's user.
     fn place(&self, _uid: u32, _pid: i32) -> Result<Option<u32>, IsolationError> {
+        Ok(None)
+    }
+
+    /// What a process of user `uid` needs to start inside its slot
+    /// ([`start::SlotEntry`]); `None` when `uid` is no prepared slot's user.
+    fn slot_entry(&self, _uid: u32) -> Result<Option<start::SlotEntry>, IsolationError> {
         Ok(None)
     }
 

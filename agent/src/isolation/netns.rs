@@ -5,20 +5,20 @@
 //! `127.0.0.1` in one slot is reachable from every other slot. With it each slot has a
 //! loopback of its own and reaches the outside through the host:
 //!
-//! - **Namespaces.** At warm-up the agent starts a holder process that becomes the slot
-//!   user and unshares a user namespace and a network namespace in one call (the kernel
-//!   makes the user namespace first, so it owns the network namespace, and the slot's
-//!   uid owns the user namespace). The agent writes the maps (only the slot's uid and gid,
-//!   each to itself; `setgroups` denied), bind-mounts `/proc/<holder>/ns/{user,net}` on
-//!   `<run-dir>/netns/<namespace>/<slot>.{user,net}` (directory 0700, root) and kills
-//!   the holder: the mounts keep the namespaces alive, across agent restarts too.
-//! - **Logins.** The agent hands both namespaces to `enter-slot` over the placement
-//!   socket (`SCM_RIGHTS`, answer `ok netns`). The helper, running as the slot user, joins
-//!   the user namespace (allowed: its uid owns it), then the network namespace (allowed:
-//!   the user namespace owns it), then execs the shell; that execve as a non-root uid
-//!   drops every capability it had in the user namespace. A helper that was told `ok
-//!   netns` but got no namespaces refuses the login. Nobody else can join: setns needs
-//!   `CAP_SYS_ADMIN` over the user namespace, which only its owner uid (and root) has.
+//! - **The namespace.** The first warm-up of a slot makes it: the agent starts a holder
+//!   process that unshares a network namespace (owned by the host's user namespace: no
+//!   process of a slot has any capability in it, so no job changes its addresses, routes
+//!   or settings), bind-mounts `/proc/<holder>/ns/net` on
+//!   `<run-dir>/netns/<namespace>/<slot>.net` (directory 0700, root) and kills the
+//!   holder: the mount keeps the namespace alive, across agent restarts too. It is the
+//!   slot's for as long as the slot exists: every later tenancy finds it made. What a
+//!   tenancy leaves in it goes with the tenancy's processes, which release kills (their
+//!   sockets with them; connections they closed last may wait out TCP's `TIME_WAIT`, as
+//!   on any host). Making and removing a namespace and its veth pair cost more than
+//!   everything else of a tenancy (docs/benchmarks.md).
+//! - **Logins** are started inside it by the agent, as root, before they become the slot
+//!   user ([`crate::isolation::start`]); nobody else can join it: setns needs
+//!   `CAP_SYS_ADMIN` over the host's user namespace.
 //! - **Egress.** A veth pair: `eth0` inside (`.2` of the slot's /30 of
 //!   `--slot-netns-range`, default route via `.1`), the host end `spn<hash><slot>`,
 //!   both set up by the agent over route-netlink ([`crate::isolation::rtnl`]). One
@@ -35,12 +35,11 @@
 //!   never back off), with a filter that forwards nothing else ([`ensure_forwarding`]).
 //! - **Addresses**: each agent numbers its slots from a block of the range of its own
 //!   ([`crate::isolation::netns_blocks`], the address plan).
-//! - **Release** removes the mounts and retires the veth ([`Teardown::Release`]: it goes
-//!   with the namespace) and checks that neither the slot's veth name nor a mount point
-//!   is left; removing a slot deletes its veth. What could not be removed makes the slot
-//!   dirty. The
-//!   agent's table stays (it matches no veth of a released slot); removing every slot
-//!   ([`SlotNetworks::close`]) removes it.
+//! - **Release** keeps the namespace and its veth pair for the slot's next tenancy.
+//!   Removing a slot (destroyed, dirty, or the agent removing its slots) deletes the veth
+//!   and unmounts the namespace, and checks that neither the slot's veth name nor a mount
+//!   point is left; what could not be removed makes the slot dirty. The agent's table
+//!   stays while the agent runs; removing every slot ([`SlotNetworks::close`]) removes it.
 
 use std::fs;
 use std::io::Write;
@@ -51,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::isolation::bus_guard::METADATA_V4;
-use crate::isolation::private_tmp::{become_ids, Holder};
+use crate::isolation::private_tmp::Holder;
 use crate::isolation::rtnl::{Rtnl, LOOPBACK_INDEX};
 use crate::step_clock::StepClock;
 
@@ -74,26 +73,11 @@ fn fail(action: impl Into<String>) -> impl FnOnce(String) -> NetnsError {
     move |reason| NetnsError { action, reason }
 }
 
-/// How much of a slot's namespace [`SlotNetworks::remove`] takes away.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Teardown {
-    /// Everything, the veth pair deleted now: the slot is destroyed, or its set-up
-    /// failed.
-    Remove,
-    /// At a release, the slot to be warmed again: the namespace files, and the veth
-    /// pair is retired, not deleted ([`RETIRED_VETHS`]): set down, renamed, its address
-    /// removed. It goes with the namespace once nothing holds it, in the kernel's
-    /// cleanup, which takes all the namespaces going at the time in one pass. A deletion
-    /// holds the host's routing lock through RCU grace periods for each pair (about
-    /// 35 ms), and the warm-ups and releases of every slot on the host queue behind it
-    /// (figures in docs/slot-network.md); retiring takes no grace period. The slot's
-    /// name and address are free at once for its next warm-up.
-    Release,
-}
-
 /// What one slot's namespace is made of.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotNetNames {
+    /// The user namespace earlier agents made each slot's network namespace in (owned by
+    /// the tenancy's uid): such a namespace is removed, and made anew, where found.
     pub user_ns: PathBuf,
     pub net_ns: PathBuf,
     /// The host end of the veth pair.
@@ -208,36 +192,49 @@ impl SlotNetworks {
         })
     }
 
-    /// Makes the slot's namespaces for the user `uid`/`gid`; on failure removes what was
-    /// made.
-    pub fn create(&self, slot: u32, uid: u32, gid: u32) -> Result<(), NetnsError> {
-        self.create_timed(slot, uid, gid, &mut StepClock::start())
+    /// Makes the slot's namespace unless it has one (kept from its last tenancy); on
+    /// failure removes what was made.
+    pub fn create(&self, slot: u32) -> Result<(), NetnsError> {
+        self.create_timed(slot, &mut StepClock::start())
     }
 
     /// [`SlotNetworks::create`], each step noted on `clock`.
-    pub fn create_timed(
-        &self,
-        slot: u32,
-        uid: u32,
-        gid: u32,
-        clock: &mut StepClock,
-    ) -> Result<(), NetnsError> {
+    pub fn create_timed(&self, slot: u32, clock: &mut StepClock) -> Result<(), NetnsError> {
         let names = self.names_or_err(slot)?;
-        let result = self.try_create(&names, uid, gid, clock);
+        if self.kept(&names) {
+            clock.lap("netns_kept");
+            return Ok(());
+        }
+        // Whatever is left of one (an older agent's, or half made): gone first.
+        let problems = self.remove(slot);
+        if !problems.is_empty() {
+            return Err(fail(format!("removing what is left of slot {slot}'s namespace"))(
+                problems.join("; "),
+            ));
+        }
+        let result = self.try_create(&names, clock);
         if result.is_err() {
-            let _ = self.remove(slot, Teardown::Remove);
+            let _ = self.remove(slot);
         }
         result
     }
 
-    fn try_create(
-        &self,
-        n: &SlotNetNames,
-        uid: u32,
-        gid: u32,
-        clock: &mut StepClock,
-    ) -> Result<(), NetnsError> {
-        for file in [&n.user_ns, &n.net_ns] {
+    /// Whether the slot has its namespace, as this agent makes it (not the host's, no
+    /// user namespace beside it, the slot's end of the veth in it), and its veth.
+    fn kept(&self, n: &SlotNetNames) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let host = fs::metadata("/proc/self/ns/net").map(|m| m.ino()).ok();
+        let Ok(net) = open_ns(&n.net_ns) else {
+            return false;
+        };
+        let ours = rustix::fs::fstat(&net).is_ok_and(|st| Some(st.st_ino) != host);
+        ours && fs::symlink_metadata(&n.user_ns).is_err()
+            && veth_exists(&n.veth)
+            && Rtnl::open_in(net.as_fd()).and_then(|mut inside| inside.index(SLOT_LINK)).is_ok()
+    }
+
+    fn try_create(&self, n: &SlotNetNames, clock: &mut StepClock) -> Result<(), NetnsError> {
+        for file in [&n.net_ns] {
             fs::OpenOptions::new()
                 .write(true)
                 .create(true)
@@ -246,49 +243,25 @@ impl SlotNetworks {
                 .open(file)
                 .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
         }
-        // The holder becomes the slot user (no supplementary groups), then makes both
-        // namespaces: a child of the agent that runs no other program.
+        // The holder, still root, makes the namespace: a child of the agent that runs no
+        // other program.
         let mut steps = || -> std::io::Result<()> {
-            // SAFETY: plain system calls on values of this frame, async-signal-safe.
-            unsafe {
-                become_ids(uid, gid)?;
-                match libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) {
-                    0 => Ok(()),
-                    _ => Err(std::io::Error::last_os_error()),
-                }
+            // SAFETY: a plain system call, async-signal-safe.
+            match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
             }
         };
-        // SAFETY: the steps make only async-signal-safe system calls, on values made
-        // before the holder, and change ids with `become_ids`.
-        let holder = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
-            fail(format!(
-                "making the user and network namespace of uid {uid}"
-            ))(e.to_string())
-        })?;
+        // SAFETY: the steps make only an async-signal-safe system call.
+        let holder = unsafe { Holder::spawn(&mut steps) }
+            .map_err(|e| fail("making a network namespace")(e.to_string()))?;
         clock.lap("netns_holder");
-        self.set_up(n, holder.id(), uid, gid, clock)
+        self.set_up(n, holder.id(), clock)
     }
 
-    fn set_up(
-        &self,
-        n: &SlotNetNames,
-        pid: u32,
-        uid: u32,
-        gid: u32,
-        clock: &mut StepClock,
-    ) -> Result<(), NetnsError> {
+    fn set_up(&self, n: &SlotNetNames, pid: u32, clock: &mut StepClock) -> Result<(), NetnsError> {
         let proc = PathBuf::from(format!("/proc/{pid}"));
-        for (file, text) in [
-            ("uid_map", format!("{uid} {uid} 1\n")),
-            ("setgroups", "deny\n".to_string()),
-            ("gid_map", format!("{gid} {gid} 1\n")),
-        ] {
-            let path = proc.join(file);
-            fs::write(&path, &text).map_err(|e| {
-                fail(format!("writing {:?} to {}", text.trim(), path.display()))(e.to_string())
-            })?;
-        }
-        for (kind, file) in [("user", &n.user_ns), ("net", &n.net_ns)] {
+        for (kind, file) in [("net", &n.net_ns)] {
             let source = proc.join("ns").join(kind);
             rustix::mount::mount_bind(&source, file).map_err(|e| {
                 fail(format!(
@@ -299,7 +272,7 @@ impl SlotNetworks {
             })?;
         }
         clock.lap("netns_mounts");
-        // A veth still under the slot's name (a release that could not retire it) goes
+        // A veth still under the slot's name (one a removal could not delete) goes
         // first. The kernel may take it meanwhile: its name is free before its entry in
         // /sys goes.
         let mut host =
@@ -339,9 +312,8 @@ impl SlotNetworks {
         })
     }
 
-    /// Removes everything of the slot's namespace that is there (with
-    /// [`Teardown::Release`], the veth pair retired, not deleted); returns what failed.
-    pub fn remove(&self, slot: u32, how: Teardown) -> Vec<String> {
+    /// Removes everything of the slot's namespace that is there; returns what failed.
+    pub fn remove(&self, slot: u32) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
@@ -349,10 +321,7 @@ impl SlotNetworks {
         if veth_exists(&n.veth) {
             let removed = Rtnl::open()
                 .map_err(|e| fail("opening a route-netlink socket")(e.to_string()))
-                .and_then(|mut host| match how {
-                    Teardown::Remove => delete_veth(&mut host, &n.veth),
-                    Teardown::Release => retire_veth(&mut host, &n),
-                });
+                .and_then(|mut host| delete_veth(&mut host, &n.veth));
             if let Err(e) = removed {
                 problems.push(e.to_string());
             }
@@ -372,8 +341,7 @@ impl SlotNetworks {
         problems
     }
 
-    /// What is left of the slot's namespace after [`SlotNetworks::remove`] (either way:
-    /// a retired veth has another name).
+    /// What is left of the slot's namespace after [`SlotNetworks::remove`].
     pub fn leftovers(&self, slot: u32) -> Vec<String> {
         let Some(n) = self.names(slot) else {
             return Vec::new();
@@ -390,15 +358,14 @@ impl SlotNetworks {
         left
     }
 
-    /// Whether the slot's namespaces are there (both mounts).
+    /// Whether the slot's namespace is there.
     pub fn exists(&self, slot: u32) -> bool {
         self.open(slot).is_ok()
     }
 
-    /// The slot's user and network namespaces, to hand to a login.
-    pub fn open(&self, slot: u32) -> Result<[OwnedFd; 2], NetnsError> {
-        let n = self.names_or_err(slot)?;
-        Ok([open_ns(&n.user_ns)?, open_ns(&n.net_ns)?])
+    /// The slot's network namespace, for a login to join.
+    pub fn open(&self, slot: u32) -> Result<OwnedFd, NetnsError> {
+        open_ns(&self.names_or_err(slot)?.net_ns)
     }
 }
 
@@ -502,40 +469,6 @@ fn veth_exists(name: &str) -> bool {
 pub const SLOT_LINK: &str = "eth0";
 /// Each slot's link is a /30: the host's end, the slot's end.
 const SLOT_PREFIX: u8 = 30;
-
-/// What a released slot's veth is renamed to (`%d`: the kernel's first free number):
-/// outside [`VETH_PREFIX`], so neither the forward filter nor the agent's table lets
-/// anything through it, down and without an address, until the kernel removes it with
-/// the slot's old namespace.
-pub const RETIRED_VETHS: &str = "spd%d";
-
-/// Retires the slot's veth ([`Teardown::Release`]); one already gone is no error. If it
-/// cannot be retired, it is deleted.
-fn retire_veth(host: &mut Rtnl, n: &SlotNetNames) -> Result<(), NetnsError> {
-    let index = match host.index(&n.veth) {
-        Ok(index) => index,
-        // Gone meanwhile, with its namespace.
-        Err(_) if !veth_exists(&n.veth) => return Ok(()),
-        Err(e) => {
-            return Err(fail(format!("looking up the veth {}", n.veth))(
-                e.to_string(),
-            ))
-        }
-    };
-    let retired = (|| {
-        host.set_down(index)?;
-        match host.delete_address(index, n.host_addr, SLOT_PREFIX) {
-            Err(e) if e.raw_os_error() != Some(libc::EADDRNOTAVAIL) => return Err(e),
-            _ => {}
-        }
-        host.rename(index, RETIRED_VETHS)
-    })();
-    if let Err(e) = retired {
-        tracing::warn!(veth = n.veth, %e, "cannot retire the veth; deleting it");
-        return delete_veth(host, &n.veth);
-    }
-    Ok(())
-}
 
 /// Deletes the veth `name` (and its peer); one already gone is no error.
 fn delete_veth(host: &mut Rtnl, name: &str) -> Result<(), NetnsError> {

@@ -21,24 +21,22 @@
 //!   mount namespace of its own, turns its mounts into slaves (nothing it mounts reaches
 //!   the host; what the host mounts later, a workspace image say, still reaches it) and mounts
 //!   a tmpfs on each of [`PRIVATE_DIRS`] (mode 1777, `nosuid,nodev`, at most
-//!   [`MAX_INODES`] entries). It then becomes the slot user and makes a second mount
-//!   namespace, owned by the slot's user namespace (the one of
-//!   [`crate::isolation::netns`] when slots have one, else a new one whose maps hold only
-//!   the slot's uid and gid): the kernel locks every mount copied into it, so nobody in the
-//!   slot can unmount the tmpfs to reach the host's directory beneath. The agent
-//!   bind-mounts `/proc/<holder>/ns/{user,mnt}` on
-//!   `<run-dir>/mntns/<namespace>/<slot>.{user,mnt}` (directory 0700, root) and kills the
-//!   holder.
+//!   [`MAX_INODES`] entries). Both namespaces are owned by the host's user namespace, in
+//!   which no process of a slot has a capability: nobody in the slot can unmount the
+//!   tmpfs to reach the host's directory beneath (and a user namespace a job makes gets
+//!   a copy whose mounts the kernel locks). The agent bind-mounts
+//!   `/proc/<holder>/ns/{mnt,ipc}` on `<run-dir>/mntns/<namespace>/<slot>.{mnt,ipc}`
+//!   (directory 0700, root) and kills the holder.
 //! - **A workspace under one of them** (an agent whose work directory is in `/tmp`, as in
 //!   tests) is bind-mounted back on its own path in the tmpfs, so the slot still finds
 //!   its home.
-//! - **IPC.** The holder's second step also makes an IPC namespace owned by the slot's
-//!   user namespace, mounted on `<slot>.ipc`: System V objects and POSIX message queues
-//!   of the slot's logins are the slot's alone, invisible to other slots, and gone with
-//!   the namespace at release (the host's `/dev/mqueue` need not even be mounted).
-//! - **Logins** join the user namespace, then (with [`crate::isolation::netns`]) the
-//!   network namespace, then the mount and IPC namespaces, handed over by the placement socket
-//!   ([`crate::isolation::enter`]).
+//! - **IPC.** The holder also makes an IPC namespace, mounted on `<slot>.ipc`: System V
+//!   objects and POSIX message queues of the slot's logins are the slot's alone,
+//!   invisible to other slots, and gone with the namespace at release (the host's
+//!   `/dev/mqueue` need not even be mounted).
+//! - **Logins** are started inside (with [`crate::isolation::netns`]) the network
+//!   namespace, then the mount and IPC namespaces, by the agent as root before they
+//!   become the slot user ([`crate::isolation::start`]).
 //! - **Size.** A tmpfs's pages are charged to the memory cgroup of the process that
 //!   writes them: a slot's `/tmp` counts in its memory limit, not its disk limit. Its
 //!   entries are bounded by [`MAX_INODES`] per directory.
@@ -175,26 +173,21 @@ impl SlotMounts {
         self.dir.join(format!("{slot}.ipc"))
     }
 
-    /// The file the slot's user namespace is mounted on (when it has none of
-    /// [`crate::isolation::netns`]).
+    /// The file earlier agents mounted a slot's user namespace on: unmounted and removed
+    /// with the slot's other files.
     pub fn user_file(&self, slot: u32) -> PathBuf {
         self.dir.join(format!("{slot}.user"))
     }
 
-    /// Makes the slot's mount namespace for `uid`/`gid` as a copy of `copy_of`, with
-    /// `workspace` seen through, owned by the user namespace at
-    /// `user_ns` (one of the slot's own, owned by `uid`) or, without it, by a new one; on
-    /// failure removes what was made.
+    /// Makes the slot's mount and IPC namespaces, the mount namespace a copy of `copy_of`
+    /// with `workspace` seen through; on failure removes what was made.
     pub fn create(
         &self,
         slot: u32,
-        uid: u32,
-        gid: u32,
         workspace: &Path,
-        user_ns: Option<&Path>,
         copy_of: CopyOf,
     ) -> Result<(), PrivateTmpError> {
-        let result = self.try_create(slot, uid, gid, workspace, user_ns, copy_of);
+        let result = self.try_create(slot, workspace, copy_of);
         if result.is_err() {
             let _ = self.remove(slot);
         }
@@ -204,34 +197,18 @@ impl SlotMounts {
     fn try_create(
         &self,
         slot: u32,
-        uid: u32,
-        gid: u32,
         workspace: &Path,
-        user_ns: Option<&Path>,
         copy_of: CopyOf,
     ) -> Result<(), PrivateTmpError> {
-        let mut files = vec![self.mnt_file(slot), self.ipc_file(slot)];
-        if user_ns.is_none() {
-            files.push(self.user_file(slot));
-        }
-        for file in &files {
+        for file in [self.mnt_file(slot), self.ipc_file(slot)] {
             fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(false)
                 .mode(0o600)
-                .open(file)
+                .open(&file)
                 .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
         }
-        let open_ns = |path: &Path| -> Result<OwnedFd, PrivateTmpError> {
-            rustix::fs::open(
-                path,
-                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-                rustix::fs::Mode::empty(),
-            )
-            .map_err(|e| fail(format!("opening {}", path.display()))(e.to_string()))
-        };
-        let user_fd = user_ns.map(open_ns).transpose()?;
         // Everything the child needs, made before the holder starts (no allocation in it).
         let targets: Vec<std::ffi::CString> = PRIVATE_DIRS
             .iter()
@@ -264,7 +241,6 @@ impl SlotMounts {
                 (dirs, Some(from), Some(c_path(workspace)?))
             }
         };
-        let user_raw = user_fd.as_ref().map(|f| f.as_raw_fd());
         let resolv = self.resolv_conf.as_deref().map(c_path).transpose()?;
         let resolv_from =
             std::ffi::CString::new(format!("/proc/self/fd/{RESOLV_FD}")).expect("no nul");
@@ -361,21 +337,12 @@ impl SlotMounts {
                             std::ptr::null(),
                         ))?;
                     }
-                    become_ids(uid, gid)?;
-                    match user_raw {
-                        Some(fd) => {
-                            check(libc::setns(fd, libc::CLONE_NEWUSER))?;
-                            check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWIPC))?;
-                        }
-                        None => check(libc::unshare(
-                            libc::CLONE_NEWUSER | libc::CLONE_NEWNS | libc::CLONE_NEWIPC,
-                        ))?,
-                    }
+                    check(libc::unshare(libc::CLONE_NEWIPC))?;
                     Ok(())
                 }
             };
             // SAFETY: the steps are async-signal-safe system calls on memory made before
-            // the holder, and change ids with `become_ids`.
+            // the holder.
             let child_now = unsafe { Holder::spawn(&mut steps) }.map_err(|e| {
                 fail(format!("making the private /tmp of slot {slot}"))(e.to_string())
             })?;
@@ -398,35 +365,14 @@ impl SlotMounts {
                 ),
             ));
         };
-        let made = self.set_up(slot, child.id(), uid, gid, user_ns.is_none());
+        let made = self.set_up(slot, child.id());
         drop(child);
         made
     }
 
-    fn set_up(
-        &self,
-        slot: u32,
-        pid: u32,
-        uid: u32,
-        gid: u32,
-        own_user_ns: bool,
-    ) -> Result<(), PrivateTmpError> {
+    fn set_up(&self, slot: u32, pid: u32) -> Result<(), PrivateTmpError> {
         let proc = PathBuf::from(format!("/proc/{pid}"));
-        let mut mounts = vec![("mnt", self.mnt_file(slot)), ("ipc", self.ipc_file(slot))];
-        if own_user_ns {
-            for (file, text) in [
-                ("uid_map", format!("{uid} {uid} 1\n")),
-                ("setgroups", "deny\n".to_string()),
-                ("gid_map", format!("{gid} {gid} 1\n")),
-            ] {
-                let path = proc.join(file);
-                fs::write(&path, &text).map_err(|e| {
-                    fail(format!("writing {:?} to {}", text.trim(), path.display()))(e.to_string())
-                })?;
-            }
-            mounts.push(("user", self.user_file(slot)));
-        }
-        for (kind, file) in mounts {
+        for (kind, file) in [("mnt", self.mnt_file(slot)), ("ipc", self.ipc_file(slot))] {
             let source = proc.join("ns").join(kind);
             rustix::mount::mount_bind(&source, &file).map_err(|e| {
                 fail(format!(
@@ -518,18 +464,9 @@ impl SlotMounts {
         ]
     }
 
-    /// The slot's user namespace (when it is this module's), mount namespace and IPC
-    /// namespace, to hand to a login.
+    /// The slot's mount and IPC namespaces, for a login to join.
     pub fn open(&self, slot: u32) -> Result<SlotNamespaces, PrivateTmpError> {
-        // A file kept empty from an earlier warm-up names no namespace.
-        let user = self.user_file(slot);
-        let user = if super::nsfs::is_bound(&user) {
-            Some(open_nsfs(&user)?)
-        } else {
-            None
-        };
         Ok(SlotNamespaces {
-            user,
             mnt: open_nsfs(&self.mnt_file(slot))?,
             ipc: open_nsfs(&self.ipc_file(slot))?,
         })
@@ -549,12 +486,8 @@ pub(crate) const HOLDER_LIFETIME_SECS: libc::c_uint = 600;
 /// than being a fork: a fork copied the agent's page tables and write-protected its
 /// memory, so every page the agent's threads wrote next took a fault, twice per warm-up
 /// (1.6 ms of the agents' CPU per allocation and release, docs/benchmarks.md). A holder
-/// that becomes a slot's user runs as that uid in the agent's memory while it lives, so:
-/// the uid is the warm-up's new one, of which no process exists (release killed the
-/// slot's); and the memory is made dumpable by root alone first (`PR_SET_DUMPABLE` 0,
-/// which the kernel would also do as the holder changes ids unless `fs.suid_dumpable`
-/// is 1), so no process of that uid may read or trace it. The agent is not dumpable
-/// from its first warm-up on.
+/// stays root: it never runs as a slot's user, whose processes could otherwise reach
+/// the memory it shares with the agent.
 pub(crate) struct Holder {
     pid: libc::pid_t,
     /// Unmapped after the holder is reaped (fields drop after [`Drop::drop`]).
@@ -665,10 +598,9 @@ impl Holder {
     /// # Safety
     /// `steps` runs in a child that shares the agent's memory, its thread-local storage
     /// (errno) that of the calling thread, which waits meanwhile. It may only make
-    /// async-signal-safe system calls, on memory made before the call, and change its
-    /// ids with [`become_ids`] alone: glibc's `setuid` family signals every thread glibc
-    /// knows of to change too, and the holder's glibc knows the agent's threads (the
-    /// kernel refuses, as they are another process, but nothing here relies on that).
+    /// async-signal-safe system calls, on memory made before the call, and must not
+    /// change its ids (see [`Holder`]; and glibc's `setuid` family would signal every
+    /// thread glibc knows of, the agent's).
     pub(crate) unsafe fn spawn(
         steps: &mut dyn FnMut() -> std::io::Result<()>,
     ) -> std::io::Result<Holder> {
@@ -678,9 +610,6 @@ impl Holder {
         unsafe {
             use std::os::fd::FromRawFd;
             let stack = HolderStack::new()?;
-            if libc::prctl(libc::PR_SET_DUMPABLE, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
             let mut fds = [0; 2];
             if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
                 return Err(std::io::Error::last_os_error());
@@ -746,32 +675,8 @@ impl Drop for Holder {
     }
 }
 
-/// Makes a [`Holder`] user `uid` of group `gid`, without supplementary groups, by the
-/// system calls themselves (see [`Holder::spawn`]).
-///
-/// # Safety
-/// For a holder's steps only.
-pub(crate) unsafe fn become_ids(uid: u32, gid: u32) -> std::io::Result<()> {
-    let checked = |rc: libc::c_long| match rc {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
-    };
-    // SAFETY: plain system calls on values.
-    unsafe {
-        checked(libc::syscall(
-            libc::SYS_setgroups,
-            0 as libc::c_long,
-            std::ptr::null::<libc::gid_t>(),
-        ))?;
-        checked(libc::syscall(libc::SYS_setresgid, gid, gid, gid))?;
-        checked(libc::syscall(libc::SYS_setresuid, uid, uid, uid))
-    }
-}
-
 /// A slot's namespaces of this module, open, for a login to join.
 pub struct SlotNamespaces {
-    /// The user namespace, when the slot has none of [`crate::isolation::netns`].
-    pub user: Option<OwnedFd>,
     pub mnt: OwnedFd,
     pub ipc: OwnedFd,
 }
@@ -941,71 +846,33 @@ mod tests {
     use super::*;
     use crate::isolation::cgroup::parse_mountinfo;
 
-    /// The uids of every thread of this process.
-    fn own_threads_uids() -> Vec<Vec<u32>> {
-        fs::read_dir("/proc/self/task")
-            .unwrap()
-            .flatten()
-            .filter_map(|t| fs::read_to_string(t.path().join("status")).ok())
-            .map(|s| crate::isolation::procs::parse_status_uids(&s))
-            .collect()
-    }
-
-    /// A holder shares the agent's memory: its change of ids must be its own, not that of
-    /// the threads whose glibc it shares.
+    /// A holder's steps change its own namespaces, never those of the process whose
+    /// memory it shares, and it is killed and reaped when dropped.
     #[test]
-    fn a_holder_changes_its_own_ids_and_no_one_elses() {
+    fn a_holder_changes_its_own_namespace_and_no_one_elses() {
         if !rustix::process::geteuid().is_root() {
             eprintln!("skipped: needs root");
             return;
         }
-        // Threads besides this one, as the agent has.
-        let stop = std::sync::Arc::new(std::sync::Barrier::new(4));
-        let others: Vec<_> = (0..3)
-            .map(|_| {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    stop.wait();
-                })
-            })
-            .collect();
-        let (uid, gid) = (2_999_123, 2_999_123);
-        // As a process that never made a holder is (another test's holder may have
-        // changed it already).
-        // SAFETY: a flag of this process.
-        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1) };
-        // SAFETY: the holder's steps are `become_ids` alone.
-        let mut steps = || unsafe { become_ids(uid, gid) };
+        let ours = fs::read_link("/proc/self/ns/net").unwrap();
+        // SAFETY: a plain system call.
+        let mut steps = || match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        };
         // SAFETY: as above.
         let holder = unsafe { Holder::spawn(&mut steps) }.unwrap();
+        let its = fs::read_link(format!("/proc/{}/ns/net", holder.id())).unwrap();
+        assert_ne!(its, ours, "the holder has no namespace of its own");
+        assert_eq!(fs::read_link("/proc/self/ns/net").unwrap(), ours);
         let status = fs::read_to_string(format!("/proc/{}/status", holder.id())).unwrap();
-        assert_eq!(
-            crate::isolation::procs::parse_status_uids(&status),
-            [uid; 4]
-        );
-        let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
-        assert_eq!(groups.trim(), "Groups:", "no supplementary groups");
-        // The holder's change of ids made the memory it shares with this process
-        // dumpable by root alone, so no process of the slot's uid may read it.
-        // SAFETY: a flag of this process.
-        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
-        assert_ne!(dumpable, 1, "the agent's memory is open to the slot's uid");
-        let threads = own_threads_uids();
-        assert!(threads.len() >= 4, "{threads:?}");
-        assert!(
-            threads.iter().all(|ids| ids == &[0; 4]),
-            "the holder changed the ids of this process's threads: {threads:?}"
-        );
+        assert_eq!(crate::isolation::procs::parse_status_uids(&status), [0; 4]);
         let pid = holder.id();
         drop(holder);
         assert!(
             !Path::new(&format!("/proc/{pid}")).exists(),
             "the holder is killed and reaped when dropped"
         );
-        stop.wait();
-        for t in others {
-            t.join().unwrap();
-        }
     }
 
     #[test]

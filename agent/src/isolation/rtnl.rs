@@ -129,34 +129,6 @@ impl Rtnl {
         self.change(RouteNetlinkMessage::SetLink(link), 0).map(drop)
     }
 
-    /// Sets the link `index` down.
-    pub fn set_down(&mut self, index: u32) -> io::Result<()> {
-        let mut link = LinkMessage::default();
-        link.header.index = index;
-        link.header.change_mask = LinkFlags::Up;
-        self.change(RouteNetlinkMessage::SetLink(link), 0).map(drop)
-    }
-
-    /// Renames the link `index` (down: the kernel renames no link that is up) to `name`;
-    /// a `%d` in it is the first free number.
-    pub fn rename(&mut self, index: u32, name: &str) -> io::Result<()> {
-        let mut link = LinkMessage::default();
-        link.header.index = index;
-        link.attributes = vec![LinkAttribute::IfName(name.to_string())];
-        self.change(RouteNetlinkMessage::SetLink(link), 0).map(drop)
-    }
-
-    /// Removes `address`/`prefix` from the link `index`.
-    pub fn delete_address(&mut self, index: u32, address: Ipv4Addr, prefix: u8) -> io::Result<()> {
-        let mut message = AddressMessage::default();
-        message.header.family = AddressFamily::Inet;
-        message.header.prefix_len = prefix;
-        message.header.index = index;
-        message.attributes = vec![AddressAttribute::Local(IpAddr::V4(address))];
-        self.change(RouteNetlinkMessage::DelAddress(message), 0)
-            .map(drop)
-    }
-
     /// Adds `address`/`prefix` to the link `index` (as `ip addr add` does: local and
     /// peer address the same, no broadcast).
     pub fn add_address(&mut self, index: u32, address: Ipv4Addr, prefix: u8) -> io::Result<()> {

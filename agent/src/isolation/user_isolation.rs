@@ -65,9 +65,10 @@ use super::Limits;
 use crate::isolation::cgroup::CgroupDriver;
 use crate::isolation::disk_quota::WorkspaceImages;
 use crate::isolation::enter::NsKind;
-use crate::isolation::netns::{NetnsError, SlotNetworks, Teardown};
+use crate::isolation::netns::{NetnsError, SlotNetworks};
 use crate::isolation::private_tmp::{CopyOf, SlotMounts};
 use crate::isolation::shared_dirs;
+use crate::isolation::start::SlotEntry;
 use crate::isolation::uid_range::UidAllocator;
 use crate::isolation::wipe::Budget;
 use crate::isolation::{
@@ -582,14 +583,10 @@ impl UserIsolation {
             });
             clock.lap("private_tmp");
         }
-        if let Some(net) = &self.network {
-            problems.extend(net.remove(
-                slot,
-                match keep {
-                    KeepUser::IfClean => Teardown::Release,
-                    KeepUser::No => Teardown::Remove,
-                },
-            ));
+        // A slot's network namespace is kept for its next tenancy (nothing of a tenancy
+        // outlives its processes there); it goes with the slot.
+        if let (Some(net), KeepUser::No) = (&self.network, keep) {
+            problems.extend(net.remove(slot));
             clock.lap("netns");
         }
         if let Some(info) = &info {
@@ -653,7 +650,7 @@ impl UserIsolation {
         self.cgroups.create(&user, info.gid, &Limits::default())?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
-            net.create_timed(slot, info.uid, info.gid, clock)
+            net.create_timed(slot, clock)
                 .map_err(|e| self.network_error(slot, e))?;
         }
         if let Some(mounts) = &self.private_tmp {
@@ -661,13 +658,8 @@ impl UserIsolation {
                 Some(_) => CopyOf::Logins,
                 None => CopyOf::Clean,
             };
-            let user_ns = self
-                .network
-                .as_ref()
-                .and_then(|n| n.names(slot))
-                .map(|n| n.user_ns);
             mounts
-                .create(slot, info.uid, info.gid, &dir, user_ns.as_deref(), copy_of)
+                .create(slot, &dir, copy_of)
                 .map_err(|e| self.private_tmp_error(slot, e))?;
             clock.lap("private_tmp");
         }
@@ -734,7 +726,7 @@ impl UserIsolation {
         for file in self.per_user_files(&user) {
             left.push(format!("file {}", file.display()));
         }
-        if let Some(net) = &self.network {
+        if let (Some(net), false) = (&self.network, files_kept) {
             left.extend(net.leftovers(slot));
         }
         if let Some(mounts) = &self.private_tmp {
@@ -905,8 +897,7 @@ impl SlotIsolation for UserIsolation {
             // was made cold above).
             if let Some(net) = &self.network {
                 if !net.exists(slot) {
-                    let _ = net.remove(slot, Teardown::Remove);
-                    if let Err(err) = net.create(slot, info.uid, info.gid) {
+                    if let Err(err) = net.create(slot) {
                         tracing::warn!(slot, %err, "cannot make the slot's network namespace again; its logins are refused");
                     }
                 }
@@ -960,20 +951,50 @@ impl SlotIsolation for UserIsolation {
         Ok(Some(slot))
     }
 
+    fn slot_entry(&self, uid: u32) -> Result<Option<SlotEntry>, IsolationError> {
+        let Some((slot, user)) = self
+            .users()
+            .iter()
+            .find(|(_, u)| u.prepared && u.uid == uid)
+            .map(|(s, u)| (*s, u.clone()))
+        else {
+            return Ok(None);
+        };
+        let mut cgroup_procs = Vec::new();
+        for dir in self.cgroups.paths(&user.user) {
+            let file = dir.join("cgroup.procs");
+            let opened = fs::OpenOptions::new()
+                .write(true)
+                .open(&file)
+                .map_err(IsolationError::new("opening", &file))?;
+            cgroup_procs.push(OwnedFd::from(opened));
+        }
+        let shell = passwd::lookup(&user.user)
+            .map(|u| u.shell)
+            .filter(|s| !s.as_os_str().is_empty())
+            .unwrap_or_else(|| PathBuf::from("/bin/sh"));
+        Ok(Some(SlotEntry {
+            slot,
+            uid: user.uid,
+            gid: user.gid,
+            home: self.workspace(slot),
+            shell,
+            cgroup_procs,
+            namespaces: self.login_namespaces(slot)?,
+            user: user.user,
+        }))
+    }
+
     fn login_namespaces(&self, slot: u32) -> Result<Vec<(NsKind, OwnedFd)>, IsolationError> {
         let mut namespaces = Vec::new();
         if let Some(net) = &self.network {
-            let [user, netns] = net.open(slot).map_err(|e| self.network_error(slot, e))?;
-            namespaces.push((NsKind::User, user));
+            let netns = net.open(slot).map_err(|e| self.network_error(slot, e))?;
             namespaces.push((NsKind::Net, netns));
         }
         if let Some(mounts) = &self.private_tmp {
             let opened = mounts
                 .open(slot)
                 .map_err(|e| self.private_tmp_error(slot, e))?;
-            if let Some(user) = opened.user {
-                namespaces.push((NsKind::User, user));
-            }
             namespaces.push((NsKind::Mnt, opened.mnt));
             namespaces.push((NsKind::Ipc, opened.ipc));
         }
