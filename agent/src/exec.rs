@@ -130,11 +130,7 @@ pub struct Runner {
 }
 
 impl Runner {
-    pub fn new(
-        bus: Bus,
-        backing: BackingId,
-        shutdown: CancellationToken,
-    ) -> Runner {
+    pub fn new(bus: Bus, backing: BackingId, shutdown: CancellationToken) -> Runner {
         Runner {
             sessions: Arc::default(),
             bus,

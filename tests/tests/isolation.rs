@@ -1507,7 +1507,11 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     wait_for("slot 1 warm again", LONG, || async { agent.warm(1) }).await;
     assert_eq!(veth_index(0).unwrap(), before, "slot 0 got a new veth");
     let (user_c, _) = agent.prepare_login(0, "node-c", &key.public()).await;
-    assert_ne!(uid_of(&user_c), Some(uid), "the next tenancy has the uid just freed");
+    assert_ne!(
+        uid_of(&user_c),
+        Some(uid),
+        "the next tenancy has the uid just freed"
+    );
     assert_eq!(login_net(&user_c), net_before, "slot 0 got a new namespace");
     let (_, out, err) = key.ssh(
         sshd.port,
@@ -1805,13 +1809,25 @@ fn a_slots_network_is_kept_for_its_next_tenancy_and_goes_with_the_slot() {
     let first = ifindex(&n.veth).expect("the veth is there");
     let first_ns = ns_of(&n.net_ns).expect("the namespace is bound");
     nets.create(0).unwrap();
-    assert_eq!(ifindex(&n.veth), Some(first.clone()), "a new veth for a kept slot");
-    assert_eq!(ns_of(&n.net_ns), Some(first_ns), "a new namespace for a kept slot");
+    assert_eq!(
+        ifindex(&n.veth),
+        Some(first.clone()),
+        "a new veth for a kept slot"
+    );
+    assert_eq!(
+        ns_of(&n.net_ns),
+        Some(first_ns),
+        "a new namespace for a kept slot"
+    );
 
     // An older agent's namespace had a user namespace beside it: made anew.
     std::fs::write(&n.user_ns, "").unwrap();
     nets.create(0).unwrap();
-    assert_ne!(ifindex(&n.veth), Some(first), "the older namespace was kept");
+    assert_ne!(
+        ifindex(&n.veth),
+        Some(first),
+        "the older namespace was kept"
+    );
     assert!(!n.user_ns.exists(), "the older user namespace file is left");
 
     assert_eq!(nets.remove(0), Vec::<String>::new());
@@ -2176,7 +2192,10 @@ async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
     let state_inode = std::fs::metadata(&state).unwrap().ino();
     // Held open, the first tenancy's namespaces keep their numbers: the kernel reuses a
     // freed namespace's number at once.
-    let held: Vec<std::fs::File> = files.iter().map(|f| std::fs::File::open(f).unwrap()).collect();
+    let held: Vec<std::fs::File> = files
+        .iter()
+        .map(|f| std::fs::File::open(f).unwrap())
+        .collect();
     agent.release(0, "node-a").await.unwrap();
     assert_eq!(agent.dirty(0), None, "{}", agent.log());
     assert_eq!(bound(&files), [None, None], "unmounted at release");
@@ -2262,4 +2281,111 @@ async fn a_job_cannot_fake_a_login_in_the_occupants() {
     assert_eq!(seen.logins.len(), 1, "{seen:?}");
     assert!(seen.logins[0].from.starts_with("127.0.0.1:"), "{seen:?}");
     agent.release(0, "node-a").await.unwrap();
+}
+
+/// A login's shell is the agent's child, not its helper's: the helper passes the signals
+/// it gets on, and ends as the shell ended (its exit code, or killed by its signal); a
+/// helper that goes first hangs the shell up; a request that is not a helper's is
+/// refused with the reason; and a login with a terminal has it as its own, in the
+/// foreground.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_passes_signals_on_and_ends_as_its_shell_ended() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    use std::process::{Command, Stdio};
+    let env = IsolationEnv::new();
+    let (sshd, key, agent) = login_env(&env, 1).await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let info = passwd::lookup(&user).expect("the slot user");
+    let helper = sshd.dir.path().join("slotpool-agent");
+    let login = |command: &str| {
+        let mut c = Command::new(&helper);
+        c.args(["enter-slot", "--run-dir"])
+            .arg(env.run_dir.path())
+            .uid(info.uid)
+            .gid(info.gid)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("SSH_ORIGINAL_COMMAND", command)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+
+    let out = login("exit 7").output().unwrap();
+    assert_eq!(out.status.code(), Some(7), "{out:?}\n{}", agent.log());
+    let out = login("kill -USR1 $$").output().unwrap();
+    assert_eq!(out.status.signal(), Some(libc::SIGUSR1), "{out:?}");
+
+    // SIGTERM to the helper reaches the shell, which says so and exits 3.
+    let mut child =
+        login("trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.1; done")
+            .spawn()
+            .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "ready");
+    // SAFETY: kill(2) on our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert_eq!(lines.next().unwrap().unwrap(), "got-term");
+    assert_eq!(child.wait().unwrap().code(), Some(3));
+
+    // The helper killed: its shell is hung up.
+    let mut child = login("echo $$; exec sleep 300").spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let shell: i32 = lines.next().unwrap().unwrap().parse().unwrap();
+    assert!(Path::new(&format!("/proc/{shell}")).exists());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_for("the shell hung up", LONG, || async {
+        !Path::new(&format!("/proc/{shell}")).exists()
+    })
+    .await;
+
+    // A request with no descriptors, and one from a uid that is no slot's user.
+    let namespace = passwd::namespace(&env.user_prefix, agent.backing.as_str());
+    let socket = env.run_dir.path().join(format!("{namespace}.sock"));
+    let ask = |uid: u32, gid: u32, fds: &str| {
+        let out = Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import socket; s = socket.socket(socket.AF_UNIX); s.connect({:?}); \
+                 socket.send_fds(s, [b'{{}}\\n'], [{fds}]); print(s.recv(512).decode())",
+                socket.display().to_string()
+            ))
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let answer = ask(info.uid, info.gid, "");
+    assert!(
+        answer.starts_with("error: a login request comes with 3 descriptors"),
+        "{answer}"
+    );
+    let answer = ask(65534, 65534, "0, 1, 2");
+    assert!(answer.contains("not a slot user"), "{answer}");
+
+    // With a terminal: the shell's own, and the shell in the foreground.
+    let out = key
+        .command(sshd.port, &user)
+        .arg("-tt")
+        .arg("tty; ps -o sid=,pgid=,tpgid= -p $$")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines();
+    assert!(
+        lines.next().unwrap_or("").starts_with("/dev/pts/"),
+        "{text}"
+    );
+    let ids: Vec<&str> = lines.next().unwrap_or("").split_whitespace().collect();
+    assert!(
+        ids.len() == 3 && ids[0] == ids[1] && ids[1] == ids[2],
+        "{text}"
+    );
+    agent.release(0, "node-a").await.unwrap();
+    assert_eq!(agent.dirty(0), None, "{}", agent.log());
 }

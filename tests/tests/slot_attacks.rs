@@ -158,7 +158,12 @@ fn limit_descriptors(pid: u32, max: u64) {
             rlim_max: now.rlim_max,
         };
         assert_eq!(
-            libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &lowered, std::ptr::null_mut()),
+            libc::prlimit(
+                pid as i32,
+                libc::RLIMIT_NOFILE,
+                &lowered,
+                std::ptr::null_mut()
+            ),
             0,
             "prlimit"
         );

@@ -240,7 +240,9 @@ pub async fn serve(
                     if let Some(quiet) = login.logged.refusals.take(std::time::Instant::now()) {
                         tracing::warn!(answer = refusal, not_logged = quiet, "login refused");
                     }
-                    let _ = stream.write_all(format!("error: {refusal}\n").as_bytes()).await;
+                    let _ = stream
+                        .write_all(format!("error: {refusal}\n").as_bytes())
+                        .await;
                     return;
                 }
             };
@@ -275,9 +277,14 @@ impl Login {
             .map_err(|e| format!("peer credentials: {e}"))?;
         let uid = cred.uid();
         let pid = cred.pid().ok_or("no peer pid")?;
-        let _turn = self.placing.enter(uid, MAX_PLACING_PER_UID).ok_or_else(|| {
-            format!("uid {uid} has {MAX_PLACING_PER_UID} logins being placed already; try again")
-        })?;
+        let _turn = self
+            .placing
+            .enter(uid, MAX_PLACING_PER_UID)
+            .ok_or_else(|| {
+                format!(
+                    "uid {uid} has {MAX_PLACING_PER_UID} logins being placed already; try again"
+                )
+            })?;
         let (line, fds) = tokio::time::timeout(ENTER_TIMEOUT, read_request(stream))
             .await
             .map_err(|_| format!("no login request within {ENTER_TIMEOUT:?}"))?
@@ -389,7 +396,11 @@ fn start_shell(
 
 /// Passes the helper's signals on to the login's shell until it exits, then tells the
 /// helper how it ended. A helper that goes first hangs the shell up.
-async fn relay(stream: tokio::net::UnixStream, mut child: tokio::process::Child, shutdown: CancellationToken) {
+async fn relay(
+    stream: tokio::net::UnixStream,
+    mut child: tokio::process::Child,
+    shutdown: CancellationToken,
+) {
     use tokio::io::AsyncBufReadExt;
     let (read, mut write) = stream.into_split();
     // Lines are a few bytes: a longer one is no helper's.
@@ -447,9 +458,7 @@ fn umask_of(pid: i32) -> Option<u32> {
 }
 
 /// Reads one request line, with the descriptors sent along with it.
-async fn read_request(
-    stream: &tokio::net::UnixStream,
-) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+async fn read_request(stream: &tokio::net::UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
     let mut line = Vec::new();
     let mut fds = Vec::new();
@@ -571,7 +580,9 @@ pub enum EnterSlotError {
     },
     #[error("the slotpool agent refused: {0}")]
     Refused(String),
-    #[error("the slotpool agent stopped answering; the login goes on in its slot without this session")]
+    #[error(
+        "the slotpool agent stopped answering; the login goes on in its slot without this session"
+    )]
     AgentGone,
 }
 
@@ -601,7 +612,13 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> Result<LoginEnd, E
     let request = LoginRequest {
         command,
         env: std::env::vars_os()
-            .filter_map(|(k, v)| Some(format!("{}={}", k.into_string().ok()?, v.into_string().ok()?)))
+            .filter_map(|(k, v)| {
+                Some(format!(
+                    "{}={}",
+                    k.into_string().ok()?,
+                    v.into_string().ok()?
+                ))
+            })
             .collect(),
     };
     let mut line = serde_json::to_vec(&request).expect("serialisable");
@@ -609,7 +626,9 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> Result<LoginEnd, E
     // Signals are blocked from here on and read from a signalfd, to pass on.
     let signals = block_relayed_signals().map_err(agent)?;
     let stream = UnixStream::connect(&path).map_err(agent)?;
-    stream.set_read_timeout(Some(ENTER_TIMEOUT)).map_err(agent)?;
+    stream
+        .set_read_timeout(Some(ENTER_TIMEOUT))
+        .map_err(agent)?;
     send_request(&stream, &line).map_err(agent)?;
     let mut answers = Answers::new(&stream);
     let first = answers.next().map_err(agent)?;
@@ -645,10 +664,8 @@ pub fn enter_slot(run_dir: &Path, command: Option<String>) -> Result<LoginEnd, E
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(agent(e.into())),
         }
-        let (stream_ready, signal_ready) = (
-            !fds[0].revents().is_empty(),
-            !fds[1].revents().is_empty(),
-        );
+        let (stream_ready, signal_ready) =
+            (!fds[0].revents().is_empty(), !fds[1].revents().is_empty());
         if signal_ready {
             if let Some(signal) = read_signal(&signals) {
                 let _ = (&stream).write_all(format!("{SIGNAL} {signal}\n").as_bytes());
@@ -718,7 +735,12 @@ fn send_request(stream: &UnixStream, line: &[u8]) -> std::io::Result<()> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     control.push(SendAncillaryMessage::ScmRights(&stdio));
-    let sent = sendmsg(stream, &[std::io::IoSlice::new(line)], &mut control, SendFlags::NOSIGNAL)?;
+    let sent = sendmsg(
+        stream,
+        &[std::io::IoSlice::new(line)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
     // The descriptors went with the first bytes; the rest of a long line follows.
     (&*stream).write_all(&line[sent..])
 }
@@ -807,10 +829,7 @@ mod tests {
 
     #[test]
     fn a_login_request_is_checked_before_anything_starts() {
-        let ok = LoginRequest::parse(
-            br#"{"command":"id","env":["A=b c","PATH=/bin"]}"#,
-        )
-        .unwrap();
+        let ok = LoginRequest::parse(br#"{"command":"id","env":["A=b c","PATH=/bin"]}"#).unwrap();
         assert_eq!(ok.command.as_deref(), Some("id"));
         assert_eq!(ok.env, ["A=b c", "PATH=/bin"]);
         assert_eq!(LoginRequest::parse(b"{}").unwrap(), LoginRequest::default());
@@ -820,7 +839,10 @@ mod tests {
             (br#"{"env":["A=\u0000"]}"#, "not a NAME=value"),
             (br#"{"command":"a\u0000b"}"#, "NUL"),
             (br#"{"shell":"/bin/evil"}"#, "unknown field"),
-            (br#"{"limits":[{"resource":7,"soft":1,"hard":1}]}"#, "unknown field"),
+            (
+                br#"{"limits":[{"resource":7,"soft":1,"hard":1}]}"#,
+                "unknown field",
+            ),
             (b"not json", "a bad login request"),
         ] {
             let err = LoginRequest::parse(bad).unwrap_err();

@@ -208,9 +208,9 @@ impl SlotNetworks {
         // Whatever is left of one (an older agent's, or half made): gone first.
         let problems = self.remove(slot);
         if !problems.is_empty() {
-            return Err(fail(format!("removing what is left of slot {slot}'s namespace"))(
-                problems.join("; "),
-            ));
+            return Err(fail(format!(
+                "removing what is left of slot {slot}'s namespace"
+            ))(problems.join("; ")));
         }
         let result = self.try_create(&names, clock);
         if result.is_err() {
@@ -230,7 +230,9 @@ impl SlotNetworks {
         let ours = rustix::fs::fstat(&net).is_ok_and(|st| Some(st.st_ino) != host);
         ours && fs::symlink_metadata(&n.user_ns).is_err()
             && veth_exists(&n.veth)
-            && Rtnl::open_in(net.as_fd()).and_then(|mut inside| inside.index(SLOT_LINK)).is_ok()
+            && Rtnl::open_in(net.as_fd())
+                .and_then(|mut inside| inside.index(SLOT_LINK))
+                .is_ok()
     }
 
     fn try_create(&self, n: &SlotNetNames, clock: &mut StepClock) -> Result<(), NetnsError> {

@@ -5,8 +5,9 @@
 //! instruction of the slot's program, so nothing of that program ever runs outside the
 //! slot:
 //!
-//! 1. starts a session of its own, and takes its terminal when its input is one (a
-//!    login with a pty: the terminal's hang-up and job control then reach the shell);
+//! 1. gives every signal its default action, starts a session of its own, and takes
+//!    its terminal when its input is one (a login with a pty: the terminal's hang-up and
+//!    job control then reach the shell);
 //! 2. sets the resource limits it is given (a login's: those sshd gave its helper; an
 //!    agent without `CAP_SYS_RESOURCE` gives no hard limit above its own);
 //! 3. joins the slot's cgroup, writing `0` to each `cgroup.procs` it was handed open;
@@ -148,6 +149,15 @@ unsafe fn enter(
 ) -> std::io::Result<()> {
     // SAFETY: plain system calls on values of this frame.
     unsafe {
+        // Every signal as a login's shell gets it from sshd: its default action (an agent
+        // may ignore some, and an ignored signal stays ignored across exec).
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        for signal in 1..libc::SIGRTMAX() {
+            if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+                libc::sigaction(signal, &default, std::ptr::null_mut());
+            }
+        }
         check(libc::setsid() as libc::c_long)?;
         if libc::isatty(0) == 1 {
             // Steal it from the helper's session: the caller is root here.
@@ -222,7 +232,11 @@ mod tests {
                 .is_some_and(|c| c & (1 << 24) != 0)
         });
         // Above this process's own hard limit where it may raise one; else at it.
-        let raised = if can_raise { nofile.hard + 1000 } else { nofile.hard };
+        let raised = if can_raise {
+            nofile.hard + 1000
+        } else {
+            nofile.hard
+        };
         let entry = SlotEntry {
             slot: 0,
             user: "nobody".into(),
@@ -253,7 +267,11 @@ mod tests {
         let out = command.output().await.unwrap();
         let out = String::from_utf8_lossy(&out.stdout).into_owned();
         let lines: Vec<&str> = out.lines().map(str::trim).collect();
-        assert_eq!(lines[..5], ["900", &raised.to_string(), "0027", "65534", "65534"], "{out}");
+        assert_eq!(
+            lines[..5],
+            ["900", &raised.to_string(), "0027", "65534", "65534"],
+            "{out}"
+        );
         assert_eq!(lines[5], lines[6], "not a session leader: {out}");
     }
 }
