@@ -236,15 +236,13 @@ impl SlotNetworks {
     }
 
     fn try_create(&self, n: &SlotNetNames, clock: &mut StepClock) -> Result<(), NetnsError> {
-        for file in [&n.net_ns] {
-            fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .open(file)
-                .map_err(|e| fail(format!("creating {}", file.display()))(e.to_string()))?;
-        }
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&n.net_ns)
+            .map_err(|e| fail(format!("creating {}", n.net_ns.display()))(e.to_string()))?;
         // The holder, still root, makes the namespace: a child of the agent that runs no
         // other program.
         let mut steps = || -> std::io::Result<()> {
@@ -262,17 +260,14 @@ impl SlotNetworks {
     }
 
     fn set_up(&self, n: &SlotNetNames, pid: u32, clock: &mut StepClock) -> Result<(), NetnsError> {
-        let proc = PathBuf::from(format!("/proc/{pid}"));
-        for (kind, file) in [("net", &n.net_ns)] {
-            let source = proc.join("ns").join(kind);
-            rustix::mount::mount_bind(&source, file).map_err(|e| {
-                fail(format!(
-                    "bind-mounting {} on {}",
-                    source.display(),
-                    file.display()
-                ))(e.to_string())
-            })?;
-        }
+        let source = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        rustix::mount::mount_bind(&source, &n.net_ns).map_err(|e| {
+            fail(format!(
+                "bind-mounting {} on {}",
+                source.display(),
+                n.net_ns.display()
+            ))(e.to_string())
+        })?;
         clock.lap("netns_mounts");
         // A veth still under the slot's name (one a removal could not delete) goes
         // first. The kernel may take it meanwhile: its name is free before its entry in

@@ -51,17 +51,17 @@ pub struct Rlimit {
 
 /// The resources a login's limits are carried for (what `pam_limits` sets).
 pub const CARRIED_LIMITS: [u32; 11] = [
-    libc::RLIMIT_AS as u32,
-    libc::RLIMIT_CORE as u32,
-    libc::RLIMIT_CPU as u32,
-    libc::RLIMIT_DATA as u32,
-    libc::RLIMIT_FSIZE as u32,
-    libc::RLIMIT_MEMLOCK as u32,
-    libc::RLIMIT_NOFILE as u32,
-    libc::RLIMIT_NPROC as u32,
-    libc::RLIMIT_STACK as u32,
-    libc::RLIMIT_MSGQUEUE as u32,
-    libc::RLIMIT_SIGPENDING as u32,
+    libc::RLIMIT_AS,
+    libc::RLIMIT_CORE,
+    libc::RLIMIT_CPU,
+    libc::RLIMIT_DATA,
+    libc::RLIMIT_FSIZE,
+    libc::RLIMIT_MEMLOCK,
+    libc::RLIMIT_NOFILE,
+    libc::RLIMIT_NPROC,
+    libc::RLIMIT_STACK,
+    libc::RLIMIT_MSGQUEUE,
+    libc::RLIMIT_SIGPENDING,
 ];
 
 /// The limits of [`CARRIED_LIMITS`] of process `pid`, as the kernel says them.
@@ -222,7 +222,7 @@ mod tests {
         let own = limits_of(std::process::id() as i32);
         let nofile = own
             .iter()
-            .find(|l| l.resource == libc::RLIMIT_NOFILE as u32)
+            .find(|l| l.resource == libc::RLIMIT_NOFILE)
             .expect("this process's descriptor limit");
         // Whether this process has CAP_SYS_RESOURCE (24), which raising a hard limit takes.
         let can_raise = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
@@ -257,7 +257,7 @@ mod tests {
             Settings {
                 cwd: "/".into(),
                 limits: vec![Rlimit {
-                    resource: libc::RLIMIT_NOFILE as u32,
+                    resource: libc::RLIMIT_NOFILE,
                     soft: 900,
                     hard: raised,
                 }],
