@@ -100,6 +100,9 @@ pub struct SlotNetworks {
     _claim: Option<std::sync::Arc<crate::isolation::netns_blocks::BlockClaim>>,
     /// TCP ports the slots may not reach (the bus); empty with the bus guard off.
     bus_ports: Vec<u16>,
+    /// The namespace (its inode) each slot's file named when this agent last made or
+    /// checked it, so that a warm-up finding it kept checks no more than that.
+    checked: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<u32, u64>>>,
 }
 
 impl SlotNetworks {
@@ -136,6 +139,7 @@ impl SlotNetworks {
             block: claim.block,
             _claim: Some(std::sync::Arc::new(claim)),
             bus_ports,
+            checked: Default::default(),
         };
         let slots: Vec<SlotNetNames> = (0..slots).filter_map(|s| networks.names(s)).collect();
         let script = agent_table_script(
@@ -201,7 +205,7 @@ impl SlotNetworks {
     /// [`SlotNetworks::create`], each step noted on `clock`.
     pub fn create_timed(&self, slot: u32, clock: &mut StepClock) -> Result<(), NetnsError> {
         let names = self.names_or_err(slot)?;
-        if self.kept(&names) {
+        if self.kept(slot, &names) {
             clock.lap("netns_kept");
             return Ok(());
         }
@@ -213,26 +217,49 @@ impl SlotNetworks {
             ))(problems.join("; ")));
         }
         let result = self.try_create(&names, clock);
-        if result.is_err() {
-            let _ = self.remove(slot);
+        match &result {
+            Ok(()) => {
+                if let Ok(st) = rustix::fs::stat(&names.net_ns) {
+                    self.checked().insert(slot, st.st_ino);
+                }
+            }
+            Err(_) => {
+                let _ = self.remove(slot);
+            }
         }
         result
     }
 
     /// Whether the slot has its namespace, as this agent makes it (not the host's, no
-    /// user namespace beside it, the slot's end of the veth in it), and its veth.
-    fn kept(&self, n: &SlotNetNames) -> bool {
+    /// user namespace beside it, the slot's end of the veth in it), and its veth. The
+    /// namespace this agent made or checked last is known by its inode.
+    fn kept(&self, slot: u32, n: &SlotNetNames) -> bool {
         use std::os::unix::fs::MetadataExt;
-        let host = fs::metadata("/proc/self/ns/net").map(|m| m.ino()).ok();
         let Ok(net) = open_ns(&n.net_ns) else {
             return false;
         };
-        let ours = rustix::fs::fstat(&net).is_ok_and(|st| Some(st.st_ino) != host);
-        ours && fs::symlink_metadata(&n.user_ns).is_err()
-            && veth_exists(&n.veth)
+        let Ok(inode) = rustix::fs::fstat(&net).map(|st| st.st_ino) else {
+            return false;
+        };
+        if !veth_exists(&n.veth) || fs::symlink_metadata(&n.user_ns).is_ok() {
+            return false;
+        }
+        if self.checked().get(&slot) == Some(&inode) {
+            return true;
+        }
+        let host = fs::metadata("/proc/self/ns/net").map(|m| m.ino()).ok();
+        let ours = Some(inode) != host
             && Rtnl::open_in(net.as_fd())
                 .and_then(|mut inside| inside.index(SLOT_LINK))
-                .is_ok()
+                .is_ok();
+        if ours {
+            self.checked().insert(slot, inode);
+        }
+        ours
+    }
+
+    fn checked(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u32, u64>> {
+        self.checked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn try_create(&self, n: &SlotNetNames, clock: &mut StepClock) -> Result<(), NetnsError> {
@@ -311,6 +338,7 @@ impl SlotNetworks {
 
     /// Removes everything of the slot's namespace that is there; returns what failed.
     pub fn remove(&self, slot: u32) -> Vec<String> {
+        self.checked().remove(&slot);
         let Some(n) = self.names(slot) else {
             return Vec::new();
         };
@@ -932,6 +960,7 @@ mod tests {
             block: AddressRange::parse("10.9.0.0/24").unwrap(),
             _claim: None,
             bus_ports: vec![4222, 7422],
+            checked: Default::default(),
         };
         let n = nets.names(1).unwrap();
         assert_eq!(nets.table(), "slotpool_spab12cd34_slotnet");
