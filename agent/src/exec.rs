@@ -188,7 +188,11 @@ impl Runner {
             None => Ok(None),
             Some(name) => passwd::lookup(&name)
                 .ok_or_else(|| format!("slot user {name} does not exist"))
-                .and_then(|user| isolation.slot_entry(user.uid).map_err(|e| e.to_string()))
+                .and_then(|user| {
+                    isolation
+                        .slot_entry(user.uid, None)
+                        .map_err(|e| e.to_string())
+                })
                 .and_then(|entry| {
                     entry
                         .map(Some)

@@ -1883,6 +1883,31 @@ fn a_slots_network_is_what_ip_shows_for_it() {
     assert_eq!(nets.remove(0), Vec::<String>::new());
 }
 
+/// A release that cannot take a slot's namespaces away leaves the slot dirty, with the
+/// reason. (The test stacks a second mount on the slot's `.mnt` file: the agent's
+/// unmount takes the top one, and the slot's mount namespace is still bound beneath.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_whose_namespaces_cannot_be_released_is_left_dirty() {
+    let env = IsolationEnv::new();
+    let (_sshd, key, agent) = login_env(&env, 1).await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let mnt = env
+        .run_dir
+        .path()
+        .join("mntns")
+        .join(namespace(&env, &user))
+        .join("0.mnt");
+    rustix::mount::mount_bind("/proc/self/ns/net", &mnt).expect("stacking a mount");
+    let err = agent.release(0, "node-a").await.unwrap_err().to_string();
+    let dirty = agent.dirty(0).unwrap_or_default();
+    eprintln!("release: {err}\ndirty marker: {dirty}");
+    assert!(
+        dirty.contains(&format!("namespace mount {}", mnt.display())),
+        "{err}\n{dirty}"
+    );
+    let _ = rustix::mount::unmount(&mnt, rustix::mount::UnmountFlags::DETACH);
+}
+
 /// A slot whose namespace file no longer names the namespace the agent made for it (here
 /// the host's is stacked on it) is not kept: the next tenancy gets a namespace made
 /// anew, and no login lands in the host's.
@@ -2190,6 +2215,13 @@ async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
     };
     let state = agent.work_dir().join("state/0.json");
     let state_inode = std::fs::metadata(&state).unwrap().ino();
+    let cgroup_dirs = env.cgroups().paths(&user);
+    let cgroup_inodes = |dirs: &[PathBuf]| -> Vec<u64> {
+        dirs.iter()
+            .map(|d| std::fs::metadata(d).expect("the slot's cgroup").ino())
+            .collect()
+    };
+    let first_cgroups = cgroup_inodes(&cgroup_dirs);
     // Held open, the first tenancy's namespaces keep their numbers: the kernel reuses a
     // freed namespace's number at once.
     let held: Vec<std::fs::File> = files
@@ -2215,6 +2247,17 @@ async fn a_release_keeps_the_slots_files_for_the_next_tenancy() {
         "new namespaces: {first:?} then {second:?}"
     );
     drop(held);
+    // The cgroup is kept, empty, and is the next user's.
+    assert_eq!(cgroup_inodes(&cgroup_dirs), first_cgroups, "a new cgroup");
+    let gid = passwd::lookup(&user).unwrap().gid;
+    for dir in &cgroup_dirs {
+        assert_eq!(
+            std::fs::metadata(dir).unwrap().gid(),
+            gid,
+            "{}",
+            dir.display()
+        );
+    }
     agent.release(0, "node-b").await.unwrap();
     assert_eq!(inodes(&files), kept, "the same files are kept");
     assert_eq!(

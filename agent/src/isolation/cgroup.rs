@@ -226,6 +226,11 @@ pub trait CgroupDriver: Send + Sync + 'static {
     }
     /// Removes the group (fine when it does not exist).
     fn remove(&self, name: &str) -> Result<(), IsolationError>;
+    /// Empties the group the last tenancy left, for the next to find it as a new one
+    /// would be: no process (the caller killed them) and nothing charged to it (the page
+    /// cache its processes read in, reclaimed); fine when it does not exist. Making and
+    /// removing a group in every hierarchy cost more than a tenth of a users-mode cycle.
+    fn empty(&self, name: &str) -> Result<(), IsolationError>;
     /// Every group directory of this parent, for logs and clean-up checks.
     fn paths(&self, name: &str) -> Vec<PathBuf>;
 }
@@ -303,6 +308,47 @@ pub fn close_slot_dir(dir: &Path, gid: u32) -> Result<(), IsolationError> {
             .map_err(IsolationError::new("closing", dir))?;
     }
     Ok(())
+}
+
+/// The `cgroup.procs` files of the groups process `pid` is in, in every hierarchy but the
+/// ones the slot's groups `slot_dirs` are in: where a process started for that process
+/// (a login's shell, for its helper) goes besides its slot's groups, so that it stays
+/// with the helper's service or session (on a v1 host, systemd's own hierarchy; other
+/// v1 controllers) rather than the agent's. Empty when it cannot be read.
+pub fn procs_beside(pid: i32, slot_dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let (Ok(groups), Ok(mounts)) = (
+        fs::read_to_string(format!("/proc/{pid}/cgroup")),
+        fs::read_to_string("/proc/self/mountinfo"),
+    ) else {
+        return Vec::new();
+    };
+    groups_beside(&groups, &parse_mountinfo(&mounts), slot_dirs)
+}
+
+/// [`procs_beside`] from a `/proc/<pid>/cgroup` text and the mounts.
+fn groups_beside(groups: &str, mounts: &[MountEntry], slot_dirs: &[PathBuf]) -> Vec<PathBuf> {
+    groups
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let mount = mounts.iter().find(|m| {
+                if controllers.is_empty() {
+                    m.fs_type == "cgroup2"
+                } else {
+                    m.fs_type == "cgroup"
+                        && controllers
+                            .split(',')
+                            .all(|c| m.super_options.iter().any(|o| o == c))
+                }
+            })?;
+            if slot_dirs.iter().any(|d| d.starts_with(&mount.mount_point)) {
+                return None;
+            }
+            let relative = path.trim_start_matches('/');
+            Some(mount.mount_point.join(relative).join("cgroup.procs"))
+        })
+        .collect()
 }
 
 /// Removes a group directory, retrying while the kernel still counts exiting processes.
@@ -528,6 +574,27 @@ impl CgroupDriver for CgroupV2 {
         remove_dir(&self.dir(name))
     }
 
+    fn empty(&self, name: &str) -> Result<(), IsolationError> {
+        let dir = self.dir(name);
+        let current = fs::read_to_string(dir.join("memory.current"));
+        match current.map(|c| c.trim().parse::<u64>()) {
+            Ok(Ok(0)) => Ok(()),
+            // What cannot be reclaimed (EAGAIN) stays charged, as it would to the parent.
+            Ok(Ok(bytes)) => match fs::write(dir.join("memory.reclaim"), bytes.to_string()) {
+                Err(e) if e.raw_os_error() != Some(libc::EAGAIN) => Err(IsolationError::new(
+                    "writing",
+                    &dir.join("memory.reclaim"),
+                )(e)),
+                _ => Ok(()),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(IsolationError::new("reading", &dir.join("memory.current"))(
+                e,
+            )),
+            Ok(Err(_)) => Ok(()),
+        }
+    }
+
     fn paths(&self, name: &str) -> Vec<PathBuf> {
         vec![self.dir(name)]
     }
@@ -654,6 +721,22 @@ impl CgroupDriver for CgroupV1 {
         Ok(())
     }
 
+    fn empty(&self, name: &str) -> Result<(), IsolationError> {
+        let Some(dir) = self.dir("memory", name) else {
+            return Ok(());
+        };
+        let usage = fs::read_to_string(dir.join("memory.usage_in_bytes"));
+        match usage.map(|u| u.trim().parse::<u64>()) {
+            Ok(Ok(0)) | Ok(Err(_)) => Ok(()),
+            Ok(Ok(_)) => write_control(&dir.join("memory.force_empty"), "0"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(IsolationError::new(
+                "reading",
+                &dir.join("memory.usage_in_bytes"),
+            )(e)),
+        }
+    }
+
     fn paths(&self, name: &str) -> Vec<PathBuf> {
         self.dirs(name)
     }
@@ -672,6 +755,45 @@ mod tests {
 39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 ";
+
+    #[test]
+    fn a_login_joins_its_helpers_groups_where_its_slot_has_none() {
+        let mounts = parse_mountinfo(
+            "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n\
+             35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n\
+             36 31 0:33 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices\n\
+             40 31 0:37 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,xattr,name=systemd\n\
+             41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
+        );
+        let helper = "12:name=systemd:/system.slice/ssh.service\n\
+                      5:devices:/system.slice/ssh.service\n\
+                      4:memory:/system.slice/ssh.service\n\
+                      3:cpu,cpuacct:/system.slice/ssh.service\n\
+                      0::/system.slice/ssh.service\n";
+        let slot = [
+            PathBuf::from("/sys/fs/cgroup/cpu,cpuacct/slotpool/u"),
+            PathBuf::from("/sys/fs/cgroup/memory/slotpool/u"),
+        ];
+        assert_eq!(
+            groups_beside(helper, &mounts, &slot),
+            [
+                "/sys/fs/cgroup/systemd/system.slice/ssh.service/cgroup.procs",
+                "/sys/fs/cgroup/devices/system.slice/ssh.service/cgroup.procs",
+                "/sys/fs/cgroup/unified/system.slice/ssh.service/cgroup.procs",
+            ]
+            .map(PathBuf::from)
+        );
+        // A v2 host: the slot's group is in the one hierarchy there is.
+        let v2 = parse_mountinfo("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+        assert_eq!(
+            groups_beside(
+                "0::/system.slice/ssh.service\n",
+                &v2,
+                &[PathBuf::from("/sys/fs/cgroup/slotpool/u")]
+            ),
+            Vec::<PathBuf>::new()
+        );
+    }
 
     #[test]
     fn hybrid_without_delegated_controllers_falls_back_to_v1() {

@@ -312,7 +312,7 @@ impl Login {
                 if isolation.place(uid, pid)?.is_none() {
                     return Ok(None);
                 }
-                isolation.slot_entry(uid)
+                isolation.slot_entry(uid, Some(pid))
             }
         })
         .await

@@ -245,8 +245,14 @@ pub trait SlotIsolation: Send + Sync + 'static {
     }
 
     /// What a process of user `uid` needs to start inside its slot
-    /// ([`start::SlotEntry`]); `None` when `uid` is no prepared slot's user.
-    fn slot_entry(&self, _uid: u32) -> Result<Option<start::SlotEntry>, IsolationError> {
+    /// ([`start::SlotEntry`]); `None` when `uid` is no prepared slot's user. With
+    /// `beside`, the process also joins that process's groups in the hierarchies its
+    /// slot has none in ([`cgroup::procs_beside`]).
+    fn slot_entry(
+        &self,
+        _uid: u32,
+        _beside: Option<i32>,
+    ) -> Result<Option<start::SlotEntry>, IsolationError> {
         Ok(None)
     }
 

@@ -10,7 +10,10 @@
 //!    job control then reach the shell);
 //! 2. sets the resource limits it is given (a login's: those sshd gave its helper; an
 //!    agent without `CAP_SYS_RESOURCE` gives no hard limit above its own);
-//! 3. joins the slot's cgroup, writing `0` to each `cgroup.procs` it was handed open;
+//! 3. joins the slot's cgroup, writing `0` to each `cgroup.procs` it was handed open
+//!    (first, where the kernel lets it, its helper's groups in the hierarchies the slot
+//!    has none in: on a v1 host a login stays in its sshd's service or session there,
+//!    not in the agent's);
 //! 4. sets the user's group as its only group, joins the slot's namespaces in their
 //!    order (network, mount, IPC), becomes the slot's uid and gid (real, effective,
 //!    saved), goes to its working directory in the slot's mount namespace (`/` when that
@@ -35,6 +38,9 @@ pub struct SlotEntry {
     pub gid: u32,
     pub home: PathBuf,
     pub shell: PathBuf,
+    /// `cgroup.procs` of groups to join first where the kernel lets it (see
+    /// [`crate::isolation::cgroup::procs_beside`]), open for writing.
+    pub beside_procs: Vec<OwnedFd>,
     /// `cgroup.procs` of each of the slot's cgroup directories, open for writing.
     pub cgroup_procs: Vec<OwnedFd>,
     /// The slot's namespaces, in the order to join them.
@@ -109,6 +115,7 @@ impl SlotEntry {
         let SlotEntry {
             uid,
             gid,
+            beside_procs,
             cgroup_procs,
             namespaces,
             ..
@@ -117,6 +124,9 @@ impl SlotEntry {
         // only async-signal-safe system calls on values moved into it.
         unsafe {
             command.pre_exec(move || {
+                for procs in &beside_procs {
+                    libc::write(procs.as_raw_fd(), b"0".as_ptr().cast(), 1);
+                }
                 enter(uid, gid, &cgroup_procs, &namespaces, &cwd, &limits, umask)
             });
         }
@@ -244,6 +254,7 @@ mod tests {
             gid: 65534,
             home: "/".into(),
             shell: "/bin/sh".into(),
+            beside_procs: Vec::new(),
             cgroup_procs: Vec::new(),
             namespaces: Vec::new(),
         };

@@ -29,8 +29,9 @@
 //! **Placement.** Every process of a slot must end up in the slot's cgroup:
 //! - SSH logins go through `slotpool-agent enter-slot` (sshd `ForceCommand`; see
 //!   [`crate::isolation::enter`]): the helper, running as the slot user, asks the agent over a Unix
-//!   socket to move it into the cgroup (the agent trusts only `SO_PEERCRED`), then execs
-//!   the user's shell or command, so everything the login starts inherits the cgroup.
+//!   socket (the agent trusts only `SO_PEERCRED`), which moves it into the cgroup and
+//!   starts the user's shell or command inside the slot ([`crate::isolation::start`]), so
+//!   everything the login starts is in the cgroup from its first instruction.
 //! - A sweep ([`SlotIsolation::sweep`], every [`crate::PLACEMENT_SWEEP_INTERVAL`]) moves
 //!   any process owned by a slot user that is not in its cgroup (the sshd session process
 //!   itself, logins that bypassed the helper) as a backstop.
@@ -39,11 +40,12 @@
 //! `--slot-term-grace-ms` to exit (returning as soon as the group is empty), then kills
 //! by cgroup (freeze, SIGKILL all, thaw, until empty) *and* by uid
 //! (`kill(-1)` as the user, until no process has the uid), so neither a process that left
-//! the cgroup nor one that double-forked or called setsid survives. Then it removes the
-//! cgroup, the workspace (with the key; see [`crate::isolation::wipe`]), what the uid owns in the
+//! the cgroup nor one that double-forked or called setsid survives. Then it empties the
+//! cgroup (kept for the next tenancy, [`CgroupDriver::empty`]), removes the workspace
+//! (with the key; see [`crate::isolation::wipe`]), what the uid owns in the
 //! host's shared directories ([`crate::isolation::shared_dirs`]), its System V IPC objects, the
 //! user's crontab, at jobs and mail, and **verifies** the slot is clean (no process or IPC
-//! object of the uid, no cgroup, no workspace, no crontab; the shared directories were
+//! object of the uid, no process in the cgroup, no workspace, no crontab; the shared directories were
 //! listed once no process of the uid was left, and any entry their removal could not
 //! take is a problem) before reporting success. It keeps the user for the warm-up to renumber; a slot that
 //! is not clean loses its user, and so does a slot removed for good
@@ -559,7 +561,12 @@ impl UserIsolation {
         clock.lap("kill_uid");
         // From here on no process of the slot exists: nothing can be re-created.
         self.users().remove(&slot);
-        self.cgroups.remove(&user)?;
+        // A release keeps the slot's cgroup, emptied, for the next tenancy (its warm-up
+        // gives it the next user's group and default limits).
+        match keep {
+            KeepUser::IfClean => self.cgroups.empty(&user)?,
+            KeepUser::No => self.cgroups.remove(&user)?,
+        }
         clock.lap("cgroup_remove");
         let ws = self.workspace(slot);
         // Whatever cannot be removed is a reason for the slot to be dirty; the user is
@@ -691,7 +698,8 @@ impl UserIsolation {
     /// when it is clean. The uid's entries in the shared directories are not looked for
     /// again: their removal listed them after the uid's last process was gone, and
     /// reported every one it could not remove.
-    /// `files_kept`: the slot's namespace files were only unmounted, not removed.
+    /// `files_kept`: the slot's namespace files were only unmounted and its cgroup
+    /// emptied, not removed.
     fn leftovers(
         &self,
         slot: u32,
@@ -711,9 +719,17 @@ impl UserIsolation {
                 left.push(format!("System V IPC objects {ipc:?} of uid {uid}"));
             }
         }
-        for path in self.cgroups.paths(&user) {
-            if path.exists() {
-                left.push(format!("cgroup {}", path.display()));
+        if files_kept {
+            match self.cgroups.procs(&user) {
+                Ok(procs) if procs.is_empty() => {}
+                Ok(procs) => left.push(format!("processes {procs:?} in cgroup of {user}")),
+                Err(err) => left.push(err.to_string()),
+            }
+        } else {
+            for path in self.cgroups.paths(&user) {
+                if path.exists() {
+                    left.push(format!("cgroup {}", path.display()));
+                }
             }
         }
         let ws = self.workspace(slot);
@@ -951,7 +967,11 @@ impl SlotIsolation for UserIsolation {
         Ok(Some(slot))
     }
 
-    fn slot_entry(&self, uid: u32) -> Result<Option<SlotEntry>, IsolationError> {
+    fn slot_entry(
+        &self,
+        uid: u32,
+        beside: Option<i32>,
+    ) -> Result<Option<SlotEntry>, IsolationError> {
         let Some((slot, user)) = self
             .users()
             .iter()
@@ -960,9 +980,17 @@ impl SlotIsolation for UserIsolation {
         else {
             return Ok(None);
         };
+        let slot_dirs = self.cgroups.paths(&user.user);
+        let open = |file: &Path| fs::OpenOptions::new().write(true).open(file);
+        // Best effort: a group the agent may not write to keeps no login out.
+        let beside_procs = beside
+            .map(|pid| crate::isolation::cgroup::procs_beside(pid, &slot_dirs))
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|file| open(file).ok().map(OwnedFd::from))
+            .collect();
         let mut cgroup_procs = Vec::new();
-        for dir in self.cgroups.paths(&user.user) {
-            let file = dir.join("cgroup.procs");
+        for file in slot_dirs.iter().map(|d| d.join("cgroup.procs")) {
             let opened = fs::OpenOptions::new()
                 .write(true)
                 .open(&file)
@@ -979,6 +1007,7 @@ impl SlotIsolation for UserIsolation {
             gid: user.gid,
             home: self.workspace(slot),
             shell,
+            beside_procs,
             cgroup_procs,
             namespaces: self.login_namespaces(slot)?,
             user: user.user,
