@@ -113,6 +113,38 @@ pub fn lookup(name: &str) -> Option<UserInfo> {
     }
 }
 
+/// Looks a slot user up by name in `<etc>/passwd` itself; `None` when it has no line
+/// there. Slot users live in that file, which the agent writes ([`add`], [`renumber`]):
+/// reading it skips the name service's other modules, which look in several places per
+/// call (nss-systemd walks its user record directories), five times per users-mode
+/// cycle.
+pub fn lookup_in(etc: &Path, name: &str) -> Option<UserInfo> {
+    let text = std::fs::read_to_string(etc.join("passwd")).ok()?;
+    parse_passwd_line(&text, name)
+}
+
+/// The entry of user `name` in passwd-file `text`.
+fn parse_passwd_line(text: &str, name: &str) -> Option<UserInfo> {
+    text.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        if fields.next()? != name {
+            return None;
+        }
+        let _password = fields.next()?;
+        let uid = fields.next()?.parse().ok()?;
+        let gid = fields.next()?.parse().ok()?;
+        let _comment = fields.next()?;
+        let home = PathBuf::from(fields.next()?);
+        let shell = PathBuf::from(fields.next()?);
+        Some(UserInfo {
+            uid,
+            gid,
+            home,
+            shell,
+        })
+    })
+}
+
 /// The user name of `uid` (`getpwuid_r`).
 pub fn name_of(uid: u32) -> Option<String> {
     let mut buf = vec![0u8; 16 * 1024];
@@ -630,6 +662,27 @@ fn names_with_prefix(file: &Path, prefix: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_user_is_read_from_its_own_line() {
+        let text = "root:x:0:0:root:/root:/bin/bash\n\
+                    sp1a2b3c4ds10:*:2000042:2000042:slot 10, of bn:/w/slots/10:/bin/bash\n\
+                    sp1a2b3c4ds1:*:2000007:2000008::/w/slots/1:/bin/sh\n";
+        let one = parse_passwd_line(text, "sp1a2b3c4ds1").unwrap();
+        assert_eq!((one.uid, one.gid), (2000007, 2000008));
+        assert_eq!(one.home, PathBuf::from("/w/slots/1"));
+        assert_eq!(one.shell, PathBuf::from("/bin/sh"));
+        assert_eq!(
+            parse_passwd_line(text, "sp1a2b3c4ds10").unwrap().uid,
+            2000042
+        );
+        assert!(parse_passwd_line(text, "sp1a2b3c4ds").is_none());
+        assert!(parse_passwd_line("sp:x:notanumber:1::/h:/s\n", "sp").is_none());
+        // As getpwnam reads it, for this host's own users.
+        let root = lookup("root").unwrap();
+        let from_file = lookup_in(Path::new("/etc"), "root").unwrap();
+        assert_eq!((from_file.uid, from_file.home), (root.uid, root.home));
+    }
 
     /// An `etc` with these `passwd` and `group` files.
     fn etc_with(passwd: &str, group: &str) -> tempfile::TempDir {

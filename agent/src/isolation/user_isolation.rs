@@ -411,7 +411,7 @@ impl UserIsolation {
         slot: u32,
         clock: &mut StepClock,
     ) -> Result<UserInfo, IsolationError> {
-        if let Some(kept) = passwd::lookup(user) {
+        if let Some(kept) = passwd::lookup_in(&self.etc, user) {
             let mut attempts = 0;
             loop {
                 let uid = self.next_uid(user)?;
@@ -419,7 +419,7 @@ impl UserIsolation {
                 let renumbered = passwd::renumber(&self.etc, user, uid);
                 clock.lap("renumber");
                 match renumbered {
-                    Ok(()) => match passwd::lookup(user) {
+                    Ok(()) => match passwd::lookup_in(&self.etc, user) {
                         Some(info) if info.uid == uid && info.home == dir => return Ok(info),
                         found => tracing::warn!(
                             user,
@@ -549,7 +549,7 @@ impl UserIsolation {
         clock: &mut StepClock,
     ) -> Result<(), IsolationError> {
         let user = self.user(slot);
-        let info = passwd::lookup(&user);
+        let info = passwd::lookup_in(&self.etc, &user);
         clock.lap("lookup");
         self.terminate(&user);
         clock.lap("terminate");
@@ -748,7 +748,7 @@ impl UserIsolation {
         if let Some(mounts) = &self.private_tmp {
             left.extend(mounts.leftovers(slot, files_kept));
         }
-        if !user_kept && passwd::lookup(&user).is_some() {
+        if !user_kept && passwd::lookup_in(&self.etc, &user).is_some() {
             left.push(format!("user {user}"));
         }
         (!left.is_empty()).then(|| left.join(", "))
@@ -793,7 +793,7 @@ impl SlotIsolation for UserIsolation {
         let Some(warm) = self.users().get(&slot).cloned() else {
             return Err(not_warm("the slot is not warm".into()));
         };
-        match passwd::lookup(&warm.user) {
+        match passwd::lookup_in(&self.etc, &warm.user) {
             Some(info) if info.uid == warm.uid => {}
             Some(info) => {
                 return Err(not_warm(format!(
@@ -997,7 +997,7 @@ impl SlotIsolation for UserIsolation {
                 .map_err(IsolationError::new("opening", &file))?;
             cgroup_procs.push(OwnedFd::from(opened));
         }
-        let shell = passwd::lookup(&user.user)
+        let shell = passwd::lookup_in(&self.etc, &user.user)
             .map(|u| u.shell)
             .filter(|s| !s.as_os_str().is_empty())
             .unwrap_or_else(|| PathBuf::from("/bin/sh"));
