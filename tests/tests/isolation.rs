@@ -2409,6 +2409,8 @@ async fn a_login_passes_signals_on_and_ends_as_its_shell_ended() {
     );
     let answer = ask(65534, 65534, "0, 1, 2");
     assert!(answer.contains("not a slot user"), "{answer}");
+    let answer = ask(info.uid, info.gid, "0, 1, 2, 0");
+    assert!(answer.contains("more than 3 descriptors"), "{answer}");
 
     // With a terminal: the shell's own, and the shell in the foreground.
     let out = key

@@ -28,7 +28,9 @@
 //! [`MAX_PLACING`] logins being set up at once (more connections wait in the kernel's
 //! backlog, holding no descriptor of the agent), at most [`MAX_PLACING_PER_UID`] of one
 //! uid (more are refused at once, so one slot cannot make the others' logins wait);
-//! requests of at most [`MAX_REQUEST`] bytes, read within [`ENTER_TIMEOUT`]; at most
+//! requests of at most [`MAX_REQUEST`] bytes and 3 descriptors, read within
+//! [`ENTER_TIMEOUT`]; once a login runs, its helper's lines of at most
+//! [`MAX_SIGNAL_LINE`] bytes (a longer one hangs the login up, as a helper gone does); at most
 //! [`MAX_LOGINS_PER_UID`] logins running per slot user and [`MAX_LOGINS`] in all; a
 //! pause after an accept error, and the line logged per login limited to [`LOG_BURST`]
 //! per slot and [`LOG_EVERY`] (the next one says how many were not logged).
@@ -84,6 +86,8 @@ pub const MAX_LOGINS: usize = 1024;
 pub const MAX_REQUEST: usize = 128 * 1024;
 /// Most variables in a login's environment.
 pub const MAX_ENV: usize = 1024;
+/// Longest line a helper sends once its login runs (`signal <n>`).
+pub const MAX_SIGNAL_LINE: usize = 32;
 /// The signals the helper passes on to the login's shell.
 pub const RELAYED_SIGNALS: [i32; 6] = [
     libc::SIGHUP,
@@ -404,35 +408,41 @@ async fn relay(
     mut child: tokio::process::Child,
     shutdown: CancellationToken,
 ) {
-    use tokio::io::AsyncBufReadExt;
-    let (read, mut write) = stream.into_split();
-    // Lines are a few bytes: a longer one is no helper's.
-    let mut lines = tokio::io::BufReader::new(read.take(u64::MAX)).lines();
+    let (mut read, mut write) = stream.into_split();
+    // What the helper sent of its next line; a line longer than any helper's is no
+    // helper's, and ends the relay as a helper gone does.
+    let mut pending: Vec<u8> = Vec::with_capacity(MAX_SIGNAL_LINE);
+    let mut chunk = [0u8; MAX_SIGNAL_LINE];
     let mut helper_gone = false;
     let status = loop {
         tokio::select! {
             status = child.wait() => break status,
-            line = lines.next_line(), if !helper_gone => {
-                let signal = match line {
-                    Ok(Some(line)) if line.len() <= 32 => {
-                        match line.strip_prefix(SIGNAL).and_then(|n| n.trim().parse::<i32>().ok()) {
-                            Some(n) if RELAYED_SIGNALS.contains(&n) => Some(n),
-                            _ => continue,
+            read = read.read(&mut chunk), if !helper_gone => {
+                let gone = match read {
+                    Ok(0) | Err(_) => true,
+                    Ok(n) => {
+                        pending.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                            let line: Vec<u8> = pending.drain(..=end).collect();
+                            let signal = std::str::from_utf8(&line[..end])
+                                .ok()
+                                .and_then(|l| l.strip_prefix(SIGNAL))
+                                .and_then(|n| n.trim().parse::<i32>().ok())
+                                .filter(|n| RELAYED_SIGNALS.contains(n));
+                            if let (Some(signal), Some(pid)) = (signal, child.id()) {
+                                // SAFETY: kill(2) on our unreaped child.
+                                unsafe { libc::kill(pid as i32, signal) };
+                            }
                         }
-                    }
-                    // Gone, or not a helper: hang the shell up.
-                    _ => {
-                        helper_gone = true;
-                        if let Some(pid) = child.id() {
-                            // SAFETY: kill(2) on the process group of our unreaped child.
-                            unsafe { libc::kill(-(pid as i32), libc::SIGHUP) };
-                        }
-                        None
+                        pending.len() >= MAX_SIGNAL_LINE
                     }
                 };
-                if let (Some(signal), Some(pid)) = (signal, child.id()) {
-                    // SAFETY: kill(2) on our unreaped child.
-                    unsafe { libc::kill(pid as i32, signal) };
+                if gone {
+                    helper_gone = true;
+                    if let Some(pid) = child.id() {
+                        // SAFETY: kill(2) on the process group of our unreaped child.
+                        unsafe { libc::kill(-(pid as i32), libc::SIGHUP) };
+                    }
                 }
             }
             // The agent stops: the login goes on in its slot, without its helper.
@@ -489,6 +499,12 @@ async fn read_request(stream: &tokio::net::UnixStream) -> std::io::Result<(Vec<u
             .await?;
         let (n, received) = got;
         fds.extend(received);
+        if fds.len() > 3 {
+            return Err(std::io::Error::other(format!(
+                "more than 3 descriptors ({})",
+                fds.len()
+            )));
+        }
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
