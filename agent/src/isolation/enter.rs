@@ -63,15 +63,6 @@ const KILLED: &str = "killed";
 /// A signal the helper passes on: `signal <n>`.
 const SIGNAL: &str = "signal";
 
-/// A namespace a login joins.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NsKind {
-    User,
-    Net,
-    Mnt,
-    Ipc,
-}
-
 /// Longest the helper waits for the login to start, and the agent for its request.
 pub const ENTER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Logins being set up at once, all uids together.

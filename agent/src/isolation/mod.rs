@@ -261,7 +261,7 @@ pub trait SlotIsolation: Send + Sync + 'static {
     fn login_namespaces(
         &self,
         _slot: u32,
-    ) -> Result<Vec<(enter::NsKind, std::os::fd::OwnedFd)>, IsolationError> {
+    ) -> Result<Vec<(start::NsKind, std::os::fd::OwnedFd)>, IsolationError> {
         Ok(Vec::new())
     }
 

@@ -23,11 +23,19 @@
 //! A step that fails makes the start fail with the step's error; the process never
 //! runs.
 
-use crate::isolation::enter::NsKind;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+
+/// A namespace a process started in a slot joins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NsKind {
+    User,
+    Net,
+    Mnt,
+    Ipc,
+}
 
 /// What a process needs to enter a slot: who it becomes and what it joins.
 #[derive(Debug)]
