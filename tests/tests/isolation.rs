@@ -1354,15 +1354,28 @@ fn loopback_probe(key: &ClientKey, ssh_port: u16, a: &str, b: &str, port: u16) -
         out.contains("LISTENING") && !out.contains("NOT-"),
         "slot a's listener: {out}{err}"
     );
+    let (out, err) = connect_from(key, ssh_port, b, "127.0.0.1", port);
+    format!("{}{}", out.trim(), err.trim())
+}
+
+/// What `user`'s login prints connecting to `host:port`: `CONNECTED`, or bash's error
+/// and `NOT-CONNECTED` (stdout, stderr).
+fn connect_from(
+    key: &ClientKey,
+    ssh_port: u16,
+    user: &str,
+    host: &str,
+    port: u16,
+) -> (String, String) {
     let (_, out, err) = key.ssh(
         ssh_port,
-        b,
+        user,
         &format!(
-            "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>&1 \
+            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{port}' 2>&1 \
              && echo CONNECTED || echo NOT-CONNECTED"
         ),
     );
-    format!("{}{}", out.trim(), err.trim())
+    (out, err)
 }
 
 /// A port free on the host's loopback now.
@@ -1470,14 +1483,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
     // the bus's port number is not reached.
     let bus_port = agent.nats.port();
     let bus_listener = std::net::TcpListener::bind((host, bus_port)).unwrap();
-    let (_, out, err) = key.ssh(
-        sshd.port,
-        &user_a,
-        &format!(
-            "timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{bus_port}' 2>&1 \
-             && echo CONNECTED || echo NOT-CONNECTED"
-        ),
-    );
+    let (out, err) = connect_from(&key, sshd.port, &user_a, &host.to_string(), bus_port);
     eprintln!("slot to {host}:{bus_port} (the bus port): {out}{err}");
     assert!(out.contains("NOT-CONNECTED"), "{out}{err}");
     assert_eq!(
@@ -1513,14 +1519,7 @@ async fn with_slot_netns_one_slot_cannot_reach_anothers_loopback() {
         "the next tenancy has the uid just freed"
     );
     assert_eq!(login_net(&user_c), net_before, "slot 0 got a new namespace");
-    let (_, out, err) = key.ssh(
-        sshd.port,
-        &user_c,
-        &format!(
-            "timeout 5 bash -c 'exec 3<>/dev/tcp/127.0.0.1/{port}' 2>&1 \
-             && echo CONNECTED || echo NOT-CONNECTED"
-        ),
-    );
+    let (out, err) = connect_from(&key, sshd.port, &user_c, "127.0.0.1", port);
     assert!(
         out.contains("NOT-CONNECTED"),
         "the last tenancy's listener is still there: {out}{err}"
