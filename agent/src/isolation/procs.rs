@@ -630,9 +630,10 @@ mod tests {
             .arg("-c")
             .arg(format!(
                 "import os, sys, time; sys.stdin.read(1); os.setresuid({uid}, {uid}, {uid}); \
-                 time.sleep(30)"
+                 print('changed', flush=True); time.sleep(30)"
             ))
             .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
@@ -648,15 +649,18 @@ mod tests {
         );
         use std::io::Write;
         child.stdin.take().unwrap().write_all(b"x").unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let found = processes_of_any_with(proc, &[uid], &mut cache);
-            if found == [(uid, pid)] {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{found:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // The child says when its uids changed.
+        let mut changed = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut changed)
+            .unwrap();
+        assert_eq!(changed.trim(), "changed");
+        assert_eq!(
+            processes_of_any_with(proc, &[uid], &mut cache),
+            [(uid, pid)],
+            "the kept pidfd answered with the old uids"
+        );
         assert_eq!(
             processes_of_any_with(proc, &[uid], &mut cache),
             processes_of_any(proc, &[uid])
