@@ -2,7 +2,7 @@
 //! `--isolation users`, a real sshd on a loopback port, real logins.
 
 use slotpool_agent::isolation::{passwd, procs};
-use slotpool_protocol::api::ErrorCode;
+use slotpool_protocol::api::{ErrorCode, SlotLimits};
 use slotpool_protocol::connect::BusError;
 use slotpool_protocol::model::{AgentHeartbeat, Node, RequestState};
 use slotpool_protocol::store::{Change, Versioned};
@@ -965,6 +965,77 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
     agent.release(1, "node-b").await.unwrap();
     assert!(procs::processes_of(Path::new("/proc"), uid).is_empty());
     assert!(cgroups.procs(&user_a).unwrap().is_empty());
+}
+
+/// A slot's cgroup is kept from one tenancy to the next: a tenancy with limits of its
+/// own leaves none of them to the next, which gets the agent's defaults, and one with
+/// the same limits again gets them too; the group follows each tenancy's user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_cgroup_gets_each_tenancys_limits_and_group() {
+    use std::os::unix::fs::MetadataExt;
+    let env = IsolationEnv::new();
+    let agent = SlotAgent::start(&env, 1, &["--default-pids-max".into(), "30".into()]).await;
+    let user = |prepared: &slotpool_protocol::api::SlotPrepared| {
+        prepared.login.username.clone().expect("a slot user")
+    };
+    let memory = |user: &str| {
+        control(&env, user, "memory.max").or_else(|| control(&env, user, "memory.limit_in_bytes"))
+    };
+    let group_of = |user: &str| {
+        let dirs = env.cgroups().paths(user);
+        assert!(!dirs.is_empty(), "no cgroup of {user}");
+        dirs.iter()
+            .map(|d| std::fs::metadata(d).unwrap().gid())
+            .collect::<Vec<_>>()
+    };
+    let own = SlotLimits {
+        pids: Some(40),
+        memory_bytes: Some(96 << 20),
+        ..SlotLimits::default()
+    };
+    let mut gids = Vec::new();
+    for (round, limits) in [own, SlotLimits::default(), own, own]
+        .into_iter()
+        .enumerate()
+    {
+        let node = format!("node-{round}");
+        let prepared = agent
+            .prepare_with(0, &node, None, limits)
+            .await
+            .unwrap_or_else(|err| panic!("round {round}: {err}\n{}", agent.log()));
+        let user = user(&prepared);
+        let want_pids = limits.pids.unwrap_or(30).to_string();
+        assert_eq!(
+            control(&env, &user, "pids.max").as_deref(),
+            Some(want_pids.as_str()),
+            "round {round}, limits {limits:?}"
+        );
+        let want_memory = limits.memory_bytes.map(|b| b.to_string());
+        let got_memory = memory(&user);
+        match &want_memory {
+            Some(want) => assert_eq!(got_memory.as_ref(), Some(want), "round {round}"),
+            // No limit: the largest value the kernel shows, never the last tenancy's.
+            None => assert_ne!(
+                got_memory,
+                Some((96u64 << 20).to_string()),
+                "round {round}: the last tenancy's memory limit was kept"
+            ),
+        }
+        let gid = passwd::lookup(&user).expect("the slot user").gid;
+        assert!(
+            group_of(&user).iter().all(|g| *g == gid),
+            "round {round}: cgroup groups {:?}, user's {gid}",
+            group_of(&user)
+        );
+        gids.push(gid);
+        agent.release(0, &node).await.unwrap();
+    }
+    gids.dedup();
+    assert_eq!(
+        gids.len(),
+        4,
+        "each tenancy has a group of its own: {gids:?}"
+    );
 }
 
 /// A group of this test's own in the host's cgroup2 hierarchy, driven by the agent's v2

@@ -195,9 +195,15 @@ pub fn driver(layout: &CgroupLayout, parent: &str) -> Box<dyn CgroupDriver> {
 pub trait CgroupDriver: Send + Sync + 'static {
     /// `v2` or `v1`, for logs.
     fn version(&self) -> &'static str;
-    /// Creates the group (if absent), open to the group `gid` (the slot user's) only,
-    /// and applies `limits` (a missing limit means `max`).
+    /// Creates the group (if absent), open to the group `gid` (the slot user's) only
+    /// ([`CgroupDriver::reown`]), and applies `limits` ([`CgroupDriver::limit`]).
     fn create(&self, name: &str, gid: u32, limits: &Limits) -> Result<(), IsolationError>;
+    /// Gives the group's directories, which [`CgroupDriver::create`] made, the group
+    /// `gid` and their mode; an error when one is gone.
+    fn reown(&self, name: &str, gid: u32) -> Result<(), IsolationError>;
+    /// Applies `limits` to the group [`CgroupDriver::create`] made (a missing limit
+    /// means `max`; `disk_bytes` is not the group's).
+    fn limit(&self, name: &str, limits: &Limits) -> Result<(), IsolationError>;
     /// Moves process `pid` into the group.
     fn add(&self, name: &str, pid: i32) -> Result<(), IsolationError>;
     /// The processes in the group (empty when it does not exist).
@@ -523,9 +529,17 @@ impl CgroupDriver for CgroupV2 {
         make_dir(&parent)?;
         CgroupV2::delegate(&parent)?;
         close_parent(&parent)?;
+        make_dir(&self.dir(name))?;
+        self.reown(name, gid)?;
+        self.limit(name, limits)
+    }
+
+    fn reown(&self, name: &str, gid: u32) -> Result<(), IsolationError> {
+        close_slot_dir(&self.dir(name), gid)
+    }
+
+    fn limit(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
         let dir = self.dir(name);
-        make_dir(&dir)?;
-        close_slot_dir(&dir, gid)?;
         let cpu = match limits.cpu_millis {
             Some(m) => format!("{} {CPU_PERIOD_US}", cpu_quota_us(m)),
             None => format!("max {CPU_PERIOD_US}"),
@@ -651,10 +665,20 @@ impl CgroupDriver for CgroupV1 {
             let parent = mount.join(&self.parent);
             make_dir(&parent)?;
             close_parent(&parent)?;
-            let dir = parent.join(name);
-            make_dir(&dir)?;
+            make_dir(&parent.join(name))?;
+        }
+        self.reown(name, gid)?;
+        self.limit(name, limits)
+    }
+
+    fn reown(&self, name: &str, gid: u32) -> Result<(), IsolationError> {
+        for dir in self.dirs(name) {
             close_slot_dir(&dir, gid)?;
         }
+        Ok(())
+    }
+
+    fn limit(&self, name: &str, limits: &Limits) -> Result<(), IsolationError> {
         if let Some(dir) = self.dir("cpu", name) {
             write_control(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
             let quota = limits

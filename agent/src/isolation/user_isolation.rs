@@ -165,6 +165,11 @@ pub struct UserIsolation {
     shared_dirs: Vec<PathBuf>,
     per_user_file_dirs: Vec<PathBuf>,
     users: Mutex<BTreeMap<u32, SlotUser>>,
+    /// The limits in the files of each slot's cgroup, as this agent last wrote them: a
+    /// cgroup kept from the last tenancy whose limits are those wanted is not written
+    /// again (its files are root's; nothing of a slot changes them). Forgotten when the
+    /// cgroup goes or a write to it fails.
+    cgroup_limits: Mutex<BTreeMap<u32, Limits>>,
     /// A network namespace per slot (`--slot-netns on`), see [`crate::isolation::netns`].
     network: Option<SlotNetworks>,
     /// A private `/tmp` per slot (`--slot-private-tmp on`), see
@@ -216,6 +221,7 @@ impl UserIsolation {
             shared_dirs,
             per_user_file_dirs: PER_USER_FILE_DIRS.iter().map(PathBuf::from).collect(),
             users: Mutex::new(BTreeMap::new()),
+            cgroup_limits: Mutex::new(BTreeMap::new()),
             network: None,
             private_tmp: None,
             images: None,
@@ -305,6 +311,47 @@ impl UserIsolation {
 
     fn users(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, SlotUser>> {
         self.users.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn cgroup_limits(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, Limits>> {
+        self.cgroup_limits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gives the cgroup of `slot` (named `user`) the group `gid` and `limits`: made when
+    /// this agent has not made it yet, else (kept from the slot's last tenancy) given
+    /// the group again when `reown`, and only the limits that differ from those it holds.
+    fn set_cgroup(
+        &self,
+        slot: u32,
+        user: &str,
+        gid: u32,
+        limits: &Limits,
+        reown: bool,
+    ) -> Result<(), IsolationError> {
+        let wanted = Limits {
+            disk_bytes: None,
+            ..*limits
+        };
+        let held = self.cgroup_limits().remove(&slot);
+        let result = match held {
+            Some(held) => {
+                let kept = match reown {
+                    true => self.cgroups.reown(user, gid),
+                    false => Ok(()),
+                };
+                kept.and_then(|()| match held == wanted {
+                    true => Ok(()),
+                    false => self.cgroups.limit(user, &wanted),
+                })
+                // Gone meanwhile, say: made again.
+                .or_else(|_| self.cgroups.create(user, gid, &wanted))
+            }
+            None => self.cgroups.create(user, gid, &wanted),
+        };
+        if result.is_ok() {
+            self.cgroup_limits().insert(slot, wanted);
+        }
+        result
     }
 
     /// The users of prepared slots, by slot.
@@ -565,7 +612,10 @@ impl UserIsolation {
         // gives it the next user's group and default limits).
         match keep {
             KeepUser::IfClean => self.cgroups.empty(&user)?,
-            KeepUser::No => self.cgroups.remove(&user)?,
+            KeepUser::No => {
+                self.cgroup_limits().remove(&slot);
+                self.cgroups.remove(&user)?
+            }
         }
         clock.lap("cgroup_remove");
         let ws = self.workspace(slot);
@@ -654,7 +704,7 @@ impl UserIsolation {
         let disk_bytes = self.warm_disk_bytes;
         self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         clock.lap("workspace");
-        self.cgroups.create(&user, info.gid, &Limits::default())?;
+        self.set_cgroup(slot, &user, info.gid, &Limits::default(), true)?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
             net.create_timed(slot, clock)
@@ -817,7 +867,7 @@ impl SlotIsolation for UserIsolation {
             self.write_key(&dir, key)?;
         }
         clock.lap("key");
-        self.cgroups.create(&warm.user, warm.gid, limits)?;
+        self.set_cgroup(slot, &warm.user, warm.gid, limits, false)?;
         clock.lap("cgroup");
         self.write_state(
             slot,
@@ -908,7 +958,7 @@ impl SlotIsolation for UserIsolation {
                 }
             }
             // Re-apply the limits (the group may be gone after a reboot).
-            self.cgroups.create(&state.user, info.gid, &state.limits)?;
+            self.set_cgroup(slot, &state.user, info.gid, &state.limits, true)?;
             // Likewise the network namespace of a prepared slot (a warm one without it
             // was made cold above).
             if let Some(net) = &self.network {
