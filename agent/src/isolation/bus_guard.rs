@@ -71,7 +71,8 @@ pub fn ports_of(urls: &str) -> Result<Vec<u16>, GuardError> {
 
 /// The nft script that (re)creates `table`: a filter on locally made connections that
 /// rejects TCP to `ports` (on any address), and anything to the instance metadata
-/// service, from uids `first..=last`.
+/// service, from uids `first..=last`. Every packet the host sends crosses the output
+/// chain: one test of its socket's uid sends only the slots' on to the rules.
 pub fn script(table: &str, first: u32, last: u32, ports: &[u16]) -> String {
     let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
     format!(
@@ -80,9 +81,12 @@ pub fn script(table: &str, first: u32, last: u32, ports: &[u16]) -> String {
          table inet {table} {{\n\
          \x20 chain output {{\n\
          \x20   type filter hook output priority 0; policy accept;\n\
-         \x20   meta skuid {first}-{last} tcp dport {{ {} }} reject with tcp reset\n\
-         \x20   meta skuid {first}-{last} ip daddr {METADATA_V4} reject\n\
-         \x20   meta skuid {first}-{last} ip6 daddr {METADATA_V6} reject\n\
+         \x20   meta skuid {first}-{last} jump slot_output\n\
+         \x20 }}\n\
+         \x20 chain slot_output {{\n\
+         \x20   tcp dport {{ {} }} reject with tcp reset\n\
+         \x20   ip daddr {METADATA_V4} reject\n\
+         \x20   ip6 daddr {METADATA_V6} reject\n\
          \x20 }}\n\
          }}\n",
         ports.join(", ")
@@ -181,18 +185,20 @@ mod tests {
             "add table inet slotpool_spab12cd34\ndelete table inet slotpool_spab12cd34\n"
         ));
         assert!(
-            s.contains("meta skuid 2000000-2999999 tcp dport { 4222, 4333 } reject with tcp reset"),
+            s.contains("meta skuid 2000000-2999999 jump slot_output\n"),
             "{s}"
         );
         assert!(s.contains("policy accept"));
-        assert!(
-            s.contains("meta skuid 2000000-2999999 ip daddr 169.254.169.254 reject\n"),
-            "{s}"
-        );
-        assert!(
-            s.contains("meta skuid 2000000-2999999 ip6 daddr fd00:ec2::254 reject\n"),
-            "{s}"
-        );
+        // The rules are reached only through the uid test.
+        let slot_output = &s[s.find("chain slot_output").expect("the slots' chain")..];
+        for rule in [
+            "tcp dport { 4222, 4333 } reject with tcp reset\n",
+            "ip daddr 169.254.169.254 reject\n",
+            "ip6 daddr fd00:ec2::254 reject\n",
+        ] {
+            assert!(slot_output.contains(rule), "{rule}: {s}");
+            assert_eq!(s.matches(rule).count(), 1, "{rule}: {s}");
+        }
     }
 
     /// nft itself accepts the script (`nft -c`: checked, not applied).

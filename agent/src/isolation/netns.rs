@@ -521,7 +521,9 @@ fn legacy_tables(namespace: &str, slots: u32) -> Vec<String> {
 /// host is masqueraded. With the bus guard on (`bus_ports` not empty) it also closes the
 /// bus ports and the instance metadata service to the slots, as the guard does for slot
 /// uids in the host's namespace ([`crate::isolation::bus_guard`]): the slots' traffic is
-/// forwarded, past the uid rule.
+/// forwarded, past the uid rule. The input and forward chains, which every packet the
+/// host gets or forwards crosses, test only whether it came from a slot's veth; the
+/// rules are in the chains they jump to.
 pub fn agent_table_script(
     table: &str,
     remove: &[String],
@@ -550,8 +552,8 @@ pub fn agent_table_script(
     } else {
         let ports: Vec<String> = bus_ports.iter().map(u16::to_string).collect();
         format!(
-            "iifname @slot_ifs tcp dport {{ {} }} reject with tcp reset\n\
-             \x20   iifname @slot_ifs ip daddr {METADATA_V4} reject\n",
+            "tcp dport {{ {} }} reject with tcp reset\n\
+             \x20   ip daddr {METADATA_V4} reject\n",
             ports.join(", ")
         )
     };
@@ -566,13 +568,19 @@ pub fn agent_table_script(
          \x20 set slot_pairs {{ type ifname . ipv4_addr;{pairs} }}\n\
          \x20 chain input {{\n\
          \x20   type filter hook input priority 0; policy accept;\n\
-         \x20   iifname @slot_ifs iifname . ip saddr != @slot_pairs drop\n\
+         \x20   iifname @slot_ifs jump slot_input\n\
+         \x20 }}\n\
+         \x20 chain slot_input {{\n\
+         \x20   iifname . ip saddr != @slot_pairs drop\n\
          \x20   {bus}\
          \x20 }}\n\
          \x20 chain forward {{\n\
          \x20   type filter hook forward priority 0; policy accept;\n\
-         \x20   iifname @slot_ifs iifname . ip saddr != @slot_pairs drop\n\
-         \x20   iifname @slot_ifs ip daddr {range} drop\n\
+         \x20   iifname @slot_ifs jump slot_forward\n\
+         \x20 }}\n\
+         \x20 chain slot_forward {{\n\
+         \x20   iifname . ip saddr != @slot_pairs drop\n\
+         \x20   ip daddr {range} drop\n\
          \x20   {bus}\
          \x20 }}\n\
          \x20 chain postrouting {{\n\
@@ -988,28 +996,32 @@ mod tests {
         );
         assert!(s.contains("elements = { 10.9.0.2, 10.9.0.6 }"), "{s}");
         assert_eq!(
-            s.matches("iifname @slot_ifs tcp dport { 4222, 7422 } reject with tcp reset")
+            s.matches("tcp dport { 4222, 7422 } reject with tcp reset")
                 .count(),
             2,
             "{s}"
         );
         assert_eq!(
-            s.matches("iifname @slot_ifs iifname . ip saddr != @slot_pairs drop")
-                .count(),
+            s.matches("iifname . ip saddr != @slot_pairs drop").count(),
             2,
             "{s}"
         );
-        assert!(
-            s.contains("iifname @slot_ifs ip daddr 10.9.0.0/16 drop"),
-            "{s}"
-        );
+        for hook in ["input", "forward"] {
+            assert!(
+                s.contains(&format!(
+                    "type filter hook {hook} priority 0; policy accept;\n    \
+                     iifname @slot_ifs jump slot_{hook}\n  }}"
+                )),
+                "{hook}: {s}"
+            );
+        }
+        assert!(s.contains("ip daddr 10.9.0.0/16 drop"), "{s}");
         assert!(
             s.contains("ip saddr @slot_addrs oifname . ip saddr != @slot_pairs masquerade"),
             "{s}"
         );
         assert_eq!(
-            s.matches("iifname @slot_ifs ip daddr 169.254.169.254 reject\n")
-                .count(),
+            s.matches("ip daddr 169.254.169.254 reject\n").count(),
             2,
             "{s}"
         );
