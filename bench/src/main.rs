@@ -222,8 +222,9 @@ struct Report {
     /// The plain bus's release to reusable ([`phases::release_to_reusable`]).
     release_to_reusable: stats::Summary,
     /// The plain bus's sequential allocations again, with the production run's launcher
-    /// and agents up and warm, before its loads: the plain comparison's warm ratios are
-    /// over the mean of this and `warm_after_production`.
+    /// and agents up and warm, before its loads, taking turns with production's
+    /// (`production.warm_taking_turns`, [`phases::taking_turns`]): the plain comparison's
+    /// warm ratios are of these two.
     warm_before_production: phases::Warm,
     /// The plain bus's throughput load after `warm_before_production`.
     throughput_before_production: Throughput,
@@ -313,6 +314,9 @@ struct Production {
     /// The agents' slot isolation.
     isolation: String,
     warm: phases::Warm,
+    /// Its sequential allocations taking turns with the plain bus's
+    /// (`warm_before_production`), for the plain comparison's warm ratios.
+    warm_taking_turns: phases::Warm,
     throughput: Throughput,
     /// From a release call to the next request fulfilled on the same slot.
     release_to_reusable: stats::Summary,
@@ -348,24 +352,22 @@ impl Ratios {
         }
     }
 
-    /// `warm` and `throughput` over the mean of `base`'s and `again`'s, the same loads
-    /// run again after these: a host whose other load drifts, or that still works off
-    /// the loads before (a namespace's cleanup outlives its slot), moves both sides alike.
-    fn over_both(
-        warm: &phases::Warm,
+    /// Warm allocations `turns` (production's, then the other bus's, measured taking
+    /// turns: [`phases::taking_turns`]), and `throughput` over the mean of `base`'s and
+    /// `again`'s, the same load run before and after it: a host whose other load
+    /// drifts, or that still works off the loads before (a namespace's cleanup outlives
+    /// its slot), moves both sides alike.
+    fn beside(
+        turns: (&phases::Warm, &phases::Warm),
         throughput: &Throughput,
         base: &Again,
         again: &Again,
     ) -> Ratios {
         let over_both = |f| throughput.over_mean(f, &base.throughput, &again.throughput);
-        let (w, before, after) = (
-            &warm.allocation,
-            &base.warm.allocation,
-            &again.warm.allocation,
-        );
+        let (w, other) = (&turns.0.allocation, &turns.1.allocation);
         Ratios {
-            warm_p50: w.p50_ms / ((before.p50_ms + after.p50_ms) / 2.0),
-            warm_p99: w.p99_ms / ((before.p99_ms + after.p99_ms) / 2.0),
+            warm_p50: w.p50_ms / other.p50_ms,
+            warm_p99: w.p99_ms / other.p99_ms,
             allocations_per_sec: over_both(|t| t.allocations_per_sec),
             cpu_ms_per_allocation: over_both(|t| t.cpu_ms_per_allocation),
         }
@@ -507,8 +509,8 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
         }),
         comparisons: std::iter::once(Comparison {
             against: PLAIN_BUS.into(),
-            ratios: Ratios::over_both(
-                &f.production.warm,
+            ratios: Ratios::beside(
+                (&f.production_turns, &f.plain_before.warm),
                 &f.production.throughput,
                 &f.plain_before,
                 &f.plain_again,
@@ -523,6 +525,7 @@ fn report(settings: Settings, f: Figures, nats_binary: &Path, load_at_start: f64
             bus: SECURE_BUS,
             isolation: settings.isolation.clone(),
             warm: f.production.warm,
+            warm_taking_turns: f.production_turns,
             throughput: f.production.throughput,
             release_to_reusable: f.production.release_to_reusable,
         },
@@ -563,7 +566,11 @@ struct Figures {
     observed: Option<compare::Observed>,
     scale: Option<phases::Scale>,
     production: Allocations,
-    /// The plain bus's loads with the production run's agents warm, before its loads.
+    /// Production's sequential allocations taking turns with the plain bus's
+    /// ([`phases::taking_turns`]), whose are `plain_before.warm`.
+    production_turns: phases::Warm,
+    /// The plain bus's loads with the production run's agents warm, before its loads:
+    /// its warm allocations taking turns with production's.
     plain_before: Again,
     /// The plain bus's loads again, right after the production run.
     plain_again: Again,
@@ -582,6 +589,7 @@ struct Again {
 /// the plain bus alone measures.
 struct PlainMore {
     production: Allocations,
+    production_turns: phases::Warm,
     exec: Option<exec_job::ExecFigures>,
     plain_before: Again,
     plain_again: Again,
@@ -651,7 +659,7 @@ async fn run_all(
             (server_pid, Some(monitor)),
             agent_binary,
             dir,
-            async || anyhow::Ok(()),
+            async |_: &Client, _: &RequestWatcher| anyhow::Ok(()),
             async |rig: &load::Rig,
                    launcher: &mut procs::LauncherProcess,
                    client: &Client,
@@ -673,17 +681,41 @@ async fn run_all(
                         throughput: rig.throughput(&[launcher_pid]).await?,
                     })
                 };
-                let (production, exec, plain_before, plain_again) = run_secure(
-                    s,
-                    &s.isolation,
-                    nats_binary,
-                    agent_binary,
-                    &dir.join(SECURE_DIR),
-                    s.exec_rounds > 0,
-                    async || plain_loads("beside production's warm agents").await,
-                    async || plain_loads("again, right after production's loads").await,
-                )
-                .await?;
+                // The warm allocations the comparison's warm ratios are of: the two
+                // buses taking turns, once production's agents are warm.
+                let beside = async |production: &Client, its_watcher: &RequestWatcher| {
+                    step(format!(
+                        "plain bus and production taking turns: {} sequential allocations each, in {} blocks; then plain throughput, {} clients for {}s",
+                        s.warm,
+                        phases::TURNS,
+                        s.clients,
+                        s.throughput_secs
+                    ));
+                    let (plain, production) = phases::taking_turns(
+                        (client, watcher),
+                        (production, its_watcher),
+                        WARM_LABEL,
+                        s.warm,
+                    )
+                    .await?;
+                    let again = Again {
+                        warm: plain,
+                        throughput: rig.throughput(&[launcher_pid]).await?,
+                    };
+                    anyhow::Ok((again, production))
+                };
+                let (production, exec, (plain_before, production_turns), plain_again) =
+                    run_secure(
+                        s,
+                        &s.isolation,
+                        nats_binary,
+                        agent_binary,
+                        &dir.join(SECURE_DIR),
+                        s.exec_rounds > 0,
+                        beside,
+                        async || plain_loads("again, right after production's loads").await,
+                    )
+                    .await?;
                 launcher.check_alive()?;
                 let isolation_none = if s.isolation != "none" {
                     step("production bus, agents in mode none".into());
@@ -696,7 +728,7 @@ async fn run_all(
                             agent_binary,
                             &none,
                             false,
-                            async || anyhow::Ok(()),
+                            async |_: &Client, _: &RequestWatcher| anyhow::Ok(()),
                             async || anyhow::Ok(()),
                         )
                         .await?
@@ -756,6 +788,7 @@ async fn run_all(
                 };
                 anyhow::Ok(PlainMore {
                     production,
+                    production_turns,
                     exec,
                     plain_before,
                     plain_again,
@@ -808,6 +841,7 @@ async fn run_all(
         observed: more.observed,
         scale,
         production: more.production,
+        production_turns: more.production_turns,
         plain_before: more.plain_before,
         plain_again: more.plain_again,
         isolation_none: more.isolation_none,
@@ -857,7 +891,7 @@ async fn on_bus<R, T>(
     server: (Option<u32>, Option<String>),
     agent_binary: &Path,
     run_dir: &Path,
-    warmed: impl AsyncFnOnce() -> anyhow::Result<R>,
+    warmed: impl AsyncFnOnce(&Client, &RequestWatcher) -> anyhow::Result<R>,
     more: impl AsyncFnOnce(
         &load::Rig,
         &mut procs::LauncherProcess,
@@ -908,7 +942,7 @@ async fn on_bus<R, T>(
             warm_nodes * SLOTS_PER_WARM_NODE,
         )
         .await?;
-        let warmed = warmed().await?;
+        let warmed = warmed(&client, &watcher).await?;
         step(format!("warm: {} sequential allocations", s.warm));
         let warm = rig.warm(&client, &watcher).await?;
         step(format!(
@@ -956,7 +990,7 @@ async fn run_secure<B, A>(
     agent_binary: &Path,
     dir: &Path,
     exec: bool,
-    before: impl AsyncFnOnce() -> anyhow::Result<B>,
+    before: impl AsyncFnOnce(&Client, &RequestWatcher) -> anyhow::Result<B>,
     after: impl AsyncFnOnce() -> anyhow::Result<A>,
 ) -> anyhow::Result<(Allocations, Option<exec_job::ExecFigures>, B, A)> {
     let launcher = BusUser::new(Role::Launcher, "bench-launcher")?;
@@ -1168,7 +1202,7 @@ fn latencies(r: &Report) -> Vec<Latency> {
     warm_rows(&mut rows, "plain: ", &r.warm);
     warm_rows(
         &mut rows,
-        "plain, beside production, before it: ",
+        "plain, taking turns with production: ",
         &r.warm_before_production,
     );
     warm_rows(
@@ -1206,6 +1240,11 @@ fn latencies(r: &Report) -> Vec<Latency> {
     }
     let p = &r.production;
     warm_rows(&mut rows, "production: ", &p.warm);
+    warm_rows(
+        &mut rows,
+        "production, taking turns with plain: ",
+        &p.warm_taking_turns,
+    );
     load_rows(&mut rows, "production: ", &p.throughput);
     rows.push((
         "production: release to reusable (one slot)".into(),
@@ -1474,7 +1513,9 @@ fn print_table(r: &Report) {
         &r.throughput_after_production,
     );
     println!(
-        "plain bus warm allocation p50 before production's loads {:.2} ms, right after them {:.2} ms (alone, first: {:.2} ms)",
+        "warm allocation p50 taking turns ({} blocks each): production {:.2} ms, plain bus {:.2} ms; plain bus right after production's loads {:.2} ms (alone, first: {:.2} ms)",
+        phases::TURNS,
+        p.warm_taking_turns.allocation.p50_ms,
         r.warm_before_production.allocation.p50_ms,
         r.warm_after_production.allocation.p50_ms,
         r.warm.allocation.p50_ms

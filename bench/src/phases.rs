@@ -190,23 +190,75 @@ pub async fn warm(
     label: &str,
     n: usize,
 ) -> anyhow::Result<Warm> {
-    let (mut alloc, mut rel) = (Samples::default(), Samples::default());
-    for i in 0..n + n / 10 {
-        let t0 = Instant::now();
-        let nodes = allocate(watcher, label).await?;
-        let t1 = Instant::now();
-        release(client, nodes).await?;
-        if i >= n / 10 {
-            alloc.push(t1 - t0);
-            rel.push(t1.elapsed());
-        }
-    }
+    warm_cycles(client, watcher, label, n / 10).await?;
+    let (alloc, rel) = warm_cycles(client, watcher, label, n).await?;
     Ok(Warm {
         allocation: alloc.summary(),
         release: rel.summary(),
         cycles: n + n / 10,
         messages: None,
     })
+}
+
+/// `n` sequential warm allocations and releases: the allocations' times and the
+/// releases'.
+async fn warm_cycles(
+    client: &Client,
+    watcher: &RequestWatcher,
+    label: &str,
+    n: usize,
+) -> anyhow::Result<(Samples, Samples)> {
+    let (mut alloc, mut rel) = (Samples::default(), Samples::default());
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let nodes = allocate(watcher, label).await?;
+        let t1 = Instant::now();
+        release(client, nodes).await?;
+        alloc.push(t1 - t0);
+        rel.push(t1.elapsed());
+    }
+    Ok((alloc, rel))
+}
+
+/// Whose turn `turn` is in [`taking_turns`]: 0 (a) or 1 (b), in the order a b b a.
+fn turn_side(turn: usize) -> usize {
+    (turn % 2) ^ ((turn / 2) % 2)
+}
+
+/// How many blocks of sequential allocations each bus runs in [`taking_turns`].
+pub const TURNS: usize = 8;
+
+/// The sequential warm allocations of two buses, `n` each, taking turns in [`TURNS`]
+/// blocks in the order a b b a a b b a (after `n / 10` unmeasured on each): whatever
+/// else the host does meanwhile, and whatever the loads before left it to finish, falls
+/// on both alike. `a` and `b` are each a bus's client and watcher.
+pub async fn taking_turns(
+    a: (&Client, &RequestWatcher),
+    b: (&Client, &RequestWatcher),
+    label: &str,
+    n: usize,
+) -> anyhow::Result<(Warm, Warm)> {
+    let sides = [a, b];
+    let mut samples: [(Samples, Samples); 2] = Default::default();
+    for (client, watcher) in sides {
+        warm_cycles(client, watcher, label, n / 10).await?;
+    }
+    let block = n.div_ceil(TURNS);
+    for turn in 0..2 * TURNS {
+        let side = turn_side(turn);
+        let (client, watcher) = sides[side];
+        let left = n - samples[side].0.len();
+        let (alloc, rel) = warm_cycles(client, watcher, label, block.min(left)).await?;
+        samples[side].0.extend(alloc);
+        samples[side].1.extend(rel);
+    }
+    let [a, b] = samples.map(|(alloc, rel)| Warm {
+        allocation: alloc.summary(),
+        release: rel.summary(),
+        cycles: n + n / 10,
+        messages: None,
+    });
+    Ok((a, b))
 }
 
 /// Release to reusable: a node of `label`, whose pool is one backing node of one slot,
@@ -691,4 +743,22 @@ async fn seed_backing(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turns_go_a_b_b_a_and_each_side_has_as_many() {
+        let order: String = (0..2 * TURNS).map(|t| ["a", "b"][turn_side(t)]).collect();
+        assert_eq!(order, "abbaabbaabbaabba");
+        // Each side takes over from the other as often as the other takes over from it.
+        let firsts = |side| {
+            (1..2 * TURNS)
+                .filter(|&t| turn_side(t) == side && turn_side(t - 1) != side)
+                .count()
+        };
+        assert_eq!(firsts(0), firsts(1));
+    }
 }
