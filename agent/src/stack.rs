@@ -81,6 +81,7 @@ pub fn isolation_of(config: &AgentConfig) -> Result<Arc<dyn SlotIsolation>, Agen
             )
             .map_err(AgentError::Isolation)?
             .with_disk_quotas(images, default_disk)
+            .with_warm_limits(resolve_default_limits(config)?)
             .with_term_grace(config.slot_term_grace);
             match config.slot_netns {
                 Some(range) => {

@@ -968,8 +968,9 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
 }
 
 /// A slot's cgroup is kept from one tenancy to the next: a tenancy with limits of its
-/// own leaves none of them to the next, which gets the agent's defaults, and one with
-/// the same limits again gets them too; the group follows each tenancy's user.
+/// own leaves none of them to the next, which gets the agent's defaults (as the warm slot
+/// does), and one with the same limits again gets them too; the group follows each
+/// tenancy's user.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_cgroup_gets_each_tenancys_limits_and_group() {
     use std::os::unix::fs::MetadataExt;
@@ -1029,6 +1030,14 @@ async fn a_kept_cgroup_gets_each_tenancys_limits_and_group() {
         );
         gids.push(gid);
         agent.release(0, &node).await.unwrap();
+        // The warm-up after the release gives the kept group the defaults a prepare
+        // without limits applies (and then writes nothing).
+        wait_for(
+            format!("round {round}: the warm slot's group back to the default pids limit"),
+            LONG,
+            || async { control(&env, &user, "pids.max").as_deref() == Some("30") },
+        )
+        .await;
     }
     gids.dedup();
     assert_eq!(

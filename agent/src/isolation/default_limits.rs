@@ -5,6 +5,9 @@
 //! Stated once ([`DEFAULT_PIDS_MAX`], [`MemoryDefault::Auto`]), validated once (in
 //! [`crate::config`]), resolved once at start-up ([`DefaultLimits::resolve`]) and applied
 //! once, to every prepare ([`crate::slots::Slots::prepare`]). A label's own value wins.
+//! Users mode gives warm slots' cgroups these limits already
+//! ([`crate::isolation::user_isolation::UserIsolation::with_warm_limits`]): the prepare of
+//! a label without limits then writes none.
 //!
 //! The disk quota default (`--slot-disk-quota-mb`) is off unless configured: a slot
 //! whose label sets no `limits.disk-mb` then writes its workspace on the host's file

@@ -179,6 +179,9 @@ pub struct UserIsolation {
     images: Option<WorkspaceImages>,
     /// The disk limit warm slots are made with (the default limit).
     warm_disk_bytes: Option<u64>,
+    /// The limits a warm slot's cgroup holds: those a prepare without limits of its
+    /// label applies (the agent's defaults), so that it writes none.
+    warm_limits: Limits,
     /// How long a slot's processes have to exit on SIGTERM at release before they are
     /// killed (`--slot-term-grace-ms`); zero: killed at once.
     term_grace: Duration,
@@ -226,6 +229,7 @@ impl UserIsolation {
             private_tmp: None,
             images: None,
             warm_disk_bytes: None,
+            warm_limits: Limits::default(),
             term_grace: DEFAULT_TERM_GRACE,
         })
     }
@@ -293,6 +297,16 @@ impl UserIsolation {
     ) -> UserIsolation {
         self.images = Some(images);
         self.warm_disk_bytes = default_bytes;
+        self
+    }
+
+    /// Gives warm slots' cgroups `defaults` (the agent's default limits; the disk limit
+    /// is [`UserIsolation::with_disk_quotas`]'s).
+    pub fn with_warm_limits(mut self, defaults: Limits) -> UserIsolation {
+        self.warm_limits = Limits {
+            disk_bytes: None,
+            ..defaults
+        };
         self
     }
 
@@ -704,7 +718,7 @@ impl UserIsolation {
         let disk_bytes = self.warm_disk_bytes;
         self.make_workspace(slot, &dir, info.uid, info.gid, disk_bytes)?;
         clock.lap("workspace");
-        self.set_cgroup(slot, &user, info.gid, &Limits::default(), true)?;
+        self.set_cgroup(slot, &user, info.gid, &self.warm_limits, true)?;
         clock.lap("cgroup_create");
         if let Some(net) = &self.network {
             net.create_timed(slot, clock)
@@ -726,7 +740,7 @@ impl UserIsolation {
                 node_id: None,
                 user: user.clone(),
                 uid: Some(info.uid),
-                limits: Limits::default(),
+                limits: self.warm_limits,
                 disk_bytes,
             },
         )?;
