@@ -1047,6 +1047,57 @@ async fn a_kept_cgroup_gets_each_tenancys_limits_and_group() {
     );
 }
 
+/// A slot's login cannot change its own cgroup: not its limits (which the agent writes
+/// only when they change, trusting that nothing of a slot does), not its processes' list,
+/// and it cannot make a group inside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_cannot_change_its_own_cgroup() {
+    let env = IsolationEnv::new();
+    let sshd = Sshd::start(&env).await;
+    let key = ClientKey::new();
+    let agent = SlotAgent::start(
+        &env,
+        1,
+        &[
+            "--ssh-port".into(),
+            sshd.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            sshd.dir.path().display().to_string(),
+            "--default-pids-max".into(),
+            "77".into(),
+        ],
+    )
+    .await;
+    let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
+    let dirs = env.cgroups().paths(&user);
+    assert!(!dirs.is_empty(), "no cgroup of {user}");
+    let mut script = String::new();
+    for dir in &dirs {
+        let d = dir.display();
+        script.push_str(&format!(
+            "for f in pids.max memory.max memory.limit_in_bytes cpu.max cpu.cfs_quota_us \
+             cgroup.procs cgroup.subtree_control; do \
+             [ -e {d}/$f ] && echo SEEN && (echo 1 > {d}/$f) 2>/dev/null && echo WROTE {d}/$f; \
+             done; \
+             mkdir {d}/child 2>/dev/null && echo MADE {d}/child; "
+        ));
+    }
+    script.push_str("echo done");
+    let (_, out, err) = key.ssh(sshd.port, &user, &script);
+    assert!(out.contains("done"), "the login ran: {out}{err}");
+    // The groups' files were there to try: cgroup.procs in every hierarchy, and limits.
+    assert!(
+        out.matches("SEEN").count() > dirs.len(),
+        "the login saw too few of its groups' files: {out}{err}"
+    );
+    assert!(
+        !out.contains("WROTE") && !out.contains("MADE"),
+        "a slot changed its own cgroup: {out}{err}"
+    );
+    assert_eq!(control(&env, &user, "pids.max").as_deref(), Some("77"));
+    agent.release(0, "node-a").await.unwrap();
+}
+
 /// A group of this test's own in the host's cgroup2 hierarchy, driven by the agent's v2
 /// driver, and the processes the test started in it; on drop (a failed test too) the
 /// group is killed through `cgroup.kill` and removed with its parent.
