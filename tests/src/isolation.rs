@@ -390,6 +390,16 @@ pub struct Sshd {
 }
 
 impl Sshd {
+    /// The agent's options that name this sshd: its port and its host keys.
+    pub fn agent_args(&self) -> Vec<String> {
+        vec![
+            "--ssh-port".into(),
+            self.port.to_string(),
+            "--ssh-host-keys-dir".into(),
+            self.dir.path().display().to_string(),
+        ]
+    }
+
     /// Starts sshd for the users of `env`; waits until it answers.
     pub async fn start(env: &IsolationEnv) -> Sshd {
         let dir = slot_visible_tempdir("slotpool-sshd-");

@@ -59,12 +59,7 @@ async fn ssh_logins_are_isolated_limited_and_cleaned_up_on_release() {
     let sshd = Sshd::start(&env).await;
     let key = ClientKey::new();
     let mut agent_args = env.agent_args();
-    agent_args.extend([
-        "--ssh-port".into(),
-        sshd.port.to_string(),
-        "--ssh-host-keys-dir".into(),
-        sshd.dir.path().display().to_string(),
-    ]);
+    agent_args.extend(sshd.agent_args());
     let labels = label(
         "iso",
         2,
@@ -893,21 +888,14 @@ async fn a_slot_without_limits_gets_the_default_pids_and_memory_limits() {
     let env = IsolationEnv::new();
     let sshd = Sshd::start(&env).await;
     let key = ClientKey::new();
-    let agent = SlotAgent::start(
-        &env,
-        2,
-        &[
-            "--ssh-port".into(),
-            sshd.port.to_string(),
-            "--ssh-host-keys-dir".into(),
-            sshd.dir.path().display().to_string(),
-            "--default-pids-max".into(),
-            "30".into(),
-            "--default-memory-max-mb".into(),
-            "64".into(),
-        ],
-    )
-    .await;
+    let mut args = sshd.agent_args();
+    args.extend([
+        "--default-pids-max".into(),
+        "30".into(),
+        "--default-memory-max-mb".into(),
+        "64".into(),
+    ]);
+    let agent = SlotAgent::start(&env, 2, &args).await;
     // SlotAgent::prepare sends no limits, as for a label without `limits`.
     let (user_a, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let (user_b, _) = agent.prepare_login(1, "node-b", &key.public()).await;
@@ -1055,19 +1043,9 @@ async fn a_slot_cannot_change_its_own_cgroup() {
     let env = IsolationEnv::new();
     let sshd = Sshd::start(&env).await;
     let key = ClientKey::new();
-    let agent = SlotAgent::start(
-        &env,
-        1,
-        &[
-            "--ssh-port".into(),
-            sshd.port.to_string(),
-            "--ssh-host-keys-dir".into(),
-            sshd.dir.path().display().to_string(),
-            "--default-pids-max".into(),
-            "77".into(),
-        ],
-    )
-    .await;
+    let mut args = sshd.agent_args();
+    args.extend(["--default-pids-max".into(), "77".into()]);
+    let agent = SlotAgent::start(&env, 1, &args).await;
     let (user, _) = agent.prepare_login(0, "node-a", &key.public()).await;
     let dirs = env.cgroups().paths(&user);
     assert!(!dirs.is_empty(), "no cgroup of {user}");
