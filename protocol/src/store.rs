@@ -434,12 +434,8 @@ impl Store {
         key: &str,
     ) -> Result<Option<Versioned<T>>, KvError> {
         let read = async {
-            match self
-                .kv
-                .stream
-                .get_last_raw_message_by_subject(&self.subject(key))
-                .await
-            {
+            let subject = self.subject(key);
+            match asked_again(|| self.kv.stream.get_last_raw_message_by_subject(&subject)).await {
                 Ok(message) => Ok(Some(message)),
                 Err(err) if matches!(err.kind(), LastRawMessageErrorKind::NoMessageFound) => {
                     Ok(None)
@@ -468,7 +464,7 @@ impl Store {
     }
 
     async fn read_entry(&self, key: &str) -> Result<Option<(u64, Option<Bytes>)>, KvError> {
-        match self.kv.entry(key).await {
+        match asked_again(|| self.kv.entry(key)).await {
             Ok(Some(e)) => Ok(Some((
                 e.revision,
                 matches!(e.operation, kv::Operation::Put).then_some(e.value),
@@ -840,11 +836,7 @@ impl Store {
     /// (orders its writes), since when, and which hold a current copy. `None` on a single
     /// server.
     pub async fn placement(&self) -> Result<Option<Placement>, KvError> {
-        let mut stream = self.kv.stream.clone();
-        let info = stream
-            .info()
-            .await
-            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?;
+        let info = self.info().await?;
         Ok(info.cluster.as_ref().map(|c| {
             let mut current: Vec<String> = c.leader.iter().cloned().collect();
             current.extend(
@@ -863,28 +855,26 @@ impl Store {
         }))
     }
 
+    /// The bucket's stream as the server describes it now.
+    async fn info(&self) -> Result<jetstream::stream::Info, KvError> {
+        asked_again(|| {
+            let mut stream = self.kv.stream.clone();
+            async move { stream.info().await.cloned() }
+        })
+        .await
+        .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))
+    }
+
     /// The revision of the last write to the bucket.
     async fn last_revision(&self) -> Result<u64, KvError> {
-        let mut stream = self.kv.stream.clone();
-        Ok(stream
-            .info()
-            .await
-            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
-            .state
-            .last_sequence)
+        Ok(self.info().await?.state.last_sequence)
     }
 
     /// The revisions the bucket still holds: the oldest and the newest (the newest is the
     /// last write's, 0 for a bucket never written; with nothing held the oldest is one past
     /// it). Revisions between them may be gone too: superseded values of a key.
     pub async fn held_revisions(&self) -> Result<(u64, u64), KvError> {
-        let mut stream = self.kv.stream.clone();
-        let state = stream
-            .info()
-            .await
-            .map_err(|err| transport(self.bucket, ">", format!("reading bucket info: {err}")))?
-            .state
-            .clone();
+        let state = self.info().await?.state;
         Ok((state.first_sequence, state.last_sequence))
     }
 
@@ -903,16 +893,15 @@ impl Store {
                 start_sequence: after + 1,
             },
         };
+        let config = consumer::pull::OrderedConfig {
+            description: Some("slotpool change stream".to_string()),
+            filter_subject: format!("$KV.{bucket}.>"),
+            replay_policy: consumer::ReplayPolicy::Instant,
+            deliver_policy,
+            ..Default::default()
+        };
         let create = async {
-            self.kv
-                .stream
-                .create_consumer(consumer::pull::OrderedConfig {
-                    description: Some("slotpool change stream".to_string()),
-                    filter_subject: format!("$KV.{bucket}.>"),
-                    replay_policy: consumer::ReplayPolicy::Instant,
-                    deliver_policy,
-                    ..Default::default()
-                })
+            asked_again(|| self.kv.stream.create_consumer(config.clone()))
                 .await
                 .map_err(|err| transport(bucket, ">", format!("creating a reader: {err}")))?
                 .messages()
@@ -1054,10 +1043,7 @@ impl Store {
             deliver_policy,
             ..Default::default()
         };
-        let consumer = self
-            .kv
-            .stream
-            .create_consumer(config)
+        let consumer = asked_again(|| self.kv.stream.create_consumer(config.clone()))
             .await
             .map_err(|err| transport(bucket, ">", format!("creating watch: {err}")))?;
         let synced = consumer.cached_info().num_pending == 0;
@@ -1069,6 +1055,54 @@ impl Store {
         let reader =
             watch::Reader::new(self.clone(), name.clone(), messages, filter == ">", synced);
         Ok((name, reader))
+    }
+}
+
+/// Whether `err`, or an error it comes from, is a JetStream API request that met no
+/// responders: no server took it, so nothing was read or done.
+fn unanswered(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(err);
+    while let Some(e) = next {
+        let no_responders = e
+            .downcast_ref::<jetstream::context::RequestError>()
+            .is_some_and(|e| e.kind() == jetstream::context::RequestErrorKind::NoResponders)
+            || e.downcast_ref::<async_nats::RequestError>()
+                .is_some_and(|e| e.kind() == async_nats::RequestErrorKind::NoResponders)
+            || e.downcast_ref::<jetstream::stream::DirectGetError>()
+                .is_some_and(|e| {
+                    matches!(e.kind(), DirectGetErrorKind::ErrorResponse(code, _)
+                        if code == async_nats::StatusCode::NO_RESPONDERS)
+                });
+        if no_responders {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// Asks a JetStream API read (`ask`) again while it meets no responders, for up to
+/// [`LEADERLESS_PATIENCE`], as a write is sent again. nats-server answers so while a
+/// cluster elects the stream's leader, and, on one server too, for the moment it applies
+/// an update of the account's JWT (each push of revoked credentials): it takes the
+/// account's import of the JetStream API away and puts it back. A watch, a list or a
+/// read of a key started then would otherwise fail for nothing.
+async fn asked_again<T, E, Fut>(mut ask: impl FnMut() -> Fut) -> Result<T, E>
+where
+    Fut: Future<Output = Result<T, E>>,
+    E: std::error::Error + 'static,
+{
+    let give_up = tokio::time::Instant::now() + LEADERLESS_PATIENCE;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match ask().await {
+            Err(err) if unanswered(&err) && tokio::time::Instant::now() + pause < give_up => {
+                RETRIES.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            other => return other,
+        }
     }
 }
 

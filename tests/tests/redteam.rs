@@ -538,6 +538,57 @@ async fn the_servers_refusal_is_named_in_the_refused_clients_log() {
     );
 }
 
+/// Every revocation pushed makes the server apply a new account JWT, and for that moment
+/// it answers the account's requests to create a consumer with "no responders". A list
+/// or a watch started then (each creates one) is asked again (`store::asked_again`), not
+/// failed: eight readers listing in a loop go on through 60 revocations without an error
+/// (without the asking again, 4 to 14 of their ~9,000 lists failed in each of four runs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_go_on_while_the_server_takes_revocations() {
+    use slotpool_protocol::auth::BusUser;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    const REVOCATIONS: usize = 60;
+    let pool = Pool::start(1, 5, &label("small", 2, 600, &[]), 1).await;
+    let alice = client_as(&pool, Role::Operator, "alice").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let lists = Arc::new(AtomicUsize::new(0));
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, stop, lists) = (pool.client.clone(), stop.clone(), lists.clone());
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    if let Err(err) = client.list_backing().await {
+                        failed.push(err.to_string());
+                    }
+                    lists.fetch_add(1, Ordering::Relaxed);
+                }
+                failed
+            })
+        })
+        .collect();
+    for i in 0..REVOCATIONS {
+        let user = BusUser::new(Role::Client, &format!("gone-{i}")).unwrap();
+        alice
+            .revoke(&user, None)
+            .await
+            .expect("an operator revokes");
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failed = Vec::new();
+    for r in readers {
+        failed.extend(r.await.unwrap());
+    }
+    let lists = lists.load(Ordering::Relaxed);
+    println!(
+        "{lists} lists during {REVOCATIONS} revocations, {} failed",
+        failed.len()
+    );
+    assert!(lists > 1_000, "the readers hardly ran: {lists} lists");
+    assert!(failed.is_empty(), "lists failed: {failed:?}");
+}
+
 /// An operator revokes a client's credentials: the server closes the connection the
 /// client holds and refuses it from then on, the launchers' HTTP API refuses its token,
 /// other clients go on, and a credential minted afterwards lets the client back in.
