@@ -872,6 +872,7 @@ impl World {
                     open: used < b.slots && self.first_free(b).is_some(),
                 }
             }),
+            !self.agents.contains_key(&b.id) && !self.lost_heartbeats.contains_key(&b.id),
         )
     }
 
@@ -1590,6 +1591,14 @@ impl World {
                     BackingState::Requested | BackingState::Launching if b.out_of_capacity => 0,
                     BackingState::Requested | BackingState::Launching => b.slots,
                     BackingState::Ready if self.takes_slots(b) => b.slots.saturating_sub(held(b)),
+                    // Ready, its agent's heartbeat not seen here yet, nor lost.
+                    BackingState::Ready
+                        if b.idle == IdleBehaviour::Run
+                            && !self.agents.contains_key(&b.id)
+                            && !self.lost_heartbeats.contains_key(&b.id) =>
+                    {
+                        b.slots
+                    }
                     _ => 0,
                 })
                 .sum();

@@ -296,7 +296,8 @@ impl Sim<'_> {
                 });
             Standing {
                 label: b.label.clone(),
-                offer: capacity::offer(b, serving),
+                // One view here, which sees each heartbeat as it comes.
+                offer: capacity::offer(b, serving, false),
             }
         });
         self.capacity.set(seat, standing);

@@ -6,13 +6,14 @@
 //! depends on changes and hands it to [`CapacityIndex::set`]; this module only keeps the
 //! books.
 
-use slotpool_protocol::model::{BackingNode, BackingState};
+use slotpool_protocol::model::{BackingNode, BackingState, IdleBehaviour};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 
 /// What the backing node `b` offers its label, given, when it takes slots (ready, with
-/// a healthy agent, not held), its [`Use`].
-pub fn offer(b: &BackingNode, serving: Option<Use>) -> Offer {
+/// a healthy agent, not held), its [`Use`]; `agent_unseen`: no heartbeat of its agent has
+/// reached this mirror yet.
+pub fn offer(b: &BackingNode, serving: Option<Use>, agent_unseen: bool) -> Offer {
     match (b.state, serving) {
         // A seat whose provider said it is out of capacity brings nothing until a
         // launch succeeds: counting it would keep the planner from the next pool.
@@ -20,6 +21,14 @@ pub fn offer(b: &BackingNode, serving: Option<Use>) -> Offer {
             Offer::Nothing
         }
         (BackingState::Requested | BackingState::Launching, _) => Offer::Booting { slots: b.slots },
+        // Made ready by a worker that saw its agent's heartbeat, whose own watch has not
+        // brought it here yet (two buckets, two watches): its slots are coming, as a
+        // booting node's. Counted as nothing, they had the planner launch another node
+        // for the request about to claim one of them. A heartbeat that was seen and then
+        // lapsed is not this.
+        (BackingState::Ready, None) if agent_unseen && b.idle == IdleBehaviour::Run => {
+            Offer::Booting { slots: b.slots }
+        }
         (_, Some(u)) => Offer::Serving {
             slots: b.slots,
             used: u.used,

@@ -6,9 +6,14 @@
 //! every request of both would wait for good.
 //!
 //! So [`World::seat_shares`] walks the open requests in the queue's order, and each
-//! takes what it still needs: first the free slots of nodes in use or booting, then the
-//! slots of idle nodes of its labels, then new nodes in the free seats of its labels'
-//! pools. A request short of seats keeps what it took, and the pools it is short in are
+//! takes what it still needs: first the free slots of nodes in use, then the slots of
+//! idle nodes of its labels, then those of nodes booting, then new nodes in the free
+//! seats of its labels' pools. That is the order its claims take them in: a request
+//! waiting for a booting node claims an idle one that turns up meanwhile (a slot given
+//! back, a node the planner launched for a request already served), so that idle node
+//! is kept and the booting one, empty once ready, goes after its grace-time. (Taking the
+//! booting slots first gave the idle node back at once with a grace-time of 0, while the
+//! request was claiming it, and had it wait for the boot.) A request short of seats keeps what it took, and the pools it is short in are
 //! closed to the requests behind it: they take no idle node and no seat there (they may
 //! still claim free slots, by the queue's rule, `queue.rs`). A request that all the
 //! seats of its pools could not hold at once is passed over, so it keeps nothing.
@@ -22,7 +27,7 @@
 //! slot and no open seat is left, so a full pool costs next to nothing however long
 //! the queue.
 
-use super::World;
+use super::{capacity, World};
 use slotpool_protocol::model::BackingState;
 use std::collections::{HashMap, HashSet};
 
@@ -42,21 +47,27 @@ impl World {
     /// out ([module docs](self)).
     pub fn seat_shares(&self) -> SeatShares {
         let mut shares = SeatShares::default();
-        // Free slots of idle nodes, and of nodes in use or booting, by label.
+        // Free slots of idle nodes, of booting ones, and of nodes in use, by label.
         let mut idle: HashMap<&str, u32> = HashMap::new();
+        let mut booting: HashMap<&str, u32> = HashMap::new();
         for b in self.backing.values() {
+            let label = b.value.label.as_str();
             if self.takes_slots(&b.value) && self.used_count(&b.value.id) == 0 {
-                *idle.entry(b.value.label.as_str()).or_default() += b.value.slots;
+                *idle.entry(label).or_default() += b.value.slots;
+            } else if let capacity::Offer::Booting { slots } = self.offer(&b.value) {
+                *booting.entry(label).or_default() += slots;
             }
         }
         let mut busy: HashMap<&str, u32> = HashMap::new();
         for label in self.queue.labels() {
             let i = idle.get(label).copied().unwrap_or(0);
-            busy.insert(label, self.capacity.coming(label).saturating_sub(i));
+            let n = booting.get(label).copied().unwrap_or(0);
+            busy.insert(label, self.capacity.coming(label).saturating_sub(i + n));
         }
         let mut left: u64 = idle
             .values()
             .chain(busy.values())
+            .chain(booting.values())
             .map(|v| u64::from(*v))
             .sum();
         // Free seats by pool, and the pools closed to those behind a request short there.
@@ -100,6 +111,8 @@ impl World {
                     rest.min(idle.get(label).copied().unwrap_or(0))
                 };
                 rest -= from_idle;
+                let from_booting = rest.min(booting.get(label).copied().unwrap_or(0));
+                rest -= from_booting;
                 let mut from_seats = 0;
                 // Slots of the nodes launched for it that it does not need: the
                 // requests behind take them first.
@@ -121,18 +134,19 @@ impl World {
                 }
                 if let Some(b) = busy.get_mut(label) {
                     *b -= from_busy;
-                    *b += spare;
                 }
+                *booting.entry(label).or_default() -= from_booting;
+                *booting.entry(label).or_default() += spare;
                 left += u64::from(spare);
                 if let Some(i) = idle.get_mut(label) {
                     *i -= from_idle;
                 }
-                left -= u64::from(from_busy + from_idle);
+                left -= u64::from(from_busy + from_idle + from_booting);
                 if from_idle > 0 {
                     *shares.idle_taken.entry(label.to_string()).or_default() += from_idle;
                 }
                 *shares.demand.entry(label.to_string()).or_default() +=
-                    from_busy + from_idle + from_seats - spare;
+                    from_busy + from_idle + from_booting + from_seats - spare;
                 if rest > 0 {
                     short.push(label);
                 }
@@ -272,6 +286,24 @@ mod tests {
         );
         // The set behind takes the head's small node's other three slots, and is short.
         assert_eq!(w.planned_demand("small"), 4);
+    }
+
+    /// A request waiting for a booting node claims an idle one that turns up first: the
+    /// walk gives it that one, so the idle node is kept (not given back at once with a
+    /// grace-time of 0 while the request claims it), and nothing more is launched.
+    #[test]
+    fn a_waiting_request_keeps_the_idle_node_it_claims_before_a_booting_one() {
+        let mut w = world();
+        let mut boot = backing("bn-1", "small", 4, BackingState::Launching);
+        boot.key = layout::seat_key("p", "main", 1);
+        boot.value.seat = 1;
+        w.put_backing(boot);
+        wait(&mut w, "req-a", &["small"], 0);
+        let idle = idle_node(&mut w, 0, "small", 4);
+        assert_eq!(w.kept_for(&idle.value), 1);
+        assert_eq!(w.seat_shares().idle_taken.get("small"), Some(&1));
+        assert_eq!(w.planned_demand("small"), 1);
+        assert!(w.planned_demand("small") <= w.coming_capacity("small"));
     }
 
     /// A full pool of 1,000 backing nodes (every slot in use) with `waiting` single
