@@ -276,6 +276,8 @@ struct Effects {
     todo: Vec<Dirty>,
     /// A record seen unreadable for the first time at its revision, to report once.
     unreadable: Option<Unreadable>,
+    /// A launcher came alive or went: which one plans may have changed.
+    launchers_changed: bool,
 }
 
 /// An unreadable record, as reported to operators.
@@ -370,9 +372,9 @@ fn apply(
             return true;
         };
         store(&mut shared.world(), mirror, record, &mut fx);
-        if mirror == Mirror::Backing && fx.unreadable.is_some() {
-            // The label the unreadable seat served is unknown: every label is planned
-            // again, in case one was waiting for that seat.
+        // The label the unreadable seat served is unknown; a new planner launcher
+        // (`World::is_planner`) has every label to look at: every label is planned again.
+        if (mirror == Mirror::Backing && fx.unreadable.is_some()) || fx.launchers_changed {
             for label in shared.config.label_names() {
                 fx.todo.push(Dirty::Label(label.to_string()));
             }
@@ -486,7 +488,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                 }
             }
         }
-        Record::Lease(l) => world.put_lease(l),
+        Record::Lease(l) => fx.launchers_changed |= world.put_lease(l),
         Record::Unreadable {
             key,
             revision,
@@ -548,7 +550,7 @@ fn store(world: &mut World, mirror: Mirror, record: Record<'_>, fx: &mut Effects
                 world.remove_agent(key);
             }
             Mirror::Leases => {
-                world.remove_lease(key);
+                fx.launchers_changed |= world.remove_lease(key);
                 match layout::parse_lease_key(key) {
                     // A launcher is gone: its open requests are free to take over.
                     Some(LeaseOf::Launcher(launcher)) => fx

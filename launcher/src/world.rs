@@ -788,22 +788,30 @@ impl World {
         true
     }
 
-    pub fn put_lease(&mut self, lease: Versioned<Lease>) {
+    /// Applies a lease; true when a launcher came alive (the planner may change).
+    pub fn put_lease(&mut self, lease: Versioned<Lease>) -> bool {
+        let mut came = false;
         if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(&lease.key) {
             if self.live_launchers.insert(id) {
                 self.touch_every_queue();
+                came = true;
             }
         }
         self.leases.insert(lease.key.clone(), lease);
+        came
     }
 
-    pub fn remove_lease(&mut self, key: &str) {
+    /// Removes a lease; true when it was a launcher's liveness (the planner may change).
+    pub fn remove_lease(&mut self, key: &str) -> bool {
+        let mut went = false;
         if let Some(LeaseOf::Launcher(id)) = layout::parse_lease_key(key) {
             if self.live_launchers.remove(&id) {
                 self.touch_every_queue();
+                went = true;
             }
         }
         self.leases.remove(key);
+        went
     }
 
     /// Every queue's order of who stands changes with the launchers alive.
@@ -928,6 +936,17 @@ impl World {
             Some(me) => self.lane_of(me),
             None => Lane::ALONE,
         }
+    }
+
+    /// Whether this launcher is the planner, the one that takes seats for the queue and
+    /// `min-ready` (`backing::planner::plan`): the live launcher with the lowest id, this
+    /// one counted live. Planners each deciding from a mirror that lags the other's seats
+    /// by a watch's delay would both launch for one deficit (a seat taken is a
+    /// create-if-absent, but a seat the other is freeing meanwhile is free for one and
+    /// taken for the other); one planner's mirror holds its own seats at once. When it
+    /// dies, the next launcher plans once its liveness lease is gone.
+    pub fn is_planner(&self) -> bool {
+        self.lane().index == 0
     }
 
     /// The [`Lane`] of launcher `id` (this one, or a live one).
@@ -1790,6 +1809,63 @@ mod tests {
     }
 
     const TWO_TEAMS: &str = "  - {name: a, clients: [ci-a]}\n  - {name: b, clients: [ci-b]}\n";
+
+    /// A ready node whose agent's heartbeat this mirror has not seen yet (its watch is
+    /// behind the backing record's) counts as coming, as a booting one does; once seen
+    /// it serves; once its heartbeat lapses it counts for nothing.
+    #[test]
+    fn a_ready_node_counts_as_coming_until_its_heartbeat_is_seen_or_lost() {
+        let mut w = World::of(
+            LauncherId::parse("launcher-a").unwrap(),
+            Arrivals::default(),
+        );
+        w.put_backing(backing("bn-1", "small", 4, BackingState::Ready));
+        assert_eq!(w.coming_capacity("small"), 4, "not seen yet");
+        let b = w.backing.values().next().unwrap().value.clone();
+        assert!(!w.takes_slots(&b), "no slot goes to it yet");
+        w.put_agent(agent("bn-1"));
+        assert_eq!(w.coming_capacity("small"), 4, "serving, every slot free");
+        w.remove_agent("bn-1");
+        assert_eq!(w.coming_capacity("small"), 0, "its heartbeat lapsed");
+        w.check_capacity_index();
+    }
+
+    /// One launcher plans: the live one with the lowest id, counting itself live before
+    /// its own lease shows; the next plans once that one's lease is gone.
+    #[test]
+    fn the_live_launcher_with_the_lowest_id_plans() {
+        let lease = |id: &str| Versioned {
+            key: layout::launcher_lease_key(&LauncherId::parse(id).unwrap()),
+            revision: 1,
+            value: Lease {
+                v: 1,
+                holder: LauncherId::parse(id).unwrap(),
+                acquired_at: 0,
+                renewed_at: None,
+                passed_at: None,
+            },
+        };
+        let mut second = World::of(
+            LauncherId::parse("launcher-b").unwrap(),
+            Arrivals::default(),
+        );
+        assert!(second.is_planner(), "alone, before its own lease shows");
+        assert!(second.put_lease(lease("launcher-a")), "a launcher came");
+        assert!(!second.is_planner());
+        assert!(
+            !second.put_lease(lease("launcher-a")),
+            "a renewal changes nothing"
+        );
+        assert!(second.put_lease(lease("launcher-b")), "its own lease shows");
+        assert!(!second.is_planner());
+        assert!(second.remove_lease(&lease("launcher-a").key));
+        assert!(second.is_planner(), "the planner's lease is gone");
+        assert!(second.put_lease(lease("launcher-c")));
+        assert!(
+            second.is_planner(),
+            "a launcher with a higher id does not plan"
+        );
+    }
 
     #[test]
     fn a_quieter_tenant_is_served_before_the_backlog_of_a_busier_one() {

@@ -344,21 +344,24 @@ pub fn requested_record(
 /// start a backing worker on each.
 pub(crate) async fn plan(shared: &Shared, label: &str) -> Vec<String> {
     let mut taken = Vec::new();
-    let deficit = {
+    let sites = shared.config.sites(label);
+    // Only the planner launcher takes seats (`World::is_planner`), and from one look at
+    // the mirror: the deficit and the free seats as of the same moment, so that a seat
+    // it sees taken is also counted as coming.
+    let (deficit, seats) = {
         let world = shared.world();
-        deficit(
+        if !world.is_planner() {
+            return taken;
+        }
+        let deficit = deficit(
             world.planned_demand(label),
             world.coming_capacity(label),
             ready_now(&shared.config, &world, label),
-        )
-    };
-    if deficit <= 0 {
-        return taken;
-    }
-    let sites = shared.config.sites(label);
-    let seats: Vec<SiteSeats> = {
-        let world = shared.world();
-        sites
+        );
+        if deficit <= 0 {
+            return taken;
+        }
+        let seats: Vec<SiteSeats> = sites
             .iter()
             .map(|site| {
                 let (provider, pool) = (&site.provider.name, &site.pool.name);
@@ -383,7 +386,8 @@ pub(crate) async fn plan(shared: &Shared, label: &str) -> Vec<String> {
                     sizes: site.label.sizes.iter().map(SizeOffer::of).collect(),
                 }
             })
-            .collect()
+            .collect();
+        (deficit, seats)
     };
     for Choice {
         site,

@@ -722,13 +722,16 @@ impl Model {
     }
 
     /// What `backing::planner::plan` does for each label in turn, from launcher `l`'s
-    /// mirror: takes the lowest free seats for the label's deficit, each a create-if-
-    /// absent of the seat's key; the node is ready with its agent at once. Returns
-    /// whether it took a seat.
+    /// mirror, when `l` is the planner: takes the lowest free seats for the label's
+    /// deficit, each a create-if-absent of the seat's key; the node is ready with its
+    /// agent at once. Returns whether it took a seat.
     fn plan(&mut self, l: usize) -> bool {
         let Some(seats) = self.seats else {
             return false;
         };
+        if !self.launchers[l].world.is_planner() {
+            return false;
+        }
         let mut took = false;
         for i in 0..self.label_slots.len() {
             let label = Fleet::label(i);
