@@ -522,6 +522,49 @@ async fn two_launchers_share_a_burst_and_one_finishes_when_the_other_dies() {
     assert!(pool.backing().await.len() <= 12);
 }
 
+/// One launcher takes seats, the live one with the lowest id; when it dies, the next one
+/// launches for the requests waiting once the planner's liveness lease has lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_launcher_launches_once_the_planner_dies() {
+    let mut pool = Pool::start(4, 2, &label("small", 1, 600, &[]), 2).await;
+    let id_of = |pool: &Pool, n: usize| {
+        let log = pool.launcher_log(n);
+        let at = log.find("launcher starting launcher=")?;
+        let id = log[at..].split('=').nth(1)?.split_whitespace().next()?;
+        LauncherId::parse(id).ok()
+    };
+    let ids = wait_for_some("both launchers to say their ids", SYNC, || async {
+        Some([id_of(&pool, 0)?, id_of(&pool, 1)?])
+    })
+    .await;
+    let (planner, other) = if ids[0] < ids[1] { (0, 1) } else { (1, 0) };
+    let launches = |pool: &Pool, n: usize| {
+        pool.launcher_log(n)
+            .matches("requested a backing node")
+            .count()
+    };
+
+    let first = pool.fulfilled(&pool.submit(&["small"]).await).await;
+    assert_eq!(
+        launches(&pool, planner),
+        1,
+        "the planner launched the first node"
+    );
+    assert_eq!(launches(&pool, other), 0, "only the planner takes seats");
+
+    pool.kill_launcher(planner);
+    // Its node stays held: the next request needs a launch, planned once the planner's
+    // lease (2 s) lapses, well before the launcher's resync (15 s) would.
+    let id = pool.submit(&["small"]).await;
+    let second = pool.wait_final(&id, Duration::from_secs(8)).await;
+    assert_eq!(second.state, RequestState::Fulfilled, "{second:?}");
+    assert_ne!(
+        pool.node(&second.nodes[0]).await.backing_id,
+        pool.node(&first.nodes[0]).await.backing_id
+    );
+    assert_eq!(launches(&pool, other), 1, "the next launcher launched it");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_agent_fails_its_backing_node_and_new_requests_go_elsewhere() {
     let pool = Pool::start(2, 5, &label("small", 4, 30, &[]), 1).await;
