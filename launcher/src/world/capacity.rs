@@ -80,6 +80,15 @@ impl Offer {
         }
     }
 
+    /// Slots of a node not taking slots yet that will: booting, or ready with its
+    /// agent's heartbeat not seen yet.
+    fn booting(&self) -> u32 {
+        match *self {
+            Offer::Booting { slots } => slots,
+            _ => 0,
+        }
+    }
+
     /// Slots free now: not in use (dirty and reserved slots count as free here).
     fn free(&self) -> u32 {
         match *self {
@@ -141,6 +150,8 @@ struct LabelCapacity {
     /// Seats with a slot to hand out now, in [`packing_rank`] order, then by seat key.
     open: BTreeSet<(Rank, String)>,
     coming: u32,
+    /// Of those, the slots of nodes not taking slots yet ([`Offer::booting`]).
+    booting: u32,
     /// Slots not in use on the nodes taking slots ([`Offer::free`]).
     free: u32,
     /// Slots of the nodes taking slots or booting, in use or not ([`Offer::total`]).
@@ -169,6 +180,7 @@ impl CapacityIndex {
             if coming > 0 || rank.is_some() || total > 0 {
                 let label = self.by_label.entry(new.label.clone()).or_default();
                 label.coming += coming;
+                label.booting += new.offer.booting();
                 label.free += free;
                 label.total += total;
                 if let Some(rank) = rank {
@@ -184,6 +196,7 @@ impl CapacityIndex {
             return;
         };
         label.coming -= old.offer.coming();
+        label.booting -= old.offer.booting();
         label.free -= old.offer.free();
         label.total -= old.offer.total();
         if let Some(rank) = old.offer.rank() {
@@ -219,6 +232,12 @@ impl CapacityIndex {
     /// Slots of `label` free now or soon.
     pub fn coming(&self, label: &str) -> u32 {
         self.by_label.get(label).map_or(0, |l| l.coming)
+    }
+
+    /// Of [`CapacityIndex::coming`], the slots of `label` on nodes not taking slots yet
+    /// (booting, or ready with no heartbeat seen yet).
+    pub fn booting(&self, label: &str) -> u32 {
+        self.by_label.get(label).map_or(0, |l| l.booting)
     }
 
     /// Slots of `label` not in use on the nodes taking slots: at least as many as can

@@ -13,10 +13,11 @@
 //! back, a node the planner launched for a request already served), so that idle node
 //! is kept and the booting one, empty once ready, goes after its grace-time. (Taking the
 //! booting slots first gave the idle node back at once with a grace-time of 0, while the
-//! request was claiming it, and had it wait for the boot.) A request short of seats keeps what it took, and the pools it is short in are
-//! closed to the requests behind it: they take no idle node and no seat there (they may
-//! still claim free slots, by the queue's rule, `queue.rs`). A request that all the
-//! seats of its pools could not hold at once is passed over, so it keeps nothing.
+//! request was claiming it, and had it wait for the boot.) A request short of seats
+//! keeps what it took, and the pools it is short in are closed to the requests behind
+//! it: they take no idle node and no seat there (they may still claim free slots, by the
+//! queue's rule, `queue.rs`). A request that all the seats of its pools could not hold
+//! at once is passed over, so it keeps nothing.
 //!
 //! The planner launches for what the walk gave each label ([`SeatShares::demand`]), and
 //! an idle node is kept only when the walk took its slots ([`SeatShares::idle_taken`],
@@ -27,7 +28,7 @@
 //! slot and no open seat is left, so a full pool costs next to nothing however long
 //! the queue.
 
-use super::{capacity, World};
+use super::World;
 use slotpool_protocol::model::BackingState;
 use std::collections::{HashMap, HashSet};
 
@@ -49,19 +50,17 @@ impl World {
         let mut shares = SeatShares::default();
         // Free slots of idle nodes, of booting ones, and of nodes in use, by label.
         let mut idle: HashMap<&str, u32> = HashMap::new();
-        let mut booting: HashMap<&str, u32> = HashMap::new();
         for b in self.backing.values() {
-            let label = b.value.label.as_str();
             if self.takes_slots(&b.value) && self.used_count(&b.value.id) == 0 {
-                *idle.entry(label).or_default() += b.value.slots;
-            } else if let capacity::Offer::Booting { slots } = self.offer(&b.value) {
-                *booting.entry(label).or_default() += slots;
+                *idle.entry(b.value.label.as_str()).or_default() += b.value.slots;
             }
         }
+        let mut booting: HashMap<&str, u32> = HashMap::new();
         let mut busy: HashMap<&str, u32> = HashMap::new();
         for label in self.queue.labels() {
             let i = idle.get(label).copied().unwrap_or(0);
-            let n = booting.get(label).copied().unwrap_or(0);
+            let n = self.capacity.booting(label);
+            booting.insert(label, n);
             busy.insert(label, self.capacity.coming(label).saturating_sub(i + n));
         }
         let mut left: u64 = idle
