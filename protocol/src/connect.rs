@@ -368,8 +368,11 @@ impl Bus {
         first_gap: Duration,
     ) -> Result<Bytes, BusError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        // Each copy borrows the bus: cloning it would clone every bucket's handle (with
+        // its stream's cached description) twice per call.
+        let bus = self;
         let attempt = || {
-            let (bus, payload) = (self.clone(), payload.clone());
+            let payload = payload.clone();
             async move {
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                 bus.call_raw(subject, payload, left).await

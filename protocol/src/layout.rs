@@ -101,7 +101,12 @@ pub const FINISHED_REQUEST_TTL_SECS: u64 = 3600;
 
 /// Key of a slot in [`SLOTS`].
 pub fn slot_key(backing: &BackingId, slot: u32) -> String {
-    format!("{backing}.{slot}")
+    // Sized once: the mirror makes a key for every slot change it takes.
+    let mut key = String::with_capacity(backing.as_str().len() + 11);
+    key.push_str(backing.as_str());
+    key.push('.');
+    let _ = std::fmt::Write::write_fmt(&mut key, format_args!("{slot}"));
+    key
 }
 
 /// Splits a [`SLOTS`] key into backing id and slot index.
@@ -442,6 +447,8 @@ mod tests {
     #[test]
     fn slot_keys_round_trip() {
         let b = BackingId::parse("bn-01abc").unwrap();
+        assert_eq!(slot_key(&b, 7), "bn-01abc.7");
+        assert_eq!(slot_key(&b, u32::MAX), "bn-01abc.4294967295");
         assert_eq!(parse_slot_key(&slot_key(&b, 7)), Some((b, 7)));
         assert_eq!(parse_slot_key("nodots"), None);
         assert_eq!(parse_slot_key("bn-1.x"), None);
