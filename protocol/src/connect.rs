@@ -368,8 +368,8 @@ impl Bus {
         first_gap: Duration,
     ) -> Result<Bytes, BusError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        // Each copy borrows the bus: cloning it would clone every bucket's handle (with
-        // its stream's cached description) twice per call.
+        // Each copy borrows the bus: a clone of it is a clone of every bucket's handle,
+        // each with its stream's cached description.
         let bus = self;
         let attempt = || {
             let payload = payload.clone();
