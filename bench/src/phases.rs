@@ -171,7 +171,7 @@ pub async fn prewarm(
     Ok(())
 }
 
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct Warm {
     /// Submit until the client sees the request fulfilled.
     pub allocation: Summary,
@@ -181,6 +181,10 @@ pub struct Warm {
     pub cycles: usize,
     /// NATS messages per allocation and release over all `cycles` (from `/varz`).
     pub messages: Option<Messages>,
+    /// Measured taking turns ([`taking_turns`]): the allocations' p50 of each block, in
+    /// the order the blocks ran (empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub block_p50_ms: Vec<f64>,
 }
 
 /// Sequential warm allocations, each node released before the next request.
@@ -197,6 +201,7 @@ pub async fn warm(
         release: rel.summary(),
         cycles: n + n / 10,
         messages: None,
+        block_p50_ms: Vec::new(),
     })
 }
 
@@ -239,7 +244,7 @@ pub async fn taking_turns(
     n: usize,
 ) -> anyhow::Result<(Warm, Warm)> {
     let sides = [a, b];
-    let mut samples: [(Samples, Samples); 2] = Default::default();
+    let mut samples: [(Samples, Samples, Vec<f64>); 2] = Default::default();
     for (client, watcher) in sides {
         warm_cycles(client, watcher, label, n / 10).await?;
     }
@@ -248,17 +253,58 @@ pub async fn taking_turns(
         let side = turn_side(turn);
         let (client, watcher) = sides[side];
         let left = n - samples[side].0.len();
+        if left == 0 {
+            continue;
+        }
         let (alloc, rel) = warm_cycles(client, watcher, label, block.min(left)).await?;
+        samples[side].2.push(alloc.summary().p50_ms);
         samples[side].0.extend(alloc);
         samples[side].1.extend(rel);
     }
-    let [a, b] = samples.map(|(alloc, rel)| Warm {
+    let [a, b] = samples.map(|(alloc, rel, blocks)| Warm {
         allocation: alloc.summary(),
         release: rel.summary(),
         cycles: n + n / 10,
         messages: None,
+        block_p50_ms: blocks,
     });
     Ok((a, b))
+}
+
+/// How the ratio of `b`'s p50 over `a`'s spreads over the blocks of [`taking_turns`]:
+/// block k of one bus ran right before or right after block k of the other (a b b a), so
+/// each pair's ratio is measured in the same few seconds of the host. `None` without
+/// blocks.
+pub fn block_ratios(a: &Warm, b: &Warm) -> Option<Spread> {
+    let mut ratios: Vec<f64> = a
+        .block_p50_ms
+        .iter()
+        .zip(&b.block_p50_ms)
+        .filter(|(x, _)| **x > 0.0)
+        .map(|(x, y)| y / x)
+        .collect();
+    ratios.sort_by(|x, y| x.total_cmp(y));
+    let n = ratios.len();
+    let median = match n {
+        0 => return None,
+        _ if n % 2 == 1 => ratios[n / 2],
+        _ => (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0,
+    };
+    Some(Spread {
+        pairs: n,
+        min: ratios[0],
+        median,
+        max: ratios[n - 1],
+    })
+}
+
+/// The least, middle and greatest of a ratio measured once per pair of blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Spread {
+    pub pairs: usize,
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
 }
 
 /// Release to reusable: a node of `label`, whose pool is one backing node of one slot,
@@ -760,5 +806,32 @@ mod tests {
                 .count()
         };
         assert_eq!(firsts(0), firsts(1));
+    }
+
+    fn blocks(p50s: &[f64]) -> Warm {
+        Warm {
+            allocation: Summary::default(),
+            release: Summary::default(),
+            cycles: 0,
+            messages: None,
+            block_p50_ms: p50s.to_vec(),
+        }
+    }
+
+    #[test]
+    fn block_ratios_pair_blocks_in_order_and_skip_an_empty_one() {
+        let a = blocks(&[1.0, 2.0, 1.0, 0.0]);
+        let b = blocks(&[1.1, 2.4, 1.3, 0.5, 9.0]);
+        let spread = block_ratios(&a, &b).unwrap();
+        assert_eq!(
+            spread.pairs, 3,
+            "the block of no samples and the unpaired one left out"
+        );
+        assert!((spread.min - 1.1).abs() < 1e-12, "{spread:?}");
+        assert!((spread.median - 1.2).abs() < 1e-12, "{spread:?}");
+        assert!((spread.max - 1.3).abs() < 1e-12, "{spread:?}");
+        let even = block_ratios(&blocks(&[1.0, 1.0]), &blocks(&[1.0, 2.0])).unwrap();
+        assert!((even.median - 1.5).abs() < 1e-12, "{even:?}");
+        assert_eq!(block_ratios(&blocks(&[]), &b), None);
     }
 }

@@ -182,6 +182,35 @@ async fn bench_smoke_run_completes_and_writes_every_figure() {
         (warm_over_plain - expected).abs() < 1e-9 * expected,
         "plain warm ratio {warm_over_plain}, not production's over the plain bus's, taking turns, {expected}: {report}"
     );
+    // How that ratio moves within the run: one ratio per pair of blocks, the k-th
+    // block of each bus with the other's k-th.
+    let blocks = |w: &serde_json::Value| -> Vec<f64> {
+        w["block_p50_ms"]
+            .as_array()
+            .expect("block_p50_ms")
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let (plain_blocks, production_blocks) = (blocks(plain_turns), blocks(production_turns));
+    assert!(
+        !plain_blocks.is_empty() && plain_blocks.len() == production_blocks.len(),
+        "{report}"
+    );
+    let mut pairs: Vec<f64> = plain_blocks
+        .iter()
+        .zip(&production_blocks)
+        .map(|(plain, production)| production / plain)
+        .collect();
+    pairs.sort_by(f64::total_cmp);
+    let spread = &comparisons[0]["ratios"]["warm_p50_blocks"];
+    assert_eq!(spread["pairs"], pairs.len(), "{report}");
+    assert_eq!(spread["min"].as_f64(), pairs.first().copied(), "{report}");
+    assert_eq!(spread["max"].as_f64(), pairs.last().copied(), "{report}");
+    assert!(
+        comparisons[1]["ratios"].get("warm_p50_blocks").is_none(),
+        "the none comparison does not take turns: {report}"
+    );
     let latencies = report["latencies"].as_array().unwrap();
     assert!(latencies.len() >= 10, "{report}");
     for latency in latencies {
